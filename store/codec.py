@@ -1,0 +1,210 @@
+"""The record codec: how one stored value becomes bytes and back (the store's ``Disk``).
+
+Layout of a record (all integers little-endian; documented in the README, a public contract)::
+
+    0   4  magic  b"SPCR"
+    4   1  format major (1)      5  1  format minor (0)      6  2  reserved (0)
+    8   4  header length H       12 4  reserved (0)
+    16 32  blake3 of every byte from offset 48 to the end (header, padding, payload)
+    48  H  msgpack header: {"kind", "schema", "meta", "tensors": [[name, dtype, shape, offset, nbytes], ...],
+                            "payload": payload length, "data": data offset inside the payload}
+    ..     zero padding to a 64-byte boundary
+    P      payload: a complete safetensors blob (u64 JSON length, JSON table padded with spaces so the tensor
+           data starts 64-byte aligned, then the raw tensor bytes back to back), so any safetensors reader can
+           read a record's tensors: ``safetensors.numpy.load(bytes(record[P:]))``.
+
+Every read verifies the checksum before anything is parsed; a mismatch, a truncation, or a header that breaks
+any structural rule raises ``CorruptRecord``. msgpack is decoded with hard limits so a crafted header cannot
+allocate more than a few MiB. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import blake3
+import msgpack
+import numpy as np
+
+from schemas.dtypes import DTYPE_ITEMSIZE, SAFETENSORS_DTYPE
+
+from .errors import CorruptRecord, InvalidInput
+from .tensors import Tensor, as_numpy, numpy_dtype
+
+MAGIC = b"SPCR"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+PREFIX = struct.Struct("<4sBBHII32s")  # magic, major, minor, reserved, header len, reserved, checksum
+PREFIX_SIZE = PREFIX.size  # 48
+CHECKSUM_OFFSET = 16
+ALIGN = 64
+MAX_HEADER_BYTES = 4 << 20
+KINDS = ("chunk", "entry", "draft")
+_PARALLEL_HASH_BYTES = 4 << 20
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def checksum(view) -> bytes:
+    """blake3 of ``view``; multithreaded for large values (a 16 MiB chunk hashes in ~2 ms)."""
+    if len(view) >= _PARALLEL_HASH_BYTES:
+        return blake3.blake3(view, max_threads=blake3.blake3.AUTO).digest()
+    return blake3.blake3(view).digest()
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decoded record: its header fields and zero-copy views of its tensors (valid while the buffer is)."""
+
+    kind: str
+    schema: str | None
+    meta: dict
+    tensors: dict[str, Tensor]
+    size: int
+
+
+def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema: str | None = None,
+                  meta: dict | None = None) -> np.ndarray:
+    """Encode a record into one freshly allocated uint8 array (pass it straight to ``txn.put``).
+
+    ``tensors`` yields ``(name, dtype name, data)`` where data is a numpy array (any strides: slices of a
+    larger state are gathered here, so a chunk costs exactly one copy) or a ``Tensor``.
+    """
+    if kind not in KINDS:
+        raise InvalidInput(f"record kind must be one of {KINDS}, got {kind!r}")
+    arrays: list[tuple[str, str, np.ndarray]] = []
+    names: set[str] = set()
+    for name, dtype, data in tensors:
+        if name in names:
+            raise InvalidInput(f"duplicate tensor name {name!r} in one record")
+        names.add(name)
+        arr = data.array() if isinstance(data, Tensor) else data
+        if not isinstance(arr, np.ndarray):
+            raise InvalidInput(f"tensor {name!r}: expected a numpy array or Tensor")
+        if arr.dtype.itemsize != DTYPE_ITEMSIZE[dtype]:
+            raise InvalidInput(f"tensor {name!r}: data itemsize {arr.dtype.itemsize} does not fit dtype {dtype}")
+        arrays.append((name, dtype, arr))
+
+    table, st_table, offset = [], {}, 0
+    for name, dtype, arr in arrays:
+        nbytes = arr.size * arr.dtype.itemsize
+        table.append([name, dtype, list(arr.shape), offset, nbytes])
+        st_table[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(arr.shape),
+                          "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    data_len = offset
+    st_table["__metadata__"] = {"format": "spec-cache-record", "kind": kind}
+    st_json = json.dumps(st_table, separators=(",", ":")).encode()
+    st_json += b" " * ((-(8 + len(st_json))) % ALIGN)
+    data_start = 8 + len(st_json)
+    payload_len = data_start + data_len
+
+    header = msgpack.packb({"kind": kind, "schema": schema, "meta": meta or {}, "tensors": table,
+                            "payload": payload_len, "data": data_start}, use_bin_type=True)
+    if len(header) > MAX_HEADER_BYTES:
+        raise InvalidInput(f"record header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    payload_at = _align(PREFIX_SIZE + len(header))
+    out = np.empty(payload_at + payload_len, dtype=np.uint8)
+    out[PREFIX_SIZE:PREFIX_SIZE + len(header)] = np.frombuffer(header, dtype=np.uint8)
+    out[PREFIX_SIZE + len(header):payload_at] = 0
+    out[payload_at:payload_at + 8] = np.frombuffer(struct.pack("<Q", len(st_json)), dtype=np.uint8)
+    out[payload_at + 8:payload_at + data_start] = np.frombuffer(st_json, dtype=np.uint8)
+    base = payload_at + data_start
+    for (name, dtype, arr), row in zip(arrays, table):
+        start, nbytes = base + row[3], row[4]
+        if nbytes:
+            dst = out[start:start + nbytes].view(numpy_dtype(dtype)).reshape(arr.shape)
+            np.copyto(dst, arr.view(numpy_dtype(dtype)) if arr.dtype != numpy_dtype(dtype) else arr,
+                      casting="no")
+    digest = checksum(memoryview(out)[PREFIX_SIZE:])
+    out[:PREFIX_SIZE] = np.frombuffer(
+        PREFIX.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, len(header), 0, digest), dtype=np.uint8)
+    return out
+
+
+def _unpack_header(raw) -> dict:
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
+                                 max_str_len=1 << 20, max_bin_len=1 << 22, max_array_len=1 << 18,
+                                 max_map_len=1 << 16, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types on crafted input
+        raise CorruptRecord(f"record header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise CorruptRecord("record header is not a map")
+    return header
+
+
+def read_prefix(buf) -> tuple[int, int, int, bytes]:
+    """Parse and sanity-check the fixed prefix; returns (major, minor, header length, checksum)."""
+    if len(buf) < PREFIX_SIZE:
+        raise CorruptRecord(f"record of {len(buf)} bytes is shorter than its {PREFIX_SIZE}-byte prefix")
+    magic, major, minor, _r1, header_len, _r2, digest = PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptRecord("record has a bad magic number")
+    if major != FORMAT_MAJOR:
+        raise CorruptRecord(f"record format {major}.{minor} is not readable by format {FORMAT_MAJOR}")
+    if header_len > MAX_HEADER_BYTES or PREFIX_SIZE + header_len > len(buf):
+        raise CorruptRecord("record header length is out of range")
+    return major, minor, header_len, digest
+
+
+def decode_record(buf, *, verify: bool = True) -> Record:
+    """Decode ``buf`` (bytes or a memoryview into LMDB's map); raises ``CorruptRecord`` on any defect.
+
+    The returned tensors are views of ``buf``: copy them out before the read transaction ends.
+    """
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    _major, _minor, header_len, digest = read_prefix(view)
+    if verify and checksum(view[PREFIX_SIZE:]) != digest:
+        raise CorruptRecord("record checksum mismatch (bit flip or truncation)")
+    header = _unpack_header(view[PREFIX_SIZE:PREFIX_SIZE + header_len])
+    kind, schema, meta = header.get("kind"), header.get("schema"), header.get("meta")
+    table, payload_len, data_start = header.get("tensors"), header.get("payload"), header.get("data")
+    if kind not in KINDS or not (schema is None or isinstance(schema, str)) or not isinstance(meta, dict):
+        raise CorruptRecord("record header has a bad kind, schema or meta field")
+    if not isinstance(table, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                              for x in (payload_len, data_start)):
+        raise CorruptRecord("record header has a bad tensor table")
+    payload_at = _align(PREFIX_SIZE + header_len)
+    if payload_at + payload_len != len(view) or not (8 <= data_start <= payload_len):
+        raise CorruptRecord("record length does not match its header (truncated or extended)")
+    data_len = payload_len - data_start
+    base = payload_at + data_start
+    tensors: dict[str, Tensor] = {}
+    expect_offset = 0
+    for row in table:
+        if not (isinstance(row, list) and len(row) == 5):
+            raise CorruptRecord("record tensor table row is malformed")
+        name, dtype, shape, offset, nbytes = row
+        if (not isinstance(name, str) or name in tensors or dtype not in DTYPE_ITEMSIZE
+                or not isinstance(shape, list) or len(shape) > 16
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                or offset != expect_offset or not isinstance(nbytes, int)):
+            raise CorruptRecord(f"record tensor table row for {name!r} is malformed")
+        count = 1
+        for d in shape:
+            count *= d
+        if count * DTYPE_ITEMSIZE[dtype] != nbytes or offset + nbytes > data_len:
+            raise CorruptRecord(f"record tensor {name!r} does not fit its declared shape or the payload")
+        expect_offset = offset + nbytes
+        tensors[name] = Tensor(dtype, tuple(shape), view[base + offset:base + offset + nbytes])
+    if expect_offset != data_len:
+        raise CorruptRecord("record payload holds bytes no tensor accounts for")
+    return Record(kind, schema, meta, tensors, len(view))
+
+
+def payload_view(buf) -> memoryview:
+    """The safetensors blob inside a record (for external readers and format dumps)."""
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    _major, _minor, header_len, _digest = read_prefix(view)
+    return view[_align(PREFIX_SIZE + header_len):]
+
+
+def copy_out(tensor: Tensor) -> np.ndarray:
+    """An owned numpy copy of a record tensor (bfloat16 as uint16 words)."""
+    return as_numpy(tensor.data, tensor.dtype, tensor.shape).copy()

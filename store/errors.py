@@ -1,0 +1,33 @@
+"""Typed errors of the persistence layer.
+
+Callers (the runtime, the CLI) catch these by type: a ``CorruptRecord`` is a miss, a ``StoreFormatError`` stops
+the open with a message a person can act on, and nothing below raises a bare LMDB or msgpack exception.
+"""
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises on purpose."""
+
+
+class StoreFormatError(StoreError):
+    """The directory holds a store this code cannot read (newer major format, not a spec-cache store)."""
+
+
+class StoreOpenError(StoreError):
+    """The store directory cannot be opened or created (permissions, not a directory, locked map)."""
+
+
+class StoreFullError(StoreError):
+    """A write does not fit: the record alone is over the byte budget, or the map cannot grow (disk full)."""
+
+
+class CorruptRecord(StoreError):
+    """A stored record failed its checksum or its structure checks; it is never returned, only dropped."""
+
+    def __init__(self, message: str, key: bytes | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class InvalidInput(StoreError, ValueError):
+    """Bad arguments from the caller: wrong token values, tensor shapes that do not line up, and the like."""

@@ -1,0 +1,84 @@
+"""Content keys of the prefix index: chain hashes over fixed token chunks.
+
+A namespace key (32 bytes, computed by ``spec_cache.namespace.namespace_key`` from the target identity, the
+prefix namespace and an optional tenant salt) roots one tree per *layer signature* (the kinds and scalars of
+the chunked layers: a prefix stored as plain KV and the same prefix after quantized-KV conversion are
+different bytes, so they are different chains). Every full chunk of ``chunk_tokens`` tokens extends its
+parent's hash; an entry (an exact boundary) hangs off the deepest full chunk at or below its length:
+
+    root    = blake3("spec-cache/root/v1\\0"  || ns_key(32) || u64 len(sig) || sig)
+    chunk_k = blake3("spec-cache/chunk/v1\\0" || chunk_{k-1} || u32le tokens of chunk k)
+    entry   = blake3("spec-cache/entry/v1\\0" || chunk_j || u32 t || u32le the t tail tokens)
+
+Tokens are packed as unsigned 32-bit little-endian words, so hashing a 32k-token prompt is one pass over
+128 KiB. Keys are 32 bytes; LRU keys are ``u64be(last_use_ns) || entry key``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import blake3
+import numpy as np
+
+from .errors import InvalidInput
+
+_ROOT = b"spec-cache/root/v1\x00"
+_CHUNK = b"spec-cache/chunk/v1\x00"
+_ENTRY = b"spec-cache/entry/v1\x00"
+KEY_BYTES = 32
+
+
+def pack_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Tokens as a little-endian uint32 array; refuses negatives, non-integers and values >= 2**32."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.ndim != 1:
+            raise InvalidInput(f"tokens must be one-dimensional, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise InvalidInput(f"tokens must be integers, got dtype {arr.dtype}")
+    else:
+        try:
+            arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidInput("tokens must be a sequence of integers") from None
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+        raise InvalidInput("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4", copy=False)
+
+
+def root_key(ns_key: bytes, signature: bytes) -> bytes:
+    if len(ns_key) != KEY_BYTES:
+        raise InvalidInput("namespace key must be 32 bytes")
+    return blake3.blake3(_ROOT + ns_key + struct.pack("<Q", len(signature)) + signature).digest()
+
+
+def chunk_key(parent: bytes, chunk_tokens: np.ndarray) -> bytes:
+    h = blake3.blake3(_CHUNK)
+    h.update(parent)
+    h.update(chunk_tokens.view(np.uint8))
+    return h.digest()
+
+
+def entry_key(node: bytes, tail_tokens: np.ndarray) -> bytes:
+    h = blake3.blake3(_ENTRY)
+    h.update(node)
+    h.update(struct.pack("<I", len(tail_tokens)))
+    h.update(tail_tokens.view(np.uint8))
+    return h.digest()
+
+
+def chain(root: bytes, tokens: np.ndarray, chunk_tokens: int, max_chunks: int | None = None) -> list[bytes]:
+    """[root, chunk_1, ..., chunk_K] for the full chunks of ``tokens`` (K capped by ``max_chunks``)."""
+    count = len(tokens) // chunk_tokens
+    if max_chunks is not None:
+        count = min(count, max_chunks)
+    keys = [root]
+    for k in range(count):
+        keys.append(chunk_key(keys[-1], tokens[k * chunk_tokens:(k + 1) * chunk_tokens]))
+    return keys
+
+
+def lru_key(last_use_ns: int, key: bytes) -> bytes:
+    return struct.pack(">Q", last_use_ns) + key

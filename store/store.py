@@ -1,0 +1,579 @@
+"""``Store``: checkpoints of token prefixes in one LMDB environment (the store's ``Cache``).
+
+A checkpoint is the target's per-layer state after a token prefix plus, optionally, one drafter's row
+checkpoint, under a 32-byte namespace key. Token-sliceable layers (KV, quantized KV) are split into fixed
+chunks shared by every prompt with the same prefix; the rest of the state (the tail past the last full chunk,
+layers that cannot be trimmed, drafter attachments) lives in an exact-boundary entry. One put is one LMDB
+write transaction; one fetch reads everything it returns inside one read transaction.
+
+Costs: a lookup hashes the prompt once (about 1 µs per 256 tokens) and does one B-tree get per matched chunk
+plus one per candidate tail length, independent of how many entries the store holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from schemas import CheckpointAttachment, SchemaError, validate_attachment
+from schemas.errors import UnknownSchemaError
+
+from . import keys as K
+from .codec import CorruptRecord, copy_out, decode_record, encode_record
+from .env import Environment
+from .errors import InvalidInput, StoreFullError
+from .index import Index, draft_key, now_ns, pack, unpack
+from .tensors import LayerState, Tensor, numpy_dtype
+
+log = logging.getLogger("spec_cache.store")
+FLUSH_EVERY = 64
+FLUSH_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Hit:
+    """Where the longest usable prefix lies: ``length`` tokens, from an entry or from chunks alone."""
+
+    length: int
+    has_drafter: bool
+    entry: bytes | None          # entry key, or None for a chunk-boundary (target-only) hit
+    chain: tuple[bytes, ...]     # root .. the chunk the prefix ends in or hangs off
+    minimum_reusable: int = 0
+
+
+@dataclass
+class Restored:
+    """State read back for a hit: per-layer target state and this drafter's checkpoint (or None)."""
+
+    length: int
+    layers: list[LayerState]
+    attachment: CheckpointAttachment | None
+    entry: bytes | None
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    entry: bytes
+    bytes_written: int
+    new_chunks: int
+    evicted: int
+
+
+def _signature(layers: Sequence[LayerState]) -> tuple[bytes, list[int]]:
+    """Layer signature of the chunked layers (kinds, scalars, dtypes, shapes without the token axis)."""
+    sig, chunked = [], []
+    for i, layer in enumerate(layers):
+        if layer.token_axis is None:
+            continue
+        chunked.append(i)
+        shapes = [[t.dtype, [(-1 if a == layer.token_axis else d) for a, d in enumerate(t.shape)]]
+                  for t in layer.tensors]
+        sig.append([i, layer.kind, layer.meta, layer.token_axis, shapes])
+    return (pack(sig) if sig else b""), chunked
+
+
+def _slice(arr: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    index = [slice(None)] * arr.ndim
+    index[axis] = slice(start, stop)
+    return arr[tuple(index)]
+
+
+class Store:
+    """A spec-cache store in one directory. Thread-safe for use from one process; many processes may share
+    a directory (LMDB's locking). Use as a context manager or call ``close()``."""
+
+    def __init__(self, env: Environment, max_bytes: int | None):
+        self.env = env
+        self.max_bytes = max_bytes
+        self._lock = threading.RLock()
+        self._touched: dict[bytes, int] = {}
+        self._counts: dict[bytes, list[int]] = {}  # ns -> [hits, misses]
+        self._pending = 0
+        self._last_flush = time.monotonic()
+
+    # --- open / close ------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path, *, max_bytes: int | None = None, readonly: bool = False, durable: bool = True,
+             chunk_tokens: int | None = None, map_size: int | None = None) -> "Store":
+        """Open (creating if needed) the store in directory ``path``.
+
+        ``max_bytes`` caps stored bytes (LRU eviction on put); ``durable=False`` skips fsync per commit.
+        Raises ``StoreOpenError``/``StoreFormatError`` with a message naming the directory.
+        """
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+            raise InvalidInput("max_bytes must be a positive int or None")
+        env = Environment(path, readonly=readonly, durable=durable, map_size=map_size, chunk_tokens=chunk_tokens)
+        return cls(env, max_bytes)
+
+    @property
+    def path(self) -> str:
+        return self.env.path
+
+    @property
+    def chunk_tokens(self) -> int:
+        return int(self.env.meta["chunk_tokens"])
+
+    def close(self) -> None:
+        if self.env.env is not None:
+            if not self.env.readonly:
+                self.flush()
+            self.env.close()
+            self.env.env = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- namespaces --------------------------------------------------------------------------------
+    def register_namespace(self, ns_key: bytes, *, target: str, prefix_namespace: str, tenant: bool = False) -> None:
+        """Record what a namespace key stands for (shown by ``ls``/``show``); idempotent."""
+        def fn(txn):
+            ix = Index(txn, self.env.dbs)
+            if ix.nsinfo(ns_key) is None:
+                ix.put("nsinfo", ns_key, {"target": target, "prefix": prefix_namespace, "tenant": bool(tenant),
+                                          "created": now_ns(), "entries": 0, "bytes": 0, "hits": 0, "misses": 0,
+                                          "last_use": None, "sigs": []})
+        self.env.write(fn)
+
+    # --- put ---------------------------------------------------------------------------------------
+    def put(self, ns_key: bytes, tokens, layers: Sequence[LayerState], *,
+            drafter: tuple[str, CheckpointAttachment] | None = None, minimum_reusable: int = 0,
+            pin: bool = False) -> PutResult:
+        """Store the checkpoint of ``tokens`` in one transaction (all of it or none of it).
+
+        Every layer with a ``token_axis`` must cover exactly ``len(tokens)`` tokens. ``drafter`` is
+        ``(drafter namespace, attachment)``; the attachment is validated against its schema first.
+        An exact duplicate replaces the old entry. Raises ``InvalidInput``, ``SchemaError``,
+        ``StoreFullError`` (the checkpoint alone is over ``max_bytes``); the store is unchanged then.
+        """
+        packed = K.pack_tokens(tokens)
+        n = len(packed)
+        if n < 1:
+            raise InvalidInput("a checkpoint must cover at least one token")
+        if not isinstance(minimum_reusable, int) or not 0 <= minimum_reusable <= n:
+            raise InvalidInput("minimum_reusable must be an int in [0, len(tokens)]")
+        layers = list(layers)
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, LayerState):
+                raise InvalidInput(f"layer {i} is not a LayerState")
+            if layer.token_axis is not None and any(t.shape[layer.token_axis] != n for t in layer.tensors):
+                raise InvalidInput(f"layer {i} covers {layer.tokens} tokens along its token axis, checkpoint has {n}")
+        draft_record = None
+        if drafter is not None:
+            dns, attachment = drafter
+            if not isinstance(dns, str) or not dns:
+                raise InvalidInput("drafter namespace must be a non-empty string")
+            validate_attachment(attachment, n)
+            draft_record = encode_record(
+                "draft", ((f"t{j}", t.dtype, t.array()) for j, t in enumerate(_as_tensors(attachment.tensors))),
+                schema=attachment.schema, meta={"metadata": dict(attachment.metadata), "processed_tokens": n})
+        sig, chunked = _signature(layers)
+        C = self.chunk_tokens
+        full = n // C if chunked else 0
+        root = K.root_key(ns_key, sig)
+        chain = K.chain(root, packed, C, max_chunks=full)
+        tail_start = full * C
+        arrays = [[t.array() for t in layer.tensors] for layer in layers]
+        table = [[i, layer.kind, layer.meta, layer.token_axis, [[t.dtype, list(t.shape)] for t in layer.tensors]]
+                 for i, layer in enumerate(layers)]
+
+        def entry_tensors():
+            yield "tokens", "uint32", packed[tail_start:]
+            for i, layer in enumerate(layers):
+                for j, arr in enumerate(arrays[i]):
+                    if layer.token_axis is None:
+                        yield f"L{i}.{j}", layer.tensors[j].dtype, arr
+                    else:
+                        yield f"L{i}.{j}", layer.tensors[j].dtype, _slice(arr, layer.token_axis, tail_start, n)
+
+        entry_record = encode_record("entry", entry_tensors(), meta={
+            "layers": table, "length": n, "chunk_tokens": C, "min_reusable": minimum_reusable})
+        own_bytes = entry_record.nbytes + (draft_record.nbytes if draft_record is not None else 0)
+        if self.max_bytes is not None and own_bytes > self.max_bytes:
+            raise StoreFullError(f"checkpoint of {own_bytes} bytes exceeds the store's max_bytes {self.max_bytes}")
+        ekey = K.entry_key(chain[-1], packed[tail_start:])
+        complete = len(chunked) == len(layers)
+
+        def chunk_record(k: int):
+            lo, hi = (k - 1) * C, k * C
+
+            def gen():
+                yield "tokens", "uint32", packed[lo:hi]
+                for i in chunked:
+                    for j, arr in enumerate(arrays[i]):
+                        yield f"L{i}.{j}", layers[i].tensors[j].dtype, _slice(arr, layers[i].token_axis, lo, hi)
+            return encode_record("chunk", gen(), meta={"depth": k, "start": lo, "chunk_tokens": C,
+                                                       "layers": [table[i] for i in chunked]})
+
+        def fn(txn):
+            ix = Index(txn, self.env.dbs)
+            info = ix.nsinfo(ns_key)
+            if info is None:
+                raise InvalidInput("namespace key is not registered: call register_namespace first")
+            when = now_ns()
+            written, new_chunks = 0, 0
+            if sig not in info["sigs"]:
+                info["sigs"].append(sig)
+                ix.put("nsinfo", ns_key, info)
+            for k, key in enumerate(chain):
+                node = ix.get("nodes", key)
+                if node is not None and not node.get("broken"):
+                    node["minr"] = max(node["minr"], minimum_reusable)
+                    ix.put("nodes", key, node)
+                    continue
+                if node is not None:  # a broken chunk is rewritten in place; its references stay
+                    refs, tails = node["refs"], node["tails"]
+                else:
+                    refs, tails = 0, {}
+                    if k > 0:
+                        parent = ix.get("nodes", chain[k - 1])
+                        parent["refs"] += 1
+                        ix.put("nodes", chain[k - 1], parent)
+                nbytes = 0
+                if k > 0:
+                    record = chunk_record(k)
+                    txn.put(key, record, db=self.env.dbs["chunks"])
+                    nbytes = record.nbytes
+                    written += nbytes
+                    new_chunks += 1
+                ix.put("nodes", key, {"ns": ns_key, "parent": chain[k - 1] if k else None, "depth": k,
+                                      "refs": refs, "tails": tails, "bytes": nbytes, "complete": complete,
+                                      "minr": minimum_reusable, "sig": sig if k == 0 else b""})
+            old = ix.get("entries", ekey)
+            drafters = {}
+            if old is not None:  # exact duplicate: replace the entry, keep other drafters' parts
+                ix.delete("lru", K.lru_key(old["last_use"], ekey))
+                drafters = dict(old["drafters"])
+                if draft_record is not None:
+                    drafters.pop(drafter[0], None)
+                freed = old["bytes"] - sum(drafters.values())
+                ix.add_ns(ns_key, d_bytes=-freed, d_entries=-1)
+                ix.add_totals(-freed, -1)
+            else:
+                node = ix.get("nodes", chain[-1])
+                tail = str(n - tail_start)
+                node["tails"][tail] = node["tails"].get(tail, 0) + 1
+                node["refs"] += 1
+                ix.put("nodes", chain[-1], node)
+            txn.put(ekey, entry_record, db=self.env.dbs["edata"])
+            if draft_record is not None:
+                txn.put(draft_key(ekey, drafter[0]), draft_record, db=self.env.dbs["drafts"])
+                drafters[drafter[0]] = draft_record.nbytes
+            entry_bytes = entry_record.nbytes + sum(drafters.values())
+            ix.put("entries", ekey, {"ns": ns_key, "len": n, "node": chain[-1], "tail": n - tail_start,
+                                     "last_use": when, "created": when, "pinned": bool(pin or (old or {}).get("pinned")),
+                                     "bytes": entry_bytes, "drafters": drafters, "minr": minimum_reusable})
+            ix.put("lru", K.lru_key(when, ekey), b"")
+            written += own_bytes
+            ix.add_ns(ns_key, d_bytes=written, d_entries=1, last_use=when)
+            ix.add_totals(written, 1)
+            evicted = ix.evict_to(self.max_bytes, {ekey}) if self.max_bytes is not None else 0
+            return PutResult(ekey, written, new_chunks, evicted)
+
+        with self._lock:
+            self._flush_pending()
+            return self.env.write(fn, on_full=self._evict_for_space)
+
+    def _evict_for_space(self) -> bool:
+        """Called when the map cannot grow: evict one LRU entry in its own transaction."""
+        def fn(txn):
+            ix = Index(txn, self.env.dbs)
+            victim = next(ix.lru_victims(set()), None)
+            if victim is None:
+                return False
+            ix.delete_entry(*victim)
+            return True
+        try:
+            return self.env.write(fn)
+        except StoreFullError:
+            return False
+
+    # --- lookup ------------------------------------------------------------------------------------
+    def _lookup(self, txn, ns_key: bytes, packed: np.ndarray, drafter: str | None) -> Hit | None:
+        ix = Index(txn, self.env.dbs)
+        info = ix.nsinfo(ns_key)
+        if info is None:
+            return None
+        C = self.chunk_tokens
+        n = len(packed)
+        best: Hit | None = None
+
+        def better(length: int, has_drafter: bool, is_entry: bool) -> bool:
+            if best is None:
+                return True
+            return (length, has_drafter, is_entry) > (best.length, best.has_drafter, best.entry is not None)
+
+        for sig in info["sigs"]:
+            chain = [K.root_key(ns_key, sig)]
+            nodes = [ix.get("nodes", chain[0])]
+            if nodes[0] is None:
+                continue
+            while (len(chain)) * C <= n:
+                k = len(chain)
+                key = K.chunk_key(chain[-1], packed[(k - 1) * C:k * C])
+                node = ix.get("nodes", key)
+                if node is None or node.get("broken"):
+                    break
+                chain.append(key)
+                nodes.append(node)
+            for j in range(len(chain) - 1, -1, -1):
+                base = j * C
+                node = nodes[j]
+                for t in sorted((int(x) for x in node["tails"]), reverse=True):
+                    length = base + t
+                    if length > n or length < 1 or not better(length, True, True):
+                        continue
+                    ekey = K.entry_key(chain[j], packed[base:length])
+                    entry = ix.get("entries", ekey)
+                    if entry is None or entry["len"] != length or length < entry["minr"]:
+                        continue
+                    has = drafter is not None and drafter in entry["drafters"]
+                    if better(length, has, True):
+                        best = Hit(length, has, ekey, tuple(chain[:j + 1]), entry["minr"])
+                if j > 0 and node["complete"] and node["minr"] <= base and better(base, False, False):
+                    best = Hit(base, False, None, tuple(chain[:j + 1]), node["minr"])
+        return best
+
+    def lookup(self, ns_key: bytes, tokens, *, drafter: str | None = None) -> Hit | None:
+        """The longest usable stored prefix of ``tokens`` (index only; nothing is read or verified)."""
+        packed = K.pack_tokens(tokens)
+        with self.env.read() as txn:
+            return self._lookup(txn, ns_key, packed, drafter)
+
+    # --- fetch -------------------------------------------------------------------------------------
+    def fetch(self, ns_key: bytes, tokens, *, drafter: str | None = None,
+              max_attempts: int = 3) -> Restored | None:
+        """Look up and read back the longest usable prefix of ``tokens``; None on a miss.
+
+        Every record read is verified (blake3) and its tokens compared with ``tokens``; a corrupt record is
+        dropped from the store, logged, and the lookup retried (a shorter prefix may still serve). A drafter
+        part with an unknown or invalid schema is reported in ``warnings`` and skipped (target only).
+        """
+        packed = K.pack_tokens(tokens)
+        warnings: list[str] = []
+        for _ in range(max_attempts):
+            with self._lock:
+                try:
+                    with self.env.read() as txn:
+                        hit = self._lookup(txn, ns_key, packed, drafter)
+                        if hit is None:
+                            self._count(ns_key, hit=False)
+                            return None
+                        restored = self._read(txn, hit, packed, drafter, warnings)
+                except CorruptRecord as exc:
+                    message = f"dropping corrupt record ({exc}); falling back to a shorter prefix"
+                    log.warning(message)
+                    warnings.append(message)
+                    self._drop_corrupt(exc.key)
+                    continue
+                if hit.entry is not None:
+                    self._touched[hit.entry] = now_ns()
+                self._count(ns_key, hit=True)
+                restored.warnings = warnings
+                return restored
+        self._count(ns_key, hit=False)
+        return None
+
+    def _read(self, txn, hit: Hit, packed: np.ndarray, drafter: str | None, warnings: list[str]) -> Restored:
+        C = self.chunk_tokens
+        chunks = []
+        for k in range(1, len(hit.chain)):
+            key = hit.chain[k]
+            chunks.append(self._decode(txn, "chunks", key, packed[(k - 1) * C:k * C]))
+        if hit.entry is None:
+            layer_table = None
+            entry_rec = None
+        else:
+            base = (len(hit.chain) - 1) * C
+            entry_rec = self._decode(txn, "edata", hit.entry, packed[base:hit.length])
+            layer_table = entry_rec.meta.get("layers")
+        if layer_table is None:  # chunk-boundary hit: every layer is chunked and the chunk says which
+            layer_table = chunks[0].meta.get("layers")
+        try:
+            layers = self._assemble(layer_table, chunks, entry_rec, hit)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CorruptRecord(f"stored layer table does not match its tensors ({exc})", hit.entry) from None
+        attachment = None
+        if drafter is not None and hit.has_drafter:
+            try:
+                rec = self._decode(txn, "drafts", draft_key(hit.entry, drafter), None)
+                tensors = tuple(Tensor(t.dtype, t.shape, copy_out(t)) for t in rec.tensors.values())
+                attachment = CheckpointAttachment(rec.schema, rec.meta.get("metadata", {}), tensors)
+                validate_attachment(attachment, hit.length)
+            except UnknownSchemaError as exc:
+                warnings.append(f"drafter part skipped: {exc}")
+                attachment = None
+            except SchemaError as exc:
+                warnings.append(f"drafter part skipped: stored attachment is invalid: {exc}")
+                attachment = None
+        return Restored(hit.length, layers, attachment, hit.entry)
+
+    @staticmethod
+    def _assemble(layer_table, chunks, entry_rec, hit: Hit) -> list[LayerState]:
+        """Concatenate each chunked layer's pieces along its token axis (one copy out of the map)."""
+        layers = []
+        for i, kind, meta, axis, tensor_specs in layer_table:
+            out = []
+            for j, (dtype, shape) in enumerate(tensor_specs):
+                name = f"L{i}.{j}"
+                if axis is None:
+                    out.append(Tensor(dtype, tuple(shape), copy_out(entry_rec.tensors[name])))
+                    continue
+                pieces = [c.tensors[name] for c in chunks]
+                if entry_rec is not None:
+                    pieces.append(entry_rec.tensors[name])
+                full = list(shape)
+                full[axis] = sum(p.shape[axis] for p in pieces)
+                if full[axis] != hit.length:
+                    raise CorruptRecord(f"layer {i} pieces cover {full[axis]} tokens, expected {hit.length}",
+                                        hit.entry)
+                arr = np.empty(full, dtype=numpy_dtype(dtype))
+                at = 0
+                for p in pieces:
+                    step = p.shape[axis]
+                    _slice(arr, axis, at, at + step)[...] = p.array()
+                    at += step
+                out.append(Tensor(dtype, tuple(full), arr))
+            layers.append(LayerState(kind, meta, out, axis))
+        return layers
+
+    def _decode(self, txn, db: str, key: bytes, expect_tokens: np.ndarray | None):
+        raw = txn.get(key, db=self.env.dbs[db])
+        if raw is None:
+            raise CorruptRecord(f"{db} record missing under an indexed key", key)
+        try:
+            rec = decode_record(raw)
+        except CorruptRecord as exc:
+            raise CorruptRecord(f"{db} record: {exc}", key) from None
+        if expect_tokens is not None:
+            stored = rec.tensors.get("tokens")
+            if stored is None or stored.shape != (len(expect_tokens),) or \
+                    bytes(stored.data) != expect_tokens.tobytes():
+                raise CorruptRecord(f"{db} record holds other tokens than its key says", key)
+        return rec
+
+    def _drop_corrupt(self, key: bytes | None) -> None:
+        if key is None:
+            return
+
+        def fn(txn):
+            ix = Index(txn, self.env.dbs)
+            if ix.get("entries", key) is not None:
+                ix.delete_entry(key)
+                return
+            node = ix.get("nodes", key)
+            if node is not None:  # a chunk: mark the node broken so lookups stop above it; gc removes the subtree
+                ix.delete("chunks", key)
+                node["broken"] = True
+                ix.put("nodes", key, node)
+                return
+            if len(key) == 48:  # a drafter part: forget it on its entry
+                entry = ix.get("entries", key[:32])
+                if entry is not None:
+                    for dns in list(entry["drafters"]):
+                        if draft_key(key[:32], dns) == key:
+                            ix.drop_drafter(key[:32], entry, dns)
+        self.env.write(fn)
+
+    # --- access times and counters (batched) -------------------------------------------------------
+    def _count(self, ns_key: bytes, *, hit: bool) -> None:
+        c = self._counts.setdefault(ns_key, [0, 0])
+        c[0 if hit else 1] += 1
+        self._pending += 1
+        if self._pending >= FLUSH_EVERY or time.monotonic() - self._last_flush > FLUSH_SECONDS:
+            self.flush()
+
+    def _flush_pending(self, txn=None) -> None:
+        if not self._pending and not self._touched:
+            return
+        touched, counts = self._touched, self._counts
+        self._touched, self._counts, self._pending = {}, {}, 0
+        self._last_flush = time.monotonic()
+
+        def fn(txn):
+            ix = Index(txn, self.env.dbs)
+            for key, when in touched.items():
+                ix.touch(key, when)
+            for ns, (hits, misses) in counts.items():
+                ix.add_ns(ns, hits=hits, misses=misses, last_use=now_ns() if hits else None)
+        self.env.write(fn)
+
+    def flush(self) -> None:
+        """Write batched access times and hit/miss counters now."""
+        if self.env.readonly:
+            self._touched, self._counts, self._pending = {}, {}, 0
+            return
+        with self._lock:
+            self._flush_pending()
+
+    # --- pinning -----------------------------------------------------------------------------------
+    def pin(self, ns_key: bytes, tokens, pinned: bool = True) -> bool:
+        """Pin (or unpin) the exact entry for ``tokens``; pinned entries are never evicted by the budget."""
+        packed = K.pack_tokens(tokens)
+
+        def fn(txn):
+            ix = Index(txn, self.env.dbs)
+            info = ix.nsinfo(ns_key)
+            if info is None:
+                return False
+            C = self.chunk_tokens
+            for sig in info["sigs"]:
+                full = len(packed) // C if sig else 0
+                chain = K.chain(K.root_key(ns_key, sig), packed, C, max_chunks=full)
+                key = K.entry_key(chain[-1], packed[full * C:])
+                entry = ix.get("entries", key)
+                if entry is not None:
+                    entry["pinned"] = bool(pinned)
+                    ix.put("entries", key, entry)
+                    return True
+            return False
+        with self._lock:
+            return self.env.write(fn)
+
+    # --- maintenance (see maintenance.py for evict/gc/verify) --------------------------------------
+    def memo(self) -> "StoreMemo":
+        """An artifact-identity memo kept in this store (``spec_cache.identity`` takes it as ``memo``)."""
+        return StoreMemo(self)
+
+
+def _as_tensors(tensors) -> list[Tensor]:
+    out = []
+    for t in tensors:
+        if isinstance(t, Tensor):
+            out.append(t)
+        elif isinstance(t, np.ndarray):
+            out.append(Tensor.from_numpy(t))
+        else:
+            raise InvalidInput(f"attachment tensors must be store.Tensor or numpy arrays, got {type(t).__name__}")
+    return out
+
+
+class StoreMemo:
+    """``get``/``put`` of artifact-identity digests in the store's ``memo`` sub-database."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def get(self, key: str) -> str | None:
+        try:
+            with self.store.env.read() as txn:
+                raw = txn.get(key.encode(), db=self.store.env.dbs["memo"])
+                return None if raw is None else bytes(raw).decode("ascii", "replace")
+        except Exception:
+            return None
+
+    def put(self, key: str, digest: str) -> None:
+        if self.store.env.readonly:
+            return
+        try:
+            self.store.env.write(lambda txn: txn.put(key.encode(), digest.encode(), db=self.store.env.dbs["memo"]))
+        except Exception:
+            pass
