@@ -1,0 +1,31 @@
+"""spec-cache: a prefix cache for MLX speculative decoding.
+
+Importing this package does not import MLX: the store, identity, namespace and CLI inspection paths stay light;
+the runtime (``SpecCache``, ``Generator``) loads MLX when first used.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "KVOptions": ("spec_cache.namespace", "KVOptions"),
+    "capture_options": ("spec_cache.namespace", "capture_options"),
+    "prefix_namespace": ("spec_cache.namespace", "prefix_namespace"),
+    "namespace_key": ("spec_cache.namespace", "namespace_key"),
+    "artifact_identity": ("spec_cache.identity", "artifact_identity"),
+    "model_identity": ("spec_cache.identity", "model_identity"),
+    "SpecCache": ("spec_cache.cache", "SpecCache"),
+    "Generator": ("spec_cache.generator", "Generator"),
+    "Result": ("spec_cache.generator", "Result"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'spec_cache' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

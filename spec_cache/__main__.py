@@ -1,0 +1,5 @@
+"""``python -m spec_cache`` runs the same CLI as the ``spec-cache`` script."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,302 @@
+"""The ``spec-cache`` command: a thin layer over the public API.
+
+Inspection commands (ls, show, stats, verify, identity, evict, gc) never import MLX. Exit codes: 0 ok,
+1 problems found (verify), 2 usage error or unreadable store; errors are one line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """A one-line message for the user; exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage block)
+        raise CliError(f"{message} (see '{self.prog} --help')")
+
+
+def default_cache_dir() -> str:
+    if os.environ.get("SPEC_CACHE_DIR"):
+        return os.environ["SPEC_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "spec-cache", "store")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 12h, 7d)")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2) or "s"]
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def human_age(ns: int | None) -> str:
+    if not ns:
+        return "never"
+    s = max(0.0, time.time() - ns / 1e9)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def progress_bar(enabled: bool, desc: str, unit: str = "it", unit_scale: bool = False):
+    """A callback ``(done, total)`` drawing a tqdm bar on stderr, or a no-op."""
+    if not enabled:
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr, leave=False)
+
+    def update(done: int, total: int):
+        if bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+    return update, bar.close
+
+
+def _emit(args, obj, human: str) -> None:
+    print(json.dumps(obj, indent=None, sort_keys=True) if args.json else human)
+
+
+def _open_store(args, *, write: bool = False):
+    from store import Store, StoreError
+
+    path = args.cache
+    if not write and not os.path.exists(os.path.join(path, "data.mdb")):
+        raise CliError(f"no spec-cache store at {path} (set --cache or SPEC_CACHE_DIR)")
+    try:
+        return Store.open(path, readonly=not write)
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+
+
+# --- commands -------------------------------------------------------------------------------------------
+def cmd_ls(args) -> int:
+    from store import maintenance
+
+    with _open_store(args) as store:
+        rows = maintenance.namespaces(store)
+    human = table([[r["key"][:16], r["target"][:12], _short(r["prefix_namespace"], 60), r["entries"],
+                    human_bytes(r["bytes"]), r["hits"], r["misses"], human_age(r["last_use_ns"])] for r in rows],
+                  ["NAMESPACE", "TARGET", "PREFIX NAMESPACE", "ENTRIES", "BYTES", "HITS", "MISSES", "LAST USE"])
+    _emit(args, {"namespaces": rows}, human if rows else "no namespaces")
+    return EXIT_OK
+
+
+def _short(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def cmd_show(args) -> int:
+    from store import maintenance
+
+    with _open_store(args) as store:
+        try:
+            ns = maintenance.resolve_namespace(store, args.namespace)
+        except KeyError as exc:
+            raise CliError(exc.args[0]) from None
+        info = next(n for n in maintenance.namespaces(store) if n["key"] == ns.hex())
+        rows = maintenance.entries(store, ns)
+    human = "\n".join([f"namespace   {info['key']}", f"target      {info['target']}",
+                       f"prefix ns   {info['prefix_namespace']}", f"tenant      {'yes' if info['tenant'] else 'no'}",
+                       f"entries     {info['entries']}  ({human_bytes(info['bytes'])})",
+                       f"hits/misses {info['hits']}/{info['misses']}", ""] +
+                      [table([[r["key"][:16], r["tokens"], human_bytes(r["bytes"]), ",".join(r["drafters"]) or "-",
+                               "yes" if r["pinned"] else "", human_age(r["last_use_ns"])] for r in rows],
+                             ["ENTRY", "TOKENS", "BYTES", "DRAFTERS", "PINNED", "LAST USE"])])
+    _emit(args, {"namespace": info, "entries": rows}, human)
+    return EXIT_OK
+
+
+def cmd_stats(args) -> int:
+    from store import maintenance
+
+    with _open_store(args) as store:
+        s = maintenance.stats(store)
+    human = "\n".join(f"{k:<14}{human_bytes(v) if k in ('bytes', 'max_bytes', 'map_size', 'file_bytes') else v}"
+                      for k, v in s.items())
+    _emit(args, s, human)
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from store import maintenance
+
+    with _open_store(args) as store:
+        update, close = progress_bar(not args.json and sys.stderr.isatty(), "verify", "rec")
+        try:
+            report = maintenance.verify(store, update)
+        finally:
+            close()
+    d = report.as_dict()
+    human = (f"{d['records']} records: {d['ok']} ok, {d['corrupt']} corrupt, {d['unknown_schema']} unknown schema"
+             + "".join(f"\n  corrupt {r['db']} {r['key'][:16]}: {r['error']}" for r in d["corrupt_keys"]))
+    _emit(args, d, human)
+    return EXIT_PROBLEMS if d["corrupt"] or d["unknown_schema"] else EXIT_OK
+
+
+def cmd_evict(args) -> int:
+    from store import maintenance
+
+    if not (args.all or args.namespace or args.drafter or args.older_than is not None or args.to_size is not None):
+        raise CliError("evict needs at least one of --namespace, --drafter, --older-than, --to-size, --all")
+    with _open_store(args, write=True) as store:
+        ns = None
+        if args.namespace:
+            try:
+                ns = maintenance.resolve_namespace(store, args.namespace)
+            except KeyError as exc:
+                raise CliError(exc.args[0]) from None
+        report = maintenance.evict(store, namespace=ns, drafter=args.drafter, older_than_s=args.older_than,
+                                   to_size=args.to_size, everything=args.all)
+    d = {"entries": report.entries, "drafter_parts": report.drafter_parts, "bytes": report.bytes}
+    _emit(args, d, f"evicted {report.entries} entries, {report.drafter_parts} drafter parts, "
+                   f"{human_bytes(report.bytes)}")
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    from store import maintenance
+
+    with _open_store(args, write=True) as store:
+        update, close = progress_bar(not args.json and sys.stderr.isatty(), "gc", "rec")
+        try:
+            r = maintenance.gc(store, update)
+        finally:
+            close()
+    d = {"corrupt_removed": r.corrupt_removed, "broken_subtrees": r.broken_subtrees,
+         "orphans_removed": r.orphans_removed, "bytes": r.bytes}
+    _emit(args, d, f"removed {r.corrupt_removed} corrupt records, {r.broken_subtrees} broken chunk subtrees, "
+                   f"{r.orphans_removed} orphans ({human_bytes(r.bytes)})")
+    return EXIT_OK
+
+
+def cmd_identity(args) -> int:
+    from spec_cache.identity import ModelDirError, model_identity
+
+    update, close = progress_bar(not args.json and sys.stderr.isatty(), "hashing", "B", True)
+    memo = None
+    store = None
+    if args.cache_memo and os.path.exists(os.path.join(args.cache, "data.mdb")):
+        from store import Store, StoreError
+        try:
+            store = Store.open(args.cache)
+            memo = store.memo()
+        except StoreError:
+            store = None
+    try:
+        start = time.perf_counter()
+        digest = model_identity(args.dir, config_name=args.config_name, memo=memo, progress=update)
+        elapsed = time.perf_counter() - start
+    except (ModelDirError, FileNotFoundError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        close()
+        if store is not None:
+            store.close()
+    _emit(args, {"dir": str(Path(args.dir).resolve()), "identity": digest, "seconds": round(elapsed, 6)}, digest)
+    return EXIT_OK
+
+
+def cmd_demo(args) -> int:
+    from spec_cache import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--cache", default=argparse.SUPPRESS,
+                        help="store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    p = _Parser(prog="spec-cache", description="Prefix cache for MLX speculative decoding: inspect, evict, verify.",
+                parents=[common])
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    s = sub.add_parser("ls", parents=[common], help="list namespaces with their counters")
+    s.set_defaults(fn=cmd_ls)
+    s = sub.add_parser("show", parents=[common], help="one namespace and its entries")
+    s.add_argument("namespace", help="namespace key (hex, or a unique prefix of >= 4 hex digits)")
+    s.set_defaults(fn=cmd_show)
+    s = sub.add_parser("stats", parents=[common], help="store-wide figures")
+    s.set_defaults(fn=cmd_stats)
+    s = sub.add_parser("verify", parents=[common], help="recompute every record checksum (exit 1 if any is bad)")
+    s.set_defaults(fn=cmd_verify)
+    s = sub.add_parser("evict", parents=[common], help="remove entries")
+    s.add_argument("--namespace", help="every entry of this namespace (hex key or prefix)")
+    s.add_argument("--drafter", help="this drafter namespace's parts only (target state stays)")
+    s.add_argument("--older-than", type=parse_duration, help="unpinned entries unused for this long (90s, 12h, 7d)")
+    s.add_argument("--to-size", type=parse_size, help="evict unpinned LRU entries down to this size (e.g. 2GiB)")
+    s.add_argument("--all", action="store_true", help="every entry, pinned ones too")
+    s.set_defaults(fn=cmd_evict)
+    s = sub.add_parser("gc", parents=[common], help="drop corrupt records, broken chunks and orphans")
+    s.set_defaults(fn=cmd_gc)
+    s = sub.add_parser("identity", parents=[common], help="artifact identity (blake3) of a model or drafter directory")
+    s.add_argument("dir")
+    s.add_argument("--config-name", default=None, help="config file to hash (default config.json, else dspark.json)")
+    s.add_argument("--no-store-memo", dest="cache_memo", action="store_false",
+                   help="do not use the store's identity memo (the per-user memo is still used)")
+    s.set_defaults(fn=cmd_identity)
+    s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        args.cache_given = getattr(args, "cache", None) is not None
+        args.cache = getattr(args, "cache", None) or default_cache_dir()
+        args.json = getattr(args, "json", False)
+        return args.fn(args)
+    except CliError as exc:
+        print(f"spec-cache: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # store errors, unreadable files: one line, never a traceback
+        from store import StoreError
+        if isinstance(exc, (StoreError, OSError)):
+            print(f"spec-cache: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+    except KeyboardInterrupt:
+        print("spec-cache: interrupted", file=sys.stderr)
+        return 130
