@@ -1,0 +1,133 @@
+"""mlx-lm cache objects <-> the store's ``LayerState`` (the only place that knows both).
+
+Every cache class speaks mlx-lm's ``state`` protocol; this module maps each class to a stored layer kind:
+
+* ``KVCache`` -> ``kv``: keys and values sliced to the real offset (not the 256-step padded buffer),
+  token axis 2, so the store may split them into shared chunks.
+* ``QuantizedKVCache`` -> ``qkv``: the (packed uint32 words, scales, biases) triples of K and V sliced to the
+  offset, token axis 2, scalars group_size and bits.
+* ``RotatingKVCache`` -> ``rotating``: the ring buffer whole with keep/max_size/offset/idx; never trimmed.
+* ``ArraysCache`` -> ``arrays``: the recurrent arrays whole; never trimmed.
+
+Restored arrays are owned copies, bit-identical to what was stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from schemas import CheckpointAttachment, DraftRowCheckpoint
+from store import LayerState, Tensor
+from store.tensors import numpy_dtype
+
+_MX_DTYPES = {
+    "bool": mx.bool_, "uint8": mx.uint8, "uint16": mx.uint16, "uint32": mx.uint32, "uint64": mx.uint64,
+    "int8": mx.int8, "int16": mx.int16, "int32": mx.int32, "int64": mx.int64, "float16": mx.float16,
+    "bfloat16": mx.bfloat16, "float32": mx.float32, "complex64": mx.complex64,
+}
+
+
+def dtype_of(x: mx.array) -> str:
+    return str(x.dtype).rsplit(".", 1)[-1]
+
+
+def to_tensor(x: mx.array) -> Tensor:
+    """An ``mx.array`` as a store ``Tensor`` (numpy view of its buffer; bfloat16 as uint16 words)."""
+    name = dtype_of(x)
+    mx.eval(x)
+    raw = x.view(mx.uint16) if name == "bfloat16" else x
+    arr = np.asarray(memoryview(raw)) if raw.size else np.zeros(raw.shape, dtype=numpy_dtype(name))
+    return Tensor(name, tuple(x.shape), arr)
+
+
+def to_mx(t: Tensor) -> mx.array:
+    """A store ``Tensor`` as an owned ``mx.array`` with its dtype."""
+    arr = t.array()
+    if t.dtype == "bfloat16":
+        return mx.array(arr).view(mx.bfloat16)
+    if t.dtype == "float64":
+        raise ValueError("float64 tensors cannot be restored into MLX")
+    return mx.array(arr, dtype=_MX_DTYPES[t.dtype])
+
+
+def layer_state(cache: Any) -> LayerState:
+    """One mlx-lm cache (single row) as a ``LayerState`` covering exactly its offset."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+    if isinstance(cache, RotatingKVCache):
+        keys, values, offset, keep, max_size, idx = cache.state
+        tensors = [] if keys is None else [to_tensor(keys), to_tensor(values)]
+        return LayerState("rotating", {"offset": offset, "keep": keep, "max_size": max_size, "idx": idx}, tensors)
+    if isinstance(cache, QuantizedKVCache):
+        n = cache.offset
+        parts = [] if cache.keys is None else [a[..., :n, :] for a in (*cache.keys, *cache.values)]
+        return LayerState("qkv", {"group_size": cache.group_size, "bits": cache.bits},
+                          [to_tensor(a) for a in parts], token_axis=2)
+    if isinstance(cache, KVCache):
+        n = cache.offset
+        if cache.keys is None:
+            raise ValueError("cannot store an empty KVCache")
+        return LayerState("kv", {}, [to_tensor(cache.keys[..., :n, :]), to_tensor(cache.values[..., :n, :])],
+                          token_axis=2)
+    if isinstance(cache, ArraysCache):
+        present = [a is not None for a in cache.cache]
+        return LayerState("arrays", {"size": len(cache.cache), "present": present},
+                          [to_tensor(a) for a in cache.cache if a is not None])
+    raise TypeError(f"cache class {type(cache).__name__} cannot be stored yet")
+
+
+def from_layer_state(layer: LayerState) -> Any:
+    """Rebuild the mlx-lm cache a ``LayerState`` came from (owned, bit-identical arrays)."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+    arrays = [to_mx(t) for t in layer.tensors]
+    if layer.kind == "kv":
+        c = KVCache()
+        c.keys, c.values = arrays
+        c.offset = c.keys.shape[2]
+        return c
+    if layer.kind == "qkv":
+        c = QuantizedKVCache(group_size=layer.meta["group_size"], bits=layer.meta["bits"])
+        if arrays:
+            c.keys, c.values = tuple(arrays[:3]), tuple(arrays[3:])
+            c.offset = arrays[0].shape[2]
+        return c
+    if layer.kind == "rotating":
+        m = layer.meta
+        c = RotatingKVCache(max_size=m["max_size"], keep=m["keep"])
+        keys, values = arrays if arrays else (None, None)
+        c.state = (keys, values, m["offset"], m["keep"], m["max_size"], m["idx"])
+        return c
+    if layer.kind == "arrays":
+        c = ArraysCache(layer.meta["size"])
+        it = iter(arrays)
+        c.cache = [next(it) if p else None for p in layer.meta["present"]]
+        return c
+    raise ValueError(f"unknown stored layer kind {layer.kind!r}")
+
+
+def capture_caches(caches: Sequence[Any]) -> list[LayerState]:
+    return [layer_state(c) for c in caches]
+
+
+def restore_caches(layers: Sequence[LayerState]) -> list[Any]:
+    caches = [from_layer_state(layer) for layer in layers]
+    mx.eval([c.state for c in caches if hasattr(c, "keys") and c.keys is not None])
+    return caches
+
+
+def attachment_to_store(cp: DraftRowCheckpoint) -> CheckpointAttachment:
+    """A drafter checkpoint's attachment with its tensors as store Tensors."""
+    a = cp.attachment
+    tensors = tuple(t if isinstance(t, Tensor) else to_tensor(t) for t in a.tensors)
+    return CheckpointAttachment(a.schema, dict(a.metadata), tensors)
+
+
+def checkpoint_from_store(length: int, attachment: CheckpointAttachment) -> DraftRowCheckpoint:
+    """A restored attachment as a ``DraftRowCheckpoint`` with owned ``mx.array`` tensors."""
+    tensors = tuple(to_mx(t) for t in attachment.tensors)
+    mx.eval(list(tensors))
+    return DraftRowCheckpoint(length, CheckpointAttachment(attachment.schema, dict(attachment.metadata), tensors))

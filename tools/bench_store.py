@@ -1,0 +1,162 @@
+"""Store throughput and lookup benchmarks, as ratios against baselines run in the same process.
+
+* put/get of a 256 MiB KV state (16 layers x 8 kv heads x 4096 tokens x 128 dims, float16) through
+  ``Store.put`` / ``Store.fetch`` + ``mx.array`` + eval, against mlx-lm's ``save_prompt_cache`` /
+  ``load_prompt_cache`` + eval of the same arrays (page cache warm; median of N).
+* longest-prefix lookup of a 32k-token prompt with 1k, 10k and 100k stored entries.
+
+Usage: python tools/bench_store.py [--json] [--quick] [--reps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kv_state(layers=16, heads=8, tokens=4096, dim=128):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(0)
+    caches, arrays = [], []
+    for _ in range(layers):
+        k = mx.random.normal((1, heads, tokens, dim)).astype(mx.float16)
+        v = mx.random.normal((1, heads, tokens, dim)).astype(mx.float16)
+        mx.eval(k, v)
+        c = KVCache()
+        c.update_and_fetch(k, v)
+        caches.append(c)
+        arrays.append((k, v))
+    return caches, arrays
+
+
+def bench_put_get(reps: int, tokens: int) -> dict:
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from store import LayerState, Store, Tensor
+    from spec_cache.namespace import namespace_key
+
+    caches, arrays = kv_state(tokens=tokens)
+    nbytes = sum(k.nbytes + v.nbytes for k, v in arrays)
+    work = tempfile.mkdtemp(prefix="bench-store-")
+    path = os.path.join(work, "cache.safetensors")
+    toks = list(range(tokens))
+
+    def layers():
+        return [LayerState("kv", {}, [Tensor("float16", k.shape, memoryview(k)), Tensor("float16", v.shape, memoryview(v))],
+                           token_axis=2) for k, v in arrays]
+
+    def save():
+        save_prompt_cache(path, caches)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def load():
+        loaded = load_prompt_cache(path)
+        mx.eval([c.state for c in loaded])
+
+    store_dir = os.path.join(work, "store")
+    store = Store.open(store_dir, map_size=8 << 30)
+    fresh = iter(range(1 << 30))
+
+    def put():  # a new namespace each time, so every chunk is really written
+        key = namespace_key("0" * 64, f"bench-{next(fresh)}")
+        store.register_namespace(key, target="0" * 64, prefix_namespace="bench")
+        store.put(key, toks, layers())
+        return key
+
+    def get():
+        r = store.fetch(ns, toks)  # the namespace written last
+        out = [mx.array(t.data) for layer in r.layers for t in layer.tensors]
+        mx.eval(out)
+        assert r.length == tokens
+
+    t_save = median_time(save, reps)
+    t_put = median_time(put, reps)
+    ns = put()
+    load(); get()
+    t_load = median_time(load, reps)
+    t_get = median_time(get, reps)
+    store.close()
+    shutil.rmtree(work, ignore_errors=True)
+    gb = nbytes / 1e9
+    return {"state_bytes": nbytes, "reps": reps,
+            "mlx_lm_save_s": t_save, "put_s": t_put, "put_vs_mlx_lm_save": t_save / t_put,
+            "mlx_lm_load_s": t_load, "get_s": t_get, "restore_vs_mlx_lm_load": t_load / t_get,
+            "put_GBps": gb / t_put, "get_GBps": gb / t_get, "save_GBps": gb / t_save, "load_GBps": gb / t_load}
+
+
+def bench_lookup(counts: list[int], reps: int, prompt_tokens: int = 32768) -> dict:
+    from store import LayerState, Store, Tensor
+    from spec_cache.namespace import namespace_key
+
+    rng = np.random.default_rng(0)
+    work = tempfile.mkdtemp(prefix="bench-lookup-")
+    store = Store.open(os.path.join(work, "store"), durable=False, map_size=8 << 30)
+    ns = namespace_key("0" * 64, "lookup")
+    store.register_namespace(ns, target="0" * 64, prefix_namespace="lookup")
+    prompt = rng.integers(0, 32000, prompt_tokens).astype(np.uint32)
+
+    def state(n):
+        kv = np.zeros((1, 1, n, 1), dtype=np.float16)
+        return [LayerState("kv", {}, [Tensor.from_numpy(kv), Tensor.from_numpy(kv)], token_axis=2)]
+
+    store.put(ns, prompt[: prompt_tokens - 1000], state(prompt_tokens - 1000))
+    out, have = {}, 1
+    for count in counts:
+        while have < count:
+            n = int(rng.integers(32, 600))
+            seq = rng.integers(0, 32000, n).astype(np.uint32)
+            store.put(ns, seq, state(n))
+            have += 1
+        store.flush()
+        hit = store.lookup(ns, prompt)
+        assert hit is not None and hit.length == prompt_tokens - 1000
+        out[f"lookup_ms_32k_{count}"] = median_time(lambda: store.lookup(ns, prompt), reps) * 1e3
+    store.close()
+    shutil.rmtree(work, ignore_errors=True)
+    out["lookup_growth"] = out[f"lookup_ms_32k_{counts[-1]}"] / out[f"lookup_ms_32k_{counts[0]}"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="64 MiB state, 1k/10k entries")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    result = {}
+    result.update(bench_put_get(args.reps, 1024 if args.quick else 4096))
+    result.update(bench_lookup([1000, 10000] if args.quick else [1000, 10000, 100000], max(args.reps, 21)))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:28} {v:.4g}" if isinstance(v, float) else f"{k:28} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
