@@ -1,0 +1,646 @@
+"""Namespaces: the byte-stable strings and keys that decide which stored prefixes may be reused.
+
+Three kinds of namespace string live here:
+
+* a **drafter namespace** (``gemma-assistant-v1:<artifact identity>``, ``ngram-history-v1:3:1``) names the
+  drafter whose row checkpoints an entry carries;
+* an **adapter namespace** (``id@revision+id@revision``; ``""`` for the base model) names the LoRA stack;
+* the **prefix namespace** joins a drafter namespace, an adapter namespace and the KV quantization options
+  captured when a request was bound. It is byte-identical to mlx-bun's ``speculativePrefixNamespace``, which
+  is JavaScript ``JSON.stringify``; so this module carries an exact ``JSON.stringify`` (:func:`js_json_dumps`)
+  and an exact ``Number.prototype.toString`` (:func:`js_number_to_string`).
+
+:func:`namespace_key` turns (target identity, prefix namespace, tenant) into the 32-byte key the store roots a
+namespace's prefix tree at. The target identity is not part of the namespace string (as in mlx-bun); it
+enters here.
+
+These strings and keys are public contracts: ``tests/golden/namespaces.json`` pins them, and a change that
+alters one byte of either orphans every stored entry. Nothing here imports mlx.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import blake3
+
+__all__ = [
+    "DEFAULT_KV_GROUP_SIZE",
+    "MAX_SAFE_INTEGER",
+    "FrozenJSONObject",
+    "KVLayerConfig",
+    "KVOptions",
+    "adapter_namespace",
+    "capture_options",
+    "drafter_namespace",
+    "js_json_dumps",
+    "js_number_to_string",
+    "namespace_key",
+    "namespace_key_hex",
+    "ngram_namespace",
+    "prefix_namespace",
+]
+
+#: The group size the prefix namespace writes when ``kv_group_size`` is None (mlx-bun: ``kvGroupSize ?? 64``).
+DEFAULT_KV_GROUP_SIZE = 64
+#: Integer KV fields must stay exact as JavaScript numbers, or two settings could share one namespace.
+MAX_SAFE_INTEGER = 2**53 - 1
+
+_MAX_JSON_DEPTH = 100
+_MAX_ARRAY_INDEX = 2**32 - 2  # ECMAScript "array index": the keys an object lists first, in numeric order
+
+# ---------------------------------------------------------------------------------------------------------
+# JavaScript JSON.stringify, byte for byte
+
+_NEEDS_ESCAPE = re.compile("([\ud800-\udbff][\udc00-\udfff])|[\x00-\x1f\"\\\\\ud800-\udfff]")
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_ARRAY_INDEX = re.compile("0|[1-9][0-9]{0,9}")
+
+
+def _escape(match: re.Match[str]) -> str:
+    pair = match.group(1)
+    if pair:  # a well-formed surrogate pair is one character to JavaScript: written as-is
+        return chr(0x10000 + ((ord(pair[0]) - 0xD800) << 10) + (ord(pair[1]) - 0xDC00))
+    char = match.group(0)
+    return _SHORT_ESCAPES.get(char) or f"\\u{ord(char):04x}"
+
+
+def _js_quote(text: str) -> str:
+    """A JSON string literal as ``JSON.stringify`` writes it (ES2019 well-formed output).
+
+    Only ``"``, ``\\``, control characters below U+0020 and lone surrogates are escaped; everything else,
+    non-ASCII included, is written as-is. A Python str is read as JavaScript reads its UTF-16 code units, so
+    two adjacent surrogate code points that form a pair are the character they encode.
+    """
+    return '"' + _NEEDS_ESCAPE.sub(_escape, text) + '"'
+
+
+def _as_double(value: float | int) -> float:
+    """The IEEE double JavaScript holds for ``value`` (ints round to nearest, ties to even; overflow is infinite)."""
+    if isinstance(value, float):
+        return float(value)
+    try:
+        return float(int(value))
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (float, numbers.Integral)) and not isinstance(value, bool)
+
+
+def js_number_to_string(value: float | int) -> str:
+    """JavaScript ``String(value)`` (ECMAScript Number::toString, radix 10).
+
+    Ints are first rounded to the double JavaScript would hold. The digits are the shortest that read back to
+    the same double (``repr(float)`` finds them; like JavaScript it takes the closest when several are that
+    short); the layout follows the spec: plain notation while the decimal exponent n satisfies -6 < n <= 21,
+    else ``d.ddde+x`` / ``de-x``. So 100.0 -> ``100``, -0.0 -> ``0``, 1e21 -> ``1e+21``, 1e-7 -> ``1e-7``.
+    Non-finite values give ``NaN``, ``Infinity`` and ``-Infinity`` (``JSON.stringify`` writes ``null`` instead).
+
+    Raises TypeError for anything that is not an int or a float (bool included).
+    """
+    if not _is_number(value):
+        raise TypeError(f"expected an int or float, not {type(value).__name__}")
+    x = _as_double(value)
+    if math.isnan(x):
+        return "NaN"
+    if x == 0:
+        return "0"  # both zeros
+    if x < 0:
+        return "-" + js_number_to_string(-x)
+    if math.isinf(x):
+        return "Infinity"
+    # repr gives the shortest round-trip digits as "123.45", "1e+16" or "1.5e-07": x = 0.<digits> * 10**n
+    mantissa, _, exponent = repr(x).partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = whole + fraction
+    n = len(whole) + (int(exponent) if exponent else 0)
+    significant = digits.lstrip("0")
+    n -= len(digits) - len(significant)
+    digits = significant.rstrip("0")
+    k = len(digits)
+    if k <= n <= 21:
+        return digits + "0" * (n - k)
+    if 0 < n <= 21:
+        return digits[:n] + "." + digits[n:]
+    if -6 < n <= 0:
+        return "0." + "0" * -n + digits
+    e = n - 1
+    sign = "+" if e >= 0 else "-"
+    head = digits if k == 1 else digits[0] + "." + digits[1:]
+    return f"{head}e{sign}{abs(e)}"
+
+
+def _js_key_order(keys: list[str]) -> list[str]:
+    """Own-key order of a JavaScript object: array-index keys ascending, then the rest in insertion order."""
+    index_keys = [key for key in keys if _ARRAY_INDEX.fullmatch(key) and int(key) <= _MAX_ARRAY_INDEX]
+    if not index_keys:
+        return keys
+    taken = set(index_keys)
+    return sorted(index_keys, key=int) + [key for key in keys if key not in taken]
+
+
+def js_json_dumps(value: Any) -> str:
+    """``JSON.stringify(value)`` for a JSON-like Python value, byte for byte.
+
+    Accepts None, bool, int, float, str, mappings with str keys and lists/tuples, nested up to 100 levels.
+    Objects list their keys as JavaScript does (array-index keys such as ``"2"`` first, ascending; then the
+    rest in insertion order); NaN and infinities become ``null``; ints become the nearest double.
+
+    Raises TypeError for other types or non-str keys, ValueError for cycles or deeper nesting.
+    """
+    return _dump(value, "value", set(), 0)
+
+
+def _dump(value: Any, where: str, active: set[int], depth: int) -> str:
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, str):
+        return _js_quote(value)
+    if _is_number(value):
+        x = _as_double(value)
+        return js_number_to_string(x) if math.isfinite(x) else "null"
+    if isinstance(value, FrozenJSONObject):
+        return value.json
+    is_object = isinstance(value, Mapping)
+    if not is_object and not isinstance(value, (list, tuple)):
+        raise TypeError(f"{where}: {type(value).__name__} is not a JSON value")
+    if depth >= _MAX_JSON_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {_MAX_JSON_DEPTH} levels")
+    if id(value) in active:
+        raise ValueError(f"{where}: cyclic structure")
+    active.add(id(value))
+    try:
+        if not is_object:
+            return "[" + ",".join(_dump(v, f"{where}[{i}]", active, depth + 1) for i, v in enumerate(value)) + "]"
+        keys = list(value.keys())
+        for key in keys:
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: object keys must be str, got {type(key).__name__} {key!r}")
+        _check_distinct_js_keys(keys, where)
+        return "{" + ",".join(
+            _js_quote(key) + ":" + _dump(value[key], f"{where}.{key}", active, depth + 1)
+            for key in _js_key_order(keys)
+        ) + "}"
+    finally:
+        active.discard(id(value))
+
+
+def _js_string(text: str) -> str:
+    """The JavaScript string a Python str stands for (surrogate pairs combined into one character)."""
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+
+
+def _check_distinct_js_keys(keys: list[str], where: str) -> None:
+    if any("\ud800" <= c <= "\udfff" for key in keys for c in key):
+        seen = {_js_string(key) for key in keys}
+        if len(seen) != len(keys):
+            raise ValueError(f"{where}: two keys are the same JavaScript string (a surrogate pair written two ways)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Immutable JSON values (turboQuant is arbitrary JSON)
+
+JSONValue = Union[None, bool, int, float, str, tuple, "FrozenJSONObject"]
+
+
+class FrozenJSONObject(Mapping[str, Any]):
+    """An immutable, hashable copy of a JSON object: nested objects frozen too, arrays as tuples.
+
+    Iteration follows the insertion order of the copied mapping. Equality and hash follow the
+    ``JSON.stringify`` text, which is all a namespace can see: ``{"a": 1}`` equals ``{"a": 1.0}`` but not
+    ``{"a": True}``, and key order matters (except that array-index keys sort first, as in JavaScript).
+    """
+
+    __slots__ = ("_items", "_json")
+
+    def __init__(self, value: Mapping[str, Any] | None = None, *, where: str = "value") -> None:
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{where} must be a mapping, not {type(value).__name__}")
+        frozen = _freeze(value, where, set(), 0)
+        assert isinstance(frozen, FrozenJSONObject)
+        self._items: dict[str, Any] = frozen._items
+        self._json: str = frozen._json
+
+    @classmethod
+    def _of(cls, items: dict[str, Any], json: str) -> FrozenJSONObject:
+        obj = object.__new__(cls)
+        obj._items = items
+        obj._json = json
+        return obj
+
+    @property
+    def json(self) -> str:
+        """This object as ``JSON.stringify`` writes it."""
+        return self._json
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, FrozenJSONObject):
+            return self._json == other._json
+        if isinstance(other, Mapping):
+            try:
+                return self._json == js_json_dumps(other)
+            except (TypeError, ValueError):
+                return False
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._json)
+
+    def __repr__(self) -> str:
+        return f"FrozenJSONObject({self._json})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenJSONObject, (self.to_dict(),))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A fresh, mutable deep copy (dicts and lists)."""
+        return {key: _thaw(v) for key, v in self._items.items()}
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, FrozenJSONObject):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _freeze(value: Any, where: str, active: set[int], depth: int) -> JSONValue:
+    """A deep, immutable copy of a JSON value; validates as :func:`js_json_dumps` does."""
+    if value is None or value is True or value is False:
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, FrozenJSONObject):
+        return value
+    is_object = isinstance(value, Mapping)
+    if not is_object and not isinstance(value, (list, tuple)):
+        raise TypeError(f"{where}: {type(value).__name__} is not a JSON value")
+    if depth >= _MAX_JSON_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {_MAX_JSON_DEPTH} levels")
+    if id(value) in active:
+        raise ValueError(f"{where}: cyclic structure")
+    active.add(id(value))
+    try:
+        if not is_object:
+            return tuple(_freeze(v, f"{where}[{i}]", active, depth + 1) for i, v in enumerate(value))
+        items: dict[str, Any] = {}
+        for key, v in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: object keys must be str, got {type(key).__name__} {key!r}")
+            items[str.__str__(key)] = _freeze(v, f"{where}.{key}", active, depth + 1)
+        return FrozenJSONObject._of(items, js_json_dumps(items))
+    finally:
+        active.discard(id(value))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KV quantization options, captured when a request is bound
+
+def _check_int(label: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{label} must be an int, not bool")
+    if not isinstance(value, numbers.Integral):
+        raise TypeError(f"{label} must be an int, not {type(value).__name__}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{label} must be >= {minimum}, got {value}")
+    if value > MAX_SAFE_INTEGER:
+        raise ValueError(f"{label} must be at most 2**53 - 1 (JavaScript's largest exact integer), got {value}")
+    return value
+
+
+def _check_optional_int(label: str, value: Any, minimum: int) -> int | None:
+    return None if value is None else _check_int(label, value, minimum)
+
+
+@dataclass(frozen=True)
+class KVLayerConfig:
+    """The KV quantization of one layer (an mlx-bun ``kvConfig`` entry); None means the key is absent.
+
+    ``layer_idx`` >= 0; ``bits`` and ``group_size`` >= 1 when given.
+    """
+
+    layer_idx: int
+    bits: int | None = None
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_idx", _check_int("layer_idx", self.layer_idx, 0))
+        object.__setattr__(self, "bits", _check_optional_int("bits", self.bits, 1))
+        object.__setattr__(self, "group_size", _check_optional_int("group_size", self.group_size, 1))
+
+    @classmethod
+    def from_mapping(cls, entry: Mapping[str, Any], *, where: str = "kvConfig entry") -> KVLayerConfig:
+        """Read ``{layerIdx, bits, groupSize}``; other keys are dropped (mlx-bun's capture drops them too).
+
+        ``layerIdx`` is required. An explicit ``None`` for bits or groupSize is refused: mlx-bun would write
+        ``null`` into the namespace, which differs from leaving the key out, and this type cannot hold both.
+        """
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"{where} must be a mapping with layerIdx, bits, groupSize; not {type(entry).__name__}")
+        if "layerIdx" not in entry:
+            raise ValueError(f"{where}.layerIdx is required")
+        for key in ("bits", "groupSize"):
+            if key in entry and entry[key] is None:
+                raise ValueError(f"{where}.{key} is None; leave the key out instead")
+        return cls(
+            layer_idx=_check_int(f"{where}.layerIdx", entry["layerIdx"], 0),
+            bits=_check_optional_int(f"{where}.bits", entry.get("bits"), 1),
+            group_size=_check_optional_int(f"{where}.groupSize", entry.get("groupSize"), 1),
+        )
+
+
+_SNAKE_CASE_KEYS = {
+    "kv_bits": "kvBits", "kv_group_size": "kvGroupSize", "quantized_kv_start": "quantizedKvStart",
+    "turbo_quant": "turboQuant", "kv_config": "kvConfig",
+}
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    """The KV quantization settings that enter a prefix namespace (mlx-bun ``GenerateOptions`` fields).
+
+    Immutable and hashable: ``turbo_quant`` is held as a :class:`FrozenJSONObject` (a deep copy) and
+    ``kv_config`` as a tuple sorted by ``layer_idx`` (each layer at most once). Two options give the same
+    prefix namespace exactly when they are equal, except that ``kv_group_size`` None and 64 are the same
+    (the namespace writes the default). ``quantized_kv_start`` None and its runtime default are *not* the
+    same (mlx-bun writes ``null``), so do not fill in defaults before capturing.
+
+    Raises TypeError/ValueError naming the field for a wrong type or range: ints only (bool is not an
+    int), ``kv_bits``/``kv_group_size`` >= 1, ``quantized_kv_start`` >= 0, all at most 2**53 - 1.
+    """
+
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    quantized_kv_start: int | None = None
+    turbo_quant: Mapping[str, Any] | None = None
+    kv_config: tuple[KVLayerConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        setter = object.__setattr__
+        setter(self, "kv_bits", _check_optional_int("kv_bits", self.kv_bits, 1))
+        setter(self, "kv_group_size", _check_optional_int("kv_group_size", self.kv_group_size, 1))
+        setter(self, "quantized_kv_start", _check_optional_int("quantized_kv_start", self.quantized_kv_start, 0))
+        setter(self, "turbo_quant", _frozen_turbo_quant("turbo_quant", self.turbo_quant))
+        setter(self, "kv_config", _sorted_layers("kv_config", self.kv_config))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> KVOptions:
+        """Read mlx-bun's camelCase option keys: ``kvBits``, ``kvGroupSize``, ``quantizedKvStart``,
+        ``turboQuant`` and ``kvConfig`` (entries ``{layerIdx, bits, groupSize}``; extra entry keys dropped).
+
+        Other keys (sampling settings and the like) are ignored, except the snake_case spellings of the five
+        above, which are refused rather than silently ignored. None for a top-level key means absent.
+        Errors name the camelCase key (``kvConfig[2].layerIdx``).
+        """
+        if not isinstance(options, Mapping):
+            raise TypeError(f"options must be a mapping, not {type(options).__name__}")
+        for snake, camel in _SNAKE_CASE_KEYS.items():
+            if snake in options:
+                raise ValueError(f"options key {snake!r} is not read; mlx-bun spells it {camel!r}")
+        raw_layers = options.get("kvConfig")
+        if raw_layers is None:
+            raw_layers = ()
+        if not isinstance(raw_layers, (list, tuple)):
+            raise TypeError(f"kvConfig must be a list of {{layerIdx, bits, groupSize}} objects, "
+                            f"not {type(raw_layers).__name__}")
+        layers = [entry if isinstance(entry, KVLayerConfig)
+                  else KVLayerConfig.from_mapping(entry, where=f"kvConfig[{i}]")
+                  for i, entry in enumerate(raw_layers)]
+        return cls(
+            kv_bits=_check_optional_int("kvBits", options.get("kvBits"), 1),
+            kv_group_size=_check_optional_int("kvGroupSize", options.get("kvGroupSize"), 1),
+            quantized_kv_start=_check_optional_int("quantizedKvStart", options.get("quantizedKvStart"), 0),
+            turbo_quant=_frozen_turbo_quant("turboQuant", options.get("turboQuant")),
+            kv_config=_sorted_layers("kvConfig", layers),
+        )
+
+
+def _frozen_turbo_quant(label: str, value: Any) -> FrozenJSONObject | None:
+    if value is None or isinstance(value, FrozenJSONObject):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{label} must be a mapping or None, not {type(value).__name__}")
+    return FrozenJSONObject(value, where=label)
+
+
+def _sorted_layers(label: str, layers: Any) -> tuple[KVLayerConfig, ...]:
+    if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Sequence):
+        raise TypeError(f"{label} must be a sequence of KVLayerConfig, not {type(layers).__name__}")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, KVLayerConfig):
+            raise TypeError(f"{label}[{i}] must be a KVLayerConfig, not {type(layer).__name__} "
+                            f"(KVOptions.from_mapping reads kvConfig dicts)")
+    ordered = tuple(sorted(layers, key=lambda layer: layer.layer_idx))  # stable, like mlx-bun's sort
+    for before, after in zip(ordered, ordered[1:]):
+        if before.layer_idx == after.layer_idx:
+            raise ValueError(f"{label} lists layer {after.layer_idx} more than once")
+    return ordered
+
+
+def capture_options(options: KVOptions | Mapping[str, Any]) -> KVOptions:
+    """Snapshot the KV options when a request is bound (mlx-bun ``captureSpeculativeOptions``).
+
+    A mapping is read with :meth:`KVOptions.from_mapping`: ``kvConfig`` reduced to its three fields and sorted
+    by ``layerIdx``, ``turboQuant`` deep-copied, so later changes to the caller's dicts and lists change nothing.
+    A :class:`KVOptions` is already such a snapshot and is returned unchanged.
+    """
+    if isinstance(options, KVOptions):
+        return options
+    if isinstance(options, Mapping):
+        return KVOptions.from_mapping(options)
+    raise TypeError(f"options must be KVOptions or a mapping, not {type(options).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Namespace strings
+
+def _adapters_text(adapters: str | Sequence[str]) -> str:
+    if isinstance(adapters, str):
+        return adapters
+    if isinstance(adapters, (bytes, bytearray, Mapping)) or not isinstance(adapters, Sequence):
+        raise TypeError(f"adapters must be a str or a sequence of str, not {type(adapters).__name__}")
+    for i, entry in enumerate(adapters):
+        if not isinstance(entry, str):
+            raise TypeError(f"adapters[{i}] must be a str, not {type(entry).__name__}")
+        if not entry or "+" in entry:
+            raise ValueError(f"adapters[{i}] must be non-empty and free of '+', got {entry!r}")
+    return "+".join(adapters)
+
+
+def prefix_namespace(method: str | None, adapters: str | Sequence[str],
+                     options: KVOptions | Mapping[str, Any]) -> str:
+    """The prefix namespace, byte-identical to mlx-bun's ``speculativePrefixNamespace``::
+
+        JSON.stringify({method, adapters, kvBits: kvBits ?? null, kvGroupSize: kvGroupSize ?? 64,
+                        quantizedKvStart: quantizedKvStart ?? null, turboQuant: turboQuant ?? null,
+                        ...(kvConfig.length ? {kvConfig} : {})})
+
+    ``method`` is the drafter namespace; None leaves the key out (JavaScript ``undefined``). ``adapters`` is
+    the adapter namespace string (see :func:`adapter_namespace`); a sequence of entries is joined with
+    ``"+"`` first, which is what mlx-bun's call site passes (its ``string[]`` form would write a JSON array,
+    but no caller uses it). ``options`` are captured first (:func:`capture_options`), so ``kvConfig`` is
+    written sorted, each entry as ``{layerIdx, bits, groupSize}`` with absent fields left out.
+
+    Raises TypeError/ValueError for a non-str method, bad adapters or invalid options.
+    """
+    if method is not None and not isinstance(method, str):
+        raise TypeError(f"method must be a str or None, not {type(method).__name__}")
+    adapters_text = _adapters_text(adapters)
+    captured = capture_options(options)
+    parts = [] if method is None else ['"method":' + _js_quote(method)]
+    parts.append('"adapters":' + _js_quote(adapters_text))
+    parts.append('"kvBits":' + _int_or_null(captured.kv_bits))
+    group_size = captured.kv_group_size
+    parts.append('"kvGroupSize":' + str(DEFAULT_KV_GROUP_SIZE if group_size is None else group_size))
+    parts.append('"quantizedKvStart":' + _int_or_null(captured.quantized_kv_start))
+    turbo = captured.turbo_quant
+    parts.append('"turboQuant":' + ("null" if turbo is None else js_json_dumps(turbo)))
+    if captured.kv_config:
+        parts.append('"kvConfig":[' + ",".join(_layer_json(layer) for layer in captured.kv_config) + "]")
+    return "{" + ",".join(parts) + "}"
+
+
+def _int_or_null(value: int | None) -> str:
+    return "null" if value is None else str(value)  # safe integers: str() is JavaScript's formatting
+
+
+def _layer_json(layer: KVLayerConfig) -> str:
+    text = '{"layerIdx":' + str(layer.layer_idx)
+    if layer.bits is not None:
+        text += ',"bits":' + str(layer.bits)
+    if layer.group_size is not None:
+        text += ',"groupSize":' + str(layer.group_size)
+    return text + "}"
+
+
+_SCHEMA_NAME = re.compile("[a-z0-9-]+-v[0-9]+")
+_HEX64 = re.compile("[0-9a-f]{64}")
+
+
+def _check_hex64(label: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{label} must be a str of 64 lowercase hex digits, not {type(value).__name__}")
+    if not _HEX64.fullmatch(value):
+        raise ValueError(f"{label} must be 64 lowercase hex digits, got {value!r}")
+    return value
+
+
+def drafter_namespace(schema: str, artifact_identity: str) -> str:
+    """``<schema>:<artifact identity>``, e.g. ``gemma-assistant-v1:<64 hex>`` (mlx-bun ``checkpointNamespace``).
+
+    ``schema`` must look like a versioned schema name (``[a-z0-9-]+-v<digits>``); ``artifact_identity`` is the
+    64-lowercase-hex digest of the drafter's files. Raises TypeError/ValueError otherwise.
+    """
+    if not isinstance(schema, str):
+        raise TypeError(f"schema must be a str, not {type(schema).__name__}")
+    if not _SCHEMA_NAME.fullmatch(schema):
+        raise ValueError(f"schema must look like 'name-v1' ([a-z0-9-]+-v<digits>), got {schema!r}")
+    return f"{schema}:{_check_hex64('artifact_identity', artifact_identity)}"
+
+
+def ngram_namespace(max_n: int = 3, min_n: int = 1) -> str:
+    """``ngram-history-v1:<max_n>:<min_n>`` (mlx-bun defaults 3 and 1); requires ints with 1 <= min_n <= max_n."""
+    max_n = _check_int("max_n", max_n, 1)
+    min_n = _check_int("min_n", min_n, 1)
+    if min_n > max_n:
+        raise ValueError(f"min_n must be <= max_n, got min_n={min_n}, max_n={max_n}")
+    return f"ngram-history-v1:{max_n}:{min_n}"
+
+
+def adapter_namespace(adapters: Sequence[tuple[str, str]]) -> str:
+    """``id@revision`` per mounted adapter, joined with ``+`` in the order given; ``""`` for the base model.
+
+    Order is kept (mlx-bun ``AdapterManager.cacheNamespace`` maps the ids as listed). Ids and revisions must be
+    non-empty strs free of ``@`` and ``+``, so the string splits back unambiguously. Raises TypeError/ValueError.
+    """
+    if isinstance(adapters, (str, bytes, Mapping)) or not isinstance(adapters, Sequence):
+        raise TypeError(f"adapters must be a sequence of (id, revision) pairs, not {type(adapters).__name__}")
+    parts = []
+    for i, pair in enumerate(adapters):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"adapters[{i}] must be an (id, revision) pair, got {pair!r}")
+        for label, text in (("id", pair[0]), ("revision", pair[1])):
+            if not isinstance(text, str):
+                raise TypeError(f"adapters[{i}] {label} must be a str, not {type(text).__name__}")
+            if not text or "@" in text or "+" in text:
+                raise ValueError(f"adapters[{i}] {label} must be non-empty and free of '@' and '+', got {text!r}")
+        parts.append(f"{pair[0]}@{pair[1]}")
+    return "+".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The store key of a prefix namespace
+
+_NAMESPACE_KEY_DOMAIN = b"spec-cache/namespace-key/v1\x00"
+
+
+def _frame(tag: bytes, data: bytes) -> bytes:
+    return bytes([len(tag)]) + tag + len(data).to_bytes(8, "little") + data
+
+
+def _utf8(label: str, text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{label} is not encodable as UTF-8 (it holds a lone surrogate)") from None
+
+
+def namespace_key(target_identity: str, prefix_namespace: str, tenant: str | bytes | None = None) -> bytes:
+    """The 32-byte store key of a prefix namespace under one target model and tenant::
+
+        blake3(b"spec-cache/namespace-key/v1\\0" + frame(b"target", target_identity)
+               + frame(b"prefix", prefix_namespace)
+               + (frame(b"tenant", tenant) if tenant is not None else frame(b"shared", b"")))
+
+    with ``frame(tag, data) = u8 len(tag) + tag + u64le len(data) + data`` and strings UTF-8 encoded. Every
+    field is framed, so no tenant salt can be mistaken for part of the namespace or an adapter id. A str
+    tenant is its UTF-8 bytes (``"a"`` and ``b"a"`` are the same tenant); ``""`` is a tenant, distinct from None
+    (shared). Raises ValueError unless ``target_identity`` is 64 lowercase hex; TypeError for wrong types.
+    """
+    _check_hex64("target_identity", target_identity)
+    if not isinstance(prefix_namespace, str):
+        raise TypeError(f"prefix_namespace must be a str, not {type(prefix_namespace).__name__}")
+    if tenant is None:
+        tail = _frame(b"shared", b"")
+    elif isinstance(tenant, str):
+        tail = _frame(b"tenant", _utf8("tenant", tenant))
+    elif isinstance(tenant, (bytes, bytearray, memoryview)):
+        tail = _frame(b"tenant", bytes(tenant))
+    else:
+        raise TypeError(f"tenant must be a str, bytes or None, not {type(tenant).__name__}")
+    message = (_NAMESPACE_KEY_DOMAIN + _frame(b"target", target_identity.encode("ascii"))
+               + _frame(b"prefix", _utf8("prefix_namespace", prefix_namespace)) + tail)
+    return blake3.blake3(message).digest()
+
+
+def namespace_key_hex(target_identity: str, prefix_namespace: str, tenant: str | bytes | None = None) -> str:
+    """:func:`namespace_key` as 64 lowercase hex digits."""
+    return namespace_key(target_identity, prefix_namespace, tenant).hex()

@@ -1,0 +1,763 @@
+"""Tests for spec_cache.namespace: golden vectors, a node oracle for JSON.stringify, stability, isolation."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import pickle
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spec_cache import namespace as ns_module
+from spec_cache.namespace import (
+    FrozenJSONObject,
+    KVLayerConfig,
+    KVOptions,
+    adapter_namespace,
+    capture_options,
+    drafter_namespace,
+    js_json_dumps,
+    js_number_to_string,
+    namespace_key,
+    namespace_key_hex,
+    ngram_namespace,
+    prefix_namespace,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "namespaces.json"
+REPO_ROOT = Path(ns_module.__file__).resolve().parents[1]
+NODE = shutil.which("node")
+needs_node = pytest.mark.skipif(NODE is None, reason="node is not installed (the JSON.stringify oracle)")
+
+T1 = hashlib.sha256(b"target-one").hexdigest()
+T2 = hashlib.sha256(b"target-two").hexdigest()
+
+# ---------------------------------------------------------------------------------------------------------
+# The oracle: mlx-bun's two functions, verbatim, run by node. One process per test session, JSON lines.
+
+ORACLE_JS = r"""
+const readline = require("readline");
+const SENTINELS = { "\u0000NaN": NaN, "\u0000Infinity": Infinity, "\u0000-Infinity": -Infinity };
+const revive = (k, v) =>
+  (typeof v === "string" && Object.prototype.hasOwnProperty.call(SENTINELS, v)) ? SENTINELS[v] : v;
+
+// mlx-bun src/spec/cache-identity.ts (0.5.0), types removed
+function captureSpeculativeOptions(options) {
+  return { ...options,
+    ...(options.kvConfig ? { kvConfig: options.kvConfig.map(({ layerIdx, bits, groupSize }) =>
+      ({ layerIdx, bits, groupSize })).sort((a, b) => a.layerIdx - b.layerIdx) } : {}),
+    ...(options.turboQuant ? { turboQuant: { ...options.turboQuant } } : {}),
+  };
+}
+function speculativePrefixNamespace(method, adapters, options) {
+  return JSON.stringify({ method, adapters, kvBits: options.kvBits ?? null,
+    kvGroupSize: options.kvGroupSize ?? 64, quantizedKvStart: options.quantizedKvStart ?? null,
+    turboQuant: options.turboQuant ?? null,
+    ...(options.kvConfig?.length ? { kvConfig: options.kvConfig } : {}),
+  });
+}
+
+const rl = readline.createInterface({ input: process.stdin, crlfDelay: Infinity });
+rl.on("line", (line) => {
+  const req = JSON.parse(line, revive);
+  let out;
+  if (req.op === "namespace") {
+    out = speculativePrefixNamespace(req.method === null ? undefined : req.method, req.adapters,
+      captureSpeculativeOptions(req.options));
+  } else if (req.op === "stringify") {
+    out = JSON.stringify(req.value);
+  } else if (req.op === "numbers") {
+    out = req.values.map(String);
+  } else {
+    out = { error: "unknown op " + req.op };
+  }
+  process.stdout.write(JSON.stringify(out) + "\n");
+});
+"""
+
+_NONFINITE = {"nan": "\u0000NaN", "inf": "\u0000Infinity", "-inf": "\u0000-Infinity"}
+
+
+def to_oracle(value: Any) -> Any:
+    """A JSON-safe copy for node: floats travel as repr (exact), non-finite floats as sentinel strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _NONFINITE[repr(value)]
+    if isinstance(value, dict):
+        return {key: to_oracle(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_oracle(v) for v in value]
+    return value
+
+
+class Oracle:
+    def __init__(self, node: str) -> None:
+        self.proc = subprocess.Popen([node, "-e", ORACLE_JS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, encoding="utf-8", bufsize=1)
+
+    def ask(self, request: dict[str, Any]) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request, ensure_ascii=True, allow_nan=False) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "node oracle died"
+        return json.loads(line)
+
+    def namespace(self, method: str | None, adapters: str, options: dict[str, Any]) -> str:
+        return self.ask({"op": "namespace", "method": method, "adapters": adapters, "options": to_oracle(options)})
+
+    def stringify(self, value: Any) -> str:
+        return self.ask({"op": "stringify", "value": to_oracle(value)})
+
+    def numbers(self, values: list[float | int]) -> list[str]:
+        return self.ask({"op": "numbers", "values": to_oracle(values)})
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    if NODE is None:
+        pytest.skip("node is not installed (the JSON.stringify oracle)")
+    running = Oracle(NODE)
+    yield running
+    running.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Strategies
+
+SPECIAL_CHARS = ['"', "\\", "/", "\x00", "\x08", "\x0b", "\x1f", "\x7f", "\x80", "\u2028", "\u2029", "é", "日",
+                 "😀", "\ud800", "\udbff", "\udc00", "\udfff", "\ud83d", "\ude00", "\ufeff", "\uffff", "1", "a"]
+chars = st.one_of(st.characters(exclude_categories=()), st.sampled_from(SPECIAL_CHARS))
+texts = st.text(chars, max_size=12)
+keys = st.one_of(
+    texts,
+    st.integers(0, 2**33).map(str),
+    st.sampled_from(["0", "00", "01", "-1", "-0", "1.0", "1e3", " 1", "+1", "4294967294", "4294967295",
+                     "9007199254740993", "__proto__", "constructor", ""]),
+)
+
+
+def _bits_to_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    st.integers(0, 2**64 - 1).map(_bits_to_float),
+    st.sampled_from([0.0, -0.0, 100.0, 1e21, 1e-7, 1e-6, 0.1, 5e-324, 1.7976931348623157e308, 1e20, 9.5e20,
+                     123456789012345680000.0, 2.0**53, 2.0**53 + 2, -1.5e-7, 0.000001234]),
+)
+ints = st.one_of(
+    st.integers(-(2**60), 2**60),
+    st.integers(-(2**1100), 2**1100),
+    st.sampled_from([2**53, 2**53 + 1, 10**21, 10**21 - 1, 2**1024 - 2**970, 2**1024 - 2**970 - 1,
+                     -(2**1024), 123456789012345678901]),
+)
+json_leaves = st.one_of(st.none(), st.booleans(), ints, floats, texts)
+
+
+def _js_distinct_keys(d: dict) -> bool:
+    return len({ns_module._js_string(k) for k in d}) == len(d)
+
+
+json_values = st.recursive(
+    json_leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(keys, children, max_size=5).filter(_js_distinct_keys),
+    ),
+    max_leaves=14,
+)
+json_objects = st.dictionaries(keys, json_values, max_size=6).filter(_js_distinct_keys)
+
+safe_ints = st.one_of(st.integers(1, 16), st.integers(1, ns_module.MAX_SAFE_INTEGER))
+layer_entries = st.fixed_dictionaries(
+    {"layerIdx": st.integers(0, 200)},
+    optional={"bits": safe_ints, "groupSize": safe_ints, "extra": json_leaves},
+)
+options_mappings = st.fixed_dictionaries(
+    {},
+    optional={
+        "kvBits": st.none() | safe_ints,
+        "kvGroupSize": st.none() | safe_ints,
+        "quantizedKvStart": st.none() | st.integers(0, 10_000) | st.just(ns_module.MAX_SAFE_INTEGER),
+        "turboQuant": st.none() | json_objects,
+        "kvConfig": st.none() | st.lists(layer_entries, max_size=6, unique_by=lambda e: e["layerIdx"]),
+        "temperature": floats,  # not a KV key: ignored
+        "maxTokens": st.integers(0, 100),
+    },
+)
+methods = st.one_of(
+    st.none(),
+    texts,
+    st.just("ngram-history-v1:3:1"),
+    st.builds(lambda s, h: f"{s}:{h}", st.sampled_from(["gemma-assistant-v1", "qwen-mtp-v1"]),
+              st.binary(min_size=32, max_size=32).map(bytes.hex)),
+)
+adapter_texts = st.one_of(st.just(""), texts, st.lists(texts.filter(lambda t: t and "+" not in t), min_size=1,
+                                                         max_size=3).map("+".join))
+
+oracle_settings = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Golden vectors: the public contract. The file never changes; the code must match it.
+
+def _golden_cases() -> list[dict[str, Any]]:
+    return json.loads(GOLDEN.read_text(encoding="ascii"))
+
+
+def _golden_tenant(raw: Any) -> str | bytes | None:
+    if isinstance(raw, dict):
+        return bytes.fromhex(raw["bytes_hex"])
+    return raw
+
+
+def _golden_results() -> list[list[str]]:
+    """[namespace, key hex] per golden case, computed by this process."""
+    out = []
+    for case in _golden_cases():
+        text = prefix_namespace(case["method"], case["adapters"], case["options"])
+        out.append([text, namespace_key_hex(case["target_identity"], text, _golden_tenant(case["tenant"]))])
+    return out
+
+
+def test_golden_file_shape():
+    cases = _golden_cases()
+    assert len(cases) >= 40
+    names = [case["name"] for case in cases]
+    assert len(set(names)) == len(names)
+    for case in cases:
+        assert set(case) == {"name", "method", "adapters", "options", "target_identity", "tenant", "namespace",
+                             "namespace_key"}, case["name"]
+
+
+@pytest.mark.parametrize("case", _golden_cases(), ids=lambda case: case["name"])
+def test_golden_vector(case):
+    text = prefix_namespace(case["method"], case["adapters"], case["options"])
+    assert text == case["namespace"]
+    assert prefix_namespace(case["method"], case["adapters"], KVOptions.from_mapping(case["options"])) == text
+    tenant = _golden_tenant(case["tenant"])
+    assert namespace_key_hex(case["target_identity"], text, tenant) == case["namespace_key"]
+    assert namespace_key(case["target_identity"], text, tenant) == bytes.fromhex(case["namespace_key"])
+
+
+@needs_node
+def test_golden_namespaces_agree_with_node(oracle):
+    for case in _golden_cases():
+        adapters = case["adapters"] if isinstance(case["adapters"], str) else "+".join(case["adapters"])
+        assert oracle.namespace(case["method"], adapters, case["options"]) == case["namespace"], case["name"]
+
+
+def test_golden_keys_follow_the_documented_framing():
+    """Recompute every golden key from the formula, independently of the module's helpers."""
+    def frame(tag: bytes, data: bytes) -> bytes:
+        return struct.pack("<B", len(tag)) + tag + struct.pack("<Q", len(data)) + data
+
+    for case in _golden_cases():
+        tenant = _golden_tenant(case["tenant"])
+        tail = frame(b"shared", b"") if tenant is None else frame(
+            b"tenant", tenant.encode("utf-8") if isinstance(tenant, str) else tenant)
+        message = (b"spec-cache/namespace-key/v1\x00" + frame(b"target", case["target_identity"].encode())
+                   + frame(b"prefix", case["namespace"].encode("utf-8")) + tail)
+        assert blake3.blake3(message).hexdigest() == case["namespace_key"], case["name"]
+
+
+def test_blake3_is_the_reference_function():
+    # BLAKE3 spec test vector: the hash of the empty input.
+    assert blake3.blake3(b"").hexdigest() == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bytes are stable across processes and hash seeds
+
+_BATCH_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from spec_cache.namespace import prefix_namespace, namespace_key_hex
+cases = json.load(open(sys.argv[2], encoding="ascii"))
+out = []
+for case in cases:
+    tenant = case["tenant"]
+    if isinstance(tenant, dict):
+        tenant = bytes.fromhex(tenant["bytes_hex"])
+    text = prefix_namespace(case["method"], case["adapters"], case["options"])
+    out.append([text, namespace_key_hex(case["target_identity"], text, tenant)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("seed", ["0", "1", "4242"])
+def test_bytes_stable_across_processes_and_hash_seeds(seed):
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    done = subprocess.run([sys.executable, "-c", _BATCH_SCRIPT, str(REPO_ROOT), str(GOLDEN)], env=env,
+                          capture_output=True, text=True, encoding="utf-8", timeout=60, check=True)
+    assert json.loads(done.stdout) == _golden_results()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# JavaScript number formatting
+
+@pytest.mark.parametrize("value, text", [
+    (100.0, "100"), (-0.0, "0"), (0.0, "0"), (0, "0"), (1e21, "1e+21"), (1e-7, "1e-7"), (1e-6, "0.000001"),
+    (123456789012345680000, "123456789012345680000"), (123456789012345678901, "123456789012345680000"),
+    (0.1, "0.1"), (5e-324, "5e-324"), (1.7976931348623157e308, "1.7976931348623157e+308"),
+    (-1.5e-7, "-1.5e-7"), (1.5, "1.5"), (123.456, "123.456"), (1e20, "100000000000000000000"),
+    (2**53 + 1, "9007199254740992"), (10**21, "1e+21"), (0.000001234, "0.000001234"), (1.234e-7, "1.234e-7"),
+    (2.5e21, "2.5e+21"), (-7, "-7"), (float("nan"), "NaN"), (float("inf"), "Infinity"),
+    (float("-inf"), "-Infinity"), (10**400, "Infinity"), (-(10**400), "-Infinity"),
+])
+def test_js_number_to_string_table(value, text):
+    assert js_number_to_string(value) == text
+
+
+def test_js_number_to_string_refuses_non_numbers():
+    for bad in (True, False, "1", None, [1]):
+        with pytest.raises(TypeError):
+            js_number_to_string(bad)
+
+
+@needs_node
+@oracle_settings
+@given(st.lists(st.one_of(floats, ints), min_size=1, max_size=40))
+def test_js_number_to_string_matches_node(oracle, values):
+    assert [js_number_to_string(v) for v in values] == oracle.numbers(values)
+
+
+@needs_node
+def test_js_number_to_string_matches_node_on_random_bit_patterns(oracle):
+    rng = random.Random(20260701)
+    values: list[float | int] = [_bits_to_float(rng.getrandbits(64)) for _ in range(20_000)]
+    values += [_bits_to_float(rng.getrandbits(52)) for _ in range(2_000)]  # subnormals
+    values += [rng.uniform(-1e22, 1e22) for _ in range(2_000)]
+    values += [rng.randrange(-(2**80), 2**80) for _ in range(2_000)]
+    values += [float(10**e) for e in range(-20, 23)] + [10.0**e for e in range(-330, 309)]
+    assert [js_number_to_string(v) for v in values] == oracle.numbers(values)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# JSON.stringify
+
+def test_js_json_dumps_examples():
+    assert js_json_dumps({}) == "{}"
+    assert js_json_dumps([]) == "[]"
+    assert js_json_dumps({"a": [1, 2.0, None, True, False, "x"]}) == '{"a":[1,2,null,true,false,"x"]}'
+    assert js_json_dumps({"b": 1, "2": 2, "10": 3, "1": 4, "a": 5, "01": 6}) == \
+        '{"1":4,"2":2,"10":3,"b":1,"a":5,"01":6}'
+    assert js_json_dumps({"4294967295": 0, "4294967294": 1, "x": 2}) == '{"4294967294":1,"4294967295":0,"x":2}'
+    assert js_json_dumps("\"\\/\b\f\n\r\t\x00\x1f\x7f") == '"\\"\\\\/\\b\\f\\n\\r\\t\\u0000\\u001f\x7f"'
+    assert js_json_dumps("ñ日😀\u2028") == '"ñ日😀\u2028"'
+    assert js_json_dumps("\ud800|\udfff|\ud83d\ude00") == '"\\ud800|\\udfff|😀"'
+    assert js_json_dumps("\ud83d\ud83d\ude00") == '"\\ud83d😀"'
+    assert js_json_dumps([float("nan"), float("inf"), -0.0, 10**400]) == "[null,null,0,null]"
+
+
+def test_js_json_dumps_refuses_what_json_cannot_hold():
+    with pytest.raises(TypeError, match="set"):
+        js_json_dumps({"a": {1, 2}})
+    with pytest.raises(TypeError, match="keys must be str"):
+        js_json_dumps({1: "a"})
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="cyclic"):
+        js_json_dumps(loop)
+    deep: Any = []
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(ValueError, match="deeper"):
+        js_json_dumps(deep)
+    with pytest.raises(ValueError, match="same JavaScript string"):
+        js_json_dumps({"\ud83d\ude00": 1, "😀": 2})
+
+
+@needs_node
+@oracle_settings
+@given(json_values)
+def test_js_json_dumps_matches_node(oracle, value):
+    assert js_json_dumps(value) == oracle.stringify(value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The prefix namespace
+
+def test_prefix_namespace_defaults():
+    assert prefix_namespace(None, "", KVOptions()) == \
+        '{"adapters":"","kvBits":null,"kvGroupSize":64,"quantizedKvStart":null,"turboQuant":null}'
+    assert prefix_namespace("", "", {}) == \
+        '{"method":"","adapters":"","kvBits":null,"kvGroupSize":64,"quantizedKvStart":null,"turboQuant":null}'
+
+
+def test_prefix_namespace_full():
+    options = {"kvBits": 8, "kvGroupSize": 32, "quantizedKvStart": 0, "turboQuant": {},
+               "kvConfig": [{"layerIdx": 7, "groupSize": 64, "note": "dropped"}, {"layerIdx": 2, "bits": 4}]}
+    assert prefix_namespace("ngram-history-v1:3:1", ["a@r1", "b@r2"], options) == (
+        '{"method":"ngram-history-v1:3:1","adapters":"a@r1+b@r2","kvBits":8,"kvGroupSize":32,'
+        '"quantizedKvStart":0,"turboQuant":{},"kvConfig":[{"layerIdx":2,"bits":4},{"layerIdx":7,"groupSize":64}]}')
+
+
+def test_empty_kv_config_is_left_out_and_empty_turbo_quant_is_an_object():
+    assert '"kvConfig"' not in prefix_namespace(None, "", {"kvConfig": []})
+    assert prefix_namespace(None, "", {"kvConfig": []}) == prefix_namespace(None, "", {})
+    assert '"turboQuant":{}' in prefix_namespace(None, "", {"turboQuant": {}})
+    assert '"turboQuant":null' in prefix_namespace(None, "", {"turboQuant": None})
+
+
+def test_adapter_sequence_is_joined():
+    assert prefix_namespace(None, ["x@1", "y@2"], {}) == prefix_namespace(None, "x@1+y@2", {})
+    assert prefix_namespace(None, [], {}) == prefix_namespace(None, "", {})
+    with pytest.raises(ValueError, match=r"adapters\[1\]"):
+        prefix_namespace(None, ["x@1", "y+z"], {})
+    with pytest.raises(ValueError, match=r"adapters\[0\]"):
+        prefix_namespace(None, [""], {})
+    with pytest.raises(TypeError, match="adapters"):
+        prefix_namespace(None, b"x@1", {})
+    with pytest.raises(TypeError, match=r"adapters\[0\]"):
+        prefix_namespace(None, [1], {})
+    with pytest.raises(TypeError, match="method"):
+        prefix_namespace(b"m", "", {})
+
+
+@needs_node
+@oracle_settings
+@given(methods, adapter_texts, options_mappings)
+def test_prefix_namespace_matches_node(oracle, method, adapters, options):
+    assert prefix_namespace(method, adapters, options) == oracle.namespace(method, adapters, options)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Options: validation, immutability, capture
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"kvBits": True}, TypeError, "kvBits must be an int, not bool"),
+    ({"kvBits": 8.0}, TypeError, "kvBits must be an int, not float"),
+    ({"kvBits": "8"}, TypeError, "kvBits must be an int, not str"),
+    ({"kvBits": 0}, ValueError, "kvBits must be >= 1"),
+    ({"kvGroupSize": -64}, ValueError, "kvGroupSize must be >= 1"),
+    ({"quantizedKvStart": -1}, ValueError, "quantizedKvStart must be >= 0"),
+    ({"quantizedKvStart": 2**53}, ValueError, "quantizedKvStart must be at most"),
+    ({"turboQuant": [8, 3]}, TypeError, "turboQuant must be a mapping"),
+    ({"turboQuant": {"kBits": object()}}, TypeError, r"turboQuant\.kBits"),
+    ({"turboQuant": {3: 8}}, TypeError, "keys must be str"),
+    ({"kvConfig": {"layerIdx": 0}}, TypeError, "kvConfig must be a list"),
+    ({"kvConfig": [3]}, TypeError, r"kvConfig\[0\] must be a mapping"),
+    ({"kvConfig": [{"bits": 4}]}, ValueError, r"kvConfig\[0\]\.layerIdx is required"),
+    ({"kvConfig": [{"layerIdx": 0}, {"layerIdx": -1}]}, ValueError, r"kvConfig\[1\]\.layerIdx must be >= 0"),
+    ({"kvConfig": [{"layerIdx": False}]}, TypeError, r"kvConfig\[0\]\.layerIdx must be an int, not bool"),
+    ({"kvConfig": [{"layerIdx": 1.0}]}, TypeError, r"kvConfig\[0\]\.layerIdx must be an int, not float"),
+    ({"kvConfig": [{"layerIdx": 0, "bits": None}]}, ValueError, r"kvConfig\[0\]\.bits is None"),
+    ({"kvConfig": [{"layerIdx": 0, "groupSize": 0}]}, ValueError, r"kvConfig\[0\]\.groupSize must be >= 1"),
+    ({"kvConfig": [{"layerIdx": 3}, {"layerIdx": 3, "bits": 4}]}, ValueError, "layer 3 more than once"),
+    ({"kv_bits": 8}, ValueError, "'kv_bits' is not read; mlx-bun spells it 'kvBits'"),
+])
+def test_from_mapping_errors_name_the_key(options, error, message):
+    with pytest.raises(error, match=message):
+        KVOptions.from_mapping(options)
+    with pytest.raises(error, match=message):
+        prefix_namespace(None, "", options)
+
+
+def test_dataclass_validation_names_the_field():
+    with pytest.raises(TypeError, match="kv_bits must be an int, not bool"):
+        KVOptions(kv_bits=True)
+    with pytest.raises(ValueError, match="kv_group_size must be >= 1"):
+        KVOptions(kv_group_size=0)
+    with pytest.raises(TypeError, match="turbo_quant must be a mapping"):
+        KVOptions(turbo_quant=3)
+    with pytest.raises(TypeError, match=r"kv_config\[0\] must be a KVLayerConfig"):
+        KVOptions(kv_config=({"layerIdx": 0},))
+    with pytest.raises(ValueError, match="layer_idx must be >= 0"):
+        KVLayerConfig(layer_idx=-2)
+    with pytest.raises(TypeError, match="bits must be an int, not bool"):
+        KVLayerConfig(layer_idx=0, bits=True)
+    with pytest.raises(TypeError, match="options must be KVOptions or a mapping"):
+        capture_options([("kvBits", 8)])
+
+
+def test_from_mapping_reads_camel_case_and_ignores_the_rest():
+    options = KVOptions.from_mapping({
+        "kvBits": 4, "kvGroupSize": 32, "quantizedKvStart": 100, "turboQuant": {"kBits": 8, "vBits": 3},
+        "kvConfig": [{"layerIdx": 9, "bits": 8, "extra": [1]}, {"layerIdx": 1, "groupSize": 128}],
+        "temperature": 0.7, "kvBitz": 3,
+    })
+    assert options == KVOptions(kv_bits=4, kv_group_size=32, quantized_kv_start=100,
+                                turbo_quant={"kBits": 8, "vBits": 3},
+                                kv_config=(KVLayerConfig(1, group_size=128), KVLayerConfig(9, bits=8)))
+    assert [layer.layer_idx for layer in options.kv_config] == [1, 9]
+    assert options.turbo_quant["kBits"] == 8 and list(options.turbo_quant) == ["kBits", "vBits"]
+    assert KVOptions.from_mapping({"kvBits": None, "kvConfig": None, "turboQuant": None}) == KVOptions()
+
+
+def test_options_are_immutable_and_hashable():
+    options = KVOptions(kv_bits=8, turbo_quant={"kBits": 8, "nested": {"a": [1, {"b": 2}]}},
+                        kv_config=[KVLayerConfig(3, 4), KVLayerConfig(1)])
+    assert isinstance(options.kv_config, tuple)
+    assert [layer.layer_idx for layer in options.kv_config] == [1, 3]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.kv_bits = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        options.turbo_quant["kBits"] = 4  # type: ignore[index]
+    nested = options.turbo_quant["nested"]
+    assert isinstance(nested, FrozenJSONObject) and isinstance(nested["a"], tuple)
+    twin = KVOptions(kv_bits=8, turbo_quant={"kBits": 8, "nested": {"a": [1, {"b": 2}]}},
+                     kv_config=[KVLayerConfig(1), KVLayerConfig(3, 4)])
+    assert options == twin and hash(options) == hash(twin)
+    assert {options: "x"}[twin] == "x"
+    assert pickle.loads(pickle.dumps(options)) == options
+    assert copy.deepcopy(options) == options
+    assert options.turbo_quant.to_dict() == {"kBits": 8, "nested": {"a": [1, {"b": 2}]}}
+
+
+def test_turbo_quant_equality_is_json_equality():
+    assert FrozenJSONObject({"a": 1}) == FrozenJSONObject({"a": 1.0})
+    assert FrozenJSONObject({"a": 1}) != FrozenJSONObject({"a": True})
+    assert FrozenJSONObject({"a": 1, "b": 2}) != FrozenJSONObject({"b": 2, "a": 1})
+    assert FrozenJSONObject({"1": 1, "2": 2}) == FrozenJSONObject({"2": 2, "1": 1})  # JS sorts index keys
+    assert FrozenJSONObject({"a": [1]}) == {"a": [1]}
+    assert FrozenJSONObject({"a": [1]}) != {"a": {1}}
+    assert KVOptions(turbo_quant={"k": 1}) != KVOptions(turbo_quant={"k": True})
+
+
+def test_capture_returns_snapshots():
+    options = KVOptions(kv_bits=4)
+    assert capture_options(options) is options
+    caller = {"kvBits": 4, "turboQuant": {"kBits": 8, "list": [1, 2]}, "kvConfig": [{"layerIdx": 2, "bits": 4}]}
+    captured = capture_options(caller)
+    before = prefix_namespace("m", "", captured)
+    caller["kvBits"] = 8
+    caller["turboQuant"]["kBits"] = 2
+    caller["turboQuant"]["list"].append(3)
+    caller["kvConfig"][0]["bits"] = 2
+    caller["kvConfig"].append({"layerIdx": 0})
+    assert prefix_namespace("m", "", captured) == before
+    assert captured.turbo_quant.to_dict() == {"kBits": 8, "list": [1, 2]}
+
+
+def _mutate_everything(value: Any, rng: random.Random) -> None:
+    """Change every dict and list reachable from ``value``, in place."""
+    if isinstance(value, dict):
+        children = list(value.values())
+        for key in list(value):
+            if rng.random() < 0.5:
+                value[key] = "mutated"
+        value["\x00mutated"] = [1]
+        if "layerIdx" in value:
+            value["layerIdx"] = 999_999
+        for child in children:
+            _mutate_everything(child, rng)
+    elif isinstance(value, list):
+        children = list(value)
+        value.reverse()
+        value.append({"layerIdx": 1_000_000, "bits": 2})
+        for child in children:
+            _mutate_everything(child, rng)
+
+
+@settings(max_examples=150, deadline=None)
+@given(options_mappings, st.randoms(use_true_random=False))
+def test_capture_is_immune_to_later_mutation(options, rng):
+    pristine = copy.deepcopy(options)
+    captured = capture_options(options)
+    text = prefix_namespace("m", "", captured)
+    _mutate_everything(options, rng)
+    assert capture_options(captured) is captured
+    assert prefix_namespace("m", "", captured) == text == prefix_namespace("m", "", pristine)
+    assert captured == capture_options(pristine)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Isolation: different options, targets or tenants never share a namespace or key
+
+def _effective(options: KVOptions) -> KVOptions:
+    """Options as the namespace sees them: kv_group_size None is the default 64."""
+    if options.kv_group_size is None:
+        return dataclasses.replace(options, kv_group_size=ns_module.DEFAULT_KV_GROUP_SIZE)
+    return options
+
+
+def test_namespace_is_injective_over_a_grid_of_options():
+    turbos = [None, {}, {"kBits": 8, "vBits": 3}, {"vBits": 3, "kBits": 8}, {"kBits": 8.0, "vBits": 3},
+              {"kBits": True}, {"kBits": 1}, {"kBits": "8"}, {"kBits": [8]}, {"kBits": None}]
+    layer_sets = [(), (KVLayerConfig(0),), (KVLayerConfig(0, 4),), (KVLayerConfig(0, None, 4),),
+                  (KVLayerConfig(0, 4, 64),), (KVLayerConfig(1, 4),), (KVLayerConfig(0, 4), KVLayerConfig(1, 4))]
+    seen: dict[str, KVOptions] = {}
+    count = 0
+    for bits, group, start, turbo, layers in itertools.product(
+            [None, 4, 8], [None, 32, 64], [None, 0, 5000], turbos, layer_sets):
+        options = KVOptions(bits, group, start, turbo, layers)
+        text = prefix_namespace(None, "", options)
+        if text in seen:
+            assert _effective(seen[text]) == _effective(options)
+        else:
+            seen[text] = options
+        count += 1
+    # None and 64 collapse (3 group sizes -> 2); {"kBits": 8} and {"kBits": 8.0} collapse (10 turbos -> 9)
+    assert len(seen) == count * 2 // 3 * 9 // 10
+
+
+@settings(max_examples=300, deadline=None)
+@given(options_mappings, options_mappings)
+def test_distinct_options_give_distinct_namespaces(a, b):
+    first, second = capture_options(a), capture_options(b)
+    same_text = prefix_namespace("m", "", first) == prefix_namespace("m", "", second)
+    assert same_text == (_effective(first) == _effective(second))
+
+
+@settings(max_examples=100, deadline=None)
+@given(options_mappings)
+def test_equal_options_give_equal_namespaces(options):
+    reordered = dict(reversed(list(options.items())))
+    if isinstance(options.get("kvConfig"), list):
+        reordered["kvConfig"] = list(reversed(options["kvConfig"]))
+    assert prefix_namespace(None, "", reordered) == prefix_namespace(None, "", options)
+    assert capture_options(reordered) == capture_options(options)
+    assert hash(capture_options(reordered)) == hash(capture_options(options))
+
+
+def test_method_and_adapters_isolate():
+    texts = {
+        prefix_namespace(None, "", {}),
+        prefix_namespace("", "", {}),
+        prefix_namespace("m", "", {}),
+        prefix_namespace(None, "m", {}),
+        prefix_namespace("m", "a@1", {}),
+        prefix_namespace("m", "a@2", {}),
+        prefix_namespace("m", "a@1+b@1", {}),
+        prefix_namespace("m", "b@1+a@1", {}),
+    }
+    assert len(texts) == 8
+
+
+tenants = st.one_of(st.none(), st.text(max_size=6), st.binary(max_size=6))
+namespaces_text = st.one_of(st.text(max_size=10), st.sampled_from(["", "\x00", "shared", "tenant", '{"a":1}']))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([T1, T2]), namespaces_text, tenants), min_size=2, max_size=60))
+def test_distinct_inputs_give_distinct_keys(triples):
+    def identity(triple):
+        target, text, tenant = triple
+        return target, text, tenant.encode("utf-8") if isinstance(tenant, str) else tenant
+
+    keys: dict[bytes, tuple] = {}
+    for triple in triples:
+        key = namespace_key(*triple)
+        assert len(key) == 32
+        if key in keys:
+            assert identity(keys[key]) == identity(triple)
+        keys[key] = triple
+
+
+def test_framing_keeps_fields_apart():
+    text = prefix_namespace(None, "", {})
+    keys = [
+        namespace_key(T1, text),
+        namespace_key(T1, text, ""),
+        namespace_key(T1, text, "acme"),
+        namespace_key(T1, text + "acme"),
+        namespace_key(T1, text + "acme", ""),
+        namespace_key(T1, text[:-1], text[-1:] + "acme"),
+        namespace_key(T2, text),
+        namespace_key(T1, "", "shared"),
+        namespace_key(T1, "", ""),
+        namespace_key(T1, ""),
+        namespace_key(T1, "\x00"),
+        namespace_key(T1, "", "\x00"),
+    ]
+    assert len(set(keys)) == len(keys)
+    assert namespace_key(T1, text, "") == namespace_key(T1, text, b"")  # a str tenant is its UTF-8 bytes
+    assert namespace_key(T1, text, "acme") == namespace_key(T1, text, b"acme") == namespace_key(T1, text,
+                                                                                              bytearray(b"acme"))
+    assert namespace_key_hex(T1, text, "ü") == namespace_key(T1, text, "ü".encode()).hex()
+
+
+def test_namespace_key_validation():
+    with pytest.raises(ValueError, match="target_identity"):
+        namespace_key(T1.upper(), "x")
+    with pytest.raises(ValueError, match="target_identity"):
+        namespace_key(T1[:-1], "x")
+    with pytest.raises(TypeError, match="target_identity"):
+        namespace_key(bytes.fromhex(T1), "x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="prefix_namespace"):
+        namespace_key(T1, b"x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tenant"):
+        namespace_key(T1, "x", 7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tenant"):
+        namespace_key(T1, "x", "\ud800")
+    # A namespace with a lone surrogate in it is written escaped, so it is always encodable
+    assert len(namespace_key(T1, prefix_namespace("\ud800", "", {}))) == 32
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drafter and adapter namespaces
+
+def test_drafter_namespace():
+    assert drafter_namespace("gemma-assistant-v1", T1) == f"gemma-assistant-v1:{T1}"
+    assert drafter_namespace("dflash2-context-v12", T2) == f"dflash2-context-v12:{T2}"
+    for bad in ["Gemma-assistant-v1", "gemma-assistant", "gemma-assistant-v", "gemma_assistant-v1",
+                "gemma-assistant-v1\n", "-v1", "gemma-assistant-v\u0661"]:
+        with pytest.raises(ValueError, match="schema"):
+            drafter_namespace(bad, T1)
+    for bad in [T1.upper(), T1[:-1], T1 + "0", T1[:-1] + "g", T1 + "\n"]:
+        with pytest.raises(ValueError, match="artifact_identity"):
+            drafter_namespace("qwen-mtp-v1", bad)
+    with pytest.raises(TypeError):
+        drafter_namespace(b"qwen-mtp-v1", T1)  # type: ignore[arg-type]
+
+
+def test_ngram_namespace():
+    assert ngram_namespace() == "ngram-history-v1:3:1"
+    assert ngram_namespace(5, 2) == "ngram-history-v1:5:2"
+    assert ngram_namespace(1, 1) == "ngram-history-v1:1:1"
+    with pytest.raises(ValueError, match="min_n must be <= max_n"):
+        ngram_namespace(2, 3)
+    with pytest.raises(ValueError, match="min_n must be >= 1"):
+        ngram_namespace(3, 0)
+    with pytest.raises(TypeError, match="max_n must be an int, not bool"):
+        ngram_namespace(True, 1)
+    with pytest.raises(TypeError, match="max_n must be an int, not float"):
+        ngram_namespace(3.0, 1)
+
+
+def test_adapter_namespace():
+    assert adapter_namespace([]) == ""
+    assert adapter_namespace([("style", "abc")]) == "style@abc"
+    assert adapter_namespace([("a", "1"), ("b", "2")]) == "a@1+b@2"
+    assert adapter_namespace([("b", "2"), ("a", "1")]) == "b@2+a@1"
+    assert prefix_namespace(None, adapter_namespace([("a", "1"), ("b", "2")]), {}) == \
+        prefix_namespace(None, ["a@1", "b@2"], {})
+    for bad in [("a@b", "1"), ("a+b", "1"), ("", "1"), ("a", ""), ("a", "1+2"), ("a", "1@2")]:
+        with pytest.raises(ValueError, match=r"adapters\[0\]"):
+            adapter_namespace([bad])
+    with pytest.raises(TypeError):
+        adapter_namespace("a@1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"adapters\[0\]"):
+        adapter_namespace([("a", "1", "x")])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"adapters\[1\] id"):
+        adapter_namespace([("a", "1"), (2, "1")])  # type: ignore[list-item]
+
+
+def test_module_does_not_import_mlx():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import spec_cache.namespace; "
+            "print(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(REPO_ROOT)], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip() == "False"
