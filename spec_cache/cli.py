@@ -77,19 +77,28 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def progress_bar(enabled: bool, desc: str, unit: str = "it", unit_scale: bool = False):
-    """A callback ``(done, total)`` drawing a tqdm bar on stderr, or a no-op."""
+def progress_bar(enabled: bool, desc: str, unit: str = "it", unit_scale: bool = False, min_total: int = 0):
+    """A callback ``(done, total)`` drawing a tqdm bar on stderr once ``total >= min_total``, or a no-op."""
     if not enabled:
         return None, lambda: None
-    from tqdm import tqdm
-
-    bar = tqdm(total=0, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr, leave=False)
+    state = {"bar": None}
 
     def update(done: int, total: int):
+        bar = state["bar"]
+        if bar is None:
+            if total < min_total:
+                return
+            from tqdm import tqdm
+            bar = state["bar"] = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
+                                      leave=False)
         if bar.total != total:
             bar.total = total
         bar.update(done - bar.n)
-    return update, bar.close
+
+    def close():
+        if state["bar"] is not None:
+            state["bar"].close()
+    return update, close
 
 
 def _emit(args, obj, human: str) -> None:
@@ -100,7 +109,7 @@ def _open_store(args, *, write: bool = False):
     from store import Store, StoreError
 
     path = args.cache
-    if not write and not os.path.exists(os.path.join(path, "data.mdb")):
+    if not os.path.exists(os.path.join(path, "data.mdb")):  # never create a store just to inspect or evict it
         raise CliError(f"no spec-cache store at {path} (set --cache or SPEC_CACHE_DIR)")
     try:
         return Store.open(path, readonly=not write)
@@ -170,7 +179,8 @@ def cmd_verify(args) -> int:
     human = (f"{d['records']} records: {d['ok']} ok, {d['corrupt']} corrupt, {d['unknown_schema']} unknown schema"
              + "".join(f"\n  corrupt {r['db']} {r['key'][:16]}: {r['error']}" for r in d["corrupt_keys"]))
     _emit(args, d, human)
-    return EXIT_PROBLEMS if d["corrupt"] or d["unknown_schema"] else EXIT_OK
+    # unknown schemas are not damage (a newer spec-cache may share this store): reported, exit 0
+    return EXIT_PROBLEMS if d["corrupt"] else EXIT_OK
 
 
 def cmd_evict(args) -> int:
@@ -212,7 +222,8 @@ def cmd_gc(args) -> int:
 def cmd_identity(args) -> int:
     from spec_cache.identity import ModelDirError, model_identity
 
-    update, close = progress_bar(not args.json and sys.stderr.isatty(), "hashing", "B", True)
+    update, close = progress_bar(not args.json and sys.stderr.isatty(), "hashing", "B", True,
+                                 min_total=256 << 20)  # a bar only where hashing takes a noticeable time
     memo = None
     store = None
     if args.cache_memo and os.path.exists(os.path.join(args.cache, "data.mdb")):
@@ -289,14 +300,15 @@ def main(argv: list[str] | None = None) -> int:
         args.json = getattr(args, "json", False)
         return args.fn(args)
     except CliError as exc:
-        print(f"spec-cache: error: {exc}", file=sys.stderr)
+        print(f"spec-cache: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as exc:  # store errors, unreadable files: one line, never a traceback
+        if os.environ.get("SPEC_CACHE_DEBUG"):
+            raise
         from store import StoreError
-        if isinstance(exc, (StoreError, OSError)):
-            print(f"spec-cache: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        raise
+        message = str(exc) if isinstance(exc, (StoreError, OSError)) else f"{type(exc).__name__}: {exc}"
+        print(f"spec-cache: error: {' '.join(message.split())}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("spec-cache: interrupted", file=sys.stderr)
         return 130
