@@ -1,0 +1,89 @@
+"""mlx-lm caches survive store round trips bit-identically, and SpecCache turns failures into misses."""
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from schemas import CheckpointAttachment, DraftRowCheckpoint, NGRAM_HISTORY_V1
+from spec_cache.cache import CacheWarning, SpecCache
+from spec_cache.cache_state import from_layer_state, layer_state
+
+TARGET = "ab" * 32
+
+
+def kv(n, dtype=mx.float32, seed=0):
+    mx.random.seed(seed)
+    c = KVCache()
+    c.update_and_fetch(mx.random.normal((1, 2, n, 64)).astype(dtype), mx.random.normal((1, 2, n, 64)).astype(dtype))
+    return c
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and bool(mx.array_equal(a, b).item())
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_kv_round_trip_slices_padding_away(dtype):
+    c = kv(10, dtype)
+    layer = layer_state(c)
+    assert layer.kind == "kv" and layer.tensors[0].shape == (1, 2, 10, 64)  # not the 256-step buffer
+    r = from_layer_state(layer)
+    assert r.offset == 10 and same(r.keys, c.keys[..., :10, :]) and same(r.values, c.values[..., :10, :])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_round_trip(bits):
+    q = kv(7).to_quantized(group_size=64, bits=bits)
+    r = from_layer_state(layer_state(q))
+    assert (r.bits, r.group_size, r.offset) == (bits, 64, 7)
+    for a, b in zip((*q.keys, *q.values), (*r.keys, *r.values)):
+        assert same(a[..., :7, :], b)
+
+
+def test_rotating_and_arrays_round_trip():
+    rot = RotatingKVCache(max_size=8, keep=2)
+    for i in range(12):
+        rot.update_and_fetch(mx.full((1, 2, 1, 64), float(i)), mx.full((1, 2, 1, 64), -float(i)))
+    r = from_layer_state(layer_state(rot))
+    assert r.state[2:] == rot.state[2:] and same(r.keys, rot.keys)
+    arr = ArraysCache(3)
+    arr[0] = mx.arange(6, dtype=mx.float32).reshape(1, 2, 3)
+    arr[2] = mx.ones((1, 4))
+    r = from_layer_state(layer_state(arr))
+    assert r.cache[1] is None and same(r.cache[0], arr.cache[0]) and same(r.cache[2], arr.cache[2])
+
+
+def test_spec_cache_save_restore_with_drafter(tmp_path):
+    tokens = list(range(40))
+    caches = [kv(40, seed=i) for i in range(3)]
+    history = CheckpointAttachment(NGRAM_HISTORY_V1, {"max": 3, "min": 1}, (mx.array(tokens, dtype=mx.int32),))
+    cp = DraftRowCheckpoint(40, history)
+    with SpecCache.open(tmp_path / "c", chunk_tokens=16) as cache:
+        ns = cache.namespace(TARGET, '{"adapters":""}')
+        assert cache.save(ns, tokens, caches, drafter_namespace="ngram-history-v1:3:1", draft_checkpoint=cp)
+    with SpecCache.open(tmp_path / "c") as cache:
+        ns = cache.namespace(TARGET, '{"adapters":""}')
+        hit = cache.restore(ns, tokens + [7, 8], drafter_namespace="ngram-history-v1:3:1")
+        assert hit.length == 40 and hit.draft_checkpoint.processed_tokens == 40
+        assert same(hit.draft_checkpoint.attachment.tensors[0], history.tensors[0])
+        for a, b in zip(caches, hit.caches):
+            assert same(a.keys[..., :40, :], b.keys) and same(a.values[..., :40, :], b.values)
+        other = cache.namespace(TARGET, '{"adapters":"x@1"}')
+        assert cache.restore(other, tokens + [1]) is None
+
+
+def test_spec_cache_failures_are_warnings_not_crashes(tmp_path):
+    with SpecCache.open(tmp_path / "c", max_bytes=1000) as cache:
+        ns = cache.namespace(TARGET, "p")
+        with pytest.warns(CacheWarning, match="not stored"):
+            assert cache.save(ns, list(range(40)), [kv(40)]) is None  # over the byte budget
+        bad = DraftRowCheckpoint(3, CheckpointAttachment(NGRAM_HISTORY_V1, {"max": 3, "min": 1},
+                                                         (mx.array([1, 2, 3], dtype=mx.int32),)))
+        with pytest.warns(CacheWarning, match="covers 3 tokens"):
+            assert cache.save(ns, [1, 2], [kv(2)], drafter_namespace="n", draft_checkpoint=bad) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cache.restore(ns, [1, 2, 3]) is None
