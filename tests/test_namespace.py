@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from spec_cache import jsjson
 from spec_cache import namespace as ns_module
 from spec_cache.namespace import (
     FrozenJSONObject,
@@ -176,7 +177,7 @@ json_leaves = st.one_of(st.none(), st.booleans(), ints, floats, texts)
 
 
 def _js_distinct_keys(d: dict) -> bool:
-    return len({ns_module._js_string(k) for k in d}) == len(d)
+    return len({jsjson._js_string(k) for k in d}) == len(d)
 
 
 json_values = st.recursive(
