@@ -1,0 +1,297 @@
+"""Classic two-model speculative decoding: a small standalone mlx-lm model with the target's vocabulary.
+
+The draft model keeps its own KV (batched exactly like the target's, through :class:`TargetRows`). Its row
+checkpoint is those caches, schema ``standalone-draft-v1``, written through the ``spec-cache-kv-v1`` cache codec:
+one header per draft layer ``{"kind": "kv", "offset": N, "tensors": [k, v]}`` (null for an empty layer) and
+K/V sliced to the offset.
+
+Coverage: the draft KV holds the row's tokens up to the target's coverage, or one fewer when every draft of
+the last round was accepted; that last accepted draft is then ``pendingLast`` and is fed first next round (as
+mlx-lm's ``speculative_generate_step`` does).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from schemas import (
+    CACHE_CODECS_V1,
+    STANDALONE_DRAFT_V1,
+    CheckpointAttachment,
+    DraftRowCheckpoint,
+    SchemaError,
+    encode_cache_headers,
+    validate_checkpoint,
+)
+
+from ..rows import (
+    PrefillContext,
+    PreparedStateChange,
+    RoundContext,
+    apply_state_changes,
+    check_checkpoints,
+    check_keep,
+    check_per_row,
+    check_row,
+    to_mx,
+)
+from ..sampling import Sampling, TokenSampler
+from ..target import TargetModel, TargetRows
+
+__all__ = ["DraftModelProvider", "DraftModelRows", "METHOD", "capture_kv_attachment", "restore_kv_caches"]
+
+METHOD = "draft-model"
+ALIGNMENT = "invalid standalone draft checkpoint alignment"
+
+
+def capture_kv_attachment(schema: str, caches: Sequence[KVCache], metadata: dict) -> CheckpointAttachment:
+    """An attachment holding plain KV caches through the ``spec-cache-kv-v1`` codec (K/V sliced to offset)."""
+    tensors: list[mx.array] = []
+    headers: list[dict | None] = []
+    for cache in caches:
+        if type(cache) is not KVCache:
+            raise NotImplementedError(f"cache codec spec-cache-kv-v1 writes plain KVCache layers, got {type(cache).__name__}")
+        offset = int(cache.offset)
+        if offset == 0:
+            headers.append(None)
+            continue
+        headers.append({"kind": "kv", "offset": offset, "tensors": [len(tensors), len(tensors) + 1]})
+        tensors += [cache.keys[..., :offset, :], cache.values[..., :offset, :]]
+    mx.eval(tensors)
+    full = dict(metadata, cacheCodecs=CACHE_CODECS_V1, cacheHeaders=encode_cache_headers(headers))
+    return CheckpointAttachment(schema, full, tuple(tensors))
+
+
+def restore_kv_caches(attachment: CheckpointAttachment) -> list[KVCache]:
+    """Plain ``KVCache`` layers from a validated ``spec-cache-kv-v1`` attachment (null header: empty layer)."""
+    caches = []
+    for header in json.loads(attachment.metadata["cacheHeaders"]):
+        cache = KVCache()
+        if header is not None:
+            k, v = header["tensors"]
+            cache.keys = to_mx(attachment.tensors[k])
+            cache.values = to_mx(attachment.tensors[v])
+            cache.offset = int(header["offset"])
+        caches.append(cache)
+    return caches
+
+
+class DraftModelProvider:
+    """A loaded standalone draft model; opens :class:`DraftModelRows` groups."""
+
+    schema = STANDALONE_DRAFT_V1
+    supports_target_adapters = False
+
+    def __init__(self, model: TargetModel, namespace: str, model_dir: Path | None = None) -> None:
+        self.model = model
+        self.namespace = namespace
+        self.model_dir = model_dir
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "DraftModelProvider":
+        """Load an mlx-lm model directory; namespace ``standalone-draft-v1:<model identity>``."""
+        from ..identity import model_identity
+        from ..namespace import drafter_namespace
+
+        path = Path(model_dir)
+        model = TargetModel.load(path)
+        return cls(model, drafter_namespace(cls.schema, model_identity(path)), path)
+
+    def bind(self, target: TargetModel) -> None:
+        if self.model.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary {self.model.vocab_size} differs from the target's {target.vocab_size}"
+            )
+
+    def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:
+        """Schema rules plus exact alignment with this draft model's layers; raises SchemaError."""
+        validate_checkpoint(checkpoint, expect_schema=self.schema)
+        attachment = checkpoint.attachment
+        headers = json.loads(attachment.metadata["cacheHeaders"])
+        if len(headers) != self.model.num_layers:
+            raise SchemaError(
+                self.schema, "metadata.cacheHeaders",
+                f"{len(headers)} layer headers for a {self.model.num_layers}-layer draft model",
+            )
+        pending = attachment.metadata["pendingLast"]
+        covered = checkpoint.processed_tokens - (0 if pending is False else 1)
+        if covered < 0:
+            raise SchemaError(self.schema, "metadata.pendingLast", f"{ALIGNMENT}: a pending token with no tokens processed")
+        for layer, header in enumerate(headers):
+            field = f"metadata.cacheHeaders[{layer}]"
+            offset = 0 if header is None else header["offset"]
+            if offset != covered:
+                raise SchemaError(self.schema, f"{field}.offset", f"{ALIGNMENT}: layer holds {offset} tokens, expected {covered}")
+            if header is None:
+                continue
+            if header["kind"] != "kv":
+                raise SchemaError(self.schema, f"{field}.kind", f"only kv layers are supported, got {header['kind']!r}")
+            shape = tuple(attachment.tensors[header["tensors"][0]].shape)
+            geometry = self.model.kv_geometry(layer)
+            if (shape[1], shape[3]) != geometry:
+                raise SchemaError(
+                    self.schema, f"tensors[{header['tensors'][0]}].shape",
+                    f"K/V of {shape[1]} heads x {shape[3]} do not fit draft layer {layer} ({geometry[0]} x {geometry[1]})",
+                )
+
+    def open_prefill(self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None]) -> "DraftModelRows":
+        return DraftModelRows(self, target, checkpoints, Sampling())
+
+    def open(
+        self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None], sampling: Sampling | None = None
+    ) -> "DraftModelRows":
+        return DraftModelRows(self, target, checkpoints, sampling or Sampling())
+
+
+class DraftModelRows:
+    """Draft rows of a standalone draft model: its batched KV, plus per row the coverage and ``pendingLast``."""
+
+    prefill_needs_target_hidden = False
+
+    def __init__(
+        self,
+        provider: DraftModelProvider,
+        target: TargetRows,
+        checkpoints: Sequence[DraftRowCheckpoint | None],
+        sampling: Sampling,
+    ) -> None:
+        provider.bind(target.model)
+        self.provider = provider
+        self.namespace = provider.namespace
+        self.schema = provider.schema
+        self.supports_target_adapters = provider.supports_target_adapters
+        self._sampler = TokenSampler(sampling, stream=1)
+        self._rows = TargetRows(provider.model)
+        self._processed: list[int] = []
+        self._pending_last: list[int | None] = []
+        self._fed = 0  # tokens per row the last draft() appended to the draft KV
+        self.append(checkpoints)
+
+    @property
+    def row_count(self) -> int:
+        return len(self._processed)
+
+    @property
+    def processed(self) -> tuple[int, ...]:
+        return tuple(self._processed)
+
+    def append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
+        apply_state_changes([lambda: self.prepare_append(checkpoints)])
+
+    def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
+        check_checkpoints(checkpoints, self.provider.validate_checkpoint)
+        joining = TargetRows.from_row_caches(
+            self.provider.model, [None if cp is None else restore_kv_caches(cp.attachment) for cp in checkpoints]
+        )
+        rows_change = self._rows.prepare_append(joining)
+        processed = self._processed + [0 if cp is None else cp.processed_tokens for cp in checkpoints]
+        pending = self._pending_last + [_pending_of(cp) for cp in checkpoints]
+
+        def put(state: tuple) -> None:
+            self._processed, self._pending_last = state
+
+        counts = PreparedStateChange.swap(lambda: (self._processed, self._pending_last), put, (processed, pending))
+
+        def commit() -> None:
+            rows_change.commit()
+            counts.commit()
+
+        def dispose() -> None:
+            rows_change.dispose()
+            counts.dispose()
+
+        return PreparedStateChange(commit, dispose)
+
+    def prefill(self, tokens_per_row: Sequence[Sequence[int]], context: PrefillContext | None) -> None:
+        """Forward the draft model over each row's missing tokens (after its ``pendingLast``, if any)."""
+        check_per_row(tokens_per_row, self.row_count, "token list")
+        feed = []
+        for row, tokens in enumerate(tokens_per_row):
+            last = self._pending_last[row]
+            feed.append(([] if last is None or not tokens else [last]) + list(tokens))
+        if not any(feed):
+            return
+        self._rows.prefill(feed)
+        for row, tokens in enumerate(tokens_per_row):
+            if tokens:
+                self._processed[row] += len(tokens)
+                self._pending_last[row] = None
+
+    def materialize(self) -> None:
+        self._rows.materialize()
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        keep = check_keep(keep, self.row_count)
+        self._rows.filter_rows(keep)
+        if not keep:
+            self.dispose()
+            return
+        self._processed = [self._processed[row] for row in keep]
+        self._pending_last = [self._pending_last[row] for row in keep]
+
+    def capture(self, row: int) -> DraftRowCheckpoint:
+        check_row(row, self.row_count)
+        processed, pending = self._processed[row], self._pending_last[row]
+        metadata = {"processedTokens": processed, "pendingLast": False if pending is None else pending}
+        attachment = capture_kv_attachment(self.schema, self._rows.extract(row), metadata)
+        return DraftRowCheckpoint(processed, attachment)
+
+    def draft(self, pending: Sequence[int], depth: int) -> list[list[int]]:
+        """Feed ``pendingLast`` + pending, then chain ``depth`` greedy/sampled steps of the draft model.
+
+        At depth 0 the pending token is still fed so the draft KV keeps up with the target.
+        """
+        check_per_row(pending, self.row_count, "pending token")
+        if not pending:
+            return []
+        model = self.provider.model
+        feed = [([] if last is None else [last]) + [token] for last, token in zip(self._pending_last, pending)]
+        context = self._rows.prefill(feed)
+        self._pending_last = [None] * self.row_count
+        self._fed = 1
+        if depth <= 0:
+            return [[] for _ in pending]
+        ids = self._sampler(model.logits(context.last_hidden)[:, -1, :]).astype(mx.uint32)
+        steps = [ids]
+        for _ in range(depth - 1):
+            out = self._rows.verify(ids[:, None].tolist())
+            self._fed += 1
+            ids = self._sampler(out.logits[:, -1, :]).astype(mx.uint32)
+            steps.append(ids)
+        return mx.stack(steps, axis=1).tolist()
+
+    def commit(self, accepted: Sequence[int], context: RoundContext) -> None:
+        """Keep the fed tokens the target kept; if every fed draft was kept, the last kept one becomes pending."""
+        check_per_row(accepted, self.row_count, "accepted count")
+        trims, pending = [], []
+        for row, kept in enumerate(accepted):
+            if kept < self._fed:
+                trims.append(self._fed - kept - 1)
+                pending.append(None)
+            elif kept == self._fed:  # every fed token was kept; the last kept draft was proposed, never fed
+                trims.append(0)
+                pending.append(int(context.window[row][kept]))
+            else:
+                raise ValueError(f"row {row}: {kept} accepted but only {self._fed} tokens were drafted")
+        self._rows.rollback(trims)
+        self._pending_last = pending
+        self._processed = [p + a + 1 for p, a in zip(self._processed, accepted)]
+        self._fed = 0
+
+    def dispose(self) -> None:
+        self._rows.dispose()
+        self._processed = []
+        self._pending_last = []
+
+
+def _pending_of(checkpoint: DraftRowCheckpoint | None) -> int | None:
+    if checkpoint is None:
+        return None
+    value = checkpoint.attachment.metadata["pendingLast"]
+    return None if value is False else int(value)
+

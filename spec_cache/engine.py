@@ -1,0 +1,339 @@
+"""Batched speculative decoding over rows that join and leave between rounds.
+
+One target forward serves every active row. A round: each row's drafter proposes up to ``draft_depth`` tokens
+after its pending token; the target verifies ``[pending] + drafts`` for all rows in one forward (shorter
+proposals are padded); each row keeps its drafts up to the first disagreement plus the target's own token there,
+and the rejected tail of every row is rolled back exactly (see ``TargetRows``). With greedy sampling the emitted
+tokens are exactly the target's own greedy tokens; the drafter only changes how many come per forward.
+
+Row admission (prefill) is tail-split: the target KV gets ``prompt[:-1]`` (minus what was restored) and the last
+prompt token is the first pending token. Target rows and draft rows join a running group together through
+two-phase state changes, so a failure on either side leaves both as they were.
+
+Persistence hooks: ``on_checkpoint(row_index, tokens, target_caches, draft_checkpoint)`` is called
+
+* at the prompt boundary, after a row's prefill: ``tokens == prompt[:-1]``;
+* when a row finishes (length or EOS): ``tokens == prompt + generated[:-1]`` (the last generated token was never
+  forwarded, so no state covers it).
+
+``target_caches`` are single-row mlx-lm ``KVCache`` objects (one per layer) with ``offset == len(tokens)``, and
+``draft_checkpoint`` the drafter state at the same boundary (None without a provider). Both are owned snapshots.
+A request restored from such a checkpoint (``restored_caches``/``restored_tokens``/``draft_checkpoint``) skips the
+target prefill of the restored part and continues token-identically.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from mlx_lm.models.cache import KVCache
+
+from schemas import DraftRowCheckpoint, SchemaError
+
+from .rows import RoundContext, apply_state_changes
+from .sampling import Sampling, TokenSampler
+from .target import TargetModel, TargetRows, check_kv_options
+
+__all__ = ["RowRequest", "RowResult", "SpeculativeEngine", "CheckpointHook"]
+
+#: ``on_checkpoint(row_index, tokens, target_caches, draft_checkpoint)``
+CheckpointHook = Callable[[int, list, list, "DraftRowCheckpoint | None"], None]
+
+
+@dataclass
+class RowRequest:
+    """One sequence to generate.
+
+    ``restored_caches``: per target layer, single-row mlx-lm caches (``KVCache``) covering
+    ``prompt[:restored_tokens]``; only read, never changed. ``restored_tokens``: ``0 <= n <= len(prompt) - 1``.
+    ``draft_checkpoint``: the drafter state at ``restored_tokens``, or None for a cold drafter row.
+    """
+
+    prompt: list[int]
+    restored_caches: list | None = None
+    restored_tokens: int = 0
+    draft_checkpoint: DraftRowCheckpoint | None = None
+    max_tokens: int = 32
+
+
+@dataclass
+class RowResult:
+    """``tokens``: generated tokens (EOS included when hit). ``cached_tokens``: prompt tokens the target did not
+    forward. ``drafted``/``accepted``: proposals verified / accepted. ``ttft_s``: seconds from ``run`` to the row's
+    first token. ``cancelled``: the row left early through ``cancel``."""
+
+    tokens: list[int]
+    cached_tokens: int
+    drafted: int
+    accepted: int
+    ttft_s: float
+    cancelled: bool = False
+
+
+@dataclass
+class _Row:
+    index: int
+    request: RowRequest
+    tokens: list[int]
+    target_start: int = 0
+    generated: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    ttft_s: float | None = None
+    done: bool = False
+
+    def result(self, cancelled: bool = False) -> RowResult:
+        return RowResult(list(self.generated), self.target_start, self.drafted, self.accepted,
+                         self.ttft_s if self.ttft_s is not None else 0.0, cancelled)
+
+
+def _prefix_cache(cache: KVCache, tokens: int) -> KVCache:
+    """A new KVCache holding the first ``tokens`` of ``cache`` (the caller's cache is not touched)."""
+    prefix = KVCache()
+    if tokens:
+        prefix.keys = cache.keys[..., :tokens, :]
+        prefix.values = cache.values[..., :tokens, :]
+        prefix.offset = tokens
+    return prefix
+
+
+class SpeculativeEngine:
+    """Greedy-exact batched speculative decoding with one target and an optional draft provider.
+
+    ``draft_depth``: proposals per row per round (0: plain decoding through the same path). ``kv``: KV
+    quantization options (``KVOptions``); quantized KV is not supported yet and raises NotImplementedError.
+    ``max_rows``: most rows decoded at once (None: all); waiting rows join as others finish.
+    ``prefill_step_size``: prompt tokens per prefill forward.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        provider: Any = None,
+        draft_depth: int = 4,
+        kv: Any = None,
+        *,
+        max_rows: int | None = None,
+        prefill_step_size: int = 512,
+    ) -> None:
+        check_kv_options(kv)
+        if isinstance(draft_depth, bool) or not isinstance(draft_depth, int) or draft_depth < 0:
+            raise ValueError(f"draft_depth must be an int >= 0, got {draft_depth!r}")
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+            raise ValueError(f"max_rows must be None or an int >= 1, got {max_rows!r}")
+        if isinstance(prefill_step_size, bool) or not isinstance(prefill_step_size, int) or prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be an int >= 1, got {prefill_step_size!r}")
+        if provider is not None and hasattr(provider, "bind"):
+            provider.bind(target)
+        self.target = target
+        self.provider = provider
+        self.draft_depth = draft_depth
+        self.kv = kv
+        self.max_rows = max_rows
+        self.prefill_step_size = prefill_step_size
+
+    def run(
+        self,
+        requests: Sequence[RowRequest],
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        on_checkpoint: CheckpointHook | None = None,
+        cancel: Callable[[int], bool] | None = None,
+    ) -> list[RowResult]:
+        """Generate for every request; results in request order.
+
+        Every request is checked before any model work (ValueError naming the request; SchemaError for a draft
+        checkpoint of the wrong schema or alignment). ``cancel(row_index)`` is asked between rounds for every
+        decoding row; a cancelled row leaves without a finish checkpoint.
+        """
+        start = time.perf_counter()
+        sampling = Sampling(temperature, seed)
+        rows = [self._plan(index, request) for index, request in enumerate(requests)]
+        if not rows:
+            return []
+        return _Run(self, sampling, set(int(t) for t in eos_token_ids), on_checkpoint, cancel, start).execute(rows)
+
+    def _plan(self, index: int, request: RowRequest) -> _Row:
+        where = f"request {index}"
+        prompt = request.prompt
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError(f"{where}: prompt must be a non-empty list of token ids")
+        vocab = self.target.vocab_size
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"{where}: token {token!r} is not an id in [0, {vocab})")
+        max_tokens = request.max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{where}: max_tokens must be an int >= 1, got {max_tokens!r}")
+        restored = request.restored_tokens
+        if isinstance(restored, bool) or not isinstance(restored, int) or not 0 <= restored <= len(prompt) - 1:
+            raise ValueError(f"{where}: restored_tokens must be in [0, {len(prompt) - 1}], got {restored!r}")
+        caches = request.restored_caches
+        if caches is None and restored:
+            raise ValueError(f"{where}: restored_tokens={restored} needs restored_caches")
+        if caches is not None:
+            if len(caches) != self.target.num_layers:
+                raise ValueError(f"{where}: expected {self.target.num_layers} restored layer caches, got {len(caches)}")
+            for layer, cache in enumerate(caches):
+                if type(cache) is not KVCache:
+                    raise NotImplementedError(
+                        f"{where}: restored layer {layer} is a {type(cache).__name__}; only plain KVCache layers are "
+                        "supported in batched speculative rows yet"
+                    )
+                if int(cache.offset) != restored:
+                    raise ValueError(f"{where}: restored layer {layer} holds {cache.offset} tokens, restored_tokens={restored}")
+        checkpoint = request.draft_checkpoint
+        if checkpoint is not None:
+            if self.provider is None:
+                raise ValueError(f"{where}: a draft checkpoint needs a draft provider")
+            self.provider.validate_checkpoint(checkpoint)
+            if checkpoint.processed_tokens != restored:
+                raise SchemaError(
+                    checkpoint.attachment.schema, "processed_tokens",
+                    f"{where}: the draft checkpoint covers {checkpoint.processed_tokens} tokens but the restored "
+                    f"target covers {restored}",
+                )
+        return _Row(index, request, list(prompt))
+
+
+class _Run:
+    """The state of one ``SpeculativeEngine.run``: the running target rows, the draft group, the active rows."""
+
+    def __init__(self, engine: SpeculativeEngine, sampling: Sampling, eos: set[int],
+                 on_checkpoint: CheckpointHook | None, cancel: Callable[[int], bool] | None, start: float) -> None:
+        self.engine = engine
+        self.target = engine.target
+        self.sampler = TokenSampler(sampling, stream=0)
+        self.eos = eos
+        self.on_checkpoint = on_checkpoint
+        self.cancel = cancel
+        self.rows = TargetRows(engine.target)
+        provider = engine.provider
+        self.group = None if provider is None else provider.open(self.rows, [], sampling)
+        self.active: list[_Row] = []
+        self.start = start
+
+    def execute(self, rows: list[_Row]) -> list[RowResult]:
+        results: list[RowResult | None] = [None] * len(rows)
+        waiting = list(rows)
+        try:
+            while waiting or self.active:
+                free = len(waiting) if self.engine.max_rows is None else self.engine.max_rows - len(self.active)
+                if waiting and free > 0:
+                    cohort, waiting = waiting[:free], waiting[free:]
+                    self._admit(cohort)
+                self._round()
+                self._retire(results)
+        finally:
+            if self.group is not None:
+                self.group.dispose()
+            self.rows.dispose()
+        return results  # type: ignore[return-value]
+
+    # -- admission --------------------------------------------------------------------------------------
+    def _admit(self, cohort: list[_Row]) -> None:
+        needs_hidden = self.group is not None and self.group.prefill_needs_target_hidden
+        restored_rows = []
+        for row in cohort:
+            request = row.request
+            start = request.restored_tokens
+            boundary = len(request.prompt) - 1
+            if needs_hidden and request.draft_checkpoint is None and 0 < start == boundary:
+                # A cold drafter row that needs the target hidden of the last prompt token, beside a target
+                # restored up to that token: forward that one token again (its K/V is recomputed identically).
+                start -= 1
+            row.target_start = start
+            restored_rows.append(None if start == 0 else [_prefix_cache(c, start) for c in request.restored_caches])
+        joining = TargetRows.from_row_caches(self.target, restored_rows)
+        checkpoints = [row.request.draft_checkpoint for row in cohort]
+        prefill_group = None if self.group is None else self.engine.provider.open_prefill(joining, checkpoints)
+        try:
+            context = joining.prefill(
+                [row.request.prompt[row.target_start : -1] for row in cohort], step=self.engine.prefill_step_size
+            )
+            captures: list[DraftRowCheckpoint | None] = [None] * len(cohort)
+            if prefill_group is not None:
+                prefill_group.prefill(
+                    [row.request.prompt[_draft_start(row) : -1] for row in cohort], context
+                )
+                prefill_group.materialize()
+                captures = [prefill_group.capture(i) for i in range(len(cohort))]
+            changes = [lambda: self.rows.prepare_append(joining)]
+            if self.group is not None:
+                changes.append(lambda: self.group.prepare_append(captures))
+            apply_state_changes(changes)
+            self.active.extend(cohort)
+            if self.on_checkpoint is not None:
+                for i, row in enumerate(cohort):
+                    self.on_checkpoint(row.index, list(row.request.prompt[:-1]), joining.extract(i), captures[i])
+        finally:
+            if prefill_group is not None:
+                prefill_group.dispose()
+            joining.dispose()
+
+    # -- one verify round -------------------------------------------------------------------------------
+    def _round(self) -> None:
+        active = self.active
+        pending = [row.tokens[-1] for row in active]
+        budgets = [row.request.max_tokens - len(row.generated) for row in active]
+        depth = min(self.engine.draft_depth, max(budget - 1 for budget in budgets))
+        proposals = [[] for _ in active] if self.group is None else self.group.draft(pending, depth)
+        drafts = [list(p[: min(depth, budget - 1)]) for p, budget in zip(proposals, budgets)]
+        width = 1 + max(len(d) for d in drafts)
+        window = [[p] + d + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts)]
+        out = self.rows.verify(window)
+        sampled = self.sampler(out.logits).tolist()
+        now = time.perf_counter() - self.start
+        kept = []
+        for row, draft, choice, budget in zip(active, drafts, sampled, budgets):
+            agree = 0
+            while agree < len(draft) and draft[agree] == choice[agree]:
+                agree += 1
+            emitted = (draft[:agree] + [choice[agree]])[:budget]
+            for position, token in enumerate(emitted):
+                if token in self.eos:
+                    emitted = emitted[: position + 1]
+                    break
+            row.generated += emitted
+            row.tokens += emitted
+            row.drafted += len(draft)
+            row.accepted += min(agree, len(emitted))
+            if row.ttft_s is None:
+                row.ttft_s = now
+            row.done = len(row.generated) >= row.request.max_tokens or emitted[-1] in self.eos
+            kept.append(len(emitted) - 1)
+        self.rows.rollback([width - 1 - k for k in kept])
+        if self.group is not None:
+            self.group.commit(kept, RoundContext(window, out.hidden))
+
+    # -- retirement -------------------------------------------------------------------------------------
+    def _retire(self, results: list) -> None:
+        cancelled = set()
+        if self.cancel is not None:
+            cancelled = {i for i, row in enumerate(self.active) if not row.done and self.cancel(row.index)}
+        leaving = [i for i, row in enumerate(self.active) if row.done or i in cancelled]
+        if not leaving:
+            return
+        for i in leaving:
+            row = self.active[i]
+            held = self.rows.offsets[i]
+            if held != len(row.tokens) - 1:
+                raise RuntimeError(f"row {row.index}: target KV holds {held} tokens, expected {len(row.tokens) - 1}")
+            if self.on_checkpoint is not None and i not in cancelled:
+                draft = None if self.group is None else self.group.capture(i)
+                self.on_checkpoint(row.index, list(row.tokens[:-1]), self.rows.extract(i), draft)
+            results[row.index] = row.result(cancelled=i in cancelled)
+        keep = [i for i in range(len(self.active)) if i not in set(leaving)]
+        self.rows.filter_rows(keep)
+        if self.group is not None:
+            self.group.filter_rows(keep)
+        self.active = [self.active[i] for i in keep]
+
+
+def _draft_start(row: _Row) -> int:
+    checkpoint = row.request.draft_checkpoint
+    return 0 if checkpoint is None else checkpoint.processed_tokens

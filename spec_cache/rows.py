@@ -1,0 +1,243 @@
+"""The grouped-row protocol shared by the target rows and every draft provider.
+
+A speculative group is a set of rows (sequences) that advance together: one target forward serves every row,
+one drafter call proposes for every row. Rows join and leave only *between* committed rounds, and every
+membership change goes through two phases so the target rows and the draft rows can never disagree:
+
+1. each side *prepares* its complete replacement state (:class:`PreparedStateChange`) without touching the
+   live state;
+2. only when every side has prepared does :func:`apply_state_changes` commit them all.
+
+If any preparation fails, everything prepared so far is disposed and the live state is exactly what it was.
+
+Tensor ownership (from mlx-bun): ``open``/``append``/``prepare_append`` *borrow* checkpoints and keep what they
+need as their own arrays; ``capture(row)`` returns an *owned* snapshot the caller may keep after the group moves
+on. MLX arrays are immutable values, so "owned" here means: distinct array objects that no later group
+operation changes.
+
+Token coverage (the tail-split contract every group follows): a row whose sequence is ``tokens`` has the first
+``len(tokens) - 1`` tokens in the target KV; the last one is *pending* (fed at the start of the next round).
+A draft row's ``processed_tokens`` always equals the target row's KV length between rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import mlx.core as mx
+
+    from schemas import DraftRowCheckpoint
+
+    from .sampling import Sampling
+    from .target import TargetRows
+
+__all__ = [
+    "PreparedStateChange",
+    "apply_state_changes",
+    "PrefillContext",
+    "RoundContext",
+    "DraftGroup",
+    "DraftProvider",
+    "check_checkpoints",
+    "check_row",
+    "check_keep",
+    "check_per_row",
+    "to_mx",
+]
+
+
+@dataclass
+class PreparedStateChange:
+    """A built-but-unpublished replacement state.
+
+    ``commit()`` swaps the replacement in (a pure swap: it must not fail) and keeps the superseded state;
+    ``dispose()`` then releases whichever of the two is no longer live (the replacement when never committed,
+    the superseded state after a commit). Both are idempotent.
+    """
+
+    commit: Callable[[], None]
+    dispose: Callable[[], None]
+
+    @staticmethod
+    def swap(get: Callable[[], Any], put: Callable[[Any], None], replacement: Any) -> "PreparedStateChange":
+        """The common case: replace one slot with ``replacement`` on commit."""
+        held = {"value": replacement, "committed": False}
+
+        def commit() -> None:
+            if not held["committed"]:
+                old = get()
+                put(held["value"])
+                held["value"], held["committed"] = old, True
+
+        def dispose() -> None:
+            held["value"] = None
+
+        return PreparedStateChange(commit, dispose)
+
+
+def apply_state_changes(builders: Iterable[Callable[[], PreparedStateChange]]) -> None:
+    """Build every change, then commit all of them; all-or-nothing.
+
+    Each builder returns a :class:`PreparedStateChange` and must not touch live state. If a builder raises, the
+    changes built so far are disposed and the error is re-raised (an ``ExceptionGroup`` "execution and cleanup
+    failed" if a disposal fails too). After the commits, every change is disposed, which releases the
+    superseded states.
+    """
+    prepared: list[PreparedStateChange] = []
+    try:
+        for build in builders:
+            prepared.append(build())
+    except BaseException as error:
+        failures = _dispose_all(prepared)
+        if failures:
+            raise ExceptionGroup("execution and cleanup failed", [error, *failures]) from None
+        raise
+    for change in prepared:
+        change.commit()
+    failures = _dispose_all(prepared)
+    if failures:
+        raise ExceptionGroup("resource cleanup failed", failures)
+
+
+def _dispose_all(changes: Sequence[PreparedStateChange]) -> list[Exception]:
+    failures: list[Exception] = []
+    for change in changes:
+        try:
+            change.dispose()
+        except Exception as error:  # every change gets its chance to release
+            failures.append(error)
+    return failures
+
+
+@dataclass
+class PrefillContext:
+    """What the target prefill hands the drafters.
+
+    ``last_hidden`` is ``[B, 1, H]``: the target's final (post-norm) hidden at each row's last forwarded token;
+    a row that forwarded nothing (``lengths[row] == 0``) holds zeros there. Drafters that need per-position
+    hiddens (projected-context families) are a later addition and will get a ``hidden`` field of their own.
+    """
+
+    last_hidden: "mx.array | None"
+    lengths: list[int]
+
+
+@dataclass
+class RoundContext:
+    """One verify round, as the drafters see it at ``commit``.
+
+    ``window[row]`` is what the target forwarded for the row: the pending token, the drafts kept for
+    verification, then filler (when rows proposed different counts). ``hidden`` is the target's final hidden for
+    those positions, ``[B, L, H]``.
+    """
+
+    window: list[list[int]]
+    hidden: "mx.array"
+    taps: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class DraftGroup(Protocol):
+    """The draft side of a speculative group (one row per sequence, rows aligned with the target rows)."""
+
+    namespace: str
+    schema: str
+    #: True when a prefilled row needs the target's hidden at its last prompt token (the assistant): the engine
+    #: then makes sure the target forwards at least that token.
+    prefill_needs_target_hidden: bool
+    supports_target_adapters: bool
+
+    @property
+    def row_count(self) -> int: ...
+
+    @property
+    def processed(self) -> tuple[int, ...]: ...
+
+    def append(self, checkpoints: Sequence["DraftRowCheckpoint | None"]) -> None: ...
+
+    def prepare_append(self, checkpoints: Sequence["DraftRowCheckpoint | None"]) -> PreparedStateChange: ...
+
+    def prefill(self, tokens_per_row: Sequence[Sequence[int]], context: PrefillContext | None) -> None: ...
+
+    def materialize(self) -> None: ...
+
+    def filter_rows(self, keep: Sequence[int]) -> None: ...
+
+    def capture(self, row: int) -> "DraftRowCheckpoint": ...
+
+    def draft(self, pending: Sequence[int], depth: int) -> list[list[int]]: ...
+
+    def commit(self, accepted: Sequence[int], context: RoundContext) -> None: ...
+
+    def dispose(self) -> None: ...
+
+
+@runtime_checkable
+class DraftProvider(Protocol):
+    """A loaded drafter: opens draft groups over a set of target rows."""
+
+    namespace: str
+    schema: str
+    supports_target_adapters: bool
+
+    def validate_checkpoint(self, checkpoint: "DraftRowCheckpoint") -> None: ...
+
+    def open_prefill(
+        self, target: "TargetRows", checkpoints: Sequence["DraftRowCheckpoint | None"]
+    ) -> DraftGroup: ...
+
+    def open(
+        self,
+        target: "TargetRows",
+        checkpoints: Sequence["DraftRowCheckpoint | None"],
+        sampling: "Sampling | None" = None,
+    ) -> DraftGroup: ...
+
+
+def check_checkpoints(
+    checkpoints: Sequence["DraftRowCheckpoint | None"], validate: Callable[["DraftRowCheckpoint"], None]
+) -> None:
+    """Run ``validate`` on every non-None checkpoint before anything is built (raises SchemaError)."""
+    if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Sequence):
+        raise TypeError(f"checkpoints must be a sequence (None for a cold row), got {type(checkpoints).__name__}")
+    for checkpoint in checkpoints:
+        if checkpoint is not None:
+            validate(checkpoint)
+
+
+def check_row(row: Any, count: int) -> int:
+    """``row`` as a valid index into ``count`` rows, else IndexError."""
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < count:
+        raise IndexError(f"row {row!r} out of range for {count} rows")
+    return row
+
+
+def check_keep(keep: Sequence[int], count: int) -> list[int]:
+    """``filter_rows`` argument: distinct valid row indices (IndexError / ValueError)."""
+    rows = [check_row(row, count) for row in keep]
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"filter_rows: duplicate rows in {rows}")
+    return rows
+
+
+def check_per_row(values: Sequence[Any], count: int, what: str) -> None:
+    """One ``what`` per row, else ValueError."""
+    if len(values) != count:
+        raise ValueError(f"expected one {what} per row ({count}), got {len(values)}")
+
+
+def to_mx(tensor: Any) -> "mx.array":
+    """An ``mx.array`` for a checkpoint tensor (mx.array as is; numpy or any buffer-protocol tensor copied).
+
+    A tensor type of the store may provide ``to_mlx()``; it is used when present.
+    """
+    import mlx.core as mx
+
+    if isinstance(tensor, mx.array):
+        return tensor
+    convert = getattr(tensor, "to_mlx", None)
+    if callable(convert):
+        return convert()
+    return mx.array(tensor)

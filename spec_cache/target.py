@@ -1,0 +1,430 @@
+"""The target model behind narrow ports, and the batched KV rows of a speculative group.
+
+:class:`TargetModel` wraps an mlx-lm decoder. Drafters and the engine use only its ports (``embed``,
+``logits``, ``forward`` with hidden taps, ``make_caches``, ``kv_geometry``, ``rope``); nothing else reaches into the
+mlx-lm module, so supporting another architecture means adding one port class here.
+
+:class:`TargetRows` holds the KV of a group of rows: one mlx-lm ``BatchKVCache`` per layer. Rows are
+right-justified (left padding), so one forward appends the same number of tokens to every row; a row that keeps
+fewer of them (rejected drafts, shorter prompt chunk) is rolled back with ``prepare(right_padding=...)`` +
+``finalize()``, which turns its discarded tail into left padding. This is exact: the padding is masked out of
+attention and the kept tokens keep their RoPE positions. The draft-model drafter uses the same class for the
+draft model's own KV.
+
+KV quantization (kv_bits, TurboQuant, per-layer kv_config) is not supported in batched rows yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
+
+__all__ = [
+    "TargetModel",
+    "ForwardOutput",
+    "DonorView",
+    "TargetRows",
+    "SUPPORTED_ARCHITECTURES",
+    "check_kv_options",
+]
+
+#: model_type values whose mlx-lm module has the llama layout the decoder port reads
+#: (``model.model.{embed_tokens, layers, norm}``, ``lm_head`` or tied embeddings, full attention).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+QUANTIZED_KV_LATER = "KV quantization in batched speculative rows arrives with issue 4"
+
+
+def check_kv_options(kv: Any) -> None:
+    """Refuse KV options this runtime cannot honour yet (any object with the ``KVOptions`` fields, or None)."""
+    if kv is None:
+        return
+    requested = [
+        name
+        for name in ("kv_bits", "turbo_quant", "kv_config")
+        if getattr(kv, name, None) not in (None, (), [], {})
+    ]
+    if requested:
+        raise NotImplementedError(f"{', '.join(requested)} requested: {QUANTIZED_KV_LATER}")
+
+
+@dataclass
+class ForwardOutput:
+    """``logits`` ``[B, L, V]`` (None when not asked for), final post-norm ``hidden`` ``[B, L, H]``, and the
+    residual stream after each tapped layer (``taps[layer]``, ``[B, L, H]``)."""
+
+    logits: mx.array | None
+    hidden: mx.array
+    taps: dict[int, mx.array] = field(default_factory=dict)
+
+
+class _DecoderPort:
+    """Ports for llama-layout decoders: embeddings, a plain stack of full-attention layers, final norm, head."""
+
+    def __init__(self, model: Any, config: dict) -> None:
+        inner = getattr(model, "model", None)
+        for part in ("embed_tokens", "layers", "norm"):
+            if inner is None or not hasattr(inner, part):
+                raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
+        if any(kind != "full_attention" for kind in (getattr(inner, "layer_types", None) or [])):
+            raise NotImplementedError(
+                f"model_type {config.get('model_type')!r} with sliding-window layers: rotating caches are not "
+                "supported in batched speculative rows yet"
+            )
+        self.model = model
+        self.inner = inner
+        self.tied = bool(getattr(model.args, "tie_word_embeddings", False))
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.inner.embed_tokens(ids)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.tied:
+            return self.inner.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    def layers(self) -> list:
+        return list(self.inner.layers)
+
+    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int]) -> tuple[mx.array, dict]:
+        mask = create_attention_mask(h, caches[0] if caches else None)
+        tapped: dict[int, mx.array] = {}
+        for index, (layer, cache) in enumerate(zip(self.inner.layers, caches)):
+            h = layer(h, mask, cache)
+            if index in taps:
+                tapped[index] = h
+        return self.inner.norm(h), tapped
+
+
+_PORTS = {name: _DecoderPort for name in SUPPORTED_ARCHITECTURES}
+
+
+class TargetModel:
+    """An mlx-lm decoder behind the ports the speculative runtime uses.
+
+    Build with :meth:`load` (a model directory: ``config.json`` + ``*.safetensors``) or :meth:`from_model`.
+    ``hidden`` always means the final post-norm hidden, the input of the LM head.
+    """
+
+    def __init__(self, model: Any, config: dict, model_dir: Path | None = None) -> None:
+        model_type = config.get("model_type")
+        port = _PORTS.get(model_type)
+        if port is None:
+            raise NotImplementedError(
+                f"spec-cache has no target port for model_type {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self.model = model
+        self.config = dict(config)
+        self.model_dir = model_dir
+        self._port = port(model, config)
+        self._layers = self._port.layers()
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, lazy: bool = False) -> "TargetModel":
+        """Load a local mlx-lm model directory. Raises FileNotFoundError when it has no config or weights."""
+        from mlx_lm.utils import load_model
+
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        model, config = load_model(path, lazy=lazy)
+        return cls(model, config, path)
+
+    @classmethod
+    def from_model(cls, model: Any, config: dict | None = None) -> "TargetModel":
+        config = dict(config or {})
+        config.setdefault("model_type", getattr(model, "model_type", None))
+        return cls(model, config)
+
+    # -- geometry ---------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self._port.inner.embed_tokens.weight.dtype
+
+    def kv_geometry(self, layer: int) -> tuple[int, int]:
+        """``(kv_heads, head_dim)`` of ``layer``'s cache (negative indices count from the end)."""
+        attention = self._layers[layer].self_attn
+        heads = int(attention.n_kv_heads)
+        return heads, int(attention.k_proj.weight.shape[0]) // heads
+
+    def rope(self, layer: int) -> Any:
+        """``layer``'s rotary embedding, ``rope(x, offset)`` (offset an int or a ``[B]`` array): a drafter that
+        attends over that layer's keys must rotate its queries the same way."""
+        return self._layers[layer].self_attn.rope
+
+    # -- ports ------------------------------------------------------------------------------------------
+    def embed(self, ids: mx.array) -> mx.array:
+        """Token embeddings ``[B, L, H]`` for ids ``[B, L]``."""
+        return self._port.embed(ids)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """LM head over final (post-norm) hiddens."""
+        return self._port.logits(hidden)
+
+    def forward(
+        self,
+        ids: mx.array,
+        caches: Sequence[Any],
+        *,
+        tap_layers: Sequence[int] = (),
+        with_logits: bool = True,
+    ) -> ForwardOutput:
+        """One forward over ``ids`` ``[B, L]``, appending to ``caches`` (one per layer).
+
+        Same operations in the same order as the mlx-lm model's ``__call__``, so the logits are bit-identical.
+        """
+        if len(caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} caches (one per layer), got {len(caches)}")
+        hidden, taps = self._port.run_layers(self.embed(ids), caches, tuple(tap_layers))
+        return ForwardOutput(self.logits(hidden) if with_logits else None, hidden, taps)
+
+    def make_caches(self, batch: int | None = None) -> list:
+        """Fresh caches: ``KVCache`` per layer for one row (``batch=None``), else ``BatchKVCache``."""
+        if batch is None:
+            return [KVCache() for _ in range(self.num_layers)]
+        return [BatchKVCache([0] * batch) for _ in range(self.num_layers)]
+
+
+@dataclass
+class DonorView:
+    """Read-only view of one target layer's K/V for every row of a group.
+
+    ``keys``/``values`` ``[B, kvHeads, T, D]`` (post-RoPE) or None when no row has any token; ``valid``
+    ``[B, 1, 1, T]`` marks each row's real positions (the rest is left padding); ``positions`` ``[B]`` is each
+    row's KV length, i.e. the position of its pending token.
+    """
+
+    keys: mx.array | None
+    values: mx.array | None
+    valid: mx.array | None
+    positions: mx.array
+
+
+def _clone_batch_cache(cache: BatchKVCache) -> BatchKVCache:
+    """A BatchKVCache with its own array objects (mlx-lm mutates some of them in place, e.g. ``+=``)."""
+    clone = BatchKVCache.__new__(BatchKVCache)
+    clone.keys = None if cache.keys is None else cache.keys[...]
+    clone.values = None if cache.values is None else cache.values[...]
+    clone.offset = cache.offset[...]
+    clone.left_padding = cache.left_padding[...]
+    clone._idx = cache._idx
+    clone._right_padding = None
+    return clone
+
+
+def _cache_arrays(caches: Sequence[BatchKVCache]) -> list[mx.array]:
+    arrays: list[mx.array] = []
+    for cache in caches:
+        arrays += [cache.offset, cache.left_padding]
+        if cache.keys is not None:
+            arrays += [cache.keys, cache.values]
+    return arrays
+
+
+def _row_cache_length(layers: Sequence[Any], row: int) -> int:
+    lengths = set()
+    for cache in layers:
+        if type(cache) is not KVCache:
+            raise NotImplementedError(
+                f"row {row}: restored {type(cache).__name__} layers are not supported in batched speculative rows "
+                f"yet (plain KVCache only; {QUANTIZED_KV_LATER})"
+            )
+        lengths.add(int(cache.offset))
+    if len(lengths) != 1:
+        raise ValueError(f"row {row}: restored caches disagree on their length: {sorted(lengths)}")
+    return lengths.pop()
+
+
+class TargetRows:
+    """The KV of a group of rows of one model (one ``BatchKVCache`` per layer), with per-row lengths.
+
+    ``offsets[row]`` is how many tokens of that row the KV holds. Membership changes are two-phase
+    (:meth:`prepare_append`); :meth:`filter_rows` and the round operations act in place between rounds.
+    """
+
+    def __init__(self, model: TargetModel) -> None:
+        self.model = model
+        self._caches: list[BatchKVCache] | None = None
+        self._lengths: list[int] = []
+
+    # -- construction -----------------------------------------------------------------------------------
+    @classmethod
+    def from_row_caches(cls, model: TargetModel, rows: Sequence[Sequence[Any] | None]) -> "TargetRows":
+        """Rows built from single-row caches (a list of one ``KVCache`` per layer, or None for an empty row).
+
+        The caller's caches are only read (``BatchKVCache.merge`` copies them into a new batch).
+        """
+        built = cls(model)
+        if not rows:
+            return built
+        lengths = []
+        per_row = []
+        for row, layers in enumerate(rows):
+            if layers is None:
+                lengths.append(0)
+                per_row.append([KVCache() for _ in range(model.num_layers)])
+                continue
+            layers = list(layers)
+            if len(layers) != model.num_layers:
+                raise ValueError(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
+            lengths.append(_row_cache_length(layers, row))
+            per_row.append(layers)
+        built._caches = [BatchKVCache.merge([layers[i] for layers in per_row]) for i in range(model.num_layers)]
+        built._lengths = lengths
+        return built
+
+    # -- state ------------------------------------------------------------------------------------------
+    @property
+    def row_count(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Tokens held per row (the position of each row's pending token)."""
+        return tuple(self._lengths)
+
+    def materialize(self) -> None:
+        if self._caches:
+            mx.eval(_cache_arrays(self._caches))
+
+    def dispose(self) -> None:
+        self._caches = None
+        self._lengths = []
+
+    # -- rounds -----------------------------------------------------------------------------------------
+    def prefill(self, tokens_per_row: Sequence[Sequence[int]], step: int = 512) -> PrefillContext:
+        """Append each row's tokens (rows may differ in length, including zero); one forward per chunk.
+
+        Returns the final hidden at each row's last appended token (zeros where a row appended nothing).
+        """
+        lengths = self._check_rows(tokens_per_row)
+        longest = max(lengths, default=0)
+        if longest == 0:
+            return PrefillContext(None, lengths)
+        caches = self._ensure_caches()
+        ids = mx.array([list(t) + [0] * (longest - len(t)) for t in tokens_per_row], dtype=mx.uint32)
+        padding = [longest - n for n in lengths]
+        for cache in caches:
+            cache.prepare(right_padding=padding)
+        last_index = mx.array([max(n - 1, 0) for n in lengths])
+        has_tokens = mx.array([n > 0 for n in lengths])[:, None, None]
+        last_hidden = mx.zeros((len(lengths), 1, self.model.hidden_size), dtype=self.model.dtype)
+        for start in range(0, longest, step):
+            chunk = ids[:, start : start + step]
+            out = self.model.forward(chunk, caches, with_logits=False)
+            local = mx.clip(last_index - start, 0, chunk.shape[1] - 1)
+            here = has_tokens & ((last_index >= start) & (last_index < start + chunk.shape[1]))[:, None, None]
+            picked = mx.take_along_axis(out.hidden, local[:, None, None], axis=1)
+            last_hidden = mx.where(here, picked, last_hidden)
+            mx.eval(_cache_arrays(caches) + [last_hidden])
+        for cache in caches:
+            cache.finalize()
+        self._lengths = [a + b for a, b in zip(self._lengths, lengths)]
+        self.materialize()
+        return PrefillContext(last_hidden, lengths)
+
+    def verify(self, window: Sequence[Sequence[int]], *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
+        """Append an equal-length window to every row and return logits/hidden for all its positions."""
+        lengths = self._check_rows(window)
+        if len(set(lengths)) != 1 or lengths[0] == 0:
+            raise ValueError(f"verify windows must be non-empty and of equal length, got lengths {lengths}")
+        caches = self._ensure_caches()
+        out = self.model.forward(mx.array([list(w) for w in window], dtype=mx.uint32), caches, tap_layers=tap_layers)
+        self._lengths = [n + lengths[0] for n in self._lengths]
+        return out
+
+    def rollback(self, rejected: Sequence[int]) -> None:
+        """Drop the last ``rejected[row]`` tokens of each row (exact; they become left padding)."""
+        rejected = [int(r) for r in rejected]
+        check_per_row(rejected, self.row_count, "rollback count")
+        for row, (count, held) in enumerate(zip(rejected, self._lengths)):
+            if not 0 <= count <= held:
+                raise ValueError(f"row {row}: cannot roll back {count} of its {held} tokens")
+        if not any(rejected):
+            return
+        for cache in self._caches or ():
+            cache.prepare(right_padding=rejected)
+            cache.finalize()
+        self._lengths = [n - r for n, r in zip(self._lengths, rejected)]
+
+    # -- rows in and out --------------------------------------------------------------------------------
+    def extract(self, row: int) -> list[KVCache]:
+        """Owned single-row ``KVCache`` per layer holding exactly the row's tokens (offset == its length)."""
+        check_row(row, self.row_count)
+        if self._lengths[row] == 0 or self._caches is None:
+            return [KVCache() for _ in range(self.model.num_layers)]
+        layers = [cache.extract(row) for cache in self._caches]
+        mx.eval([a for cache in layers for a in (cache.keys, cache.values)])
+        return layers
+
+    def prepare_append(self, other: "TargetRows") -> PreparedStateChange:
+        """Build this group's state with ``other``'s rows appended (``other`` is only read)."""
+        if other.model is not self.model:
+            raise ValueError("cannot append rows of a different model")
+        if other.row_count == 0:
+            return PreparedStateChange(lambda: None, lambda: None)
+        if self.row_count == 0 or self._caches is None:
+            caches = [_clone_batch_cache(c) for c in other._caches]
+        else:
+            caches = [_clone_batch_cache(c) for c in self._caches]
+            for mine, theirs in zip(caches, other._caches):
+                mine.extend(_clone_batch_cache(theirs))
+        lengths = self._lengths + other._lengths
+
+        def put(state: tuple) -> None:
+            self._caches, self._lengths = state
+
+        return PreparedStateChange.swap(lambda: (self._caches, self._lengths), put, (caches, lengths))
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` in that order; ``[]`` releases everything."""
+        keep = check_keep(keep, self.row_count)
+        if not keep:
+            self.dispose()
+            return
+        if self._caches is not None:
+            indices = mx.array(keep, dtype=mx.int32)
+            for cache in self._caches:
+                cache.filter(indices)
+        self._lengths = [self._lengths[row] for row in keep]
+
+    # -- ports for drafters -----------------------------------------------------------------------------
+    def donors(self, layer: int) -> DonorView:
+        """Read-only K/V of ``layer`` for every row, with the mask of each row's real positions."""
+        positions = mx.array(self._lengths, dtype=mx.int32)
+        cache = None if self._caches is None else self._caches[layer]
+        if cache is None or cache.keys is None or cache._idx == 0:
+            return DonorView(None, None, None, positions)
+        keys, values = cache.keys_and_values()
+        valid = mx.arange(cache._idx)[None, :] >= cache.left_padding[:, None]
+        return DonorView(keys, values, valid[:, None, None, :], positions)
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _ensure_caches(self) -> list[BatchKVCache]:
+        if self._caches is None:
+            self._caches = self.model.make_caches(self.row_count)
+        return self._caches
+
+    def _check_rows(self, per_row: Sequence[Sequence[int]]) -> list[int]:
+        check_per_row(per_row, self.row_count, "token list")
+        return [len(tokens) for tokens in per_row]

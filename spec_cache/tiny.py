@@ -1,0 +1,243 @@
+"""Tiny real model directories for tests and demos (no download): random weights, real files.
+
+``write_tiny_target`` writes ``config.json`` + ``model.safetensors`` that ``mlx_lm.utils.load_model`` loads, plus
+a small WordLevel tokenizer (so ``mlx_lm.utils.load`` works offline). ``write_tiny_drafter`` writes a drafter
+directory derived from a target directory, so drafts agree with the target often enough to exercise
+acceptance:
+
+* ``draft-model``: the target's embeddings, first ``layers`` layers, final norm and head (a real mlx-lm model);
+* ``assistant``: one donor-attention block per donor layer (default: every target layer), copied from that
+  target layer, with a small random projection of the carried hidden;
+* ``ngram``: a ``config.json`` only.
+
+Weights are drawn from ``seed`` with an explicit PRNG key (the global MLX random state is not used): embeddings
+``N(0, embed_scale^2)``, matrices ``N(0, (init_scale / sqrt(fan_in))^2)``, the residual-writing projections
+further scaled by ``residual_scale``, an untied head. Plain fan-in scaling makes a random model repeat one token;
+with these defaults greedy outputs vary (20-40 distinct tokens in 48), derived drafters reach 30-70% acceptance,
+and the top-two logit gap along greedy paths stays above 1e-4, far above float32 noise. Adding an architecture means adding
+an entry to ``_ARCHITECTURES`` (gemma3_text needs its sliding-window caches supported by the runtime first).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+__all__ = ["ARCHITECTURES", "write_tiny_target", "write_tiny_drafter", "write_tiny_tokenizer"]
+
+#: model_type -> (HF architecture name, whether the config carries head_dim)
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+}
+ARCHITECTURES = tuple(_ARCHITECTURES)
+
+_NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
+_RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight")
+
+
+def _model_classes(config: dict) -> tuple[Any, Any]:
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config)
+
+
+def _random_parameters(
+    model: Any, seed: int, init_scale: float, residual_scale: float = 1.0, embed_scale: float = 1.0
+) -> None:
+    """Re-draw every parameter of ``model`` from ``seed``: matrices scaled by fan-in, biases small, norms one.
+
+    ``residual_scale`` further scales the projections that write into the residual stream (attention output,
+    MLP down), i.e. how much each layer changes the token-to-token map of embeddings and head.
+    """
+    key = mx.random.key(seed)
+    drawn = []
+    for name, value in tree_flatten(model.parameters()):
+        key, sub = mx.random.split(key)
+        if name.endswith(_NORM_SUFFIXES):
+            new = mx.ones(value.shape, dtype=value.dtype)
+        elif name.endswith("embed_tokens.weight"):
+            new = mx.random.normal(value.shape, key=sub) * embed_scale
+        elif value.ndim >= 2:
+            scale = init_scale * (residual_scale if name.endswith(_RESIDUAL_SUFFIXES) else 1.0)
+            new = mx.random.normal(value.shape, key=sub) * (scale / value.shape[-1] ** 0.5)
+        else:
+            new = mx.random.normal(value.shape, key=sub) * 0.02
+        drawn.append((name, new.astype(value.dtype)))
+    model.update(tree_unflatten(drawn))
+    mx.eval(model.parameters())
+
+
+def _save(path: Path, config: dict, parameters: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    mx.save_safetensors(str(path / "model.safetensors"), parameters, metadata={"format": "mlx"})
+
+
+def write_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """A WordLevel tokenizer over tokens ``<unk> <s> </s> w3 w4 ...`` (ids 0, 1, 2 are unk, bos, eos).
+
+    transformers 5 loads a directory whose config says ``model_type: qwen2`` with its own byte-level Qwen2
+    tokenizer class, which splits ``w5`` into pieces; loading works, text encoding does not round-trip there.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    wrapped.save_pretrained(str(path))
+
+
+def write_tiny_target(
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 64,
+    intermediate_size: int = 256,
+    vocab_size: int = 256,
+    tie_word_embeddings: bool = False,
+    init_scale: float = 1.0,
+    residual_scale: float = 0.5,
+    embed_scale: float = 1.0,
+    tokenizer: bool = True,
+) -> Path:
+    """Write a tiny float32 model of ``arch`` (llama, mistral, qwen2) to ``path`` and return the path.
+
+    The default geometry (hidden 128, 2 query heads and 1 KV head of 64) keeps head_dim a multiple of the KV
+    quantization group size 64. Raises ValueError for an unknown arch or an inconsistent geometry.
+    """
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+    hf_name, has_head_dim = _ARCHITECTURES[arch]
+    if not has_head_dim and hidden_size != num_heads * head_dim:
+        raise ValueError(f"{arch} derives head_dim from hidden_size / num_heads; need hidden_size == {num_heads * head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if vocab_size < 4:
+        raise ValueError("vocab_size must be at least 4 (unk, bos, eos and one word)")
+    config = {
+        "model_type": arch,
+        "architectures": [hf_name],
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": intermediate_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if has_head_dim:
+        config["head_dim"] = head_dim
+    model_class, args_class = _model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    _random_parameters(model, seed, init_scale, residual_scale, embed_scale)
+    path = Path(path)
+    _save(path, config, dict(tree_flatten(model.parameters())))
+    if tokenizer:
+        write_tiny_tokenizer(path, vocab_size)
+    return path
+
+
+def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, seed: int = 0, **options: Any) -> Path:
+    """Write a drafter directory for ``method`` derived from the target in ``target_dir``; returns the path.
+
+    Options: ``draft-model``: ``layers`` (how many leading target layers to keep, default 1);
+    ``assistant``: ``donor_layers`` (target layers to borrow and copy, default all), ``hidden_mix`` (scale of
+    the random carried-hidden projection, default 0.1); ``ngram``: ``max`` (3), ``min`` (1).
+    """
+    path = Path(path)
+    if method == "ngram":
+        path.mkdir(parents=True, exist_ok=True)
+        config = {"method": "ngram", "max": options.pop("max", 3), "min": options.pop("min", 1)}
+        _no_options_left(method, options)
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return path
+    target_dir = Path(target_dir)
+    target_config = json.loads((target_dir / "config.json").read_text())
+    weights = mx.load(str(target_dir / "model.safetensors"))
+    if method == "draft-model":
+        _write_draft_model(path, target_config, weights, options.pop("layers", 1))
+    elif method == "assistant":
+        _write_assistant(path, target_config, weights, seed, options.pop("donor_layers", None), options.pop("hidden_mix", 0.1))
+    else:
+        raise ValueError(f"unknown drafter method {method!r}; known: assistant, draft-model, ngram")
+    _no_options_left(method, options)
+    return path
+
+
+def _no_options_left(method: str, options: dict) -> None:
+    if options:
+        raise TypeError(f"unknown option(s) for {method}: {', '.join(sorted(options))}")
+
+
+def _write_draft_model(path: Path, target_config: dict, weights: dict, layers: int) -> None:
+    total = target_config["num_hidden_layers"]
+    if not 1 <= layers <= total:
+        raise ValueError(f"draft-model layers must be in 1..{total}, got {layers}")
+    config = dict(target_config, num_hidden_layers=layers)
+    kept = {}
+    for name, value in weights.items():
+        if name.startswith("model.layers."):
+            if int(name.split(".")[2]) >= layers:
+                continue
+        kept[name] = value
+    _save(path, config, kept)
+
+
+def _write_assistant(
+    path: Path, target_config: dict, weights: dict, seed: int, donor_layers: list | None, hidden_mix: float
+) -> None:
+    from .drafters.assistant import AssistantConfig, AssistantNetwork
+
+    total = target_config["num_hidden_layers"]
+    donors = list(range(total)) if donor_layers is None else [int(layer) % total for layer in donor_layers]
+    heads = target_config["num_attention_heads"]
+    head_dim = target_config.get("head_dim") or target_config["hidden_size"] // heads
+    attention_bias = any(name.endswith("self_attn.q_proj.bias") for name in weights)
+    config = AssistantConfig(
+        hidden_size=target_config["hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=target_config["num_key_value_heads"],
+        head_dim=head_dim,
+        intermediate_size=target_config["intermediate_size"],
+        donor_layers=tuple(donors),
+        vocab_size=target_config["vocab_size"],
+        rms_norm_eps=target_config.get("rms_norm_eps", 1e-5),
+        attention_bias=attention_bias,
+    )
+    network = AssistantNetwork(config)
+    hidden = config.hidden_size
+    key = mx.random.key(seed)
+    drawn = {
+        "hidden_norm.weight": mx.ones((hidden,)),
+        "input_proj.weight": mx.random.normal((hidden, hidden), key=key) * (hidden_mix / hidden**0.5),
+        "norm.weight": weights["model.norm.weight"],
+    }
+    copied = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.o_proj.weight",
+              "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+    if attention_bias:
+        copied += ("self_attn.q_proj.bias",)
+    for index, donor in enumerate(donors):
+        for name in copied:
+            drawn[f"layers.{index}.{name}"] = weights[f"model.layers.{donor}.{name}"]
+    network.load_weights(list(drawn.items()), strict=True)
+    _save(path, config.to_dict(), dict(tree_flatten(network.parameters())))

@@ -1,0 +1,78 @@
+"""Shared fixtures for the MLX runtime tests: tiny model directories and a plain-greedy reference.
+
+Import the fixtures into a test module (``from tests.runtime_fixtures import tiny, ...``). Model directories
+are written once per session (a few milliseconds each); the identity memo goes to a session temp directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from spec_cache.drafters import load_provider
+from spec_cache.target import TargetModel
+from spec_cache.tiny import write_tiny_drafter, write_tiny_target
+
+#: Drafter variants every engine test runs: name -> (method, write_tiny_drafter options)
+DRAFTERS = {
+    "draft-model": ("draft-model", {}),  # first target layer only: partial acceptance
+    "draft-model-full": ("draft-model", {"layers": 2}),  # the target itself: every draft accepted
+    "assistant": ("assistant", {}),
+    "ngram": ("ngram", {}),
+}
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11],
+    [20, 21],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43],
+]
+
+
+@dataclass
+class Tiny:
+    """One tiny target and its drafter directories."""
+
+    root: Path
+    target: TargetModel
+
+    def drafter_dir(self, name: str) -> Path:
+        return self.root / name
+
+    def provider(self, name: str | None):
+        return None if name is None else load_provider(self.drafter_dir(name))
+
+
+def build_tiny(root: Path, arch: str = "llama", seed: int = 0) -> Tiny:
+    target_dir = write_tiny_target(root / "target", arch, seed=seed, tokenizer=False)
+    for name, (method, options) in DRAFTERS.items():
+        write_tiny_drafter(root / name, method, target_dir, seed=seed, **options)
+    return Tiny(root, TargetModel.load(target_dir))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _identity_memo(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPEC_CACHE_IDENTITY_DIR", str(tmp_path_factory.mktemp("identity-memo")))
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tiny:
+    """The llama tiny target with every drafter."""
+    return build_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+_PLAIN: dict = {}
+
+
+def plain_greedy(target: TargetModel, prompt: list[int], max_tokens: int) -> list[int]:
+    """The target's own greedy tokens from mlx-lm's ``generate_step`` (memoized per target and prompt)."""
+    key = (id(target), tuple(prompt), max_tokens)
+    if key not in _PLAIN:
+        steps = generate_step(mx.array(prompt), target.model, max_tokens=max_tokens)
+        _PLAIN[key] = [token for token, _ in steps]
+    return list(_PLAIN[key])

@@ -1,0 +1,119 @@
+"""Tiny model directories: real files that mlx-lm loads, deterministic from a seed, varied greedy output."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load, load_model
+
+from spec_cache.drafters import detect_method, load_provider
+from spec_cache.target import TargetModel
+from spec_cache.tiny import ARCHITECTURES, write_tiny_drafter, write_tiny_target
+from tests.runtime_fixtures import _identity_memo, plain_greedy  # noqa: F401
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_target_directory_loads_with_mlx_lm(tmp_path, arch):
+    path = write_tiny_target(tmp_path / arch, arch, seed=3)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in path.iterdir()}
+    model, config = load_model(Path(path))
+    assert config["model_type"] == arch and len(model.layers) == 2
+    model_with_tokenizer, tokenizer = load(str(path))  # the tokenizer files make the offline load work
+    assert tokenizer.eos_token_id == 2
+    if arch != "qwen2":  # transformers 5 swaps in its byte-level Qwen2 tokenizer class for model_type qwen2
+        assert tokenizer.encode("w5 w6", add_special_tokens=False) == [5, 6]
+    target = TargetModel.load(path)
+    assert target.kv_geometry(-1) == (1, 64)  # head_dim stays a multiple of the KV quantization group
+    tokens = plain_greedy(target, [5, 6, 7, 8], 32)
+    assert len(set(tokens)) >= 8, f"greedy output degenerates: {tokens}"
+    logits = target.forward(mx.array([[5, 6, 7, 8]]), target.make_caches()).logits
+    assert bool(mx.all(mx.isfinite(logits)))
+
+
+def test_weights_follow_the_seed(tmp_path):
+    a = write_tiny_target(tmp_path / "a", seed=1, tokenizer=False)
+    b = write_tiny_target(tmp_path / "b", seed=1, tokenizer=False)
+    c = write_tiny_target(tmp_path / "c", seed=2, tokenizer=False)
+    read = lambda path: (path / "model.safetensors").read_bytes()  # noqa: E731
+    assert read(a) == read(b) != read(c)
+    assert (a / "config.json").read_text() == (c / "config.json").read_text()
+
+
+def test_bad_target_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown tiny architecture"):
+        write_tiny_target(tmp_path / "x", "gemma3_text")
+    with pytest.raises(ValueError, match="head_dim"):
+        write_tiny_target(tmp_path / "x", "qwen2", hidden_size=96)
+    with pytest.raises(ValueError, match="multiple"):
+        write_tiny_target(tmp_path / "x", num_heads=3, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return write_tiny_target(tmp_path_factory.mktemp("target") / "t", seed=0, tokenizer=False)
+
+
+def test_draft_model_is_a_real_mlx_lm_model_sharing_target_weights(tmp_path, target_dir):
+    path = write_tiny_drafter(tmp_path / "draft", "draft-model", target_dir)
+    model, config = load_model(Path(path))
+    assert config["num_hidden_layers"] == 1 and len(model.layers) == 1
+    target_weights = mx.load(str(target_dir / "model.safetensors"))
+    draft_weights = mx.load(str(path / "model.safetensors"))
+    assert set(draft_weights) < set(target_weights)
+    assert all(mx.array_equal(draft_weights[name], target_weights[name]) for name in draft_weights)
+    assert detect_method(path) == "draft-model"
+    provider = load_provider(path)
+    assert re.fullmatch(r"standalone-draft-v1:[0-9a-f]{64}", provider.namespace)
+
+
+def test_assistant_directory(tmp_path, target_dir):
+    path = write_tiny_drafter(tmp_path / "assistant", "assistant", target_dir, seed=4, donor_layers=[1])
+    config = json.loads((path / "config.json").read_text())
+    assert config["method"] == "assistant" and config["donor_layers"] == [1]
+    provider = load_provider(path)
+    assert re.fullmatch(r"gemma-assistant-v1:[0-9a-f]{64}", provider.namespace)
+    weights = mx.load(str(path / "model.safetensors"))
+    target_weights = mx.load(str(target_dir / "model.safetensors"))
+    assert mx.array_equal(weights["layers.0.self_attn.q_proj.weight"],
+                          target_weights["model.layers.1.self_attn.q_proj.weight"])
+    other = load_provider(write_tiny_drafter(tmp_path / "other", "assistant", target_dir, seed=5, donor_layers=[1]))
+    assert other.namespace != provider.namespace  # the namespace follows the weights
+
+
+def test_ngram_directory_has_a_config_only(tmp_path, target_dir):
+    path = write_tiny_drafter(tmp_path / "ngram", "ngram", target_dir, max=4, min=2)
+    assert [p.name for p in path.iterdir()] == ["config.json"]
+    provider = load_provider(path)
+    assert provider.namespace == "ngram-history-v1:4:2" and provider.supports_target_adapters
+
+
+def test_bad_drafter_arguments(tmp_path, target_dir):
+    with pytest.raises(ValueError, match="unknown drafter method"):
+        write_tiny_drafter(tmp_path / "x", "medusa", target_dir)
+    with pytest.raises(TypeError, match="unknown option"):
+        write_tiny_drafter(tmp_path / "x", "draft-model", target_dir, depth=3)
+    with pytest.raises(ValueError, match="layers"):
+        write_tiny_drafter(tmp_path / "x", "draft-model", target_dir, layers=5)
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"method": "medusa"}')
+    with pytest.raises(ValueError, match="unknown drafter method"):
+        load_provider(tmp_path / "odd")
+    with pytest.raises(FileNotFoundError):
+        load_provider(tmp_path / "missing")
+
+
+def test_mismatched_pairing_is_refused(tmp_path, target_dir):
+    from spec_cache.engine import SpeculativeEngine
+
+    wide = write_tiny_target(tmp_path / "wide", hidden_size=256, num_heads=4, tokenizer=False)
+    assistant = load_provider(write_tiny_drafter(tmp_path / "assistant", "assistant", wide))
+    with pytest.raises(ValueError, match="pairing"):
+        SpeculativeEngine(TargetModel.load(target_dir), assistant)
+    other_vocab = write_tiny_target(tmp_path / "vocab", vocab_size=300, tokenizer=False)
+    draft = load_provider(write_tiny_drafter(tmp_path / "draft", "draft-model", other_vocab))
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeEngine(TargetModel.load(target_dir), draft)
