@@ -84,15 +84,16 @@ class SpecCache:
     def restore(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
                 ) -> RestoredPrefix | None:
         """The longest usable stored prefix of ``tokens`` as mlx-lm caches (+ drafter row), or None."""
+        notes: list[str] = []
         try:
-            restored = self.store.fetch(ns_key, tokens, drafter=drafter_namespace)
+            restored = self.store.fetch(ns_key, tokens, drafter=drafter_namespace, warnings=notes)
         except (StoreError, SchemaError, ValueError) as exc:
             warnings.warn(f"spec-cache: lookup failed, treated as a miss: {exc}", CacheWarning, stacklevel=2)
             return None
+        for message in notes:
+            warnings.warn(f"spec-cache: {message}", CacheWarning, stacklevel=2)
         if restored is None:
             return None
-        for message in restored.warnings:
-            warnings.warn(f"spec-cache: {message}", CacheWarning, stacklevel=2)
         try:
             caches = restore_caches(restored.layers)
             cp = None

@@ -247,6 +247,80 @@ def cmd_identity(args) -> int:
     return EXIT_OK
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
+    if not tokens or any(t < 0 for t in tokens):
+        raise argparse.ArgumentTypeError("token ids must be a non-empty list of non-negative integers")
+    return tokens
+
+
+def cmd_generate(args) -> int:
+    from spec_cache.namespace import KVOptions
+
+    try:
+        kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                       quantized_kv_start=args.quantized_kv_start)
+    except (TypeError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    for path, what in ((args.model, "model"), (args.drafter, "drafter")):
+        if path is not None and not os.path.isdir(path):
+            raise CliError(f"{what} directory {path} does not exist")
+    if args.method not in (None, "ngram") and args.drafter is None:
+        raise CliError(f"--method {args.method} needs --drafter DIR")
+    from spec_cache.cache import SpecCache
+    from spec_cache.generator import Generator
+
+    tokenizer = None
+    if args.prompt is not None:
+        try:
+            from mlx_lm.utils import load_tokenizer
+            tokenizer = load_tokenizer(Path(args.model))
+        except Exception as exc:
+            raise CliError(f"cannot load a tokenizer from {args.model} ({type(exc).__name__}); use --tokens") from None
+        prompt = tokenizer.encode(args.prompt)
+    else:
+        prompt = args.tokens
+    cache = None if args.no_cache else SpecCache.open(args.cache)
+    try:
+        try:
+            generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
+                                       draft_depth=args.draft_depth)
+            (result,) = generator.generate([prompt], max_tokens=args.max_tokens)
+        except (NotImplementedError, ValueError, FileNotFoundError) as exc:
+            raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    finally:
+        if cache is not None:
+            cache.close()
+    text = tokenizer.decode(result.tokens) if tokenizer is not None else None
+    d = {"tokens": result.tokens, "text": text, "prompt_tokens": len(prompt), "cached_tokens": result.cached_tokens,
+         "drafted": result.drafted, "accepted": result.accepted, "ttft_s": result.ttft_s,
+         "restored_drafter": result.restored_drafter, "prefix_namespace": generator.prefix_namespace,
+         "cache": None if cache is None else args.cache}
+    human = (text if text is not None else ",".join(map(str, result.tokens))) + (
+        f"\n[prompt {len(prompt)} tokens, {result.cached_tokens} from the cache"
+        f"{' (with the drafter row)' if result.restored_drafter else ''}; TTFT {result.ttft_s * 1e3:.1f} ms; "
+        f"drafted {result.drafted}, accepted {result.accepted}]")
+    _emit(args, d, human)
+    return EXIT_OK
+
+
 def cmd_demo(args) -> int:
     from spec_cache import demo
 
@@ -287,7 +361,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not use the store's identity memo (the per-user memo is still used)")
     s.set_defaults(fn=cmd_identity)
     s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models")
+    s.add_argument("--method", choices=("assistant", "draft-model", "ngram"), default="assistant")
+    s.add_argument("--max-tokens", type=_positive_int, default=24)
     s.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("generate", parents=[common], help="decode prompts with a local model through the cache")
+    s.add_argument("--model", required=True, help="target model directory (config.json + safetensors)")
+    s.add_argument("--drafter", help="drafter directory")
+    s.add_argument("--method", choices=("assistant", "draft-model", "ngram"),
+                   help="drafter method (default: read from the drafter's config; 'ngram' needs no directory)")
+    group = s.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="prompt text (needs the model's tokenizer files)")
+    group.add_argument("--tokens", type=_token_list, help="prompt token ids, e.g. 1,2,3")
+    s.add_argument("--max-tokens", type=_positive_int, default=32)
+    s.add_argument("--draft-depth", type=_non_negative_int, default=4)
+    s.add_argument("--kv-bits", type=_positive_int)
+    s.add_argument("--kv-group-size", type=_positive_int)
+    s.add_argument("--quantized-kv-start", type=_non_negative_int)
+    s.add_argument("--no-cache", action="store_true", help="run without the store")
+    s.set_defaults(fn=cmd_generate)
     return p
 
 

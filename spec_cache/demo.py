@@ -1,91 +1,90 @@
-"""``spec-cache demo``: the README's main job.
+"""``spec-cache demo``: the README's main job, on tiny local models (random weights, no downloads).
 
-Until the MLX runtime lands this demo exercises the storage half end to end on local files: it writes a tiny
-model directory (config.json + random safetensors weights), computes its artifact identity, builds the prefix
-namespace for an n-gram drafter, stores the per-layer KV state of a few multi-turn conversations (shared
-system prompt, growing turns) and looks every follow-up turn up again, then prints what the store holds.
+It builds a tiny llama target and a drafter, then runs a batch of multi-turn conversations three times:
+cold without a cache (the baseline), once through the cache (turn 2 already resumes from turn 1's finish
+checkpoint), and again with the store reopened (every prompt resumes). It prints, per request, the prompt
+length, the tokens restored, TTFT cold vs warm, drafted/accepted counts, and whether the tokens are identical
+to the cold run, followed by the store's summary.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
 
 import numpy as np
 
-LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 64
+TURNS = 2
+CONVERSATIONS = 4
 
 
-def _write_tiny_model(path: str, seed: int = 0) -> None:
-    from safetensors.numpy import save_file
-
-    os.makedirs(path, exist_ok=True)
+def _conversations(vocab: int, seed: int = 7) -> list[list[list[int]]]:
+    """Per conversation, the user messages of each turn (token ids); a shared system prompt comes first."""
     rng = np.random.default_rng(seed)
-    config = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": LAYERS, "num_attention_heads": 2,
-              "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "intermediate_size": 256,
-              "vocab_size": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    save_file({"model.embed_tokens.weight": rng.standard_normal((512, 128), dtype=np.float32)},
-              os.path.join(path, "model.safetensors"))
+    system = rng.integers(4, vocab, 600).tolist()
+    return [[system + rng.integers(4, vocab, 40 + 25 * c).tolist()] +
+            [rng.integers(4, vocab, 24).tolist() for _ in range(TURNS - 1)] for c in range(CONVERSATIONS)]
 
 
-def _kv_state(tokens: list[int]):
-    """Deterministic per-token K/V rows (a stand-in for a forward pass: same tokens -> same bytes)."""
-    from store import LayerState, Tensor
-
-    t = np.asarray(tokens, dtype=np.float32)[None, None, :, None]
-    layers = []
-    for layer in range(LAYERS):
-        base = np.arange(KV_HEADS * HEAD_DIM, dtype=np.float32).reshape(1, KV_HEADS, 1, HEAD_DIM)
-        k = np.sin(t * 0.01 + base * 0.001 + layer).astype(np.float32)
-        v = np.cos(t * 0.02 + base * 0.002 + layer).astype(np.float32)
-        layers.append(LayerState("kv", {}, [Tensor.from_numpy(k), Tensor.from_numpy(v)], token_axis=2))
-    return layers
+def _run(generator, conversations, max_tokens):
+    """All conversations as one batch per turn; a turn's prompt is the whole history plus the new message."""
+    histories = [[] for _ in conversations]
+    out = []
+    for turn in range(TURNS):
+        prompts = [h + conv[turn] for h, conv in zip(histories, conversations)]
+        results = generator.generate(prompts, max_tokens=max_tokens)
+        for c, (p, r) in enumerate(zip(prompts, results)):
+            out.append((f"conv {c} turn {turn + 1}", p, r))
+            histories[c] = p + r.tokens
+    return out
 
 
 def main(args) -> int:
-    from schemas import CheckpointAttachment, NGRAM_HISTORY_V1
-    from spec_cache.identity import model_identity
-    from spec_cache.namespace import KVOptions, namespace_key, ngram_namespace, prefix_namespace
-    from store import Store, maintenance
+    from spec_cache.cache import SpecCache
+    from spec_cache.cli import human_bytes, table
+    from spec_cache.generator import Generator
+    from spec_cache.tiny import write_tiny_drafter, write_tiny_target
+    from store import maintenance
 
+    method = getattr(args, "method", None) or "assistant"
+    max_tokens = getattr(args, "max_tokens", None) or 24
     work = tempfile.mkdtemp(prefix="spec-cache-demo-")
     cache_dir = args.cache if getattr(args, "cache_given", False) else os.path.join(work, "store")
-    model_dir = os.path.join(work, "tiny-llama")
-    _write_tiny_model(model_dir)
-    target = model_identity(model_dir, memo=False)
-    drafter_ns = ngram_namespace(3, 1)
-    prefix_ns = prefix_namespace(drafter_ns, "", KVOptions())
-    ns = namespace_key(target, prefix_ns)
-    print(f"target identity   {target}")
-    print(f"prefix namespace  {prefix_ns}")
-    print(f"store             {cache_dir}\n")
-    rng = np.random.default_rng(1)
-    system = rng.integers(3, 512, 700).tolist()
-    conversations = [system + rng.integers(3, 512, 40 + 30 * i).tolist() for i in range(3)]
-    rows = []
-    with Store.open(cache_dir) as store:
-        store.register_namespace(ns, target=target, prefix_namespace=prefix_ns)
-        for turn in range(3):
-            for c, prompt in enumerate(conversations):
-                t0 = time.perf_counter()
-                hit = store.fetch(ns, prompt[:-1], drafter=drafter_ns)
-                t_lookup = time.perf_counter() - t0
-                answer = rng.integers(3, 512, 16).tolist()
-                full = prompt + answer
-                history = CheckpointAttachment(NGRAM_HISTORY_V1, {"max": 3, "min": 1},
-                                               (np.asarray(prompt[:-1], dtype=np.int32),))
-                store.put(ns, prompt[:-1], _kv_state(prompt[:-1]), drafter=(drafter_ns, history))
-                rows.append([f"conv {c} turn {turn}", len(prompt), hit.length if hit else 0,
-                             "target+drafter" if hit and hit.attachment else ("target" if hit else "miss"),
-                             f"{t_lookup * 1e3:.2f}"])
-                conversations[c] = full + rng.integers(3, 512, 20).tolist()
-        from spec_cache.cli import human_bytes, table
-        print(table(rows, ["REQUEST", "PROMPT", "CACHED", "PARTS", "FETCH MS"]))
-        s = maintenance.stats(store)
-        print(f"\nstore: {s['entries']} entries, {s['chunks']} shared chunks of {s['chunk_tokens']} tokens, "
-              f"{human_bytes(s['bytes'])}; verify: {maintenance.verify(store).as_dict()['ok']} records ok")
-    return 0
+    t0 = time.perf_counter()
+    target_dir = write_tiny_target(os.path.join(work, "target"), hidden_size=256, num_layers=4, num_heads=4,
+                                   num_kv_heads=2, intermediate_size=512, vocab_size=512, seed=0)
+    drafter_dir = write_tiny_drafter(os.path.join(work, method), method, target_dir, seed=1)
+    conversations = _conversations(vocab=512)
+    print(f"tiny llama target (hidden 256, 4 layers, float32) and drafter '{method}' in {work}")
+    print(f"store: {cache_dir}\n")
+
+    cold = _run(Generator.load(target_dir, drafter_dir, method=method), conversations, max_tokens)
+    with SpecCache.open(cache_dir) as cache:
+        first = _run(Generator.load(target_dir, drafter_dir, method=method, cache=cache), conversations, max_tokens)
+    with SpecCache.open(cache_dir) as cache:  # reopened: what a restarted engine sees
+        generator = Generator.load(target_dir, drafter_dir, method=method, cache=cache)
+        warm = _run(generator, conversations, max_tokens)
+        stats = maintenance.stats(cache.store)
+        verify = maintenance.verify(cache.store).as_dict()
+        print(f"target identity   {generator.target_identity}")
+        print(f"prefix namespace  {generator.prefix_namespace}\n")
+
+    rows, identical = [], True
+    for (name, prompt, c), (_, _, f), (_, _, w) in zip(cold, first, warm):
+        same = c.tokens == f.tokens == w.tokens
+        identical &= same
+        rows.append([name, len(prompt), f.cached_tokens, w.cached_tokens, f"{c.ttft_s * 1e3:.0f}",
+                     f"{f.ttft_s * 1e3:.0f}", f"{w.ttft_s * 1e3:.0f}", f"{w.drafted}/{w.accepted}",
+                     "yes" if same else "NO"])
+    print(table(rows, ["REQUEST", "PROMPT", "CACHED 1ST", "CACHED 2ND", "TTFT COLD MS", "TTFT 1ST MS",
+                       "TTFT 2ND MS", "DRAFTED/ACC", "SAME TOKENS"]))
+    cold_ttft = sum(c.ttft_s for _, _, c in cold)
+    warm_ttft = sum(w.ttft_s for _, _, w in warm)
+    print(f"\nTTFT summed over requests: cold {cold_ttft * 1e3:.0f} ms, warm {warm_ttft * 1e3:.0f} ms "
+          f"({cold_ttft / max(warm_ttft, 1e-9):.1f}x); tokens identical to the cold run: {'yes' if identical else 'NO'}")
+    print(f"store: {stats['entries']} entries, {stats['chunks']} shared chunks of {stats['chunk_tokens']} tokens, "
+          f"{stats['drafter_parts']} drafter parts, {human_bytes(stats['bytes'])}; hits {stats['hits']}, misses "
+          f"{stats['misses']}; verify: {verify['ok']}/{verify['records']} records ok")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0 if identical else 1

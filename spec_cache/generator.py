@@ -70,8 +70,8 @@ class Generator:
         if provider is not None and adapters and not getattr(provider, "supports_target_adapters", False):
             drafter_ns = None  # the drafter is not valid under a target adapter: cache the target part only
         prefix_ns = prefix_namespace(drafter_ns, adapters, options)
+        engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options)  # refuses bad options
         ns_key = cache.namespace(identity, prefix_ns, tenant) if cache is not None else None
-        engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options)
         eos = _eos_ids(target_dir)
         return cls(engine, cache=cache, target_identity=identity, drafter_namespace=drafter_ns, prefix_ns=prefix_ns,
                    ns_key=ns_key, eos_token_ids=eos)

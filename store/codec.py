@@ -5,7 +5,8 @@ Layout of a record (all integers little-endian; documented in the README, a publ
     0   4  magic  b"SPCR"
     4   1  format major (1)      5  1  format minor (0)      6  2  reserved (0)
     8   4  header length H       12 4  reserved (0)
-    16 32  blake3 of every byte from offset 48 to the end (header, padding, payload)
+    16 32  blake3 of bytes 0..15 followed by every byte from offset 48 to the end (header, padding,
+           payload): the checksum covers every byte of the record except itself
     48  H  msgpack header: {"kind", "schema", "meta", "tensors": [[name, dtype, shape, offset, nbytes], ...],
                             "payload": payload length, "data": data offset inside the payload}
     ..     zero padding to a 64-byte boundary
@@ -14,8 +15,9 @@ Layout of a record (all integers little-endian; documented in the README, a publ
            read a record's tensors: ``safetensors.numpy.load(bytes(record[P:]))``.
 
 Every read verifies the checksum before anything is parsed; a mismatch, a truncation, or a header that breaks
-any structural rule raises ``CorruptRecord``. msgpack is decoded with hard limits so a crafted header cannot
-allocate more than a few MiB. No pickle anywhere.
+any structural rule raises ``CorruptRecord``. The header is at most 256 KiB and msgpack is decoded with hard
+limits, so a crafted header cannot allocate more than about 20 MiB (an empty container costs 64 bytes per
+header byte). No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ PREFIX = struct.Struct("<4sBBHII32s")  # magic, major, minor, reserved, header l
 PREFIX_SIZE = PREFIX.size  # 48
 CHECKSUM_OFFSET = 16
 ALIGN = 64
-MAX_HEADER_BYTES = 4 << 20
+MAX_HEADER_BYTES = 256 << 10
+MAX_DIMS = 16
 KINDS = ("chunk", "entry", "draft")
 _PARALLEL_HASH_BYTES = 4 << 20
 
@@ -51,10 +54,16 @@ def _align(n: int) -> int:
 
 
 def checksum(view) -> bytes:
-    """blake3 of ``view``; multithreaded for large values (a 16 MiB chunk hashes in ~2 ms)."""
-    if len(view) >= _PARALLEL_HASH_BYTES:
-        return blake3.blake3(view, max_threads=blake3.blake3.AUTO).digest()
-    return blake3.blake3(view).digest()
+    """The record checksum: blake3 of the prefix's first 16 bytes then of everything after the checksum.
+
+    ``view`` is the whole record (at least ``PREFIX_SIZE`` bytes). Multithreaded for large values (a 16 MiB
+    chunk hashes in ~2 ms).
+    """
+    threads = blake3.blake3.AUTO if len(view) >= _PARALLEL_HASH_BYTES else 1
+    h = blake3.blake3(max_threads=threads)
+    h.update(view[:CHECKSUM_OFFSET])
+    h.update(view[PREFIX_SIZE:])
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -80,14 +89,24 @@ def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema:
     arrays: list[tuple[str, str, np.ndarray]] = []
     names: set[str] = set()
     for name, dtype, data in tensors:
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise InvalidInput(f"tensor name must be a non-empty str other than '__metadata__', got {name!r}")
         if name in names:
             raise InvalidInput(f"duplicate tensor name {name!r} in one record")
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+            raise InvalidInput(f"tensor {name!r}: unknown dtype {dtype!r}")
         names.add(name)
         arr = data.array() if isinstance(data, Tensor) else data
+        if isinstance(arr, np.generic):  # a numpy scalar: a 0-d tensor
+            arr = np.asarray(arr)
         if not isinstance(arr, np.ndarray):
             raise InvalidInput(f"tensor {name!r}: expected a numpy array or Tensor")
-        if arr.dtype.itemsize != DTYPE_ITEMSIZE[dtype]:
-            raise InvalidInput(f"tensor {name!r}: data itemsize {arr.dtype.itemsize} does not fit dtype {dtype}")
+        if arr.dtype.kind not in "biufc" or arr.dtype.itemsize != DTYPE_ITEMSIZE[dtype]:
+            raise InvalidInput(f"tensor {name!r}: data of dtype {arr.dtype} does not fit dtype {dtype}")
+        if arr.ndim > MAX_DIMS:
+            raise InvalidInput(f"tensor {name!r}: {arr.ndim} dimensions, at most {MAX_DIMS} are stored")
+        if not arr.dtype.isnative and arr.dtype.byteorder != "|":  # big-endian data: swap the values, not bits
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
         arrays.append((name, dtype, arr))
 
     table, st_table, offset = [], {}, 0
@@ -121,22 +140,26 @@ def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema:
             dst = out[start:start + nbytes].view(numpy_dtype(dtype)).reshape(arr.shape)
             np.copyto(dst, arr.view(numpy_dtype(dtype)) if arr.dtype != numpy_dtype(dtype) else arr,
                       casting="no")
-    digest = checksum(memoryview(out)[PREFIX_SIZE:])
     out[:PREFIX_SIZE] = np.frombuffer(
-        PREFIX.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, len(header), 0, digest), dtype=np.uint8)
+        PREFIX.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, len(header), 0, bytes(32)), dtype=np.uint8)
+    out[CHECKSUM_OFFSET:PREFIX_SIZE] = np.frombuffer(checksum(memoryview(out)), dtype=np.uint8)
     return out
 
 
 def _unpack_header(raw) -> dict:
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
-                                 max_str_len=1 << 20, max_bin_len=1 << 22, max_array_len=1 << 18,
-                                 max_map_len=1 << 16, max_ext_len=0)
+                                 max_str_len=MAX_HEADER_BYTES, max_bin_len=MAX_HEADER_BYTES,
+                                 max_array_len=MAX_HEADER_BYTES, max_map_len=MAX_HEADER_BYTES, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types on crafted input
         raise CorruptRecord(f"record header is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(header, dict):
         raise CorruptRecord("record header is not a map")
     return header
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def read_prefix(buf) -> tuple[int, int, int, bytes]:
@@ -158,17 +181,16 @@ def decode_record(buf, *, verify: bool = True) -> Record:
 
     The returned tensors are views of ``buf``: copy them out before the read transaction ends.
     """
-    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    view = _bytes_view(buf)
     _major, _minor, header_len, digest = read_prefix(view)
-    if verify and checksum(view[PREFIX_SIZE:]) != digest:
+    if verify and checksum(view) != digest:
         raise CorruptRecord("record checksum mismatch (bit flip or truncation)")
     header = _unpack_header(view[PREFIX_SIZE:PREFIX_SIZE + header_len])
     kind, schema, meta = header.get("kind"), header.get("schema"), header.get("meta")
     table, payload_len, data_start = header.get("tensors"), header.get("payload"), header.get("data")
     if kind not in KINDS or not (schema is None or isinstance(schema, str)) or not isinstance(meta, dict):
         raise CorruptRecord("record header has a bad kind, schema or meta field")
-    if not isinstance(table, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                              for x in (payload_len, data_start)):
+    if not isinstance(table, list) or not (_is_int(payload_len) and _is_int(data_start)):
         raise CorruptRecord("record header has a bad tensor table")
     payload_at = _align(PREFIX_SIZE + header_len)
     if payload_at + payload_len != len(view) or not (8 <= data_start <= payload_len):
@@ -181,10 +203,10 @@ def decode_record(buf, *, verify: bool = True) -> Record:
         if not (isinstance(row, list) and len(row) == 5):
             raise CorruptRecord("record tensor table row is malformed")
         name, dtype, shape, offset, nbytes = row
-        if (not isinstance(name, str) or name in tensors or dtype not in DTYPE_ITEMSIZE
-                or not isinstance(shape, list) or len(shape) > 16
+        if (not isinstance(name, str) or name in tensors or not isinstance(dtype, str)
+                or dtype not in DTYPE_ITEMSIZE or not isinstance(shape, list) or len(shape) > MAX_DIMS
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-                or offset != expect_offset or not isinstance(nbytes, int)):
+                or not _is_int(offset) or offset != expect_offset or not _is_int(nbytes)):
             raise CorruptRecord(f"record tensor table row for {name!r} is malformed")
         count = 1
         for d in shape:
@@ -200,9 +222,19 @@ def decode_record(buf, *, verify: bool = True) -> Record:
 
 def payload_view(buf) -> memoryview:
     """The safetensors blob inside a record (for external readers and format dumps)."""
-    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    view = _bytes_view(buf)
     _major, _minor, header_len, _digest = read_prefix(view)
     return view[_align(PREFIX_SIZE + header_len):]
+
+
+def _bytes_view(buf) -> memoryview:
+    """``buf`` as a flat unsigned-byte memoryview (no copy)."""
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        if not view.c_contiguous:
+            raise CorruptRecord("record buffer is not contiguous")
+        view = view.cast("B")
+    return view
 
 
 def copy_out(tensor: Tensor) -> np.ndarray:

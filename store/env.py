@@ -68,28 +68,57 @@ class Environment:
                     os.chmod(os.path.join(self.path, name), 0o600)
         try:
             self.env.reader_check()  # clear reader slots left by killed processes
+            existing = self._existing_format()  # before anything is created: a refused store stays untouched
             self.dbs = {name: self.env.open_db(name.encode(), create=not readonly) for name in SUBDBS}
+            self.meta = existing if existing is not None else self._create_format(chunk_tokens)
         except lmdb.Error as exc:
             self.env.close()
             raise StoreOpenError(f"cannot open store at {self.path}: {exc}") from None
-        self.meta = self._check_format(chunk_tokens)
+        except BaseException:
+            self.env.close()
+            raise
 
-    def _check_format(self, chunk_tokens: int | None) -> dict:
-        with self.env.begin(db=self.dbs["meta"]) as txn:
-            raw = txn.get(b"format")
-        if raw is not None:
+    def _existing_format(self) -> dict | None:
+        """The format record of an existing store (checked), or None for an empty environment.
+
+        Reads only (one read transaction): an LMDB file that holds other databases, or a store of a newer
+        major format, is refused before any sub-database is created in it.
+        """
+        with self.env.begin() as txn:
+            names = []
+            for key, _ in txn.cursor():
+                names.append(bytes(key))
+                if len(names) > len(SUBDBS):
+                    break
+            if not names:
+                return None
+            known = {name.encode() for name in SUBDBS}
+            foreign = StoreFormatError(f"{self.path} holds an LMDB database that is not a spec-cache store")
+            if b"meta" not in names or any(name not in known for name in names):
+                raise foreign
             try:
-                meta = msgpack.unpackb(raw, raw=False)
-                name, major = meta["format"], meta["major"]
-            except Exception:
-                raise StoreFormatError(f"{self.path}: unreadable store format record") from None
-            if name != STORE_FORMAT:
-                raise StoreFormatError(f"{self.path} is not a spec-cache store (format {name!r})")
-            if major > STORE_MAJOR:
-                raise StoreFormatError(
-                    f"{self.path} holds store format {major}.{meta.get('minor', 0)}; this spec-cache reads format "
-                    f"{STORE_MAJOR}.x — upgrade spec-cache (the store is left untouched)")
-            return meta
+                meta_db = self.env.open_db(b"meta", txn=txn, create=False)
+            except lmdb.Error:
+                raise foreign from None
+            raw = txn.get(b"format", db=meta_db)
+            if raw is None:
+                return None  # another process is creating this store right now
+            raw = bytes(raw)
+        try:
+            meta = msgpack.unpackb(raw, raw=False)
+            name, major = meta["format"], meta["major"]
+            int(meta["chunk_tokens"])
+        except Exception:
+            raise StoreFormatError(f"{self.path}: unreadable store format record") from None
+        if name != STORE_FORMAT:
+            raise StoreFormatError(f"{self.path} is not a spec-cache store (format {name!r})")
+        if not isinstance(major, int) or major > STORE_MAJOR:
+            raise StoreFormatError(
+                f"{self.path} holds store format {major}.{meta.get('minor', 0)}; this spec-cache reads format "
+                f"{STORE_MAJOR}.x — upgrade spec-cache (the store is left untouched)")
+        return meta
+
+    def _create_format(self, chunk_tokens: int | None) -> dict:
         if self.readonly:
             raise StoreFormatError(f"{self.path} has no spec-cache format record")
         meta = {"format": STORE_FORMAT, "major": STORE_MAJOR, "minor": STORE_MINOR,
@@ -112,6 +141,8 @@ class Environment:
         except lmdb.MapResizedError:
             self.env.set_mapsize(0)
             return self.env.begin(buffers=True)
+        except lmdb.Error as exc:  # e.g. the reader table is full
+            raise StoreError(f"store at {self.path}: cannot start a read transaction ({exc})") from None
 
     def write(self, fn: Callable[[lmdb.Transaction], T], *, on_full: Callable[[], bool] | None = None) -> T:
         """Run ``fn(txn)`` in one write transaction, all of it or none of it.
@@ -136,6 +167,8 @@ class Environment:
                         ) from None
             except lmdb.DiskError as exc:
                 raise StoreFullError(f"store at {self.path}: disk error while writing ({exc})") from None
+            except lmdb.Error as exc:  # never a bare LMDB exception above this layer
+                raise StoreError(f"store at {self.path}: LMDB error while writing ({exc})") from None
         raise StoreFullError(f"store at {self.path}: write did not fit after repeated map growth")
 
     def _grow(self) -> bool:

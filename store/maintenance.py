@@ -14,7 +14,7 @@ from typing import Callable
 from schemas import SCHEMAS
 
 from .codec import CorruptRecord, decode_record
-from .index import Index, TOTALS_KEY, unpack
+from .index import Index, TOTALS_KEY, draft_key, unpack
 from .store import Store
 
 Progress = Callable[[int, int], None]
@@ -91,16 +91,18 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
           older_than_s: float | None = None, to_size: int | None = None, everything: bool = False) -> EvictReport:
     """Remove entries (or drafter parts) in one transaction.
 
-    ``namespace``: every entry of that namespace key. ``drafter``: that drafter's parts only (target state
-    stays). ``older_than_s``: unpinned entries not used for that many seconds. ``to_size``: unpinned LRU
-    entries until the store holds at most that many bytes. ``everything``: all entries, pinned too.
-    Filters combine (an entry must match all given ones), except ``to_size`` which runs last.
+    ``namespace``: every entry of that namespace key. ``drafter``: that drafter's parts only, from the
+    entries the other filters select (target state stays). ``older_than_s``: unpinned entries not used for
+    that many seconds. ``to_size``: unpinned LRU entries until the store holds at most that many bytes.
+    ``everything``: all entries, pinned too. Filters combine (an entry must match all given ones), except
+    ``to_size`` which runs last.
     """
     store.flush()
     report = EvictReport()
     cutoff = None if older_than_s is None else time.time_ns() - int(older_than_s * 1e9)
 
     def fn(txn):
+        report.entries = report.drafter_parts = report.bytes = 0  # the write may be retried after map growth
         ix = Index(txn, store.env.dbs)
         before = ix.totals()["bytes"]
         if everything or namespace is not None or cutoff is not None or drafter is not None:
@@ -115,7 +117,7 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
                     continue
                 victims.append((bytes(key), e))
             for key, e in victims:
-                if drafter is not None and not everything and namespace is None and cutoff is None:
+                if drafter is not None:
                     ix.drop_drafter(key, e, drafter)
                     report.drafter_parts += 1
                 else:
@@ -189,14 +191,16 @@ def gc(store: Store, progress: Progress | None = None) -> GcReport:
     """Drop corrupt records (and what depends on them), broken chunk subtrees and orphan records."""
     store.flush()
     report = GcReport()
+    with store.env.read() as txn:
+        start_bytes = (unpack(txn.get(TOTALS_KEY, db=store.env.dbs["meta"])) or {"bytes": 0})["bytes"]
     bad = verify(store, progress)
     for row in bad.corrupt_keys:
         store._drop_corrupt(bytes.fromhex(row["key"]))
         report.corrupt_removed += 1
 
     def fn(txn):
+        report.broken_subtrees = report.orphans_removed = report.bytes = 0  # the write may be retried
         ix = Index(txn, store.env.dbs)
-        before = ix.totals()["bytes"]
         nodes = {bytes(k): unpack(v) for k, v in txn.cursor(db=store.env.dbs["nodes"])}
         broken = {k for k, n in nodes.items() if n.get("broken")}
 
@@ -214,10 +218,13 @@ def gc(store: Store, progress: Progress | None = None) -> GcReport:
             e = unpack(raw)
             if e["node"] not in nodes or under_broken(e["node"]):
                 ix.delete_entry(bytes(key), e)
-        entry_keys = {bytes(k) for k, _ in txn.cursor(db=store.env.dbs["entries"])}
-        for db, keyof in (("edata", lambda k: k), ("drafts", lambda k: k[:32])):
+        live = {"edata": set(), "drafts": set()}  # records some entry refers to
+        for key, raw in txn.cursor(db=store.env.dbs["entries"]):
+            live["edata"].add(bytes(key))
+            live["drafts"].update(draft_key(bytes(key), dns) for dns in unpack(raw)["drafters"])
+        for db in ("edata", "drafts"):
             for key, _ in list(txn.cursor(db=store.env.dbs[db])):
-                if keyof(bytes(key)) not in entry_keys:
+                if bytes(key) not in live[db]:
                     ix.delete(db, bytes(key))
                     report.orphans_removed += 1
         live_nodes = {bytes(k) for k, _ in txn.cursor(db=store.env.dbs["nodes"])}
@@ -225,6 +232,6 @@ def gc(store: Store, progress: Progress | None = None) -> GcReport:
             if bytes(key) not in live_nodes:
                 ix.delete("chunks", bytes(key))
                 report.orphans_removed += 1
-        report.bytes = before - ix.totals()["bytes"]
+        report.bytes = start_bytes - ix.totals()["bytes"]
     store.env.write(fn)
     return report

@@ -26,7 +26,7 @@ from schemas.errors import UnknownSchemaError
 from . import keys as K
 from .codec import CorruptRecord, copy_out, decode_record, encode_record
 from .env import Environment
-from .errors import InvalidInput, StoreFullError
+from .errors import InvalidInput, StoreError, StoreFullError
 from .index import Index, draft_key, now_ns, pack, unpack
 from .tensors import LayerState, Tensor, numpy_dtype
 
@@ -96,6 +96,7 @@ class Store:
         self._counts: dict[bytes, list[int]] = {}  # ns -> [hits, misses]
         self._pending = 0
         self._last_flush = time.monotonic()
+        self._bad: set[bytes] = set()  # corrupt keys this process could not drop (read-only store)
 
     # --- open / close ------------------------------------------------------------------------------
     @classmethod
@@ -152,7 +153,8 @@ class Store:
         Every layer with a ``token_axis`` must cover exactly ``len(tokens)`` tokens. ``drafter`` is
         ``(drafter namespace, attachment)``; the attachment is validated against its schema first.
         An exact duplicate replaces the old entry. Raises ``InvalidInput``, ``SchemaError``,
-        ``StoreFullError`` (the checkpoint alone is over ``max_bytes``); the store is unchanged then.
+        ``StoreFullError`` (the checkpoint with its chunks is over ``max_bytes``, or does not fit next to the
+        pinned entries); the store is unchanged then.
         """
         packed = K.pack_tokens(tokens)
         n = len(packed)
@@ -219,7 +221,7 @@ class Store:
             if info is None:
                 raise InvalidInput("namespace key is not registered: call register_namespace first")
             when = now_ns()
-            written, new_chunks = 0, 0
+            written, new_chunks, reclaimed, chain_bytes = 0, 0, 0, 0
             if sig not in info["sigs"]:
                 info["sigs"].append(sig)
                 ix.put("nsinfo", ns_key, info)
@@ -227,12 +229,19 @@ class Store:
                 node = ix.get("nodes", key)
                 if node is not None and not node.get("broken"):
                     node["minr"] = max(node["minr"], minimum_reusable)
+                    # a chunk boundary is usable only if every checkpoint through it was fully chunked
+                    node["complete"] = bool(node["complete"] and complete)
                     ix.put("nodes", key, node)
+                    chain_bytes += node["bytes"]
                     continue
                 if node is not None:  # a broken chunk is rewritten in place; its references stay
                     refs, tails = node["refs"], node["tails"]
+                    reclaimed += node["bytes"]  # its old bytes are still counted in the totals
+                    complete_here = bool(node["complete"] and complete)
+                    minr_here = max(node["minr"], minimum_reusable)
                 else:
                     refs, tails = 0, {}
+                    complete_here, minr_here = complete, minimum_reusable
                     if k > 0:
                         parent = ix.get("nodes", chain[k - 1])
                         parent["refs"] += 1
@@ -243,10 +252,14 @@ class Store:
                     txn.put(key, record, db=self.env.dbs["chunks"])
                     nbytes = record.nbytes
                     written += nbytes
+                    chain_bytes += nbytes
                     new_chunks += 1
                 ix.put("nodes", key, {"ns": ns_key, "parent": chain[k - 1] if k else None, "depth": k,
-                                      "refs": refs, "tails": tails, "bytes": nbytes, "complete": complete,
-                                      "minr": minimum_reusable, "sig": sig if k == 0 else b""})
+                                      "refs": refs, "tails": tails, "bytes": nbytes, "complete": complete_here,
+                                      "minr": minr_here, "sig": sig if k == 0 else b""})
+            if self.max_bytes is not None and own_bytes + chain_bytes > self.max_bytes:
+                raise StoreFullError(f"checkpoint of {own_bytes + chain_bytes} bytes (with its chunks) exceeds "
+                                     f"the store's max_bytes {self.max_bytes}")
             old = ix.get("entries", ekey)
             drafters = {}
             if old is not None:  # exact duplicate: replace the entry, keep other drafters' parts
@@ -273,9 +286,15 @@ class Store:
                                      "bytes": entry_bytes, "drafters": drafters, "minr": minimum_reusable})
             ix.put("lru", K.lru_key(when, ekey), b"")
             written += own_bytes
-            ix.add_ns(ns_key, d_bytes=written, d_entries=1, last_use=when)
-            ix.add_totals(written, 1)
-            evicted = ix.evict_to(self.max_bytes, {ekey}) if self.max_bytes is not None else 0
+            ix.add_ns(ns_key, d_bytes=written - reclaimed, d_entries=1, last_use=when)
+            ix.add_totals(written - reclaimed, 1)
+            evicted = 0
+            if self.max_bytes is not None:
+                evicted = ix.evict_to(self.max_bytes, {ekey})
+                if ix.totals()["bytes"] > self.max_bytes:  # pinned entries hold the rest: refuse, change nothing
+                    raise StoreFullError(
+                        f"checkpoint of {own_bytes + chain_bytes} bytes does not fit next to the pinned entries "
+                        f"within the store's max_bytes {self.max_bytes}")
             return PutResult(ekey, written, new_chunks, evicted)
 
         with self._lock:
@@ -320,7 +339,7 @@ class Store:
                 k = len(chain)
                 key = K.chunk_key(chain[-1], packed[(k - 1) * C:k * C])
                 node = ix.get("nodes", key)
-                if node is None or node.get("broken"):
+                if node is None or node.get("broken") or key in self._bad:
                     break
                 chain.append(key)
                 nodes.append(node)
@@ -332,10 +351,13 @@ class Store:
                     if length > n or length < 1 or not better(length, True, True):
                         continue
                     ekey = K.entry_key(chain[j], packed[base:length])
+                    if ekey in self._bad:
+                        continue
                     entry = ix.get("entries", ekey)
                     if entry is None or entry["len"] != length or length < entry["minr"]:
                         continue
-                    has = drafter is not None and drafter in entry["drafters"]
+                    has = (drafter is not None and drafter in entry["drafters"]
+                           and draft_key(ekey, drafter) not in self._bad)
                     if better(length, has, True):
                         best = Hit(length, has, ekey, tuple(chain[:j + 1]), entry["minr"])
                 if j > 0 and node["complete"] and node["minr"] <= base and better(base, False, False):
@@ -345,20 +367,21 @@ class Store:
     def lookup(self, ns_key: bytes, tokens, *, drafter: str | None = None) -> Hit | None:
         """The longest usable stored prefix of ``tokens`` (index only; nothing is read or verified)."""
         packed = K.pack_tokens(tokens)
-        with self.env.read() as txn:
+        with self._lock, self.env.read() as txn:
             return self._lookup(txn, ns_key, packed, drafter)
 
     # --- fetch -------------------------------------------------------------------------------------
     def fetch(self, ns_key: bytes, tokens, *, drafter: str | None = None,
-              max_attempts: int = 3) -> Restored | None:
+              max_attempts: int = 3, warnings: list[str] | None = None) -> Restored | None:
         """Look up and read back the longest usable prefix of ``tokens``; None on a miss.
 
         Every record read is verified (blake3) and its tokens compared with ``tokens``; a corrupt record is
         dropped from the store, logged, and the lookup retried (a shorter prefix may still serve). A drafter
-        part with an unknown or invalid schema is reported in ``warnings`` and skipped (target only).
+        part with an unknown or invalid schema is skipped (target only). What went wrong is appended to
+        ``warnings`` (when given; also on a miss) and to ``Restored.warnings``.
         """
         packed = K.pack_tokens(tokens)
-        warnings: list[str] = []
+        warnings = [] if warnings is None else warnings
         for _ in range(max_attempts):
             with self._lock:
                 try:
@@ -372,7 +395,7 @@ class Store:
                     message = f"dropping corrupt record ({exc}); falling back to a shorter prefix"
                     log.warning(message)
                     warnings.append(message)
-                    self._drop_corrupt(exc.key)
+                    self._forget_corrupt(exc.key)
                     continue
                 if hit.entry is not None:
                     self._touched[hit.entry] = now_ns()
@@ -395,11 +418,11 @@ class Store:
             base = (len(hit.chain) - 1) * C
             entry_rec = self._decode(txn, "edata", hit.entry, packed[base:hit.length])
             layer_table = entry_rec.meta.get("layers")
-        if layer_table is None:  # chunk-boundary hit: every layer is chunked and the chunk says which
-            layer_table = chunks[0].meta.get("layers")
         try:
+            if layer_table is None:  # chunk-boundary hit: every layer is chunked and the chunk says which
+                layer_table = chunks[0].meta.get("layers")
             layers = self._assemble(layer_table, chunks, entry_rec, hit)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise CorruptRecord(f"stored layer table does not match its tensors ({exc})", hit.entry) from None
         attachment = None
         if drafter is not None and hit.has_drafter:
@@ -410,9 +433,11 @@ class Store:
                 validate_attachment(attachment, hit.length)
             except UnknownSchemaError as exc:
                 warnings.append(f"drafter part skipped: {exc}")
+                log.warning(warnings[-1])
                 attachment = None
             except SchemaError as exc:
                 warnings.append(f"drafter part skipped: stored attachment is invalid: {exc}")
+                log.warning(warnings[-1])
                 attachment = None
         return Restored(hit.length, layers, attachment, hit.entry)
 
@@ -459,6 +484,20 @@ class Store:
                     bytes(stored.data) != expect_tokens.tobytes():
                 raise CorruptRecord(f"{db} record holds other tokens than its key says", key)
         return rec
+
+    def _forget_corrupt(self, key: bytes | None) -> None:
+        """Drop a corrupt record from the store; if that is impossible (read-only), hide it from lookups."""
+        if key is None:
+            return
+        self._bad.add(key)
+        if self.env.readonly:
+            return
+        try:
+            self._drop_corrupt(key)
+        except StoreError as exc:
+            log.warning("could not drop corrupt record %s: %s", key.hex()[:16], exc)
+            return
+        self._bad.discard(key)
 
     def _drop_corrupt(self, key: bytes | None) -> None:
         if key is None:
