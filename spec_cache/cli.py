@@ -321,6 +321,77 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
+def _tokens_arg(text: str) -> list[int]:
+    """``--tokens``: a file of token ids, or the ids themselves separated by commas."""
+    if os.path.isfile(text):
+        from spec_cache.interop import InteropError, read_tokens
+        try:
+            return read_tokens(text)
+        except InteropError as exc:
+            raise CliError(str(exc)) from None
+    try:
+        return _token_list(text)
+    except argparse.ArgumentTypeError as exc:
+        raise CliError(f"--tokens: {exc} (or the path of a token file)") from None
+
+
+def cmd_export_mlx_lm(args) -> int:
+    from spec_cache.cache import SpecCache
+    from spec_cache.interop import InteropError, export_mlx_lm, read_tokens
+    from store import maintenance
+
+    try:
+        tokens = read_tokens(args.tokens_file)
+    except (InteropError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    with _open_store(args) as store:
+        try:
+            ns = maintenance.resolve_namespace(store, args.namespace)
+        except KeyError as exc:
+            raise CliError(exc.args[0]) from None
+    with SpecCache.open(args.cache) as cache:
+        try:
+            covered = export_mlx_lm(cache, ns, tokens, args.out, model=args.model, exact=args.exact)
+        except InteropError as exc:
+            raise CliError(str(exc)) from None
+    _emit(args, {"file": args.out, "tokens": covered, "requested": len(tokens)},
+          f"wrote {args.out}: {covered} of {len(tokens)} tokens (pass the remaining tokens as the prompt)")
+    return EXIT_OK
+
+
+def cmd_import_mlx_lm(args) -> int:
+    from spec_cache.cache import SpecCache
+    from spec_cache.interop import InteropError, import_mlx_lm
+    from spec_cache.namespace import KVOptions, prefix_namespace
+
+    tokens = _tokens_arg(args.tokens)
+    if not os.path.isfile(args.file):
+        raise CliError(f"no such file: {args.file}")
+    drafter_ns = None
+    if args.drafter is not None or args.method == "ngram":
+        from spec_cache.drafters import load_provider
+        from spec_cache.drafters.ngram import NgramProvider
+        try:
+            provider = NgramProvider() if args.drafter is None else load_provider(args.drafter, args.method)
+        except (ValueError, FileNotFoundError) as exc:
+            raise CliError(str(exc)) from None
+        drafter_ns = provider.namespace
+    try:
+        kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                       quantized_kv_start=args.quantized_kv_start)
+        pns = prefix_namespace(drafter_ns, args.adapters, kv)
+    except (TypeError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    with SpecCache.open(args.cache) as cache:
+        try:
+            ns = import_mlx_lm(cache, args.file, args.model, tokens, prefix_namespace=pns)
+        except (InteropError, ValueError, FileNotFoundError) as exc:
+            raise CliError(str(exc)) from None
+    _emit(args, {"namespace": ns.hex(), "tokens": len(tokens), "prefix_namespace": pns},
+          f"stored {len(tokens)} tokens under namespace {ns.hex()[:16]} ({pns})")
+    return EXIT_OK
+
+
 def cmd_demo(args) -> int:
     from spec_cache import demo
 
@@ -379,6 +450,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quantized-kv-start", type=_non_negative_int)
     s.add_argument("--no-cache", action="store_true", help="run without the store")
     s.set_defaults(fn=cmd_generate)
+    s = sub.add_parser("export-mlx-lm", parents=[common],
+                       help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)")
+    s.add_argument("namespace", help="namespace key (hex or unique prefix)")
+    s.add_argument("tokens_file", help="token ids (JSON list, or integers separated by commas/spaces)")
+    s.add_argument("out", help="output .safetensors file")
+    s.add_argument("--model", help="value of the file's 'model' metadata (mlx_lm.generate compares it with --model)")
+    s.add_argument("--exact", action="store_true", help="fail unless every token of the file is stored")
+    s.set_defaults(fn=cmd_export_mlx_lm)
+    s = sub.add_parser("import-mlx-lm", parents=[common], help="store an mlx-lm prompt-cache file")
+    s.add_argument("file")
+    s.add_argument("--model", required=True, help="the target model directory the file was made with")
+    s.add_argument("--tokens", required=True, help="the token ids the file covers: 1,2,3 or a token file")
+    s.add_argument("--drafter", help="drafter directory whose namespace the entry belongs to")
+    s.add_argument("--method", choices=("assistant", "draft-model", "ngram"))
+    s.add_argument("--adapters", default="", help="adapter namespace (id@revision+...; base model: empty)")
+    s.add_argument("--kv-bits", type=_positive_int)
+    s.add_argument("--kv-group-size", type=_positive_int)
+    s.add_argument("--quantized-kv-start", type=_non_negative_int)
+    s.set_defaults(fn=cmd_import_mlx_lm)
     return p
 
 
