@@ -435,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", choices=("assistant", "draft-model", "ngram"), default="assistant")
     s.add_argument("--max-tokens", type=_positive_int, default=24)
     s.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("bench", help="benchmarks as ratios against same-process baselines (see BENCHMARKS.md)",
+                       add_help=False, prefix_chars="\0")
+    s.add_argument("bench_args", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=lambda args: __import__("spec_cache.bench", fromlist=["main"]).main(args.bench_args))
     s = sub.add_parser("generate", parents=[common], help="decode prompts with a local model through the cache")
     s.add_argument("--model", required=True, help="target model directory (config.json + safetensors)")
     s.add_argument("--drafter", help="drafter directory")

@@ -17,6 +17,7 @@ Tokens are packed as unsigned 32-bit little-endian words, so hashing a 32k-token
 from __future__ import annotations
 
 import struct
+from array import array
 from typing import Sequence
 
 import blake3
@@ -39,9 +40,11 @@ def pack_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         if arr.dtype.kind not in "iu":
             raise InvalidInput(f"tokens must be integers, got dtype {arr.dtype}")
     else:
-        try:
-            arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
-        except (TypeError, ValueError, OverflowError):
+        try:  # array('Q') converts a list of ints 2x faster than numpy and refuses negatives and floats
+            arr = np.frombuffer(array("Q", tokens), dtype=np.uint64) if len(tokens) else np.zeros(0, np.uint64)
+        except OverflowError:
+            raise InvalidInput("token ids must lie in [0, 2**32)") from None
+        except TypeError:
             raise InvalidInput("tokens must be a sequence of integers") from None
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
         raise InvalidInput("token ids must lie in [0, 2**32)")
@@ -70,13 +73,18 @@ def entry_key(node: bytes, tail_tokens: np.ndarray) -> bytes:
 
 
 def chain(root: bytes, tokens: np.ndarray, chunk_tokens: int, max_chunks: int | None = None) -> list[bytes]:
-    """[root, chunk_1, ..., chunk_K] for the full chunks of ``tokens`` (K capped by ``max_chunks``)."""
+    """[root, chunk_1, ..., chunk_K] for the full chunks of ``tokens`` (K capped by ``max_chunks``).
+
+    Same digests as ``chunk_key`` step by step, with one blake3 call per chunk (the lookup's hot loop).
+    """
     count = len(tokens) // chunk_tokens
     if max_chunks is not None:
         count = min(count, max_chunks)
+    data = tokens[: count * chunk_tokens].tobytes()
+    step = 4 * chunk_tokens
     keys = [root]
     for k in range(count):
-        keys.append(chunk_key(keys[-1], tokens[k * chunk_tokens:(k + 1) * chunk_tokens]))
+        keys.append(blake3.blake3(_CHUNK + keys[-1] + data[k * step:(k + 1) * step]).digest())
     return keys
 
 

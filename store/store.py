@@ -330,22 +330,29 @@ class Store:
                 return True
             return (length, has_drafter, is_entry) > (best.length, best.has_drafter, best.entry is not None)
 
+        nodes_db = self.env.dbs["nodes"]
         for sig in info["sigs"]:
-            chain = [K.root_key(ns_key, sig)]
-            nodes = [ix.get("nodes", chain[0])]
-            if nodes[0] is None:
+            root = K.root_key(ns_key, sig)
+            raw_root = txn.get(root, db=nodes_db)
+            if raw_root is None:
                 continue
-            while (len(chain)) * C <= n:
-                k = len(chain)
-                key = K.chunk_key(chain[-1], packed[(k - 1) * C:k * C])
-                node = ix.get("nodes", key)
-                if node is None or node.get("broken") or key in self._bad:
+            # Walk the chain on raw values (existence only); unpack a node only when it is examined below.
+            keys = K.chain(root, packed, C, max_chunks=n // C)
+            raws = [raw_root]
+            for key in keys[1:]:
+                raw = txn.get(key, db=nodes_db)
+                if raw is None or key in self._bad:
                     break
-                chain.append(key)
-                nodes.append(node)
+                raw = bytes(raw)  # a few dozen bytes; the marker test needs bytes, not a memoryview
+                if b"broken" in raw and unpack(raw).get("broken"):
+                    break
+                raws.append(raw)
+            chain = keys[:len(raws)]
             for j in range(len(chain) - 1, -1, -1):
                 base = j * C
-                node = nodes[j]
+                if best is not None and best.length >= base + C and sig:
+                    break  # every candidate below this level is shorter (tails of chunked chains are < C)
+                node = unpack(raws[j])
                 for t in sorted((int(x) for x in node["tails"]), reverse=True):
                     length = base + t
                     if length > n or length < 1 or not better(length, True, True):

@@ -21,7 +21,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def median_time(fn, reps: int) -> float:
@@ -141,7 +140,7 @@ def bench_lookup(counts: list[int], reps: int, prompt_tokens: int = 32768) -> di
     return out
 
 
-def main(argv=None) -> int:
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="64 MiB state, 1k/10k entries")
@@ -159,4 +158,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_main())

@@ -6,7 +6,7 @@ then reports, as medians over --repeat runs:
   identity  model_identity(dir, memo=False): framing, stat checks, mmap'd 256 MiB slices
   memo hit  model_identity(dir, memo=FileMemo) once the digest is memoized (stats + one read)
 
-    .venv/bin/python tools/bench_identity.py [--size-mib 1024] [--repeat 5] [--json]
+    python -m spec_cache.bench.identity [--size-mib 1024] [--repeat 5] [--json]
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ from pathlib import Path
 
 import blake3
 
-try:
-    from spec_cache.identity import FileMemo, model_identity
-except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from spec_cache.identity import FileMemo, model_identity
+from spec_cache.identity import FileMemo, model_identity
 
 CHUNK = 64 << 20
 
