@@ -16,6 +16,11 @@ import numpy as np
 
 
 def blas_in_use() -> str:
+    """Which matrix library runs the model: the GPU, or on CPU OpenBLAS (preloaded) vs mlx's reference BLAS."""
+    import mlx.core as mx
+
+    if "gpu" in str(mx.default_device()).lower():
+        return f"GPU ({mx.default_device()})"
     preload = os.environ.get("LD_PRELOAD", "")
     return "openblas (LD_PRELOAD)" if "openblas" in preload else "mlx bundled reference BLAS"
 

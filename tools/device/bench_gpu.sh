@@ -1,0 +1,35 @@
+#!/bin/bash
+# On the lent H200, from the repo root: installs the carried MLX CUDA build (once per warm machine), then runs
+# tools/device/bench_gpu.py. The MLX CUDA wheel (89 MB) is over the 64 MiB carry limit, so it travels as an
+# xz tarball of its unpacked files split in two: part-00 in an earlier call (tools/device/stage_part.sh copies it
+# to /tmp/parts), part-01 plus the small wheels in .whl/p2 with this call.
+# Usage: bash tools/device/bench_gpu.sh [--sections ttft,store_io,ttft_big] [--deadline S]
+set -u
+SITE=/tmp/site
+PARTS=/tmp/parts
+SHA=74fc4a5b9e7a477a5c545de34bae03652f8affd6ed1d918498726b2e20d156dd
+OUTDIR=${OUT:-/tmp/out}
+mkdir -p "$PARTS" "$OUTDIR"
+if [ ! -e "$SITE/mlx/lib/libmlx.so" ]; then
+  cp .whl/p2/*.whl .whl/p2/mlxcuda.tar.xz.part-* "$PARTS"/ || exit 1
+  cat "$PARTS"/mlxcuda.tar.xz.part-* > /tmp/mlxcuda.tar.xz || exit 1
+  echo "$SHA  /tmp/mlxcuda.tar.xz" | sha256sum -c - || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$PARTS"/*.whl || exit 1
+  tar xJf /tmp/mlxcuda.tar.xz -C "$SITE" || exit 1
+  # libmlx.so finds the CUDA libraries at $ORIGIN/../../nvidia/...: point that at the image's nvidia packages
+  NV=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])") || exit 1
+  ln -sfn "$NV" "$SITE/nvidia"
+fi
+ldd "$SITE/mlx/lib/libmlx.so" | grep "not found" && echo "WARNING: libraries not found"
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+export SPEC_CACHE_GIT="$(cat .whl/p2/GIT_STATE 2>/dev/null)"
+if ! python3 -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, store"; then
+  # another session may be mid-edit in the working tree: fall back to the committed snapshot carried in .whl/p2/src
+  echo "working tree does not import: using the HEAD snapshot"
+  export PYTHONPATH=$SITE:$PWD/.whl/p2/src SPEC_CACHE_GIT="HEAD snapshot only: $SPEC_CACHE_GIT"
+fi
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device()); print(mx.sum(mx.ones((1024, 1024))).item())" || exit 1
+python3 -m pip list 2>/dev/null | grep -iE "^(mlx|transformers|tokenizers|lmdb|blake3|msgpack|safetensors|numpy|tqdm) " 
+df -h /tmp | tail -1; free -g | head -2
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+python3 tools/device/bench_gpu.py --out "$OUTDIR/bench-gpu.json" "$@" 2>&1 | tee "$OUTDIR/bench-gpu.log"
