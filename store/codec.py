@@ -176,6 +176,14 @@ def read_prefix(buf) -> tuple[int, int, int, bytes]:
     return major, minor, header_len, digest
 
 
+def verify_checksum(buf) -> bool:
+    """Whether a record's stored checksum matches its bytes (False for anything too short to hold one)."""
+    view = _bytes_view(buf)
+    if len(view) < PREFIX_SIZE:
+        return False
+    return checksum(view) == bytes(view[CHECKSUM_OFFSET:PREFIX_SIZE])
+
+
 def decode_record(buf, *, verify: bool = True) -> Record:
     """Decode ``buf`` (bytes or a memoryview into LMDB's map); raises ``CorruptRecord`` on any defect.
 
@@ -218,6 +226,18 @@ def decode_record(buf, *, verify: bool = True) -> Record:
     if expect_offset != data_len:
         raise CorruptRecord("record payload holds bytes no tensor accounts for")
     return Record(kind, schema, meta, tensors, len(view))
+
+
+def check_key(rec: Record, key: bytes, what: str = "record") -> None:
+    """Refuse a record stored under another key than the one it names (a misdirected write, a page mix-up:
+    its checksum and even its tokens can be right while it belongs to another prefix or namespace).
+
+    Records the store writes carry their key in ``meta["key"]``; records without one (written before this
+    check existed) pass.
+    """
+    named = rec.meta.get("key")
+    if named is not None and named != bytes(key):
+        raise CorruptRecord(f"{what} record belongs to another key (stored under the wrong one)", bytes(key))
 
 
 def payload_view(buf) -> memoryview:

@@ -12,6 +12,7 @@ plus one per candidate tail length, independent of how many entries the store ho
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -24,14 +25,15 @@ from schemas import CheckpointAttachment, SchemaError, validate_attachment
 from schemas.errors import UnknownSchemaError
 
 from . import keys as K
-from .codec import CorruptRecord, copy_out, decode_record, encode_record
+from .codec import CorruptRecord, check_key, copy_out, decode_record, encode_record, verify_checksum
 from .env import Environment
-from .errors import InvalidInput, StoreError, StoreFullError
-from .index import Index, draft_key, now_ns, pack, unpack
+from .errors import CorruptIndex, InvalidInput, StoreError, StoreFullError
+from .index import Index, decode, draft_key, now_ns, pack, unpack
 from .tensors import LayerState, Tensor, numpy_dtype
 
 log = logging.getLogger("spec_cache.store")
 FLUSH_EVERY = 64
+ASYNC_VERIFY_BYTES = 1 << 20  # records at least this big are checksummed on a second thread during fetch
 FLUSH_SECONDS = 1.0
 
 
@@ -96,7 +98,8 @@ class Store:
         self._counts: dict[bytes, list[int]] = {}  # ns -> [hits, misses]
         self._pending = 0
         self._last_flush = time.monotonic()
-        self._bad: set[bytes] = set()  # corrupt keys this process could not drop (read-only store)
+        self._bad: set[bytes] = set()
+        self._verifier = None  # thread that checksums large records while fetch copies them out  # corrupt keys this process could not drop (read-only store)
 
     # --- open / close ------------------------------------------------------------------------------
     @classmethod
@@ -123,9 +126,12 @@ class Store:
     def close(self) -> None:
         if self.env.env is not None:
             if not self.env.readonly:
-                self.flush()
+                self._flush_best_effort()
             self.env.close()
             self.env.env = None
+        if self._verifier is not None:
+            self._verifier.shutdown(wait=True)
+            self._verifier = None
 
     def __enter__(self):
         return self
@@ -168,21 +174,27 @@ class Store:
                 raise InvalidInput(f"layer {i} is not a LayerState")
             if layer.token_axis is not None and any(t.shape[layer.token_axis] != n for t in layer.tensors):
                 raise InvalidInput(f"layer {i} covers {layer.tokens} tokens along its token axis, checkpoint has {n}")
-        draft_record = None
+        draft_tensors = None
         if drafter is not None:
             dns, attachment = drafter
             if not isinstance(dns, str) or not dns:
                 raise InvalidInput("drafter namespace must be a non-empty string")
             validate_attachment(attachment, n)
-            draft_record = encode_record(
-                "draft", ((f"t{j}", t.dtype, t.array()) for j, t in enumerate(_as_tensors(attachment.tensors))),
-                schema=attachment.schema, meta={"metadata": dict(attachment.metadata), "processed_tokens": n})
+            draft_tensors = _as_tensors(attachment.tensors)
         sig, chunked = _signature(layers)
         C = self.chunk_tokens
         full = n // C if chunked else 0
         root = K.root_key(ns_key, sig)
         chain = K.chain(root, packed, C, max_chunks=full)
         tail_start = full * C
+        ekey = K.entry_key(chain[-1], packed[tail_start:])
+        complete = len(chunked) == len(layers)
+        draft_record = None
+        if drafter is not None:  # every record names the key it is stored under (checked on read)
+            draft_record = encode_record(
+                "draft", ((f"t{j}", t.dtype, t.array()) for j, t in enumerate(draft_tensors)),
+                schema=attachment.schema, meta={"metadata": dict(attachment.metadata), "processed_tokens": n,
+                                                "key": draft_key(ekey, dns)})
         arrays = [[t.array() for t in layer.tensors] for layer in layers]
         table = [[i, layer.kind, layer.meta, layer.token_axis, [[t.dtype, list(t.shape)] for t in layer.tensors]]
                  for i, layer in enumerate(layers)]
@@ -197,12 +209,10 @@ class Store:
                         yield f"L{i}.{j}", layer.tensors[j].dtype, _slice(arr, layer.token_axis, tail_start, n)
 
         entry_record = encode_record("entry", entry_tensors(), meta={
-            "layers": table, "length": n, "chunk_tokens": C, "min_reusable": minimum_reusable})
+            "layers": table, "length": n, "chunk_tokens": C, "min_reusable": minimum_reusable, "key": ekey})
         own_bytes = entry_record.nbytes + (draft_record.nbytes if draft_record is not None else 0)
         if self.max_bytes is not None and own_bytes > self.max_bytes:
             raise StoreFullError(f"checkpoint of {own_bytes} bytes exceeds the store's max_bytes {self.max_bytes}")
-        ekey = K.entry_key(chain[-1], packed[tail_start:])
-        complete = len(chunked) == len(layers)
 
         def chunk_record(k: int):
             lo, hi = (k - 1) * C, k * C
@@ -212,8 +222,10 @@ class Store:
                 for i in chunked:
                     for j, arr in enumerate(arrays[i]):
                         yield f"L{i}.{j}", layers[i].tensors[j].dtype, _slice(arr, layers[i].token_axis, lo, hi)
+            # "complete": the writing checkpoint had every layer chunked (a chunk-boundary hit needs that)
             return encode_record("chunk", gen(), meta={"depth": k, "start": lo, "chunk_tokens": C,
-                                                       "layers": [table[i] for i in chunked]})
+                                                       "layers": [table[i] for i in chunked], "key": chain[k],
+                                                       "complete": complete})
 
         def fn(txn):
             ix = Index(txn, self.env.dbs)
@@ -298,7 +310,7 @@ class Store:
             return PutResult(ekey, written, new_chunks, evicted)
 
         with self._lock:
-            self._flush_pending()
+            self._flush_best_effort()
             return self.env.write(fn, on_full=self._evict_for_space)
 
     def _evict_for_space(self) -> bool:
@@ -352,7 +364,7 @@ class Store:
                 base = j * C
                 if best is not None and best.length >= base + C and sig:
                     break  # every candidate below this level is shorter (tails of chunked chains are < C)
-                node = unpack(raws[j])
+                node = decode("nodes", raws[j], chain[j])  # shape-checked: a damaged node is a CorruptIndex
                 for t in sorted((int(x) for x in node["tails"]), reverse=True):
                     length = base + t
                     if length > n or length < 1 or not better(length, True, True):
@@ -414,23 +426,30 @@ class Store:
 
     def _read(self, txn, hit: Hit, packed: np.ndarray, drafter: str | None, warnings: list[str]) -> Restored:
         C = self.chunk_tokens
+        deferred: list = []  # large records: checksums run on a second thread while their tensors are copied
         chunks = []
         for k in range(1, len(hit.chain)):
             key = hit.chain[k]
-            chunks.append(self._decode(txn, "chunks", key, packed[(k - 1) * C:k * C]))
+            chunks.append(self._decode(txn, "chunks", key, packed[(k - 1) * C:k * C], deferred))
         if hit.entry is None:
             layer_table = None
             entry_rec = None
+            if chunks and chunks[-1].meta.get("complete") is False:  # the node's flag disagrees: index damage
+                raise CorruptRecord("chunk-boundary prefix of a checkpoint with untrimmable layers (damaged index)",
+                                    hit.chain[-1])
         else:
             base = (len(hit.chain) - 1) * C
-            entry_rec = self._decode(txn, "edata", hit.entry, packed[base:hit.length])
+            entry_rec = self._decode(txn, "edata", hit.entry, packed[base:hit.length], deferred)
             layer_table = entry_rec.meta.get("layers")
+        pending = self._verify_in_background(deferred)
         try:
             if layer_table is None:  # chunk-boundary hit: every layer is chunked and the chunk says which
                 layer_table = chunks[0].meta.get("layers")
             layers = self._assemble(layer_table, chunks, entry_rec, hit)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            self._verified(pending)  # a checksum failure explains a broken table best: report that first
             raise CorruptRecord(f"stored layer table does not match its tensors ({exc})", hit.entry) from None
+        self._verified(pending)  # nothing is returned before every record it came from passed its checksum
         attachment = None
         if drafter is not None and hit.has_drafter:
             try:
@@ -464,6 +483,9 @@ class Store:
                     pieces.append(entry_rec.tensors[name])
                 full = list(shape)
                 full[axis] = sum(p.shape[axis] for p in pieces)
+                if any(len(p.shape) != len(full) or any(d != f for a, (d, f) in enumerate(zip(p.shape, full))
+                                                        if a != axis) for p in pieces):
+                    raise CorruptRecord(f"layer {i} pieces do not match the stored layer table", hit.entry)
                 if full[axis] != hit.length:
                     raise CorruptRecord(f"layer {i} pieces cover {full[axis]} tokens, expected {hit.length}",
                                         hit.entry)
@@ -477,14 +499,44 @@ class Store:
             layers.append(LayerState(kind, meta, out, axis))
         return layers
 
-    def _decode(self, txn, db: str, key: bytes, expect_tokens: np.ndarray | None):
+    def _verify_in_background(self, deferred: list):
+        """Start checksumming ``deferred`` records on the verifier thread (blake3 releases the GIL)."""
+        if not deferred:
+            return None
+        if self._verifier is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-cache-verify")
+
+        def run():
+            for db, key, raw in deferred:
+                if not verify_checksum(raw):
+                    return db, key
+            return None
+        return self._verifier.submit(run)
+
+    @staticmethod
+    def _verified(pending) -> None:
+        """Wait for background checksums; raise ``CorruptRecord`` for the first record that failed."""
+        if pending is None:
+            return
+        bad = pending.result()
+        if bad is not None:
+            raise CorruptRecord(f"{bad[0]} record: record checksum mismatch (bit flip or truncation)", bad[1])
+
+    def _decode(self, txn, db: str, key: bytes, expect_tokens: np.ndarray | None, deferred: list | None = None):
+        """Decode one record; a large one may have its checksum deferred onto ``deferred`` (see ``_verified``)."""
         raw = txn.get(key, db=self.env.dbs[db])
         if raw is None:
             raise CorruptRecord(f"{db} record missing under an indexed key", key)
+        defer = deferred is not None and len(raw) >= ASYNC_VERIFY_BYTES
+        if defer:
+            deferred.append((db, key, raw))
         try:
-            rec = decode_record(raw)
+            rec = decode_record(raw, verify=not defer)
         except CorruptRecord as exc:
             raise CorruptRecord(f"{db} record: {exc}", key) from None
+        check_key(rec, key, db)
         if expect_tokens is not None:
             stored = rec.tensors.get("tokens")
             if stored is None or stored.shape != (len(expect_tokens),) or \
@@ -535,7 +587,15 @@ class Store:
         c[0 if hit else 1] += 1
         self._pending += 1
         if self._pending >= FLUSH_EVERY or time.monotonic() - self._last_flush > FLUSH_SECONDS:
+            self._flush_best_effort()
+
+    def _flush_best_effort(self) -> None:
+        """Flush access times and counters, but never fail a read or a put over them (a full store, a
+        damaged entry): they are dropped with a log line instead."""
+        try:
             self.flush()
+        except StoreError as exc:
+            log.warning("access times and hit/miss counters not written: %s", exc)
 
     def _flush_pending(self, txn=None) -> None:
         if not self._pending and not self._touched:
@@ -547,9 +607,11 @@ class Store:
         def fn(txn):
             ix = Index(txn, self.env.dbs)
             for key, when in touched.items():
-                ix.touch(key, when)
+                with contextlib.suppress(CorruptIndex):  # a damaged entry is gc's to remove
+                    ix.touch(key, when)
             for ns, (hits, misses) in counts.items():
-                ix.add_ns(ns, hits=hits, misses=misses, last_use=now_ns() if hits else None)
+                with contextlib.suppress(CorruptIndex):
+                    ix.add_ns(ns, hits=hits, misses=misses, last_use=now_ns() if hits else None)
         self.env.write(fn)
 
     def flush(self) -> None:
