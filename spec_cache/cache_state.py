@@ -5,7 +5,9 @@ Every cache class speaks mlx-lm's ``state`` protocol; this module maps each clas
 * ``KVCache`` -> ``kv``: keys and values sliced to the real offset (not the 256-step padded buffer),
   token axis 2, so the store may split them into shared chunks.
 * ``QuantizedKVCache`` -> ``qkv``: the (packed uint32 words, scales, biases) triples of K and V sliced to the
-  offset, token axis 2, scalars group_size and bits.
+  offset, token axis 2, scalars group_size and bits, and ``converted_at`` when the cache records where it was
+  converted (the runtime's caches do; see ``spec_cache.kv_quant``). ``converted_at`` is part of the layer
+  signature, so states converted at different offsets never share stored chunks: their K/V differ from there.
 * ``RotatingKVCache`` -> ``rotating``: the ring buffer whole with keep/max_size/offset/idx; never trimmed.
 * ``ArraysCache`` -> ``arrays``: the recurrent arrays whole; never trimmed.
 
@@ -64,8 +66,10 @@ def layer_state(cache: Any) -> LayerState:
     if isinstance(cache, QuantizedKVCache):
         n = cache.offset
         parts = [] if cache.keys is None else [a[..., :n, :] for a in (*cache.keys, *cache.values)]
-        return LayerState("qkv", {"group_size": cache.group_size, "bits": cache.bits},
-                          [to_tensor(a) for a in parts], token_axis=2)
+        meta = {"group_size": cache.group_size, "bits": cache.bits}
+        if getattr(cache, "converted_at", None) is not None:
+            meta["converted_at"] = int(cache.converted_at)
+        return LayerState("qkv", meta, [to_tensor(a) for a in parts], token_axis=2)
     if isinstance(cache, KVCache):
         n = cache.offset
         if cache.keys is None:
@@ -91,6 +95,8 @@ def from_layer_state(layer: LayerState) -> Any:
         return c
     if layer.kind == "qkv":
         c = QuantizedKVCache(group_size=layer.meta["group_size"], bits=layer.meta["bits"])
+        if layer.meta.get("converted_at") is not None:
+            c.converted_at = int(layer.meta["converted_at"])
         if arrays:
             c.keys, c.values = tuple(arrays[:3]), tuple(arrays[3:])
             c.offset = arrays[0].shape[2]

@@ -16,10 +16,17 @@ Persistence hooks: ``on_checkpoint(row_index, tokens, target_caches, draft_check
 * when a row finishes (length or EOS): ``tokens == prompt + generated[:-1]`` (the last generated token was never
   forwarded, so no state covers it).
 
-``target_caches`` are single-row mlx-lm ``KVCache`` objects (one per layer) with ``offset == len(tokens)``, and
-``draft_checkpoint`` the drafter state at the same boundary (None without a provider). Both are owned snapshots.
-A request restored from such a checkpoint (``restored_caches``/``restored_tokens``/``draft_checkpoint``) skips the
-target prefill of the restored part and continues token-identically.
+``target_caches`` are single-row mlx-lm caches (one per layer) with ``offset == len(tokens)``: ``KVCache``, a
+``RotatingKVCache`` snapshot for a sliding-window layer, a ``QuantizedKVCache`` (recording ``converted_at``) for a
+layer converted under KV quantization. ``draft_checkpoint`` is the drafter state at the same boundary (None
+without a provider). Both are owned snapshots. A request restored from such a checkpoint
+(``restored_caches``/``restored_tokens``/``draft_checkpoint``) skips the target prefill of the restored part and
+continues token-identically.
+
+KV quantization (``kv``: ``kv_bits``/``kv_group_size``/``quantized_kv_start`` or a per-layer ``kv_config``)
+reproduces mlx-lm's ``generate_step``: each row converts at the offset a cold ``generate_step`` run of its prompt
+with ``prefill_step_size`` would (``spec_cache.kv_quant``), its rows run through ``QuantizedTargetRows``, and a
+restored quantized state is accepted only when it was converted at that same point.
 """
 
 from __future__ import annotations
@@ -28,13 +35,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from schemas import DraftRowCheckpoint, SchemaError
 
+from .kv_quant import converted_at, plan_kv, reusable
+from .quantized_rows import QuantizedTargetRows
 from .rows import RoundContext, apply_state_changes
 from .sampling import Sampling, TokenSampler
-from .target import TargetModel, TargetRows, check_kv_options
+from .target import TargetModel, TargetRows, check_kv_options, prefix_caches
 
 __all__ = ["RowRequest", "RowResult", "SpeculativeEngine", "CheckpointHook"]
 
@@ -46,8 +55,9 @@ CheckpointHook = Callable[[int, list, list, "DraftRowCheckpoint | None"], None]
 class RowRequest:
     """One sequence to generate.
 
-    ``restored_caches``: per target layer, single-row mlx-lm caches (``KVCache``) covering
-    ``prompt[:restored_tokens]``; only read, never changed. ``restored_tokens``: ``0 <= n <= len(prompt) - 1``.
+    ``restored_caches``: per target layer, single-row mlx-lm caches (``KVCache``; ``RotatingKVCache`` for a
+    sliding-window layer; ``QuantizedKVCache`` for a converted layer) covering ``prompt[:restored_tokens]``;
+    only read, never changed. ``restored_tokens``: ``0 <= n <= len(prompt) - 1``.
     ``draft_checkpoint``: the drafter state at ``restored_tokens``, or None for a cold drafter row.
     """
 
@@ -78,6 +88,7 @@ class _Row:
     request: RowRequest
     tokens: list[int]
     target_start: int = 0
+    conversion: int | None = None  # where the row's KV converts to quantized (None: never)
     generated: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
@@ -89,23 +100,14 @@ class _Row:
                          self.ttft_s if self.ttft_s is not None else 0.0, cancelled)
 
 
-def _prefix_cache(cache: KVCache, tokens: int) -> KVCache:
-    """A new KVCache holding the first ``tokens`` of ``cache`` (the caller's cache is not touched)."""
-    prefix = KVCache()
-    if tokens:
-        prefix.keys = cache.keys[..., :tokens, :]
-        prefix.values = cache.values[..., :tokens, :]
-        prefix.offset = tokens
-    return prefix
-
-
 class SpeculativeEngine:
     """Greedy-exact batched speculative decoding with one target and an optional draft provider.
 
     ``draft_depth``: proposals per row per round (0: plain decoding through the same path). ``kv``: KV
-    quantization options (``KVOptions``); quantized KV is not supported yet and raises NotImplementedError.
-    ``max_rows``: most rows decoded at once (None: all); waiting rows join as others finish.
-    ``prefill_step_size``: prompt tokens per prefill forward.
+    quantization options (``KVOptions``, see module doc; ``turbo_quant`` raises NotImplementedError, it has no
+    codec). ``max_rows``: most rows decoded at once (None: all); waiting rows join as others finish.
+    ``prefill_step_size``: prompt tokens per prefill forward; with KV quantization it also decides, as in
+    ``generate_step``, where a row converts.
     """
 
     def __init__(
@@ -119,6 +121,8 @@ class SpeculativeEngine:
         prefill_step_size: int = 512,
     ) -> None:
         check_kv_options(kv)
+        head_dims = [target.kv_geometry(layer)[1] for layer in range(target.num_layers)]
+        self.plan = plan_kv(kv, target.num_layers, head_dims, target.layer_windows)
         if isinstance(draft_depth, bool) or not isinstance(draft_depth, int) or draft_depth < 0:
             raise ValueError(f"draft_depth must be an int >= 0, got {draft_depth!r}")
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
@@ -133,6 +137,16 @@ class SpeculativeEngine:
         self.kv = kv
         self.max_rows = max_rows
         self.prefill_step_size = prefill_step_size
+
+    def conversion_point(self, prompt_tokens: int) -> int | None:
+        """Where a row with a prompt of ``prompt_tokens`` converts its KV (None: no KV quantization)."""
+        return None if self.plan is None else self.plan.conversion_point(prompt_tokens, self.prefill_step_size)
+
+    def _rows(self, restored: list, conversions: list):
+        """Target rows for the model (restored single-row caches or None per row)."""
+        if self.plan is None:
+            return TargetRows.from_row_caches(self.target, restored)
+        return QuantizedTargetRows.from_row_caches(self.target, self.plan, restored, conversions)
 
     def run(
         self,
@@ -175,17 +189,9 @@ class SpeculativeEngine:
         caches = request.restored_caches
         if caches is None and restored:
             raise ValueError(f"{where}: restored_tokens={restored} needs restored_caches")
+        conversion = self.conversion_point(len(prompt))
         if caches is not None:
-            if len(caches) != self.target.num_layers:
-                raise ValueError(f"{where}: expected {self.target.num_layers} restored layer caches, got {len(caches)}")
-            for layer, cache in enumerate(caches):
-                if type(cache) is not KVCache:
-                    raise NotImplementedError(
-                        f"{where}: restored layer {layer} is a {type(cache).__name__}; only plain KVCache layers are "
-                        "supported in batched speculative rows yet"
-                    )
-                if int(cache.offset) != restored:
-                    raise ValueError(f"{where}: restored layer {layer} holds {cache.offset} tokens, restored_tokens={restored}")
+            self._check_restored(where, caches, restored, conversion)
         checkpoint = request.draft_checkpoint
         if checkpoint is not None:
             if self.provider is None:
@@ -197,7 +203,28 @@ class SpeculativeEngine:
                     f"{where}: the draft checkpoint covers {checkpoint.processed_tokens} tokens but the restored "
                     f"target covers {restored}",
                 )
-        return _Row(index, request, list(prompt))
+        return _Row(index, request, list(prompt), conversion=conversion)
+
+    def _check_restored(self, where: str, caches, restored: int, conversion: int | None) -> None:
+        if len(caches) != self.target.num_layers:
+            raise ValueError(f"{where}: expected {self.target.num_layers} restored layer caches, got {len(caches)}")
+        for layer, cache in enumerate(caches):
+            window = self.target.layer_window(layer)
+            kinds = (KVCache, RotatingKVCache) if window is not None else (KVCache, QuantizedKVCache)
+            if type(cache) not in kinds:
+                raise ValueError(f"{where}: restored layer {layer} is a {type(cache).__name__}; expected "
+                                 f"{' or '.join(kind.__name__ for kind in kinds)}")
+            if isinstance(cache, QuantizedKVCache) and self.plan is None:
+                raise ValueError(f"{where}: restored layer {layer} is quantized, but this engine runs without "
+                                 "KV quantization")
+            if int(cache.offset) != restored:
+                raise ValueError(f"{where}: restored layer {layer} holds {cache.offset} tokens, restored_tokens={restored}")
+        if conversion is not None:
+            point = converted_at(caches)
+            if not reusable(restored, point, conversion):
+                held = "full precision" if point is None else f"converted at offset {point}"
+                raise ValueError(f"{where}: restored KV ({held}, {restored} tokens) differs from what a cold run "
+                                 f"converting at offset {conversion} holds")
 
 
 class _Run:
@@ -211,7 +238,7 @@ class _Run:
         self.eos = eos
         self.on_checkpoint = on_checkpoint
         self.cancel = cancel
-        self.rows = TargetRows(engine.target)
+        self.rows = engine._rows([], [])
         provider = engine.provider
         self.group = None if provider is None else provider.open(self.rows, [], sampling)
         self.active: list[_Row] = []
@@ -237,23 +264,34 @@ class _Run:
     # -- admission --------------------------------------------------------------------------------------
     def _admit(self, cohort: list[_Row]) -> None:
         needs_hidden = self.group is not None and self.group.prefill_needs_target_hidden
+        needs_taps = self.group is not None and self.group.prefill_needs_target_taps
+        windows = self.target.layer_windows
         restored_rows = []
         for row in cohort:
             request = row.request
             start = request.restored_tokens
+            caches = request.restored_caches
             boundary = len(request.prompt) - 1
-            if needs_hidden and request.draft_checkpoint is None and 0 < start == boundary:
+            if needs_taps and request.draft_checkpoint is None:
+                # A cold projected drafter row needs the target's taps at every token it covers: forward them all.
+                start = 0
+            elif needs_hidden and request.draft_checkpoint is None and 0 < start == boundary:
                 # A cold drafter row that needs the target hidden of the last prompt token, beside a target
-                # restored up to that token: forward that one token again (its K/V is recomputed identically).
+                # restored up to that token: forward that one token again (its K/V is recomputed identically),
+                # or everything when the restored state cannot be cut back by one token.
                 start -= 1
+                caches = prefix_caches(caches, start, windows) if start else None
+                start = start if caches is not None else 0
             row.target_start = start
-            restored_rows.append(None if start == 0 else [_prefix_cache(c, start) for c in request.restored_caches])
-        joining = TargetRows.from_row_caches(self.target, restored_rows)
+            restored_rows.append(None if start == 0 else caches)
+        joining = self.engine._rows(restored_rows, [row.conversion for row in cohort])
         checkpoints = [row.request.draft_checkpoint for row in cohort]
         prefill_group = None if self.group is None else self.engine.provider.open_prefill(joining, checkpoints)
+        taps = () if prefill_group is None else tuple(prefill_group.tap_layers)
         try:
             context = joining.prefill(
-                [row.request.prompt[row.target_start : -1] for row in cohort], step=self.engine.prefill_step_size
+                [row.request.prompt[row.target_start : -1] for row in cohort], step=self.engine.prefill_step_size,
+                tap_layers=taps,
             )
             captures: list[DraftRowCheckpoint | None] = [None] * len(cohort)
             if prefill_group is not None:
@@ -280,12 +318,16 @@ class _Run:
         active = self.active
         pending = [row.tokens[-1] for row in active]
         budgets = [row.request.max_tokens - len(row.generated) for row in active]
-        depth = min(self.engine.draft_depth, max(budget - 1 for budget in budgets))
+        # a row proposes at most its remaining budget minus one, and no further than its window limit (a
+        # quantized row stops at its conversion point)
+        caps = [min(budget - 1, (limit or budget) - 1) for budget, limit in zip(budgets, self.rows.window_limits())]
+        depth = min(self.engine.draft_depth, max(caps))
         proposals = [[] for _ in active] if self.group is None else self.group.draft(pending, depth)
-        drafts = [list(p[: min(depth, budget - 1)]) for p, budget in zip(proposals, budgets)]
+        drafts = [list(p[: min(depth, cap)]) for p, cap in zip(proposals, caps)]
         width = 1 + max(len(d) for d in drafts)
         window = [[p] + d + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts)]
-        out = self.rows.verify(window)
+        taps = () if self.group is None else tuple(self.group.tap_layers)
+        out = self.rows.verify(window, tap_layers=taps)
         sampled = self.sampler(out.logits).tolist()
         now = time.perf_counter() - self.start
         kept = []
@@ -308,7 +350,7 @@ class _Run:
             kept.append(len(emitted) - 1)
         self.rows.rollback([width - 1 - k for k in kept])
         if self.group is not None:
-            self.group.commit(kept, RoundContext(window, out.hidden))
+            self.group.commit(kept, RoundContext(window, out.hidden, out.taps))
 
     # -- retirement -------------------------------------------------------------------------------------
     def _retire(self, results: list) -> None:

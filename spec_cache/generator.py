@@ -4,17 +4,31 @@ Per row: look up the longest usable prefix of ``prompt[:-1]`` under (target iden
 drafter + adapters + captured KV options); restore the target state and this drafter's row (or a cold drafter
 row when only the target part is stored); prefill the rest; decode; and write checkpoints back at the prompt
 boundary and when the row finishes, so the next turn of the conversation resumes.
+
+Under KV quantization a stored state is usable only if a cold run of *this* prompt would hold the same thing
+(``spec_cache.kv_quant.reusable``): full precision up to the prompt's conversion point, or converted at exactly
+that point. A quantized checkpoint records its conversion point as the entry's minimum reusable offset; the
+lookup steps down to a shorter prefix while the longest one is not usable.
+
+Adapters (LoRA, through mlx-lm) enter the namespace as ``id@<blake3 of adapter config and weights>`` joined
+with ``+``. A drafter that is not valid under a target adapter (``supports_target_adapters`` false) still
+drafts, but only the target part is cached.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from .cache import SpecCache
+from .cache import CacheWarning, SpecCache
 from .identity import model_identity
+from .kv_quant import converted_at, reusable
 from .namespace import KVOptions, capture_options, prefix_namespace
+
+#: lookups tried per row before a row that finds only unusable quantized prefixes gives up (a miss)
+MAX_LOOKUPS = 8
 
 
 @dataclass
@@ -31,10 +45,10 @@ class Result:
 
 
 class Generator:
-    """A loaded target (+ optional drafter) bound to a cache and captured KV options."""
+    """A loaded target (+ optional drafter) bound to a cache, adapters and captured KV options."""
 
     def __init__(self, engine, *, cache: SpecCache | None, target_identity: str, drafter_namespace: str | None,
-                 prefix_ns: str, ns_key: bytes | None, eos_token_ids: Sequence[int] = ()):
+                 prefix_ns: str, ns_key: bytes | None, eos_token_ids: Sequence[int] = (), adapters: tuple = ()):
         self.engine = engine
         self.cache = cache
         self.target_identity = target_identity
@@ -42,20 +56,30 @@ class Generator:
         self.prefix_namespace = prefix_ns
         self.ns_key = ns_key
         self.eos_token_ids = tuple(eos_token_ids)
+        self.adapters = adapters
 
     @classmethod
     def load(cls, target_dir, drafter_dir=None, method: str | None = None, cache: SpecCache | None = None,
-             kv: KVOptions = KVOptions(), adapters: str | Sequence[str] = "", draft_depth: int = 4,
-             tenant: str | bytes | None = None) -> "Generator":
-        """Load a target directory (mlx-lm: config.json + safetensors) and a drafter (directory or ``ngram``)."""
+             kv: KVOptions = KVOptions(), adapters: Any = "", draft_depth: int = 4,
+             tenant: str | bytes | None = None, prefill_step_size: int = 512) -> "Generator":
+        """Load a target directory (mlx-lm: config.json + safetensors) and a drafter (directory or ``ngram``).
+
+        ``adapters``: ``""`` for the base model, or mlx-lm LoRA adapter directories (one, or a sequence of
+        directories / ``(id, directory)`` pairs, applied in order; see ``spec_cache.adapters``).
+        ``prefill_step_size`` is the engine's prefill chunk; with KV quantization it also fixes where rows
+        convert, as ``generate_step``'s does. Refused options (``turbo_quant``, an unsupported ``kv_config``)
+        raise before anything is registered in the cache.
+        """
+        from .adapters import adapters_namespace, resolve_adapters
         from .drafters import load_provider
         from .engine import SpeculativeEngine
         from .target import TargetModel
 
         options = capture_options(kv)
         target_dir = Path(target_dir)
-        target = TargetModel.load(target_dir)
         memo = cache.store.memo() if cache is not None else None
+        stack = resolve_adapters(adapters, memo)
+        target = TargetModel.load(target_dir, adapters=stack)
         identity = model_identity(target_dir, memo=memo)
         provider = None
         if drafter_dir is not None:
@@ -67,14 +91,15 @@ class Generator:
         elif method is not None:
             raise ValueError(f"method {method!r} needs a drafter directory")
         drafter_ns = getattr(provider, "namespace", None)
-        if provider is not None and adapters and not getattr(provider, "supports_target_adapters", False):
+        if provider is not None and stack and not getattr(provider, "supports_target_adapters", False):
             drafter_ns = None  # the drafter is not valid under a target adapter: cache the target part only
-        prefix_ns = prefix_namespace(drafter_ns, adapters, options)
-        engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options)  # refuses bad options
+        prefix_ns = prefix_namespace(drafter_ns, adapters_namespace(stack), options)
+        engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options,
+                                   prefill_step_size=prefill_step_size)  # refuses bad options
         ns_key = cache.namespace(identity, prefix_ns, tenant) if cache is not None else None
         eos = _eos_ids(target_dir)
         return cls(engine, cache=cache, target_identity=identity, drafter_namespace=drafter_ns, prefix_ns=prefix_ns,
-                   ns_key=ns_key, eos_token_ids=eos)
+                   ns_key=ns_key, eos_token_ids=eos, adapters=stack)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32, temperature: float = 0.0,
                  seed: int = 0) -> list[Result]:
@@ -91,9 +116,7 @@ class Generator:
             rows.append(prompt)
         requests, restored_flags = [], []
         for prompt in rows:
-            hit = None
-            if self.cache is not None and len(prompt) > 1:
-                hit = self.cache.restore(self.ns_key, prompt[:-1], drafter_namespace=self.drafter_namespace)
+            hit = self._restore(prompt)
             if hit is None:
                 requests.append(RowRequest(prompt=prompt, max_tokens=max_tokens))
                 restored_flags.append(False)
@@ -107,7 +130,8 @@ class Generator:
                 return
             self.cache.save(self.ns_key, tokens, caches,
                             drafter_namespace=self.drafter_namespace,
-                            draft_checkpoint=draft_checkpoint if self.drafter_namespace else None)
+                            draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
+                            minimum_reusable=converted_at(caches) or 0)
 
         out = self.engine.run(requests, temperature=temperature, seed=seed, eos_token_ids=self.eos_token_ids,
                               on_checkpoint=on_checkpoint)
@@ -115,6 +139,53 @@ class Generator:
             self.cache.store.flush()
         return [Result(r.tokens, r.cached_tokens, r.drafted, r.accepted, r.ttft_s, len(p), flag)
                 for r, p, flag in zip(out, rows, restored_flags)]
+
+    def _restore(self, prompt: list[int]):
+        """The longest stored prefix of ``prompt[:-1]`` this request may continue from, or None.
+
+        Under KV quantization only prefixes a cold run of this prompt would hold count; with a projected-context
+        drafter only prefixes that carry its row (without it the target must forward the whole prefix again for
+        the drafter's context, so a target-only prefix saves nothing). The local index is asked first (nothing is
+        read for a prefix that cannot be used); what comes back is checked again, as a cache with a shared tier
+        may serve a prefix the local index does not hold.
+        """
+        if self.cache is None or len(prompt) < 2:
+            return None
+        conversion = self.engine.conversion_point(len(prompt))
+        needs_drafter = getattr(self.engine.provider, "prefill_needs_target_taps", False)
+        if needs_drafter and self.drafter_namespace is None:
+            return None  # its rows are not cached (adapters): nothing stored can spare the target a forward
+
+        def usable(length: int, has_drafter: bool, point: int | None) -> bool:
+            if needs_drafter and not has_drafter:
+                return False
+            return conversion is None or reusable(length, point, conversion)
+
+        bound = len(prompt) - 1
+        for _ in range(MAX_LOOKUPS):
+            if conversion is not None or needs_drafter:
+                hit = self.cache.store.lookup(self.ns_key, prompt[:bound], drafter=self.drafter_namespace)
+                if hit is not None and not usable(hit.length, hit.has_drafter, hit.minimum_reusable or None):
+                    bound = hit.length - 1
+                    if bound < 1:
+                        return None
+                    continue
+                bound = bound if hit is None else hit.length
+            restored = self.cache.restore(self.ns_key, prompt[:bound], drafter_namespace=self.drafter_namespace)
+            if restored is None:
+                return None
+            try:
+                point = None if conversion is None else converted_at(restored.caches)
+            except ValueError as exc:
+                warnings.warn(f"spec-cache: restored state is unusable, treated as a miss: {exc}", CacheWarning,
+                              stacklevel=3)
+                return None
+            if usable(restored.length, restored.draft_checkpoint is not None, point):
+                return restored
+            bound = restored.length - 1
+            if bound < 1:
+                return None
+        return None
 
 
 def _eos_ids(target_dir: Path) -> tuple[int, ...]:

@@ -116,12 +116,14 @@ class PrefillContext:
     """What the target prefill hands the drafters.
 
     ``last_hidden`` is ``[B, 1, H]``: the target's final (post-norm) hidden at each row's last forwarded token;
-    a row that forwarded nothing (``lengths[row] == 0``) holds zeros there. Drafters that need per-position
-    hiddens (projected-context families) are a later addition and will get a ``hidden`` field of their own.
+    a row that forwarded nothing (``lengths[row] == 0``) holds zeros there. ``taps[layer]`` is
+    ``[B, max(lengths), H]``: the residual stream after target layer ``layer`` at every forwarded position
+    (row ``r``'s tokens at ``[:lengths[r]]``), for the layers the drafter asked for (``tap_layers``).
     """
 
     last_hidden: "mx.array | None"
     lengths: list[int]
+    taps: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -130,7 +132,8 @@ class RoundContext:
 
     ``window[row]`` is what the target forwarded for the row: the pending token, the drafts kept for
     verification, then filler (when rows proposed different counts). ``hidden`` is the target's final hidden for
-    those positions, ``[B, L, H]``.
+    those positions, ``[B, L, H]``; ``taps[layer]`` the residual stream after each of the drafter's
+    ``tap_layers`` there.
     """
 
     window: list[list[int]]
@@ -147,6 +150,11 @@ class DraftGroup(Protocol):
     #: True when a prefilled row needs the target's hidden at its last prompt token (the assistant): the engine
     #: then makes sure the target forwards at least that token.
     prefill_needs_target_hidden: bool
+    #: True when a cold row needs the target's taps at *every* token it covers (projected-context drafters):
+    #: a cold drafter row beside a restored target then makes the target forward the whole prefix again.
+    prefill_needs_target_taps: bool
+    #: target layers whose residual stream the drafter reads (``PrefillContext.taps``, ``RoundContext.taps``)
+    tap_layers: tuple
     supports_target_adapters: bool
 
     @property

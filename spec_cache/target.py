@@ -1,8 +1,8 @@
 """The target model behind narrow ports, and the batched KV rows of a speculative group.
 
 :class:`TargetModel` wraps an mlx-lm decoder. Drafters and the engine use only its ports (``embed``,
-``logits``, ``forward`` with hidden taps, ``make_caches``, ``kv_geometry``, ``rope``); nothing else reaches into the
-mlx-lm module, so supporting another architecture means adding one port class here.
+``logits``, ``forward`` with hidden taps, ``make_caches``, ``kv_geometry``, ``rope``, ``layer_window``); nothing
+else reaches into the mlx-lm module. The per-architecture code lives in ``spec_cache/ports.py``.
 
 :class:`TargetRows` holds the KV of a group of rows: one mlx-lm ``BatchKVCache`` per layer. Rows are
 right-justified (left padding), so one forward appends the same number of tokens to every row; a row that keeps
@@ -11,7 +11,16 @@ fewer of them (rejected drafts, shorter prompt chunk) is rolled back with ``prep
 attention and the kept tokens keep their RoPE positions. The draft-model drafter uses the same class for the
 draft model's own KV.
 
-KV quantization (kv_bits, TurboQuant, per-layer kv_config) is not supported in batched rows yet.
+**Sliding-window layers** (gemma3_text) are held as plain KV too, attended through a window mask
+(``BatchKVCache.make_mask(window_size=W)``): a token at position ``p`` sees positions ``p-W+1..p``, exactly the
+keys mlx-lm's ``RotatingKVCache`` would hold, and a rejected draft rolls back like any other. A row restored
+from a ring snapshot holds only its last ``W`` keys there (its older positions are left padding; the window
+never reaches them), so a layer's ``BatchKVCache.offset`` is the row's *position*, which may exceed the keys it
+holds. At a checkpoint a sliding layer is written back as mlx-lm's ``RotatingKVCache`` (the last ``W`` keys in
+temporal order), an exact-boundary snapshot the store never trims (``spec_cache.row_caches`` converts between
+single-row caches and batch rows).
+
+**KV quantization** runs per row (``spec_cache.quantized_rows``): mlx-lm has no batched quantized cache.
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
+from .row_caches import merge_rows, prefix_caches, rotating_snapshot, row_content, row_position
 from .rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
 
 __all__ = [
@@ -33,26 +43,18 @@ __all__ = [
     "TargetRows",
     "SUPPORTED_ARCHITECTURES",
     "check_kv_options",
+    "prefix_caches",
+    "row_position",
+    "rotating_snapshot",
 ]
-
-#: model_type values whose mlx-lm module has the llama layout the decoder port reads
-#: (``model.model.{embed_tokens, layers, norm}``, ``lm_head`` or tied embeddings, full attention).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-
-QUANTIZED_KV_LATER = "KV quantization in batched speculative rows arrives with issue 4"
 
 
 def check_kv_options(kv: Any) -> None:
-    """Refuse KV options this runtime cannot honour yet (any object with the ``KVOptions`` fields, or None)."""
-    if kv is None:
-        return
-    requested = [
-        name
-        for name in ("kv_bits", "turbo_quant", "kv_config")
-        if getattr(kv, name, None) not in (None, (), [], {})
-    ]
-    if requested:
-        raise NotImplementedError(f"{', '.join(requested)} requested: {QUANTIZED_KV_LATER}")
+    """Refuse KV options no runtime path can honour (``turbo_quant``: no codec yet); None passes."""
+    from .kv_quant import TURBO_QUANT_REFUSED
+
+    if kv is not None and getattr(kv, "turbo_quant", None) is not None:
+        raise NotImplementedError(TURBO_QUANT_REFUSED)
 
 
 @dataclass
@@ -65,57 +67,16 @@ class ForwardOutput:
     taps: dict[int, mx.array] = field(default_factory=dict)
 
 
-class _DecoderPort:
-    """Ports for llama-layout decoders: embeddings, a plain stack of full-attention layers, final norm, head."""
-
-    def __init__(self, model: Any, config: dict) -> None:
-        inner = getattr(model, "model", None)
-        for part in ("embed_tokens", "layers", "norm"):
-            if inner is None or not hasattr(inner, part):
-                raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
-        if any(kind != "full_attention" for kind in (getattr(inner, "layer_types", None) or [])):
-            raise NotImplementedError(
-                f"model_type {config.get('model_type')!r} with sliding-window layers: rotating caches are not "
-                "supported in batched speculative rows yet"
-            )
-        self.model = model
-        self.inner = inner
-        self.tied = bool(getattr(model.args, "tie_word_embeddings", False))
-
-    def embed(self, ids: mx.array) -> mx.array:
-        return self.inner.embed_tokens(ids)
-
-    def logits(self, hidden: mx.array) -> mx.array:
-        if self.tied:
-            return self.inner.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
-
-    def layers(self) -> list:
-        return list(self.inner.layers)
-
-    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int]) -> tuple[mx.array, dict]:
-        mask = create_attention_mask(h, caches[0] if caches else None)
-        tapped: dict[int, mx.array] = {}
-        for index, (layer, cache) in enumerate(zip(self.inner.layers, caches)):
-            h = layer(h, mask, cache)
-            if index in taps:
-                tapped[index] = h
-        return self.inner.norm(h), tapped
-
-
-_PORTS = {name: _DecoderPort for name in SUPPORTED_ARCHITECTURES}
-
-
 class TargetModel:
     """An mlx-lm decoder behind the ports the speculative runtime uses.
 
-    Build with :meth:`load` (a model directory: ``config.json`` + ``*.safetensors``) or :meth:`from_model`.
-    ``hidden`` always means the final post-norm hidden, the input of the LM head.
+    Build with :meth:`load` (a model directory: ``config.json`` + ``*.safetensors``, optionally LoRA adapters)
+    or :meth:`from_model`. ``hidden`` always means the final post-norm hidden, the input of the LM head.
     """
 
     def __init__(self, model: Any, config: dict, model_dir: Path | None = None) -> None:
         model_type = config.get("model_type")
-        port = _PORTS.get(model_type)
+        port = PORTS.get(model_type)
         if port is None:
             raise NotImplementedError(
                 f"spec-cache has no target port for model_type {model_type!r}; "
@@ -128,14 +89,19 @@ class TargetModel:
         self._layers = self._port.layers()
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, lazy: bool = False) -> "TargetModel":
-        """Load a local mlx-lm model directory. Raises FileNotFoundError when it has no config or weights."""
+    def load(cls, model_dir: str | Path, *, adapters: Sequence[str | Path] = (), lazy: bool = False) -> "TargetModel":
+        """Load a local mlx-lm model directory, then apply LoRA ``adapters`` (mlx-lm adapter directories, in
+        order; see ``spec_cache.adapters``). Raises FileNotFoundError when it has no config or weights."""
         from mlx_lm.utils import load_model
 
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {path} has no config.json")
         model, config = load_model(path, lazy=lazy)
+        if adapters:
+            from .adapters import apply_adapters
+
+            apply_adapters(model, adapters)
         return cls(model, config, path)
 
     @classmethod
@@ -165,7 +131,16 @@ class TargetModel:
         """``(kv_heads, head_dim)`` of ``layer``'s cache (negative indices count from the end)."""
         attention = self._layers[layer].self_attn
         heads = int(attention.n_kv_heads)
-        return heads, int(attention.k_proj.weight.shape[0]) // heads
+        head_dim = getattr(attention, "head_dim", None)
+        return heads, int(head_dim) if head_dim else out_features(attention.k_proj) // heads
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (a token attends to itself and the ``W - 1`` before it), or None."""
+        return self._port.layer_window(layer % self.num_layers)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     def rope(self, layer: int) -> Any:
         """``layer``'s rotary embedding, ``rope(x, offset)`` (offset an int or a ``[B]`` array): a drafter that
@@ -174,7 +149,8 @@ class TargetModel:
 
     # -- ports ------------------------------------------------------------------------------------------
     def embed(self, ids: mx.array) -> mx.array:
-        """Token embeddings ``[B, L, H]`` for ids ``[B, L]``."""
+        """The first layer's input ``[B, L, H]`` for ids ``[B, L]`` (token embeddings, scaled where the
+        architecture scales them)."""
         return self._port.embed(ids)
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -195,13 +171,16 @@ class TargetModel:
         """
         if len(caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} caches (one per layer), got {len(caches)}")
-        hidden, taps = self._port.run_layers(self.embed(ids), caches, tuple(tap_layers))
-        return ForwardOutput(self.logits(hidden) if with_logits else None, hidden, taps)
+        taps = tuple(layer % self.num_layers for layer in tap_layers)
+        hidden, tapped = self._port.run_layers(self.embed(ids), caches, taps)
+        tapped = {layer: tapped[layer % self.num_layers] for layer in tap_layers}
+        return ForwardOutput(self.logits(hidden) if with_logits else None, hidden, tapped)
 
     def make_caches(self, batch: int | None = None) -> list:
-        """Fresh caches: ``KVCache`` per layer for one row (``batch=None``), else ``BatchKVCache``."""
+        """Fresh caches: the model's own single-row caches (``batch=None``: ``KVCache``, or ``RotatingKVCache``
+        for sliding layers, as mlx-lm's ``make_prompt_cache``), else one ``BatchKVCache`` per layer."""
         if batch is None:
-            return [KVCache() for _ in range(self.num_layers)]
+            return self._port.make_caches()
         return [BatchKVCache([0] * batch) for _ in range(self.num_layers)]
 
 
@@ -209,9 +188,9 @@ class TargetModel:
 class DonorView:
     """Read-only view of one target layer's K/V for every row of a group.
 
-    ``keys``/``values`` ``[B, kvHeads, T, D]`` (post-RoPE) or None when no row has any token; ``valid``
-    ``[B, 1, 1, T]`` marks each row's real positions (the rest is left padding); ``positions`` ``[B]`` is each
-    row's KV length, i.e. the position of its pending token.
+    ``keys``/``values`` ``[B, kvHeads, T, D]`` (post-RoPE, full precision) or None when no row has any token;
+    ``valid`` ``[B, 1, 1, T]`` marks the keys each row may attend to (its real positions, within the layer's
+    window); ``positions`` ``[B]`` is each row's KV length, i.e. the position of its pending token.
     """
 
     keys: mx.array | None
@@ -241,20 +220,6 @@ def _cache_arrays(caches: Sequence[BatchKVCache]) -> list[mx.array]:
     return arrays
 
 
-def _row_cache_length(layers: Sequence[Any], row: int) -> int:
-    lengths = set()
-    for cache in layers:
-        if type(cache) is not KVCache:
-            raise NotImplementedError(
-                f"row {row}: restored {type(cache).__name__} layers are not supported in batched speculative rows "
-                f"yet (plain KVCache only; {QUANTIZED_KV_LATER})"
-            )
-        lengths.add(int(cache.offset))
-    if len(lengths) != 1:
-        raise ValueError(f"row {row}: restored caches disagree on their length: {sorted(lengths)}")
-    return lengths.pop()
-
-
 class TargetRows:
     """The KV of a group of rows of one model (one ``BatchKVCache`` per layer), with per-row lengths.
 
@@ -264,32 +229,33 @@ class TargetRows:
 
     def __init__(self, model: TargetModel) -> None:
         self.model = model
+        self._windows = model.layer_windows
         self._caches: list[BatchKVCache] | None = None
         self._lengths: list[int] = []
 
     # -- construction -----------------------------------------------------------------------------------
     @classmethod
     def from_row_caches(cls, model: TargetModel, rows: Sequence[Sequence[Any] | None]) -> "TargetRows":
-        """Rows built from single-row caches (a list of one ``KVCache`` per layer, or None for an empty row).
-
-        The caller's caches are only read (``BatchKVCache.merge`` copies them into a new batch).
-        """
+        """Rows built from single-row caches (per layer a ``KVCache``, or a ``RotatingKVCache`` for a
+        sliding-window layer; None for an empty row). The caller's caches are only read (copied into a batch)."""
         built = cls(model)
         if not rows:
             return built
-        lengths = []
-        per_row = []
+        lengths: list[int] = []
+        contents: list[list] = [[] for _ in range(model.num_layers)]
         for row, layers in enumerate(rows):
             if layers is None:
                 lengths.append(0)
-                per_row.append([KVCache() for _ in range(model.num_layers)])
+                for per_layer in contents:
+                    per_layer.append(None)
                 continue
             layers = list(layers)
             if len(layers) != model.num_layers:
                 raise ValueError(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
-            lengths.append(_row_cache_length(layers, row))
-            per_row.append(layers)
-        built._caches = [BatchKVCache.merge([layers[i] for layers in per_row]) for i in range(model.num_layers)]
+            lengths.append(row_position(layers, row))
+            for layer, cache in enumerate(layers):
+                contents[layer].append(row_content(cache, built._windows[layer], layer, row))
+        built._caches = [merge_rows(per_layer, lengths) for per_layer in contents]
         built._lengths = lengths
         return built
 
@@ -303,6 +269,11 @@ class TargetRows:
         """Tokens held per row (the position of each row's pending token)."""
         return tuple(self._lengths)
 
+    def window_limits(self) -> list[int | None]:
+        """The longest verify window each row may take this round (None: no limit). Full-precision rows have
+        none; quantized rows stop at their conversion point (``QuantizedTargetRows``)."""
+        return [None] * self.row_count
+
     def materialize(self) -> None:
         if self._caches:
             mx.eval(_cache_arrays(self._caches))
@@ -312,10 +283,14 @@ class TargetRows:
         self._lengths = []
 
     # -- rounds -----------------------------------------------------------------------------------------
-    def prefill(self, tokens_per_row: Sequence[Sequence[int]], step: int = 512) -> PrefillContext:
+    def prefill(
+        self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = ()
+    ) -> PrefillContext:
         """Append each row's tokens (rows may differ in length, including zero); one forward per chunk.
 
-        Returns the final hidden at each row's last appended token (zeros where a row appended nothing).
+        Returns the final hidden at each row's last appended token (zeros where a row appended nothing) and,
+        for ``tap_layers``, the residual stream at every appended position (``[B, longest, H]``, row ``r``'s
+        tokens at ``[:lengths[r]]``).
         """
         lengths = self._check_rows(tokens_per_row)
         longest = max(lengths, default=0)
@@ -329,19 +304,23 @@ class TargetRows:
         last_index = mx.array([max(n - 1, 0) for n in lengths])
         has_tokens = mx.array([n > 0 for n in lengths])[:, None, None]
         last_hidden = mx.zeros((len(lengths), 1, self.model.hidden_size), dtype=self.model.dtype)
+        taps: dict[int, list[mx.array]] = {layer: [] for layer in tap_layers}
         for start in range(0, longest, step):
             chunk = ids[:, start : start + step]
-            out = self.model.forward(chunk, caches, with_logits=False)
+            out = self.model.forward(chunk, caches, tap_layers=tap_layers, with_logits=False)
             local = mx.clip(last_index - start, 0, chunk.shape[1] - 1)
             here = has_tokens & ((last_index >= start) & (last_index < start + chunk.shape[1]))[:, None, None]
             picked = mx.take_along_axis(out.hidden, local[:, None, None], axis=1)
             last_hidden = mx.where(here, picked, last_hidden)
-            mx.eval(_cache_arrays(caches) + [last_hidden])
+            for layer in taps:
+                taps[layer].append(out.taps[layer])
+            mx.eval(_cache_arrays(caches) + [last_hidden] + [parts[-1] for parts in taps.values()])
         for cache in caches:
             cache.finalize()
         self._lengths = [a + b for a, b in zip(self._lengths, lengths)]
         self.materialize()
-        return PrefillContext(last_hidden, lengths)
+        joined = {layer: mx.concatenate(parts, axis=1) for layer, parts in taps.items()}
+        return PrefillContext(last_hidden, lengths, joined)
 
     def verify(self, window: Sequence[Sequence[int]], *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
         """Append an equal-length window to every row and return logits/hidden for all its positions."""
@@ -368,14 +347,30 @@ class TargetRows:
         self._lengths = [n - r for n, r in zip(self._lengths, rejected)]
 
     # -- rows in and out --------------------------------------------------------------------------------
-    def extract(self, row: int) -> list[KVCache]:
-        """Owned single-row ``KVCache`` per layer holding exactly the row's tokens (offset == its length)."""
+    def extract(self, row: int, *, rotating: bool = True) -> list:
+        """Owned single-row caches holding exactly the row's tokens (``offset`` == its length): a ``KVCache``
+        per full-attention layer; per sliding layer mlx-lm's ``RotatingKVCache`` snapshot (``rotating=False``:
+        a ``KVCache`` of the whole history, which the row must hold)."""
         check_row(row, self.row_count)
-        if self._lengths[row] == 0 or self._caches is None:
+        position = self._lengths[row]
+        if position == 0 or self._caches is None:
             return [KVCache() for _ in range(self.model.num_layers)]
-        layers = [cache.extract(row) for cache in self._caches]
-        mx.eval([a for cache in layers for a in (cache.keys, cache.values)])
-        return layers
+        out = []
+        for layer, (cache, window) in enumerate(zip(self._caches, self._windows)):
+            left = int(cache.left_padding[row].item())
+            keys = cache.keys[row : row + 1, :, left : cache._idx]
+            values = cache.values[row : row + 1, :, left : cache._idx]
+            if window is not None and rotating:
+                out.append(rotating_snapshot(keys, values, position, window))
+                continue
+            if keys.shape[2] != position:
+                raise ValueError(f"row {row} layer {layer} holds {keys.shape[2]} of its {position} tokens")
+            single = KVCache()
+            single.keys, single.values = mx.contiguous(keys), mx.contiguous(values)
+            single.offset = position
+            out.append(single)
+        mx.eval([a for cache in out for a in (cache.keys, cache.values) if a is not None])
+        return out
 
     def prepare_append(self, other: "TargetRows") -> PreparedStateChange:
         """Build this group's state with ``other``'s rows appended (``other`` is only read)."""
@@ -384,10 +379,10 @@ class TargetRows:
         if other.row_count == 0:
             return PreparedStateChange(lambda: None, lambda: None)
         if self.row_count == 0 or self._caches is None:
-            caches = [_clone_batch_cache(c) for c in other._caches]
+            caches = [_clone_batch_cache(c) for c in other._ensure_caches()]
         else:
             caches = [_clone_batch_cache(c) for c in self._caches]
-            for mine, theirs in zip(caches, other._caches):
+            for mine, theirs in zip(caches, other._ensure_caches()):
                 mine.extend(_clone_batch_cache(theirs))
         lengths = self._lengths + other._lengths
 
@@ -410,13 +405,17 @@ class TargetRows:
 
     # -- ports for drafters -----------------------------------------------------------------------------
     def donors(self, layer: int) -> DonorView:
-        """Read-only K/V of ``layer`` for every row, with the mask of each row's real positions."""
+        """Read-only K/V of ``layer`` for every row, with the mask of the keys each row may attend to."""
         positions = mx.array(self._lengths, dtype=mx.int32)
         cache = None if self._caches is None else self._caches[layer]
         if cache is None or cache.keys is None or cache._idx == 0:
             return DonorView(None, None, None, positions)
         keys, values = cache.keys_and_values()
-        valid = mx.arange(cache._idx)[None, :] >= cache.left_padding[:, None]
+        index = mx.arange(cache._idx)[None, :]
+        valid = index >= cache.left_padding[:, None]
+        window = self._windows[layer]
+        if window is not None:
+            valid = valid & (index >= cache._idx - window)
         return DonorView(keys, values, valid[:, None, None, :], positions)
 
     # -- helpers ----------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ Weights are drawn from ``seed`` with an explicit PRNG key (the global MLX random
 further scaled by ``residual_scale``, an untied head. Plain fan-in scaling makes a random model repeat one token;
 with these defaults greedy outputs vary (20-40 distinct tokens in 48), derived drafters reach 30-70% acceptance,
 and the top-two logit gap along greedy paths stays above 1e-4, far above float32 noise. Adding an architecture means adding
-an entry to ``_ARCHITECTURES`` (gemma3_text needs its sliding-window caches supported by the runtime first).
+an entry to ``_ARCHITECTURES``. ``gemma3_text`` targets interleave sliding-window layers (window
+``sliding_window``, every ``sliding_window_pattern``-th layer global); keep the window smaller than the test
+prompts so the rotating caches wrap. ``write_tiny_adapter`` writes an mlx-lm LoRA adapter for a target.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-__all__ = ["ARCHITECTURES", "write_tiny_target", "write_tiny_drafter", "write_tiny_tokenizer"]
+__all__ = ["ARCHITECTURES", "write_tiny_target", "write_tiny_drafter", "write_tiny_adapter", "write_tiny_tokenizer"]
 
 #: model_type -> (HF architecture name, whether the config carries head_dim)
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True),
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
+    "gemma3_text": ("Gemma3ForCausalLM", True),
 }
 ARCHITECTURES = tuple(_ARCHITECTURES)
 
@@ -48,7 +51,8 @@ def _model_classes(config: dict) -> tuple[Any, Any]:
 
 
 def _random_parameters(
-    model: Any, seed: int, init_scale: float, residual_scale: float = 1.0, embed_scale: float = 1.0
+    model: Any, seed: int, init_scale: float, residual_scale: float = 1.0, embed_scale: float = 1.0,
+    norm_value: float = 1.0,
 ) -> None:
     """Re-draw every parameter of ``model`` from ``seed``: matrices scaled by fan-in, biases small, norms one.
 
@@ -60,7 +64,7 @@ def _random_parameters(
     for name, value in tree_flatten(model.parameters()):
         key, sub = mx.random.split(key)
         if name.endswith(_NORM_SUFFIXES):
-            new = mx.ones(value.shape, dtype=value.dtype)
+            new = mx.full(value.shape, norm_value, dtype=value.dtype)
         elif name.endswith("embed_tokens.weight"):
             new = mx.random.normal(value.shape, key=sub) * embed_scale
         elif value.ndim >= 2:
@@ -111,10 +115,12 @@ def write_tiny_target(
     tie_word_embeddings: bool = False,
     init_scale: float = 1.0,
     residual_scale: float = 0.5,
-    embed_scale: float = 1.0,
+    embed_scale: float | None = None,
     tokenizer: bool = True,
+    sliding_window: int = 6,
+    sliding_window_pattern: int = 2,
 ) -> Path:
-    """Write a tiny float32 model of ``arch`` (llama, mistral, qwen2) to ``path`` and return the path.
+    """Write a tiny float32 model of ``arch`` (llama, mistral, qwen2, gemma3_text) to ``path``; returns the path.
 
     The default geometry (hidden 128, 2 query heads and 1 KV head of 64) keeps head_dim a multiple of the KV
     quantization group size 64. Raises ValueError for an unknown arch or an inconsistent geometry.
@@ -147,9 +153,17 @@ def write_tiny_target(
     }
     if has_head_dim:
         config["head_dim"] = head_dim
+    if arch == "gemma3_text":
+        config.update(sliding_window=sliding_window, sliding_window_pattern=sliding_window_pattern,
+                      query_pre_attn_scalar=head_dim, rope_local_base_freq=10000.0, rms_norm_eps=1e-6)
     model_class, args_class = _model_classes(config)
     model = model_class(args_class.from_dict(config))
-    _random_parameters(model, seed, init_scale, residual_scale, embed_scale)
+    # gemma scales its embeddings by sqrt(hidden_size) and its norms by (1 + w): unit-size inputs and zero norm
+    # weights make it behave like the other tiny targets (varied greedy output)
+    gemma = arch == "gemma3_text"
+    if embed_scale is None:
+        embed_scale = hidden_size**-0.5 if gemma else 1.0
+    _random_parameters(model, seed, init_scale, residual_scale, embed_scale, 0.0 if gemma else 1.0)
     path = Path(path)
     _save(path, config, dict(tree_flatten(model.parameters())))
     if tokenizer:
@@ -162,7 +176,11 @@ def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, se
 
     Options: ``draft-model``: ``layers`` (how many leading target layers to keep, default 1);
     ``assistant``: ``donor_layers`` (target layers to borrow and copy, default all), ``hidden_mix`` (scale of
-    the random carried-hidden projection, default 0.1); ``ngram``: ``max`` (3), ``min`` (1).
+    the random carried-hidden projection, default 0.1); ``ngram``: ``max`` (3), ``min`` (1);
+    ``deepspec`` / ``dflash``: ``layers`` (drafter layers, copies of the target's last ones, default 1), ``taps``
+    (tap layers, default the input of the first copied layer), ``noise`` (random part of the tap projection,
+    default 0.05), ``num_target_layers`` (the depth it claims to be trained for, default the target's);
+    ``dflash``: ``gamma`` (block width, default 4; written to ``dspark.json``).
     """
     path = Path(path)
     if method == "ngram":
@@ -178,10 +196,23 @@ def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, se
         _write_draft_model(path, target_config, weights, options.pop("layers", 1))
     elif method == "assistant":
         _write_assistant(path, target_config, weights, seed, options.pop("donor_layers", None), options.pop("hidden_mix", 0.1))
+    elif method in ("deepspec", "dflash"):
+        _write_projected(path, method, target_config, weights, seed, options.pop("layers", 1),
+                         options.pop("taps", None), options.pop("gamma", 4), options.pop("noise", 0.05),
+                         options.pop("num_target_layers", None))
     else:
-        raise ValueError(f"unknown drafter method {method!r}; known: assistant, draft-model, ngram")
+        raise ValueError(f"unknown drafter method {method!r}; known: assistant, draft-model, ngram, deepspec, dflash")
     _no_options_left(method, options)
     return path
+
+
+def _as_plain_norm(target_config: dict, weight: mx.array) -> mx.array:
+    """A target norm weight for the drafters' plain RMSNorm (gemma norms multiply by ``1 + w``)."""
+    return weight + 1.0 if target_config["model_type"] == "gemma3_text" else weight
+
+
+def _copied(target_config: dict, name: str, weight: mx.array) -> mx.array:
+    return _as_plain_norm(target_config, weight) if name.endswith("norm.weight") else weight
 
 
 def _no_options_left(method: str, options: dict) -> None:
@@ -230,7 +261,7 @@ def _write_assistant(
     drawn = {
         "hidden_norm.weight": mx.ones((hidden,)),
         "input_proj.weight": mx.random.normal((hidden, hidden), key=key) * (hidden_mix / hidden**0.5),
-        "norm.weight": weights["model.norm.weight"],
+        "norm.weight": _as_plain_norm(target_config, weights["model.norm.weight"]),
     }
     copied = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.o_proj.weight",
               "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -238,6 +269,100 @@ def _write_assistant(
         copied += ("self_attn.q_proj.bias",)
     for index, donor in enumerate(donors):
         for name in copied:
-            drawn[f"layers.{index}.{name}"] = weights[f"model.layers.{donor}.{name}"]
+            drawn[f"layers.{index}.{name}"] = _copied(target_config, name, weights[f"model.layers.{donor}.{name}"])
     network.load_weights(list(drawn.items()), strict=True)
     _save(path, config.to_dict(), dict(tree_flatten(network.parameters())))
+
+
+def write_tiny_adapter(
+    path: str | Path,
+    target_dir: str | Path,
+    seed: int = 0,
+    *,
+    rank: int = 4,
+    scale: float = 2.0,
+    num_layers: int | None = None,
+    keys: tuple[str, ...] = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"),
+) -> Path:
+    """Write an mlx-lm LoRA adapter directory (``adapter_config.json`` + ``adapters.safetensors``) for the target
+    in ``target_dir``: ``rank``-``rank`` updates of ``keys`` in the last ``num_layers`` layers (default: all),
+    both LoRA factors drawn from ``seed`` (mlx-lm initializes ``lora_b`` to zero; a trained adapter is not), so
+    the adapter changes the target's output. Loads with ``mlx_lm.utils.load(target, adapter_path=path)``."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(target_dir))
+    layers = config["num_hidden_layers"] if num_layers is None else num_layers
+    lora = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}
+    linear_to_lora_layers(model, layers, lora)
+    key = mx.random.key(seed)
+    drawn = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
+            key, sub = mx.random.split(key)
+            drawn[name] = (mx.random.normal(value.shape, key=sub) * (value.shape[0] ** -0.5)).astype(value.dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    adapter_config = {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": lora}
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
+    mx.save_safetensors(str(path / "adapters.safetensors"), drawn)
+    return path
+
+
+def _write_projected(path: Path, method: str, target_config: dict, weights: dict, seed: int, layers: int,
+                     taps: list | None, gamma: int, noise: float, num_target_layers: int | None) -> None:
+    """A projected-context drafter whose layers copy the target's last ``layers`` layers.
+
+    The context of the first copied layer ``d`` should be that layer's input: the tap is the output of layer
+    ``d - 1``, ``fc`` passes it through (plus ``noise``) and ``hidden_norm`` is layer ``d``'s input norm, so the
+    drafter's context K/V approximate the target's own K/V of layer ``d``. The drafted tokens enter as plain
+    embeddings (skipping layers ``0..d-1``), which is what makes the drafts imperfect.
+    """
+    from .drafters.projected import ProjectedConfig, ProjectedNetwork
+
+    total = target_config["num_hidden_layers"]
+    if not 1 <= layers <= total:
+        raise ValueError(f"{method} layers must be in 1..{total}, got {layers}")
+    first = total - layers
+    taps = [max(first - 1, 0)] if taps is None else [int(t) % total for t in taps]
+    hidden = target_config["hidden_size"]
+    heads = target_config["num_attention_heads"]
+    config = ProjectedConfig(
+        method=method,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=target_config["num_key_value_heads"],
+        head_dim=target_config.get("head_dim") or hidden // heads,
+        intermediate_size=target_config["intermediate_size"],
+        vocab_size=target_config["vocab_size"],
+        target_layer_ids=tuple(taps),
+        num_target_layers=total if num_target_layers is None else num_target_layers,
+        target_hidden_size=hidden,
+        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
+        rope_theta=target_config.get("rope_theta", 10000.0),
+        qk_norm=False,
+        gamma=gamma if method == "dflash" else 0,
+        mask_token_id=0,
+    )
+    network = ProjectedNetwork(config)
+    key = mx.random.key(seed)
+    passthrough = mx.concatenate([mx.zeros((hidden, hidden * (len(taps) - 1))), mx.eye(hidden)], axis=1)
+    drawn = {
+        "fc.weight": passthrough + mx.random.normal(passthrough.shape, key=key) * (noise / hidden**0.5),
+        "hidden_norm.weight": _as_plain_norm(target_config, weights[f"model.layers.{first}.input_layernorm.weight"]),
+        "norm.weight": _as_plain_norm(target_config, weights["model.norm.weight"]),
+    }
+    copied = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+              "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+    for index in range(layers):
+        for name in copied:
+            drawn[f"layers.{index}.{name}"] = _copied(target_config, name,
+                                                      weights[f"model.layers.{first + index}.{name}"])
+    network.load_weights(list(drawn.items()), strict=True)
+    path.mkdir(parents=True, exist_ok=True)
+    config_name = "dspark.json" if method == "dflash" else "config.json"
+    (path / config_name).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(network.parameters())),
+                        metadata={"format": "mlx"})

@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
 
 from spec_cache.drafters import load_provider
 from spec_cache.target import TargetModel
@@ -23,6 +24,8 @@ DRAFTERS = {
     "draft-model-full": ("draft-model", {"layers": 2}),  # the target itself: every draft accepted
     "assistant": ("assistant", {}),
     "ngram": ("ngram", {}),
+    "deepspec": ("deepspec", {}),  # projected context, token-by-token drafting
+    "dflash": ("dflash", {"gamma": 4}),  # projected context, one block forward (untrained: drafts rarely agree)
 }
 
 PROMPTS = [
@@ -46,9 +49,10 @@ class Tiny:
         return None if name is None else load_provider(self.drafter_dir(name))
 
 
-def build_tiny(root: Path, arch: str = "llama", seed: int = 0) -> Tiny:
-    target_dir = write_tiny_target(root / "target", arch, seed=seed, tokenizer=False)
-    for name, (method, options) in DRAFTERS.items():
+def build_tiny(root: Path, arch: str = "llama", seed: int = 0, drafters: dict | None = None, **target_options) -> Tiny:
+    """A tiny target (``write_tiny_target`` options) and its drafter directories (default: ``DRAFTERS``)."""
+    target_dir = write_tiny_target(root / "target", arch, seed=seed, tokenizer=False, **target_options)
+    for name, (method, options) in (DRAFTERS if drafters is None else drafters).items():
         write_tiny_drafter(root / name, method, target_dir, seed=seed, **options)
     return Tiny(root, TargetModel.load(target_dir))
 
@@ -69,10 +73,40 @@ def tiny(tmp_path_factory) -> Tiny:
 _PLAIN: dict = {}
 
 
-def plain_greedy(target: TargetModel, prompt: list[int], max_tokens: int) -> list[int]:
-    """The target's own greedy tokens from mlx-lm's ``generate_step`` (memoized per target and prompt)."""
-    key = (id(target), tuple(prompt), max_tokens)
+def plain_greedy(target: TargetModel, prompt: list[int], max_tokens: int, **options) -> list[int]:
+    """The target's own greedy tokens from mlx-lm's ``generate_step`` (memoized per target, prompt and options,
+    e.g. ``kv_bits``/``kv_group_size``/``quantized_kv_start``/``prefill_step_size``)."""
+    key = (id(target), tuple(prompt), max_tokens, tuple(sorted(options.items())))
     if key not in _PLAIN:
-        steps = generate_step(mx.array(prompt), target.model, max_tokens=max_tokens)
+        steps = generate_step(mx.array(prompt), target.model, max_tokens=max_tokens, **options)
         _PLAIN[key] = [token for token, _ in steps]
     return list(_PLAIN[key])
+
+
+class _Stays(KVCache):
+    """A layer ``maybe_quantize_kv_cache`` leaves in full precision (its ``to_quantized`` is a no-op)."""
+
+    def to_quantized(self, **_):
+        return self
+
+
+def _converting(bits: int, group_size: int) -> type:
+    class Converts(KVCache):
+        def to_quantized(self, **_):  # the layer's own setting, whatever generate_step asks for
+            return KVCache.to_quantized(self, group_size=group_size, bits=bits)
+
+    return Converts
+
+
+def per_layer_greedy(target: TargetModel, prompt: list[int], max_tokens: int, layers: dict, start: int,
+                     prefill_step_size: int = 2048) -> list[int]:
+    """mlx-lm's ``generate_step`` with a per-layer KV quantization (``layers``: index -> (bits, group_size)).
+
+    mlx-lm has no ``kv_config``; its conversion hook calls ``cache.to_quantized`` on every layer once the offset
+    reaches ``quantized_kv_start``, so layers whose ``to_quantized`` applies their own setting (or keeps the
+    layer) make ``generate_step`` itself the reference.
+    """
+    caches = [(_converting(*layers[i]) if i in layers else _Stays)() for i in range(target.num_layers)]
+    steps = generate_step(mx.array(prompt), target.model, max_tokens=max_tokens, prompt_cache=caches, kv_bits=8,
+                          quantized_kv_start=start, prefill_step_size=prefill_step_size)
+    return [token for token, _ in steps]

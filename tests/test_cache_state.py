@@ -87,3 +87,24 @@ def test_spec_cache_failures_are_warnings_not_crashes(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert cache.restore(ns, [1, 2, 3]) is None
+
+
+def test_quantized_states_converted_at_different_offsets_never_share_chunks(tmp_path):
+    """The K/V after a conversion point depend on where it was, so ``converted_at`` is part of the layer
+    signature: two states of the same prefix converted at 20 and at 39 keep their own chunks."""
+    tokens = list(range(40))
+    first, second = kv(41, seed=1).to_quantized(bits=4), kv(41, seed=2).to_quantized(bits=4)
+    first.converted_at, second.converted_at = 39, 20
+    assert layer_state(first).meta == {"group_size": 64, "bits": 4, "converted_at": 39}
+    assert from_layer_state(layer_state(second)).converted_at == 20
+    assert not hasattr(from_layer_state(layer_state(kv(3).to_quantized(bits=4))), "converted_at")
+    with SpecCache.open(tmp_path / "c", chunk_tokens=16) as cache:
+        ns = cache.namespace(TARGET, "quantized")
+        assert cache.save(ns, tokens + [1], [first], minimum_reusable=39)
+        assert cache.save(ns, tokens + [2], [second], minimum_reusable=20)
+        hit = cache.restore(ns, tokens + [2, 9])
+        assert hit.length == 41 and hit.caches[0].converted_at == 20
+        for a, b in zip((*second.keys, *second.values), (*hit.caches[0].keys, *hit.caches[0].values)):
+            assert same(a[..., :41, :], b)
+        assert cache.store.lookup(ns, tokens[:35]).minimum_reusable == 20  # chunk 32: only the state converted at 20
+        assert cache.store.lookup(ns, tokens[:18]) is None  # chunk 16 is below both conversion points

@@ -133,14 +133,15 @@ def test_restored_target_with_cold_drafter_row(tiny, provider_name):
     results = run(tiny, provider_name, requests, on_checkpoint=drafting)
     for index, (prompt, result) in enumerate(zip(PROMPTS, results)):
         assert result.tokens == plain_greedy(tiny.target, prompt, MAX_TOKENS)
-        # The assistant needs the target hidden of the last prompt token: that one token is forwarded again.
-        expected = len(prompt) - 2 if provider_name == "assistant" else len(prompt) - 1
+        # The assistant needs the target hidden of the last prompt token: that one token is forwarded again;
+        # a projected-context drafter needs the target's taps at every token: the whole prefix is.
+        expected = {"assistant": len(prompt) - 2, "deepspec": 0, "dflash": 0}.get(provider_name, len(prompt) - 1)
         assert result.cached_tokens == expected
         rebuilt = drafting.boundary(index)[3]
         assert rebuilt.processed_tokens == len(prompt) - 1
         if provider_name == "ngram":
             assert rebuilt.attachment.tensors[0].tolist() == prompt[:-1]
-    if provider_name != "ngram":  # the rebuilt drafter rows propose tokens the target accepts
+    if provider_name not in ("ngram", "dflash"):  # the rebuilt drafter rows propose tokens the target accepts
         assert sum(r.accepted for r in results) > 0
 
 
@@ -252,17 +253,22 @@ def test_request_checks(tiny):
         SpeculativeEngine(tiny.target, None, draft_depth=-1)
 
 
-def test_kv_quantization_is_refused_for_now(tiny):
+def test_kv_options_select_the_rows_that_run_them(tiny):
     class Options:
         kv_bits, kv_group_size, quantized_kv_start, turbo_quant, kv_config = 4, 64, None, None, ()
 
-    with pytest.raises(NotImplementedError, match="issue 4"):
-        SpeculativeEngine(tiny.target, None, kv=Options())
+    assert SpeculativeEngine(tiny.target, None, kv=Options()).plan.start == 5000  # mlx-lm's default start
 
     class Plain(Options):
         kv_bits = None
 
-    SpeculativeEngine(tiny.target, None, kv=Plain())
+    assert SpeculativeEngine(tiny.target, None, kv=Plain()).plan is None
+
+    class Turbo(Options):
+        turbo_quant = {"kBits": 8}
+
+    with pytest.raises(NotImplementedError, match="turbo_quant"):
+        SpeculativeEngine(tiny.target, None, kv=Turbo())
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])

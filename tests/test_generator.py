@@ -16,9 +16,10 @@ import pytest
 from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.generator import Generator
 from spec_cache.namespace import KVOptions
+from spec_cache.tiny import write_tiny_adapter
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
-METHODS = ["assistant", "draft-model", "ngram"]
+METHODS = ["assistant", "draft-model", "ngram", "deepspec", "dflash"]
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 9, 10], list(range(60, 110))]
 MAX = 10
 
@@ -86,13 +87,17 @@ def test_batch_mixing_restored_and_cold_rows(tiny, tmp_path):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_target_only_prefix_gives_a_cold_drafter_row(tiny, tmp_path, method):
-    """A chunk-boundary hit carries no drafter part: the target skips its prefill, the drafter starts cold."""
+    """A chunk-boundary hit carries no drafter part: the target skips its prefill, the drafter starts cold.
+    A projected-context drafter needs the target's taps at every token, so it takes no target-only prefix."""
     with SpecCache.open(tmp_path / "store", chunk_tokens=16) as cache:
         gen = load(tiny, cache, method)
         gen.generate([list(range(3, 43))], max_tokens=4)
         diverged = list(range(3, 38)) + [250, 251, 252]  # shares 35 tokens: chunks up to 32, no entry
         (r,) = gen.generate([diverged], max_tokens=MAX)
-        assert 0 < r.cached_tokens <= 32 and not r.restored_drafter
+        if method in ("deepspec", "dflash"):
+            assert r.cached_tokens == 0 and not r.restored_drafter
+        else:
+            assert 0 < r.cached_tokens <= 32 and not r.restored_drafter
         assert r.tokens == plain_greedy(tiny.target, diverged, MAX)
 
 
@@ -102,7 +107,7 @@ def test_namespaces_isolate(tiny, tmp_path):
         others = [load(tiny, cache, "ngram"),  # another drafter
                   load(tiny, cache, "draft-model"),
                   load(tiny, cache, "assistant", kv=KVOptions(kv_group_size=32)),  # other KV options
-                  load(tiny, cache, "assistant", adapters="lora-a@" + "1" * 64),  # other adapters
+                  load(tiny, cache, "assistant", adapters=write_tiny_adapter(tmp_path / "lora-a", target_dir(tiny))),
                   load(tiny, cache, "assistant", tenant="tenant-b")]  # another tenant
         for gen in others:
             assert all(r.cached_tokens == 0 for r in gen.generate(PROMPTS, max_tokens=4))
@@ -141,9 +146,41 @@ def test_corrupt_entry_is_a_miss_with_a_warning(tiny, tmp_path):
         assert again.tokens == cold[0].tokens and again.cached_tokens == len(PROMPTS[0]) - 1
 
 
-def test_quantized_kv_is_refused_until_it_is_supported(tiny, tmp_path):
+def test_turbo_quant_is_refused_until_a_codec_exists(tiny, tmp_path):
     with SpecCache.open(tmp_path / "store") as cache:
-        with pytest.raises(NotImplementedError, match="issue 4"):
-            load(tiny, cache, "assistant", kv=KVOptions(kv_bits=4))
+        with pytest.raises(NotImplementedError, match="TurboQuant codec"):
+            load(tiny, cache, "assistant", kv=KVOptions(turbo_quant={"kBits": 8, "vBits": 3}))
         from store import maintenance
         assert maintenance.namespaces(cache.store) == []  # nothing registered for a refused configuration
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    from tests.runtime_fixtures import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1)
+
+
+@pytest.mark.parametrize("method,kv", [
+    ("assistant", KVOptions()), ("deepspec", KVOptions()), ("dflash", KVOptions()), ("draft-model", KVOptions()),
+    ("ngram", KVOptions(kv_bits=4, quantized_kv_start=0)), ("assistant", KVOptions(kv_bits=8, quantized_kv_start=9)),
+])
+def test_qwen2_target_restored_equals_cold_also_after_reopen(qwen2, tmp_path, method, kv):
+    """A qwen2 target (attention biases, head_dim from hidden / heads) through the cache, full precision and
+    quantized: cold == mlx-lm greedy, warm == cold, next turn == cold, also from a reopened store."""
+    reference_options = {} if kv.kv_bits is None else {
+        "kv_bits": kv.kv_bits, "quantized_kv_start": kv.quantized_kv_start, "prefill_step_size": 512}
+    expected = [plain_greedy(qwen2.target, p, MAX, **reference_options) for p in PROMPTS]
+    with SpecCache.open(tmp_path / "store") as cache:
+        gen = load(qwen2, cache, method, kv=kv)
+        assert [r.tokens for r in gen.generate(PROMPTS, max_tokens=MAX)] == expected
+    with SpecCache.open(tmp_path / "store") as cache:
+        gen = load(qwen2, cache, method, kv=kv)
+        warm = gen.generate(PROMPTS, max_tokens=MAX)
+        assert [r.tokens for r in warm] == expected
+        assert all(r.cached_tokens == len(p) - 1 and r.restored_drafter for p, r in zip(PROMPTS, warm))
+        follow = [p + e + [7, 8] for p, e in zip(PROMPTS, expected)]
+        for prompt, r in zip(follow, gen.generate(follow, max_tokens=MAX)):
+            assert r.tokens == plain_greedy(qwen2.target, prompt, MAX, **reference_options)
+            if kv.kv_bits is None:
+                assert r.cached_tokens == len(prompt) - 3 and r.restored_drafter

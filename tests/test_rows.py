@@ -91,7 +91,7 @@ def test_forward_matches_the_mlx_lm_model_bit_for_bit(tiny):
 
 def test_unsupported_architecture_is_refused(tiny):
     with pytest.raises(NotImplementedError, match="no target port"):
-        TargetModel(tiny.target.model, {"model_type": "gemma3_text"})
+        TargetModel(tiny.target.model, {"model_type": "mamba"})
 
 
 def _single_row_logits(target, tokens):
@@ -181,11 +181,14 @@ def test_kv_options_check():
 
     check_kv_options(None)
     check_kv_options(Options())
-    for field, value in (("kv_bits", 8), ("turbo_quant", {"kBits": 8}), ("kv_config", ({"layerIdx": 0},))):
+    for field, value in (("kv_bits", 8), ("kv_config", ({"layerIdx": 0},))):
         options = Options()
         setattr(options, field, value)
-        with pytest.raises(NotImplementedError, match="issue 4"):
-            check_kv_options(options)
+        check_kv_options(options)  # affine KV quantization runs (spec_cache.kv_quant)
+    options = Options()
+    options.turbo_quant = {"kBits": 8}
+    with pytest.raises(NotImplementedError, match="no TurboQuant codec"):
+        check_kv_options(options)
 
 
 # -- draft groups ---------------------------------------------------------------------------------------------
@@ -195,7 +198,7 @@ def _prefilled(tiny, name, prompts):
     rows = TargetRows.from_row_caches(tiny.target, [None] * len(prompts))
     group = provider.open(rows, [None] * len(prompts))
     heads = [p[:-1] for p in prompts]
-    group.prefill(heads, rows.prefill(heads))
+    group.prefill(heads, rows.prefill(heads, tap_layers=group.tap_layers))
     group.materialize()
     return provider, rows, group
 

@@ -12,7 +12,7 @@ from mlx_lm.utils import load, load_model
 
 from spec_cache.drafters import detect_method, load_provider
 from spec_cache.target import TargetModel
-from spec_cache.tiny import ARCHITECTURES, write_tiny_drafter, write_tiny_target
+from spec_cache.tiny import ARCHITECTURES, write_tiny_adapter, write_tiny_drafter, write_tiny_target
 from tests.runtime_fixtures import _identity_memo, plain_greedy  # noqa: F401
 
 
@@ -45,7 +45,7 @@ def test_weights_follow_the_seed(tmp_path):
 
 def test_bad_target_arguments(tmp_path):
     with pytest.raises(ValueError, match="unknown tiny architecture"):
-        write_tiny_target(tmp_path / "x", "gemma3_text")
+        write_tiny_target(tmp_path / "x", "mamba")
     with pytest.raises(ValueError, match="head_dim"):
         write_tiny_target(tmp_path / "x", "qwen2", hidden_size=96)
     with pytest.raises(ValueError, match="multiple"):
@@ -117,3 +117,34 @@ def test_mismatched_pairing_is_refused(tmp_path, target_dir):
     draft = load_provider(write_tiny_drafter(tmp_path / "draft", "draft-model", other_vocab))
     with pytest.raises(ValueError, match="vocabulary"):
         SpeculativeEngine(TargetModel.load(target_dir), draft)
+
+
+@pytest.mark.parametrize("method,config_name", [("deepspec", "config.json"), ("dflash", "dspark.json")])
+def test_projected_drafter_directory(tmp_path, target_dir, method, config_name):
+    path = write_tiny_drafter(tmp_path / method, method, target_dir, seed=2, gamma=5)
+    assert sorted(p.name for p in path.iterdir()) == sorted([config_name, "model.safetensors"])
+    config = json.loads((path / config_name).read_text())
+    assert config["method"] == method and config["num_target_layers"] == 2 and config["target_layer_ids"] == [0]
+    assert ("gamma" in config) == (method == "dflash")
+    provider = load_provider(path)
+    assert detect_method(path) == method
+    assert re.fullmatch(rf"{method}-context-v1:[0-9a-f]{{64}}", provider.namespace)
+    weights = mx.load(str(path / "model.safetensors"))
+    target_weights = mx.load(str(target_dir / "model.safetensors"))
+    assert mx.array_equal(weights["layers.0.self_attn.k_proj.weight"],
+                          target_weights["model.layers.1.self_attn.k_proj.weight"])
+
+
+def test_adapter_directory_loads_with_mlx_lm_and_changes_the_output(tmp_path, target_dir):
+    path = write_tiny_adapter(tmp_path / "lora", target_dir, seed=3)
+    assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapters.safetensors"]
+    model, _ = load_model(Path(target_dir))
+    from mlx_lm.tuner.utils import load_adapters
+
+    load_adapters(model, str(path))
+    target = TargetModel.load(target_dir)
+    adapted = TargetModel.from_model(model, target.config)
+    prompt = [5, 6, 7, 8]
+    assert plain_greedy(adapted, prompt, 12) != plain_greedy(target, prompt, 12)
+    assert (path / "adapters.safetensors").read_bytes() == write_tiny_adapter(
+        tmp_path / "again", target_dir, seed=3).joinpath("adapters.safetensors").read_bytes()

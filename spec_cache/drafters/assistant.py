@@ -244,6 +244,8 @@ class AssistantRows:
     """Assistant draft rows: the last true target hidden per row (``[B, 1, H]``) and its token coverage."""
 
     prefill_needs_target_hidden = True
+    prefill_needs_target_taps = False
+    tap_layers: tuple = ()
 
     def __init__(
         self,

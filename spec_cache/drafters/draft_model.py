@@ -152,6 +152,8 @@ class DraftModelRows:
     """Draft rows of a standalone draft model: its batched KV, plus per row the coverage and ``pendingLast``."""
 
     prefill_needs_target_hidden = False
+    prefill_needs_target_taps = False
+    tap_layers: tuple = ()
 
     def __init__(
         self,
@@ -238,7 +240,8 @@ class DraftModelRows:
         check_row(row, self.row_count)
         processed, pending = self._processed[row], self._pending_last[row]
         metadata = {"processedTokens": processed, "pendingLast": False if pending is None else pending}
-        attachment = capture_kv_attachment(self.schema, self._rows.extract(row), metadata)
+        # sliding-window layers of the draft model keep their whole history here (plain KV), never a ring
+        attachment = capture_kv_attachment(self.schema, self._rows.extract(row, rotating=False), metadata)
         return DraftRowCheckpoint(processed, attachment)
 
     def draft(self, pending: Sequence[int], depth: int) -> list[list[int]]:

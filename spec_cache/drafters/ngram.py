@@ -91,6 +91,8 @@ class NgramRows:
     """N-gram draft rows: the token history per row (exactly the tokens the target KV holds)."""
 
     prefill_needs_target_hidden = False
+    prefill_needs_target_taps = False
+    tap_layers: tuple = ()
 
     def __init__(self, provider: NgramProvider, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
         self.provider = provider

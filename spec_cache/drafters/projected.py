@@ -1,0 +1,213 @@
+"""Projected-context drafters (DeepSpec, DFlash/DSpark): what they share.
+
+The target's residual stream at the drafter's *tap layers* (``target_layer_ids``), for every token the target
+processes (prefill and each verify forward), is concatenated and projected into the drafter's own context:
+``ctx = RMSNorm(fc(concat(taps)))``. Each drafter layer turns the context into its own K/V rows
+(``k = rope(k_norm(k_proj(ctx)))``, ``v = v_proj(ctx)``: post-norm, post-RoPE, at the token's position) and keeps
+them; a row's context grows by ``accepted + 1`` rows per round (the pending token and the kept drafts). Drafting
+attends over that context plus the tokens being drafted, embedded with the target's embeddings and read out
+through the target's head. How the drafting forward runs is the family's own (``deepspec.py``: token by token;
+``dflash.py``: one block of mask tokens in one forward).
+
+The row checkpoint is the context itself: per drafter layer K and V ``[1, kvHeads, processedTokens, headDim]``,
+through the ``spec-cache-kv-v1`` cache codec (schemas ``deepspec-context-v1`` / ``dflash-context-v1``). Unlike
+mlx-bun, a restored checkpoint's alignment is validated: the schema's rules, then one header per drafter layer,
+this drafter's K/V geometry and dtype.
+
+This module holds the configuration and the network; ``projected_rows.py`` the provider and the grouped rows.
+
+Config keys (``config.json`` / ``dspark.json``): ``hidden_size`` (= the target's), ``num_hidden_layers``,
+``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` (= the
+target's), ``target_layer_ids`` (tap layers), ``num_target_layers`` (the target depth it was trained for),
+``target_hidden_size`` (default ``hidden_size``), ``rms_norm_eps`` (1e-6), ``rope_theta`` (10000), ``qk_norm``
+(true: RMSNorm on queries and keys per head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["ProjectedConfig", "ProjectedNetwork", "ContextKV", "load_network"]
+
+
+@dataclass(frozen=True)
+class ProjectedConfig:
+    """The configuration of a projected-context drafter (see module doc for the keys)."""
+
+    method: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qk_norm: bool = True
+    gamma: int = 0  # DFlash: the trained block width (pending token + gamma - 1 mask tokens)
+    mask_token_id: int = 0  # DFlash: the token fed at the positions being drafted
+
+    @classmethod
+    def from_dict(cls, config: dict, method: str, *, block: bool = False) -> "ProjectedConfig":
+        if config.get("method", method) != method:
+            raise ValueError(f"not a {method} drafter config (method={config.get('method')!r})")
+        required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "intermediate_size", "vocab_size", "target_layer_ids", "num_target_layers"]
+        required += ["gamma", "mask_token_id"] if block else []
+        missing = [key for key in required if key not in config]
+        if missing:
+            raise ValueError(f"{method} drafter config is missing {', '.join(missing)}")
+        taps = config["target_layer_ids"]
+        layers = config["num_target_layers"]
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise ValueError(f"{method} num_target_layers must be an int >= 1, got {layers!r}")
+        if (not isinstance(taps, list) or not taps
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < layers for t in taps)):
+            raise ValueError(f"{method} target_layer_ids must be a non-empty list of layer indices in "
+                             f"[0, {layers}), got {taps!r}")
+        if block and (not isinstance(config["gamma"], int) or config["gamma"] < 2):
+            raise ValueError(f"{method} gamma (the trained block width) must be an int >= 2, got {config['gamma']!r}")
+        known = {f.name for f in fields(cls)} - {"method", "target_layer_ids"}
+        values = {key: config[key] for key in known if key in config}
+        values.setdefault("target_hidden_size", config["hidden_size"])
+        return cls(method=method, target_layer_ids=tuple(taps), **values)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        if not self.gamma:
+            out.pop("gamma"), out.pop("mask_token_id")
+        return out
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: ProjectedConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class ContextKV:
+    """One drafter layer's keys and values for a forward: ``[B, kvHeads, T, D]`` and the ``[B, T]`` mask of
+    the positions each row may attend to (all None: no row has any context yet)."""
+
+    keys: mx.array | None
+    values: mx.array | None
+    valid: mx.array | None
+
+
+class _Attention(nn.Module):
+    """Queries from the drafted block; keys and values from the row's context and the block itself."""
+
+    def __init__(self, config: ProjectedConfig) -> None:
+        super().__init__()
+        self.config = config
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, x: mx.array, count: int) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, count, -1).transpose(0, 2, 1, 3)
+
+    def kv(self, x: mx.array, rope: Any, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """Post-norm, post-RoPE keys and values of ``x`` ``[B, L, H]`` at positions ``positions + i``."""
+        keys = self._heads(self.k_proj(x), self.config.num_key_value_heads)
+        if self.config.qk_norm:
+            keys = self.k_norm(keys)
+        return rope(keys, offset=positions), self._heads(self.v_proj(x), self.config.num_key_value_heads)
+
+    def __call__(self, h: mx.array, rope: Any, positions: mx.array, context: ContextKV, causal: bool) -> tuple:
+        B, L, _ = h.shape
+        queries = self._heads(self.q_proj(h), self.config.num_attention_heads)
+        if self.config.qk_norm:
+            queries = self.q_norm(queries)
+        queries = rope(queries, offset=positions)
+        keys, values = self.kv(h, rope, positions)
+        block = mx.tril(mx.ones((L, L), dtype=mx.bool_)) if causal else mx.ones((L, L), dtype=mx.bool_)
+        mask = mx.broadcast_to(block[None, None], (B, 1, L, L))
+        if context.keys is not None:
+            prior = mx.broadcast_to(context.valid[:, None, None, :], (B, 1, L, context.valid.shape[1]))
+            mask = mx.concatenate([prior, mask], axis=-1)
+            all_keys = mx.concatenate([context.keys, keys], axis=2)
+            all_values = mx.concatenate([context.values, values], axis=2)
+        else:
+            all_keys, all_values = keys, values
+        out = mx.fast.scaled_dot_product_attention(queries, all_keys, all_values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), keys, values
+
+
+class _Layer(nn.Module):
+    def __init__(self, config: ProjectedConfig) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = _Attention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = _MLP(config)
+
+    def __call__(self, x: mx.array, rope: Any, positions: mx.array, context: ContextKV, causal: bool) -> tuple:
+        """The block ``x`` ``[B, L, H]`` at ``positions + i`` attending over ``context`` and itself (all of the
+        block, or causally). Returns the layer output and the block's own keys and values."""
+        r, keys, values = self.self_attn(self.input_layernorm(x), rope, positions, context, causal)
+        h = x + r
+        return h + self.mlp(self.post_attention_layernorm(h)), keys, values
+
+
+class ProjectedNetwork(nn.Module):
+    """``fc`` + ``hidden_norm`` (taps -> context), the drafter layers, the final norm; RoPE over ``head_dim``."""
+
+    def __init__(self, config: ProjectedConfig) -> None:
+        super().__init__()
+        self.config = config
+        width = len(config.target_layer_ids) * config.target_hidden_size
+        self.fc = nn.Linear(width, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = [_Layer(config) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self._rope = nn.RoPE(config.head_dim, traditional=False, base=config.rope_theta)
+
+    def context_kv(self, taps: mx.array, positions: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """Per drafter layer the K/V context rows of target taps ``[B, L, len(taps) * H]`` at ``positions + i``."""
+        context = self.hidden_norm(self.fc(taps))
+        return [layer.self_attn.kv(context, self._rope, positions) for layer in self.layers]
+
+    def __call__(self, x: mx.array, positions: mx.array, contexts: Sequence[ContextKV], causal: bool) -> tuple:
+        """Run the drafted block ``x`` (embeddings ``[B, L, H]``); returns the final hidden and per layer the
+        block's K/V (DeepSpec carries them to its next step)."""
+        block_kv = []
+        for layer, context in zip(self.layers, contexts):
+            x, keys, values = layer(x, self._rope, positions, context, causal)
+            block_kv.append((keys, values))
+        return self.norm(x), block_kv
+
+
+def load_network(path: Path, config: ProjectedConfig) -> ProjectedNetwork:
+    network = ProjectedNetwork(config)
+    weights: dict[str, mx.array] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(file)))
+    if not weights:
+        raise FileNotFoundError(f"{config.method} drafter {path} has no *.safetensors weights")
+    network.load_weights(list(weights.items()), strict=True)
+    mx.eval(network.parameters())
+    return network

@@ -1,0 +1,271 @@
+"""Projected-context drafters: the provider (pairing, checkpoint validation) and the grouped rows (context
+growth, capture, drafting inputs) that DeepSpec and DFlash share; see ``projected.py`` for the design."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
+
+from ..rows import (
+    PrefillContext,
+    PreparedStateChange,
+    RoundContext,
+    apply_state_changes,
+    check_checkpoints,
+    check_keep,
+    check_per_row,
+    check_row,
+)
+from ..sampling import Sampling, TokenSampler
+from ..target import TargetModel, TargetRows
+from .draft_model import capture_kv_attachment, restore_kv_caches
+from .projected import ContextKV, ProjectedNetwork
+
+__all__ = ["ProjectedProvider", "ProjectedRows"]
+
+_PAIRING = "wrong (target, drafter) pairing"
+
+
+class ProjectedProvider:
+    """A loaded projected-context drafter; subclasses set ``schema``, ``family`` and ``rows_class``."""
+
+    schema = ""
+    family = ""
+    rows_class: type = None  # type: ignore[assignment]
+    supports_target_adapters = False
+    #: a cold row needs the target's taps at every token it covers (see ``ProjectedRows``)
+    prefill_needs_target_taps = True
+
+    def __init__(self, network: ProjectedNetwork, namespace: str, model_dir: Path | None = None) -> None:
+        self.network = network
+        self.config = network.config
+        self.namespace = namespace
+        self.model_dir = model_dir
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.network.fc.weight.dtype
+
+    def bind(self, target: TargetModel) -> None:
+        """Check that this drafter fits ``target``: the depth it was trained for, hidden size, vocabulary."""
+        config = self.config
+        if config.num_target_layers != target.num_layers:
+            raise ValueError(
+                f"{self.family} drafter was trained for a {config.num_target_layers}-layer target; this model has "
+                f"{target.num_layers} layers - {_PAIRING}"
+            )
+        for what, mine, theirs in (("hidden size", config.hidden_size, target.hidden_size),
+                                   ("tapped hidden size", config.target_hidden_size, target.hidden_size),
+                                   ("vocabulary", config.vocab_size, target.vocab_size)):
+            if mine != theirs:
+                raise ValueError(f"{self.family} drafter expects {what} {mine}; target has {theirs} - {_PAIRING}")
+
+    def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:
+        """Schema rules (alignment of every layer with ``processedTokens``), then this drafter's layer count,
+        K/V geometry and dtype; raises SchemaError."""
+        validate_checkpoint(checkpoint, expect_schema=self.schema)
+        attachment = checkpoint.attachment
+        headers = json.loads(attachment.metadata["cacheHeaders"])
+        layers = self.config.num_hidden_layers
+        if len(headers) != layers:
+            raise SchemaError(self.schema, "metadata.cacheHeaders",
+                              f"{len(headers)} layer headers for a {layers}-layer {self.family} drafter")
+        geometry = (self.config.num_key_value_heads, self.config.head_dim)
+        for layer, header in enumerate(headers):
+            if header is None:
+                continue
+            index = header["tensors"][0]
+            tensor = attachment.tensors[index]
+            shape = tuple(tensor.shape)
+            if (shape[1], shape[3]) != geometry:
+                raise SchemaError(self.schema, f"tensors[{index}].shape",
+                                  f"K/V of {shape[1]} heads x {shape[3]} do not fit drafter layer {layer} "
+                                  f"({geometry[0]} x {geometry[1]})")
+            dtype = str(getattr(tensor, "dtype", "")).rsplit(".", 1)[-1]
+            if dtype != str(self.dtype).rsplit(".", 1)[-1]:
+                raise SchemaError(self.schema, f"tensors[{index}].dtype",
+                                  f"context dtype {dtype} differs from this drafter's {self.dtype}")
+
+    def open_prefill(self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None]) -> "ProjectedRows":
+        return self.rows_class(self, target, checkpoints, Sampling())
+
+    def open(
+        self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None], sampling: Sampling | None = None
+    ) -> "ProjectedRows":
+        return self.rows_class(self, target, checkpoints, sampling or Sampling())
+
+
+def _clone(cache: BatchKVCache) -> BatchKVCache:
+    clone = BatchKVCache.__new__(BatchKVCache)
+    clone.keys = None if cache.keys is None else cache.keys[...]
+    clone.values = None if cache.values is None else cache.values[...]
+    clone.offset = cache.offset[...]
+    clone.left_padding = cache.left_padding[...]
+    clone._idx = cache._idx
+    clone._right_padding = None
+    return clone
+
+
+class ProjectedRows:
+    """Projected context rows: per drafter layer one ``BatchKVCache`` of K/V context, and each row's coverage.
+
+    Subclasses implement :meth:`draft`.
+    """
+
+    prefill_needs_target_hidden = False
+    prefill_needs_target_taps = True
+
+    def __init__(
+        self,
+        provider: ProjectedProvider,
+        target: TargetRows,
+        checkpoints: Sequence[DraftRowCheckpoint | None],
+        sampling: Sampling,
+    ) -> None:
+        provider.bind(target.model)
+        self.provider = provider
+        self.network = provider.network
+        self.target = target
+        self.namespace = provider.namespace
+        self.schema = provider.schema
+        self.supports_target_adapters = provider.supports_target_adapters
+        self.tap_layers = tuple(provider.config.target_layer_ids)
+        self._sampler = TokenSampler(sampling, stream=1)
+        self._caches: list[BatchKVCache] | None = None
+        self._processed: list[int] = []
+        self.append(checkpoints)
+
+    # -- membership -------------------------------------------------------------------------------------
+    @property
+    def row_count(self) -> int:
+        return len(self._processed)
+
+    @property
+    def processed(self) -> tuple[int, ...]:
+        return tuple(self._processed)
+
+    def append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
+        apply_state_changes([lambda: self.prepare_append(checkpoints)])
+
+    def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
+        check_checkpoints(checkpoints, self.provider.validate_checkpoint)
+        if not checkpoints:
+            return PreparedStateChange(lambda: None, lambda: None)
+        layers = self.provider.config.num_hidden_layers
+        restored = [None if cp is None else restore_kv_caches(cp.attachment) for cp in checkpoints]
+        joining = []
+        for layer in range(layers):
+            singles = [None if caches is None else caches[layer] for caches in restored]
+            joining.append(_merge([c for c in singles]))
+        if self._caches is None or not self._processed:
+            caches = joining
+        else:
+            caches = [_clone(c) for c in self._caches]
+            for mine, theirs in zip(caches, joining):
+                mine.extend(theirs)
+        processed = self._processed + [0 if cp is None else cp.processed_tokens for cp in checkpoints]
+
+        def put(state: tuple) -> None:
+            self._caches, self._processed = state
+
+        return PreparedStateChange.swap(lambda: (self._caches, self._processed), put, (caches, processed))
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        keep = check_keep(keep, self.row_count)
+        if not keep:
+            self.dispose()
+            return
+        indices = mx.array(keep, dtype=mx.int32)
+        for cache in self._caches or ():
+            cache.filter(indices)
+        self._processed = [self._processed[row] for row in keep]
+
+    def materialize(self) -> None:
+        arrays = []
+        for cache in self._caches or ():
+            arrays += [cache.offset, cache.left_padding] + ([] if cache.keys is None else [cache.keys, cache.values])
+        mx.eval(arrays)
+
+    def dispose(self) -> None:
+        self._caches = None
+        self._processed = []
+
+    # -- context growth ---------------------------------------------------------------------------------
+    def _grow(self, taps: dict, counts: Sequence[int]) -> None:
+        """Append the first ``counts[row]`` positions of ``taps`` (``[B, L, H]`` per tap layer) to each row."""
+        width = next(iter(taps.values())).shape[1]
+        joined = mx.concatenate([taps[layer] for layer in self.tap_layers], axis=-1).astype(self.provider.dtype)
+        positions = mx.array(self._processed, dtype=mx.int32)
+        rows = self.network.context_kv(joined, positions)
+        padding = [width - count for count in counts]
+        for cache, (keys, values) in zip(self._caches, rows):
+            cache.prepare(right_padding=padding)
+            cache.update_and_fetch(keys, values)
+            cache.finalize()
+        self._processed = [p + c for p, c in zip(self._processed, counts)]
+
+    def prefill(self, tokens_per_row: Sequence[Sequence[int]], context: PrefillContext | None) -> None:
+        """Project the target's taps at each row's forwarded tokens into its context."""
+        counts = [len(tokens) for tokens in tokens_per_row]
+        check_per_row(counts, self.row_count, "token list")
+        if not any(counts):
+            return
+        if context is None or not context.taps or list(context.lengths) != counts:
+            raise ValueError(f"{self.provider.family} rows need the target's taps at every token they cover; "
+                             f"got {None if context is None else context.lengths} for {counts}")
+        self._grow(context.taps, counts)
+
+    def commit(self, accepted: Sequence[int], context: RoundContext) -> None:
+        """Grow each row's context by the pending token and its kept drafts (``accepted + 1`` rows)."""
+        check_per_row(accepted, self.row_count, "accepted count")
+        width = len(context.window[0]) if context.window else 0
+        for row, kept in enumerate(accepted):
+            if not 0 <= kept < width:
+                raise ValueError(f"row {row}: {kept} accepted of a window of {width}")
+        self._grow(context.taps, [kept + 1 for kept in accepted])
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def capture(self, row: int) -> DraftRowCheckpoint:
+        check_row(row, self.row_count)
+        processed = self._processed[row]
+        caches = [_extract(cache, row, processed) for cache in self._caches]
+        attachment = capture_kv_attachment(self.schema, caches, {"processedTokens": processed})
+        return DraftRowCheckpoint(processed, attachment)
+
+    def _contexts(self) -> list[ContextKV]:
+        """Each layer's context for a drafting forward: K/V ``[B, kvHeads, T, D]`` and the rows' valid mask."""
+        out = []
+        for cache in self._caches:
+            if cache.keys is None or cache._idx == 0:
+                out.append(ContextKV(None, None, None))
+                continue
+            keys, values = cache.keys_and_values()
+            valid = mx.arange(cache._idx)[None, :] >= cache.left_padding[:, None]
+            out.append(ContextKV(keys, values, valid))
+        return out
+
+    def draft(self, pending: Sequence[int], depth: int) -> list[list[int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _merge(caches: Sequence[Any]) -> BatchKVCache:
+    from mlx_lm.models.cache import KVCache
+
+    return BatchKVCache.merge([KVCache() if c is None else c for c in caches])
+
+
+def _extract(cache: BatchKVCache, row: int, processed: int):
+    from mlx_lm.models.cache import KVCache
+
+    if processed == 0 or cache.keys is None:
+        return KVCache()
+    single = cache.extract(row)
+    if single.offset != processed:
+        raise RuntimeError(f"row {row}: context holds {single.offset} rows, expected {processed}")
+    return single
