@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+DRAFTER_METHODS = ("assistant", "draft-model", "ngram", "deepspec", "dflash")  # spec_cache.drafters.METHODS
 
 
 class CliError(Exception):
@@ -301,7 +302,8 @@ def cmd_generate(args) -> int:
     try:
         try:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
-                                       draft_depth=args.draft_depth)
+                                       draft_depth=args.draft_depth, adapters=args.adapter or "",
+                                       prefill_step_size=args.prefill_step_size)
             (result,) = generator.generate([prompt], max_tokens=args.max_tokens)
         except (NotImplementedError, ValueError, FileNotFoundError) as exc:
             raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
@@ -379,7 +381,9 @@ def cmd_import_mlx_lm(args) -> int:
     try:
         kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                        quantized_kv_start=args.quantized_kv_start)
-        pns = prefix_namespace(drafter_ns, args.adapters, kv)
+        from spec_cache.adapters import adapters_namespace, resolve_adapters
+        adapters = adapters_namespace(resolve_adapters(args.adapter)) if args.adapter else ""
+        pns = prefix_namespace(drafter_ns, adapters, kv)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
     with SpecCache.open(args.cache) as cache:
@@ -432,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not use the store's identity memo (the per-user memo is still used)")
     s.set_defaults(fn=cmd_identity)
     s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models")
-    s.add_argument("--method", choices=("assistant", "draft-model", "ngram"), default="assistant")
+    s.add_argument("--method", choices=DRAFTER_METHODS, default="assistant")
     s.add_argument("--max-tokens", type=_positive_int, default=24)
     s.set_defaults(fn=cmd_demo)
     s = sub.add_parser("bench", help="benchmarks as ratios against same-process baselines (see BENCHMARKS.md)",
@@ -442,8 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", parents=[common], help="decode prompts with a local model through the cache")
     s.add_argument("--model", required=True, help="target model directory (config.json + safetensors)")
     s.add_argument("--drafter", help="drafter directory")
-    s.add_argument("--method", choices=("assistant", "draft-model", "ngram"),
+    s.add_argument("--method", choices=DRAFTER_METHODS,
                    help="drafter method (default: read from the drafter's config; 'ngram' needs no directory)")
+    s.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                   help="mlx-lm LoRA adapter directory (repeat to stack, applied in order)")
+    s.add_argument("--prefill-step-size", type=_positive_int, default=512)
     group = s.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="prompt text (needs the model's tokenizer files)")
     group.add_argument("--tokens", type=_token_list, help="prompt token ids, e.g. 1,2,3")
@@ -467,8 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="the target model directory the file was made with")
     s.add_argument("--tokens", required=True, help="the token ids the file covers: 1,2,3 or a token file")
     s.add_argument("--drafter", help="drafter directory whose namespace the entry belongs to")
-    s.add_argument("--method", choices=("assistant", "draft-model", "ngram"))
-    s.add_argument("--adapters", default="", help="adapter namespace (id@revision+...; base model: empty)")
+    s.add_argument("--method", choices=DRAFTER_METHODS)
+    s.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                   help="mlx-lm LoRA adapter directory the file was made with (repeat to stack)")
     s.add_argument("--kv-bits", type=_positive_int)
     s.add_argument("--kv-group-size", type=_positive_int)
     s.add_argument("--quantized-kv-start", type=_non_negative_int)
