@@ -17,6 +17,7 @@ drafts, but only the target part is cached.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,30 +115,43 @@ class Generator:
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
             rows.append(prompt)
-        requests, restored_flags = [], []
+        started = time.perf_counter()  # TTFT counts the lookups and restores too, not only the engine
+        requests, restored_flags, restored_at = [], [], []
         for prompt in rows:
             hit = self._restore(prompt)
             if hit is None:
                 requests.append(RowRequest(prompt=prompt, max_tokens=max_tokens))
                 restored_flags.append(False)
+                restored_at.append(None)
             else:
                 requests.append(RowRequest(prompt=prompt, restored_caches=hit.caches, restored_tokens=hit.length,
                                            draft_checkpoint=hit.draft_checkpoint, max_tokens=max_tokens))
                 restored_flags.append(hit.draft_checkpoint is not None)
+                restored_at.append((hit.length, hit.draft_checkpoint is not None or not self.drafter_namespace))
+
+        saves = []
 
         def on_checkpoint(row, tokens, caches, draft_checkpoint):
             if self.cache is None:
                 return
-            self.cache.save(self.ns_key, tokens, caches,
-                            drafter_namespace=self.drafter_namespace,
-                            draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
-                            minimum_reusable=converted_at(caches) or 0)
+            if restored_at[row] == (len(tokens), draft_checkpoint is not None or not self.drafter_namespace):
+                return  # this exact checkpoint was just restored: writing it again would change nothing
+            saves.append((tokens, caches, draft_checkpoint))  # written after decoding, off the TTFT path
 
-        out = self.engine.run(requests, temperature=temperature, seed=seed, eos_token_ids=self.eos_token_ids,
-                              on_checkpoint=on_checkpoint)
-        if self.cache is not None:
-            self.cache.store.flush()
-        return [Result(r.tokens, r.cached_tokens, r.drafted, r.accepted, r.ttft_s, len(p), flag)
+        engine_started = time.perf_counter()
+        try:
+            out = self.engine.run(requests, temperature=temperature, seed=seed, eos_token_ids=self.eos_token_ids,
+                                  on_checkpoint=on_checkpoint)
+        finally:
+            for tokens, caches, draft_checkpoint in saves:
+                self.cache.save(self.ns_key, tokens, caches,
+                                drafter_namespace=self.drafter_namespace,
+                                draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
+                                minimum_reusable=converted_at(caches) or 0)
+            if self.cache is not None:
+                self.cache.store.flush()
+        before_engine = engine_started - started
+        return [Result(r.tokens, r.cached_tokens, r.drafted, r.accepted, before_engine + r.ttft_s, len(p), flag)
                 for r, p, flag in zip(out, rows, restored_flags)]
 
     def _restore(self, prompt: list[int]):

@@ -184,3 +184,25 @@ def test_qwen2_target_restored_equals_cold_also_after_reopen(qwen2, tmp_path, me
             assert r.tokens == plain_greedy(qwen2.target, prompt, MAX, **reference_options)
             if kv.kv_bits is None:
                 assert r.cached_tokens == len(prompt) - 3 and r.restored_drafter
+
+
+def test_ttft_counts_the_restore_and_saves_happen_after_decoding(tiny, tmp_path, monkeypatch):
+    """Result.ttft_s covers lookup + restore; checkpoints are written after the engine ran, and a checkpoint
+    that was just restored is not written again."""
+    import time as _time
+
+    with SpecCache.open(tmp_path / "store") as cache:
+        gen = load(tiny, cache, "assistant")
+        gen.generate([PROMPTS[0]], max_tokens=4)
+        real_restore = cache.restore
+
+        def slow_restore(*args, **kwargs):
+            _time.sleep(0.2)
+            return real_restore(*args, **kwargs)
+        monkeypatch.setattr(cache, "restore", slow_restore)
+        puts = []
+        real_put = cache.store.put
+        monkeypatch.setattr(cache.store, "put", lambda *a, **k: puts.append(len(a[1])) or real_put(*a, **k))
+        (r,) = gen.generate([PROMPTS[0]], max_tokens=4)
+        assert r.cached_tokens == len(PROMPTS[0]) - 1 and r.ttft_s >= 0.2
+        assert puts == [len(PROMPTS[0]) + 3]  # only the finish checkpoint: the boundary one was just restored
