@@ -1,0 +1,314 @@
+"""The read path of ``SharedTier``: find the longest usable prefix on the server in bounded round trips.
+
+On the caller's thread, every socket read bounded by ``timeout_s``:
+
+1. one pipeline: the namespace's layer signatures and, for the signatures this process already knows, the node
+   hash of every full chunk of the prompt (chain keys are computed locally, so nothing is scanned); a signature
+   seen for the first time costs one more pipeline;
+2. one MULTI/EXEC: the manifests of the longest few entry candidates plus every record of the longest one not yet
+   in hand, read as one consistent snapshot; a candidate that turns out stale, evicted or corrupt costs one more
+   MULTI for the next (``max_attempts`` in all).
+
+Every record is verified (blake3 checksum, structure, kind, the key it names, its tokens against the prompt's)
+and the entry and drafter records must carry the checksums their manifest pins. A corrupt value is removed from
+the server if it still holds exactly what was read, and the lookup goes on with a shorter prefix. A key that
+vanished between the two steps (server eviction) is a miss, not an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from schemas import CheckpointAttachment
+
+from .. import keys as K
+from ..errors import CorruptRecord
+from ..index import draft_key
+from ..tensors import LayerState
+from .records import assemble, attachment_of, record_checksum
+
+log = logging.getLogger("spec_cache.shared")
+
+MAX_SIGNATURES = 16  # signatures considered per namespace (a garbage set cannot make lookups unbounded)
+
+
+@dataclass
+class Incoming:
+    """A prefix restored from the shared tier: verified layers (+ drafter attachment) of ``length`` tokens."""
+
+    length: int
+    layers: list[LayerState]
+    attachment: CheckpointAttachment | None
+    minimum_reusable: int
+    nbytes: int
+
+
+@dataclass
+class _Seen:
+    """What one lookup learned so far: manifests read, chunk records in hand, keys missing or corrupt."""
+
+    manifests: dict = field(default_factory=dict)      # entry key -> parsed manifest, or None if unusable
+    chunks: dict = field(default_factory=dict)         # chunk key -> record bytes
+    unusable: set = field(default_factory=set)         # record keys found missing or corrupt
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    length: int
+    is_entry: bool
+    chain: tuple[bytes, ...]   # root .. the node the prefix ends in or hangs off
+    entry_key: bytes | None
+
+
+class LookupMixin:
+    """``SharedTier``'s lookups (needs ``config``, ``keys``, ``health``, ``_read``, ``_delete_if_unchanged``,
+    ``_sigs``, ``_redis`` and ``_failed`` from the tier)."""
+
+    def restore(self, ns_key: bytes, tokens, *, chunk_tokens: int, drafter: str | None = None, floor: int = 0,
+                warnings: list[str] | None = None) -> Incoming | None:
+        """The longest usable prefix of ``tokens`` longer than ``floor`` tokens, fetched and verified; or None.
+
+        Never raises for a server problem (down, slow, garbage): that is a miss, noted in ``warnings``.
+        """
+        warnings = [] if warnings is None else warnings
+        if not self.health.available():
+            self.health.add("skipped")
+            return None
+        packed = K.pack_tokens(tokens)
+        start = time.perf_counter()
+        self.health.add("lookups")
+        try:
+            got = self._restore(ns_key, packed, chunk_tokens, drafter, floor, warnings)
+        except (self._redis.RedisError, OSError) as exc:
+            self._failed(exc, "a lookup", warnings)
+            got = None
+        else:
+            self.health.ok()
+        self.health.timed(time.perf_counter() - start)
+        self.health.add("hits" if got is not None else "misses")
+        return got
+
+    def _restore(self, ns_key, packed, C, drafter, floor, warnings) -> Incoming | None:
+        candidates = self._candidates(ns_key, packed, C, floor, warnings)
+        seen = _Seen()
+        attempts = 0
+        for cand in candidates:
+            if attempts >= self.config.max_attempts:
+                break
+            if cand.entry_key is not None and seen.manifests.get(cand.entry_key, True) is None:
+                continue  # known to have no usable manifest
+            if cand.entry_key in seen.unusable or any(k in seen.unusable for k in cand.chain[1:]):
+                continue  # needs a record known to be missing or corrupt
+            attempts += 1
+            probe = [c.entry_key for c in candidates if c.entry_key is not None and c.entry_key not in seen.manifests]
+            got = self._attempt(ns_key, packed, C, drafter, cand, probe[:self.config.max_candidates], seen, warnings)
+            if got is not None:
+                return got
+        return None
+
+    def _candidates(self, ns_key: bytes, packed: np.ndarray, C: int, floor: int, warnings: list[str],
+                    ) -> list[_Candidate]:
+        """Entry and chunk-boundary candidates longer than ``floor``, longest first (1-2 round trips)."""
+        n = len(packed)
+        known = self._sigs.get(ns_key, [])
+        chains = {sig: self._chain(ns_key, sig, packed, C) for sig in known}
+        pipe = self._read.pipeline(transaction=False)
+        pipe.smembers(self.keys.sigs(ns_key))
+        for sig in known:
+            for key in chains[sig]:
+                pipe.hgetall(self.keys.node(key))
+        res = pipe.execute(raise_on_error=False)
+        sigs_now = res[0]
+        if isinstance(sigs_now, Exception) or not isinstance(sigs_now, (set, list)):
+            self._corrupt_key(self.keys.sigs(ns_key), None, "signature set is not a set", warnings, "set")
+            sigs_now = set()
+        sigs_now = sorted(s for s in sigs_now if isinstance(s, bytes))[:MAX_SIGNATURES]
+        nodes: dict[bytes, dict] = {}
+        at = 1
+        for sig in known:
+            for key in chains[sig]:
+                nodes[key] = res[at]
+                at += 1
+        new = [s for s in sigs_now if s not in chains]
+        if new:
+            pipe = self._read.pipeline(transaction=False)
+            for sig in new:
+                chains[sig] = self._chain(ns_key, sig, packed, C)
+                for key in chains[sig]:
+                    pipe.hgetall(self.keys.node(key))
+            res = pipe.execute(raise_on_error=False)
+            at = 0
+            for sig in new:
+                for key in chains[sig]:
+                    nodes[key] = res[at]
+                    at += 1
+        self._sigs[ns_key] = sigs_now
+        out = []
+        for sig in sigs_now:
+            chain = chains[sig]
+            for j, key in enumerate(chain):
+                node = nodes.get(key)
+                if isinstance(node, Exception):
+                    self._corrupt_key(self.keys.node(key), None, "node is not a hash", warnings, "hash")
+                    continue
+                if not node:
+                    continue
+                base = j * C
+                for name in node:
+                    if not (isinstance(name, bytes) and name.startswith(b"t:")):
+                        continue
+                    try:
+                        t = int(name[2:])
+                    except ValueError:
+                        continue
+                    length = base + t
+                    if t < 0 or not floor < length <= n or length < 1:
+                        continue
+                    out.append(_Candidate(length, True, tuple(chain[:j + 1]), None))
+                if j > 0 and base > floor and node.get(b"c") == b"1" and _int(node.get(b"m"), base + 1) <= base:
+                    out.append(_Candidate(base, False, tuple(chain[:j + 1]), None))
+        out.sort(key=lambda c: (c.length, c.is_entry), reverse=True)
+        entries = [c for c in out if c.is_entry][:self.config.max_candidates]
+        out = [c for c in out if not c.is_entry or c in entries]  # every chunk boundary stays: no hashing needed
+        # entry keys only for the candidates kept (one blake3 over the tail tokens each)
+        return [c if not c.is_entry else
+                _Candidate(c.length, True, c.chain, K.entry_key(c.chain[-1], packed[(len(c.chain) - 1) * C:c.length]))
+                for c in out]
+
+    @staticmethod
+    def _chain(ns_key: bytes, sig: bytes, packed: np.ndarray, C: int) -> list[bytes]:
+        root = K.root_key(ns_key, sig)
+        return K.chain(root, packed, C) if sig else [root]  # no chunked layers: entries hang off the root
+
+    def _attempt(self, ns_key, packed, C, drafter, cand: _Candidate, probe: list[bytes], seen: "_Seen",
+                 warnings: list[str]) -> Incoming | None:
+        """One MULTI: manifests of ``probe`` (and of the candidate) plus the candidate's records not yet in hand."""
+        manifests = seen.manifests
+        ek = cand.entry_key
+        if ek is not None and ek not in probe:
+            probe = [ek] + probe
+        chunk_keys = list(cand.chain[1:])
+        fetch = [key for key in chunk_keys if key not in seen.chunks]
+        dkey = draft_key(ek, drafter) if (ek is not None and drafter) else None
+        pipe = self._read.pipeline(transaction=True)
+        for key in probe:
+            pipe.hgetall(self.keys.manifest(key))
+        for key in fetch:
+            pipe.get(self.keys.chunk(key))
+        if ek is not None:
+            pipe.get(self.keys.entry(ek))
+        if dkey is not None:
+            pipe.get(self.keys.draft(dkey))
+        res = pipe.execute(raise_on_error=False)
+        for key, raw in zip(probe, res):
+            manifests[key] = self._manifest(ns_key, key, raw, warnings)
+        res = res[len(probe):]
+        fetched, res = res[:len(fetch)], res[len(fetch):]
+        entry_raw = res[0] if ek is not None else None
+        draft_raw = res[1] if dkey is not None else None
+        nbytes = sum(len(r) for r in (*fetched, entry_raw, draft_raw) if isinstance(r, bytes))
+        self.health.add("bytes_fetched", nbytes)
+        for key, raw in zip(fetch, fetched):
+            if raw is None:
+                seen.unusable.add(key)
+            elif not isinstance(raw, bytes):
+                self._corrupt_key(self.keys.chunk(key), None, "chunk is not a string", warnings)
+                seen.unusable.add(key)
+            else:
+                seen.chunks[key] = raw
+        if any(key in seen.unusable for key in chunk_keys):
+            self.health.add("vanished")  # evicted between the index read and this one: try a shorter prefix
+            return None
+        chunks_raw = [seen.chunks[key] for key in chunk_keys]
+        man = None
+        if ek is not None:
+            man = manifests.get(ek)
+            if man is None:
+                self.health.add("vanished")  # a node still lists the tail, the checkpoint was evicted
+                return None
+            if man["len"] != cand.length or man["minr"] > cand.length:
+                manifests[ek] = None  # not usable at this length
+                return None
+        entry = None
+        if ek is not None:
+            if entry_raw is None:
+                self.health.add("vanished")
+                manifests[ek] = None
+                return None
+            if not isinstance(entry_raw, bytes) or record_checksum(entry_raw) != man["sum"]:
+                self._corrupt_key(self.keys.entry(ek), entry_raw, "entry record does not match its manifest",
+                                  warnings)
+                seen.unusable.add(ek)
+                return None
+            entry = (ek, entry_raw)
+        try:
+            layers = assemble(packed=packed, length=cand.length, chunk_tokens=C,
+                              chunks=list(zip(chunk_keys, chunks_raw)), entry=entry)
+        except CorruptRecord as exc:
+            raw = entry_raw if exc.key == ek else dict(zip(chunk_keys, chunks_raw)).get(exc.key)
+            name = self.keys.entry(ek) if exc.key == ek else self.keys.chunk(exc.key or b"")
+            self._corrupt_key(name, raw, str(exc), warnings)
+            seen.unusable.add(exc.key)
+            seen.chunks.pop(exc.key, None)
+            return None
+        attachment = None
+        want = man["drafters"].get(drafter) if (man is not None and drafter) else None
+        if want is not None:
+            if draft_raw is None:
+                self.health.add("vanished")  # the target part still serves
+            elif not isinstance(draft_raw, bytes) or record_checksum(draft_raw) != want:
+                self._corrupt_key(self.keys.draft(dkey), draft_raw, "drafter record does not match its manifest",
+                                  warnings)
+            else:
+                try:
+                    attachment = attachment_of(dkey, draft_raw, cand.length, warnings)
+                except CorruptRecord as exc:
+                    self._corrupt_key(self.keys.draft(dkey), draft_raw, str(exc), warnings)
+        return Incoming(cand.length, layers, attachment, man["minr"] if man is not None else 0, nbytes)
+
+    def _manifest(self, ns_key: bytes, key: bytes, raw, warnings: list[str]) -> dict | None:
+        """A parsed, checked manifest; None if missing or bad (a bad one is removed from the server)."""
+        if isinstance(raw, dict) and not raw:
+            return None
+        try:
+            if not isinstance(raw, dict) or raw.get(b"v") != b"1" or raw.get(b"ns") != ns_key:
+                raise ValueError("unknown version or another namespace")
+            length, minr, total = int(raw[b"len"]), int(raw[b"minr"]), int(raw[b"bytes"])
+            checksum = raw[b"sum"]
+            if len(checksum) != 32 or length < 1 or not 0 <= minr <= length or total < 0:
+                raise ValueError("fields out of range")
+            drafters = {}
+            for name, value in raw.items():
+                if name.startswith(b"d:"):
+                    if len(value) != 32:
+                        raise ValueError("bad drafter checksum")
+                    drafters[name[2:].decode("utf-8")] = value
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            self._corrupt_key(self.keys.manifest(key), None, f"manifest is unreadable ({exc})", warnings, "hash")
+            return None
+        return {"len": length, "minr": minr, "sum": checksum, "drafters": drafters, "bytes": total}
+
+    def _corrupt_key(self, name: bytes, raw, reason: str, warnings: list[str] | None, kind: str = "string") -> None:
+        """Count a corrupt server value and remove it if it still holds what was read (``kind``: its proper type)."""
+        self.health.add("corrupt")
+        message = f"shared tier: dropping corrupt {name.decode('ascii', 'replace')[:60]}: {reason}"
+        log.warning(message)
+        if warnings is not None:
+            warnings.append(message)
+        digest = hashlib.sha1(raw).hexdigest() if isinstance(raw, bytes) else ""
+        try:
+            self._delete_if_unchanged(keys=[name], args=[kind, digest])
+        except (self._redis.RedisError, OSError) as exc:
+            log.warning("shared tier: could not remove %s: %s", name[:60], exc)
+
+
+def _int(raw, default: int) -> int:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return default

@@ -1,0 +1,129 @@
+"""The write path of ``SharedTier``: publish committed local checkpoints, all of one or none of it.
+
+On the write-behind thread: the committed local checkpoint is read back from LMDB (and verified), the chunks the
+server lacks are uploaded (``SET NX`` with an orphan TTL, batched), and one Lua script (``scripts.COMMIT``) checks
+that every chunk is there and commits the entry, drafter records, manifest, node hashes and signature atomically.
+A chunk evicted between upload and commit makes the script write nothing; it is uploaded once more, then the
+checkpoint is given up (counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..errors import CorruptRecord, StoreError
+from .records import Outgoing, read_chunks, read_outgoing, record_checksum
+
+log = logging.getLogger("spec_cache.shared")
+
+UPLOAD_BATCH_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class PublishJob:
+    entry_key: bytes
+    drafters: tuple[str, ...]
+
+
+class PublishMixin:
+    """``SharedTier``'s publishing (needs ``config``, ``keys``, ``health``, ``_write``, ``_commit``, ``_queue``,
+    ``_store``, ``host_id``, ``_redis`` and ``_failed`` from the tier)."""
+
+    def enqueue(self, entry_key: bytes, drafters: Iterable[str], nbytes: int) -> bool:
+        """Queue a committed local checkpoint for publishing; never blocks. False if dropped."""
+        if self._queue is None:
+            return False
+        if not self.health.available():
+            self.health.add("dropped_down")
+            return False
+        if self._queue.offer(PublishJob(entry_key, tuple(drafters)), nbytes):
+            self.health.add("queued")
+            return True
+        self.health.add("dropped_full")
+        return False
+
+    def _publish(self, job: PublishJob) -> None:
+        if not self.health.available():
+            self.health.add("dropped_down")
+            return
+        try:
+            out = read_outgoing(self._store, job.entry_key, job.drafters)
+        except CorruptRecord as exc:
+            self.health.add("corrupt")
+            log.warning("shared tier: local checkpoint not published, a record is corrupt: %s", exc)
+            return
+        except StoreError as exc:
+            self.health.add("publish_failed")
+            log.warning("shared tier: local checkpoint could not be read for publishing: %s", exc)
+            return
+        if out is None:
+            self.health.add("dropped_gone")
+            return
+        try:
+            self.publish(out)
+        except (self._redis.RedisError, OSError) as exc:
+            self.health.add("publish_failed")
+            self._failed(exc, "a publish", None)
+
+    def publish(self, out: Outgoing) -> bool:
+        """Upload what the server lacks and commit the checkpoint atomically (worker thread; raises RedisError)."""
+        chunk_keys = out.chain[1:]
+        for attempt in range(2):
+            missing = chunk_keys
+            if chunk_keys:
+                pipe = self._write.pipeline(transaction=False)
+                for key in chunk_keys:
+                    pipe.exists(self.keys.chunk(key))
+                missing = [key for key, there in zip(chunk_keys, pipe.execute()) if not there]
+            self.health.add("chunks_present", len(chunk_keys) - len(missing))
+            if missing:
+                try:
+                    records = read_chunks(self._store, missing)
+                except CorruptRecord as exc:
+                    self.health.add("corrupt")
+                    log.warning("shared tier: local chunk not published, it is corrupt: %s", exc)
+                    return False
+                if records is None:
+                    self.health.add("dropped_gone")
+                    return False
+                self._upload(records)
+            result = self._commit(keys=self._commit_keys(out), args=self._commit_args(out))
+            if result and int(result[0]) == 1:
+                self.health.add("published")
+                self.health.add("bytes_published", out.nbytes)
+                self.health.ok()
+                return True
+            self.health.add("publish_retried")  # chunks evicted between upload and commit: upload again
+        self.health.add("publish_failed")
+        return False
+
+    def _upload(self, records: dict[bytes, bytes]) -> None:
+        pipe, batch = self._write.pipeline(transaction=False), 0
+        for key, raw in records.items():
+            pipe.set(self.keys.chunk(key), raw, nx=True, ex=self.config.orphan_ttl_s)
+            batch += len(raw)
+            self.health.add("chunks_uploaded")
+            self.health.add("bytes_published", len(raw))
+            if batch >= UPLOAD_BATCH_BYTES:
+                pipe.execute()
+                pipe, batch = self._write.pipeline(transaction=False), 0
+        if batch:
+            pipe.execute()
+
+    def _commit_keys(self, out: Outgoing) -> list[bytes]:
+        k = self.keys
+        return ([k.manifest(out.entry_key), k.entry(out.entry_key), k.sigs(out.ns), k.stats()]
+                + [k.draft(dkey) for _, dkey, _ in out.drafts]
+                + [k.chunk(key) for key in out.chain[1:]]
+                + [k.node(key) for key in out.chain])
+
+    def _commit_args(self, out: Outgoing) -> list:
+        args = [len(out.drafts), len(out.chain) - 1, out.entry_record, out.ns, out.length, out.minr,
+                record_checksum(out.entry_record), 1 if out.complete else 0, out.sig, out.tail, self.host_id,
+                time.time_ns() // 1_000_000, out.nbytes]
+        for dns, _dkey, record in out.drafts:
+            args += [dns.encode("utf-8"), record_checksum(record), record]
+        return args

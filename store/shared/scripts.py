@@ -1,0 +1,63 @@
+"""Server-side Lua: the one atomic step of a publish, and the careful removal of a corrupt value.
+
+Chunk records are uploaded ahead (``SET NX EX``: content-addressed, invisible until a manifest or node points at
+them, and expiring if their checkpoint is never committed). ``COMMIT`` then makes the checkpoint visible in one
+script, which Redis and Valkey run atomically: it checks that every chunk is still there (else it writes nothing
+and returns the missing ones), makes them persistent, writes the entry and drafter records and the manifest,
+and updates the chain's node hashes and the namespace's signature set. A reader therefore finds a checkpoint's
+manifest only when all of its records were present together.
+"""
+
+from __future__ import annotations
+
+#: KEYS: manifest, entry record, sigs set, stats hash, then nd draft keys, nc chunk keys, nc + 1 node keys
+#: ARGV: nd, nc, entry record, ns, len, minr, entry checksum, complete (1/0), sig, tail, host, at, bytes,
+#:       then per drafter: namespace, checksum, record
+COMMIT = """
+local nd = tonumber(ARGV[1])
+local nc = tonumber(ARGV[2])
+local dk, ck, nk = 4, 4 + nd, 4 + nd + nc
+local missing = {}
+for i = 1, nc do
+  if redis.call('EXISTS', KEYS[ck + i]) == 0 then missing[#missing + 1] = i end
+end
+if #missing > 0 then return {0, missing} end
+for i = 1, nc do redis.call('PERSIST', KEYS[ck + i]) end
+redis.call('SET', KEYS[2], ARGV[3])
+local a = 14
+for i = 1, nd do
+  redis.call('SET', KEYS[dk + i], ARGV[a + 2])
+  redis.call('HSET', KEYS[1], 'd:' .. ARGV[a], ARGV[a + 1])
+  a = a + 3
+end
+redis.call('HSET', KEYS[1], 'v', '1', 'ns', ARGV[4], 'len', ARGV[5], 'minr', ARGV[6], 'sum', ARGV[7],
+           'host', ARGV[11], 'at', ARGV[12], 'bytes', ARGV[13])
+local minr = tonumber(ARGV[6])
+for i = 1, nc + 1 do
+  local k = KEYS[nk + i]
+  local c = redis.call('HGET', k, 'c')
+  if c ~= '0' then redis.call('HSET', k, 'c', ARGV[8]) end
+  local m = tonumber(redis.call('HGET', k, 'm') or '0') or 0
+  if c == false or minr > m then redis.call('HSET', k, 'm', ARGV[6]) end
+end
+redis.call('HSET', KEYS[nk + nc + 1], 't:' .. ARGV[10], '1')
+redis.call('SADD', KEYS[3], ARGV[9])
+redis.call('HINCRBY', KEYS[4], 'checkpoints', 1)
+redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[13])
+return {1}
+"""
+
+#: KEYS: one key. ARGV: the type the key should have (string, hash, set), and the sha1 hex of the string value the
+#: caller read ('' if it read no string). A key of another type is deleted; a string only if it still holds exactly
+#: what was read (another host may have replaced it with a good value meanwhile); a hash or set whose content was
+#: unusable is deleted. Returns 1 if deleted.
+DELETE_IF_UNCHANGED = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return 0 end
+if t ~= ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if t == 'string' then
+  if ARGV[2] ~= '' and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[2] then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
+return redis.call('DEL', KEYS[1])
+"""

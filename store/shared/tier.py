@@ -1,0 +1,131 @@
+"""``SharedTier``: prefixes shared by many hosts through Redis or Valkey, behind the local LMDB store.
+
+The tier owns two redis-py clients (lookups with the short ``timeout_s``, publishing with ``publish_timeout_s``;
+redis-py's own retries off), the write-behind queue, the health counters and breaker, and the server probe for
+the CLI. The read path is ``lookup.LookupMixin``, the write path ``publish.PublishMixin``.
+
+Failures open a breaker (``Health``): for the back-off period the tier is not asked at all. Nothing here raises
+to the caller on a server problem: lookups return None, publishes are counted and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from ..errors import StoreError
+from .config import SharedConfig
+from .health import Health
+from .keys import KeyNames
+from .lookup import Incoming, LookupMixin
+from .publish import PublishJob, PublishMixin
+from .queue import WriteBehind
+from .scripts import COMMIT, DELETE_IF_UNCHANGED
+
+__all__ = ["SharedTier", "Incoming", "PublishJob"]
+
+log = logging.getLogger("spec_cache.shared")
+
+
+class SharedTier(LookupMixin, PublishMixin):
+    """A client of one shared server. ``store`` (a local ``Store``) is needed to publish; lookups work without."""
+
+    def __init__(self, config: SharedConfig | str, store=None):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._redis = redis
+        self.config = SharedConfig.of(config)
+        self.keys = KeyNames(self.config.prefix)
+        self.health = Health(self.config.backoff_s, self.config.backoff_max_s)
+        self.host_id = f"{socket.gethostname()}:{os.getpid()}"
+
+        def client(timeout: float):
+            # no retries: a failure is reported at once and handled by the breaker, never multiplied
+            return redis.Redis.from_url(self.config.url, socket_timeout=timeout,
+                                        socket_connect_timeout=self.config.connect_timeout_s,
+                                        retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                                        socket_read_size=1 << 20)  # records are megabytes: fewer, larger reads
+        try:
+            self._read = client(self.config.timeout_s)
+            self._write = client(self.config.publish_timeout_s)
+        except (ValueError, redis.RedisError) as exc:
+            raise StoreError(f"shared tier URL {self.config.safe_url} is not usable: {exc}") from None
+        self._commit = self._write.register_script(COMMIT)
+        self._delete_if_unchanged = self._read.register_script(DELETE_IF_UNCHANGED)
+        self._sigs: dict[bytes, list[bytes]] = {}
+        self._store = store
+        self._queue = WriteBehind(self.config.queue_bytes, self._publish) if store is not None else None
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Publish what is queued (up to ``close_timeout_s``), then drop the rest and disconnect."""
+        if self._queue is not None:
+            left = self._queue.close(self.config.close_timeout_s)
+            if left:
+                self.health.add("dropped_close", left)
+            self._queue = None
+        for c in (self._read, self._write):
+            try:
+                c.close()
+            except Exception:
+                pass
+
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until queued publishes are done; True if nothing is left."""
+        return True if self._queue is None else self._queue.drain(timeout)
+
+    def status(self) -> dict:
+        """This process's view of the tier: state, counters, queue (no request is sent)."""
+        jobs, nbytes = self._queue.queued if self._queue is not None else (0, 0)
+        return {"url": self.config.safe_url, "prefix": self.config.prefix, "timeout_s": self.config.timeout_s,
+                "queue_jobs": jobs, "queue_bytes": nbytes, "queue_cap_bytes": self.config.queue_bytes,
+                **self.health.snapshot()}
+
+    def _failed(self, exc: BaseException, what: str, warnings: list[str] | None) -> None:
+        timeout = isinstance(exc, (self._redis.TimeoutError, socket.timeout, TimeoutError))
+        self.health.fail(exc, timeout=timeout)
+        message = (f"shared tier {self.config.safe_url} {'timed out' if timeout else 'failed'} during {what} "
+                   f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); not asked again for "
+                   f"{self.health.snapshot()['retry_in_s']:.1f} s")
+        log.warning(message)
+        if warnings is not None:
+            warnings.append(message)
+
+    # --- server health (for the CLI) ---------------------------------------------------------------
+    def probe(self) -> dict:
+        """Ask the server how it is: reachability, round-trip time, version, memory, eviction policy, keys.
+
+        Never raises for a server problem: ``reachable`` is False and ``error`` says why.
+        """
+        out: dict = {"url": self.config.safe_url, "prefix": self.config.prefix, "reachable": False}
+        try:
+            start = time.perf_counter()
+            self._write.ping()
+            out["rtt_ms"] = round((time.perf_counter() - start) * 1e3, 3)
+            info = self._write.info()
+            stats = self._write.hgetall(self.keys.stats())
+        except (self._redis.RedisError, OSError) as exc:
+            out["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            return out
+        out["reachable"] = True
+        server = "valkey" if info.get("server_name") == "valkey" or "valkey_version" in info else "redis"
+        out["server"] = f"{server} {info.get('valkey_version') or info.get('redis_version')}"
+        for name in ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys", "keyspace_hits",
+                     "keyspace_misses", "connected_clients"):
+            out[name] = info.get(name)
+        db = self._write.connection_pool.connection_kwargs.get("db", 0)
+        out["keys"] = (info.get(f"db{db}") or {}).get("keys", 0)
+        out["published_checkpoints"] = int(stats.get(b"checkpoints", 0))
+        out["published_bytes"] = int(stats.get(b"bytes", 0))
+        policy = str(out.get("maxmemory_policy") or "")
+        out["warnings"] = []
+        if not out.get("maxmemory"):
+            out["warnings"].append("maxmemory is 0: the server grows without bound (set maxmemory)")
+        if not policy.startswith("allkeys-"):
+            out["warnings"].append(f"maxmemory-policy {policy} does not evict spec-cache keys (they carry no "
+                                   "TTL); use allkeys-lru")
+        return out
