@@ -159,10 +159,13 @@ def cmd_show(args) -> int:
 def cmd_stats(args) -> int:
     from store import maintenance
 
+    from spec_cache import shared_cli
+
     with _open_store(args) as store:
         s = maintenance.stats(store)
     human = "\n".join(f"{k:<14}{human_bytes(v) if k in ('bytes', 'max_bytes', 'map_size', 'file_bytes') else v}"
                       for k, v in s.items())
+    human += shared_cli.extend_stats(args, s)
     _emit(args, s, human)
     return EXIT_OK
 
@@ -298,7 +301,9 @@ def cmd_generate(args) -> int:
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = args.tokens
-    cache = None if args.no_cache else SpecCache.open(args.cache)
+    from spec_cache import shared_cli
+
+    cache = None if args.no_cache else SpecCache.open(args.cache, shared=shared_cli.shared_url(args))
     try:
         try:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
@@ -407,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--cache", default=argparse.SUPPRESS,
                         help="store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    from spec_cache import shared_cli
+
+    shared_cli.add_shared_option(common)
     p = _Parser(prog="spec-cache", description="Prefix cache for MLX speculative decoding: inspect, evict, verify.",
                 parents=[common])
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -435,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-store-memo", dest="cache_memo", action="store_false",
                    help="do not use the store's identity memo (the per-user memo is still used)")
     s.set_defaults(fn=cmd_identity)
+    shared_cli.register(sub, common)
     s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models")
     s.add_argument("--method", choices=DRAFTER_METHODS, default="assistant")
     s.add_argument("--max-tokens", type=_positive_int, default=24)
