@@ -1,9 +1,15 @@
-"""The LMDB environment of one cache directory: sub-databases, format meta, permissions, map growth.
+"""The LMDB environment of one cache directory: sub-databases, format meta, permissions, map growth, space.
 
-One environment per directory (``data.mdb`` + ``lock.mdb``, files 0600, directory 0700). The meta record
-carries the store format; a store of a newer major format is refused, never rewritten. Write transactions
-go through ``write()``, which grows the map and retries when LMDB reports it full, and adopts a map that
-another process grew.
+One environment per directory (``data.mdb`` + ``lock.mdb`` + ``reserve``, files 0600, directory 0700). The
+meta record carries the store format; a store of a newer major format is refused, never rewritten, and so is a
+``data.mdb`` shorter than its committed pages (LMDB would die of SIGBUS on it). Write transactions go through
+``write()``, which grows the map and retries when LMDB reports it full, adopts a map that another process
+grew, evicts (through its caller) when the disk is full, and clears reader slots of killed processes. Read
+transactions (``read()``) turn LMDB's own errors into ``StoreError``.
+
+Space: puts stop ``HEADROOM_BYTES`` short of the map limit and the disk's free space, and ``reserve`` holds that
+much disk while there is room; writes that make room (unpin, evict, gc) may use both, so a store that filled
+its disk (or whose disk something else filled) can always be emptied again.
 """
 
 from __future__ import annotations
@@ -17,6 +23,11 @@ from typing import Callable, TypeVar
 import lmdb
 import msgpack
 
+try:
+    import resource
+except ImportError:  # pragma: no cover - Windows
+    resource = None
+
 from .errors import StoreError, StoreFormatError, StoreFullError, StoreOpenError
 
 STORE_FORMAT = "spec-cache-store"
@@ -25,6 +36,10 @@ STORE_MINOR = 0
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_MAP_SIZE = 1 << 30
 MAX_MAP_SIZE = 1 << 44
+READER_CHECK_S = 5.0
+HEADROOM_BYTES = 4 << 20  # map growth and disk space (``reserve``) puts leave to unpin/evict/gc a full store
+RESERVE_NAME = "reserve"
+DISK_FULL_BYTES = 64 << 20  # an EIO/ENOSPC commit with less free than this (or 5% of the disk) is "disk full"
 SUBDBS = ("meta", "nsinfo", "nodes", "chunks", "entries", "edata", "drafts", "lru", "memo")
 T = TypeVar("T")
 
@@ -41,6 +56,37 @@ def _secure_dir(path: str) -> None:
         os.chmod(path, 0o700)
 
 
+def _write_failed(exc: lmdb.Error) -> bool:
+    """A commit that could not write its pages: LMDB reports a short write as EIO, else ENOSPC/EFBIG/EDQUOT."""
+    text = str(exc)
+    return isinstance(exc, lmdb.DiskError) or any(
+        s in text for s in ("Input/output error", "No space left", "File too large", "quota exceeded"))
+
+
+class ReadTxn:
+    """``with env.read() as txn``: the LMDB read transaction, aborted on exit; LMDB errors raised inside the
+    block come out as ``StoreError`` naming the store."""
+
+    __slots__ = ("txn", "path")
+
+    def __init__(self, txn, path: str):
+        self.txn = txn
+        self.path = path
+
+    def __enter__(self):
+        return self.txn
+
+    def __exit__(self, exc_type, exc, tb):
+        self.txn.abort()
+        if exc_type is not None and issubclass(exc_type, lmdb.Error):
+            raise StoreError(f"store at {self.path} cannot be read: LMDB reports {exc}; the store may be damaged "
+                             f"(run 'spec-cache verify')") from None
+        return False
+
+    def __getattr__(self, name):  # used without ``with``: behave as the transaction itself
+        return getattr(self.txn, name)
+
+
 class Environment:
     """Owns the ``lmdb.Environment`` and its named sub-databases."""
 
@@ -48,6 +94,7 @@ class Environment:
                  map_size: int | None = None, chunk_tokens: int | None = None):
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
+        self._reader_checked = time.monotonic()
         if readonly:
             if not os.path.exists(os.path.join(self.path, "data.mdb")):
                 raise StoreOpenError(f"no spec-cache store at {self.path}")
@@ -66,10 +113,19 @@ class Environment:
             for name in ("data.mdb", "lock.mdb"):
                 with contextlib.suppress(OSError):
                     os.chmod(os.path.join(self.path, name), 0o600)
+            self._keep_reserve()
         try:
+            self._check_file_size()
             self.env.reader_check()  # clear reader slots left by killed processes
-            existing = self._existing_format()  # before anything is created: a refused store stays untouched
-            self.dbs = {name: self.env.open_db(name.encode(), create=not readonly) for name in SUBDBS}
+            for attempt in range(8):
+                try:
+                    existing = self._existing_format()  # before anything is created: a refused store stays untouched
+                    self.dbs = {name: self.env.open_db(name.encode(), create=not readonly) for name in SUBDBS}
+                    break
+                except lmdb.MapResizedError:  # another process grew the map since we opened it: adopt its size
+                    if attempt == 7:
+                        raise
+                    self.env.set_mapsize(0)
             self.meta = existing if existing is not None else self._create_format(chunk_tokens)
         except lmdb.Error as exc:
             self.env.close()
@@ -77,6 +133,19 @@ class Environment:
         except BaseException:
             self.env.close()
             raise
+
+    def _check_file_size(self) -> None:
+        """Refuse a ``data.mdb`` shorter than its committed pages (truncated by a full disk, a bad copy, a
+        filesystem error): LMDB maps the file and would die with SIGBUS on the first page past its end."""
+        needed = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        try:
+            size = os.path.getsize(os.path.join(self.path, "data.mdb"))
+        except OSError as exc:
+            raise StoreOpenError(f"cannot open store at {self.path}: {exc.strerror}") from None
+        if size < needed:
+            raise StoreOpenError(
+                f"store at {self.path} is damaged: data.mdb holds {size} bytes but its committed pages need "
+                f"{needed} (the file was truncated); run 'spec-cache repair' to copy out what is left")
 
     def _existing_format(self) -> dict | None:
         """The format record of an existing store (checked), or None for an empty environment.
@@ -134,24 +203,39 @@ class Environment:
             return msgpack.unpackb(existing, raw=False)
         return self.write(init)
 
-    def read(self):
-        """A read-only transaction (use as a context manager); adopts a map grown by another process."""
+    def read(self) -> "ReadTxn":
+        """A read-only transaction (use as a context manager); adopts a map grown by another process.
+
+        An LMDB error inside it (a damaged page: ``MDB_CORRUPTED``, ``MDB_PAGE_NOTFOUND``...) leaves the
+        ``with`` block as a ``StoreError``, never as a bare ``lmdb.Error``.
+        """
         try:
-            return self.env.begin(buffers=True)
+            txn = self.env.begin(buffers=True)
         except lmdb.MapResizedError:
             self.env.set_mapsize(0)
-            return self.env.begin(buffers=True)
+            try:
+                txn = self.env.begin(buffers=True)
+            except lmdb.Error as exc:
+                raise StoreError(f"store at {self.path}: cannot start a read transaction ({exc})") from None
         except lmdb.Error as exc:  # e.g. the reader table is full
             raise StoreError(f"store at {self.path}: cannot start a read transaction ({exc})") from None
+        return ReadTxn(txn, self.path)
 
     def write(self, fn: Callable[[lmdb.Transaction], T], *, on_full: Callable[[], bool] | None = None) -> T:
         """Run ``fn(txn)`` in one write transaction, all of it or none of it.
 
         On a full map the transaction is aborted, the map doubled (up to the disk's free space) and ``fn``
-        run again; ``on_full`` may free space first (eviction) and returns whether it did.
+        run again; ``on_full`` may free space first (eviction) and returns whether it did. A full disk (the
+        commit cannot extend ``data.mdb``) is handled the same way: evict, retry, else ``StoreFullError``.
+        Every few seconds, and before growing, reader slots of killed processes are cleared (a stale slot
+        would pin old pages and make the file grow without bound in a long-running process).
         """
         if self.readonly:
             raise StoreError("store was opened read-only")
+        if time.monotonic() - self._reader_checked > READER_CHECK_S:
+            self._clear_stale_readers()
+            self._keep_reserve()
+        maintenance = on_full is None  # unpin, evict, gc, counters: may use the headroom puts leave
         for _attempt in range(64):
             try:
                 with self.env.begin(write=True, buffers=True) as txn:
@@ -159,26 +243,107 @@ class Environment:
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)
             except lmdb.MapFullError:
-                if not self._grow():
+                if self._clear_stale_readers():
+                    continue
+                if not self._grow(maintenance=maintenance):
+                    if maintenance and self._release_reserve():
+                        continue
                     if on_full is None or not on_full():
                         raise StoreFullError(
                             f"store at {self.path} is full: the map cannot grow past "
                             f"{self.env.info()['map_size']} bytes (disk space) and nothing more can be evicted"
                         ) from None
-            except lmdb.DiskError as exc:
-                raise StoreFullError(f"store at {self.path}: disk error while writing ({exc})") from None
+            except lmdb.PanicError as exc:
+                raise StoreError(f"store at {self.path}: LMDB hit a fatal error ({exc}); close and reopen the "
+                                 f"store") from None
             except lmdb.Error as exc:  # never a bare LMDB exception above this layer
-                raise StoreError(f"store at {self.path}: LMDB error while writing ({exc})") from None
-        raise StoreFullError(f"store at {self.path}: write did not fit after repeated map growth")
+                if not _write_failed(exc):
+                    raise StoreError(f"store at {self.path}: LMDB error while writing ({exc})") from None
+                # the commit could not extend data.mdb: free pages inside it (evict) and try again
+                if maintenance and self._release_reserve():
+                    continue
+                if on_full is None or not on_full():
+                    reason = self._no_space_reason()
+                    if reason is None:
+                        raise StoreError(f"store at {self.path}: I/O error while writing ({exc}) with "
+                                         f"{self._free_bytes()} bytes free on the disk") from None
+                    raise StoreFullError(f"store at {self.path}: {reason} and nothing more can be evicted; the "
+                                         f"store is unchanged and still readable") from None
+        raise StoreFullError(f"store at {self.path}: write did not fit after repeated map growth or eviction")
 
-    def _grow(self) -> bool:
-        current = self.env.info()["map_size"]
+    def _keep_reserve(self) -> None:
+        """Hold ``HEADROOM_BYTES`` of disk in ``reserve`` (allocated blocks, not a sparse file) while the disk has
+        room, so a store on a disk that filled up (by itself or by anything else) can still be unpinned and
+        evicted. Checked at open and every ``READER_CHECK_S`` of writing."""
+        path = os.path.join(self.path, RESERVE_NAME)
         try:
-            free = os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize
+            if os.path.exists(path) or self._free_bytes() < 4 * HEADROOM_BYTES:
+                return
+            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, HEADROOM_BYTES)  # real blocks, no data written
+                else:  # pragma: no cover - macOS
+                    block = bytes(1 << 20)
+                    for _ in range(HEADROOM_BYTES >> 20):
+                        os.write(fd, block)
+            finally:
+                os.close(fd)
+            os.replace(path + ".tmp", path)
         except OSError:
-            free = 0
+            with contextlib.suppress(OSError):
+                os.remove(path + ".tmp")
+
+    def _release_reserve(self) -> bool:
+        """Give the reserve's disk space back for a write that makes room (unpin, evict, gc)."""
+        try:
+            os.remove(os.path.join(self.path, RESERVE_NAME))
+        except OSError:
+            return False
+        return True
+
+    def _clear_stale_readers(self) -> int:
+        self._reader_checked = time.monotonic()
+        try:
+            return self.env.reader_check()
+        except lmdb.Error:
+            return 0
+
+    def _free_bytes(self) -> int:
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
+    def _no_space_reason(self) -> str | None:
+        """Why a write that failed for lack of room failed: a full disk or the file size limit (None: neither,
+        so it was some other I/O error)."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return None
+        free = st.f_bavail * st.f_frsize
+        if free < max(DISK_FULL_BYTES, st.f_blocks * st.f_frsize // 20):
+            return f"the disk is full ({free} bytes free)"
+        if resource is not None:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit != resource.RLIM_INFINITY and \
+                    os.path.getsize(os.path.join(self.path, "data.mdb")) + DISK_FULL_BYTES > limit:
+                return f"data.mdb reached the file size limit ({limit} bytes, RLIMIT_FSIZE)"
+        return None
+
+    def _grow(self, *, maintenance: bool = False) -> bool:
+        """Double the map, up to ``MAX_MAP_SIZE`` and the disk's free space. Puts stop ``HEADROOM_BYTES``
+        short of both, so that a full store can still be unpinned, evicted and collected: those writes (no
+        eviction callback) may use the headroom. Returns whether the map grew."""
+        current = self.env.info()["map_size"]
+        free = self._free_bytes()
         used = os.path.getsize(os.path.join(self.path, "data.mdb"))
-        target = min(current * 2, MAX_MAP_SIZE, used + free)
+        if maintenance:
+            target = min(max(current * 2, current + HEADROOM_BYTES), MAX_MAP_SIZE + HEADROOM_BYTES, used + free)
+        else:
+            target = min(current * 2, MAX_MAP_SIZE, used + free - HEADROOM_BYTES)
         if target <= current:
             return False
         try:

@@ -29,5 +29,15 @@ class CorruptRecord(StoreError):
         self.key = key
 
 
+class CorruptIndex(StoreError):
+    """An index value (node, entry, namespace, totals) is not what the store wrote: damaged bytes or a wrong
+    field. The lookup that met it is a miss; ``spec-cache gc`` removes it and rebuilds the counters."""
+
+    def __init__(self, message: str, db: str | None = None, key: bytes | None = None):
+        super().__init__(message)
+        self.db = db
+        self.key = key
+
+
 class InvalidInput(StoreError, ValueError):
     """Bad arguments from the caller: wrong token values, tensor shapes that do not line up, and the like."""

@@ -15,17 +15,15 @@ import time
 import blake3
 import msgpack
 
+from .errors import CorruptIndex
 from .keys import lru_key
+from .values import TOTALS_KEY, decode, unpack
 
-TOTALS_KEY = b"totals"
+__all__ = ["Index", "TOTALS_KEY", "decode", "draft_key", "now_ns", "pack", "unpack"]
 
 
 def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(raw):
-    return None if raw is None else msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)
 
 
 def draft_key(entry: bytes, drafter_namespace: str) -> bytes:
@@ -41,7 +39,8 @@ class Index:
 
     # --- generic accessors -------------------------------------------------------------------------
     def get(self, db: str, key: bytes):
-        return unpack(self.txn.get(key, db=self.dbs[db]))
+        """The decoded value under ``key`` (None if absent); a damaged value raises ``CorruptIndex``."""
+        return decode(db, self.txn.get(key, db=self.dbs[db]), key)
 
     def put(self, db: str, key: bytes, value) -> None:
         self.txn.put(key, value if isinstance(value, (bytes, memoryview)) else pack(value), db=self.dbs[db])
@@ -156,7 +155,10 @@ class Index:
             key = bytes(raw_key)[8:]
             if key in exclude:
                 continue
-            entry = self.get("entries", key)
+            try:
+                entry = self.get("entries", key)
+            except CorruptIndex:  # a damaged entry is gc's to remove; evict around it
+                continue
             if entry is None or entry.get("pinned"):
                 continue
             yield key, entry

@@ -1,4 +1,5 @@
-"""Operator work on a store: listing, statistics, eviction, garbage collection and verification.
+"""Operator work on a store: listing, statistics, eviction; verification (``verify.py``) and garbage
+collection (``gc.py``) are re-exported here.
 
 These functions take a ``Store`` and only use its environment and index helpers, so the CLI stays a thin
 layer and a library user can call the same things.
@@ -8,16 +9,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
-from schemas import SCHEMAS
-
-from .codec import CorruptRecord, decode_record
-from .index import Index, TOTALS_KEY, draft_key, unpack
+from .errors import StoreFullError
+from .gc import GcReport, gc
+from .index import Index, TOTALS_KEY, decode
 from .store import Store
+from .verify import RECORD_DBS, Progress, VerifyReport, index_problems, verify
 
-Progress = Callable[[int, int], None]
+__all__ = ["namespaces", "resolve_namespace", "entries", "stats", "evict", "EvictReport", "verify", "VerifyReport",
+           "index_problems", "gc", "GcReport", "RECORD_DBS", "Progress"]
 
 
 def _hex(b: bytes) -> str:
@@ -29,7 +30,7 @@ def namespaces(store: Store) -> list[dict]:
     out = []
     with store.env.read() as txn:
         for key, raw in txn.cursor(db=store.env.dbs["nsinfo"]):
-            info = unpack(raw)
+            info = decode("nsinfo", raw, bytes(key))
             out.append({"key": _hex(key), "target": info["target"], "prefix_namespace": info["prefix"],
                         "tenant": info["tenant"], "entries": info["entries"], "bytes": info["bytes"],
                         "hits": info["hits"], "misses": info["misses"], "last_use_ns": info["last_use"],
@@ -54,7 +55,7 @@ def entries(store: Store, ns_key: bytes | None = None) -> list[dict]:
     out = []
     with store.env.read() as txn:
         for key, raw in txn.cursor(db=store.env.dbs["entries"]):
-            e = unpack(raw)
+            e = decode("entries", raw, bytes(key))
             if ns_key is not None and e["ns"] != ns_key:
                 continue
             out.append({"key": _hex(key), "namespace": _hex(e["ns"]), "tokens": e["len"], "bytes": e["bytes"],
@@ -67,7 +68,7 @@ def entries(store: Store, ns_key: bytes | None = None) -> list[dict]:
 def stats(store: Store) -> dict:
     """Store-wide figures: bytes, entries, chunks, map and file sizes, format, budget."""
     with store.env.read() as txn:
-        totals = unpack(txn.get(TOTALS_KEY, db=store.env.dbs["meta"])) or {"bytes": 0, "entries": 0}
+        totals = decode("meta", txn.get(TOTALS_KEY, db=store.env.dbs["meta"]), TOTALS_KEY) or {"bytes": 0, "entries": 0}
         counts = {name: txn.stat(store.env.dbs[name])["entries"] for name in ("chunks", "nodes", "drafts")}
     info = store.env.env.info()
     data_file = os.path.join(store.path, "data.mdb")
@@ -89,26 +90,31 @@ class EvictReport:
 
 def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None = None,
           older_than_s: float | None = None, to_size: int | None = None, everything: bool = False) -> EvictReport:
-    """Remove entries (or drafter parts) in one transaction.
+    """Remove entries (or drafter parts), in one transaction when the store has room for it.
 
     ``namespace``: every entry of that namespace key. ``drafter``: that drafter's parts only, from the
     entries the other filters select (target state stays). ``older_than_s``: unpinned entries not used for
     that many seconds. ``to_size``: unpinned LRU entries until the store holds at most that many bytes.
     ``everything``: all entries, pinned too. Filters combine (an entry must match all given ones), except
     ``to_size`` which runs last.
-    """
-    store.flush()
-    report = EvictReport()
-    cutoff = None if older_than_s is None else time.time_ns() - int(older_than_s * 1e9)
 
-    def fn(txn):
-        report.entries = report.drafter_parts = report.bytes = 0  # the write may be retried after map growth
+    On a full store (disk or map) one big transaction may not find the pages its own copy-on-write needs;
+    then the removal goes on in small transactions, each freeing pages for the next (``StoreFullError`` only
+    if not even one entry can be removed).
+    """
+    store._flush_best_effort()
+    cutoff = None if older_than_s is None else time.time_ns() - int(older_than_s * 1e9)
+    filtered = everything or namespace is not None or cutoff is not None or drafter is not None
+
+    def step(txn, limit: int | None) -> tuple[EvictReport, bool]:
+        counts = EvictReport()
         ix = Index(txn, store.env.dbs)
         before = ix.totals()["bytes"]
-        if everything or namespace is not None or cutoff is not None or drafter is not None:
+        done, finished = 0, True
+        if filtered:
             victims = []
             for key, raw in txn.cursor(db=store.env.dbs["entries"]):
-                e = unpack(raw)
+                e = decode("entries", raw, bytes(key))
                 if namespace is not None and e["ns"] != namespace:
                     continue
                 if cutoff is not None and (e["pinned"] or e["last_use"] >= cutoff):
@@ -117,121 +123,47 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
                     continue
                 victims.append((bytes(key), e))
             for key, e in victims:
+                if limit is not None and done >= limit:
+                    finished = False
+                    break
                 if drafter is not None:
                     ix.drop_drafter(key, e, drafter)
-                    report.drafter_parts += 1
+                    counts.drafter_parts += 1
                 else:
                     ix.delete_entry(key, e)
-                    report.entries += 1
-        if to_size is not None:
+                    counts.entries += 1
+                done += 1
+        if finished and to_size is not None:
             while ix.totals()["bytes"] > to_size:
+                if limit is not None and done >= limit:
+                    finished = False
+                    break
                 victim = next(ix.lru_victims(set()), None)
                 if victim is None:
                     break
                 ix.delete_entry(*victim)
-                report.entries += 1
-        report.bytes = before - ix.totals()["bytes"]
-    store.env.write(fn)
-    return report
+                counts.entries += 1
+                done += 1
+        counts.bytes = before - ix.totals()["bytes"]
+        return counts, finished
+
+    try:
+        return store.env.write(lambda txn: step(txn, None))[0]
+    except StoreFullError:
+        pass
+    report, batch = EvictReport(), 64
+    while True:
+        try:
+            counts, finished = store.env.write(lambda txn: step(txn, batch))
+        except StoreFullError:
+            if batch == 1:
+                raise
+            batch = 1
+            continue
+        report.entries += counts.entries
+        report.drafter_parts += counts.drafter_parts
+        report.bytes += counts.bytes
+        if finished:
+            return report
 
 
-@dataclass
-class VerifyReport:
-    records: int = 0
-    ok: int = 0
-    corrupt: int = 0
-    unknown_schema: int = 0
-    corrupt_keys: list = field(default_factory=list)
-    unknown_schemas: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {"records": self.records, "ok": self.ok, "corrupt": self.corrupt,
-                "unknown_schema": self.unknown_schema, "corrupt_keys": self.corrupt_keys,
-                "unknown_schemas": self.unknown_schemas}
-
-
-RECORD_DBS = ("chunks", "edata", "drafts")
-
-
-def verify(store: Store, progress: Progress | None = None) -> VerifyReport:
-    """Recompute every record's checksum and structure; count corrupt ones and unknown drafter schemas."""
-    report = VerifyReport()
-    with store.env.read() as txn:
-        total = sum(txn.stat(store.env.dbs[db])["entries"] for db in RECORD_DBS)
-        if progress:
-            progress(0, total)
-        for db in RECORD_DBS:
-            for key, raw in txn.cursor(db=store.env.dbs[db]):
-                report.records += 1
-                try:
-                    rec = decode_record(raw)
-                except CorruptRecord as exc:
-                    report.corrupt += 1
-                    report.corrupt_keys.append({"db": db, "key": _hex(key), "error": str(exc)})
-                else:
-                    if db == "drafts" and rec.schema not in SCHEMAS:
-                        report.unknown_schema += 1
-                        report.unknown_schemas[rec.schema] = report.unknown_schemas.get(rec.schema, 0) + 1
-                    else:
-                        report.ok += 1
-                if progress:
-                    progress(report.records, total)
-    return report
-
-
-@dataclass
-class GcReport:
-    corrupt_removed: int = 0
-    broken_subtrees: int = 0
-    orphans_removed: int = 0
-    bytes: int = 0
-
-
-def gc(store: Store, progress: Progress | None = None) -> GcReport:
-    """Drop corrupt records (and what depends on them), broken chunk subtrees and orphan records."""
-    store.flush()
-    report = GcReport()
-    with store.env.read() as txn:
-        start_bytes = (unpack(txn.get(TOTALS_KEY, db=store.env.dbs["meta"])) or {"bytes": 0})["bytes"]
-    bad = verify(store, progress)
-    for row in bad.corrupt_keys:
-        store._drop_corrupt(bytes.fromhex(row["key"]))
-        report.corrupt_removed += 1
-
-    def fn(txn):
-        report.broken_subtrees = report.orphans_removed = report.bytes = 0  # the write may be retried
-        ix = Index(txn, store.env.dbs)
-        nodes = {bytes(k): unpack(v) for k, v in txn.cursor(db=store.env.dbs["nodes"])}
-        broken = {k for k, n in nodes.items() if n.get("broken")}
-
-        def under_broken(key):
-            seen = 0
-            while key is not None and seen < 1 << 20:
-                if key in broken:
-                    return True
-                node = nodes.get(key)
-                key = node["parent"] if node else None
-                seen += 1
-            return False
-        report.broken_subtrees = len(broken)
-        for key, raw in list(txn.cursor(db=store.env.dbs["entries"])):
-            e = unpack(raw)
-            if e["node"] not in nodes or under_broken(e["node"]):
-                ix.delete_entry(bytes(key), e)
-        live = {"edata": set(), "drafts": set()}  # records some entry refers to
-        for key, raw in txn.cursor(db=store.env.dbs["entries"]):
-            live["edata"].add(bytes(key))
-            live["drafts"].update(draft_key(bytes(key), dns) for dns in unpack(raw)["drafters"])
-        for db in ("edata", "drafts"):
-            for key, _ in list(txn.cursor(db=store.env.dbs[db])):
-                if bytes(key) not in live[db]:
-                    ix.delete(db, bytes(key))
-                    report.orphans_removed += 1
-        live_nodes = {bytes(k) for k, _ in txn.cursor(db=store.env.dbs["nodes"])}
-        for key, _ in list(txn.cursor(db=store.env.dbs["chunks"])):
-            if bytes(key) not in live_nodes:
-                ix.delete("chunks", bytes(key))
-                report.orphans_removed += 1
-        report.bytes = start_bytes - ix.totals()["bytes"]
-    store.env.write(fn)
-    return report

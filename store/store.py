@@ -144,10 +144,15 @@ class Store:
         """Record what a namespace key stands for (shown by ``ls``/``show``); idempotent."""
         def fn(txn):
             ix = Index(txn, self.env.dbs)
-            if ix.nsinfo(ns_key) is None:
+            info = ix.nsinfo(ns_key)
+            if info is None:
                 ix.put("nsinfo", ns_key, {"target": target, "prefix": prefix_namespace, "tenant": bool(tenant),
                                           "created": now_ns(), "entries": 0, "bytes": 0, "hits": 0, "misses": 0,
                                           "last_use": None, "sigs": []})
+            elif info.get("rebuilt"):  # gc rebuilt this row after damage: say again what it stands for
+                info.update(target=target, prefix=prefix_namespace, tenant=bool(tenant))
+                del info["rebuilt"]
+                ix.put("nsinfo", ns_key, info)
         self.env.write(fn)
 
     # --- put ---------------------------------------------------------------------------------------
