@@ -42,6 +42,7 @@ __all__ = [
     "DonorView",
     "TargetRows",
     "SUPPORTED_ARCHITECTURES",
+    "clone_batch_cache",
     "check_kv_options",
     "prefix_caches",
     "row_position",
@@ -199,7 +200,7 @@ class DonorView:
     positions: mx.array
 
 
-def _clone_batch_cache(cache: BatchKVCache) -> BatchKVCache:
+def clone_batch_cache(cache: BatchKVCache) -> BatchKVCache:
     """A BatchKVCache with its own array objects (mlx-lm mutates some of them in place, e.g. ``+=``)."""
     clone = BatchKVCache.__new__(BatchKVCache)
     clone.keys = None if cache.keys is None else cache.keys[...]
@@ -379,11 +380,11 @@ class TargetRows:
         if other.row_count == 0:
             return PreparedStateChange(lambda: None, lambda: None)
         if self.row_count == 0 or self._caches is None:
-            caches = [_clone_batch_cache(c) for c in other._ensure_caches()]
+            caches = [clone_batch_cache(c) for c in other._ensure_caches()]
         else:
-            caches = [_clone_batch_cache(c) for c in self._caches]
+            caches = [clone_batch_cache(c) for c in self._caches]
             for mine, theirs in zip(caches, other._ensure_caches()):
-                mine.extend(_clone_batch_cache(theirs))
+                mine.extend(clone_batch_cache(theirs))
         lengths = self._lengths + other._lengths
 
         def put(state: tuple) -> None:

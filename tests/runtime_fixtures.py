@@ -83,6 +83,25 @@ def plain_greedy(target: TargetModel, prompt: list[int], max_tokens: int, **opti
     return list(_PLAIN[key])
 
 
+class CheckpointRecorder:
+    """An ``on_checkpoint`` callback that keeps every call and checks each cache covers exactly its tokens."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, row, tokens, caches, draft):
+        assert all(cache.offset == len(tokens) for cache in caches)
+        self.calls.append((row, list(tokens), caches, draft))
+
+    def boundary(self, row):
+        """The row's first checkpoint (its prompt boundary)."""
+        return next(call for call in self.calls if call[0] == row)
+
+    def finish(self, row):
+        """The row's last checkpoint."""
+        return [call for call in self.calls if call[0] == row][-1]
+
+
 class _Stays(KVCache):
     """A layer ``maybe_quantize_kv_cache`` leaves in full precision (its ``to_quantized`` is a no-op)."""
 

@@ -21,7 +21,13 @@ from spec_cache.generator import Generator
 from spec_cache.kv_quant import KVPlan, LayerQuant, converted_at, plan_kv, reusable
 from spec_cache.namespace import KVLayerConfig, KVOptions
 from spec_cache.quantized_rows import QuantizedTargetRows
-from tests.runtime_fixtures import _identity_memo, build_tiny, per_layer_greedy, plain_greedy  # noqa: F401
+from tests.runtime_fixtures import (  # noqa: F401
+    CheckpointRecorder,
+    _identity_memo,
+    build_tiny,
+    per_layer_greedy,
+    plain_greedy,
+)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 44))]
 MAX = 16
@@ -39,21 +45,6 @@ def qtiny(tmp_path_factory):
 def reference(target, prompt, bits, start, step=512, max_tokens=MAX):
     return plain_greedy(target, prompt, max_tokens, kv_bits=bits, kv_group_size=64, quantized_kv_start=start,
                         prefill_step_size=step)
-
-
-class Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, row, tokens, caches, draft):
-        assert all(cache.offset == len(tokens) for cache in caches)
-        self.calls.append((row, list(tokens), caches, draft))
-
-    def boundary(self, row):
-        return next(call for call in self.calls if call[0] == row)
-
-    def finish(self, row):
-        return [call for call in self.calls if call[0] == row][-1]
 
 
 def engine(tiny, name, bits=None, start=None, step=512, depth=4, **kv):
@@ -96,7 +87,7 @@ def test_quantized_references_depend_on_bits_and_conversion_point(qtiny):
 @pytest.mark.parametrize("bits,start", CASES)
 def test_speculative_equals_generate_step(qtiny, name, bits, start):
     run = engine(qtiny, name, bits, start)
-    recorder = Recorder()
+    recorder = CheckpointRecorder()
     results = run.run([RowRequest(p, max_tokens=MAX) for p in PROMPTS], on_checkpoint=recorder)
     for index, (prompt, result) in enumerate(zip(PROMPTS, results)):
         assert result.tokens == reference(qtiny.target, prompt, bits, start)
@@ -125,7 +116,7 @@ def test_per_layer_kv_config(qtiny, name, start):
     """kv_config quantizes layer 0 only (4 bits); layer 1 stays full precision."""
     config = (KVLayerConfig(0, bits=4, group_size=64),)
     run = engine(qtiny, name, None, start, kv_config=config)
-    recorder = Recorder()
+    recorder = CheckpointRecorder()
     results = run.run([RowRequest(p, max_tokens=MAX) for p in PROMPTS], on_checkpoint=recorder)
     for index, (prompt, result) in enumerate(zip(PROMPTS, results)):
         assert result.tokens == per_layer_greedy(qtiny.target, prompt, MAX, {0: (4, 64)}, start, 512)
@@ -143,7 +134,7 @@ def test_engine_restore_equals_cold(qtiny, name):
     4) serves the next turn; the prompt boundary serves a repeat."""
     prompts = [PROMPTS[0], PROMPTS[2], [20, 21, 22, 23, 24, 25]]
     run = engine(qtiny, name, 4, 1, step=4)
-    recorder = Recorder()
+    recorder = CheckpointRecorder()
     first = run.run([RowRequest(p, max_tokens=9) for p in prompts], on_checkpoint=recorder)
     repeat = [RowRequest(p, *recorder.boundary(i)[2:3], len(p) - 1, recorder.boundary(i)[3], max_tokens=MAX)
               for i, p in enumerate(prompts)]
@@ -163,7 +154,7 @@ def test_engine_refuses_a_state_converted_elsewhere(qtiny):
     """Start 0, step 512: a prompt converts at its own last prefill offset, so the boundary state of a shorter
     prompt (converted at 6) is not what a cold run of a longer one holds."""
     run = engine(qtiny, None, 4, 0)
-    recorder = Recorder()
+    recorder = CheckpointRecorder()
     run.run([RowRequest(PROMPTS[0], max_tokens=2)], on_checkpoint=recorder)
     _, tokens, caches, _ = recorder.boundary(0)
     longer = PROMPTS[0] + [40, 41, 42]
@@ -255,7 +246,7 @@ def test_chunk_prefix_below_the_conversion_point_is_not_reused(qtiny, tmp_path):
 
 
 def test_stored_quantized_state_is_bit_identical(qtiny, tmp_path):
-    recorder = Recorder()
+    recorder = CheckpointRecorder()
     engine(qtiny, None, 4, 0).run([RowRequest(PROMPTS[2], max_tokens=6)], on_checkpoint=recorder)
     _, tokens, caches, _ = recorder.finish(0)
     with SpecCache.open(tmp_path / "store") as cache:
@@ -345,7 +336,7 @@ def test_random_batches_restore_points_and_row_churn(qtiny, data):
         restored = data.draw(st.integers(0, len(prompt) - 1), label="restored_tokens")
         request = RowRequest(prompt, max_tokens=budget)
         if restored:
-            recorder = Recorder()
+            recorder = CheckpointRecorder()
             run.run([RowRequest(prompt[: restored + 1], max_tokens=1)], on_checkpoint=recorder)
             _, tokens, caches, draft = recorder.boundary(0)
             if reusable(restored, converted_at(caches), run.conversion_point(len(prompt))):

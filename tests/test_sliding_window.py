@@ -15,7 +15,7 @@ from spec_cache.cache import SpecCache
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.generator import Generator
 from spec_cache.namespace import KVOptions
-from tests.runtime_fixtures import DRAFTERS, _identity_memo, build_tiny, plain_greedy  # noqa: F401
+from tests.runtime_fixtures import DRAFTERS, CheckpointRecorder, _identity_memo, build_tiny, plain_greedy  # noqa: F401
 
 WINDOW = 6
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 44)), list(range(3, 30))]
@@ -26,21 +26,6 @@ MAX = 16
 def gemma(tmp_path_factory):
     """gemma3_text, 3 layers: sliding, global, sliding (window 6)."""
     return build_tiny(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3_text", num_layers=3, sliding_window=WINDOW)
-
-
-class Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, row, tokens, caches, draft):
-        assert all(cache.offset == len(tokens) for cache in caches)
-        self.calls.append((row, list(tokens), caches, draft))
-
-    def boundary(self, row):
-        return next(call for call in self.calls if call[0] == row)
-
-    def finish(self, row):
-        return [call for call in self.calls if call[0] == row][-1]
 
 
 def run(gemma, name, requests, depth=4, **kwargs):
@@ -64,7 +49,7 @@ def test_speculative_equals_plain_greedy(gemma, name):
 
 
 def test_checkpoints_hold_mlx_lm_ring_snapshots(gemma):
-    recorder = Recorder()
+    recorder = CheckpointRecorder()
     results = run(gemma, "deepspec", [RowRequest(p, max_tokens=MAX) for p in PROMPTS], on_checkpoint=recorder)
     for index, (prompt, result) in enumerate(zip(PROMPTS, results)):
         _, tokens, caches, _ = recorder.finish(index)
@@ -84,7 +69,7 @@ def test_checkpoints_hold_mlx_lm_ring_snapshots(gemma):
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_restore_equals_cold(gemma, name):
-    recorder = Recorder()
+    recorder = CheckpointRecorder()
     first = run(gemma, name, [RowRequest(p, max_tokens=9) for p in PROMPTS], on_checkpoint=recorder)
     repeat = []
     for index, prompt in enumerate(PROMPTS):
@@ -110,7 +95,7 @@ def test_restore_equals_cold(gemma, name):
 
 
 def test_assistant_cuts_a_ring_snapshot_back_by_one_token(gemma):
-    recorder = Recorder()
+    recorder = CheckpointRecorder()
     run(gemma, None, [RowRequest(PROMPTS[2], max_tokens=2)], on_checkpoint=recorder)
     _, tokens, caches, _ = recorder.boundary(0)
     (result,) = run(gemma, "assistant", [RowRequest(PROMPTS[2], caches, len(tokens), None, max_tokens=MAX)])
@@ -130,7 +115,7 @@ def test_random_batches_with_random_restore_points(gemma, data):
         if restored == 0:
             requests.append(RowRequest(prompt, max_tokens=8))
             continue
-        recorder = Recorder()
+        recorder = CheckpointRecorder()
         run(gemma, name, [RowRequest(prompt[: restored + 1], max_tokens=1)], on_checkpoint=recorder)
         _, tokens, caches, draft = recorder.boundary(0)
         keep = data.draw(st.booleans(), label="keep draft checkpoint")

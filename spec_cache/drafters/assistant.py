@@ -22,24 +22,14 @@ import mlx.nn as nn
 
 from schemas import GEMMA_ASSISTANT_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
 
-from ..rows import (
-    PrefillContext,
-    PreparedStateChange,
-    RoundContext,
-    apply_state_changes,
-    check_checkpoints,
-    check_keep,
-    check_per_row,
-    check_row,
-    to_mx,
-)
-from ..sampling import Sampling, TokenSampler
-from ..target import DonorView, TargetModel, TargetRows
+from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
+from ..target import DonorView, TargetModel
+from .base import PAIRING, BoundDraftRows, NetworkProvider, check_sizes, directory_namespace
+from .layers import MLP, load_weights
 
 __all__ = ["AssistantConfig", "AssistantNetwork", "AssistantProvider", "AssistantRows", "METHOD"]
 
 METHOD = "assistant"
-_PAIRING = "wrong (target, drafter) pairing"
 
 
 @dataclass(frozen=True)
@@ -120,24 +110,13 @@ class _DonorAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, config: AssistantConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _AssistantLayer(nn.Module):
     def __init__(self, config: AssistantConfig) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = _DonorAttention(config)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = _MLP(config)
+        self.mlp = MLP(config)
 
     def __call__(self, x: mx.array, donor: DonorView, rope: Any, positions: mx.array) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), donor, rope, positions)
@@ -169,112 +148,14 @@ class AssistantNetwork(nn.Module):
         return self.norm(x)
 
 
-class AssistantProvider:
-    """A loaded assistant drafter; opens :class:`AssistantRows` groups over target rows."""
-
-    schema = GEMMA_ASSISTANT_V1
-    supports_target_adapters = False
-
-    def __init__(self, network: AssistantNetwork, namespace: str, model_dir: Path | None = None) -> None:
-        self.network = network
-        self.config = network.config
-        self.namespace = namespace
-        self.model_dir = model_dir
-
-    @classmethod
-    def load(cls, model_dir: str | Path) -> "AssistantProvider":
-        """Read ``config.json`` + ``*.safetensors``; the namespace is ``gemma-assistant-v1:<model identity>``."""
-        from ..identity import model_identity
-        from ..namespace import drafter_namespace
-
-        path = Path(model_dir)
-        config = AssistantConfig.from_dict(json.loads((path / "config.json").read_text()))
-        network = AssistantNetwork(config)
-        weights: dict[str, mx.array] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            weights.update(mx.load(str(file)))
-        if not weights:
-            raise FileNotFoundError(f"assistant drafter {path} has no *.safetensors weights")
-        network.load_weights(list(weights.items()), strict=True)
-        mx.eval(network.parameters())
-        return cls(network, drafter_namespace(cls.schema, model_identity(path)), path)
-
-    def bind(self, target: TargetModel) -> None:
-        """Check that this drafter fits ``target`` (hidden size, vocabulary, donor K/V geometry)."""
-        config = self.config
-        if config.hidden_size != target.hidden_size:
-            raise ValueError(
-                f"assistant drafter expects hidden size {config.hidden_size}; target has {target.hidden_size} "
-                f"- {_PAIRING}"
-            )
-        if config.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"assistant drafter expects vocabulary {config.vocab_size}; target has {target.vocab_size} "
-                f"- {_PAIRING}"
-            )
-        for layer in config.donor_layers:
-            if not -target.num_layers <= layer < target.num_layers:
-                raise ValueError(f"assistant donor layer {layer} does not exist in a {target.num_layers}-layer target")
-            heads, head_dim = target.kv_geometry(layer)
-            if (heads, head_dim) != (config.num_key_value_heads, config.head_dim):
-                raise ValueError(
-                    f"assistant drafter reads {config.num_key_value_heads} KV heads of size {config.head_dim}; "
-                    f"target layer {layer} has {heads} of size {head_dim} - {_PAIRING}"
-                )
-
-    def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:
-        """Schema rules plus this drafter's hidden size; raises SchemaError."""
-        validate_checkpoint(checkpoint, expect_schema=self.schema)
-        size = checkpoint.attachment.tensors[0].shape[2]
-        if size != self.config.hidden_size:
-            raise SchemaError(
-                self.schema, "tensors[0].shape", f"hidden size {size} does not match this drafter's {self.config.hidden_size}"
-            )
-
-    def open_prefill(self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None]) -> "AssistantRows":
-        return AssistantRows(self, target, checkpoints, Sampling())
-
-    def open(
-        self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None], sampling: Sampling | None = None
-    ) -> "AssistantRows":
-        return AssistantRows(self, target, checkpoints, sampling or Sampling())
-
-
-class AssistantRows:
+class AssistantRows(BoundDraftRows):
     """Assistant draft rows: the last true target hidden per row (``[B, 1, H]``) and its token coverage."""
 
     prefill_needs_target_hidden = True
-    prefill_needs_target_taps = False
-    tap_layers: tuple = ()
+    provider: "AssistantProvider"
 
-    def __init__(
-        self,
-        provider: AssistantProvider,
-        target: TargetRows,
-        checkpoints: Sequence[DraftRowCheckpoint | None],
-        sampling: Sampling,
-    ) -> None:
-        provider.bind(target.model)
-        self.provider = provider
-        self.target = target
-        self.namespace = provider.namespace
-        self.schema = provider.schema
-        self.supports_target_adapters = provider.supports_target_adapters
-        self._sampler = TokenSampler(sampling, stream=1)
+    def _init_state(self) -> None:
         self._hidden: mx.array | None = None
-        self._processed: list[int] = []
-        self.append(checkpoints)
-
-    @property
-    def row_count(self) -> int:
-        return len(self._processed)
-
-    @property
-    def processed(self) -> tuple[int, ...]:
-        return tuple(self._processed)
-
-    def append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
-        apply_state_changes([lambda: self.prepare_append(checkpoints)])
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
         check_checkpoints(checkpoints, self.provider.validate_checkpoint)
@@ -319,11 +200,7 @@ class AssistantRows:
         if self._hidden is not None:
             mx.eval(self._hidden)
 
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        keep = check_keep(keep, self.row_count)
-        if not keep:
-            self.dispose()
-            return
+    def _keep_rows(self, keep: list[int]) -> None:
         self._hidden = self._hidden[mx.array(keep, dtype=mx.int32)]
         self._processed = [self._processed[row] for row in keep]
 
@@ -363,3 +240,45 @@ class AssistantRows:
     def dispose(self) -> None:
         self._hidden = None
         self._processed = []
+
+
+class AssistantProvider(NetworkProvider):
+    """A loaded assistant drafter; opens :class:`AssistantRows` groups over target rows."""
+
+    schema = GEMMA_ASSISTANT_V1
+    rows_class = AssistantRows
+    supports_target_adapters = False
+    network: AssistantNetwork
+    config: AssistantConfig
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "AssistantProvider":
+        """Read ``config.json`` + ``*.safetensors``; the namespace is ``gemma-assistant-v1:<model identity>``."""
+        path = Path(model_dir)
+        config = AssistantConfig.from_dict(json.loads((path / "config.json").read_text()))
+        network = load_weights(AssistantNetwork(config), path, METHOD)
+        return cls(network, directory_namespace(cls.schema, path), path)
+
+    def bind(self, target: TargetModel) -> None:
+        """Check that this drafter fits ``target`` (hidden size, vocabulary, donor K/V geometry)."""
+        config = self.config
+        check_sizes(METHOD, (("hidden size", config.hidden_size, target.hidden_size),
+                             ("vocabulary", config.vocab_size, target.vocab_size)))
+        for layer in config.donor_layers:
+            if not -target.num_layers <= layer < target.num_layers:
+                raise ValueError(f"assistant donor layer {layer} does not exist in a {target.num_layers}-layer target")
+            heads, head_dim = target.kv_geometry(layer)
+            if (heads, head_dim) != (config.num_key_value_heads, config.head_dim):
+                raise ValueError(
+                    f"assistant drafter reads {config.num_key_value_heads} KV heads of size {config.head_dim}; "
+                    f"target layer {layer} has {heads} of size {head_dim} - {PAIRING}"
+                )
+
+    def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:
+        """Schema rules plus this drafter's hidden size; raises SchemaError."""
+        validate_checkpoint(checkpoint, expect_schema=self.schema)
+        size = checkpoint.attachment.tensors[0].shape[2]
+        if size != self.config.hidden_size:
+            raise SchemaError(
+                self.schema, "tensors[0].shape", f"hidden size {size} does not match this drafter's {self.config.hidden_size}"
+            )

@@ -18,6 +18,7 @@ import mlx.core as mx
 from schemas import DEEPSPEC_CONTEXT_V1
 
 from ..rows import check_per_row
+from .base import directory_namespace
 from .projected import ContextKV, ProjectedConfig, load_network
 from .projected_rows import ProjectedProvider, ProjectedRows
 
@@ -64,10 +65,6 @@ class DeepSpecProvider(ProjectedProvider):
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "DeepSpecProvider":
-        from ..identity import model_identity
-        from ..namespace import drafter_namespace
-
         path = Path(model_dir)
         config = ProjectedConfig.from_dict(json.loads((path / "config.json").read_text()), METHOD)
-        network = load_network(path, config)
-        return cls(network, drafter_namespace(cls.schema, model_identity(path, config_name="config.json")), path)
+        return cls(load_network(path, config), directory_namespace(cls.schema, path, "config.json"), path)

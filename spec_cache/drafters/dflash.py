@@ -19,6 +19,7 @@ import mlx.core as mx
 from schemas import DFLASH_CONTEXT_V1
 
 from ..rows import check_per_row
+from .base import directory_namespace
 from .projected import ProjectedConfig, load_network
 from .projected_rows import ProjectedProvider, ProjectedRows
 
@@ -58,12 +59,8 @@ class DFlashProvider(ProjectedProvider):
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "DFlashProvider":
-        from ..identity import model_identity
-        from ..namespace import drafter_namespace
-
         path = Path(model_dir)
         if not (path / CONFIG_NAME).is_file():
             raise FileNotFoundError(f"DFlash drafter directory {path} has no {CONFIG_NAME}")
         config = ProjectedConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()), METHOD, block=True)
-        network = load_network(path, config)
-        return cls(network, drafter_namespace(cls.schema, model_identity(path, config_name=CONFIG_NAME)), path)
+        return cls(load_network(path, config), directory_namespace(cls.schema, path, CONFIG_NAME), path)

@@ -29,19 +29,9 @@ from schemas import (
     validate_checkpoint,
 )
 
-from ..rows import (
-    PrefillContext,
-    PreparedStateChange,
-    RoundContext,
-    apply_state_changes,
-    check_checkpoints,
-    check_keep,
-    check_per_row,
-    check_row,
-    to_mx,
-)
-from ..sampling import Sampling, TokenSampler
+from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
 from ..target import TargetModel, TargetRows
+from .base import BoundDraftRows, OpensRows, directory_namespace
 
 __all__ = ["DraftModelProvider", "DraftModelRows", "METHOD", "capture_kv_attachment", "restore_kv_caches"]
 
@@ -81,109 +71,15 @@ def restore_kv_caches(attachment: CheckpointAttachment) -> list[KVCache]:
     return caches
 
 
-class DraftModelProvider:
-    """A loaded standalone draft model; opens :class:`DraftModelRows` groups."""
-
-    schema = STANDALONE_DRAFT_V1
-    supports_target_adapters = False
-
-    def __init__(self, model: TargetModel, namespace: str, model_dir: Path | None = None) -> None:
-        self.model = model
-        self.namespace = namespace
-        self.model_dir = model_dir
-
-    @classmethod
-    def load(cls, model_dir: str | Path) -> "DraftModelProvider":
-        """Load an mlx-lm model directory; namespace ``standalone-draft-v1:<model identity>``."""
-        from ..identity import model_identity
-        from ..namespace import drafter_namespace
-
-        path = Path(model_dir)
-        model = TargetModel.load(path)
-        return cls(model, drafter_namespace(cls.schema, model_identity(path)), path)
-
-    def bind(self, target: TargetModel) -> None:
-        if self.model.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"draft model vocabulary {self.model.vocab_size} differs from the target's {target.vocab_size}"
-            )
-
-    def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:
-        """Schema rules plus exact alignment with this draft model's layers; raises SchemaError."""
-        validate_checkpoint(checkpoint, expect_schema=self.schema)
-        attachment = checkpoint.attachment
-        headers = json.loads(attachment.metadata["cacheHeaders"])
-        if len(headers) != self.model.num_layers:
-            raise SchemaError(
-                self.schema, "metadata.cacheHeaders",
-                f"{len(headers)} layer headers for a {self.model.num_layers}-layer draft model",
-            )
-        pending = attachment.metadata["pendingLast"]
-        covered = checkpoint.processed_tokens - (0 if pending is False else 1)
-        if covered < 0:
-            raise SchemaError(self.schema, "metadata.pendingLast", f"{ALIGNMENT}: a pending token with no tokens processed")
-        for layer, header in enumerate(headers):
-            field = f"metadata.cacheHeaders[{layer}]"
-            offset = 0 if header is None else header["offset"]
-            if offset != covered:
-                raise SchemaError(self.schema, f"{field}.offset", f"{ALIGNMENT}: layer holds {offset} tokens, expected {covered}")
-            if header is None:
-                continue
-            if header["kind"] != "kv":
-                raise SchemaError(self.schema, f"{field}.kind", f"only kv layers are supported, got {header['kind']!r}")
-            shape = tuple(attachment.tensors[header["tensors"][0]].shape)
-            geometry = self.model.kv_geometry(layer)
-            if (shape[1], shape[3]) != geometry:
-                raise SchemaError(
-                    self.schema, f"tensors[{header['tensors'][0]}].shape",
-                    f"K/V of {shape[1]} heads x {shape[3]} do not fit draft layer {layer} ({geometry[0]} x {geometry[1]})",
-                )
-
-    def open_prefill(self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None]) -> "DraftModelRows":
-        return DraftModelRows(self, target, checkpoints, Sampling())
-
-    def open(
-        self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None], sampling: Sampling | None = None
-    ) -> "DraftModelRows":
-        return DraftModelRows(self, target, checkpoints, sampling or Sampling())
-
-
-class DraftModelRows:
+class DraftModelRows(BoundDraftRows):
     """Draft rows of a standalone draft model: its batched KV, plus per row the coverage and ``pendingLast``."""
 
-    prefill_needs_target_hidden = False
-    prefill_needs_target_taps = False
-    tap_layers: tuple = ()
+    provider: "DraftModelProvider"
 
-    def __init__(
-        self,
-        provider: DraftModelProvider,
-        target: TargetRows,
-        checkpoints: Sequence[DraftRowCheckpoint | None],
-        sampling: Sampling,
-    ) -> None:
-        provider.bind(target.model)
-        self.provider = provider
-        self.namespace = provider.namespace
-        self.schema = provider.schema
-        self.supports_target_adapters = provider.supports_target_adapters
-        self._sampler = TokenSampler(sampling, stream=1)
-        self._rows = TargetRows(provider.model)
-        self._processed: list[int] = []
+    def _init_state(self) -> None:
+        self._rows = TargetRows(self.provider.model)
         self._pending_last: list[int | None] = []
         self._fed = 0  # tokens per row the last draft() appended to the draft KV
-        self.append(checkpoints)
-
-    @property
-    def row_count(self) -> int:
-        return len(self._processed)
-
-    @property
-    def processed(self) -> tuple[int, ...]:
-        return tuple(self._processed)
-
-    def append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
-        apply_state_changes([lambda: self.prepare_append(checkpoints)])
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
         check_checkpoints(checkpoints, self.provider.validate_checkpoint)
@@ -227,12 +123,8 @@ class DraftModelRows:
     def materialize(self) -> None:
         self._rows.materialize()
 
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        keep = check_keep(keep, self.row_count)
+    def _keep_rows(self, keep: list[int]) -> None:
         self._rows.filter_rows(keep)
-        if not keep:
-            self.dispose()
-            return
         self._processed = [self._processed[row] for row in keep]
         self._pending_last = [self._pending_last[row] for row in keep]
 
@@ -290,6 +182,63 @@ class DraftModelRows:
         self._rows.dispose()
         self._processed = []
         self._pending_last = []
+
+
+class DraftModelProvider(OpensRows):
+    """A loaded standalone draft model; opens :class:`DraftModelRows` groups."""
+
+    schema = STANDALONE_DRAFT_V1
+    rows_class = DraftModelRows
+    supports_target_adapters = False
+
+    def __init__(self, model: TargetModel, namespace: str, model_dir: Path | None = None) -> None:
+        self.model = model
+        self.namespace = namespace
+        self.model_dir = model_dir
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "DraftModelProvider":
+        """Load an mlx-lm model directory; namespace ``standalone-draft-v1:<model identity>``."""
+        path = Path(model_dir)
+        model = TargetModel.load(path)
+        return cls(model, directory_namespace(cls.schema, path), path)
+
+    def bind(self, target: TargetModel) -> None:
+        if self.model.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary {self.model.vocab_size} differs from the target's {target.vocab_size}"
+            )
+
+    def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:
+        """Schema rules plus exact alignment with this draft model's layers; raises SchemaError."""
+        validate_checkpoint(checkpoint, expect_schema=self.schema)
+        attachment = checkpoint.attachment
+        headers = json.loads(attachment.metadata["cacheHeaders"])
+        if len(headers) != self.model.num_layers:
+            raise SchemaError(
+                self.schema, "metadata.cacheHeaders",
+                f"{len(headers)} layer headers for a {self.model.num_layers}-layer draft model",
+            )
+        pending = attachment.metadata["pendingLast"]
+        covered = checkpoint.processed_tokens - (0 if pending is False else 1)
+        if covered < 0:
+            raise SchemaError(self.schema, "metadata.pendingLast", f"{ALIGNMENT}: a pending token with no tokens processed")
+        for layer, header in enumerate(headers):
+            field = f"metadata.cacheHeaders[{layer}]"
+            offset = 0 if header is None else header["offset"]
+            if offset != covered:
+                raise SchemaError(self.schema, f"{field}.offset", f"{ALIGNMENT}: layer holds {offset} tokens, expected {covered}")
+            if header is None:
+                continue
+            if header["kind"] != "kv":
+                raise SchemaError(self.schema, f"{field}.kind", f"only kv layers are supported, got {header['kind']!r}")
+            shape = tuple(attachment.tensors[header["tensors"][0]].shape)
+            geometry = self.model.kv_geometry(layer)
+            if (shape[1], shape[3]) != geometry:
+                raise SchemaError(
+                    self.schema, f"tensors[{header['tensors'][0]}].shape",
+                    f"K/V of {shape[1]} heads x {shape[3]} do not fit draft layer {layer} ({geometry[0]} x {geometry[1]})",
+                )
 
 
 def _pending_of(checkpoint: DraftRowCheckpoint | None) -> int | None:

@@ -17,19 +17,10 @@ import mlx.core as mx
 
 from schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
 
-from ..rows import (
-    PrefillContext,
-    PreparedStateChange,
-    RoundContext,
-    apply_state_changes,
-    check_checkpoints,
-    check_keep,
-    check_per_row,
-    check_row,
-    to_mx,
-)
+from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
 from ..sampling import Sampling
 from ..target import TargetRows
+from .base import DraftRows
 
 __all__ = ["NgramProvider", "NgramRows", "METHOD", "lookup"]
 
@@ -87,20 +78,14 @@ class NgramProvider:
         return NgramRows(self, checkpoints)
 
 
-class NgramRows:
-    """N-gram draft rows: the token history per row (exactly the tokens the target KV holds)."""
+class NgramRows(DraftRows):
+    """N-gram draft rows: the token history per row (exactly the tokens the target KV holds). They read no
+    target state and never sample, so they take neither the target rows nor a sampling."""
 
-    prefill_needs_target_hidden = False
-    prefill_needs_target_taps = False
-    tap_layers: tuple = ()
+    provider: NgramProvider
 
-    def __init__(self, provider: NgramProvider, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
-        self.provider = provider
-        self.namespace = provider.namespace
-        self.schema = provider.schema
-        self.supports_target_adapters = provider.supports_target_adapters
+    def _init_state(self) -> None:
         self._history: list[list[int]] = []
-        self.append(checkpoints)
 
     @property
     def row_count(self) -> int:
@@ -109,9 +94,6 @@ class NgramRows:
     @property
     def processed(self) -> tuple[int, ...]:
         return tuple(len(history) for history in self._history)
-
-    def append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
-        apply_state_changes([lambda: self.prepare_append(checkpoints)])
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
         check_checkpoints(checkpoints, self.provider.validate_checkpoint)
@@ -129,8 +111,7 @@ class NgramRows:
     def materialize(self) -> None:
         return None
 
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        keep = check_keep(keep, self.row_count)
+    def _keep_rows(self, keep: list[int]) -> None:
         self._history = [self._history[row] for row in keep]
 
     def capture(self, row: int) -> DraftRowCheckpoint:

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import MLP, load_weights
+
 __all__ = ["ProjectedConfig", "ProjectedNetwork", "ContextKV", "load_network"]
 
 
@@ -87,17 +89,6 @@ class ProjectedConfig:
         if not self.gamma:
             out.pop("gamma"), out.pop("mask_token_id")
         return out
-
-
-class _MLP(nn.Module):
-    def __init__(self, config: ProjectedConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 @dataclass
@@ -163,7 +154,7 @@ class _Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = _Attention(config)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = _MLP(config)
+        self.mlp = MLP(config)
 
     def __call__(self, x: mx.array, rope: Any, positions: mx.array, context: ContextKV, causal: bool) -> tuple:
         """The block ``x`` ``[B, L, H]`` at ``positions + i`` attending over ``context`` and itself (all of the
@@ -202,12 +193,4 @@ class ProjectedNetwork(nn.Module):
 
 
 def load_network(path: Path, config: ProjectedConfig) -> ProjectedNetwork:
-    network = ProjectedNetwork(config)
-    weights: dict[str, mx.array] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(file)))
-    if not weights:
-        raise FileNotFoundError(f"{config.method} drafter {path} has no *.safetensors weights")
-    network.load_weights(list(weights.items()), strict=True)
-    mx.eval(network.parameters())
-    return network
+    return load_weights(ProjectedNetwork(config), path, config.method)

@@ -4,7 +4,6 @@ growth, capture, drafting inputs) that DeepSpec and DFlash share; see ``projecte
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -12,27 +11,16 @@ from mlx_lm.models.cache import BatchKVCache
 
 from schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
 
-from ..rows import (
-    PrefillContext,
-    PreparedStateChange,
-    RoundContext,
-    apply_state_changes,
-    check_checkpoints,
-    check_keep,
-    check_per_row,
-    check_row,
-)
-from ..sampling import Sampling, TokenSampler
-from ..target import TargetModel, TargetRows
+from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row
+from ..target import TargetModel, clone_batch_cache
+from .base import PAIRING, BoundDraftRows, NetworkProvider, check_sizes
 from .draft_model import capture_kv_attachment, restore_kv_caches
 from .projected import ContextKV, ProjectedNetwork
 
 __all__ = ["ProjectedProvider", "ProjectedRows"]
 
-_PAIRING = "wrong (target, drafter) pairing"
 
-
-class ProjectedProvider:
+class ProjectedProvider(NetworkProvider):
     """A loaded projected-context drafter; subclasses set ``schema``, ``family`` and ``rows_class``."""
 
     schema = ""
@@ -41,12 +29,7 @@ class ProjectedProvider:
     supports_target_adapters = False
     #: a cold row needs the target's taps at every token it covers (see ``ProjectedRows``)
     prefill_needs_target_taps = True
-
-    def __init__(self, network: ProjectedNetwork, namespace: str, model_dir: Path | None = None) -> None:
-        self.network = network
-        self.config = network.config
-        self.namespace = namespace
-        self.model_dir = model_dir
+    network: ProjectedNetwork
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -58,13 +41,11 @@ class ProjectedProvider:
         if config.num_target_layers != target.num_layers:
             raise ValueError(
                 f"{self.family} drafter was trained for a {config.num_target_layers}-layer target; this model has "
-                f"{target.num_layers} layers - {_PAIRING}"
+                f"{target.num_layers} layers - {PAIRING}"
             )
-        for what, mine, theirs in (("hidden size", config.hidden_size, target.hidden_size),
-                                   ("tapped hidden size", config.target_hidden_size, target.hidden_size),
-                                   ("vocabulary", config.vocab_size, target.vocab_size)):
-            if mine != theirs:
-                raise ValueError(f"{self.family} drafter expects {what} {mine}; target has {theirs} - {_PAIRING}")
+        check_sizes(self.family, (("hidden size", config.hidden_size, target.hidden_size),
+                                  ("tapped hidden size", config.target_hidden_size, target.hidden_size),
+                                  ("vocabulary", config.vocab_size, target.vocab_size)))
 
     def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:
         """Schema rules (alignment of every layer with ``processedTokens``), then this drafter's layer count,
@@ -92,66 +73,21 @@ class ProjectedProvider:
                 raise SchemaError(self.schema, f"tensors[{index}].dtype",
                                   f"context dtype {dtype} differs from this drafter's {self.dtype}")
 
-    def open_prefill(self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None]) -> "ProjectedRows":
-        return self.rows_class(self, target, checkpoints, Sampling())
 
-    def open(
-        self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None], sampling: Sampling | None = None
-    ) -> "ProjectedRows":
-        return self.rows_class(self, target, checkpoints, sampling or Sampling())
-
-
-def _clone(cache: BatchKVCache) -> BatchKVCache:
-    clone = BatchKVCache.__new__(BatchKVCache)
-    clone.keys = None if cache.keys is None else cache.keys[...]
-    clone.values = None if cache.values is None else cache.values[...]
-    clone.offset = cache.offset[...]
-    clone.left_padding = cache.left_padding[...]
-    clone._idx = cache._idx
-    clone._right_padding = None
-    return clone
-
-
-class ProjectedRows:
+class ProjectedRows(BoundDraftRows):
     """Projected context rows: per drafter layer one ``BatchKVCache`` of K/V context, and each row's coverage.
 
     Subclasses implement :meth:`draft`.
     """
 
-    prefill_needs_target_hidden = False
     prefill_needs_target_taps = True
-
-    def __init__(
-        self,
-        provider: ProjectedProvider,
-        target: TargetRows,
-        checkpoints: Sequence[DraftRowCheckpoint | None],
-        sampling: Sampling,
-    ) -> None:
-        provider.bind(target.model)
-        self.provider = provider
-        self.network = provider.network
-        self.target = target
-        self.namespace = provider.namespace
-        self.schema = provider.schema
-        self.supports_target_adapters = provider.supports_target_adapters
-        self.tap_layers = tuple(provider.config.target_layer_ids)
-        self._sampler = TokenSampler(sampling, stream=1)
-        self._caches: list[BatchKVCache] | None = None
-        self._processed: list[int] = []
-        self.append(checkpoints)
+    provider: ProjectedProvider
 
     # -- membership -------------------------------------------------------------------------------------
-    @property
-    def row_count(self) -> int:
-        return len(self._processed)
-
-    @property
-    def processed(self) -> tuple[int, ...]:
-        return tuple(self._processed)
-
-    def append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
-        apply_state_changes([lambda: self.prepare_append(checkpoints)])
+    def _init_state(self) -> None:
+        self.network = self.provider.network
+        self.tap_layers = tuple(self.provider.config.target_layer_ids)
+        self._caches: list[BatchKVCache] | None = None
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
         check_checkpoints(checkpoints, self.provider.validate_checkpoint)
@@ -166,7 +102,7 @@ class ProjectedRows:
         if self._caches is None or not self._processed:
             caches = joining
         else:
-            caches = [_clone(c) for c in self._caches]
+            caches = [clone_batch_cache(c) for c in self._caches]
             for mine, theirs in zip(caches, joining):
                 mine.extend(theirs)
         processed = self._processed + [0 if cp is None else cp.processed_tokens for cp in checkpoints]
@@ -176,11 +112,7 @@ class ProjectedRows:
 
         return PreparedStateChange.swap(lambda: (self._caches, self._processed), put, (caches, processed))
 
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        keep = check_keep(keep, self.row_count)
-        if not keep:
-            self.dispose()
-            return
+    def _keep_rows(self, keep: list[int]) -> None:
         indices = mx.array(keep, dtype=mx.int32)
         for cache in self._caches or ():
             cache.filter(indices)

@@ -1,0 +1,141 @@
+"""The plumbing every draft provider and row group shares, so each drafter module holds only its own state.
+
+* :class:`DraftRows`: a row group's identity (provider, namespace, schema, ``supports_target_adapters``), its
+  per-row coverage (``row_count``/``processed`` over ``_processed``), ``append`` through the two-phase
+  :func:`~spec_cache.rows.apply_state_changes`, and ``filter_rows`` (``[]`` releases everything).
+* :class:`BoundDraftRows`: rows that read a target group (bound to it by ``provider.bind``) and sample drafts.
+* :class:`OpensRows`: a provider's ``open``/``open_prefill`` over its ``rows_class``; :class:`NetworkProvider`
+  adds the fields of a provider around a trained network (assistant, DeepSpec, DFlash).
+* :func:`directory_namespace`: the ``<schema>:<model identity>`` namespace of a drafter directory;
+  :func:`check_sizes`: the "expects X; target has Y" checks of ``bind``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from schemas import DraftRowCheckpoint
+
+from ..rows import PreparedStateChange, apply_state_changes, check_keep
+from ..sampling import Sampling, TokenSampler
+from ..target import TargetRows
+
+__all__ = [
+    "PAIRING",
+    "BoundDraftRows",
+    "DraftRows",
+    "NetworkProvider",
+    "OpensRows",
+    "check_sizes",
+    "directory_namespace",
+]
+
+#: the tail of every "this drafter does not fit this target" error
+PAIRING = "wrong (target, drafter) pairing"
+
+
+def directory_namespace(schema: str, model_dir: Path, config_name: str | None = None) -> str:
+    """``<schema>:<model identity of model_dir>`` (``config_name``: see ``model_identity``)."""
+    from ..identity import model_identity
+    from ..namespace import drafter_namespace
+
+    return drafter_namespace(schema, model_identity(model_dir, config_name=config_name))
+
+
+def check_sizes(drafter: str, sizes: Iterable[tuple[str, Any, Any]]) -> None:
+    """Each ``(what, the drafter's, the target's)`` must agree, else ValueError naming the wrong pairing."""
+    for what, mine, theirs in sizes:
+        if mine != theirs:
+            raise ValueError(f"{drafter} drafter expects {what} {mine}; target has {theirs} - {PAIRING}")
+
+
+class DraftRows:
+    """A draft row group's shared members. A subclass implements ``_init_state`` (its empty state, set before
+    the opening checkpoints are appended), ``prepare_append``, ``_keep_rows`` and ``dispose``."""
+
+    prefill_needs_target_hidden = False
+    prefill_needs_target_taps = False
+    tap_layers: tuple = ()
+
+    def __init__(self, provider: Any, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
+        self.provider = provider
+        self.namespace = provider.namespace
+        self.schema = provider.schema
+        self.supports_target_adapters = provider.supports_target_adapters
+        self._init_state()
+        self.append(checkpoints)
+
+    def _init_state(self) -> None:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    @property
+    def row_count(self) -> int:
+        return len(self._processed)
+
+    @property
+    def processed(self) -> tuple[int, ...]:
+        return tuple(self._processed)
+
+    def append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
+        apply_state_changes([lambda: self.prepare_append(checkpoints)])
+
+    def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` in that order; ``[]`` releases everything."""
+        keep = check_keep(keep, self.row_count)
+        if not keep:
+            self.dispose()
+            return
+        self._keep_rows(keep)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Reduce the state to the (valid, distinct, non-empty) rows ``keep``."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def dispose(self) -> None:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+
+class BoundDraftRows(DraftRows):
+    """Rows over a target group: the provider is checked against the target model first, and drafts are
+    sampled (stream 1) with the group's sampling."""
+
+    def __init__(
+        self,
+        provider: Any,
+        target: TargetRows,
+        checkpoints: Sequence[DraftRowCheckpoint | None],
+        sampling: Sampling,
+    ) -> None:
+        provider.bind(target.model)
+        self.target = target
+        self._sampler = TokenSampler(sampling, stream=1)
+        self._processed: list[int] = []
+        super().__init__(provider, checkpoints)
+
+
+class OpensRows:
+    """A provider whose row groups are ``rows_class(provider, target, checkpoints, sampling)``."""
+
+    rows_class: type
+
+    def open_prefill(self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None]) -> Any:
+        return self.rows_class(self, target, checkpoints, Sampling())
+
+    def open(
+        self, target: TargetRows, checkpoints: Sequence[DraftRowCheckpoint | None], sampling: Sampling | None = None
+    ) -> Any:
+        return self.rows_class(self, target, checkpoints, sampling or Sampling())
+
+
+class NetworkProvider(OpensRows):
+    """A provider around a trained network (``network.config`` is its configuration)."""
+
+    def __init__(self, network: Any, namespace: str, model_dir: Path | None = None) -> None:
+        self.network = network
+        self.config = network.config
+        self.namespace = namespace
+        self.model_dir = model_dir
