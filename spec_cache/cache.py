@@ -46,7 +46,7 @@ class SpecCache:
     def __init__(self, store: Store, shared=None):
         self.store = store
         self.shared = shared  # a store.shared.SharedTier, or None
-        self._registered: set[bytes] = set()
+        self._registered: dict[bytes, tuple[str, str, bool]] = {}  # key -> what register_namespace was told
         self._promoter = None
         if shared is not None:  # promotion off the request's path: the restored state is used at once
             from store.shared.queue import WriteBehind
@@ -101,7 +101,7 @@ class SpecCache:
         if key not in self._registered:
             self.store.register_namespace(key, target=target_identity, prefix_namespace=prefix_namespace,
                                           tenant=tenant is not None)
-            self._registered.add(key)
+            self._registered[key] = (target_identity, prefix_namespace, tenant is not None)
         return key
 
     def save(self, ns_key: bytes, tokens: Sequence[int], caches: Sequence[Any], *,
@@ -116,7 +116,15 @@ class SpecCache:
                                        f"target state {len(tokens)}")
                 drafter = (drafter_namespace, attachment_to_store(draft_checkpoint))
             layers = capture_caches(caches)
-            result = self.store.put(ns_key, tokens, layers, drafter=drafter, minimum_reusable=minimum_reusable)
+            try:
+                result = self.store.put(ns_key, tokens, layers, drafter=drafter, minimum_reusable=minimum_reusable)
+            except InvalidInput as exc:
+                if ns_key not in self._registered or "not registered" not in str(exc):
+                    raise
+                # gc (or another process's repair) dropped the namespace row since we registered it
+                target, prefix, tenant = self._registered[ns_key]
+                self.store.register_namespace(ns_key, target=target, prefix_namespace=prefix, tenant=tenant)
+                result = self.store.put(ns_key, tokens, layers, drafter=drafter, minimum_reusable=minimum_reusable)
         except (StoreError, SchemaError, TypeError, ValueError) as exc:
             warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: {exc}", CacheWarning,
                           stacklevel=2)

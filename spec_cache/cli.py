@@ -180,11 +180,16 @@ def cmd_verify(args) -> int:
         finally:
             close()
     d = report.as_dict()
-    human = (f"{d['records']} records: {d['ok']} ok, {d['corrupt']} corrupt, {d['unknown_schema']} unknown schema"
-             + "".join(f"\n  corrupt {r['db']} {r['key'][:16]}: {r['error']}" for r in d["corrupt_keys"]))
+    structure = (f"page structure {'ok' if not d['structure_problems'] else str(d['structure_problems']) + ' problems'}"
+                 if d["structure_checked"] else "page structure not checked (needs py-lmdb >= 3.0)")
+    human = (f"{d['records']} records: {d['ok']} ok, {d['corrupt']} corrupt, {d['unknown_schema']} unknown schema; "
+             f"{d['index_problems']} index problems; {structure}"
+             + "".join(f"\n  corrupt {r['db']} {r['key'][:16]}: {r['error']}" for r in d["corrupt_keys"])
+             + "".join(f"\n  index: {x}" for x in d["index_details"])
+             + "".join(f"\n  structure: {x}" for x in d["structure_details"]))
     _emit(args, d, human)
     # unknown schemas are not damage (a newer spec-cache may share this store): reported, exit 0
-    return EXIT_PROBLEMS if d["corrupt"] else EXIT_OK
+    return EXIT_PROBLEMS if report.damaged else EXIT_OK
 
 
 def cmd_evict(args) -> int:
@@ -217,7 +222,9 @@ def cmd_gc(args) -> int:
         finally:
             close()
     d = {"corrupt_removed": r.corrupt_removed, "broken_subtrees": r.broken_subtrees,
-         "orphans_removed": r.orphans_removed, "bytes": r.bytes}
+         "orphans_removed": r.orphans_removed, "bytes": r.bytes, "index_rows_removed": r.index_rows_removed,
+         "namespaces_rebuilt": r.namespaces_rebuilt, "entries_removed": r.entries_removed,
+         "counters_fixed": r.counters_fixed}
     _emit(args, d, f"removed {r.corrupt_removed} corrupt records, {r.broken_subtrees} broken chunk subtrees, "
                    f"{r.orphans_removed} orphans ({human_bytes(r.bytes)})")
     return EXIT_OK
@@ -444,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not use the store's identity memo (the per-user memo is still used)")
     s.set_defaults(fn=cmd_identity)
     shared_cli.register(sub, common)
+    from spec_cache import repair_cli
+
+    repair_cli.register(sub, common)
     s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models")
     s.add_argument("--method", choices=DRAFTER_METHODS, default="assistant")
     s.add_argument("--max-tokens", type=_positive_int, default=24)

@@ -13,5 +13,6 @@ from .tensors import LayerState, Tensor
 __all__ = [
     "Store", "StoreMemo", "Hit", "Restored", "PutResult", "LayerState", "Tensor", "Record",
     "encode_record", "decode_record", "StoreError", "StoreFormatError", "StoreOpenError", "StoreFullError",
-    "CorruptRecord", "CorruptIndex", "InvalidInput", "STORE_FORMAT", "STORE_MAJOR", "STORE_MINOR", "RECORD_FORMAT_MAJOR",
+    "CorruptRecord", "CorruptIndex", "InvalidInput", "STORE_FORMAT", "STORE_MAJOR", "STORE_MINOR",
+    "RECORD_FORMAT_MAJOR",
 ]

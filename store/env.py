@@ -221,21 +221,23 @@ class Environment:
             raise StoreError(f"store at {self.path}: cannot start a read transaction ({exc})") from None
         return ReadTxn(txn, self.path)
 
-    def write(self, fn: Callable[[lmdb.Transaction], T], *, on_full: Callable[[], bool] | None = None) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction], T], *, on_full: Callable[[], bool] | None = None,
+              making_room: bool = False) -> T:
         """Run ``fn(txn)`` in one write transaction, all of it or none of it.
 
         On a full map the transaction is aborted, the map doubled (up to the disk's free space) and ``fn``
         run again; ``on_full`` may free space first (eviction) and returns whether it did. A full disk (the
         commit cannot extend ``data.mdb``) is handled the same way: evict, retry, else ``StoreFullError``.
         Every few seconds, and before growing, reader slots of killed processes are cleared (a stale slot
-        would pin old pages and make the file grow without bound in a long-running process).
+        would pin old pages and make the file grow without bound in a long-running process). Writes that make
+        room (``making_room``: unpin, evict, gc, dropping corrupt records) may use the headroom puts leave.
         """
         if self.readonly:
             raise StoreError("store was opened read-only")
         if time.monotonic() - self._reader_checked > READER_CHECK_S:
             self._clear_stale_readers()
             self._keep_reserve()
-        maintenance = on_full is None  # unpin, evict, gc, counters: may use the headroom puts leave
+        maintenance = making_room
         for _attempt in range(64):
             try:
                 with self.env.begin(write=True, buffers=True) as txn:

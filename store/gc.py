@@ -49,7 +49,7 @@ def gc(store: Store, progress: Progress | None = None) -> GcReport:
                          f"{len(bad.structure_problems)} problems); gc cannot fix that: run 'spec-cache repair'")
     corrupt = [(row["db"], bytes.fromhex(row["key"])) for row in bad.corrupt_keys]
     report = GcReport()
-    store.env.write(lambda txn: _rebuild(store, txn, corrupt, report))
+    store.env.write(lambda txn: _rebuild(store, txn, corrupt, report), making_room=True)
     return report
 
 
@@ -134,7 +134,8 @@ def _rebuild(store: Store, txn, corrupt: list[tuple[str, bytes]], report: GcRepo
         node = nodes.get(e["node"])
         if (e["node"] in standing and key in sizes["edata"] and node["ns"] == e["ns"]
                 and node["depth"] * C + e["tail"] == e["len"] and (node["depth"] == 0 or e["tail"] < C)):
-            parts = {d: sizes["drafts"][draft_key(key, d)] for d in e["drafters"] if draft_key(key, d) in sizes["drafts"]}
+            parts = {d: sizes["drafts"][draft_key(key, d)] for d in e["drafters"]
+                     if draft_key(key, d) in sizes["drafts"]}
             fixed = dict(e, drafters=parts, bytes=sizes["edata"][key] + sum(parts.values()))
             if fixed != e:
                 report.counters_fixed += 1

@@ -148,13 +148,13 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
         return counts, finished
 
     try:
-        return store.env.write(lambda txn: step(txn, None))[0]
+        return store.env.write(lambda txn: step(txn, None), making_room=True)[0]
     except StoreFullError:
         pass
     report, batch = EvictReport(), 64
     while True:
         try:
-            counts, finished = store.env.write(lambda txn: step(txn, batch))
+            counts, finished = store.env.write(lambda txn: step(txn, batch), making_room=True)
         except StoreFullError:
             if batch == 1:
                 raise

@@ -584,7 +584,7 @@ class Store:
                     for dns in list(entry["drafters"]):
                         if draft_key(key[:32], dns) == key:
                             ix.drop_drafter(key[:32], entry, dns)
-        self.env.write(fn)
+        self.env.write(fn, making_room=True)
 
     # --- access times and counters (batched) -------------------------------------------------------
     def _count(self, ns_key: bytes, *, hit: bool) -> None:
@@ -649,7 +649,7 @@ class Store:
                     return True
             return False
         with self._lock:
-            return self.env.write(fn)
+            return self.env.write(fn, making_room=not pinned)
 
     # --- maintenance (see maintenance.py for evict/gc/verify) --------------------------------------
     def memo(self) -> "StoreMemo":

@@ -212,9 +212,15 @@ def index_problems(store: Store, limit: int = 100) -> list[str]:
     if totals is not None and (totals["entries"], totals["bytes"]) != (len(entries), sum(ns_bytes.values())):
         bad(f"totals say {totals['entries']} entries / {totals['bytes']} bytes, the index holds "
             f"{len(entries)} / {sum(ns_bytes.values())}")
+    roots: dict[bytes, set[bytes]] = {}
+    for node in nodes.values():
+        if node["depth"] == 0:
+            roots.setdefault(node["ns"], set()).add(node.get("sig", b""))
     for ns, info in nsinfo.items():
         if (info["bytes"], info["entries"]) != (ns_bytes.get(ns, 0), ns_entries.get(ns, 0)):
             bad(f"namespace {_hex(ns)[:16]}: counters disagree with its entries")
+        if set(info["sigs"]) != roots.get(ns, set()):  # lookups start from these: a wrong one hides chains
+            bad(f"namespace {_hex(ns)[:16]}: layer signatures disagree with its chain roots")
     return out
 
 

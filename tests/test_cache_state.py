@@ -108,3 +108,14 @@ def test_quantized_states_converted_at_different_offsets_never_share_chunks(tmp_
             assert same(a[..., :41, :], b)
         assert cache.store.lookup(ns, tokens[:35]).minimum_reusable == 20  # chunk 32: only the state converted at 20
         assert cache.store.lookup(ns, tokens[:18]) is None  # chunk 16 is below both conversion points
+
+
+def test_save_re_registers_a_namespace_dropped_behind_its_back(tmp_path):
+    with SpecCache.open(tmp_path / "c") as cache:
+        ns = cache.namespace(TARGET, "p")
+        with cache.store.env.env.begin(write=True) as txn:  # as if gc had dropped the namespace row
+            txn.delete(ns, db=cache.store.env.dbs["nsinfo"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cache.save(ns, [1, 2, 3], [kv(3)]) is not None
+        assert cache.restore(ns, [1, 2, 3, 4]).length == 3

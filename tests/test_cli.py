@@ -220,7 +220,8 @@ def test_evict(cli, cache, flags, entries_left, drafter_parts):
 
 def test_gc(cli, cache):
     r = one_json(cli("--cache", cache, "--json", "gc"))
-    assert r == {"corrupt_removed": 0, "broken_subtrees": 0, "orphans_removed": 0, "bytes": 0}
+    assert r == {"corrupt_removed": 0, "broken_subtrees": 0, "orphans_removed": 0, "bytes": 0,
+                 "index_rows_removed": 0, "namespaces_rebuilt": 0, "entries_removed": 0, "counters_fixed": 0}
     _flip_last_byte(cache, "edata")
     r = one_json(cli("--cache", cache, "--json", "gc"))
     assert r["corrupt_removed"] == 1 and r["bytes"] > 0
