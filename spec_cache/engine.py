@@ -322,6 +322,8 @@ class _Run:
         # quantized row stops at its conversion point)
         caps = [min(budget - 1, (limit or budget) - 1) for budget, limit in zip(budgets, self.rows.window_limits())]
         depth = min(self.engine.draft_depth, max(caps))
+        if any(row.ttft_s is None for row in active):
+            depth = 0  # first token first: a row's first token needs one target step, not a drafting round too
         proposals = [[] for _ in active] if self.group is None else self.group.draft(pending, depth)
         drafts = [list(p[: min(depth, cap)]) for p, cap in zip(proposals, caps)]
         width = 1 + max(len(d) for d in drafts)
