@@ -109,6 +109,22 @@ def _js_key_order(keys: list[str]) -> list[str]:
     return sorted(index_keys, key=int) + [key for key in keys if key not in taken]
 
 
+def _enter_container(value: Any, where: str, active: set[int], depth: int) -> bool:
+    """Check an array or object before descending into it (type, depth, cycles); True for an object.
+
+    Marks it active: the caller discards ``id(value)`` from ``active`` when done.
+    """
+    is_object = isinstance(value, Mapping)
+    if not is_object and not isinstance(value, (list, tuple)):
+        raise TypeError(f"{where}: {type(value).__name__} is not a JSON value")
+    if depth >= _MAX_JSON_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {_MAX_JSON_DEPTH} levels")
+    if id(value) in active:
+        raise ValueError(f"{where}: cyclic structure")
+    active.add(id(value))
+    return is_object
+
+
 def js_json_dumps(value: Any) -> str:
     """``JSON.stringify(value)`` for a JSON-like Python value, byte for byte.
 
@@ -135,14 +151,7 @@ def _dump(value: Any, where: str, active: set[int], depth: int) -> str:
         return js_number_to_string(x) if math.isfinite(x) else "null"
     if isinstance(value, FrozenJSONObject):
         return value.json
-    is_object = isinstance(value, Mapping)
-    if not is_object and not isinstance(value, (list, tuple)):
-        raise TypeError(f"{where}: {type(value).__name__} is not a JSON value")
-    if depth >= _MAX_JSON_DEPTH:
-        raise ValueError(f"{where}: nested deeper than {_MAX_JSON_DEPTH} levels")
-    if id(value) in active:
-        raise ValueError(f"{where}: cyclic structure")
-    active.add(id(value))
+    is_object = _enter_container(value, where, active, depth)
     try:
         if not is_object:
             return "[" + ",".join(_dump(v, f"{where}[{i}]", active, depth + 1) for i, v in enumerate(value)) + "]"
@@ -262,14 +271,7 @@ def _freeze(value: Any, where: str, active: set[int], depth: int) -> JSONValue:
         return int(value)
     if isinstance(value, FrozenJSONObject):
         return value
-    is_object = isinstance(value, Mapping)
-    if not is_object and not isinstance(value, (list, tuple)):
-        raise TypeError(f"{where}: {type(value).__name__} is not a JSON value")
-    if depth >= _MAX_JSON_DEPTH:
-        raise ValueError(f"{where}: nested deeper than {_MAX_JSON_DEPTH} levels")
-    if id(value) in active:
-        raise ValueError(f"{where}: cyclic structure")
-    active.add(id(value))
+    is_object = _enter_container(value, where, active, depth)
     try:
         if not is_object:
             return tuple(_freeze(v, f"{where}[{i}]", active, depth + 1) for i, v in enumerate(value))

@@ -24,6 +24,8 @@ import blake3
 
 from spec_cache.identity import FileMemo, model_identity
 
+from .timing import median_time
+
 CHUNK = 64 << 20
 
 
@@ -50,15 +52,6 @@ def warm(paths: list[Path]) -> None:
                 pass
 
 
-def median_seconds(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def run(size_mib: int, repeat: int, shards: int, directory: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-identity-", dir=directory) as tmp:
         model = Path(tmp) / "model"
@@ -77,13 +70,13 @@ def run(size_mib: int, repeat: int, shards: int, directory: str | None) -> dict:
         model_identity(model, memo=False)
         raw_times, ident_times = [], []
         for _ in range(repeat):  # interleaved, so load from other processes hits both alike
-            raw_times.append(median_seconds(raw, 1))
-            ident_times.append(median_seconds(lambda: model_identity(model, memo=False), 1))
+            raw_times.append(median_time(raw, 1))
+            ident_times.append(median_time(lambda: model_identity(model, memo=False), 1))
         raw_s, ident_s = statistics.median(raw_times), statistics.median(ident_times)
 
         memo = FileMemo(Path(tmp) / "memo")
         first = model_identity(model, memo=memo)
-        hit_s = median_seconds(lambda: model_identity(model, memo=memo), max(repeat, 21))
+        hit_s = median_time(lambda: model_identity(model, memo=memo), max(repeat, 21))
         assert model_identity(model, memo=memo) == first
 
     gib = total / (1 << 30)

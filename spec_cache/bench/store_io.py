@@ -21,15 +21,8 @@ import time
 
 import numpy as np
 
+from .timing import median_time
 
-
-def median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def kv_state(layers=16, heads=8, tokens=4096, dim=128):
