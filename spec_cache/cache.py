@@ -20,7 +20,8 @@ from schemas import DraftRowCheckpoint, SchemaError
 from store import InvalidInput, PutResult, Store, StoreError
 from store.keys import pack_tokens
 
-from .cache_state import attachment_to_store, capture_caches, checkpoint_from_store, restore_caches
+from .cache_state import (attachment_to_store, capture_caches, checkpoint_from_store, restore_caches,
+                          restore_concat)
 from .namespace import namespace_key
 
 log = logging.getLogger("spec_cache")
@@ -162,7 +163,8 @@ class SpecCache:
                        ) -> RestoredPrefix | None:
         notes: list[str] = []
         try:
-            restored = self.store.fetch(ns_key, tokens, drafter=drafter_namespace, warnings=notes)
+            restored = self.store.fetch(ns_key, tokens, drafter=drafter_namespace, warnings=notes,
+                                        concat=restore_concat())
         except (StoreError, SchemaError, ValueError) as exc:
             warnings.warn(f"spec-cache: lookup failed, treated as a miss: {exc}", CacheWarning, stacklevel=3)
             return None

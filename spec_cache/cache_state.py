@@ -45,8 +45,29 @@ def to_tensor(x: mx.array) -> Tensor:
     return Tensor(name, tuple(x.shape), arr)
 
 
+def mx_concat(pieces: list, axis: int, dtype: str) -> mx.array:
+    """``Store.fetch``'s ``concat``: copy each piece (a numpy view into the map) into MLX once, join in MLX.
+
+    On a GPU the join runs on the device; the host makes one copy of the stored bytes instead of two.
+    """
+    arrays = [mx.array(p).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(p, dtype=_MX_DTYPES[dtype])
+              for p in pieces]
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=axis)
+
+
+def restore_concat():
+    """The ``concat`` to give ``Store.fetch``: ``mx_concat`` on a GPU (the join runs on the device, the host
+    copies once); None on the CPU, where numpy's assembly plus one ``mx.array`` copy measured faster (50 vs 85 ms
+    for 256 MiB here)."""
+    return mx_concat if "gpu" in str(mx.default_device()).lower() else None
+
+
 def to_mx(t: Tensor) -> mx.array:
     """A store ``Tensor`` as an owned ``mx.array`` with its dtype."""
+    if isinstance(t.data, mx.array):  # already built by mx_concat
+        if dtype_of(t.data) != t.dtype:
+            raise ValueError(f"restored tensor is {dtype_of(t.data)}, its record says {t.dtype}")
+        return t.data
     arr = t.array()
     if t.dtype == "bfloat16":
         return mx.array(arr).view(mx.bfloat16)

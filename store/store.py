@@ -396,13 +396,19 @@ class Store:
 
     # --- fetch -------------------------------------------------------------------------------------
     def fetch(self, ns_key: bytes, tokens, *, drafter: str | None = None,
-              max_attempts: int = 3, warnings: list[str] | None = None) -> Restored | None:
+              max_attempts: int = 3, warnings: list[str] | None = None,
+              concat: Callable[[list, int, str], Any] | None = None) -> Restored | None:
         """Look up and read back the longest usable prefix of ``tokens``; None on a miss.
 
         Every record read is verified (blake3) and its tokens compared with ``tokens``; a corrupt record is
         dropped from the store, logged, and the lookup retried (a shorter prefix may still serve). A drafter
         part with an unknown or invalid schema is skipped (target only). What went wrong is appended to
         ``warnings`` (when given; also on a miss) and to ``Restored.warnings``.
+
+        ``concat(pieces, axis, dtype)`` builds a token-sliceable tensor from its pieces (numpy views into the
+        map, valid only during the call: copy them) and returns what ``Tensor.data`` should hold; the default
+        assembles one numpy array. The runtime passes one that copies straight into framework arrays, so a
+        restore makes one copy out of the map instead of two.
         """
         packed = K.pack_tokens(tokens)
         warnings = [] if warnings is None else warnings
@@ -414,7 +420,7 @@ class Store:
                         if hit is None:
                             self._count(ns_key, hit=False)
                             return None
-                        restored = self._read(txn, hit, packed, drafter, warnings)
+                        restored = self._read(txn, hit, packed, drafter, warnings, concat)
                 except CorruptRecord as exc:
                     message = f"dropping corrupt record ({exc}); falling back to a shorter prefix"
                     log.warning(message)
@@ -429,7 +435,8 @@ class Store:
         self._count(ns_key, hit=False)
         return None
 
-    def _read(self, txn, hit: Hit, packed: np.ndarray, drafter: str | None, warnings: list[str]) -> Restored:
+    def _read(self, txn, hit: Hit, packed: np.ndarray, drafter: str | None, warnings: list[str],
+              concat=None) -> Restored:
         C = self.chunk_tokens
         deferred: list = []  # large records: checksums run on a second thread while their tensors are copied
         chunks = []
@@ -450,7 +457,7 @@ class Store:
         try:
             if layer_table is None:  # chunk-boundary hit: every layer is chunked and the chunk says which
                 layer_table = chunks[0].meta.get("layers")
-            layers = self._assemble(layer_table, chunks, entry_rec, hit)
+            layers = self._assemble(layer_table, chunks, entry_rec, hit, concat=concat)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             self._verified(pending)  # a checksum failure explains a broken table best: report that first
             raise CorruptRecord(f"stored layer table does not match its tensors ({exc})", hit.entry) from None
@@ -473,8 +480,9 @@ class Store:
         return Restored(hit.length, layers, attachment, hit.entry)
 
     @staticmethod
-    def _assemble(layer_table, chunks, entry_rec, hit: Hit) -> list[LayerState]:
-        """Concatenate each chunked layer's pieces along its token axis (one copy out of the map)."""
+    def _assemble(layer_table, chunks, entry_rec, hit: Hit, *, concat=None) -> list[LayerState]:
+        """Concatenate each chunked layer's pieces along its token axis (one copy out of the map, or
+        ``concat(pieces, axis, dtype)``'s result; see ``fetch``)."""
         layers = []
         for i, kind, meta, axis, tensor_specs in layer_table:
             out = []
@@ -494,6 +502,9 @@ class Store:
                 if full[axis] != hit.length:
                     raise CorruptRecord(f"layer {i} pieces cover {full[axis]} tokens, expected {hit.length}",
                                         hit.entry)
+                if concat is not None:
+                    out.append(Tensor(dtype, tuple(full), concat([p.array() for p in pieces], axis, dtype)))
+                    continue
                 arr = np.empty(full, dtype=numpy_dtype(dtype))
                 at = 0
                 for p in pieces:

@@ -119,3 +119,22 @@ def test_save_re_registers_a_namespace_dropped_behind_its_back(tmp_path):
             warnings.simplefilter("error")
             assert cache.save(ns, [1, 2, 3], [kv(3)]) is not None
         assert cache.restore(ns, [1, 2, 3, 4]).length == 3
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_mx_concat_restores_bit_identically(tmp_path, dtype):
+    """The GPU restore path (pieces copied into MLX once, joined in MLX), exercised here on the CPU."""
+    from spec_cache.cache_state import from_layer_state, mx_concat, to_mx
+
+    caches = [kv(70, dtype, seed=3), kv(70, dtype, seed=4).to_quantized(group_size=64, bits=4)]
+    with SpecCache.open(tmp_path / "c", chunk_tokens=16) as cache:
+        ns = cache.namespace(TARGET, "p")
+        cache.save(ns, list(range(70)), caches)
+        restored = cache.store.fetch(ns, list(range(70)) + [1], concat=mx_concat)
+    assert restored.length == 70
+    assert all(isinstance(t.data, mx.array) for layer in restored.layers for t in layer.tensors)
+    a, q = (from_layer_state(layer) for layer in restored.layers)
+    assert same(a.keys, caches[0].keys[..., :70, :]) and same(a.values, caches[0].values[..., :70, :])
+    for x, y in zip((*caches[1].keys, *caches[1].values), (*q.keys, *q.values)):
+        assert same(x[..., :70, :], y)
+    assert same(to_mx(restored.layers[0].tensors[0]), a.keys)

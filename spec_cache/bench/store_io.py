@@ -48,6 +48,7 @@ def bench_put_get(reps: int, tokens: int) -> dict:
 
     from store import LayerState, Store, Tensor
     from store.maintenance import evict
+    from spec_cache.cache_state import restore_concat, to_mx
     from spec_cache.namespace import namespace_key
 
     caches, arrays = kv_state(tokens=tokens)
@@ -80,9 +81,9 @@ def bench_put_get(reps: int, tokens: int) -> dict:
         store.put(key, toks, layers())
         return key
 
-    def get():
-        r = store.fetch(ns, toks)  # the namespace written last
-        out = [mx.array(t.data) for layer in r.layers for t in layer.tensors]
+    def get():  # what SpecCache.restore does: one copy out of the map into MLX, joined in MLX
+        r = store.fetch(ns, toks, concat=restore_concat())  # the namespace written last
+        out = [to_mx(t) for layer in r.layers for t in layer.tensors]
         mx.eval(out)
         assert r.length == tokens
 
