@@ -4,6 +4,7 @@
 # xz tarball of its unpacked files split in two: part-00 in an earlier call (tools/device/stage_part.sh copies it
 # to /tmp/parts), part-01 plus the small wheels in .whl/p2 with this call.
 # Usage: bash tools/device/bench_gpu.sh [--sections ttft,store_io,ttft_big] [--deadline S]
+#        bash tools/device/bench_gpu.sh --profile [profile_warm.py options]   (warm-path stage timings)
 set -u
 SITE=/tmp/site
 PARTS=/tmp/parts
@@ -32,4 +33,9 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 python3 -m pip list 2>/dev/null | grep -iE "^(mlx|transformers|tokenizers|lmdb|blake3|msgpack|safetensors|numpy|tqdm) " 
 df -h /tmp | tail -1; free -g | head -2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-python3 tools/device/bench_gpu.py --out "$OUTDIR/bench-gpu.json" "$@" 2>&1 | tee "$OUTDIR/bench-gpu.log"
+if [ "${1:-}" = "--profile" ]; then
+  shift
+  python3 tools/device/profile_warm.py "$@" 2>&1 | tee "$OUTDIR/profile-warm.log"
+else
+  python3 tools/device/bench_gpu.py --out "$OUTDIR/bench-gpu.json" "$@" 2>&1 | tee "$OUTDIR/bench-gpu.log"
+fi
