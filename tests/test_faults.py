@@ -12,7 +12,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -340,22 +339,13 @@ def test_writers_clear_reader_slots_of_killed_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(store_env, "READER_CHECK_S", 0.0)
     with Store.open(tmp_path / "s", chunk_tokens=W.CHUNK_TOKENS, durable=False) as store:
         W.register(store)
-        holder = subprocess.Popen([sys.executable, "-c", concurrency.HOLDER, str(tmp_path / "s")], cwd=REPO,
-                                  stdout=subprocess.PIPE, text=True)
-        try:
-            assert holder.stdout.readline().strip() == "ready"
-            os.kill(holder.pid, signal.SIGKILL)
-            holder.wait(timeout=30)
-        finally:
-            if holder.poll() is None:
-                holder.kill()
-                holder.wait()
+        holder_pid = concurrency.kill_reader_holder(str(tmp_path / "s"), str(REPO))
         size0 = os.path.getsize(tmp_path / "s" / "data.mdb")
         for i in range(40):  # replace one 256 KiB checkpoint again and again
             data = np.full((1, 1, 8, 8192), i, np.float32)
             store.put(W.NS_KEYS[0], list(range(8)), [LayerState("ring", {}, [Tensor.from_numpy(data)])])
         growth = os.path.getsize(tmp_path / "s" / "data.mdb") - size0
-        assert str(holder.pid) not in store.env.env.readers()
+        assert str(holder_pid) not in store.env.env.readers()
     assert growth < 4 << 20  # 40 x 256 KiB would be 10 MiB if the dead reader still pinned old pages
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from store import (CorruptRecord, InvalidInput, LayerState, Store, StoreFormatEr
                    maintenance)
 from store.codec import encode_record
 from store.index import Index, draft_key, pack, unpack
+from tools.faults.concurrency import kill_reader_holder
 
 REPO = Path(__file__).resolve().parents[1]
 NS = blake3.blake3(b"test namespace a").digest()
@@ -899,17 +899,6 @@ def test_several_processes_share_one_store(store_dir, store_invariants):
         assert maintenance.stats(store)["file_bytes"] > 128 << 10  # the map grew under the workers
 
 
-HOLDER = textwrap.dedent("""
-    import sys, time
-    from store import Store
-    store = Store.open(sys.argv[1], durable=False)
-    txn = store.env.read()
-    txn.__enter__()
-    txn.get(b"format", db=store.env.dbs["meta"])
-    print("ready", flush=True)
-    time.sleep(120)
-""")
-
 CHURN = textwrap.dedent("""
     import json, os, sys
     import numpy as np
@@ -929,21 +918,12 @@ CHURN = textwrap.dedent("""
 def test_stale_reader_of_a_killed_process_does_not_pin_old_pages(open_store, store_dir):
     store = new_store(open_store)  # this process keeps the environment open (the lock table stays live)
     put(store, [1, 2, 3])
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(store_dir)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait(timeout=30)
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
+    holder_pid = kill_reader_holder(str(store_dir), str(REPO))
     out = subprocess.run([sys.executable, "-c", CHURN, str(store_dir), NS.hex()], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     pids = {line.split()[0] for line in result["readers"].splitlines()[1:] if line.strip()}
-    assert str(holder.pid) not in pids
+    assert str(holder_pid) not in pids
     assert result["growth"] < 4 << 20  # freed pages are reused: 40 x 256 KiB would be 10 MiB
     assert store.lookup(NS, [1, 2, 3]).length == 3

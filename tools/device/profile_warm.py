@@ -17,18 +17,10 @@ import os
 import pstats
 import statistics
 import tempfile
-import time
 
 import numpy as np
 
-
-def timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from spec_cache.bench.timing import median_time as timed
 
 
 def main(argv=None) -> int:

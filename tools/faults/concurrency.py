@@ -43,6 +43,25 @@ time.sleep(600)
 """
 
 
+def kill_reader_holder(path: str, cwd: str) -> int:
+    """Start a process that opens the store at ``path`` and holds a read transaction, then SIGKILL it: the
+    situation a dead engine leaves behind (its reader slot stays in the lock table). Returns its pid."""
+    import os
+    import signal
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], cwd=cwd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready", "the holder process did not start"
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    return holder.pid
+
+
 def _say(**kw) -> None:
     sys.stdout.write(json.dumps(kw) + "\n")
     sys.stdout.flush()
