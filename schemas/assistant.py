@@ -7,7 +7,7 @@ so its checkpoint is one hidden row and the token count it covers.
 from __future__ import annotations
 
 from .attachment import CheckpointAttachment
-from .checks import expect_count, expect_float, expect_rank
+from .checks import expect_count, expect_float, expect_processed_tokens, expect_rank
 from .names import GEMMA_ASSISTANT_V1
 from .spec import AttachmentSchema, MetadataKey
 
@@ -17,12 +17,7 @@ ALIGNMENT = "invalid assistant checkpoint alignment"
 
 
 def _check(schema: AttachmentSchema, attachment: CheckpointAttachment, processed_tokens: int) -> None:
-    stored = attachment.metadata["processedTokens"]
-    if stored != processed_tokens:
-        raise schema.error(
-            "metadata.processedTokens",
-            f"{ALIGNMENT}: metadata.processedTokens={stored}, checkpoint processed_tokens={processed_tokens}",
-        )
+    expect_processed_tokens(schema, attachment.metadata, processed_tokens, ALIGNMENT)
     tensors = attachment.tensors
     expect_count(schema, tensors, 1, "[hidden]")
     shape = expect_rank(schema, tensors, 0, 3, "[1, 1, hiddenSize]")

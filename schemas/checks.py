@@ -99,3 +99,14 @@ def expect_pair(
     if k_dtype != v_dtype:
         raise schema.error(f"tensors[{v}].dtype", f"V dtype {v_dtype} differs from K (tensors[{k}]) {k_dtype}")
     return k_shape
+
+
+def expect_processed_tokens(schema: AttachmentSchema, metadata: Any, processed_tokens: int, alignment: str) -> None:
+    """``metadata.processedTokens`` must equal the checkpoint's ``processed_tokens``; ``alignment`` opens the
+    message (each schema keeps mlx-bun's own phrase)."""
+    stored = metadata["processedTokens"]
+    if stored != processed_tokens:
+        raise schema.error(
+            "metadata.processedTokens",
+            f"{alignment}: metadata.processedTokens={stored}, checkpoint processed_tokens={processed_tokens}",
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .attachment import CheckpointAttachment
 from .cache_headers import check_every_tensor_referenced, decode_cache_headers
-from .checks import expect_pair
+from .checks import expect_pair, expect_processed_tokens
 from .names import CACHE_CODECS_V1, DEEPSPEC_CONTEXT_V1, DFLASH_CONTEXT_V1
 from .spec import AttachmentSchema, MetadataKey
 
@@ -30,12 +30,7 @@ def check_codecs(schema: AttachmentSchema, attachment: CheckpointAttachment) -> 
 
 
 def _check(schema: AttachmentSchema, attachment: CheckpointAttachment, processed_tokens: int) -> None:
-    stored = attachment.metadata["processedTokens"]
-    if stored != processed_tokens:
-        raise schema.error(
-            "metadata.processedTokens",
-            f"{ALIGNMENT}: metadata.processedTokens={stored}, checkpoint processed_tokens={processed_tokens}",
-        )
+    expect_processed_tokens(schema, attachment.metadata, processed_tokens, ALIGNMENT)
     check_codecs(schema, attachment)
     tensors = attachment.tensors
     headers = decode_cache_headers(

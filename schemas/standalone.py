@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .attachment import CheckpointAttachment
 from .cache_headers import check_every_tensor_referenced, decode_cache_headers
-from .checks import expect_pair
+from .checks import expect_pair, expect_processed_tokens
 from .names import CACHE_CODECS_V1, STANDALONE_DRAFT_V1
 from .projected import check_codecs
 from .spec import AttachmentSchema, MetadataKey
@@ -25,12 +25,7 @@ CACHE_KINDS = ("kv", "qkv", "rotating", "arrays")
 
 def _check(schema: AttachmentSchema, attachment: CheckpointAttachment, processed_tokens: int) -> None:
     metadata = attachment.metadata
-    stored = metadata["processedTokens"]
-    if stored != processed_tokens:
-        raise schema.error(
-            "metadata.processedTokens",
-            f"{ALIGNMENT}: metadata.processedTokens={stored}, checkpoint processed_tokens={processed_tokens}",
-        )
+    expect_processed_tokens(schema, metadata, processed_tokens, ALIGNMENT)
     pending = metadata["pendingLast"]
     if pending is True or (not isinstance(pending, bool) and pending < 0):
         raise schema.error("metadata.pendingLast", f"expected a token id >= 0 or false, got {pending!r}")

@@ -37,9 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def blas_in_use() -> str:
-    return "openblas (LD_PRELOAD)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "mlx bundled reference BLAS"
+from spec_cache.bench.ttft import blas_in_use  # noqa: E402  (one answer for every bench, GPU included)
 
 
 def timed(fn):
