@@ -16,9 +16,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from schemas import DraftRowCheckpoint, SchemaError
-from store import InvalidInput, PutResult, Store, StoreError
-from store.keys import pack_tokens
+from spec_cache.schemas import DraftRowCheckpoint, SchemaError
+from spec_cache.store import InvalidInput, PutResult, Store, StoreError
+from spec_cache.store.keys import pack_tokens
 
 from .cache_state import (attachment_to_store, capture_caches, checkpoint_from_store, restore_caches,
                           restore_concat)
@@ -50,7 +50,7 @@ class SpecCache:
         self._registered: dict[bytes, tuple[str, str, bool]] = {}  # key -> what register_namespace was told
         self._promoter = None
         if shared is not None:  # promotion off the request's path: the restored state is used at once
-            from store.shared.queue import WriteBehind
+            from spec_cache.store.shared.queue import WriteBehind
 
             self._promoter = WriteBehind(shared.config.queue_bytes, self._promote, name="spec-cache-promote")
 
@@ -66,7 +66,7 @@ class SpecCache:
         if shared is None:
             return cls(store)
         try:
-            from store.shared import SharedConfig, SharedTier
+            from spec_cache.store.shared import SharedConfig, SharedTier
 
             tier = SharedTier(SharedConfig.of(shared, **(shared_options or {})), store)
         except BaseException:

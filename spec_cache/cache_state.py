@@ -21,9 +21,9 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from schemas import CheckpointAttachment, DraftRowCheckpoint
-from store import LayerState, Tensor
-from store.tensors import numpy_dtype
+from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint
+from spec_cache.store import LayerState, Tensor
+from spec_cache.store.tensors import numpy_dtype
 
 _MX_DTYPES = {
     "bool": mx.bool_, "uint8": mx.uint8, "uint16": mx.uint16, "uint32": mx.uint32, "uint64": mx.uint64,

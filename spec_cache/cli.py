@@ -107,7 +107,7 @@ def _emit(args, obj, human: str) -> None:
 
 
 def _open_store(args, *, write: bool = False):
-    from store import Store, StoreError
+    from spec_cache.store import Store, StoreError
 
     path = args.cache
     if not os.path.exists(os.path.join(path, "data.mdb")):  # never create a store just to inspect or evict it
@@ -120,7 +120,7 @@ def _open_store(args, *, write: bool = False):
 
 # --- commands -------------------------------------------------------------------------------------------
 def cmd_ls(args) -> int:
-    from store import maintenance
+    from spec_cache.store import maintenance
 
     with _open_store(args) as store:
         rows = maintenance.namespaces(store)
@@ -136,7 +136,7 @@ def _short(s: str, n: int) -> str:
 
 
 def cmd_show(args) -> int:
-    from store import maintenance
+    from spec_cache.store import maintenance
 
     with _open_store(args) as store:
         try:
@@ -157,7 +157,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from store import maintenance
+    from spec_cache.store import maintenance
 
     from spec_cache import shared_cli
 
@@ -171,7 +171,7 @@ def cmd_stats(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from store import maintenance
+    from spec_cache.store import maintenance
 
     with _open_store(args) as store:
         update, close = progress_bar(not args.json and sys.stderr.isatty(), "verify", "rec")
@@ -193,7 +193,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_evict(args) -> int:
-    from store import maintenance
+    from spec_cache.store import maintenance
 
     if not (args.all or args.namespace or args.drafter or args.older_than is not None or args.to_size is not None):
         raise CliError("evict needs at least one of --namespace, --drafter, --older-than, --to-size, --all")
@@ -213,7 +213,7 @@ def cmd_evict(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from store import maintenance
+    from spec_cache.store import maintenance
 
     with _open_store(args, write=True) as store:
         update, close = progress_bar(not args.json and sys.stderr.isatty(), "gc", "rec")
@@ -238,7 +238,7 @@ def cmd_identity(args) -> int:
     memo = None
     store = None
     if args.cache_memo and os.path.exists(os.path.join(args.cache, "data.mdb")):
-        from store import Store, StoreError
+        from spec_cache.store import Store, StoreError
         try:
             store = Store.open(args.cache)
             memo = store.memo()
@@ -352,7 +352,7 @@ def _tokens_arg(text: str) -> list[int]:
 def cmd_export_mlx_lm(args) -> int:
     from spec_cache.cache import SpecCache
     from spec_cache.interop import InteropError, export_mlx_lm, read_tokens
-    from store import maintenance
+    from spec_cache.store import maintenance
 
     try:
         tokens = read_tokens(args.tokens_file)
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # store errors, unreadable files: one line, never a traceback
         if os.environ.get("SPEC_CACHE_DEBUG"):
             raise
-        from store import StoreError
+        from spec_cache.store import StoreError
         message = str(exc) if isinstance(exc, (StoreError, OSError)) else f"{type(exc).__name__}: {exc}"
         print(f"spec-cache: error: {' '.join(message.split())}", file=sys.stderr)
         return EXIT_USAGE

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from schemas import DraftRowCheckpoint, SchemaError
+from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 
 from .kv_quant import converted_at, plan_kv, reusable
 from .quantized_rows import QuantizedTargetRows

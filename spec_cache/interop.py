@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from store import InvalidInput
+from spec_cache.store import InvalidInput
 
 from .cache import SpecCache
 from .identity import model_identity
@@ -107,7 +107,7 @@ def _layer_states(caches):
 
 
 def _namespace_info(cache: SpecCache, ns_key: bytes) -> dict:
-    from store.index import Index
+    from spec_cache.store.index import Index
 
     with cache.store.env.read() as txn:
         info = Index(txn, cache.store.env.dbs).nsinfo(ns_key)

@@ -17,8 +17,8 @@ def _child_main(src: str, dst: str) -> None:
     import json
     import sys
 
-    from store import StoreError
-    from store.repair import repair
+    from spec_cache.store import StoreError
+    from spec_cache.store.repair import repair
 
     def say(kind, value):
         sys.stdout.write(json.dumps([kind, value]) + "\n")

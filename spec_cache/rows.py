@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, r
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import mlx.core as mx
 
-    from schemas import DraftRowCheckpoint
+    from spec_cache.schemas import DraftRowCheckpoint
 
     from .sampling import Sampling
     from .target import TargetRows

@@ -30,8 +30,8 @@ def shared_url(args) -> str | None:
 
 def shared_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
     """Probe the server at ``url`` (see ``SharedTier.probe``); a bad URL raises ``CliError``."""
-    from store import StoreError
-    from store.shared import SharedConfig, SharedTier
+    from spec_cache.store import StoreError
+    from spec_cache.store.shared import SharedConfig, SharedTier
 
     from .cli import CliError
 

@@ -31,7 +31,7 @@ import blake3
 import msgpack
 import numpy as np
 
-from schemas.dtypes import DTYPE_ITEMSIZE, SAFETENSORS_DTYPE
+from spec_cache.schemas.dtypes import DTYPE_ITEMSIZE, SAFETENSORS_DTYPE
 
 from .errors import CorruptRecord, InvalidInput
 from .tensors import Tensor, as_numpy, numpy_dtype

@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from schemas import CheckpointAttachment, SchemaError, validate_attachment
-from schemas.errors import UnknownSchemaError
+from spec_cache.schemas import CheckpointAttachment, SchemaError, validate_attachment
+from spec_cache.schemas.errors import UnknownSchemaError
 
 from . import keys as K
 from .codec import CorruptRecord, check_key, copy_out, decode_record, encode_record, verify_checksum

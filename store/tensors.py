@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas.dtypes import DTYPE_ITEMSIZE, dtype_name
+from spec_cache.schemas.dtypes import DTYPE_ITEMSIZE, dtype_name
 
 from .errors import InvalidInput
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from schemas import SCHEMAS
+from spec_cache.schemas import SCHEMAS
 
 from .codec import CorruptRecord, check_key, decode_record
 from .errors import CorruptIndex

@@ -14,7 +14,7 @@ def store_dir(tmp_path):
 @pytest.fixture
 def open_store(store_dir):
     """``open_store(path=None, **kwargs)`` opens a ``store.Store`` (non-durable by default); closed at teardown."""
-    from store import Store
+    from spec_cache.store import Store
 
     opened = []
 
@@ -37,8 +37,8 @@ def store_invariants():
     equal the entries and child nodes that hang off them, every chunk has its node (a broken node keeps its
     bytes counted until gc), and LRU rows match the entries' last use.
     """
-    from store.index import TOTALS_KEY, draft_key, unpack
-    from store.keys import lru_key
+    from spec_cache.store.index import TOTALS_KEY, draft_key, unpack
+    from spec_cache.store.keys import lru_key
 
     def check(store) -> dict:
         dbs = store.env.dbs

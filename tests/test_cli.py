@@ -16,8 +16,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import NGRAM_HISTORY_V1, CheckpointAttachment
-from store import LayerState, Store, Tensor
+from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment
+from spec_cache.store import LayerState, Store, Tensor
 
 REPO = Path(__file__).resolve().parents[1]
 NS_A = bytes.fromhex("abcd01") + blake3.blake3(b"a").digest()[:29]

@@ -18,11 +18,11 @@ import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import DTYPE_ITEMSIZE, DTYPE_NAMES, SAFETENSORS_DTYPE
-from store import CorruptRecord, InvalidInput, Tensor
-from store.codec import (ALIGN, KINDS, MAX_HEADER_BYTES, PREFIX_SIZE, copy_out, decode_record, encode_record,
+from spec_cache.schemas import DTYPE_ITEMSIZE, DTYPE_NAMES, SAFETENSORS_DTYPE
+from spec_cache.store import CorruptRecord, InvalidInput, Tensor
+from spec_cache.store.codec import (ALIGN, KINDS, MAX_HEADER_BYTES, PREFIX_SIZE, copy_out, decode_record, encode_record,
                          payload_view)
-from store.tensors import numpy_dtype
+from spec_cache.store.tensors import numpy_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
+from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from tests.runtime_fixtures import DRAFTERS, PROMPTS, _identity_memo, build_tiny, plain_greedy, tiny  # noqa: F401
 

@@ -22,11 +22,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import CheckpointAttachment, SchemaError
-from schemas.names import GEMMA_ASSISTANT_V1, NGRAM_HISTORY_V1
-from store import LayerState, Store, StoreError, StoreFullError, StoreOpenError, Tensor, maintenance
-from store.index import Index
-from store.repair import repair
+from spec_cache.schemas import CheckpointAttachment, SchemaError
+from spec_cache.schemas.names import GEMMA_ASSISTANT_V1, NGRAM_HISTORY_V1
+from spec_cache.store import LayerState, Store, StoreError, StoreFullError, StoreOpenError, Tensor, maintenance
+from spec_cache.store.index import Index
+from spec_cache.store.repair import repair
 from tools.faults import concurrency, corruption, crash, hostile, space
 from tools.faults import workload as W
 
@@ -102,7 +102,7 @@ def test_truncated_file_is_refused_not_a_sigbus(filled):
     os.truncate(path / "data.mdb", os.path.getsize(path / "data.mdb") // 2)
     out = _in_child("""
         import sys
-        from store import Store, StoreOpenError
+        from spec_cache.store import Store, StoreOpenError
         try:
             Store.open(sys.argv[1])
         except StoreOpenError as exc:
@@ -220,7 +220,7 @@ def test_lmdb_page_damage_is_a_store_error_and_repair_salvages(filled, tmp_path)
     _zero_page_of(path, "nodes")
     out = _in_child("""
         import sys
-        from store import Store, StoreError, maintenance
+        from spec_cache.store import Store, StoreError, maintenance
         from tools.faults import workload as W
         with Store.open(sys.argv[1], durable=False) as store:
             v = maintenance.verify(store)
@@ -304,7 +304,7 @@ def test_repair_command(filled, tmp_path):
 def test_reads_never_fail_because_counters_cannot_be_written(tmp_path, monkeypatch):
     """Found: on a full store (everything pinned, map at its limit) a plain fetch raised StoreFullError because
     its batched hit/miss counters could not be flushed. Counters are best effort now."""
-    import store.env as store_env
+    import spec_cache.store.env as store_env
 
     monkeypatch.setattr(store_env, "MAX_MAP_SIZE", 8 << 20)
     rng = np.random.default_rng(0)
@@ -334,7 +334,7 @@ def test_reads_never_fail_because_counters_cannot_be_written(tmp_path, monkeypat
 def test_writers_clear_reader_slots_of_killed_processes(tmp_path, monkeypatch):
     """A reader SIGKILLed inside a transaction leaves its slot; a long-running writer (that never reopens the
     store) now clears such slots itself, so the pages the dead reader pinned are reused."""
-    import store.env as store_env
+    import spec_cache.store.env as store_env
 
     monkeypatch.setattr(store_env, "READER_CHECK_S", 0.0)
     with Store.open(tmp_path / "s", chunk_tokens=W.CHUNK_TOKENS, durable=False) as store:
@@ -404,7 +404,7 @@ def test_bad_checkpoints_are_refused_before_anything_changes(tmp_path, case):
 def _zero_page_of(path: Path, db: str) -> None:
     """Zero a live leaf page of sub-database ``db`` (a torn or lost B-tree page): among the leaf pages that hold
     its first key (stale copies sit in free pages too), the one whose loss LMDB's structure check notices."""
-    from store.structure import check_structure
+    from spec_cache.store.structure import check_structure
 
     with Store.open(path, durable=False) as store:
         with store.env.read() as txn:
@@ -481,7 +481,7 @@ def test_a_wrong_layer_signature_is_found_and_rebuilt(filled):
 def test_open_adopts_a_map_another_process_grew(tmp_path, monkeypatch):
     """Found (a flaky multi-process test): opening while another process grows the map failed with
     MDB_MAP_RESIZED. The open now adopts the new size and retries."""
-    import store.env as store_env
+    import spec_cache.store.env as store_env
 
     with Store.open(tmp_path / "s", durable=False):
         pass

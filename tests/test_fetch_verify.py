@@ -5,8 +5,8 @@ import lmdb
 import numpy as np
 import pytest
 
-from store import LayerState, Store, Tensor
-from store.store import ASYNC_VERIFY_BYTES
+from spec_cache.store import LayerState, Store, Tensor
+from spec_cache.store.store import ASYNC_VERIFY_BYTES
 
 NS = bytes(range(32))
 

@@ -150,7 +150,7 @@ def test_turbo_quant_is_refused_until_a_codec_exists(tiny, tmp_path):
     with SpecCache.open(tmp_path / "store") as cache:
         with pytest.raises(NotImplementedError, match="TurboQuant codec"):
             load(tiny, cache, "assistant", kv=KVOptions(turbo_quant={"kBits": 8, "vBits": 3}))
-        from store import maintenance
+        from spec_cache.store import maintenance
         assert maintenance.namespaces(cache.store) == []  # nothing registered for a refused configuration
 
 

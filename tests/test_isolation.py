@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spec_cache.namespace import namespace_key
-from store import LayerState, Store, Tensor, maintenance
+from spec_cache.store import LayerState, Store, Tensor, maintenance
 from tools.faults import timing
 
 HEX = "0123456789abcdef"

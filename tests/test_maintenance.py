@@ -8,10 +8,10 @@ import blake3
 import numpy as np
 import pytest
 
-from schemas import NGRAM_HISTORY_V1, CheckpointAttachment
-from store import LayerState, Tensor, maintenance
-from store.codec import encode_record
-from store.index import draft_key
+from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment
+from spec_cache.store import LayerState, Tensor, maintenance
+from spec_cache.store.codec import encode_record
+from spec_cache.store.index import draft_key
 
 NS_A = bytes.fromhex("abcd01") + blake3.blake3(b"a").digest()[:29]
 NS_B = bytes.fromhex("abcd02") + blake3.blake3(b"b").digest()[:29]  # shares the 4-digit prefix "abcd"

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, encode_cache_headers, validate_checkpoint
+from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, encode_cache_headers, validate_checkpoint
 from spec_cache.cache import SpecCache
 from spec_cache.drafters import detect_method, load_provider
 from spec_cache.engine import RowRequest, SpeculativeEngine

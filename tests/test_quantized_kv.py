@@ -293,7 +293,7 @@ def test_turbo_quant_is_refused_before_anything_is_registered(qtiny, tmp_path):
     with SpecCache.open(tmp_path / "store") as cache:
         with pytest.raises(NotImplementedError, match="TurboQuant codec"):
             Generator.load(qtiny.root / "target", cache=cache, kv=KVOptions(kv_bits=4, turbo_quant={"kBits": 8}))
-        from store import maintenance
+        from spec_cache.store import maintenance
 
         assert maintenance.namespaces(cache.store) == []
 

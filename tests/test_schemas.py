@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import schemas
-from schemas import (
+from spec_cache import schemas
+from spec_cache.schemas import (
     CACHE_CODECS_V1,
     DEEPSPEC_CONTEXT_V1,
     DFLASH_CONTEXT_V1,
@@ -206,7 +206,7 @@ def test_readme_documents_every_schema():
 
 
 def test_importing_schemas_loads_neither_mlx_nor_numpy():
-    code = "import sys, schemas; print('mlx' in sys.modules, 'numpy' in sys.modules)"
+    code = "import sys, spec_cache.schemas; print('mlx' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 

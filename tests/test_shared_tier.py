@@ -20,14 +20,14 @@ import pytest
 import redis
 from mlx_lm.models.cache import KVCache
 
-from schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
+from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
 from spec_cache import shared_cli
 from spec_cache.cache import CacheWarning, SpecCache
-from store import StoreError
-from store.shared import SharedConfig
-from store.shared.records import read_outgoing
-from store.shared.server import ThrowawayServer, free_port, server_binaries
-from store.shared.publish import PublishJob
+from spec_cache.store import StoreError
+from spec_cache.store.shared import SharedConfig
+from spec_cache.store.shared.records import read_outgoing
+from spec_cache.store.shared.server import ThrowawayServer, free_port, server_binaries
+from spec_cache.store.shared.publish import PublishJob
 
 BINARIES = server_binaries()
 pytestmark = pytest.mark.skipif(not BINARIES, reason="no redis-server or valkey-server binary installed")
@@ -578,7 +578,7 @@ def test_shared_stats_command(server, hosts, capsys, monkeypatch):
 
 
 def test_write_behind_queue_order_cap_and_close():
-    from store.shared.queue import WriteBehind
+    from spec_cache.store.shared.queue import WriteBehind
 
     gate, done = threading.Event(), []
 

@@ -22,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import NGRAM_HISTORY_V1, CheckpointAttachment, SchemaError
-from store import (CorruptRecord, InvalidInput, LayerState, Store, StoreFormatError, StoreFullError, Tensor,
+from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, SchemaError
+from spec_cache.store import (CorruptRecord, InvalidInput, LayerState, Store, StoreFormatError, StoreFullError, Tensor,
                    maintenance)
-from store.codec import encode_record
-from store.index import Index, draft_key, pack, unpack
+from spec_cache.store.codec import encode_record
+from spec_cache.store.index import Index, draft_key, pack, unpack
 from tools.faults.concurrency import kill_reader_holder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -355,7 +355,7 @@ def test_a_put_is_all_or_nothing(open_store, monkeypatch, store_invariants, meth
 
 
 def test_failing_encode_of_the_drafter_changes_nothing(open_store, monkeypatch):
-    import store.store as store_module
+    import spec_cache.store.store as store_module
 
     store = new_store(open_store)
     put(store, rng_tokens(6, 7), drafter=True)
@@ -375,7 +375,7 @@ def test_failing_encode_of_the_drafter_changes_nothing(open_store, monkeypatch):
 
 READER = textwrap.dedent("""
     import hashlib, json, sys
-    from store import Store
+    from spec_cache.store import Store
     ns, prompts = bytes.fromhex(sys.argv[2]), json.loads(sys.argv[3])
     out = []
     with Store.open(sys.argv[1], readonly=True) as store:
@@ -468,7 +468,7 @@ def test_other_lmdb_databases_are_refused_and_left_untouched(tmp_path):
 
 
 def test_unopenable_paths_raise_store_errors(tmp_path):
-    from store import StoreOpenError
+    from spec_cache.store import StoreOpenError
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreOpenError):
@@ -694,8 +694,8 @@ def test_namespace_counters(open_store):
 
 
 def test_counters_are_flushed_in_batches(open_store, monkeypatch):
-    import store.store as store_module
-    from store.store import FLUSH_EVERY
+    import spec_cache.store.store as store_module
+    from spec_cache.store.store import FLUSH_EVERY
 
     monkeypatch.setattr(store_module, "FLUSH_SECONDS", 3600.0)  # count-triggered flushes only
     store = new_store(open_store)
@@ -767,7 +767,7 @@ def test_eviction_holds_the_budget(store_invariants, budget_chunks, ops):
 
 def _entry_tokens(store) -> list[dict]:
     """Every entry's token list, reassembled from its chain (test helper; the store does not keep them)."""
-    from store.codec import decode_record
+    from spec_cache.store.codec import decode_record
 
     out = []
     with store.env.read() as txn:
@@ -902,7 +902,7 @@ def test_several_processes_share_one_store(store_dir, store_invariants):
 CHURN = textwrap.dedent("""
     import json, os, sys
     import numpy as np
-    from store import LayerState, Store, Tensor
+    from spec_cache.store import LayerState, Store, Tensor
     ns = bytes.fromhex(sys.argv[2])
     with Store.open(sys.argv[1], durable=False) as store:
         readers = store.env.env.readers()

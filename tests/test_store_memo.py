@@ -6,7 +6,7 @@ import pytest
 
 import spec_cache.identity as identity
 from spec_cache.identity import model_identity
-from store import Store
+from spec_cache.store import Store
 
 
 def model_dir(tmp_path):

@@ -22,7 +22,7 @@ def run(prompts: int = 100, prefix: int = 4096, suffix: int = 64, *, layers: int
 
     from spec_cache.cache_state import capture_caches
     from spec_cache.namespace import namespace_key
-    from store import Store, maintenance
+    from spec_cache.store import Store, maintenance
 
     rng = np.random.default_rng(0)
     total = prefix + suffix

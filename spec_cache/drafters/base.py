@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from schemas import DraftRowCheckpoint
+from spec_cache.schemas import DraftRowCheckpoint
 
 from ..rows import PreparedStateChange, apply_state_changes, check_keep
 from ..sampling import Sampling, TokenSampler

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from schemas import DEEPSPEC_CONTEXT_V1
+from spec_cache.schemas import DEEPSPEC_CONTEXT_V1
 
 from ..rows import check_per_row
 from .base import directory_namespace

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from schemas import DFLASH_CONTEXT_V1
+from spec_cache.schemas import DFLASH_CONTEXT_V1
 
 from ..rows import check_per_row
 from .base import directory_namespace

@@ -19,7 +19,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from schemas import (
+from spec_cache.schemas import (
     CACHE_CODECS_V1,
     STANDALONE_DRAFT_V1,
     CheckpointAttachment,

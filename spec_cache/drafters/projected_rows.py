@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
+from spec_cache.schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
 
 from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row
 from ..target import TargetModel, clone_batch_cache

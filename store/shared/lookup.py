@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas import CheckpointAttachment
+from spec_cache.schemas import CheckpointAttachment
 
 from .. import keys as K
 from ..errors import CorruptRecord

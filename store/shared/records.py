@@ -16,8 +16,8 @@ from typing import Iterable
 
 import numpy as np
 
-from schemas import CheckpointAttachment, SchemaError, validate_attachment
-from schemas.errors import UnknownSchemaError
+from spec_cache.schemas import CheckpointAttachment, SchemaError, validate_attachment
+from spec_cache.schemas.errors import UnknownSchemaError
 
 from ..codec import CHECKSUM_OFFSET, PREFIX_SIZE, Record, check_key, copy_out, decode_record
 from ..errors import CorruptRecord

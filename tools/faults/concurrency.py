@@ -33,7 +33,7 @@ BUDGET = 48 << 20
 ROLES = ("writer", "mixed", "reader", "operator")
 HOLDER = """
 import sys, time
-from store import Store
+from spec_cache.store import Store
 store = Store.open(sys.argv[1], durable=False)
 txn = store.env.read()
 txn.__enter__()
@@ -69,7 +69,7 @@ def _say(**kw) -> None:
 
 def worker(path: str, role: str, seed: int, seconds: float, operator: str = "evict,gc,verify") -> None:
     """One process of the run; prints JSON lines: commits, heartbeats, errors."""
-    from store import Store, maintenance
+    from spec_cache.store import Store, maintenance
 
     rng = np.random.default_rng(seed)
     end = time.monotonic() + seconds
@@ -152,7 +152,7 @@ def run(seconds: float = 60, procs: int = 4, *, seed: int = 0, hold_every_s: flo
     retired: list[_Proc] = []
     try:
         # create the store once so that the workers race on puts, not on creating it
-        from store import Store
+        from spec_cache.store import Store
         with Store.open(path, chunk_tokens=W.CHUNK_TOKENS, durable=False) as store:
             W.register(store)
         workers = [_Proc(path, role, seed * 1000 + i, seconds, operator) for i, role in enumerate(roles)]
@@ -244,7 +244,7 @@ def _hold_and_kill(path: str, rng, workers: list[_Proc], result: dict) -> None:
 
 
 def _final_check(path: str, pinned: set[str], result: dict) -> list[str]:
-    from store import Store, maintenance
+    from spec_cache.store import Store, maintenance
 
     failures = []
     with Store.open(path, durable=False) as store:

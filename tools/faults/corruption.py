@@ -40,7 +40,7 @@ def _specs():
 
 def build_pristine(path: str) -> dict:
     """The store every trial starts from: ~130 checkpoints over 3 namespaces, drafter parts, pins."""
-    from store import Store, maintenance
+    from spec_cache.store import Store, maintenance
     from tools.faults import workload as W
 
     specs = _specs()
@@ -204,7 +204,7 @@ def trial(pristine: str, workdir: str, seed: int, mode: str, log_path: str) -> N
     note(stage="damaged", what=what)
 
     from spec_cache.cli import main as cli_main
-    from store import Store, StoreError, maintenance
+    from spec_cache.store import Store, StoreError, maintenance
     from tools.faults import workload as W
 
     specs = _specs()
@@ -314,7 +314,7 @@ def run(trials: int = 1000, *, seed: int = 0, workdir: str | None = None, modes:
     modes = modes or MODES
     base = tempfile.mkdtemp(prefix="faults-corrupt-", dir=workdir)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["numpy", "lmdb", "msgpack", "blake3", "store", "schemas", "spec_cache.cli",
+    ctx.set_forkserver_preload(["numpy", "lmdb", "msgpack", "blake3", "spec_cache.store", "spec_cache.schemas", "spec_cache.cli",
                                 "tools.faults.workload"])
     rnd = random.Random(seed)
     started = time.monotonic()

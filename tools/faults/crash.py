@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from store import Store, maintenance
+from spec_cache.store import Store, maintenance
 from tools.faults import workload as W
 from tools.faults.common import LineReader, parser, python, report
 

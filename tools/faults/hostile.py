@@ -22,9 +22,9 @@ import blake3
 import msgpack
 import numpy as np
 
-from store.codec import ALIGN, PREFIX_SIZE, CorruptRecord, _unpack_header, decode_record, encode_record
-from store.errors import CorruptIndex
-from store.values import TOTALS_KEY, decode
+from spec_cache.store.codec import ALIGN, PREFIX_SIZE, CorruptRecord, _unpack_header, decode_record, encode_record
+from spec_cache.store.errors import CorruptIndex
+from spec_cache.store.values import TOTALS_KEY, decode
 
 INDEX_DBS = ("nodes", "entries", "nsinfo", "meta")
 MAX_SECONDS = 0.5

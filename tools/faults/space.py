@@ -32,8 +32,8 @@ def fill(path: str, *, puts: int, seed: int, map_size: int | None = None, max_ma
     failures. ``max_map`` caps map growth (a map that cannot grow); ``ballast`` is a file filling the disk,
     written after a third of the puts and deleted after two thirds; ``pin_all`` pins every checkpoint, so once
     the space is full nothing can be evicted and puts must fail cleanly."""
-    import store.env as store_env
-    from store import Store, StoreError, StoreFullError, maintenance
+    import spec_cache.store.env as store_env
+    from spec_cache.store import Store, StoreError, StoreFullError, maintenance
 
     if max_map is not None:
         store_env.MAX_MAP_SIZE = max_map
@@ -104,7 +104,7 @@ def _write_ballast(path: str, nbytes: int) -> None:
 
 
 def _check(store, committed: dict[str, bool]) -> dict:
-    from store import maintenance
+    from spec_cache.store import maintenance
 
     failures, present = [], 0
     for name, pinned in sorted(committed.items()):

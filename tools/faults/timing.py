@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from spec_cache.namespace import namespace_key
-from store import LayerState, Store, Tensor
+from spec_cache.store import LayerState, Store, Tensor
 from tools.faults.common import parser, report
 
 TARGET = "c" * 64

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import CheckpointAttachment
-from schemas.names import GEMMA_ASSISTANT_V1
+from spec_cache.schemas import CheckpointAttachment
+from spec_cache.schemas.names import GEMMA_ASSISTANT_V1
 from spec_cache.namespace import namespace_key
-from store import LayerState, Store, Tensor
+from spec_cache.store import LayerState, Store, Tensor
 
 CHUNK_TOKENS = 16
 TARGET_A, TARGET_B = "a" * 64, "b" * 64
