@@ -24,7 +24,7 @@ fi
 ldd "$SITE/mlx/lib/libmlx.so" | grep "not found" && echo "WARNING: libraries not found"
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 export SPEC_CACHE_GIT="$(cat .whl/p2/GIT_STATE 2>/dev/null)"
-if ! python3 -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, store"; then
+if ! python3 -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, spec_cache.store"; then
   # another session may be mid-edit in the working tree: fall back to the committed snapshot carried in .whl/p2/src
   echo "working tree does not import: using the HEAD snapshot"
   export PYTHONPATH=$SITE:$PWD/.whl/p2/src SPEC_CACHE_GIT="HEAD snapshot only: $SPEC_CACHE_GIT"
