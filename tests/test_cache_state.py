@@ -138,3 +138,136 @@ def test_mx_concat_restores_bit_identically(tmp_path, dtype):
     for x, y in zip((*caches[1].keys, *caches[1].values), (*q.keys, *q.values)):
         assert same(x[..., :70, :], y)
     assert same(to_mx(restored.layers[0].tensors[0]), a.keys)
+
+
+# --- the host -> MLX copy routes (spec_cache.device_copy), exercised here on the CPU ---------------------------
+_ROUTE_DTYPES = ["bool", "uint8", "int8", "uint16", "int16", "float16", "bfloat16", "uint32", "int32", "float32",
+                 "uint64", "int64", "complex64"]
+
+
+def _raw(dtype, shape, seed):
+    """Random bytes of ``dtype`` (bool: 0/1), with signed zeros and NaN payloads among the floats."""
+    from spec_cache.device_copy import _np_dtype
+
+    npd = _np_dtype(dtype)
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    if dtype == "bool":
+        return rng.integers(0, 2, n).astype(np.bool_).reshape(shape)
+    raw = rng.integers(0, 256, n * npd.itemsize, dtype=np.uint8).view(npd).reshape(shape)
+    if dtype in ("float16", "float32") and n >= 2:
+        flat = raw.reshape(-1)
+        flat[0] = -0.0
+        flat[1] = np.array(0xFFFF if dtype == "float16" else 0x7FC00001, dtype=np.uint32).astype(
+            np.uint16 if dtype == "float16" else np.uint32).view(flat.dtype)
+    return raw
+
+
+def _bytes_of(x):
+    x = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
+    return np.array(x).tobytes()
+
+
+def _pieces(whole, axis, cuts):
+    edges = [0] + cuts
+    idx = [slice(None)] * whole.ndim
+    out = []
+    for a, b in zip(edges, edges[1:]):
+        idx[axis] = slice(a, b)
+        out.append(whole[tuple(idx)])
+    return out
+
+
+@pytest.mark.parametrize("dtype", _ROUTE_DTYPES)
+@pytest.mark.parametrize("route", ["staging", "fresh"])
+def test_copy_routes_are_bit_identical(dtype, route):
+    """Every dtype, pieces of several sizes (one token, odd counts, one piece, a large piece split over
+    threads): the staging loader and the CPU single-copy route give back exactly the stored bytes."""
+    from spec_cache import device_copy
+    from spec_cache.cache_state import _MX_DTYPES
+
+    loader = device_copy.StagingLoader(capacity=1 << 20, threads=3, advise=False) if route == "staging" else None
+    concat = loader if loader is not None else device_copy.fresh_concat
+    try:
+        for seed, (shape, axis, cuts) in enumerate([((1, 2, 37, 8), 2, [1, 5, 20, 37]),
+                                                    ((3, 5), 1, [5]),
+                                                    ((1, 1, 3, 1), 2, [1, 2, 3]),
+                                                    ((1, 4, 1500, 96), 2, [256, 512, 1499, 1500]),
+                                                    ((2, 3, 700), 0, [1, 2])]):
+            whole = _raw(dtype, shape, seed)
+            out = concat(_pieces(whole, axis, cuts), axis, dtype)
+            assert out.dtype == _MX_DTYPES[dtype] and tuple(out.shape) == shape
+            assert _bytes_of(out) == whole.tobytes(), (dtype, shape)
+    finally:
+        if loader is not None:
+            loader.close()
+
+
+def test_staging_loader_reuses_its_buffer_without_changing_returned_arrays():
+    """Regions are reused (ring) and the buffer grows for a large tensor; arrays already returned never change."""
+    from spec_cache import device_copy
+
+    loader = device_copy.StagingLoader(capacity=4096, threads=2, advise=False)
+    kept = []
+    try:
+        for seed in range(40):
+            n = 1 + (seed * 37) % 300 if seed != 20 else 20000  # seed 20 outgrows the buffer
+            whole = _raw("float32", (1, 2, n, 4), seed)
+            kept.append((whole, loader(_pieces(whole, 2, [n // 2, n] if n > 1 else [1]), 2, "float32")))
+        assert loader.capacity > 4096
+        for whole, out in kept:
+            assert _bytes_of(out) == whole.tobytes()
+        device_copy.self_test(loader)
+    finally:
+        loader.close()
+
+
+def test_copier_splits_large_copies_over_threads():
+    from spec_cache import device_copy
+
+    copier = device_copy.Copier(threads=4)
+    try:
+        whole = _raw("uint16", (1, 8, 4096, 128), 9)
+        dst = np.zeros_like(whole)
+        copier.copy(dst, _pieces(whole, 2, [1024, 2048, 4000, 4096]), 2)
+        assert dst.tobytes() == whole.tobytes()
+    finally:
+        copier.close()
+
+
+@pytest.mark.parametrize("route", ["staging", "fresh", "numpy", "join"])
+def test_store_fetch_through_each_route(tmp_path, route, monkeypatch):
+    """``Store.fetch(concat=...)`` with each route gives the same caches (bfloat16 KV and a quantized layer)."""
+    from spec_cache import device_copy
+    from spec_cache.cache_state import restore_concat
+
+    caches = [kv(70, mx.bfloat16, seed=3), kv(70, mx.float16, seed=4).to_quantized(group_size=64, bits=4)]
+    if route == "staging":
+        concat = device_copy.StagingLoader(capacity=1 << 16, threads=2, advise=False)
+    else:
+        monkeypatch.setenv("SPEC_CACHE_COPY_ROUTE", route)
+        concat = restore_concat()
+    with SpecCache.open(tmp_path / "c", chunk_tokens=16) as cache:
+        ns = cache.namespace(TARGET, "p")
+        cache.save(ns, list(range(70)), caches)
+        restored = cache.store.fetch(ns, list(range(70)) + [1], concat=concat)
+    assert restored.length == 70
+    a, q = (from_layer_state(layer) for layer in restored.layers)
+    assert _bytes_of(a.keys) == _bytes_of(caches[0].keys[..., :70, :])
+    assert _bytes_of(a.values) == _bytes_of(caches[0].values[..., :70, :])
+    for x, y in zip((*caches[1].keys, *caches[1].values), (*q.keys, *q.values)):
+        assert _bytes_of(x[..., :70, :]) == _bytes_of(y)
+
+
+def test_restore_concat_on_this_machine_and_route_status(monkeypatch):
+    """On a CPU build: numpy assembly by default, no staging loader offered, and the status says why."""
+    from spec_cache import device_copy
+    from spec_cache.cache_state import restore_concat
+
+    monkeypatch.delenv("SPEC_CACHE_COPY_ROUTE", raising=False)
+    if device_copy.is_cuda():
+        pytest.skip("CUDA build: the staging route is exercised by tools/device")
+    assert device_copy.staging_loader() is None
+    assert "CUDA" in device_copy.status()
+    if not device_copy.is_gpu():
+        assert restore_concat() is None

@@ -1,0 +1,454 @@
+"""Host bytes into MLX arrays at the hardware's speed: the ``concat`` that ``Store.fetch`` uses on a restore.
+
+``Store.fetch(concat=...)`` hands over each token-sliceable tensor as pieces (numpy views into the LMDB map, valid
+only during the call) and keeps whatever ``concat(pieces, axis, dtype)`` returns. Three routes:
+
+* **Staging route (MLX's CUDA backend).** MLX's CUDA allocator hands out managed memory; pages a kernel touched
+  live on the GPU, and a host write into them faults at ~2.3-2.7 GB/s (``../shared/reference/platform-facts.md``
+  section 7). The loader keeps one reusable MLX staging buffer whose pages CUDA is advised to keep in host memory
+  (``cuMemAdvise``/``cudaMemAdvise`` SetPreferredLocation=host, SetAccessedBy=GPU 0, through ctypes). Several
+  threads copy the pieces into a writable numpy view of it (numpy's copy releases the GIL, host-resident pages
+  take writes at memcpy speed), then one device op copies that region into a fresh device array (``stage[a:b] +
+  0`` on 32-bit words: bit-exact for every dtype, ``-0.0`` and NaN payloads included), started asynchronously so
+  the GPU reads region ``i`` (at ~49 GB/s) while the host fills region ``i + 1``. The staging buffer never leaves
+  the loader: only arrays made from it by that device op do, and a region is written again only after the op
+  that read it has finished (a small fence array evaluated after it on the same stream).
+  Measured there: ~20 GB/s end to end against 1.3-2.0 GB/s for ``mx.array(numpy)`` + a device join.
+* **Join route (other GPUs, or when the staging route is not available):** ``cache_state.mx_concat``: each piece
+  copied into MLX once, joined on the device.
+* **CPU:** ``None`` (numpy assembles the tensor, one ``mx.array`` copy), or the single-copy route
+  ``fresh_concat`` below where it measured faster; see ``cache_state.restore_concat``.
+
+The staging route depends on an implementation detail of MLX's CUDA backend (managed memory), so it is detected
+at run time: the buffer must be managed memory, the advice must succeed, and a self-test round trip must give
+the bytes back; otherwise the loader is not offered and the join route is used. ``SPEC_CACHE_COPY_ROUTE``
+(``staging`` | ``join`` | ``numpy`` | ``fresh``) forces a route for benchmarks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger("spec_cache.device_copy")
+
+_MX_DTYPES = {
+    "bool": mx.bool_, "uint8": mx.uint8, "uint16": mx.uint16, "uint32": mx.uint32, "uint64": mx.uint64,
+    "int8": mx.int8, "int16": mx.int16, "int32": mx.int32, "int64": mx.int64, "float16": mx.float16,
+    "bfloat16": mx.bfloat16, "float32": mx.float32, "complex64": mx.complex64,
+}
+_NP_DTYPES = {"bool": np.bool_, "bfloat16": np.uint16}  # numpy has no bfloat16: its words travel as uint16
+
+#: a copy below this many bytes runs on the calling thread (a thread hand-off costs more than it saves)
+PARALLEL_MIN_BYTES = 2 << 20
+#: the share of work each thread gets is at least this many bytes
+TASK_MIN_BYTES = 1 << 20
+
+
+def _np_dtype(dtype: str):
+    return np.dtype(_NP_DTYPES.get(dtype, dtype))
+
+
+def is_gpu() -> bool:
+    return "gpu" in str(mx.default_device()).lower()
+
+
+def is_cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_available()) and is_gpu()
+    except Exception:
+        return False
+
+
+# --- copying pieces into a destination, on several threads ------------------------------------------------------
+def _split(dst: np.ndarray, src: np.ndarray, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(dst, src)`` split along their first axis longer than 1 into at most ``parts`` pairs."""
+    if parts <= 1:
+        return [(dst, src)]
+    for ax, n in enumerate(src.shape):
+        if n > 1:
+            parts = min(parts, n)
+            edges = [n * k // parts for k in range(parts + 1)]
+            idx = [slice(None)] * src.ndim
+            out = []
+            for a, b in zip(edges, edges[1:]):
+                idx[ax] = slice(a, b)
+                out.append((dst[tuple(idx)], src[tuple(idx)]))
+            return out
+    return [(dst, src)]
+
+
+def _copy_all(pairs) -> None:
+    for d, s in pairs:
+        np.copyto(d, s, casting="no")
+
+
+class Copier:
+    """Copies numpy pieces into a destination view, splitting large copies over a thread pool."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = max(1, threads if threads is not None else min(8, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="spec-cache-copy") \
+            if self.threads > 1 else None
+
+    def copy(self, dst: np.ndarray, pieces: list, axis: int) -> None:
+        """Write ``pieces`` one after another along ``axis`` into ``dst`` (whose shape is their join)."""
+        pairs, at = [], 0
+        idx = [slice(None)] * dst.ndim
+        for p in pieces:
+            p = np.asarray(p)
+            step = p.shape[axis]
+            idx[axis] = slice(at, at + step)
+            pairs.append((dst[tuple(idx)], p.view(dst.dtype) if p.dtype != dst.dtype else p))
+            at += step
+        total = dst.nbytes
+        workers = min(self.threads, total // TASK_MIN_BYTES) if self._pool is not None else 1
+        if workers <= 1 or total < PARALLEL_MIN_BYTES:
+            _copy_all(pairs)
+            return
+        # cut every pair into pieces of about total / (4 * workers) bytes, then deal them out by size
+        share = max(TASK_MIN_BYTES, total // (4 * workers))
+        tasks = []
+        for d, s in pairs:
+            tasks.extend(_split(d, s, -(-s.nbytes // share)))
+        groups: list[list] = [[] for _ in range(workers)]
+        loads = [0] * workers
+        for d, s in sorted(tasks, key=lambda t: -t[1].nbytes):
+            k = loads.index(min(loads))
+            groups[k].append((d, s))
+            loads[k] += s.nbytes
+        futures = [self._pool.submit(_copy_all, g) for g in groups[1:]]
+        _copy_all(groups[0])
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+# --- CUDA memory advice through ctypes -------------------------------------------------------------------------
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+_ADVISE_SET_PREFERRED_LOCATION = 3
+_ADVISE_SET_ACCESSED_BY = 5
+_LOCATION_DEVICE = 1
+_LOCATION_HOST = 2
+_CU_DEVICE_CPU = -1
+_CU_POINTER_ATTRIBUTE_IS_MANAGED = 8
+
+
+def _load(names) -> ctypes.CDLL | None:
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def _cudart_candidates() -> list[str]:
+    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    try:  # the CUDA runtime that pip's nvidia packages bring (MLX links its own statically)
+        import nvidia  # type: ignore
+
+        for base in list(getattr(nvidia, "__path__", [])):
+            for sub in ("cu13/lib", "cuda_runtime/lib"):
+                for so in ("libcudart.so.13", "libcudart.so.12"):
+                    path = os.path.join(base, sub, so)
+                    if os.path.exists(path):
+                        names.append(path)
+    except Exception:
+        pass
+    names += ["/usr/local/cuda/lib64/libcudart.so.13", "/usr/local/cuda/lib64/libcudart.so.12"]
+    found = ctypes.util.find_library("cudart")
+    if found:
+        names.append(found)
+    return names
+
+
+class CudaAdvice:
+    """``advise_host(ptr, n)``: keep managed pages in host memory, mapped for GPU 0; through the driver API
+    (libcuda, which MLX's CUDA build links) or else the runtime API (libcudart)."""
+
+    def __init__(self):
+        self.how = None
+        self._driver = _load(["libcuda.so.1", "libcuda.so"])
+        self._cudart = None
+
+    def _driver_context(self) -> bool:
+        cu = self._driver
+        ctx = ctypes.c_void_p()
+        if cu.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+            return True
+        dev = ctypes.c_int()
+        if cu.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+            return False
+        if cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+            return False
+        return cu.cuCtxSetCurrent(ctx) == 0
+
+    def is_managed(self, ptr: int) -> bool | None:
+        """Whether ``ptr`` is CUDA managed memory (None: could not ask)."""
+        cu = self._driver
+        if cu is None:
+            return None
+        try:
+            if not self._driver_context():
+                return None
+            flag = ctypes.c_uint(0)
+            rc = cu.cuPointerGetAttribute(ctypes.byref(flag), _CU_POINTER_ATTRIBUTE_IS_MANAGED, ctypes.c_uint64(ptr))
+            return bool(flag.value) if rc == 0 else None
+        except Exception:
+            return None
+
+    def advise_host(self, ptr: int, nbytes: int) -> bool:
+        errors = []
+        if self._driver is not None:
+            try:
+                if self._driver_context():
+                    cu = self._driver
+                    fn = getattr(cu, "cuMemAdvise_v2", None)
+                    if fn is not None:
+                        fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, _CUmemLocation]
+                        a = fn(ptr, nbytes, _ADVISE_SET_PREFERRED_LOCATION, _CUmemLocation(_LOCATION_HOST, 0))
+                        b = fn(ptr, nbytes, _ADVISE_SET_ACCESSED_BY, _CUmemLocation(_LOCATION_DEVICE, 0))
+                        if a == 0 and b == 0:
+                            self.how = "cuMemAdvise_v2 (libcuda)"
+                            return True
+                        errors.append(f"cuMemAdvise_v2 -> {a}, {b}")
+                    fn = cu.cuMemAdvise  # older ABI: a device ordinal, CU_DEVICE_CPU for the host
+                    fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+                    a = fn(ptr, nbytes, _ADVISE_SET_PREFERRED_LOCATION, _CU_DEVICE_CPU)
+                    b = fn(ptr, nbytes, _ADVISE_SET_ACCESSED_BY, 0)
+                    if a == 0 and b == 0:
+                        self.how = "cuMemAdvise (libcuda)"
+                        return True
+                    errors.append(f"cuMemAdvise -> {a}, {b}")
+                else:
+                    errors.append("no CUDA context")
+            except Exception as exc:  # a missing symbol, a foreign ABI
+                errors.append(f"libcuda: {exc}")
+        if self._cudart is None:
+            self._cudart = _load(_cudart_candidates())
+        rt = self._cudart
+        if rt is not None:
+            try:
+                version = ctypes.c_int(0)
+                rt.cudaRuntimeGetVersion(ctypes.byref(version))
+                if version.value >= 13000:  # CUDA 13: cudaMemAdvise takes a {type, id} location
+                    fn = rt.cudaMemAdvise
+                    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, _CUmemLocation]
+                    a = fn(ptr, nbytes, _ADVISE_SET_PREFERRED_LOCATION, _CUmemLocation(_LOCATION_HOST, 0))
+                    b = fn(ptr, nbytes, _ADVISE_SET_ACCESSED_BY, _CUmemLocation(_LOCATION_DEVICE, 0))
+                else:
+                    fn = rt.cudaMemAdvise
+                    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+                    a = fn(ptr, nbytes, _ADVISE_SET_PREFERRED_LOCATION, _CU_DEVICE_CPU)
+                    b = fn(ptr, nbytes, _ADVISE_SET_ACCESSED_BY, 0)
+                if a == 0 and b == 0:
+                    self.how = f"cudaMemAdvise (libcudart {version.value})"
+                    return True
+                errors.append(f"cudaMemAdvise -> {a}, {b}")
+            except Exception as exc:
+                errors.append(f"libcudart: {exc}")
+        else:
+            errors.append("no libcudart found")
+        self.how = "; ".join(errors) or "no CUDA library"
+        return False
+
+
+# --- the staging loader -----------------------------------------------------------------------------------------
+def _pointer(view: np.ndarray) -> int:
+    return int(view.__array_interface__["data"][0])
+
+
+class StagingLoader:
+    """``concat(pieces, axis, dtype)`` through a reusable host-resident MLX staging buffer (see module doc).
+
+    One loader per process is enough (``staging_loader()``); calls are serialized by a lock. ``advise=False``
+    skips the CUDA advice (the route still works, at managed-memory fault speed; on a CPU build it is a plain
+    staging copy), which the tests use.
+    """
+
+    ALIGN = 256  # each region starts on a 256-byte boundary (32-bit words; GPU-friendly)
+
+    def __init__(self, capacity: int = 256 << 20, threads: int | None = None, advise: bool = True,
+                 max_capacity: int = 4 << 30):
+        self.max_capacity = max_capacity
+        self.advise = advise
+        self.advice = CudaAdvice() if advise else None
+        self.copier = Copier(threads)
+        self._lock = threading.Lock()
+        self._pending: deque = deque()  # (start, end, fence): regions a device op may still be reading
+        self._pos = 0
+        self._stage = None
+        self._words = None
+        self._view = None
+        self.capacity = 0
+        self.bytes_in = 0
+        self._allocate(capacity)
+
+    # the buffer ---------------------------------------------------------------------------------------------
+    def _allocate(self, capacity: int) -> None:
+        self._wait_all()
+        capacity = -(-capacity // self.ALIGN) * self.ALIGN
+        # made on the CPU stream, so its pages are first touched by the host, never by a kernel
+        stage = mx.zeros((capacity // 4,), dtype=mx.uint32, stream=mx.cpu)
+        mx.eval(stage)
+        view = np.array(stage, copy=False).view(np.uint8)
+        if not view.flags.writeable or view.nbytes != capacity:
+            raise RuntimeError("MLX did not give a writable view of the staging buffer")
+        if self.advice is not None:
+            if not self.advice.advise_host(_pointer(view), capacity):
+                raise RuntimeError(f"CUDA memory advice failed: {self.advice.how}")
+        self._stage, self._view, self.capacity, self._pos = stage, view, capacity, 0
+
+    def _wait_all(self) -> None:
+        if self._pending:
+            mx.eval([f for _, _, f in self._pending])
+            self._pending.clear()
+
+    def _region(self, nbytes: int) -> int:
+        """Start of a free region of ``nbytes``: waits for device ops still reading it."""
+        size = -(-nbytes // self.ALIGN) * self.ALIGN
+        if size > self.capacity // 2:  # keep room for two regions in flight
+            self._allocate(min(max(2 * size, 2 * self.capacity), max(self.max_capacity, 2 * size)))
+        if self._pos + size > self.capacity:
+            self._pos = 0
+        start, end = self._pos, self._pos + size
+        keep = deque()
+        waits = []
+        for entry in self._pending:
+            if entry[0] < end and start < entry[1]:
+                waits.append(entry[2])
+            else:
+                keep.append(entry)
+        if waits:
+            mx.eval(waits)
+        self._pending = keep
+        self._pos = end
+        return start
+
+    # the route ----------------------------------------------------------------------------------------------
+    def __call__(self, pieces: list, axis: int, dtype: str) -> mx.array:
+        np_dtype = _np_dtype(dtype)
+        shape = list(np.asarray(pieces[0]).shape)
+        shape[axis] = sum(np.asarray(p).shape[axis] for p in pieces)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+        if nbytes == 0:
+            return mx.zeros(shape, dtype=_MX_DTYPES[dtype])
+        with self._lock:
+            start = self._region(nbytes)
+            dst = self._view[start:start + nbytes].view(np_dtype).reshape(shape)
+            self.copier.copy(dst, pieces, axis)
+            words = -(-nbytes // 4)
+            region = self._stage[start // 4:start // 4 + words]
+            copied = region + 0  # the device op: a fresh array, bit-exact (integer words)
+            out = copied if nbytes == 4 * words else copied.view(mx.uint8)[:nbytes]
+            out = out.view(_MX_DTYPES[dtype]).reshape(shape)
+            fence = copied[:1] + 0  # evaluated after ``copied`` on the same stream
+            mx.async_eval(out, fence)
+            self._pending.append((start, start + 4 * words, fence))
+            self.bytes_in += nbytes
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._wait_all()
+            self.copier.close()
+            self._stage = self._view = None
+
+
+def self_test(loader: StagingLoader) -> None:
+    """Round-trip every dtype width, odd sizes and signed zeros/NaN payloads; raise if any byte differs."""
+    rng = np.random.default_rng(0)
+    for dtype, shape, cut in (("bfloat16", (1, 2, 37, 8), [5, 20, 37]), ("float32", (2, 3, 11), [4, 11]),
+                              ("uint8", (1, 1, 13, 3), [1, 13]), ("float16", (1, 1, 9000, 130), [4000, 9000])):
+        npd = _np_dtype(dtype)
+        whole = rng.integers(0, 256, size=int(np.prod(shape)) * npd.itemsize, dtype=np.uint8).view(npd)
+        whole = whole.reshape(shape)
+        edges = [0] + cut
+        pieces = [whole[:, :, a:b] if len(shape) == 4 else whole[:, a:b] for a, b in zip(edges, edges[1:])]
+        axis = 2 if len(shape) == 4 else 1
+        out = loader(pieces, axis, dtype)
+        back = np.array(out.view(mx.uint16) if dtype == "bfloat16" else out)
+        if back.shape != whole.shape or back.tobytes() != whole.tobytes():
+            raise RuntimeError(f"staging self-test failed for {dtype} {shape}")
+
+
+_LOADER: StagingLoader | None = None
+_LOADER_STATE = {"tried": False, "why": None}
+_LOADER_LOCK = threading.Lock()
+
+
+def staging_loader() -> StagingLoader | None:
+    """The process's staging loader on MLX's CUDA backend, or None where it is not available (why: ``status()``)."""
+    global _LOADER
+    with _LOADER_LOCK:
+        if not _LOADER_STATE["tried"]:
+            _LOADER_STATE["tried"] = True
+            if not is_cuda():
+                _LOADER_STATE["why"] = "not MLX's CUDA backend"
+            else:
+                try:
+                    probe = mx.zeros((1024,), dtype=mx.uint32, stream=mx.cpu)
+                    mx.eval(probe)
+                    managed = CudaAdvice().is_managed(_pointer(np.array(probe, copy=False)))
+                    if managed is False:
+                        raise RuntimeError("MLX's buffers are not CUDA managed memory")
+                    loader = StagingLoader()
+                    self_test(loader)
+                    _LOADER = loader
+                    _LOADER_STATE["why"] = f"staging route on ({loader.advice.how}, managed={managed}, " \
+                                           f"{loader.copier.threads} copy threads)"
+                except Exception as exc:
+                    _LOADER_STATE["why"] = f"staging route off: {type(exc).__name__}: {exc}"
+                    log.info(_LOADER_STATE["why"])
+        return _LOADER
+
+
+def status() -> str:
+    """Which host-to-MLX route a restore takes here, and why."""
+    staging_loader()
+    return _LOADER_STATE["why"] or ""
+
+
+# --- CPU ------------------------------------------------------------------------------------------------------
+def fresh_concat(pieces: list, axis: int, dtype: str) -> mx.array:
+    """One copy on a CPU build: a new MLX array made by a CPU op, filled through its numpy view before anyone
+    else holds it (the array is never written again)."""
+    np_dtype = _np_dtype(dtype)
+    shape = list(np.asarray(pieces[0]).shape)
+    shape[axis] = sum(np.asarray(p).shape[axis] for p in pieces)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    if nbytes == 0:
+        return mx.zeros(shape, dtype=_MX_DTYPES[dtype])
+    out = mx.zeros(shape, dtype=mx.uint16 if dtype == "bfloat16" else _MX_DTYPES[dtype], stream=mx.cpu)
+    mx.eval(out)
+    dst = np.array(out, copy=False)
+    if not dst.flags.writeable:
+        raise RuntimeError("MLX did not give a writable view")
+    _cpu_copier().copy(dst.view(np_dtype), pieces, axis)
+    return out.view(mx.bfloat16) if dtype == "bfloat16" else out
+
+
+_CPU_COPIER: Copier | None = None
+
+
+def _cpu_copier() -> Copier:
+    global _CPU_COPIER
+    if _CPU_COPIER is None:
+        _CPU_COPIER = Copier(1)
+    return _CPU_COPIER
