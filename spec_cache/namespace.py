@@ -10,6 +10,12 @@ Three kinds of namespace string live here:
   is JavaScript ``JSON.stringify``; so this module carries an exact ``JSON.stringify`` (:func:`js_json_dumps`)
   and an exact ``Number.prototype.toString`` (:func:`js_number_to_string`).
 
+Capture and the namespace are pure and total over their types: they write whatever mlx-bun would write (a
+``kvConfig`` naming a layer twice, a zero group size) and refuse only what cannot be written exactly (non-ints,
+ints beyond 2**53 - 1). Whether options can *run* is :func:`check_runnable`'s question, asked at execution.
+:func:`resolve_prefix_namespace` is the one way from (drafter provider, adapter stack, options) to the prefix
+namespace; ``Generator.load`` and the mlx-lm import both use it.
+
 :func:`namespace_key` turns (target identity, prefix namespace, tenant) into the 32-byte key the store roots a
 namespace's prefix tree at. The target identity is not part of the namespace string (as in mlx-bun); it
 enters here.
@@ -37,7 +43,9 @@ __all__ = [
     "KVLayerConfig",
     "KVOptions",
     "adapter_namespace",
+    "cached_drafter_namespace",
     "capture_options",
+    "check_runnable",
     "drafter_namespace",
     "js_json_dumps",
     "js_number_to_string",
@@ -45,6 +53,7 @@ __all__ = [
     "namespace_key_hex",
     "ngram_namespace",
     "prefix_namespace",
+    "resolve_prefix_namespace",
 ]
 
 #: The group size the prefix namespace writes when ``kv_group_size`` is None (mlx-bun: ``kvGroupSize ?? 64``).
@@ -56,28 +65,34 @@ MAX_SAFE_INTEGER = 2**53 - 1
 # ---------------------------------------------------------------------------------------------------------
 # KV quantization options, captured when a request is bound
 
-def _check_int(label: str, value: Any, minimum: int) -> int:
+def _check_int(label: str, value: Any, minimum: int = -MAX_SAFE_INTEGER) -> int:
+    """``value`` as an int: refuses bool and non-integers, and ints outside [minimum, 2**53 - 1]."""
     if isinstance(value, bool):
         raise TypeError(f"{label} must be an int, not bool")
     if not isinstance(value, numbers.Integral):
         raise TypeError(f"{label} must be an int, not {type(value).__name__}")
     value = int(value)
     if value < minimum:
+        if minimum == -MAX_SAFE_INTEGER:
+            raise ValueError(f"{label} must be at least -(2**53 - 1) (JavaScript's smallest exact integer), "
+                             f"got {value}")
         raise ValueError(f"{label} must be >= {minimum}, got {value}")
     if value > MAX_SAFE_INTEGER:
         raise ValueError(f"{label} must be at most 2**53 - 1 (JavaScript's largest exact integer), got {value}")
     return value
 
 
-def _check_optional_int(label: str, value: Any, minimum: int) -> int | None:
-    return None if value is None else _check_int(label, value, minimum)
+def _check_optional_int(label: str, value: Any) -> int | None:
+    """None, or a JavaScript-exact int (any sign: ranges are :func:`check_runnable`'s business)."""
+    return None if value is None else _check_int(label, value)
 
 
 @dataclass(frozen=True)
 class KVLayerConfig:
     """The KV quantization of one layer (an mlx-bun ``kvConfig`` entry); None means the key is absent.
 
-    ``layer_idx`` >= 0; ``bits`` and ``group_size`` >= 1 when given.
+    Any JavaScript-exact int is held (|value| <= 2**53 - 1), as the namespace writes it; that ``layer_idx`` >= 0
+    and ``bits``/``group_size`` >= 1 is checked when the options are run (:func:`check_runnable`).
     """
 
     layer_idx: int
@@ -85,9 +100,9 @@ class KVLayerConfig:
     group_size: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_idx", _check_int("layer_idx", self.layer_idx, 0))
-        object.__setattr__(self, "bits", _check_optional_int("bits", self.bits, 1))
-        object.__setattr__(self, "group_size", _check_optional_int("group_size", self.group_size, 1))
+        object.__setattr__(self, "layer_idx", _check_int("layer_idx", self.layer_idx))
+        object.__setattr__(self, "bits", _check_optional_int("bits", self.bits))
+        object.__setattr__(self, "group_size", _check_optional_int("group_size", self.group_size))
 
     @classmethod
     def from_mapping(cls, entry: Mapping[str, Any], *, where: str = "kvConfig entry") -> KVLayerConfig:
@@ -104,9 +119,9 @@ class KVLayerConfig:
             if key in entry and entry[key] is None:
                 raise ValueError(f"{where}.{key} is None; leave the key out instead")
         return cls(
-            layer_idx=_check_int(f"{where}.layerIdx", entry["layerIdx"], 0),
-            bits=_check_optional_int(f"{where}.bits", entry.get("bits"), 1),
-            group_size=_check_optional_int(f"{where}.groupSize", entry.get("groupSize"), 1),
+            layer_idx=_check_int(f"{where}.layerIdx", entry["layerIdx"]),
+            bits=_check_optional_int(f"{where}.bits", entry.get("bits")),
+            group_size=_check_optional_int(f"{where}.groupSize", entry.get("groupSize")),
         )
 
 
@@ -121,13 +136,15 @@ class KVOptions:
     """The KV quantization settings that enter a prefix namespace (mlx-bun ``GenerateOptions`` fields).
 
     Immutable and hashable: ``turbo_quant`` is held as a :class:`FrozenJSONObject` (a deep copy) and
-    ``kv_config`` as a tuple sorted by ``layer_idx`` (each layer at most once). Two options give the same
-    prefix namespace exactly when they are equal, except that ``kv_group_size`` None and 64 are the same
-    (the namespace writes the default). ``quantized_kv_start`` None and its runtime default are *not* the
-    same (mlx-bun writes ``null``), so do not fill in defaults before capturing.
+    ``kv_config`` as a tuple sorted by ``layer_idx``, stably (a layer named twice stays twice, in the order
+    given, as mlx-bun's capture keeps it). Two options give the same prefix namespace exactly when they are
+    equal, except that ``kv_group_size`` None and 64 are the same (the namespace writes the default).
+    ``quantized_kv_start`` None and its runtime default are *not* the same (mlx-bun writes ``null``), so do not
+    fill in defaults before capturing.
 
-    Raises TypeError/ValueError naming the field for a wrong type or range: ints only (bool is not an
-    int), ``kv_bits``/``kv_group_size`` >= 1, ``quantized_kv_start`` >= 0, all at most 2**53 - 1.
+    Raises TypeError/ValueError naming the field for what the namespace cannot write exactly: ints only (bool
+    is not an int), each within +-(2**53 - 1). Values that cannot run (``kv_bits`` 0, a layer named twice) are
+    held and written; :func:`check_runnable` refuses them at execution.
     """
 
     kv_bits: int | None = None
@@ -138,9 +155,9 @@ class KVOptions:
 
     def __post_init__(self) -> None:
         setter = object.__setattr__
-        setter(self, "kv_bits", _check_optional_int("kv_bits", self.kv_bits, 1))
-        setter(self, "kv_group_size", _check_optional_int("kv_group_size", self.kv_group_size, 1))
-        setter(self, "quantized_kv_start", _check_optional_int("quantized_kv_start", self.quantized_kv_start, 0))
+        setter(self, "kv_bits", _check_optional_int("kv_bits", self.kv_bits))
+        setter(self, "kv_group_size", _check_optional_int("kv_group_size", self.kv_group_size))
+        setter(self, "quantized_kv_start", _check_optional_int("quantized_kv_start", self.quantized_kv_start))
         setter(self, "turbo_quant", _frozen_turbo_quant("turbo_quant", self.turbo_quant))
         setter(self, "kv_config", _sorted_layers("kv_config", self.kv_config))
 
@@ -168,9 +185,9 @@ class KVOptions:
                   else KVLayerConfig.from_mapping(entry, where=f"kvConfig[{i}]")
                   for i, entry in enumerate(raw_layers)]
         return cls(
-            kv_bits=_check_optional_int("kvBits", options.get("kvBits"), 1),
-            kv_group_size=_check_optional_int("kvGroupSize", options.get("kvGroupSize"), 1),
-            quantized_kv_start=_check_optional_int("quantizedKvStart", options.get("quantizedKvStart"), 0),
+            kv_bits=_check_optional_int("kvBits", options.get("kvBits")),
+            kv_group_size=_check_optional_int("kvGroupSize", options.get("kvGroupSize")),
+            quantized_kv_start=_check_optional_int("quantizedKvStart", options.get("quantizedKvStart")),
             turbo_quant=_frozen_turbo_quant("turboQuant", options.get("turboQuant")),
             kv_config=_sorted_layers("kvConfig", layers),
         )
@@ -191,11 +208,7 @@ def _sorted_layers(label: str, layers: Any) -> tuple[KVLayerConfig, ...]:
         if not isinstance(layer, KVLayerConfig):
             raise TypeError(f"{label}[{i}] must be a KVLayerConfig, not {type(layer).__name__} "
                             f"(KVOptions.from_mapping reads kvConfig dicts)")
-    ordered = tuple(sorted(layers, key=lambda layer: layer.layer_idx))  # stable, like mlx-bun's sort
-    for before, after in zip(ordered, ordered[1:]):
-        if before.layer_idx == after.layer_idx:
-            raise ValueError(f"{label} lists layer {after.layer_idx} more than once")
-    return ordered
+    return tuple(sorted(layers, key=lambda layer: layer.layer_idx))  # stable, like mlx-bun's Array.sort
 
 
 def capture_options(options: KVOptions | Mapping[str, Any]) -> KVOptions:
@@ -215,17 +228,16 @@ def capture_options(options: KVOptions | Mapping[str, Any]) -> KVOptions:
 # ---------------------------------------------------------------------------------------------------------
 # Namespace strings
 
-def _adapters_text(adapters: str | Sequence[str]) -> str:
+def _adapters_json(adapters: str | Sequence[str]) -> str:
+    """``adapters`` as ``JSON.stringify`` writes mlx-bun's ``string | string[]``: a string, or an array of them."""
     if isinstance(adapters, str):
-        return adapters
+        return _js_quote(adapters)
     if isinstance(adapters, (bytes, bytearray, Mapping)) or not isinstance(adapters, Sequence):
         raise TypeError(f"adapters must be a str or a sequence of str, not {type(adapters).__name__}")
     for i, entry in enumerate(adapters):
         if not isinstance(entry, str):
             raise TypeError(f"adapters[{i}] must be a str, not {type(entry).__name__}")
-        if not entry or "+" in entry:
-            raise ValueError(f"adapters[{i}] must be non-empty and free of '+', got {entry!r}")
-    return "+".join(adapters)
+    return "[" + ",".join(_js_quote(entry) for entry in adapters) + "]"
 
 
 def prefix_namespace(method: str | None, adapters: str | Sequence[str],
@@ -236,20 +248,24 @@ def prefix_namespace(method: str | None, adapters: str | Sequence[str],
                         quantizedKvStart: quantizedKvStart ?? null, turboQuant: turboQuant ?? null,
                         ...(kvConfig.length ? {kvConfig} : {})})
 
-    ``method`` is the drafter namespace; None leaves the key out (JavaScript ``undefined``). ``adapters`` is
-    the adapter namespace string (see :func:`adapter_namespace`); a sequence of entries is joined with
-    ``"+"`` first, which is what mlx-bun's call site passes (its ``string[]`` form would write a JSON array,
-    but no caller uses it). ``options`` are captured first (:func:`capture_options`), so ``kvConfig`` is
-    written sorted, each entry as ``{layerIdx, bits, groupSize}`` with absent fields left out.
+    ``method`` is the drafter namespace; None leaves the key out (JavaScript ``undefined``). ``adapters`` is a
+    str, written as a JSON string (what mlx-bun's call site passes: the adapter namespace, see
+    :func:`adapter_namespace`), or a sequence of str, written as a JSON array of them, any strs at all (mlx-bun's
+    ``string[]``). So ``["a@1", "b@2"]`` and ``"a@1+b@2"`` are different namespaces; the runtime passes the
+    string (:func:`resolve_prefix_namespace`). ``options`` are captured first (:func:`capture_options`), so
+    ``kvConfig`` is written sorted (stably), each entry as ``{layerIdx, bits, groupSize}`` with absent fields
+    left out.
 
-    Raises TypeError/ValueError for a non-str method, bad adapters or invalid options.
+    Raises TypeError/ValueError for a non-str method, adapters that are not a str or a sequence of str, or
+    options the namespace cannot write exactly (see :class:`KVOptions`); never for options that merely cannot
+    run (that is :func:`check_runnable`).
     """
     if method is not None and not isinstance(method, str):
         raise TypeError(f"method must be a str or None, not {type(method).__name__}")
-    adapters_text = _adapters_text(adapters)
+    adapters_json = _adapters_json(adapters)
     captured = capture_options(options)
     parts = [] if method is None else ['"method":' + _js_quote(method)]
-    parts.append('"adapters":' + _js_quote(adapters_text))
+    parts.append('"adapters":' + adapters_json)
     parts.append('"kvBits":' + _int_or_null(captured.kv_bits))
     group_size = captured.kv_group_size
     parts.append('"kvGroupSize":' + str(DEFAULT_KV_GROUP_SIZE if group_size is None else group_size))
@@ -272,6 +288,68 @@ def _layer_json(layer: KVLayerConfig) -> str:
     if layer.group_size is not None:
         text += ',"groupSize":' + str(layer.group_size)
     return text + "}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Execution: whether captured options can run, and the namespace the runtime stores under
+
+def check_runnable(options: KVOptions | Mapping[str, Any]) -> KVOptions:
+    """Capture ``options`` and refuse what no execution can run; returns the captured :class:`KVOptions`.
+
+    Capture and :func:`prefix_namespace` write any options mlx-bun would; this is the execution-time check
+    (``Generator.load`` calls it before anything is registered): ``kv_bits`` and ``kv_group_size`` >= 1,
+    ``quantized_kv_start`` >= 0, and per ``kv_config`` layer ``layer_idx`` >= 0, ``bits``/``group_size`` >= 1,
+    each layer at most once. What a particular model supports (bit widths, group sizes, layer count,
+    ``turbo_quant``) is checked later by ``spec_cache.kv_quant.plan_kv``. Raises ValueError naming the field.
+    """
+    captured = capture_options(options)
+    for label, value, minimum in (("kv_bits", captured.kv_bits, 1), ("kv_group_size", captured.kv_group_size, 1),
+                                  ("quantized_kv_start", captured.quantized_kv_start, 0)):
+        if value is not None and value < minimum:
+            raise ValueError(f"{label} must be >= {minimum}, got {value}")
+    seen: set[int] = set()
+    for i, layer in enumerate(captured.kv_config):
+        if layer.layer_idx < 0:
+            raise ValueError(f"kv_config[{i}].layer_idx must be >= 0, got {layer.layer_idx}")
+        for label, value in (("bits", layer.bits), ("group_size", layer.group_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"kv_config[{i}].{label} (layer {layer.layer_idx}) must be >= 1, got {value}")
+        if layer.layer_idx in seen:
+            raise ValueError(f"kv_config lists layer {layer.layer_idx} more than once")
+        seen.add(layer.layer_idx)
+    return captured
+
+
+def cached_drafter_namespace(provider: Any, adapters: Sequence[Any] = ()) -> str | None:
+    """The drafter namespace stored entries carry for ``provider`` under the adapter stack ``adapters``.
+
+    None without a provider, and None when adapters are applied and the provider is not valid under a target
+    adapter (``supports_target_adapters`` false): its rows are still drafted but only the target part is cached.
+    """
+    if provider is None:
+        return None
+    if len(adapters) and not getattr(provider, "supports_target_adapters", False):
+        return None
+    namespace = provider.namespace
+    if not isinstance(namespace, str):
+        raise TypeError(f"provider.namespace must be a str, not {type(namespace).__name__}")
+    return namespace
+
+
+def resolve_prefix_namespace(provider: Any, adapters: Sequence[Any], options: KVOptions | Mapping[str, Any]) -> str:
+    """The prefix namespace the runtime stores and looks up under: one definition for ``Generator.load`` and the
+    mlx-lm import.
+
+    ``provider``: the loaded draft provider (anything with ``namespace`` and ``supports_target_adapters``) or
+    None; ``spec_cache.drafters.open_provider`` turns a method and directory into one. ``adapters``: the resolved
+    adapter stack (``spec_cache.adapters.resolve_adapters``: items with ``id`` and ``revision``), ``()`` for the
+    base model. ``options``: KV options, captured here. Equals
+    ``prefix_namespace(cached_drafter_namespace(provider, adapters), adapter_namespace(stack), options)``.
+    """
+    if isinstance(adapters, (str, bytes, Mapping)) or not isinstance(adapters, Sequence):
+        raise TypeError(f"adapters must be the resolved adapter stack (a sequence), not {type(adapters).__name__}")
+    adapter_text = adapter_namespace([(a.id, a.revision) for a in adapters])
+    return prefix_namespace(cached_drafter_namespace(provider, adapters), adapter_text, capture_options(options))
 
 
 _SCHEMA_NAME = re.compile("[a-z0-9-]+-v[0-9]+")

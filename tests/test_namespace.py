@@ -30,7 +30,9 @@ from spec_cache.namespace import (
     KVLayerConfig,
     KVOptions,
     adapter_namespace,
+    cached_drafter_namespace,
     capture_options,
+    check_runnable,
     drafter_namespace,
     js_json_dumps,
     js_number_to_string,
@@ -38,6 +40,7 @@ from spec_cache.namespace import (
     namespace_key_hex,
     ngram_namespace,
     prefix_namespace,
+    resolve_prefix_namespace,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "namespaces.json"
@@ -51,45 +54,7 @@ T2 = hashlib.sha256(b"target-two").hexdigest()
 # ---------------------------------------------------------------------------------------------------------
 # The oracle: mlx-bun's two functions, verbatim, run by node. One process per test session, JSON lines.
 
-ORACLE_JS = r"""
-const readline = require("readline");
-const SENTINELS = { "\u0000NaN": NaN, "\u0000Infinity": Infinity, "\u0000-Infinity": -Infinity };
-const revive = (k, v) =>
-  (typeof v === "string" && Object.prototype.hasOwnProperty.call(SENTINELS, v)) ? SENTINELS[v] : v;
-
-// mlx-bun src/spec/cache-identity.ts (0.5.0), types removed
-function captureSpeculativeOptions(options) {
-  return { ...options,
-    ...(options.kvConfig ? { kvConfig: options.kvConfig.map(({ layerIdx, bits, groupSize }) =>
-      ({ layerIdx, bits, groupSize })).sort((a, b) => a.layerIdx - b.layerIdx) } : {}),
-    ...(options.turboQuant ? { turboQuant: { ...options.turboQuant } } : {}),
-  };
-}
-function speculativePrefixNamespace(method, adapters, options) {
-  return JSON.stringify({ method, adapters, kvBits: options.kvBits ?? null,
-    kvGroupSize: options.kvGroupSize ?? 64, quantizedKvStart: options.quantizedKvStart ?? null,
-    turboQuant: options.turboQuant ?? null,
-    ...(options.kvConfig?.length ? { kvConfig: options.kvConfig } : {}),
-  });
-}
-
-const rl = readline.createInterface({ input: process.stdin, crlfDelay: Infinity });
-rl.on("line", (line) => {
-  const req = JSON.parse(line, revive);
-  let out;
-  if (req.op === "namespace") {
-    out = speculativePrefixNamespace(req.method === null ? undefined : req.method, req.adapters,
-      captureSpeculativeOptions(req.options));
-  } else if (req.op === "stringify") {
-    out = JSON.stringify(req.value);
-  } else if (req.op === "numbers") {
-    out = req.values.map(String);
-  } else {
-    out = { error: "unknown op " + req.op };
-  }
-  process.stdout.write(JSON.stringify(out) + "\n");
-});
-"""
+ORACLE_JS = Path(__file__).parent / "golden" / "seed_cache_identity.js"  # shared with make_namespaces.py
 
 _NONFINITE = {"nan": "\u0000NaN", "inf": "\u0000Infinity", "-inf": "\u0000-Infinity"}
 
@@ -107,7 +72,7 @@ def to_oracle(value: Any) -> Any:
 
 class Oracle:
     def __init__(self, node: str) -> None:
-        self.proc = subprocess.Popen([node, "-e", ORACLE_JS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([node, str(ORACLE_JS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, encoding="utf-8", bufsize=1)
 
     def ask(self, request: dict[str, Any]) -> Any:
@@ -118,7 +83,9 @@ class Oracle:
         assert line, "node oracle died"
         return json.loads(line)
 
-    def namespace(self, method: str | None, adapters: str, options: dict[str, Any]) -> str:
+    def namespace(self, method: str | None, adapters: str | list[str], options: dict[str, Any]) -> str:
+        if not isinstance(adapters, str):
+            adapters = list(adapters)
         return self.ask({"op": "namespace", "method": method, "adapters": adapters, "options": to_oracle(options)})
 
     def stringify(self, value: Any) -> str:
@@ -190,19 +157,27 @@ json_values = st.recursive(
 )
 json_objects = st.dictionaries(keys, json_values, max_size=6).filter(_js_distinct_keys)
 
-safe_ints = st.one_of(st.integers(1, 16), st.integers(1, ns_module.MAX_SAFE_INTEGER))
+MAX_SAFE = ns_module.MAX_SAFE_INTEGER
+# The whole domain capture and the namespace accept: any JavaScript-exact int, runnable or not (0, negatives)
+safe_ints = st.one_of(st.integers(1, 16), st.integers(-2, 2), st.integers(-MAX_SAFE, MAX_SAFE),
+                      st.sampled_from([MAX_SAFE, -MAX_SAFE, 64]))
+layer_indices = st.one_of(st.integers(0, 6), st.integers(-3, 200), st.integers(-MAX_SAFE, MAX_SAFE),
+                          st.sampled_from([MAX_SAFE, -MAX_SAFE]))
 layer_entries = st.fixed_dictionaries(
-    {"layerIdx": st.integers(0, 200)},
+    {"layerIdx": layer_indices},
     optional={"bits": safe_ints, "groupSize": safe_ints, "extra": json_leaves},
 )
+# A layer may be named more than once: small index ranges make repeats common
+layer_lists = st.one_of(st.lists(layer_entries, max_size=6),
+                        st.lists(layer_entries.map(lambda e: {**e, "layerIdx": e["layerIdx"] % 3}), max_size=6))
 options_mappings = st.fixed_dictionaries(
     {},
     optional={
         "kvBits": st.none() | safe_ints,
         "kvGroupSize": st.none() | safe_ints,
-        "quantizedKvStart": st.none() | st.integers(0, 10_000) | st.just(ns_module.MAX_SAFE_INTEGER),
+        "quantizedKvStart": st.none() | st.integers(0, 10_000) | safe_ints,
         "turboQuant": st.none() | json_objects,
-        "kvConfig": st.none() | st.lists(layer_entries, max_size=6, unique_by=lambda e: e["layerIdx"]),
+        "kvConfig": st.none() | layer_lists,
         "temperature": floats,  # not a KV key: ignored
         "maxTokens": st.integers(0, 100),
     },
@@ -214,8 +189,15 @@ methods = st.one_of(
     st.builds(lambda s, h: f"{s}:{h}", st.sampled_from(["gemma-assistant-v1", "qwen-mtp-v1"]),
               st.binary(min_size=32, max_size=32).map(bytes.hex)),
 )
-adapter_texts = st.one_of(st.just(""), texts, st.lists(texts.filter(lambda t: t and "+" not in t), min_size=1,
-                                                         max_size=3).map("+".join))
+adapter_entries = st.one_of(texts, st.sampled_from(["", "+", "a@1", "a@1+b@2", "+a@1", "@", "[", '"]']))
+# mlx-bun's string | string[]: a string (the adapter namespace), or a list of any strings, written as a JSON array
+adapter_inputs = st.one_of(
+    st.just(""),
+    texts,
+    st.lists(adapter_entries, min_size=1, max_size=3).map("+".join),
+    st.lists(adapter_entries, max_size=4),
+    st.lists(adapter_entries, max_size=4).map(tuple),
+)
 
 oracle_settings = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -265,8 +247,7 @@ def test_golden_vector(case):
 @needs_node
 def test_golden_namespaces_agree_with_node(oracle):
     for case in _golden_cases():
-        adapters = case["adapters"] if isinstance(case["adapters"], str) else "+".join(case["adapters"])
-        assert oracle.namespace(case["method"], adapters, case["options"]) == case["namespace"], case["name"]
+        assert oracle.namespace(case["method"], case["adapters"], case["options"]) == case["namespace"], case["name"]
 
 
 def test_golden_keys_follow_the_documented_framing():
@@ -410,7 +391,7 @@ def test_prefix_namespace_defaults():
 def test_prefix_namespace_full():
     options = {"kvBits": 8, "kvGroupSize": 32, "quantizedKvStart": 0, "turboQuant": {},
                "kvConfig": [{"layerIdx": 7, "groupSize": 64, "note": "dropped"}, {"layerIdx": 2, "bits": 4}]}
-    assert prefix_namespace("ngram-history-v1:3:1", ["a@r1", "b@r2"], options) == (
+    assert prefix_namespace("ngram-history-v1:3:1", "a@r1+b@r2", options) == (
         '{"method":"ngram-history-v1:3:1","adapters":"a@r1+b@r2","kvBits":8,"kvGroupSize":32,'
         '"quantizedKvStart":0,"turboQuant":{},"kvConfig":[{"layerIdx":2,"bits":4},{"layerIdx":7,"groupSize":64}]}')
 
@@ -422,26 +403,70 @@ def test_empty_kv_config_is_left_out_and_empty_turbo_quant_is_an_object():
     assert '"turboQuant":null' in prefix_namespace(None, "", {"turboQuant": None})
 
 
-def test_adapter_sequence_is_joined():
-    assert prefix_namespace(None, ["x@1", "y@2"], {}) == prefix_namespace(None, "x@1+y@2", {})
-    assert prefix_namespace(None, [], {}) == prefix_namespace(None, "", {})
-    with pytest.raises(ValueError, match=r"adapters\[1\]"):
-        prefix_namespace(None, ["x@1", "y+z"], {})
-    with pytest.raises(ValueError, match=r"adapters\[0\]"):
-        prefix_namespace(None, [""], {})
+def test_adapter_list_is_a_json_array():
+    # mlx-bun's adapters: string | string[]; JSON.stringify writes a string[] as an array, entries as they are
+    assert prefix_namespace(None, ["x@1", "y@2"], {}).startswith('{"adapters":["x@1","y@2"],"kvBits"')
+    assert prefix_namespace(None, ["x@1", "y@2"], {}) != prefix_namespace(None, "x@1+y@2", {})
+    assert prefix_namespace(None, ("x@1", "y@2"), {}) == prefix_namespace(None, ["x@1", "y@2"], {})
+    assert prefix_namespace(None, [], {}).startswith('{"adapters":[],')
+    assert prefix_namespace(None, [""], {}).startswith('{"adapters":[""],')
+    assert prefix_namespace(None, ["y+z", "+", ""], {}).startswith('{"adapters":["y+z","+",""],')
+    assert prefix_namespace(None, ['"', "\ud800"], {}).startswith('{"adapters":["\\"","\\ud800"],')
+    texts = {prefix_namespace(None, adapters, {}) for adapters in
+             ["", [], [""], ["", ""], "+", ["+"], ["a", "b"], ["a+b"], "a+b", ["b", "a"], '["a"]', ["a"]]}
+    assert len(texts) == 12
     with pytest.raises(TypeError, match="adapters"):
         prefix_namespace(None, b"x@1", {})
+    with pytest.raises(TypeError, match="adapters"):
+        prefix_namespace(None, {"x@1": 1}, {})
+    with pytest.raises(TypeError, match="adapters"):
+        prefix_namespace(None, None, {})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"adapters\[0\]"):
         prefix_namespace(None, [1], {})
+    with pytest.raises(TypeError, match=r"adapters\[1\]"):
+        prefix_namespace(None, ["a", None], {})
     with pytest.raises(TypeError, match="method"):
         prefix_namespace(b"m", "", {})
 
 
+def test_kv_config_layer_named_twice_is_kept_in_stable_order():
+    first = {"kvConfig": [{"layerIdx": 3, "bits": 4}, {"layerIdx": 1}, {"layerIdx": 3, "bits": 8}]}
+    second = {"kvConfig": [{"layerIdx": 3, "bits": 8}, {"layerIdx": 1}, {"layerIdx": 3, "bits": 4}]}
+    assert prefix_namespace(None, "", first).endswith(
+        '"kvConfig":[{"layerIdx":1},{"layerIdx":3,"bits":4},{"layerIdx":3,"bits":8}]}')
+    assert prefix_namespace(None, "", second).endswith(
+        '"kvConfig":[{"layerIdx":1},{"layerIdx":3,"bits":8},{"layerIdx":3,"bits":4}]}')
+    captured = capture_options(first)
+    assert [(layer.layer_idx, layer.bits) for layer in captured.kv_config] == [(1, None), (3, 4), (3, 8)]
+    assert captured != capture_options(second)
+    twice = KVOptions(kv_config=(KVLayerConfig(0, 4), KVLayerConfig(0, 4)))
+    assert len(twice.kv_config) == 2 and twice != KVOptions(kv_config=(KVLayerConfig(0, 4),))
+
+
+def test_values_that_cannot_run_are_captured_and_written():
+    assert prefix_namespace(None, "", {"kvBits": 0, "kvGroupSize": 0, "quantizedKvStart": -1}) == \
+        '{"adapters":"","kvBits":0,"kvGroupSize":0,"quantizedKvStart":-1,"turboQuant":null}'
+    assert prefix_namespace(None, "", {"kvGroupSize": 0}) != prefix_namespace(None, "", {})  # 0 ?? 64 is 0
+    assert KVOptions(kv_bits=-MAX_SAFE).kv_bits == -MAX_SAFE
+    assert KVLayerConfig(-1, 0, -5) == KVLayerConfig(layer_idx=-1, bits=0, group_size=-5)
+
+
 @needs_node
 @oracle_settings
-@given(methods, adapter_texts, options_mappings)
+@given(methods, adapter_inputs, options_mappings)
 def test_prefix_namespace_matches_node(oracle, method, adapters, options):
-    assert prefix_namespace(method, adapters, options) == oracle.namespace(method, adapters, options)
+    expected = oracle.namespace(method, adapters, options)
+    assert prefix_namespace(method, adapters, options) == expected
+    assert prefix_namespace(method, adapters, capture_options(options)) == expected
+
+
+@needs_node
+@oracle_settings
+@given(st.lists(layer_entries.map(lambda e: {**e, "layerIdx": e["layerIdx"] % 4}), min_size=2, max_size=8),
+       adapter_inputs)
+def test_repeated_layers_match_node(oracle, layers, adapters):
+    options = {"kvBits": 8, "kvConfig": layers}
+    assert prefix_namespace("m", adapters, options) == oracle.namespace("m", adapters, options)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -451,22 +476,19 @@ def test_prefix_namespace_matches_node(oracle, method, adapters, options):
     ({"kvBits": True}, TypeError, "kvBits must be an int, not bool"),
     ({"kvBits": 8.0}, TypeError, "kvBits must be an int, not float"),
     ({"kvBits": "8"}, TypeError, "kvBits must be an int, not str"),
-    ({"kvBits": 0}, ValueError, "kvBits must be >= 1"),
-    ({"kvGroupSize": -64}, ValueError, "kvGroupSize must be >= 1"),
-    ({"quantizedKvStart": -1}, ValueError, "quantizedKvStart must be >= 0"),
     ({"quantizedKvStart": 2**53}, ValueError, "quantizedKvStart must be at most"),
+    ({"kvGroupSize": -(2**53)}, ValueError, r"kvGroupSize must be at least -\(2\*\*53 - 1\)"),
     ({"turboQuant": [8, 3]}, TypeError, "turboQuant must be a mapping"),
     ({"turboQuant": {"kBits": object()}}, TypeError, r"turboQuant\.kBits"),
     ({"turboQuant": {3: 8}}, TypeError, "keys must be str"),
     ({"kvConfig": {"layerIdx": 0}}, TypeError, "kvConfig must be a list"),
     ({"kvConfig": [3]}, TypeError, r"kvConfig\[0\] must be a mapping"),
     ({"kvConfig": [{"bits": 4}]}, ValueError, r"kvConfig\[0\]\.layerIdx is required"),
-    ({"kvConfig": [{"layerIdx": 0}, {"layerIdx": -1}]}, ValueError, r"kvConfig\[1\]\.layerIdx must be >= 0"),
+    ({"kvConfig": [{"layerIdx": 0}, {"layerIdx": 2**53}]}, ValueError, r"kvConfig\[1\]\.layerIdx must be at most"),
     ({"kvConfig": [{"layerIdx": False}]}, TypeError, r"kvConfig\[0\]\.layerIdx must be an int, not bool"),
     ({"kvConfig": [{"layerIdx": 1.0}]}, TypeError, r"kvConfig\[0\]\.layerIdx must be an int, not float"),
     ({"kvConfig": [{"layerIdx": 0, "bits": None}]}, ValueError, r"kvConfig\[0\]\.bits is None"),
-    ({"kvConfig": [{"layerIdx": 0, "groupSize": 0}]}, ValueError, r"kvConfig\[0\]\.groupSize must be >= 1"),
-    ({"kvConfig": [{"layerIdx": 3}, {"layerIdx": 3, "bits": 4}]}, ValueError, "layer 3 more than once"),
+    ({"kvConfig": [{"layerIdx": 0, "groupSize": 1.5}]}, TypeError, r"kvConfig\[0\]\.groupSize must be an int"),
     ({"kv_bits": 8}, ValueError, "'kv_bits' is not read; mlx-bun spells it 'kvBits'"),
 ])
 def test_from_mapping_errors_name_the_key(options, error, message):
@@ -479,14 +501,14 @@ def test_from_mapping_errors_name_the_key(options, error, message):
 def test_dataclass_validation_names_the_field():
     with pytest.raises(TypeError, match="kv_bits must be an int, not bool"):
         KVOptions(kv_bits=True)
-    with pytest.raises(ValueError, match="kv_group_size must be >= 1"):
-        KVOptions(kv_group_size=0)
+    with pytest.raises(ValueError, match="kv_group_size must be at most"):
+        KVOptions(kv_group_size=2**53)
     with pytest.raises(TypeError, match="turbo_quant must be a mapping"):
         KVOptions(turbo_quant=3)
     with pytest.raises(TypeError, match=r"kv_config\[0\] must be a KVLayerConfig"):
         KVOptions(kv_config=({"layerIdx": 0},))
-    with pytest.raises(ValueError, match="layer_idx must be >= 0"):
-        KVLayerConfig(layer_idx=-2)
+    with pytest.raises(ValueError, match="layer_idx must be at least"):
+        KVLayerConfig(layer_idx=-(2**53))
     with pytest.raises(TypeError, match="bits must be an int, not bool"):
         KVLayerConfig(layer_idx=0, bits=True)
     with pytest.raises(TypeError, match="options must be KVOptions or a mapping"):
@@ -626,8 +648,8 @@ def test_distinct_options_give_distinct_namespaces(a, b):
 @given(options_mappings)
 def test_equal_options_give_equal_namespaces(options):
     reordered = dict(reversed(list(options.items())))
-    if isinstance(options.get("kvConfig"), list):
-        reordered["kvConfig"] = list(reversed(options["kvConfig"]))
+    if isinstance(options.get("kvConfig"), list):  # another order, but a repeated layer's entries keep theirs
+        reordered["kvConfig"] = sorted(options["kvConfig"], key=lambda entry: -entry["layerIdx"])
     assert prefix_namespace(None, "", reordered) == prefix_namespace(None, "", options)
     assert capture_options(reordered) == capture_options(options)
     assert hash(capture_options(reordered)) == hash(capture_options(options))
@@ -744,7 +766,7 @@ def test_adapter_namespace():
     assert adapter_namespace([("a", "1"), ("b", "2")]) == "a@1+b@2"
     assert adapter_namespace([("b", "2"), ("a", "1")]) == "b@2+a@1"
     assert prefix_namespace(None, adapter_namespace([("a", "1"), ("b", "2")]), {}) == \
-        prefix_namespace(None, ["a@1", "b@2"], {})
+        prefix_namespace(None, "a@1+b@2", {}) != prefix_namespace(None, ["a@1", "b@2"], {})
     for bad in [("a@b", "1"), ("a+b", "1"), ("", "1"), ("a", ""), ("a", "1+2"), ("a", "1@2")]:
         with pytest.raises(ValueError, match=r"adapters\[0\]"):
             adapter_namespace([bad])
@@ -754,6 +776,99 @@ def test_adapter_namespace():
         adapter_namespace([("a", "1", "x")])  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"adapters\[1\] id"):
         adapter_namespace([("a", "1"), (2, "1")])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Execution: check_runnable refuses what capture keeps; resolve_prefix_namespace is the runtime's one path
+
+@pytest.mark.parametrize("options, message", [
+    ({"kvBits": 0}, "kv_bits must be >= 1, got 0"),
+    ({"kvGroupSize": -64}, "kv_group_size must be >= 1, got -64"),
+    ({"kvGroupSize": 0}, "kv_group_size must be >= 1, got 0"),
+    ({"quantizedKvStart": -1}, "quantized_kv_start must be >= 0, got -1"),
+    ({"kvConfig": [{"layerIdx": 0}, {"layerIdx": -1}]}, r"kv_config\[0\]\.layer_idx must be >= 0, got -1"),
+    ({"kvConfig": [{"layerIdx": 0, "bits": 0}]}, r"kv_config\[0\]\.bits \(layer 0\) must be >= 1"),
+    ({"kvConfig": [{"layerIdx": 2, "groupSize": 0}]}, r"kv_config\[0\]\.group_size \(layer 2\) must be >= 1"),
+    ({"kvConfig": [{"layerIdx": 3}, {"layerIdx": 3, "bits": 4}]}, "layer 3 more than once"),
+])
+def test_check_runnable_refuses_what_capture_keeps(options, message):
+    text = prefix_namespace(None, "", options)  # the pure functions accept it ...
+    assert capture_options(options) is not None
+    with pytest.raises(ValueError, match=message):  # ... execution does not
+        check_runnable(options)
+    with pytest.raises(ValueError, match=message):
+        check_runnable(capture_options(options))
+    assert text == prefix_namespace(None, "", capture_options(options))
+
+
+def _runnable(options: KVOptions) -> bool:
+    layers = [layer.layer_idx for layer in options.kv_config]
+    return ((options.kv_bits is None or options.kv_bits >= 1)
+            and (options.kv_group_size is None or options.kv_group_size >= 1)
+            and (options.quantized_kv_start is None or options.quantized_kv_start >= 0)
+            and all(idx >= 0 for idx in layers) and len(set(layers)) == len(layers)
+            and all(v is None or v >= 1 for layer in options.kv_config for v in (layer.bits, layer.group_size)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(options_mappings)
+def test_check_runnable_is_the_range_rule(options):
+    captured = capture_options(options)
+    if _runnable(captured):
+        assert check_runnable(options) == captured
+        assert check_runnable(captured) is captured
+    else:
+        with pytest.raises(ValueError):
+            check_runnable(options)
+
+
+def test_check_runnable_passes_what_runs():
+    for options in (KVOptions(), KVOptions(kv_bits=4, kv_group_size=32, quantized_kv_start=0),
+                    KVOptions(kv_config=(KVLayerConfig(0, 4), KVLayerConfig(1, group_size=64))),
+                    KVOptions(turbo_quant={"kBits": 8})):  # turbo_quant is plan_kv's to refuse, per model
+        assert check_runnable(options) is options
+    assert check_runnable({"kvBits": 8}) == KVOptions(kv_bits=8)
+    with pytest.raises(TypeError, match="options must be KVOptions or a mapping"):
+        check_runnable(None)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class _Provider:
+    namespace: str
+    supports_target_adapters: bool = False
+
+
+@dataclasses.dataclass
+class _Adapter:
+    id: str
+    revision: str
+
+
+def test_resolve_prefix_namespace():
+    assistant = _Provider(f"gemma-assistant-v1:{T1}")
+    ngram = _Provider("ngram-history-v1:3:1", supports_target_adapters=True)
+    stack = (_Adapter("style", T2), _Adapter("tone", T1))
+    kv = KVOptions(kv_bits=8, quantized_kv_start=0)
+    assert resolve_prefix_namespace(None, (), KVOptions()) == prefix_namespace(None, "", {})
+    assert resolve_prefix_namespace(assistant, (), kv) == prefix_namespace(assistant.namespace, "", kv)
+    assert resolve_prefix_namespace(ngram, stack, kv) == \
+        prefix_namespace(ngram.namespace, f"style@{T2}+tone@{T1}", kv)
+    # a drafter not valid under a target adapter: only the target part is cached, under no method
+    assert resolve_prefix_namespace(assistant, stack, kv) == prefix_namespace(None, f"style@{T2}+tone@{T1}", kv)
+    assert resolve_prefix_namespace(assistant, [], {"kvBits": 8, "quantizedKvStart": 0}) == \
+        resolve_prefix_namespace(assistant, (), kv)
+    assert cached_drafter_namespace(None, stack) is None
+    assert cached_drafter_namespace(assistant, ()) == assistant.namespace
+    assert cached_drafter_namespace(assistant, stack) is None
+    assert cached_drafter_namespace(ngram, stack) == ngram.namespace
+    with pytest.raises(TypeError, match="adapter stack"):
+        resolve_prefix_namespace(None, "style@x", kv)
+    with pytest.raises(ValueError, match="adapters"):
+        resolve_prefix_namespace(None, (_Adapter("a+b", T1),), kv)
+    with pytest.raises(TypeError, match="provider.namespace"):
+        resolve_prefix_namespace(_Provider(None), (), kv)  # type: ignore[arg-type]
+    # capture, not the run check: the pure path writes options that cannot run
+    assert '"kvBits":0' in resolve_prefix_namespace(None, (), {"kvBits": 0})
 
 
 def test_module_does_not_import_mlx():
