@@ -1,4 +1,8 @@
-"""Tests for ``store.codec``: the record format (a public contract), round trips, and corruption detection."""
+"""Tests for ``store.codec``: the record format (a public contract), round trips, and corruption detection.
+
+Every layout and corruption test runs on both record formats: 2 (XXH3-128 checksum, written today) and 1
+(blake3, written by earlier versions and still read).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import blake3
 import msgpack
 import numpy as np
 import pytest
+import xxhash
 import safetensors
 import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
@@ -20,11 +25,13 @@ from hypothesis import strategies as st
 
 from spec_cache.schemas import DTYPE_ITEMSIZE, DTYPE_NAMES, SAFETENSORS_DTYPE
 from spec_cache.store import CorruptRecord, InvalidInput, Tensor
-from spec_cache.store.codec import (ALIGN, KINDS, MAX_HEADER_BYTES, PREFIX_SIZE, copy_out, decode_record, encode_record,
-                         payload_view)
+from spec_cache.store.codec import (ALIGN, FORMAT_MAJOR, KINDS, MAX_HEADER_BYTES, PREFIX_SIZE, copy_out, decode_record,
+                                    encode_record, payload_view, verify_checksum)
 from spec_cache.store.tensors import numpy_dtype
 
 REPO = Path(__file__).resolve().parents[1]
+FORMATS = (1, 2)
+assert FORMAT_MAJOR == 2
 
 # --- helpers -------------------------------------------------------------------------------------------------
 
@@ -39,9 +46,13 @@ def random_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     return raw.view(numpy_dtype(dtype)).reshape(shape)
 
 
-def doc_checksum(buf: bytes) -> bytes:
-    """The checksum as the README documents it: blake3 of bytes 0..15, then everything after byte 48."""
-    return blake3.blake3(buf[:16] + buf[48:]).digest()
+def doc_checksum(buf: bytes, fmt: int | None = None) -> bytes:
+    """The checksum field as the README documents it, over bytes 0..15 then everything after byte 48:
+    format 2 XXH3-128 (big-endian digest) + 16 zero bytes, format 1 blake3."""
+    fmt = buf[4] if fmt is None else fmt
+    if fmt == 1:
+        return blake3.blake3(buf[:16] + buf[48:]).digest()
+    return xxhash.xxh3_128(buf[:16] + buf[48:]).digest() + bytes(16)
 
 
 def header_of(buf: bytes) -> dict:
@@ -49,15 +60,16 @@ def header_of(buf: bytes) -> dict:
     return msgpack.unpackb(buf[PREFIX_SIZE:PREFIX_SIZE + length], raw=False)
 
 
-def craft(header, payload: bytes, *, header_len: int | None = None, major: int = 1,
-          magic: bytes = b"SPCR") -> bytes:
-    """A record laid out as documented, with a *valid* checksum over an arbitrary (malicious) header."""
+def craft(header, payload: bytes, *, header_len: int | None = None, major: int = 2,
+          magic: bytes = b"SPCR", fmt: int | None = None) -> bytes:
+    """A record laid out as documented, with a *valid* checksum (of format ``fmt``, default: ``major``'s)
+    over an arbitrary (malicious) header."""
     raw = header if isinstance(header, bytes) else msgpack.packb(header, use_bin_type=True)
     hlen = len(raw) if header_len is None else header_len
     pad = (-(PREFIX_SIZE + len(raw))) % ALIGN
     body = raw + bytes(pad) + payload
     first16 = magic + struct.pack("<BBHII", major, 0, 0, hlen, 0)
-    return first16 + blake3.blake3(first16 + body).digest() + body
+    return first16 + doc_checksum(first16 + bytes(32) + body, fmt if fmt is not None else major) + body
 
 
 def assert_same_tensors(record, expected: list[tuple[str, str, np.ndarray]]) -> None:
@@ -82,23 +94,26 @@ def build(specs) -> list[tuple[str, str, np.ndarray]]:
     return [(f"t{i}", dtype, random_array(dtype, shape, seed)) for i, (dtype, shape, seed) in enumerate(specs)]
 
 
-def sample_record() -> tuple[bytes, list]:
+def sample_record(fmt: int = FORMAT_MAJOR) -> tuple[bytes, list]:
     tensors = [("k", "bfloat16", random_array("bfloat16", (1, 2, 3, 4), 1)),
                ("q", "uint32", random_array("uint32", (1, 2, 3, 2), 2)),
                ("s", "float16", random_array("float16", (1, 2, 3, 1), 3)),
                ("empty", "float32", np.zeros((2, 0), np.float32)),
                ("scalar", "int64", np.array(-7, np.int64))]
-    return bytes(encode_record("entry", tensors, schema=None, meta={"length": 3, "x": [1, "a"]})), tensors
+    return bytes(encode_record("entry", tensors, schema=None, meta={"length": 3, "x": [1, "a"]},
+                               format_major=fmt)), tensors
 
 
 # --- round trips ---------------------------------------------------------------------------------------------
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tensor_specs, st.sampled_from(KINDS), st.one_of(st.none(), st.text(min_size=1, max_size=30)), metas)
-def test_round_trip_any_dtype_shape_and_count(specs, kind, schema, meta):
+@given(tensor_specs, st.sampled_from(KINDS), st.one_of(st.none(), st.text(min_size=1, max_size=30)), metas,
+       st.sampled_from(FORMATS))
+def test_round_trip_any_dtype_shape_and_count(specs, kind, schema, meta, fmt):
     tensors = build(specs)
-    rec = encode_record(kind, tensors, schema=schema, meta=meta)
+    rec = encode_record(kind, tensors, schema=schema, meta=meta, format_major=fmt)
+    assert rec[4] == fmt and verify_checksum(rec)
     assert rec.dtype == np.uint8 and rec.ndim == 1
     for buf in (rec, bytes(rec), memoryview(bytes(rec)), bytearray(rec)):
         out = decode_record(buf)
@@ -169,11 +184,14 @@ def test_bfloat16_readable_by_safe_open(tmp_path):
         assert sliced.get_dtype() == "BF16" and list(sliced.get_shape()) == [4, 3]
 
 
-def test_documented_layout():
-    buf, tensors = sample_record()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_documented_layout(fmt):
+    buf, tensors = sample_record(fmt)
     magic, major, minor, reserved, hlen, reserved2 = struct.unpack_from("<4sBBHII", buf, 0)
-    assert (magic, major, minor, reserved, reserved2) == (b"SPCR", 1, 0, 0, 0)
-    assert buf[16:48] == doc_checksum(buf)
+    assert (magic, major, minor, reserved, reserved2) == (b"SPCR", fmt, 0, 0, 0)
+    assert buf[16:48] == doc_checksum(buf, fmt)
+    if fmt == 2:
+        assert buf[32:48] == bytes(16)
     header = header_of(buf)
     assert set(header) == {"kind", "schema", "meta", "tensors", "payload", "data"}
     assert header["kind"] == "entry" and header["schema"] is None
@@ -189,18 +207,23 @@ def test_documented_layout():
     assert payload_at + header["data"] + offset == len(buf)
 
 
-def test_encoding_is_deterministic_and_pinned():
-    """Format 1.0 is a public contract: the same input gives the same bytes, in this version and later ones."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_encoding_is_deterministic_and_pinned(fmt):
+    """Formats 1.0 and 2.0 are public contracts: the same input gives the same bytes, in this version and later
+    ones (format 1's pin predates format 2: a format 1 record is still written byte for byte as before)."""
     tensors = [("tokens", "uint32", np.arange(4, dtype=np.uint32)),
                ("L0.0", "bfloat16", np.arange(8, dtype=np.uint16).reshape(1, 2, 4)),
                ("L0.1", "float32", np.array([-1, -0.5, 0, 0.25, 0.5, 1], np.float32).reshape(1, 2, 3))]
-    a = bytes(encode_record("chunk", tensors, meta={"depth": 1, "start": 0}))
-    b = bytes(encode_record("chunk", tensors, meta={"depth": 1, "start": 0}))
+    a = bytes(encode_record("chunk", tensors, meta={"depth": 1, "start": 0}, format_major=fmt))
+    b = bytes(encode_record("chunk", tensors, meta={"depth": 1, "start": 0}, format_major=fmt))
     assert a == b
-    assert blake3.blake3(a).hexdigest() == GOLDEN_CHUNK_RECORD
+    assert blake3.blake3(a).hexdigest() == GOLDEN_CHUNK_RECORD[fmt]
+    if fmt == FORMAT_MAJOR:
+        assert bytes(encode_record("chunk", tensors, meta={"depth": 1, "start": 0})) == a
 
 
-GOLDEN_CHUNK_RECORD = "853d6f176a7637fde7bd6c4c25f20166d6303a00c4cc85472796c01efd3afcd1"
+GOLDEN_CHUNK_RECORD = {1: "853d6f176a7637fde7bd6c4c25f20166d6303a00c4cc85472796c01efd3afcd1",
+                       2: "a0b4e2cfe55f4b3914154e0b6e625c3507afbb44174503fadae55efb2a7cb80a"}
 
 
 def test_encode_refuses_bad_input():
@@ -232,18 +255,21 @@ def test_no_pickle_in_the_store():
 # --- corruption ----------------------------------------------------------------------------------------------
 
 
-def test_every_single_bit_flip_is_detected():
-    buf, tensors = sample_record()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_single_bit_flip_is_detected(fmt):
+    buf, tensors = sample_record(fmt)
     for pos in range(len(buf)):
         for bit in range(8):
             damaged = bytearray(buf)
             damaged[pos] ^= 1 << bit
             with pytest.raises(CorruptRecord):
                 decode_record(bytes(damaged))
+            assert not verify_checksum(bytes(damaged))  # what the store's deferred check relies on
 
 
-def test_every_truncation_and_extension_is_detected():
-    buf, _ = sample_record()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_truncation_and_extension_is_detected(fmt):
+    buf, _ = sample_record(fmt)
     for cut in range(len(buf)):
         with pytest.raises(CorruptRecord):
             decode_record(buf[:cut])
@@ -253,9 +279,9 @@ def test_every_truncation_and_extension_is_detected():
 
 
 @settings(max_examples=150, deadline=None)
-@given(tensor_specs, st.data())
-def test_random_damage_is_detected(specs, data):
-    buf = bytes(encode_record("chunk", build(specs), meta={"depth": 1}))
+@given(tensor_specs, st.data(), st.sampled_from(FORMATS))
+def test_random_damage_is_detected(specs, data, fmt):
+    buf = bytes(encode_record("chunk", build(specs), meta={"depth": 1}, format_major=fmt))
     how = data.draw(st.sampled_from(["flip", "truncate", "byte"]))
     damaged = bytearray(buf)
     if how == "truncate":
@@ -273,8 +299,8 @@ def test_random_damage_is_detected(specs, data):
     pytest.fail(f"{how} damage was not detected")
 
 
-def _good_header_and_payload():
-    buf, _ = sample_record()
+def _good_header_and_payload(fmt: int = FORMAT_MAJOR):
+    buf, _ = sample_record(fmt)
     header = header_of(buf)
     return header, buf[len(buf) - header["payload"]:]
 
@@ -293,9 +319,14 @@ def _row(header, index, **changes):
     return h
 
 
-def _crafted_cases():
-    header, payload = _good_header_and_payload()
+def _crafted_cases(fmt: int):
+    header, payload = _good_header_and_payload(fmt)
     big = 10**12
+
+    def craft(*args, **kwargs):
+        kwargs.setdefault("major", fmt)
+        return globals()["craft"](*args, **kwargs)
+
     cases = {
         "huge payload length": craft(_with(header, payload=2**63 - 1), payload),
         "negative payload length": craft(_with(header, payload=-5), payload),
@@ -343,13 +374,18 @@ def _crafted_cases():
         "header length 4 GiB": craft(header, payload, header_len=2**32 - 1),
         "header length too short": craft(header, payload, header_len=10),
         "header length zero": craft(header, payload, header_len=0),
-        "major 2": craft(header, payload, major=2),
+        "major 3": craft(header, payload, major=3, fmt=fmt),
+        "major 0": craft(header, payload, major=0, fmt=fmt),
+        "other format's checksum": craft(header, payload, fmt=3 - fmt),
         "bad magic": craft(header, payload, magic=b"SPCX"),
     }
+    if fmt == 2:
+        good = craft(header, payload)
+        cases["nonzero second half of the checksum field"] = good[:40] + b"\x01" + good[41:]
     return cases
 
 
-CRAFTED = _crafted_cases()
+CRAFTED = {f"{case} (format {fmt})": buf for fmt in FORMATS for case, buf in _crafted_cases(fmt).items()}
 
 
 @pytest.mark.parametrize("case", sorted(CRAFTED))
@@ -368,20 +404,22 @@ def test_crafted_headers_are_refused_quickly_and_cheaply(case):
     assert peak < len(buf) + (1 << 20), f"{case}: peak {peak} bytes"
 
 
-def test_the_sample_crafting_is_itself_valid():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_sample_crafting_is_itself_valid(fmt):
     """The crafted cases above differ from a valid record only in what each names."""
-    header, payload = _good_header_and_payload()
-    buf, tensors = sample_record()
-    assert craft(header, payload) == buf
-    assert_same_tensors(decode_record(craft(header, payload)), tensors)
+    header, payload = _good_header_and_payload(fmt)
+    buf, tensors = sample_record(fmt)
+    assert craft(header, payload, major=fmt) == buf
+    assert_same_tensors(decode_record(craft(header, payload, major=fmt)), tensors)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("unit", [b"\x90", b"\x80", b"\xa2ab", b"\xc0"])
-def test_largest_allowed_header_bomb_allocates_boundedly(unit):
+def test_largest_allowed_header_bomb_allocates_boundedly(unit, fmt):
     """A header of the largest allowed size full of tiny containers or strings stays within ~20 MiB."""
     count = (MAX_HEADER_BYTES - 5) // len(unit)
     raw = b"\xdd" + struct.pack(">I", count) + unit * count
-    buf = craft(raw, b"")
+    buf = craft(raw, b"", major=fmt)
     tracemalloc.start()
     try:
         with pytest.raises(CorruptRecord):
@@ -391,4 +429,4 @@ def test_largest_allowed_header_bomb_allocates_boundedly(unit):
         tracemalloc.stop()
     assert peak < 24 << 20
     with pytest.raises(CorruptRecord):  # one byte more than allowed: refused before parsing
-        decode_record(craft(raw + b"\xc0" * (MAX_HEADER_BYTES - len(raw) + 1), b""))
+        decode_record(craft(raw + b"\xc0" * (MAX_HEADER_BYTES - len(raw) + 1), b"", major=fmt))
