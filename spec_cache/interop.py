@@ -5,18 +5,23 @@ safetensors file of cache states, metadata ``model`` and ``tokenizer_config``), 
 target identity under ``spec_cache_*`` metadata keys. ``import_mlx_lm`` reads such a file into the store. mlx-lm
 files carry no token ids, so the caller gives them; the cache must cover exactly that many tokens and fit the
 model (layer count, KV geometry), and a file written by spec-cache must name the same target identity.
+
+The namespace an import stores under is the one ``Generator.load`` would look up for the same drafter, adapters
+and KV options: :func:`import_prefix_namespace` goes through ``spec_cache.namespace.resolve_prefix_namespace``,
+as ``Generator.load`` does.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from spec_cache.store import InvalidInput
 
 from .cache import SpecCache
 from .identity import model_identity
+from .namespace import KVOptions, check_runnable, resolve_prefix_namespace
 
 
 class InteropError(ValueError):
@@ -59,6 +64,25 @@ def export_mlx_lm(cache: SpecCache, ns_key: bytes, tokens: Sequence[int], out_pa
         raise InteropError("the output file name must end in .safetensors (mlx-lm's prompt-cache format)")
     save_prompt_cache(out_path, restored.caches, metadata)
     return restored.length
+
+
+def import_prefix_namespace(drafter_dir: str | Path | None = None, method: str | None = None, adapters: Any = "",
+                            kv: KVOptions | Mapping[str, Any] = KVOptions(), memo: Any = None) -> str:
+    """The prefix namespace ``Generator.load(target, drafter_dir, method, kv=kv, adapters=adapters)`` stores under,
+    for :func:`import_mlx_lm`'s ``prefix_namespace``.
+
+    ``drafter_dir``/``method`` as ``spec_cache.drafters.open_provider`` takes them (the drafter is loaded to learn
+    its namespace); ``adapters`` as ``spec_cache.adapters.resolve_adapters`` takes them (``""``/None: the base
+    model); ``kv`` is checked with ``check_runnable`` (a namespace no generator can run is refused). ``memo``: an
+    identity memo (``cache.store.memo()``), optional. Raises ValueError, TypeError or FileNotFoundError.
+    """
+    from .adapters import resolve_adapters
+    from .drafters import open_provider
+
+    options = check_runnable(kv)
+    stack = resolve_adapters(adapters, memo)
+    provider = open_provider(drafter_dir, method)
+    return resolve_prefix_namespace(provider, stack, options)
 
 
 def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tokens: Sequence[int], *,

@@ -17,8 +17,11 @@ from mlx_lm.utils import load
 
 from spec_cache.adapters import ADAPTER_IDENTITY_SEED, resolve_adapters
 from spec_cache.cache import SpecCache
+from spec_cache.drafters import open_provider
 from spec_cache.generator import Generator
 from spec_cache.identity import artifact_identity
+from spec_cache.interop import import_prefix_namespace
+from spec_cache.namespace import KVLayerConfig, KVOptions, cached_drafter_namespace, resolve_prefix_namespace
 from spec_cache.tiny import write_tiny_adapter, write_tiny_target
 from tests.runtime_fixtures import _identity_memo, build_tiny  # noqa: F401
 
@@ -132,3 +135,34 @@ def test_bad_adapters_are_refused(lora, tmp_path):
     with pytest.raises(ValueError, match="free of"):
         resolve_adapters([("a+b", lora.adapters[0])])
     assert resolve_adapters("") == () and resolve_adapters(None) == ()
+
+
+# The one namespace path: Generator.load and the mlx-lm import (interop.import_prefix_namespace) agree
+
+IMPORT_KV = [KVOptions(), KVOptions(kv_bits=8, kv_group_size=32, quantized_kv_start=0)]
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "ngram-dir", "assistant", "draft-model", "deepspec", "dflash"])
+@pytest.mark.parametrize("stack", ["base", "one", "two"])
+def test_import_namespace_is_the_generators(lora, method, stack):
+    adapters = {"base": "", "one": [lora.adapters[0]], "two": lora.adapters}[stack]
+    drafter = lora.drafter_dir("ngram") if method == "ngram-dir" else (
+        None if method in (None, "ngram") else lora.drafter_dir(method))
+    method_arg = "ngram" if method == "ngram" else None
+    for kv in IMPORT_KV:
+        gen = Generator.load(lora.root / "target", drafter, method_arg, kv=kv, adapters=adapters)
+        assert import_prefix_namespace(drafter, method_arg, adapters, kv) == gen.prefix_namespace
+        provider = open_provider(drafter, method_arg)
+        assert resolve_prefix_namespace(provider, gen.adapters, kv) == gen.prefix_namespace
+        assert cached_drafter_namespace(provider, gen.adapters) == gen.drafter_namespace
+
+
+def test_import_namespace_refuses_what_generator_load_refuses(lora):
+    with pytest.raises(ValueError, match="needs a drafter directory"):
+        import_prefix_namespace(None, "assistant")
+    with pytest.raises(ValueError, match="kv_bits must be >= 1"):
+        import_prefix_namespace(kv={"kvBits": 0})
+    with pytest.raises(ValueError, match="more than once"):
+        import_prefix_namespace(kv=KVOptions(kv_config=(KVLayerConfig(0, 4), KVLayerConfig(0, 8))))
+    with pytest.raises(ValueError, match="not an adapter directory"):
+        import_prefix_namespace(adapters="lora-a@" + "1" * 64)

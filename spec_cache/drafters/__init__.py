@@ -13,13 +13,23 @@ Architectures and config keys: docs/DRAFTERS.md.
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METHODS", "detect_method", "load_provider"]
+__all__ = ["METHODS", "detect_method", "load_provider", "open_provider"]
 
-METHODS = ("assistant", "draft-model", "ngram", "deepspec", "dflash")
+#: method -> (module, provider class): the one list of drafter methods (the CLI's ``--method`` choices too)
+_PROVIDERS = {
+    "assistant": ("assistant", "AssistantProvider"),
+    "draft-model": ("draft_model", "DraftModelProvider"),
+    "ngram": ("ngram", "NgramProvider"),
+    "deepspec": ("deepspec", "DeepSpecProvider"),
+    "dflash": ("dflash", "DFlashProvider"),
+}
+#: the drafter methods, in the order the docs list them
+METHODS: tuple[str, ...] = tuple(_PROVIDERS)
 
 
 def detect_method(model_dir: str | Path) -> str:
@@ -39,27 +49,33 @@ def detect_method(model_dir: str | Path) -> str:
     return method
 
 
+def _provider_class(method: str) -> Any:
+    if method not in _PROVIDERS:
+        raise ValueError(f"unknown drafter method {method!r}; known: {', '.join(METHODS)}")
+    module, name = _PROVIDERS[method]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
 def load_provider(model_dir: str | Path, method: str | None = None) -> Any:
     """Load the draft provider in ``model_dir`` (``method`` None: :func:`detect_method`)."""
     method = detect_method(model_dir) if method is None else method
-    if method == "assistant":
-        from .assistant import AssistantProvider
+    return _provider_class(method).load(model_dir)
 
-        return AssistantProvider.load(model_dir)
-    if method == "draft-model":
-        from .draft_model import DraftModelProvider
 
-        return DraftModelProvider.load(model_dir)
+def open_provider(drafter_dir: str | Path | None = None, method: str | None = None) -> Any:
+    """The draft provider of a (directory, method) choice, or None for no drafter: what ``Generator.load`` and the
+    mlx-lm import both take.
+
+    A directory: :func:`load_provider` (``method`` None: detected). No directory: ``ngram`` gives the default
+    n-gram provider, None gives None, any other method raises ValueError (it needs a directory; an unknown
+    method is named as such).
+    """
+    if drafter_dir is not None:
+        return load_provider(drafter_dir, method)
+    if method is not None and method not in _PROVIDERS:
+        raise ValueError(f"unknown drafter method {method!r}; known: {', '.join(METHODS)}")
     if method == "ngram":
-        from .ngram import NgramProvider
-
-        return NgramProvider.load(model_dir)
-    if method == "deepspec":
-        from .deepspec import DeepSpecProvider
-
-        return DeepSpecProvider.load(model_dir)
-    if method == "dflash":
-        from .dflash import DFlashProvider
-
-        return DFlashProvider.load(model_dir)
-    raise ValueError(f"unknown drafter method {method!r}; known: {', '.join(METHODS)}")
+        return _provider_class("ngram")()
+    if method is not None:
+        raise ValueError(f"method {method!r} needs a drafter directory")
+    return None
