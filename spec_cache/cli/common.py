@@ -1,0 +1,160 @@
+"""What every ``spec-cache`` command shares: the one-line error, exit codes, argument types, output helpers and
+opening a store for inspection. Imports nothing from the rest of the CLI and never imports MLX."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+from tqdm import tqdm
+
+from spec_cache.store import Store, StoreError
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """A one-line message for the user; exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage block)
+        raise CliError(f"{message} (see '{self.prog} --help')")
+
+
+def default_cache_dir() -> str:
+    """``$SPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/spec-cache/store`` (``~/.cache`` without XDG)."""
+    if os.environ.get("SPEC_CACHE_DIR"):
+        return os.environ["SPEC_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "spec-cache", "store")
+
+
+# --- argument types -------------------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1048576``, ``512M``/``512MiB`` (binary) or ``2GB`` (decimal)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90s``, ``30m``, ``12h``, ``7d``, ``1w`` (a bare number is seconds)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 12h, 7d)")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2) or "s"]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def token_list(text: str) -> list[int]:
+    """``1,2,3`` (spaces allowed) as a non-empty list of non-negative token ids."""
+    try:
+        tokens = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
+    if not tokens or any(t < 0 for t in tokens):
+        raise argparse.ArgumentTypeError("token ids must be a non-empty list of non-negative integers")
+    return tokens
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def human_age(ns: int | None) -> str:
+    if not ns:
+        return "never"
+    s = max(0.0, time.time() - ns / 1e9)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def short(s: str, n: int) -> str:
+    """``s`` cut to ``n`` characters, the last one an ellipsis when cut."""
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """Left-aligned columns under a header and a rule."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+
+    def line(r):
+        return "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def emit(args, obj, human: str) -> None:
+    """Print ``obj`` as one line of JSON under ``--json``, else the ``human`` text."""
+    print(json.dumps(obj, indent=None, sort_keys=True) if args.json else human)
+
+
+def progress_bar(enabled: bool, desc: str, unit: str = "it", unit_scale: bool = False, min_total: int = 0):
+    """``(update, close)``: ``update(done, total)`` draws a tqdm bar on stderr once ``total >= min_total``;
+    both are no-ops when not ``enabled``."""
+    if not enabled:
+        return None, lambda: None
+    state = {"bar": None}
+
+    def update(done: int, total: int):
+        bar = state["bar"]
+        if bar is None:
+            if total < min_total:
+                return
+            bar = state["bar"] = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
+                                      leave=False)
+        if bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    def close():
+        if state["bar"] is not None:
+            state["bar"].close()
+    return update, close
+
+
+# --- stores ---------------------------------------------------------------------------------------------------
+def require_store(path: str) -> None:
+    """Refuse a path without ``data.mdb``: a store is never created just to be inspected, evicted or repaired."""
+    if not os.path.exists(os.path.join(path, "data.mdb")):
+        raise CliError(f"no spec-cache store at {path} (set --cache or SPEC_CACHE_DIR)")
+
+
+def open_store(args, *, write: bool = False) -> Store:
+    """The existing store at ``--cache`` (read-only unless ``write``); problems become a ``CliError``."""
+    require_store(args.cache)
+    try:
+        return Store.open(args.cache, readonly=not write)
+    except StoreError as exc:
+        raise CliError(str(exc)) from None

@@ -1,0 +1,184 @@
+"""Inspection and maintenance commands: ls, show, stats, verify, evict, gc, identity.
+
+Each is a few lines over ``spec_cache.store.maintenance`` and ``spec_cache.identity``; none imports MLX (a test
+runs every one in a fresh process and fails if ``mlx`` or ``mlx_lm`` got imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from spec_cache.identity import ModelDirError, model_identity
+from spec_cache.store import Store, StoreError, maintenance
+
+from . import shared
+from .common import (EXIT_OK, EXIT_PROBLEMS, CliError, emit, human_age, human_bytes, open_store, parse_duration,
+                     parse_size, progress_bar, short, table)
+
+SIZE_FIELDS = ("bytes", "max_bytes", "map_size", "file_bytes")
+
+
+def _resolve(store, prefix: str) -> bytes:
+    try:
+        return maintenance.resolve_namespace(store, prefix)
+    except KeyError as exc:
+        raise CliError(exc.args[0]) from None
+
+
+def _ls_row(r: dict, wide: bool) -> list:
+    """One ``ls`` line; ``wide`` keeps everything that tells two namespaces apart uncut."""
+    key, target, pns = r["key"], r["target"], r["prefix_namespace"]
+    if not wide:
+        key, target, pns = key[:16], target[:12], short(pns, 60)
+    return [key, target, pns, r["entries"], human_bytes(r["bytes"]), r["hits"], r["misses"],
+            human_age(r["last_use_ns"])]
+
+
+def cmd_ls(args) -> int:
+    with open_store(args) as store:
+        rows = maintenance.namespaces(store)
+    human = table([_ls_row(r, args.wide) for r in rows],
+                  ["NAMESPACE", "TARGET", "PREFIX NAMESPACE", "ENTRIES", "BYTES", "HITS", "MISSES", "LAST USE"])
+    emit(args, {"namespaces": rows}, human if rows else "no namespaces")
+    return EXIT_OK
+
+
+def cmd_show(args) -> int:
+    with open_store(args) as store:
+        ns = _resolve(store, args.namespace)
+        info = next(n for n in maintenance.namespaces(store) if n["key"] == ns.hex())
+        rows = maintenance.entries(store, ns)
+    entries = table([[r["key"][:16], r["tokens"], human_bytes(r["bytes"]), ",".join(r["drafters"]) or "-",
+                      "yes" if r["pinned"] else "", human_age(r["last_use_ns"])] for r in rows],
+                    ["ENTRY", "TOKENS", "BYTES", "DRAFTERS", "PINNED", "LAST USE"])
+    human = "\n".join([f"namespace   {info['key']}", f"target      {info['target']}",
+                       f"prefix ns   {info['prefix_namespace']}", f"tenant      {'yes' if info['tenant'] else 'no'}",
+                       f"entries     {info['entries']}  ({human_bytes(info['bytes'])})",
+                       f"hits/misses {info['hits']}/{info['misses']}", "", entries])
+    emit(args, {"namespace": info, "entries": rows}, human)
+    return EXIT_OK
+
+
+def cmd_stats(args) -> int:
+    with open_store(args) as store:
+        s = maintenance.stats(store)
+    human = "\n".join(f"{k:<14}{human_bytes(v) if k in SIZE_FIELDS else v}" for k, v in s.items())
+    human += shared.extend_stats(args, s)
+    emit(args, s, human)
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    with open_store(args) as store:
+        update, close = progress_bar(not args.json and sys.stderr.isatty(), "verify", "rec")
+        try:
+            report = maintenance.verify(store, update)
+        finally:
+            close()
+    d = report.as_dict()
+    if not d["structure_checked"]:
+        structure = "page structure not checked (needs py-lmdb >= 3.0)"
+    else:
+        structure = f"page structure {'ok' if not d['structure_problems'] else str(d['structure_problems']) + ' problems'}"
+    human = (f"{d['records']} records: {d['ok']} ok, {d['corrupt']} corrupt, {d['unknown_schema']} unknown schema; "
+             f"{d['index_problems']} index problems; {structure}"
+             + "".join(f"\n  corrupt {r['db']} {r['key'][:16]}: {r['error']}" for r in d["corrupt_keys"])
+             + "".join(f"\n  index: {x}" for x in d["index_details"])
+             + "".join(f"\n  structure: {x}" for x in d["structure_details"]))
+    emit(args, d, human)
+    # unknown schemas are not damage (a newer spec-cache may share this store): reported, exit 0
+    return EXIT_PROBLEMS if report.damaged else EXIT_OK
+
+
+def cmd_evict(args) -> int:
+    if not (args.all or args.namespace or args.drafter or args.older_than is not None or args.to_size is not None):
+        raise CliError("evict needs at least one of --namespace, --drafter, --older-than, --to-size, --all")
+    with open_store(args, write=True) as store:
+        ns = _resolve(store, args.namespace) if args.namespace else None
+        report = maintenance.evict(store, namespace=ns, drafter=args.drafter, older_than_s=args.older_than,
+                                   to_size=args.to_size, everything=args.all)
+    d = {"entries": report.entries, "drafter_parts": report.drafter_parts, "bytes": report.bytes}
+    emit(args, d, f"evicted {report.entries} entries, {report.drafter_parts} drafter parts, "
+                  f"{human_bytes(report.bytes)}")
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    with open_store(args, write=True) as store:
+        update, close = progress_bar(not args.json and sys.stderr.isatty(), "gc", "rec")
+        try:
+            r = maintenance.gc(store, update)
+        finally:
+            close()
+    d = {"corrupt_removed": r.corrupt_removed, "broken_subtrees": r.broken_subtrees,
+         "orphans_removed": r.orphans_removed, "bytes": r.bytes, "index_rows_removed": r.index_rows_removed,
+         "namespaces_rebuilt": r.namespaces_rebuilt, "entries_removed": r.entries_removed,
+         "counters_fixed": r.counters_fixed}
+    emit(args, d, f"removed {r.corrupt_removed} corrupt records, {r.broken_subtrees} broken chunk subtrees, "
+                  f"{r.orphans_removed} orphans ({human_bytes(r.bytes)})")
+    return EXIT_OK
+
+
+def _memo_store(args) -> Store | None:
+    """The store at ``--cache`` for its identity memo, when asked for and it exists; else None."""
+    if not args.cache_memo or not os.path.exists(os.path.join(args.cache, "data.mdb")):
+        return None
+    try:
+        return Store.open(args.cache)
+    except StoreError:
+        return None
+
+
+def cmd_identity(args) -> int:
+    update, close = progress_bar(not args.json and sys.stderr.isatty(), "hashing", "B", True,
+                                 min_total=256 << 20)  # a bar only where hashing takes a noticeable time
+    store = _memo_store(args)
+    try:
+        start = time.perf_counter()
+        digest = model_identity(args.dir, config_name=args.config_name, memo=None if store is None else store.memo(),
+                                progress=update)
+        elapsed = time.perf_counter() - start
+    except (ModelDirError, FileNotFoundError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        close()
+        if store is not None:
+            store.close()
+    emit(args, {"dir": str(Path(args.dir).resolve()), "identity": digest, "seconds": round(elapsed, 6)}, digest)
+    return EXIT_OK
+
+
+def register(sub, common: argparse.ArgumentParser) -> None:
+    """Add ls, show, stats, verify, evict, gc and identity."""
+    s = sub.add_parser("ls", parents=[common], help="list namespaces with their counters")
+    s.add_argument("--wide", action="store_true",
+                   help="full namespace key, target and prefix namespace (uncut; --json always has them)")
+    s.set_defaults(fn=cmd_ls)
+    s = sub.add_parser("show", parents=[common], help="one namespace and its entries")
+    s.add_argument("namespace", help="namespace key (hex, or a unique prefix of >= 4 hex digits)")
+    s.set_defaults(fn=cmd_show)
+    s = sub.add_parser("stats", parents=[common], help="store-wide figures")
+    s.set_defaults(fn=cmd_stats)
+    s = sub.add_parser("verify", parents=[common],
+                       help="check page structure, index and every record checksum (exit 1 on damage)")
+    s.set_defaults(fn=cmd_verify)
+    s = sub.add_parser("evict", parents=[common], help="remove entries")
+    s.add_argument("--namespace", help="every entry of this namespace (hex key or prefix)")
+    s.add_argument("--drafter", help="this drafter namespace's parts only (target state stays)")
+    s.add_argument("--older-than", type=parse_duration, help="unpinned entries unused for this long (90s, 12h, 7d)")
+    s.add_argument("--to-size", type=parse_size, help="evict unpinned LRU entries down to this size (e.g. 2GiB)")
+    s.add_argument("--all", action="store_true", help="every entry, pinned ones too")
+    s.set_defaults(fn=cmd_evict)
+    s = sub.add_parser("gc", parents=[common],
+                       help="drop corrupt records, broken chunks and orphans; rebuild the bookkeeping")
+    s.set_defaults(fn=cmd_gc)
+    s = sub.add_parser("identity", parents=[common], help="artifact identity (blake3) of a model or drafter directory")
+    s.add_argument("dir")
+    s.add_argument("--config-name", default=None, help="config file to hash (default config.json, else dspark.json)")
+    s.add_argument("--no-store-memo", dest="cache_memo", action="store_false",
+                   help="do not use the store's identity memo (the per-user memo is still used)")
+    s.set_defaults(fn=cmd_identity)

@@ -1,0 +1,88 @@
+"""The CLI side of the shared tier: the ``--shared URL`` option, ``spec-cache shared-stats``, and the shared
+section of ``spec-cache stats``. Nothing here imports MLX.
+
+``shared-stats`` asks the server how it is (reachable, round trip, version, memory, eviction policy, keys,
+checkpoints published) and exits 0 when it answers, 1 when it does not, 2 on a usage error (no URL, bad URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from spec_cache.store import StoreError
+from spec_cache.store.shared import SharedConfig, SharedTier
+
+from .common import EXIT_OK, EXIT_PROBLEMS, CliError, human_bytes
+
+ENV = "SPEC_CACHE_SHARED"
+PROBE_TIMEOUT_S = 1.0
+
+
+def add_shared_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--shared URL`` (default ``$SPEC_CACHE_SHARED``) to a parser, unless it already has it."""
+    if any("--shared" in action.option_strings for action in parser._actions):
+        return
+    parser.add_argument("--shared", default=argparse.SUPPRESS, metavar="URL",
+                        help="shared tier, a Redis/Valkey URL such as redis://host:6379/0 "
+                             f"(default: ${ENV}; none: local store only)")
+
+
+def shared_url(args) -> str | None:
+    """The shared tier URL from ``--shared`` or ``$SPEC_CACHE_SHARED`` (None when neither is set)."""
+    return getattr(args, "shared", None) or os.environ.get(ENV) or None
+
+
+def shared_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
+    """Probe the server at ``url`` (see ``SharedTier.probe``); a bad URL raises ``CliError``."""
+    try:
+        tier = SharedTier(SharedConfig(url, timeout_s=timeout_s, connect_timeout_s=timeout_s,
+                                       publish_timeout_s=timeout_s))
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        return tier.probe()
+    finally:
+        tier.close()
+
+
+def format_health(d: dict) -> str:
+    """Human lines for a ``shared_health`` result."""
+    if not d.get("reachable"):
+        return f"shared        {d['url']}: unreachable ({d.get('error', 'no answer')})"
+    limit = human_bytes(d["maxmemory"]) if d["maxmemory"] else "unlimited"
+    lines = [f"shared        {d['url']} (prefix {d['prefix']})",
+             f"  server      {d['server']}, round trip {d['rtt_ms']:.2f} ms, {d['connected_clients']} clients",
+             f"  memory      {human_bytes(d['used_memory'])} of {limit}"
+             f", policy {d['maxmemory_policy']}, {d['evicted_keys']} keys evicted",
+             f"  keys        {d['keys']} in the database; {d['published_checkpoints']} checkpoints "
+             f"({human_bytes(d['published_bytes'])}) published so far"]
+    lines += [f"  warning     {w}" for w in d.get("warnings", [])]
+    return "\n".join(lines)
+
+
+def extend_stats(args, stats: dict) -> str:
+    """For ``stats``: add ``stats["shared"]`` when a shared tier is configured; returns extra human text."""
+    url = shared_url(args)
+    if url is None:
+        return ""
+    stats["shared"] = shared_health(url)
+    return "\n" + format_health(stats["shared"])
+
+
+def cmd_shared_stats(args) -> int:
+    url = shared_url(args)
+    if url is None:
+        raise CliError(f"shared-stats needs --shared URL (or ${ENV})")
+    d = shared_health(url)
+    print(json.dumps(d, sort_keys=True) if getattr(args, "json", False) else format_health(d))
+    return EXIT_OK if d.get("reachable") else EXIT_PROBLEMS
+
+
+def register(subparsers, common: argparse.ArgumentParser) -> None:
+    """Add the ``shared-stats`` command (its ``--shared`` comes from ``common`` when that has it)."""
+    s = subparsers.add_parser("shared-stats", parents=[common],
+                              help="health of the shared tier (exit 1 if the server does not answer)")
+    add_shared_option(s)
+    s.set_defaults(fn=cmd_shared_stats)
