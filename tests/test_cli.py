@@ -139,6 +139,39 @@ def test_ls(cli, cache):
         assert a["bytes"] > 0 and a["last_use_ns"] > 0 and rows[NS_B.hex()]["tenant"] is True
 
 
+def test_ls_wide_shows_what_tells_namespaces_apart(cli, cache):
+    human = ok(cli("--cache", cache, "ls"))
+    assert NS_A.hex() not in human and "a" * 64 not in human  # cut to fit a terminal
+    wide = ok(cli("--cache", cache, "ls", "--wide"))
+    assert NS_A.hex() in wide and NS_B.hex() in wide and "a" * 64 in wide and '{"method":"a"}' in wide
+    with Store.open(cache, durable=False) as store:  # a prefix namespace longer than the 60 columns of plain ls
+        store.register_namespace(bytes(32), target="c" * 64, prefix_namespace='{"x":"' + "y" * 80 + '"}')
+        store.put(bytes(32), [1, 2, 3], layers([1, 2, 3]))
+    assert "y" * 80 not in ok(cli("--cache", cache, "ls"))
+    assert "y" * 80 in ok(cli("--cache", cache, "ls", "--wide"))
+    rows = one_json(cli("--cache", cache, "ls", "--json"))["namespaces"]
+    assert '{"x":"' + "y" * 80 + '"}' in [r["prefix_namespace"] for r in rows]
+
+
+def test_closed_output_pipe_is_quiet(env, cache):
+    """``spec-cache ls | head -0``: the reader is gone before the first line; no error, no traceback."""
+    child = subprocess.Popen([sys.executable, "-c", WRAPPER, "--cache", str(cache), "ls", "--wide"], cwd=REPO,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.close()
+    err = child.stderr.read()
+    assert child.wait(120) == 141 and err == ""
+
+
+def test_bench_plot_without_matplotlib_fails_before_running(env, tmp_path):
+    code = ("import sys\nsys.modules['matplotlib'] = None  # as if not installed\n"
+            "from spec_cache.cli import main\nsys.exit(main(sys.argv[1:]))")
+    for plot in (["--plot", str(tmp_path / "t.png")], [f"--plot={tmp_path / 't.png'}"], ["--pl", "t.png"]):
+        out = subprocess.run([sys.executable, "-c", code, "bench", "--quick", *plot], cwd=REPO, capture_output=True,
+                             text=True, timeout=60, env=env)
+        assert out.stdout == ""  # nothing ran
+        usage_error(out, "matplotlib")
+
+
 def test_cache_defaults_to_the_environment_variable(cli, cache, tmp_path):
     obj = one_json(cli("--json", "ls", extra_env={"SPEC_CACHE_DIR": str(cache)}))
     assert len(obj["namespaces"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from spec_cache.cache import SpecCache
 from spec_cache.cli import main as cli_main
 from spec_cache.tiny import write_tiny_drafter, write_tiny_target
 
@@ -62,3 +64,45 @@ def test_generate_errors_are_one_line(models, tmp_path, capsys, args, message):
     assert cli_main(argv + args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.parametrize("flag, expected", [(["--memory-bytes", "512M"], 512 << 20), (["--memory-bytes", "2G"], 2 << 30),
+                                            (["--memory-bytes", "0"], 0), ([], None)])
+def test_memory_bytes_reaches_speccache_open(models, tmp_path, capsys, monkeypatch, flag, expected):
+    """``--memory-bytes N`` becomes ``SpecCache.open(..., memory_bytes=N)``; without it the library's default."""
+    seen = []
+    original = SpecCache.open.__func__
+    takes_it = "memory_bytes" in inspect.signature(original).parameters
+
+    def spy(cls, path, *args, **kwargs):
+        seen.append(kwargs.get("memory_bytes"))
+        if not takes_it:
+            kwargs.pop("memory_bytes", None)
+        return original(cls, path, *args, **kwargs)
+    monkeypatch.setattr(SpecCache, "open", classmethod(spy))
+    target, _ = models
+    argv = ["--cache", str(tmp_path / "store"), "generate", "--model", str(target), "--method", "ngram",
+            "--tokens", "5,6,7,8", "--max-tokens", "2", "--json", *flag]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    assert seen == [expected]
+
+
+def test_memory_bytes_bad_size_is_a_usage_error(models, tmp_path, capsys):
+    target, _ = models
+    assert cli_main(["--cache", str(tmp_path / "store"), "generate", "--model", str(target), "--tokens", "1,2",
+                     "--memory-bytes", "lots"]) == 2
+    assert "not a size" in capsys.readouterr().err
+
+
+@pytest.mark.skipif("memory_bytes" not in inspect.signature(SpecCache.open).parameters,
+                    reason="SpecCache.open does not take memory_bytes yet (the memory tier is being added)")
+def test_generate_with_a_memory_tier_resumes(models, tmp_path, capsys):
+    target, drafter = models
+    base = ["--cache", str(tmp_path / "store"), "generate", "--model", str(target), "--drafter", str(drafter),
+            "--tokens", "5,6,7,8,9,10,11,12", "--max-tokens", "4", "--json"]
+    runs = []
+    for memory in ("0", "64M", "64M"):
+        assert cli_main(base + ["--memory-bytes", memory]) == 0, capsys.readouterr().err
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["cached_tokens"] == 0 and runs[1]["cached_tokens"] == runs[2]["cached_tokens"] == 7
+    assert runs[0]["tokens"] == runs[1]["tokens"] == runs[2]["tokens"]
