@@ -3,6 +3,12 @@
 It turns mlx-lm caches and drafter checkpoints into store records and back, and turns every storage
 failure into a miss plus a warning: a cache may miss, it never takes the inference engine down.
 
+Tiers, fastest first: the memory tier (``spec_cache.memory_tier``: checkpoints as MLX arrays in this process,
+no copy and no re-verification on a hit), the local LMDB store (every record verified on read), and optionally
+the shared tier. A restore is one call down (``restore(..., usable=...)``) and one result up. Checkpoint
+writes can go behind the request (``save(..., background=True)``; ``spec_cache.write_behind``): the memory tier
+holds a checkpoint until LMDB holds it durably.
+
 With ``shared=`` (a Redis/Valkey URL) the store is the local tier of a fleet: a checkpoint saved here is queued
 for publishing (write-behind, never blocking), and a lookup that the local store cannot serve in full asks the
 shared tier for a longer prefix, verifies it, uses it at once and promotes it into LMDB in the background
@@ -12,23 +18,37 @@ shared tier for a longer prefix, verifies it, uses it at once and promotes it in
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 from spec_cache.store import InvalidInput, PutResult, Store, StoreError
 from spec_cache.store.keys import pack_tokens
+from spec_cache.store.shared.queue import WriteBehind
 
 from .cache_state import (attachment_to_store, capture_caches, checkpoint_from_store, restore_caches,
                           restore_concat)
+from .kv_quant import converted_at
+from .memory_tier import MemoryHit, MemoryTier, default_budget
 from .namespace import namespace_key
+from .write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter
+
+try:  # TEMPORARY until the store refactor lands
+    from spec_cache.store import NamespaceNotRegistered
+except ImportError:
+    NamespaceNotRegistered = InvalidInput
 
 log = logging.getLogger("spec_cache")
 
 
 class CacheWarning(UserWarning):
     """A stored entry could not be used or written; the request went on without it."""
+
+
+class CacheClosedError(StoreError):
+    """The cache was used after ``close()``."""
 
 
 @dataclass
@@ -39,32 +59,44 @@ class RestoredPrefix:
     caches: list[Any]
     draft_checkpoint: DraftRowCheckpoint | None
     warnings: list[str] = field(default_factory=list)
+    tier: str = "local"  # where it came from: "memory", "local" (LMDB) or "shared"
 
 
 class SpecCache:
-    """A store opened for inference. ``SpecCache.open(path, max_bytes=None, shared=None)``; close() or ``with``."""
+    """A store opened for inference: the memory tier above the local LMDB store (and, optionally, a shared tier).
 
-    def __init__(self, store: Store, shared=None):
+    ``SpecCache.open(path, max_bytes=None, memory_bytes=<default>, shared=None)``; ``close()`` or ``with``.
+    """
+
+    def __init__(self, store: Store, shared=None, *, memory_bytes: int | None = None,
+                 write_queue_bytes: int = DEFAULT_QUEUE_BYTES):
         self.store = store
         self.shared = shared  # a store.shared.SharedTier, or None
+        self.memory = MemoryTier(default_budget() if memory_bytes is None else memory_bytes)
         self._registered: dict[bytes, tuple[str, str, bool]] = {}  # key -> what register_namespace was told
+        self._closed = False
+        self._writer = None if store.env.readonly else CheckpointWriter(self._write, write_queue_bytes)
         self._promoter = None
         if shared is not None:  # promotion off the request's path: the restored state is used at once
-            from spec_cache.store.shared.queue import WriteBehind
-
             self._promoter = WriteBehind(shared.config.queue_bytes, self._promote, name="spec-cache-promote")
 
     @classmethod
-    def open(cls, path, max_bytes: int | None = None, *, shared=None, shared_options: dict | None = None,
+    def open(cls, path, max_bytes: int | None = None, *, memory_bytes: int | None = None, shared=None,
+             shared_options: dict | None = None, write_queue_bytes: int = DEFAULT_QUEUE_BYTES,
              **kwargs) -> "SpecCache":
         """Open the local store at ``path``; ``shared`` is a Redis/Valkey URL (or a ``SharedConfig``).
 
+        ``memory_bytes``: the memory tier's budget (None: ``memory_tier.default_budget()``, 1/8 of the device's
+        memory; 0: off). ``write_queue_bytes`` caps checkpoint bytes waiting for their LMDB write.
         ``shared_options`` overrides ``SharedConfig`` fields (``timeout_s``, ``queue_bytes``, ``prefix``, ...).
         A bad URL raises ``StoreError`` here; a server that is down is not an error (lookups miss until it is up).
         """
+        if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
+                                         or memory_bytes < 0):
+            raise InvalidInput("memory_bytes must be an int >= 0 (0 turns the memory tier off) or None")
         store = Store.open(path, max_bytes=max_bytes, **kwargs)
         if shared is None:
-            return cls(store)
+            return cls(store, memory_bytes=memory_bytes, write_queue_bytes=write_queue_bytes)
         try:
             from spec_cache.store.shared import SharedConfig, SharedTier
 
@@ -72,19 +104,34 @@ class SpecCache:
         except BaseException:
             store.close()
             raise
-        return cls(store, tier)
+        return cls(store, tier, memory_bytes=memory_bytes, write_queue_bytes=write_queue_bytes)
 
     def close(self) -> None:
+        """Write every queued checkpoint, stop the background threads, close the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close()
         if self.shared is not None:
             self._promoter.close(self.shared.config.close_timeout_s)
             self.shared.close()  # publishes what is queued first (bounded by close_timeout_s)
+        self.memory.clear()
         self.store.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def drain(self, timeout: float = 10.0) -> bool:
-        """Wait until background promotions and publishes are done; True if nothing is left."""
+        """Wait until queued checkpoints are durable in LMDB (and background promotions and publishes are done);
+        True if nothing is left."""
+        done = self._writer is None or self._writer.drain(timeout)
+        if done and self._writer is not None:
+            self._flush_counters()
         if self.shared is None:
-            return True
-        return self._promoter.drain(timeout) and self.shared.drain(timeout)
+            return done
+        return done and self._promoter.drain(timeout) and self.shared.drain(timeout)
 
     def __enter__(self):
         return self
@@ -92,12 +139,23 @@ class SpecCache:
     def __exit__(self, *exc):
         self.close()
 
+    def memo(self):
+        """The artifact-identity memo kept in this cache's store (``spec_cache.identity`` takes it)."""
+        return self.store.memo()
+
+    def memory_stats(self) -> dict:
+        """The memory tier's counters (bytes, entries, hits, misses, budget, ...) and the write-behind queue's."""
+        stats = self.memory.stats()
+        stats["writes"] = {} if self._writer is None else self._writer.stats()
+        return stats
+
     def shared_status(self) -> dict | None:
         """The shared tier's state and counters as this process sees them (None without a shared tier)."""
         return None if self.shared is None else self.shared.status()
 
     def namespace(self, target_identity: str, prefix_namespace: str, tenant: str | bytes | None = None) -> bytes:
         """The store key for (target, prefix namespace, tenant), registered for ``ls``/``show``."""
+        self._check_open()
         key = namespace_key(target_identity, prefix_namespace, tenant)
         if key not in self._registered:
             self.store.register_namespace(key, target=target_identity, prefix_namespace=prefix_namespace,
@@ -105,10 +163,24 @@ class SpecCache:
             self._registered[key] = (target_identity, prefix_namespace, tenant is not None)
         return key
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("the cache is closed")
+
+    # --- save ------------------------------------------------------------------------------------
     def save(self, ns_key: bytes, tokens: Sequence[int], caches: Sequence[Any], *,
              drafter_namespace: str | None = None, draft_checkpoint: DraftRowCheckpoint | None = None,
-             minimum_reusable: int = 0) -> PutResult | None:
-        """Store a checkpoint (and queue it for the shared tier); on any failure warn and return None."""
+             minimum_reusable: int = 0, background: bool = False) -> PutResult | None:
+        """Store a checkpoint: held in the memory tier at once, written to LMDB (and queued for the shared tier).
+
+        ``background=False`` writes LMDB now and returns its ``PutResult``; ``background=True`` queues the write
+        (write-behind; ``drain()`` waits for it) and returns None, when the memory tier holds the checkpoint
+        meanwhile (otherwise it is written now). On any failure: a ``CacheWarning``, None.
+        """
+        if self._closed:
+            warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: the cache is closed",
+                          CacheWarning, stacklevel=2)
+            return None
         try:
             drafter = None
             if draft_checkpoint is not None and drafter_namespace is not None:
@@ -117,54 +189,109 @@ class SpecCache:
                                        f"target state {len(tokens)}")
                 drafter = (drafter_namespace, attachment_to_store(draft_checkpoint))
             layers = capture_caches(caches)
-            try:
-                result = self.store.put(ns_key, tokens, layers, drafter=drafter, minimum_reusable=minimum_reusable)
-            except InvalidInput as exc:
-                if ns_key not in self._registered or "not registered" not in str(exc):
-                    raise
-                # gc (or another process's repair) dropped the namespace row since we registered it
-                target, prefix, tenant = self._registered[ns_key]
-                self.store.register_namespace(ns_key, target=target, prefix_namespace=prefix, tenant=tenant)
-                result = self.store.put(ns_key, tokens, layers, drafter=drafter, minimum_reusable=minimum_reusable)
         except (StoreError, SchemaError, TypeError, ValueError) as exc:
             warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: {exc}", CacheWarning,
                           stacklevel=2)
             return None
-        if self.shared is not None:
-            nbytes = sum(layer.nbytes for layer in layers)
-            if drafter is not None:
-                nbytes += sum(t.nbytes for t in drafter[1].tensors)
-            self.shared.enqueue(result.entry, [drafter[0]] if drafter is not None else [], nbytes)
+        entry = self.memory.put(ns_key, tokens, caches, drafter_namespace=drafter_namespace if drafter else None,
+                                draft_checkpoint=draft_checkpoint if drafter else None,
+                                minimum_reusable=minimum_reusable)
+        job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry)
+        # behind the request only while the memory tier serves the checkpoint meanwhile (tier off, or the
+        # checkpoint over its budget: written now, so the next request finds it)
+        if background and self._writer is not None and entry is not None:
+            self._writer.submit(job, job.nbytes)
+            return None
+        return self._write(job, stacklevel=3)
+
+    def _write(self, job: "_WriteJob", stacklevel: int = 2) -> PutResult | None:
+        """Put one checkpoint into LMDB (the write-behind thread, or the caller's); mark its memory entry durable."""
+        try:
+            result = self._put(job)
+        except (StoreError, SchemaError, TypeError, ValueError) as exc:
+            message = f"spec-cache: checkpoint of {len(job.tokens)} tokens not stored: {exc}"
+            if threading.current_thread() is threading.main_thread() or stacklevel > 2:
+                warnings.warn(message, CacheWarning, stacklevel=stacklevel)
+            else:
+                log.warning(message)
+            result = None
+        finally:
+            if job.entry is not None:
+                self.memory.mark_durable(job.entry)  # held in LMDB now, or never will be: evictable either way
+        if result is not None and self.shared is not None:
+            self.shared.enqueue(result.entry, [job.drafter[0]] if job.drafter is not None else [], job.nbytes)
         return result
 
+    def _put(self, job: "_WriteJob") -> PutResult:
+        put = dict(drafter=job.drafter, minimum_reusable=job.minimum_reusable)
+        try:
+            return self.store.put(job.ns_key, job.tokens, job.layers, **put)
+        except NamespaceNotRegistered:
+            if job.ns_key not in self._registered:
+                raise
+            # gc (or another process's repair) dropped the namespace row since we registered it
+            target, prefix, tenant = self._registered[job.ns_key]
+            self.store.register_namespace(job.ns_key, target=target, prefix_namespace=prefix, tenant=tenant)
+            return self.store.put(job.ns_key, job.tokens, job.layers, **put)
+
+    def _flush_counters(self) -> None:
+        try:
+            self.store.flush()
+        except StoreError as exc:
+            log.warning("spec-cache: hit/miss counters not written: %s", exc)
+
+    # --- restore ---------------------------------------------------------------------------------
     def restore(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
-                ) -> RestoredPrefix | None:
+                usable: Callable[[Any], bool] | None = None) -> RestoredPrefix | None:
         """The longest usable stored prefix of ``tokens`` as mlx-lm caches (+ drafter row), or None.
 
-        With a shared tier: when the local store does not cover every token, the shared tier is asked for a
-        longer prefix; one found there is verified and returned, and promoted into the local store in the
-        background (``drain()`` waits for that). Anything wrong with the shared tier falls back to the local store.
+        One call down through the tiers: the memory tier first; LMDB only for a longer usable prefix (or the same
+        length with the drafter row the memory tier lacks); with a shared tier, when the local tiers do not cover
+        every token, the shared tier for a longer prefix (verified, returned, promoted into LMDB in the
+        background; ``drain()`` waits for that). ``usable(candidate)`` (fields ``length``, ``has_drafter``,
+        ``minimum_reusable``) rejects prefixes the caller cannot continue from; tiers return only usable ones.
+        A prefix restored from LMDB or the shared tier enters the memory tier.
         """
+        if self._closed:
+            warnings.warn("spec-cache: the cache is closed; lookup treated as a miss", CacheWarning, stacklevel=2)
+            return None
+        mem = self.memory.lookup(ns_key, tokens, drafter_namespace=drafter_namespace, usable=usable)
+        if mem is not None and mem.length == len(tokens) and (mem.has_drafter or drafter_namespace is None):
+            return self._from_memory(mem, drafter_namespace)
+        floor = (0, False) if mem is None else (mem.length, mem.has_drafter)
+
+        def better(hit) -> bool:  # longer than the memory hit, or as long with the drafter row it lacks
+            if (hit.length, bool(hit.has_drafter)) <= floor:
+                return False
+            return usable is None or usable(hit)
+
         if self.shared is not None:
-            local = 0
+            local = floor[0]
             try:
-                hit = self.store.lookup(ns_key, tokens, drafter=drafter_namespace)
-                local = 0 if hit is None else hit.length
+                hit = _TEMP_lookup(self.store, ns_key, tokens, drafter=drafter_namespace, usable=better)
+                local = max(local, 0 if hit is None else hit.length)
             except (StoreError, ValueError) as exc:
                 warnings.warn(f"spec-cache: local lookup failed, asking the shared tier: {exc}", CacheWarning,
                               stacklevel=2)
             if local < len(tokens):
-                restored = self._restore_shared(ns_key, tokens, drafter_namespace, local)
+                restored = self._restore_shared(ns_key, tokens, drafter_namespace, local, better)
                 if restored is not None:
                     return restored
-        return self._restore_local(ns_key, tokens, drafter_namespace)
+        restored = self._restore_local(ns_key, tokens, drafter_namespace, better)
+        if restored is not None:
+            return restored
+        return None if mem is None else self._from_memory(mem, drafter_namespace)
 
-    def _restore_local(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None,
+    def _from_memory(self, hit, drafter_namespace: str | None) -> RestoredPrefix:
+        caches, checkpoint = self.memory.take(hit, drafter_namespace)
+        return RestoredPrefix(hit.length, caches, checkpoint, [], tier="memory")
+
+    def _restore_local(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None, usable,
                        ) -> RestoredPrefix | None:
         notes: list[str] = []
         try:
-            restored = self.store.fetch(ns_key, tokens, drafter=drafter_namespace, warnings=notes,
-                                        concat=restore_concat())
+            restored = _TEMP_fetch(self.store, ns_key, tokens, drafter=drafter_namespace, warnings=notes,
+                                   usable=usable, concat=restore_concat())
         except (StoreError, SchemaError, ValueError) as exc:
             warnings.warn(f"spec-cache: lookup failed, treated as a miss: {exc}", CacheWarning, stacklevel=3)
             return None
@@ -172,10 +299,12 @@ class SpecCache:
             warnings.warn(f"spec-cache: {message}", CacheWarning, stacklevel=3)
         if restored is None:
             return None
-        return self._rebuild(restored.length, restored.layers, restored.attachment, list(restored.warnings))
+        return self._rebuild(ns_key, tokens, restored.length, restored.layers, restored.attachment,
+                             drafter_namespace, list(restored.warnings), "local",
+                             getattr(restored, "minimum_reusable", None))
 
     def _restore_shared(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None, floor: int,
-                        ) -> RestoredPrefix | None:
+                        usable) -> RestoredPrefix | None:
         """A prefix longer than ``floor`` from the shared tier, promoted into the local store; None otherwise."""
         notes: list[str] = []
         try:
@@ -185,7 +314,7 @@ class SpecCache:
             return None
         try:
             got = self.shared.restore(ns_key, packed, chunk_tokens=self.store.chunk_tokens,
-                                      drafter=drafter_namespace, floor=floor, warnings=notes)
+                                      drafter=drafter_namespace, floor=floor, warnings=notes, usable=usable)
         except Exception as exc:  # the last line of defence: a value from the network must never stop a request
             log.exception("spec-cache: shared tier lookup failed unexpectedly")
             self.shared.health.add("errors")
@@ -195,7 +324,8 @@ class SpecCache:
             warnings.warn(f"spec-cache: {message}", CacheWarning, stacklevel=3)
         if got is None:
             return None
-        restored = self._rebuild(got.length, got.layers, got.attachment, notes)
+        restored = self._rebuild(ns_key, tokens, got.length, got.layers, got.attachment, drafter_namespace, notes,
+                                 "shared", got.minimum_reusable)
         if restored is not None:
             job = (ns_key, packed[:got.length], got, drafter_namespace)
             if not self._promoter.offer(job, got.nbytes):
@@ -213,8 +343,10 @@ class SpecCache:
             self.shared.health.add("promote_failed")
             log.warning("spec-cache: prefix from the shared tier used but not stored locally: %s", exc)
 
-    @staticmethod
-    def _rebuild(length: int, layers, attachment, notes: list[str]) -> RestoredPrefix | None:
+    def _rebuild(self, ns_key: bytes, tokens, length: int, layers, attachment, drafter_namespace, notes: list[str],
+                 tier: str, minimum_reusable: int | None) -> RestoredPrefix | None:
+        """mlx-lm caches (+ drafter row) from restored layers; they enter the memory tier (as durable when they
+        came from LMDB), and the row gets its own array objects over them."""
         try:
             caches = restore_caches(layers)
             cp = None
@@ -224,4 +356,63 @@ class SpecCache:
             warnings.warn(f"spec-cache: stored state could not be rebuilt, treated as a miss: {exc}", CacheWarning,
                           stacklevel=4)
             return None
-        return RestoredPrefix(length, caches, cp, notes)
+        if minimum_reusable is None:
+            try:
+                minimum_reusable = converted_at(caches) or 0
+            except ValueError:
+                minimum_reusable = 0
+        try:
+            entry = self.memory.put(ns_key, list(tokens[:length]), caches, drafter_namespace=drafter_namespace,
+                                    draft_checkpoint=cp, minimum_reusable=minimum_reusable,
+                                    durable=tier == "local")
+        except (TypeError, ValueError):
+            entry = None
+        if entry is not None:  # hand out new objects over the held arrays, as a memory hit does
+            hit = MemoryHit(length, cp is not None, minimum_reusable, entry)
+            caches, cp = self.memory.take(hit, drafter_namespace)
+        return RestoredPrefix(length, caches, cp, notes, tier=tier)
+
+
+@dataclass
+class _WriteJob:
+    """A checkpoint on its way to LMDB: the captured layers (host views) and its memory-tier entry."""
+
+    ns_key: bytes
+    tokens: list[int]
+    layers: list
+    drafter: tuple | None
+    minimum_reusable: int
+    entry: Any
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(layer.nbytes for layer in self.layers)
+        if self.drafter is not None:
+            n += sum(t.nbytes for t in self.drafter[1].tensors)
+        return n
+
+
+def _TEMP_lookup(store, ns_key, tokens, *, drafter, usable):  # TEMPORARY until Store.lookup takes usable=
+    import inspect
+    if "usable" in inspect.signature(store.lookup).parameters:
+        return store.lookup(ns_key, tokens, drafter=drafter, usable=usable)
+    bound = len(tokens)
+    while bound >= 1:
+        hit = store.lookup(ns_key, tokens[:bound], drafter=drafter)
+        if hit is None or usable is None or usable(hit):
+            return hit
+        bound = hit.length - 1
+    return None
+
+
+def _TEMP_fetch(store, ns_key, tokens, *, drafter, warnings, usable, concat):  # TEMPORARY
+    import inspect
+    if "usable" in inspect.signature(store.fetch).parameters:
+        return store.fetch(ns_key, tokens, drafter=drafter, warnings=warnings, usable=usable, concat=concat)
+    hit = _TEMP_lookup(store, ns_key, tokens, drafter=drafter, usable=usable)
+    if hit is None:
+        return None
+    got = store.fetch(ns_key, tokens[:hit.length], drafter=drafter, warnings=warnings, concat=concat)
+    if got is not None and usable is not None and got.length != hit.length:
+        return None
+    return got

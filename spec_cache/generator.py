@@ -8,7 +8,7 @@ boundary and when the row finishes, so the next turn of the conversation resumes
 Under KV quantization a stored state is usable only if a cold run of *this* prompt would hold the same thing
 (``spec_cache.kv_quant.reusable``): full precision up to the prompt's conversion point, or converted at exactly
 that point. A quantized checkpoint records its conversion point as the entry's minimum reusable offset; the
-lookup steps down to a shorter prefix while the longest one is not usable.
+lookup passes that rule down (``usable_rule``) so every tier returns only a prefix this request can use.
 
 Adapters (LoRA, through mlx-lm) enter the namespace as ``id@<blake3 of adapter config and weights>`` joined
 with ``+``. A drafter that is not valid under a target adapter (``supports_target_adapters`` false) still
@@ -27,10 +27,6 @@ from .cache import CacheWarning, SpecCache
 from .identity import model_identity
 from .kv_quant import converted_at, reusable
 from .namespace import KVOptions, capture_options, prefix_namespace
-
-#: lookups tried per row before a row that finds only unusable quantized prefixes gives up (a miss)
-MAX_LOOKUPS = 8
-
 
 @dataclass
 class Result:
@@ -58,6 +54,9 @@ class Generator:
         self.ns_key = ns_key
         self.eos_token_ids = tuple(eos_token_ids)
         self.adapters = adapters
+        #: write checkpoints to LMDB behind the request (the memory tier holds them meanwhile); False: before
+        #: ``generate`` returns
+        self.write_behind = True
 
     @classmethod
     def load(cls, target_dir, drafter_dir=None, method: str | None = None, cache: SpecCache | None = None,
@@ -78,7 +77,7 @@ class Generator:
 
         options = capture_options(kv)
         target_dir = Path(target_dir)
-        memo = cache.store.memo() if cache is not None else None
+        memo = cache.memo() if cache is not None else None
         stack = resolve_adapters(adapters, memo)
         target = TargetModel.load(target_dir, adapters=stack)
         identity = model_identity(target_dir, memo=memo)
@@ -143,63 +142,61 @@ class Generator:
             out = self.engine.run(requests, temperature=temperature, seed=seed, eos_token_ids=self.eos_token_ids,
                                   on_checkpoint=on_checkpoint)
         finally:
-            for tokens, caches, draft_checkpoint in saves:
+            for tokens, caches, draft_checkpoint in saves:  # memory tier now, LMDB behind the request
                 self.cache.save(self.ns_key, tokens, caches,
                                 drafter_namespace=self.drafter_namespace,
                                 draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
-                                minimum_reusable=converted_at(caches) or 0)
-            if self.cache is not None:
-                self.cache.store.flush()
+                                minimum_reusable=converted_at(caches) or 0, background=self.write_behind)
         before_engine = engine_started - started
         return [Result(r.tokens, r.cached_tokens, r.drafted, r.accepted, before_engine + r.ttft_s, len(p), flag)
                 for r, p, flag in zip(out, rows, restored_flags)]
 
     def _restore(self, prompt: list[int]):
-        """The longest stored prefix of ``prompt[:-1]`` this request may continue from, or None.
-
-        Under KV quantization only prefixes a cold run of this prompt would hold count; with a projected-context
-        drafter only prefixes that carry its row (without it the target must forward the whole prefix again for
-        the drafter's context, so a target-only prefix saves nothing). The local index is asked first (nothing is
-        read for a prefix that cannot be used); what comes back is checked again, as a cache with a shared tier
-        may serve a prefix the local index does not hold.
-        """
+        """The longest stored prefix of ``prompt[:-1]`` this request may continue from, or None: one call down
+        to the cache with this request's usability rule (``usable_rule``), one result up."""
         if self.cache is None or len(prompt) < 2:
             return None
+        usable = self.usable_rule(len(prompt))
+        if usable is None:
+            return None
+        restored = self.cache.restore(self.ns_key, prompt[:-1], drafter_namespace=self.drafter_namespace,
+                                      usable=usable)
+        if restored is None:
+            return None
         conversion = self.engine.conversion_point(len(prompt))
+        if conversion is not None:  # the stored point was checked by the rule; the restored caches must agree
+            try:
+                point = converted_at(restored.caches)
+            except ValueError as exc:
+                point, why = None, str(exc)
+            else:
+                why = None if reusable(restored.length, point, conversion) else (
+                    f"it was converted at {point}, this request converts at {conversion}")
+            if why is not None:
+                warnings.warn(f"spec-cache: restored state is unusable, treated as a miss: {why}", CacheWarning,
+                              stacklevel=3)
+                return None
+        return restored
+
+    def usable_rule(self, prompt_tokens: int):
+        """The rule a stored prefix must meet for a prompt of ``prompt_tokens`` (a predicate over candidates with
+        ``length``, ``has_drafter``, ``minimum_reusable``), or None when nothing stored can help.
+
+        Under KV quantization only prefixes a cold run of this prompt would hold count (full precision up to its
+        conversion point, or converted exactly there); with a projected-context drafter only prefixes that carry
+        its row (without it the target must forward the whole prefix again for the drafter's context, so a
+        target-only prefix saves nothing).
+        """
+        conversion = self.engine.conversion_point(prompt_tokens)
         needs_drafter = getattr(self.engine.provider, "prefill_needs_target_taps", False)
         if needs_drafter and self.drafter_namespace is None:
             return None  # its rows are not cached (adapters): nothing stored can spare the target a forward
 
-        def usable(length: int, has_drafter: bool, point: int | None) -> bool:
-            if needs_drafter and not has_drafter:
+        def usable(candidate) -> bool:
+            if needs_drafter and not candidate.has_drafter:
                 return False
-            return conversion is None or reusable(length, point, conversion)
-
-        bound = len(prompt) - 1
-        for _ in range(MAX_LOOKUPS):
-            if conversion is not None or needs_drafter:
-                hit = self.cache.store.lookup(self.ns_key, prompt[:bound], drafter=self.drafter_namespace)
-                if hit is not None and not usable(hit.length, hit.has_drafter, hit.minimum_reusable or None):
-                    bound = hit.length - 1
-                    if bound < 1:
-                        return None
-                    continue
-                bound = bound if hit is None else hit.length
-            restored = self.cache.restore(self.ns_key, prompt[:bound], drafter_namespace=self.drafter_namespace)
-            if restored is None:
-                return None
-            try:
-                point = None if conversion is None else converted_at(restored.caches)
-            except ValueError as exc:
-                warnings.warn(f"spec-cache: restored state is unusable, treated as a miss: {exc}", CacheWarning,
-                              stacklevel=3)
-                return None
-            if usable(restored.length, restored.draft_checkpoint is not None, point):
-                return restored
-            bound = restored.length - 1
-            if bound < 1:
-                return None
-        return None
+            return conversion is None or reusable(candidate.length, candidate.minimum_reusable or None, conversion)
+        return usable
 
 
 def _eos_ids(target_dir: Path) -> tuple[int, ...]:

@@ -1,0 +1,407 @@
+"""``MemoryTier``: checkpoints held as MLX arrays above the LMDB store (the seed's RAM tier).
+
+A checkpoint saved or restored in this process stays here as the MLX arrays the engine produced (device memory on
+a GPU, RAM on a CPU or Apple machine). A hit hands a row its state with no host round trip and no re-verification:
+the arrays never left process memory, and were verified when they entered (restored from LMDB) or were computed
+here. What the tier holds is never changed by the rows that continue from it: a hit hands out *new* array objects
+(slices or views of the held ones); MLX arrays are values, an update of a row's cache builds new arrays and never
+writes into a buffer another array still references.
+
+Rules (from the seed's RAM tier, seed-design.md section 3.1):
+
+* Longest usable prefix. An entry whose tokens are a prefix of the request serves its whole length, with its
+  drafter parts. A *trimmable* entry (every layer token-sliceable: KV or quantized KV) also serves any shorter
+  common prefix, target only (attachments and ring buffers are exact-length), never below its minimum reusable
+  offset (a quantized state's conversion point). The caller's ``usable(candidate)`` predicate (``length``,
+  ``has_drafter``, ``minimum_reusable``; the same one ``Store.fetch`` takes) picks among candidates.
+* ``put`` of the same tokens replaces the entry (drafter parts are merged); a trimmable entry supersedes the
+  trimmable, attachment-free ancestors it can serve by trimming.
+* LRU by bytes under ``budget_bytes``; pinned entries and entries whose LMDB write has not committed yet
+  (``durable`` false) are never evicted: a checkpoint leaves RAM only once the cold tier holds it (or its write
+  failed for good). ``reclaim`` evicts under memory pressure (MLX's active memory against a fraction of the
+  device's memory); entries idle for ``idle_seconds`` are demoted (dropped here; LMDB still serves them).
+
+Costs: a lookup compares the request with every entry of its namespace (numpy, ~1 µs per 10k tokens per entry);
+a hit costs one slice per stored array (no copy); a put costs nothing beyond holding the arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["Candidate", "MemoryHit", "MemoryTier", "default_budget", "held_bytes"]
+
+#: fraction of the device's memory above which ``reclaim`` runs on put
+PRESSURE_FRACTION = 0.90
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a usability predicate sees (the same fields as the store's ``Hit``)."""
+
+    length: int              # tokens of target state the candidate restores
+    has_drafter: bool        # whether the asked drafter's row comes with it
+    minimum_reusable: int    # a quantized state's conversion point (0: full precision)
+
+
+@dataclass
+class _Layer:
+    """One layer as held: ``kind`` (kv, qkv, rotating, arrays), its arrays and scalars."""
+
+    kind: str
+    arrays: list             # kv: [keys, values]; qkv: 3 key parts + 3 value parts; rotating/arrays: as stored
+    meta: dict               # qkv: group_size, bits, converted_at; rotating: offset/keep/max_size/idx; arrays: present
+
+
+@dataclass
+class _Entry:
+    """A checkpoint held in memory."""
+
+    ns_key: bytes
+    tokens: np.ndarray       # uint32, the prefix this state covers
+    layers: list[_Layer]
+    drafters: dict           # drafter namespace -> DraftRowCheckpoint (exact length)
+    minimum_reusable: int
+    trimmable: bool          # every layer is token-sliceable (kv/qkv)
+    nbytes: int
+    durable: bool            # the cold tier holds it (or its write failed for good: nothing more will come)
+    pinned: bool = False
+    last_use: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[bytes, bytes]:
+        return self.ns_key, self.tokens.tobytes()
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class MemoryHit:
+    """A chosen candidate: ``length`` tokens from ``entry`` (trimmed when shorter than the entry)."""
+
+    length: int
+    has_drafter: bool
+    minimum_reusable: int
+    entry: _Entry = field(repr=False)
+
+
+def held_bytes(arrays) -> int:
+    return int(sum(a.nbytes for a in arrays if a is not None))
+
+
+def default_budget() -> int:
+    """1/8 of the accelerator's memory on a GPU (MLX's ``device_info``), else 1/8 of RAM; at most 32 GiB."""
+    total = 0
+    try:
+        import mlx.core as mx
+
+        total = int(mx.device_info().get("memory_size", 0) or 0)
+    except Exception:
+        total = 0
+    if not total:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 8 << 30
+    return int(min(total // 8, 32 << 30))
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class MemoryTier:
+    """Checkpoints as MLX arrays, LRU by bytes. Thread-safe (the write-behind thread marks entries durable).
+
+    ``memory_probe()`` returns (active bytes, limit bytes) for pressure reclaim (default: MLX's active memory
+    against ``PRESSURE_FRACTION`` of the device's memory); ``idle_seconds`` None turns idle demotion off.
+    """
+
+    def __init__(self, budget_bytes: int, *, idle_seconds: float | None = 600.0,
+                 memory_probe: Callable[[], tuple[int, int]] | None = None):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError("memory_bytes must be an int >= 0")
+        self.budget_bytes = budget_bytes
+        self.idle_seconds = idle_seconds
+        self._probe = memory_probe or _mlx_memory
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[tuple[bytes, bytes], _Entry] = OrderedDict()  # LRU first
+        self._by_ns: dict[bytes, dict[bytes, _Entry]] = {}
+        self.bytes = 0
+        self.counters = {"hits": 0, "misses": 0, "puts": 0, "evicted": 0, "superseded": 0, "reclaimed": 0,
+                         "demoted": 0, "refused": 0}
+
+    # --- put -------------------------------------------------------------------------------------
+    def put(self, ns_key: bytes, tokens: Sequence[int], caches: Sequence[Any], *,
+            drafter_namespace: str | None = None, draft_checkpoint=None, minimum_reusable: int = 0,
+            durable: bool = False, pinned: bool = False) -> _Entry | None:
+        """Hold single-row mlx-lm ``caches`` covering ``tokens`` (and this drafter's checkpoint).
+
+        The arrays are held as given (the engine hands owned snapshots). Returns the entry (None when the tier is
+        off or the checkpoint alone is over the budget). ``durable``: the cold tier already holds it.
+        """
+        if self.budget_bytes == 0:
+            return None
+        packed = np.asarray(tokens, dtype=np.uint32)
+        layers = [_hold(cache) for cache in caches]
+        drafters = {}
+        if draft_checkpoint is not None and drafter_namespace is not None:
+            drafters[drafter_namespace] = draft_checkpoint
+        nbytes = sum(held_bytes(layer.arrays) for layer in layers)
+        nbytes += sum(held_bytes(cp.attachment.tensors) for cp in drafters.values())
+        if nbytes > self.budget_bytes:
+            self.counters["refused"] += 1
+            return None
+        trimmable = bool(layers) and all(layer.kind in ("kv", "qkv") for layer in layers)
+        entry = _Entry(ns_key, packed, layers, drafters, int(minimum_reusable), trimmable, nbytes, durable, pinned)
+        with self._lock:
+            old = self._entries.get(entry.key)
+            if old is not None:  # exact duplicate: replace, keep other drafters' parts
+                for dns, cp in old.drafters.items():
+                    entry.drafters.setdefault(dns, cp)
+                    if dns not in drafters:
+                        entry.nbytes += held_bytes(cp.attachment.tensors)
+                entry.pinned = entry.pinned or old.pinned
+                entry.durable = entry.durable and old.durable
+                self._remove(old)
+            self._add(entry)
+            self.counters["puts"] += 1
+            if entry.trimmable:
+                self._supersede(entry)
+            self._evict_to(self.budget_bytes)
+        self.reclaim_if_pressed()
+        return entry
+
+    def mark_durable(self, entry: _Entry) -> None:
+        """The cold tier holds ``entry`` now (or never will): it may be evicted from here."""
+        with self._lock:
+            entry.durable = True
+            self._evict_to(self.budget_bytes)
+
+    def pin(self, ns_key: bytes, tokens: Sequence[int], pinned: bool = True) -> bool:
+        """Pin (or unpin) the entry for exactly ``tokens``; pinned entries are never evicted."""
+        key = (ns_key, np.asarray(tokens, dtype=np.uint32).tobytes())
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.pinned = bool(pinned)
+            if not pinned:
+                self._evict_to(self.budget_bytes)
+            return True
+
+    # --- lookup / take ---------------------------------------------------------------------------
+    def lookup(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
+               usable: Callable[[Any], bool] | None = None) -> MemoryHit | None:
+        """The longest usable prefix of ``tokens`` held here (see the module doc), or None."""
+        query = np.asarray(tokens, dtype=np.uint32)
+        best: MemoryHit | None = None
+        with self._lock:
+            self._demote_idle()
+            for entry in list(self._by_ns.get(ns_key, {}).values()):
+                for hit in _candidates(entry, query, drafter_namespace):
+                    if usable is not None and not usable(Candidate(hit.length, hit.has_drafter,
+                                                                   hit.minimum_reusable)):
+                        continue
+                    if best is None or (hit.length, hit.has_drafter) > (best.length, best.has_drafter):
+                        best = hit
+                    break  # candidates come longest first
+            if best is None:
+                self.counters["misses"] += 1
+                return None
+            self.counters["hits"] += 1
+            best.entry.last_use = time.monotonic()
+            self._entries.move_to_end(best.entry.key)
+            return best
+
+    def take(self, hit: MemoryHit, drafter_namespace: str | None = None):
+        """``(caches, draft_checkpoint)`` for ``hit``: new mlx-lm cache objects over slices of the held arrays."""
+        entry = hit.entry
+        caches = [_rebuild(layer, hit.length, entry.length) for layer in entry.layers]
+        checkpoint = None
+        if hit.has_drafter and drafter_namespace is not None:
+            checkpoint = _fresh_checkpoint(entry.drafters[drafter_namespace])
+        return caches, checkpoint
+
+    # --- eviction --------------------------------------------------------------------------------
+    def reclaim(self, target_bytes: int) -> int:
+        """Evict least recently used evictable entries until the tier holds at most ``target_bytes``."""
+        with self._lock:
+            before = self.counters["evicted"]
+            self._evict_to(max(0, int(target_bytes)))
+            freed = self.counters["evicted"] - before
+            self.counters["reclaimed"] += freed
+            return freed
+
+    def reclaim_if_pressed(self) -> None:
+        """Under memory pressure (active memory over the limit), give back what is over, down to zero."""
+        try:
+            active, limit = self._probe()
+        except Exception:
+            return
+        if limit and active > limit:
+            self.reclaim(self.bytes - (active - limit))
+
+    def clear(self) -> None:
+        with self._lock:
+            for entry in list(self._entries.values()):
+                self._remove(entry)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"budget": self.budget_bytes, "bytes": self.bytes, "entries": len(self._entries),
+                    "pinned": sum(e.pinned for e in self._entries.values()),
+                    "not_durable": sum(not e.durable for e in self._entries.values()), **self.counters}
+
+    # --- internals -------------------------------------------------------------------------------
+    def _add(self, entry: _Entry) -> None:
+        self._entries[entry.key] = entry
+        self._by_ns.setdefault(entry.ns_key, {})[entry.key[1]] = entry
+        self.bytes += entry.nbytes
+
+    def _remove(self, entry: _Entry) -> None:
+        self._entries.pop(entry.key, None)
+        ns = self._by_ns.get(entry.ns_key)
+        if ns is not None:
+            ns.pop(entry.key[1], None)
+            if not ns:
+                del self._by_ns[entry.ns_key]
+        self.bytes -= entry.nbytes
+
+    def _supersede(self, entry: _Entry) -> None:
+        """Drop trimmable, attachment-free ancestors that ``entry`` serves by trimming (same conversion point)."""
+        for other in list(self._by_ns.get(entry.ns_key, {}).values()):
+            if (other is entry or other.pinned or not other.trimmable or other.drafters
+                    or other.length >= entry.length or other.minimum_reusable != entry.minimum_reusable
+                    or other.length < entry.minimum_reusable or not (other.durable or not entry.durable)):
+                continue
+            if _lcp(other.tokens, entry.tokens) == other.length:
+                self._remove(other)
+                self.counters["superseded"] += 1
+
+    def _evict_to(self, limit: int) -> None:
+        if self.bytes <= limit:
+            return
+        for entry in list(self._entries.values()):  # least recently used first
+            if self.bytes <= limit:
+                return
+            if entry.pinned or not entry.durable:
+                continue
+            self._remove(entry)
+            self.counters["evicted"] += 1
+
+    def _demote_idle(self) -> None:
+        if self.idle_seconds is None:
+            return
+        cutoff = time.monotonic() - self.idle_seconds
+        for entry in list(self._entries.values()):
+            if entry.last_use >= cutoff:
+                return  # LRU order: the rest were used later
+            if entry.durable and not entry.pinned:
+                self._remove(entry)
+                self.counters["demoted"] += 1
+
+
+def _candidates(entry: _Entry, query: np.ndarray, drafter_namespace: str | None):
+    """This entry's candidates for ``query``, longest first: the whole entry, then a trimmed prefix."""
+    common = _lcp(entry.tokens, query)
+    if common == entry.length:
+        yield MemoryHit(entry.length, drafter_namespace is not None and drafter_namespace in entry.drafters,
+                        entry.minimum_reusable, entry)
+    if entry.trimmable and 1 <= common < entry.length and common >= entry.minimum_reusable:
+        yield MemoryHit(common, False, entry.minimum_reusable, entry)
+
+
+def _hold(cache) -> _Layer:
+    """The arrays of one single-row mlx-lm cache, covering exactly its offset."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+    if isinstance(cache, RotatingKVCache):
+        keys, values, offset, keep, max_size, idx = cache.state
+        arrays = [] if keys is None else [keys, values]
+        return _Layer("rotating", arrays, {"offset": offset, "keep": keep, "max_size": max_size, "idx": idx})
+    if isinstance(cache, QuantizedKVCache):
+        n = cache.offset
+        arrays = [] if cache.keys is None else [a[..., :n, :] for a in (*cache.keys, *cache.values)]
+        meta = {"group_size": cache.group_size, "bits": cache.bits,
+                "converted_at": getattr(cache, "converted_at", None)}
+        return _Layer("qkv", arrays, meta)
+    if isinstance(cache, KVCache):
+        if cache.keys is None:
+            raise ValueError("cannot hold an empty KVCache")
+        n = cache.offset
+        keys, values = cache.keys, cache.values
+        if keys.shape[2] != n:
+            keys, values = keys[..., :n, :], values[..., :n, :]
+        return _Layer("kv", [keys, values], {})
+    if isinstance(cache, ArraysCache):
+        present = [a is not None for a in cache.cache]
+        return _Layer("arrays", [a for a in cache.cache if a is not None], {"present": present,
+                                                                            "size": len(cache.cache)})
+    raise TypeError(f"cache class {type(cache).__name__} cannot be held")
+
+
+def _rebuild(layer: _Layer, length: int, held: int):
+    """A new mlx-lm cache over (slices of) the held arrays: nothing the row does reaches the tier's arrays."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+    def view(a):
+        return a[..., :length, :]  # a new array object (a slice; a view of the same buffer, never written)
+
+    if layer.kind == "kv":
+        c = KVCache()
+        c.keys, c.values = (view(a) for a in layer.arrays)
+        c.offset = length
+        return c
+    if layer.kind == "qkv":
+        c = QuantizedKVCache(group_size=layer.meta["group_size"], bits=layer.meta["bits"])
+        if layer.meta.get("converted_at") is not None:
+            c.converted_at = int(layer.meta["converted_at"])
+        if layer.arrays:
+            parts = [view(a) for a in layer.arrays]
+            c.keys, c.values = tuple(parts[:3]), tuple(parts[3:])
+            c.offset = length
+        return c
+    if length != held:
+        raise ValueError(f"a {layer.kind} layer is exact-length ({held} tokens), asked for {length}")
+    if layer.kind == "rotating":
+        m = layer.meta
+        c = RotatingKVCache(max_size=m["max_size"], keep=m["keep"])
+        keys, values = (a[...] for a in layer.arrays) if layer.arrays else (None, None)
+        c.state = (keys, values, m["offset"], m["keep"], m["max_size"], m["idx"])
+        return c
+    c = ArraysCache(layer.meta["size"])
+    it = iter(a[...] for a in layer.arrays)
+    c.cache = [next(it) if p else None for p in layer.meta["present"]]
+    return c
+
+
+def _fresh_checkpoint(cp):
+    """The same drafter checkpoint over new array objects."""
+    from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint
+
+    a = cp.attachment
+    tensors = tuple(t[...] if hasattr(t, "shape") and hasattr(t, "dtype") and not isinstance(t, np.ndarray)
+                    else t for t in a.tensors)
+    return DraftRowCheckpoint(cp.processed_tokens, CheckpointAttachment(a.schema, dict(a.metadata), tensors))
+
+
+def _mlx_memory() -> tuple[int, int]:
+    """(MLX active bytes, the pressure limit): ``PRESSURE_FRACTION`` of the device's memory (RAM on a CPU)."""
+    import mlx.core as mx
+
+    total = int(mx.device_info().get("memory_size", 0) or 0)
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(mx.get_active_memory()), int(total * PRESSURE_FRACTION)

@@ -1,0 +1,76 @@
+"""``CheckpointWriter``: LMDB writes off the request path (write-behind).
+
+``SpecCache.save(..., background=True)`` captures a checkpoint (host views of the evaluated MLX arrays; no copy
+yet), puts it in the memory tier, and queues the LMDB write here. One daemon thread encodes each queued checkpoint
+(the device-to-host copy happens there) and commits it in one LMDB transaction, then marks the memory-tier entry
+durable (from then on it may be evicted from memory) and hands it to the shared tier's publisher.
+
+Bounds: the queue holds at most ``cap_bytes`` of checkpoint state; a checkpoint that does not fit is written on
+the caller's thread instead (back-pressure, counted as ``inline``), so nothing is ever dropped. Under light load a
+checkpoint is durable within the time of one ``Store.put`` of its size after its request returns (milliseconds
+for small states; ~0.1-1 s for hundreds of MiB): the thread starts on it at once. ``drain()`` waits for the
+queue; ``close()`` drains, then stops. A crash (SIGKILL) loses only what was still queued: every put is one LMDB
+transaction, so a committed checkpoint survives whole and an interrupted one leaves nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from spec_cache.store.shared.queue import WriteBehind
+
+log = logging.getLogger("spec_cache")
+
+#: default cap on queued checkpoint bytes
+DEFAULT_QUEUE_BYTES = 1 << 30
+
+
+class CheckpointWriter:
+    """A byte-capped write-behind queue for checkpoints. ``write(job)`` does the put; jobs are callables' args."""
+
+    def __init__(self, write: Callable[[object], None], cap_bytes: int = DEFAULT_QUEUE_BYTES):
+        self._write = write
+        self._lock = threading.Lock()
+        self.counters = {"queued": 0, "inline": 0, "written": 0, "failed": 0}
+        self._queue = WriteBehind(cap_bytes, self._handle, name="spec-cache-write-behind")
+
+    def submit(self, job, nbytes: int) -> bool:
+        """Queue ``job``; when the queue is full, write it now on this thread. True if it was queued."""
+        if self._queue.offer(job, nbytes):
+            self._count("queued")
+            return True
+        self._count("inline")
+        self._handle(job)
+        return False
+
+    def _handle(self, job) -> None:
+        try:
+            self._write(job)
+            self._count("written")
+        except Exception:  # the writer reports its own failures; never let the thread die
+            self._count("failed")
+            log.exception("spec-cache: checkpoint write failed unexpectedly")
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
+
+    @property
+    def pending(self) -> tuple[int, int]:
+        """(checkpoints queued, their bytes incl. the one being written)."""
+        return self._queue.queued
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued checkpoint is committed; True when nothing is left."""
+        return self._queue.drain(1e9 if timeout is None else timeout)
+
+    def close(self, timeout: float | None = None) -> int:
+        """Drain (up to ``timeout``; None waits for all), stop the thread; returns checkpoints left unwritten."""
+        return self._queue.close(1e9 if timeout is None else timeout)
+
+    def stats(self) -> dict:
+        jobs, nbytes = self.pending
+        with self._lock:
+            return {**self.counters, "pending": jobs, "pending_bytes": nbytes}
