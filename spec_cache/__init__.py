@@ -4,7 +4,13 @@ Importing this package does not import MLX: the store, identity, namespace and C
 the runtime (``SpecCache``, ``Generator``) loads MLX when first used.
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# A library's log lines reach the user only through handlers the application configures: without this, Python's
+# last-resort handler printed every store warning a second time beside the CacheWarning that reports it.
+logging.getLogger("spec_cache").addHandler(logging.NullHandler())
 
 _LAZY = {
     "KVOptions": ("spec_cache.namespace", "KVOptions"),

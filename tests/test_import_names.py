@@ -23,3 +23,11 @@ def test_no_top_level_store_or_schemas_installed(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None None"
+
+
+def test_library_log_lines_are_not_printed_by_default(tmp_path):
+    """A warning is reported once (as a CacheWarning), not again by logging's last-resort handler."""
+    code = ("import logging, spec_cache.store\n"
+            "logging.getLogger('spec_cache.store').warning('dropping corrupt record')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == ""
