@@ -41,7 +41,7 @@ from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 
 from .kv_quant import converted_at, plan_kv, reusable
 from .quantized_rows import QuantizedTargetRows
-from .rows import RoundContext, apply_state_changes
+from .rows import RoundContext, TargetRowGroup, apply_state_changes
 from .sampling import Sampling, TokenSampler
 from .target import TargetModel, TargetRows, check_kv_options, prefix_caches
 
@@ -142,8 +142,9 @@ class SpeculativeEngine:
         """Where a row with a prompt of ``prompt_tokens`` converts its KV (None: no KV quantization)."""
         return None if self.plan is None else self.plan.conversion_point(prompt_tokens, self.prefill_step_size)
 
-    def _rows(self, restored: list, conversions: list):
-        """Target rows for the model (restored single-row caches or None per row)."""
+    def _rows(self, restored: list, conversions: list) -> TargetRowGroup:
+        """Target rows for the model (restored single-row caches or None per row): float or quantized, both
+        speaking ``rows.TargetRowGroup``."""
         if self.plan is None:
             return TargetRows.from_row_caches(self.target, restored)
         return QuantizedTargetRows.from_row_caches(self.target, self.plan, restored, conversions)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from .target import TargetRows
 
 __all__ = [
+    "TargetRowGroup",
     "PreparedStateChange",
     "apply_state_changes",
     "PrefillContext",
@@ -139,6 +140,42 @@ class RoundContext:
     window: list[list[int]]
     hidden: "mx.array"
     taps: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class TargetRowGroup(Protocol):
+    """The target side of a speculative group: the batched rows of one target model (``TargetRows`` for float
+    KV, ``QuantizedTargetRows`` under KV quantization). The engine and every draft provider speak only this.
+
+    Token coverage follows the tail-split contract above: ``offsets[row]`` tokens are in the row's KV.
+    """
+
+    @property
+    def row_count(self) -> int: ...
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    def window_limits(self) -> list: ...
+
+    def materialize(self) -> None: ...
+
+    def dispose(self) -> None: ...
+
+    def prefill(self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *,
+                tap_layers: Sequence[int] = ()) -> PrefillContext: ...
+
+    def verify(self, window: Sequence[Sequence[int]], *, tap_layers: Sequence[int] = ()) -> Any: ...
+
+    def rollback(self, rejected: Sequence[int]) -> None: ...
+
+    def extract(self, row: int) -> list: ...
+
+    def prepare_append(self, other: Any) -> PreparedStateChange: ...
+
+    def filter_rows(self, keep: Sequence[int]) -> None: ...
+
+    def donors(self, layer: int) -> Any: ...
 
 
 @runtime_checkable

@@ -349,3 +349,25 @@ def test_ngram_lookup():
     assert lookup([7, 1, 8, 2, 1], 3, 1, 3) == [8, 2, 1]  # longest suffix "1" -> latest earlier occurrence
     assert lookup([1, 5, 1, 6, 1], 2, 1, 1) == [6]  # the most recent earlier occurrence wins
     assert lookup([1, 5, 1, 6, 1], 2, 2, 1) == []  # no earlier bigram "6 1"
+
+
+def test_float_and_quantized_target_rows_implement_the_declared_protocol():
+    """Both target row kinds speak ``TargetRowGroup`` with compatible signatures (what the engine relies on)."""
+    import inspect
+
+    from spec_cache.quantized_rows import QuantizedTargetRows
+    from spec_cache.rows import TargetRowGroup
+    from spec_cache.target import TargetRows
+
+    members = [name for name in vars(TargetRowGroup) if not name.startswith("_")]
+    assert {"prefill", "verify", "rollback", "extract", "prepare_append", "filter_rows"} <= set(members)
+    for cls in (TargetRows, QuantizedTargetRows):
+        for name in members:
+            declared, implemented = getattr(TargetRowGroup, name), getattr(cls, name, None)
+            assert implemented is not None, f"{cls.__name__} lacks {name}"
+            assert isinstance(declared, property) == isinstance(implemented, property), (cls.__name__, name)
+            if callable(declared) and not isinstance(declared, property):
+                wanted = [p for p in inspect.signature(declared).parameters.values()
+                          if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD]
+                given = inspect.signature(implemented).parameters
+                assert all(p.name in given for p in wanted), (cls.__name__, name)
