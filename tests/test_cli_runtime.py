@@ -66,8 +66,9 @@ def test_generate_errors_are_one_line(models, tmp_path, capsys, args, message):
     assert len(err) == 1 and message in err[0]
 
 
-@pytest.mark.parametrize("flag, expected", [(["--memory-bytes", "512M"], 512 << 20), (["--memory-bytes", "2G"], 2 << 30),
-                                            (["--memory-bytes", "0"], 0), ([], None)])
+@pytest.mark.parametrize("flag, expected", [(["--memory-bytes", "512M"], 512 << 20),
+                                            (["--memory-bytes", "2G"], 2 << 30), (["--memory-bytes", "0"], 0),
+                                            ([], None)])
 def test_memory_bytes_reaches_speccache_open(models, tmp_path, capsys, monkeypatch, flag, expected):
     """``--memory-bytes N`` becomes ``SpecCache.open(..., memory_bytes=N)``; without it the library's default."""
     seen = []

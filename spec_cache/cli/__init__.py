@@ -23,8 +23,19 @@ import sys
 from spec_cache.store import StoreError
 
 from . import inspect, repair, runtime, shared
-from .common import (EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CliError, _Parser, default_cache_dir, human_age,
-                     human_bytes, parse_duration, parse_size, table)
+from .common import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    CliError,
+    _Parser,
+    default_cache_dir,
+    human_age,
+    human_bytes,
+    parse_duration,
+    parse_size,
+    table,
+)
 from .runtime import DRAFTER_METHODS
 
 __all__ = ["DRAFTER_METHODS", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "CliError", "build_parser",

@@ -16,8 +16,20 @@ from spec_cache.identity import ModelDirError, model_identity
 from spec_cache.store import Store, StoreError, maintenance
 
 from . import shared
-from .common import (EXIT_OK, EXIT_PROBLEMS, CliError, emit, human_age, human_bytes, open_store, parse_duration,
-                     parse_size, progress_bar, short, table)
+from .common import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    CliError,
+    emit,
+    human_age,
+    human_bytes,
+    open_store,
+    parse_duration,
+    parse_size,
+    progress_bar,
+    short,
+    table,
+)
 
 SIZE_FIELDS = ("bytes", "max_bytes", "map_size", "file_bytes")
 
@@ -83,7 +95,8 @@ def cmd_verify(args) -> int:
     if not d["structure_checked"]:
         structure = "page structure not checked (needs py-lmdb >= 3.0)"
     else:
-        structure = f"page structure {'ok' if not d['structure_problems'] else str(d['structure_problems']) + ' problems'}"
+        problems = d["structure_problems"]
+        structure = f"page structure {f'{problems} problems' if problems else 'ok'}"
     human = (f"{d['records']} records: {d['ok']} ok, {d['corrupt']} corrupt, {d['unknown_schema']} unknown schema; "
              f"{d['index_problems']} index problems; {structure}"
              + "".join(f"\n  corrupt {r['db']} {r['key'][:16]}: {r['error']}" for r in d["corrupt_keys"])
