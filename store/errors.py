@@ -41,3 +41,8 @@ class CorruptIndex(StoreError):
 
 class InvalidInput(StoreError, ValueError):
     """Bad arguments from the caller: wrong token values, tensor shapes that do not line up, and the like."""
+
+
+class NamespaceNotRegistered(InvalidInput):
+    """A put under a namespace key the store has no row for: call ``register_namespace`` first (and again
+    if the store was replaced underneath an open handle)."""

@@ -9,16 +9,16 @@ was damaged keeps its entries: the row is rebuilt and learns again what it stand
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 from .codec import CorruptRecord, check_key, decode_record
-from .errors import CorruptIndex, StoreError
-from .index import TOTALS_KEY, decode, draft_key
-from .index import pack as pack_value
-from .keys import lru_key
+from .errors import StoreError
+from .index import draft_key, expected_bookkeeping
 from .store import Store
-from .verify import RECORD_DBS, Progress, verify
+from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, pack
+from .verify import RECORD_DBS, IndexRows, Progress, read_index, verify
 
 
 @dataclass
@@ -42,184 +42,181 @@ def gc(store: Store, progress: Progress | None = None) -> GcReport:
     try:
         store.flush()
     except StoreError:  # batched access times of damaged entries: not worth keeping
-        store._touched, store._counts, store._pending = {}, {}, 0
+        store.discard_pending()
     bad = verify(store, progress, index=False)
     if bad.structure_problems:
         raise StoreError(f"store at {store.path}: LMDB's page structure is damaged ({bad.structure_problems[0]}; "
                          f"{len(bad.structure_problems)} problems); gc cannot fix that: run 'spec-cache repair'")
     corrupt = [(row["db"], bytes.fromhex(row["key"])) for row in bad.corrupt_keys]
     report = GcReport()
-    store.env.write(lambda txn: _rebuild(store, txn, corrupt, report), making_room=True)
+    store.env.write(lambda txn: _Rebuild(store, txn, report).run(corrupt), making_room=True)
     return report
 
 
-def _rebuild(store: Store, txn, corrupt: list[tuple[str, bytes]], report: GcReport) -> None:
+class _Rebuild:
     """The body of ``gc``'s transaction (it may run again after map growth: it starts from scratch)."""
-    for name in report.__dataclass_fields__:
-        setattr(report, name, 0)
-    dbs = store.env.dbs
-    C = store.chunk_tokens
 
-    def rows(name):
-        return [(bytes(k), bytes(v)) for k, v in txn.cursor(db=dbs[name])]
+    def __init__(self, store: Store, txn, report: GcReport):
+        for name in report.__dataclass_fields__:
+            setattr(report, name, 0)
+        self.txn, self.dbs, self.report = txn, store.env.dbs, report
+        self.chunk_tokens = store.chunk_tokens
+        self.doomed: dict[str, set[bytes]] = {}   # rows deleted at the end (through a cursor)
+        self.rebuilt: set[bytes] = set()          # namespaces whose row is rebuilt
 
-    doomed: dict[str, set[bytes]] = {}
+    def drop(self, db: str, key: bytes) -> None:
+        """Delete at the end through a cursor: a key whose leaf is out of order still goes."""
+        self.doomed.setdefault(db, set()).add(key)
 
-    def drop(db, key):  # deleted at the end through a cursor: a key whose leaf is out of order still goes
-        doomed.setdefault(db, set()).add(key)
+    def run(self, corrupt: list[tuple[str, bytes]]) -> None:
+        rows = read_index(self.txn, self.dbs)
+        start_bytes = rows.totals.bytes if rows.totals is not None else 0
+        self._damaged_rows(rows)
+        self._corrupt_records(rows, corrupt)
+        referenced = {"chunks": set(rows.nodes), "edata": set(rows.entries),
+                      "drafts": {draft_key(k, d) for k, e in rows.entries.items() for d in e.drafters}}
+        standing = self._standing_nodes(rows)
+        kept = self._kept_entries(rows, standing)
+        live = _ancestors(rows.nodes, kept)
+        totals = self._write_back(rows, live, kept)
+        self._unreferenced_records(rows, live, kept, referenced)
+        for db, keys in self.doomed.items():
+            _delete_rows(self.txn, self.dbs[db], keys)
+        self.report.bytes = max(0, start_bytes - totals.bytes)
 
-    try:
-        totals = decode("meta", txn.get(TOTALS_KEY, db=dbs["meta"]), TOTALS_KEY) or {"bytes": 0, "entries": 0}
-    except CorruptIndex:
-        totals = {"bytes": 0, "entries": 0}
-    start_bytes = totals["bytes"]
-    values: dict[str, dict] = {}
-    rebuilt: set[bytes] = set()
-    for name in ("nsinfo", "nodes", "entries"):
-        values[name] = {}
-        for key, raw in rows(name):
-            try:
-                values[name][key] = decode(name, raw, key)
-            except CorruptIndex:
-                report.index_rows_removed += 1
-                if name == "nsinfo" and len(key) == 32:  # keep the namespace: its entries are fine
-                    values[name][key] = _placeholder_nsinfo()
-                    rebuilt.add(key)
-                else:
-                    drop(name, key)
-    nsinfo, nodes, entries = values["nsinfo"], values["nodes"], values["entries"]
-    for node in nodes.values():  # a namespace row lost entirely (its key damaged): rebuild it as well
-        if node["depth"] == 0 and node["ns"] not in nsinfo:
-            nsinfo[node["ns"]] = _placeholder_nsinfo()
-            rebuilt.add(node["ns"])
-    report.namespaces_rebuilt = len(rebuilt)
+    def _damaged_rows(self, rows: IndexRows) -> None:
+        """Damaged values go; a namespace row is rebuilt instead (its entries are fine), as is one lost entirely."""
+        for db, key, _exc in rows.damaged:
+            self.report.index_rows_removed += db != "meta"
+            if db == "nsinfo" and len(key) == 32:
+                rows.nsinfo[key] = _placeholder_nsinfo()
+                self.rebuilt.add(key)
+            elif db != "meta":
+                self.drop(db, key)
+        for node in rows.nodes.values():
+            if node.depth == 0 and node.namespace not in rows.nsinfo:
+                rows.nsinfo[node.namespace] = _placeholder_nsinfo()
+                self.rebuilt.add(node.namespace)
+        self.report.namespaces_rebuilt = len(self.rebuilt)
 
-    # corrupt records: only those still corrupt now (a writer may have replaced one since verify read it)
-    sizes = {name: {bytes(k): len(v) for k, v in txn.cursor(db=dbs[name])} for name in RECORD_DBS}
-    for db, key in corrupt:
-        raw = txn.get(key, db=dbs[db])
-        if raw is not None:
-            try:
-                check_key(decode_record(raw), key, db)
+    def _corrupt_records(self, rows: IndexRows, corrupt: list[tuple[str, bytes]]) -> None:
+        """Drop the records verify found corrupt, if they still are (a writer may have replaced one since)."""
+        for db, key in corrupt:
+            raw = self.txn.get(key, db=self.dbs[db])
+            if raw is not None:
+                try:
+                    check_key(decode_record(raw), key, db)
+                    continue
+                except CorruptRecord:
+                    pass
+            elif key not in rows.sizes[db]:
                 continue
-            except CorruptRecord:
-                pass
-        elif key not in sizes[db]:
-            continue
-        drop(db, key)
-        sizes[db].pop(key, None)
-        report.corrupt_removed += 1
-    referenced = {"chunks": set(nodes), "edata": set(entries),
-                  "drafts": {draft_key(k, d) for k, e in entries.items() for d in e["drafters"]}}
+            self.drop(db, key)
+            rows.sizes[db].pop(key, None)
+            self.report.corrupt_removed += 1
 
-    # nodes that still stand: registered namespace, parent standing one level up, chunk record present
-    standing: set[bytes] = set()
-    for key in sorted(nodes, key=lambda k: nodes[k]["depth"]):
-        node = nodes[key]
-        if node["depth"] == 0:
+    def _standing_nodes(self, rows: IndexRows) -> set[bytes]:
+        """Nodes that still stand: registered namespace, parent standing one level up, chunk record present."""
+        standing: set[bytes] = set()
+        for key in sorted(rows.nodes, key=lambda k: rows.nodes[k].depth):
+            node = rows.nodes[key]
             ok = True
-        else:
-            parent = nodes.get(node["parent"])
-            whole = key in sizes["chunks"] and not node.get("broken")
-            if not whole:
-                report.broken_subtrees += 1
-            ok = (whole and node["parent"] in standing and parent["depth"] == node["depth"] - 1
-                  and parent["ns"] == node["ns"])
-        if ok and node["ns"] in nsinfo:
-            standing.add(key)
+            if node.depth > 0:
+                parent = rows.nodes.get(node.parent)
+                whole = key in rows.sizes["chunks"] and not node.broken
+                if not whole:
+                    self.report.broken_subtrees += 1
+                ok = (whole and node.parent in standing and parent.depth == node.depth - 1
+                      and parent.namespace == node.namespace)
+            if ok and node.namespace in rows.nsinfo:
+                standing.add(key)
+        return standing
 
-    # entries that still stand: their node stands, their record is there, their length adds up
-    kept: dict[bytes, dict] = {}
-    for key, e in entries.items():
-        node = nodes.get(e["node"])
-        if (e["node"] in standing and key in sizes["edata"] and node["ns"] == e["ns"]
-                and node["depth"] * C + e["tail"] == e["len"] and (node["depth"] == 0 or e["tail"] < C)):
-            parts = {d: sizes["drafts"][draft_key(key, d)] for d in e["drafters"]
-                     if draft_key(key, d) in sizes["drafts"]}
-            fixed = dict(e, drafters=parts, bytes=sizes["edata"][key] + sum(parts.values()))
-            if fixed != e:
-                report.counters_fixed += 1
-            kept[key] = fixed
-        else:
-            report.entries_removed += 1
+    def _kept_entries(self, rows: IndexRows, standing: set[bytes]) -> dict[bytes, Entry]:
+        """Entries that still stand (node standing, record there, length adding up), byte counts fixed."""
+        kept: dict[bytes, Entry] = {}
+        sizes, chunk_tokens = rows.sizes, self.chunk_tokens
+        for key, e in rows.entries.items():
+            node = rows.nodes.get(e.node)
+            if (e.node in standing and key in sizes["edata"] and node.namespace == e.namespace
+                    and node.depth * chunk_tokens + e.tail == e.length
+                    and (node.depth == 0 or e.tail < chunk_tokens)):
+                parts = {d: sizes["drafts"][draft_key(key, d)] for d in e.drafters
+                         if draft_key(key, d) in sizes["drafts"]}
+                fixed = dataclasses.replace(e, drafters=parts, entry_bytes=sizes["edata"][key] + sum(parts.values()))
+                if fixed != e:
+                    self.report.counters_fixed += 1
+                kept[key] = fixed
+            else:
+                self.report.entries_removed += 1
+        return kept
 
-    # references from the leaves up; nodes nothing hangs off any more go
-    refs = dict.fromkeys(standing, 0)
-    tails: dict[bytes, dict[str, int]] = {k: {} for k in standing}
-    for e in kept.values():
-        refs[e["node"]] += 1
-        t = str(e["tail"])
-        tails[e["node"]][t] = tails[e["node"]].get(t, 0) + 1
-    live_nodes: set[bytes] = set()
-    for key in sorted(standing, key=lambda k: nodes[k]["depth"], reverse=True):
-        if refs[key] > 0:
-            live_nodes.add(key)
-            if nodes[key]["depth"] > 0:
-                refs[nodes[key]["parent"]] += 1
+    def _write_back(self, rows: IndexRows, live: set[bytes], kept: dict[bytes, Entry]) -> Totals:
+        """Nodes, entries, LRU rows, namespaces and totals as ``expected_bookkeeping`` says; the rest goes."""
+        fixed_nodes = {key: dataclasses.replace(node, chunk_bytes=rows.sizes["chunks"][key] if node.depth else 0,
+                                                broken=False)
+                       for key, node in rows.nodes.items() if key in live}
+        expected = expected_bookkeeping(fixed_nodes, kept)
+        for key, node in rows.nodes.items():
+            if key not in live:
+                self.drop("nodes", key)
+                continue
+            fixed = dataclasses.replace(fixed_nodes[key], refs=expected.refs[key], tails=expected.tails[key])
+            if fixed != node:
+                self._put("nodes", key, fixed)
+        for key, e in rows.entries.items():
+            if key not in kept:
+                self.drop("entries", key)
+            elif kept[key] != e:
+                self.txn.put(key, pack(kept[key]), db=self.dbs["entries"])
+        for key in rows.lru - expected.lru:
+            self.drop("lru", key)
+        for key in expected.lru - rows.lru:
+            self.txn.put(key, b"", db=self.dbs["lru"])
+            self.report.counters_fixed += 1
+        for ns, info in rows.nsinfo.items():
+            roots = expected.ns_signatures.get(ns, [])
+            signatures = [s for s in info.signatures if s in roots]
+            signatures += [s for s in roots if s not in signatures]
+            fixed = dataclasses.replace(info, bytes=expected.ns_bytes.get(ns, 0),
+                                        entries=expected.ns_entries.get(ns, 0), signatures=signatures)
+            if fixed != info or ns in self.rebuilt:
+                self._put("nsinfo", ns, fixed)
+        if expected.totals != rows.totals:
+            self.txn.put(TOTALS_KEY, pack(expected.totals), db=self.dbs["meta"])
+        return expected.totals
 
-    # write back: nodes, entries, LRU, namespaces, totals; delete what no longer stands
-    ns_bytes: dict[bytes, int] = {}
-    ns_entries: dict[bytes, int] = {}
-    ns_sigs: dict[bytes, list[bytes]] = {}
-    for key, node in nodes.items():
-        if key not in live_nodes:
-            drop("nodes", key)
-            continue
-        nbytes = sizes["chunks"][key] if node["depth"] > 0 else 0
-        fixed = dict(node, refs=refs[key], tails=tails[key], bytes=nbytes)
-        fixed.pop("broken", None)
-        if fixed != node:
-            txn.put(key, pack_value(fixed), db=dbs["nodes"])
-            report.counters_fixed += 1
-        ns_bytes[node["ns"]] = ns_bytes.get(node["ns"], 0) + nbytes
-        if node["depth"] == 0:
-            ns_sigs.setdefault(node["ns"], []).append(node.get("sig", b""))
-    want_lru = set()
-    for key, e in entries.items():
-        if key not in kept:
-            drop("entries", key)
-            continue
-        fixed = kept[key]
-        if fixed != e:
-            txn.put(key, pack_value(fixed), db=dbs["entries"])
-        ns_bytes[e["ns"]] = ns_bytes.get(e["ns"], 0) + fixed["bytes"]
-        ns_entries[e["ns"]] = ns_entries.get(e["ns"], 0) + 1
-        want_lru.add(lru_key(fixed["last_use"], key))
-    have_lru = {bytes(k) for k, _ in txn.cursor(db=dbs["lru"])}
-    for key in have_lru - want_lru:
-        drop("lru", key)
-    for key in want_lru - have_lru:
-        txn.put(key, b"", db=dbs["lru"])
-        report.counters_fixed += 1
-    for ns, info in nsinfo.items():
-        sigs = [s for s in info["sigs"] if s in ns_sigs.get(ns, [])]
-        sigs += [s for s in ns_sigs.get(ns, []) if s not in sigs]
-        fixed = dict(info, bytes=ns_bytes.get(ns, 0), entries=ns_entries.get(ns, 0), sigs=sigs)
-        if fixed != info or ns in rebuilt:
-            txn.put(ns, pack_value(fixed), db=dbs["nsinfo"])
-            report.counters_fixed += 1
-    new_totals = {"bytes": sum(ns_bytes.values()), "entries": len(kept)}
-    if new_totals != totals:
-        txn.put(TOTALS_KEY, pack_value(new_totals), db=dbs["meta"])
+    def _put(self, db: str, key: bytes, value) -> None:
+        self.txn.put(key, pack(value), db=self.dbs[db])
+        self.report.counters_fixed += 1
 
-    # records nothing refers to any more; those nothing referred to before this gc are orphans
-    live = {"chunks": {k for k in live_nodes if nodes[k]["depth"] > 0}, "edata": set(kept),
-            "drafts": {draft_key(k, d) for k, e in kept.items() for d in e["drafters"]}}
-    for db in RECORD_DBS:
-        for key in sizes[db].keys() - live[db]:
-            drop(db, key)
-            if key not in referenced[db]:
-                report.orphans_removed += 1
-    for db, keys in doomed.items():
-        _delete_rows(txn, dbs[db], keys)
-    report.bytes = max(0, start_bytes - new_totals["bytes"])
+    def _unreferenced_records(self, rows: IndexRows, live: set[bytes], kept: dict[bytes, Entry],
+                              referenced: dict[str, set[bytes]]) -> None:
+        """Records nothing refers to any more; those nothing referred to before this gc are orphans."""
+        wanted = {"chunks": {k for k in live if rows.nodes[k].depth > 0}, "edata": set(kept),
+                  "drafts": {draft_key(k, d) for k, e in kept.items() for d in e.drafters}}
+        for db in RECORD_DBS:
+            for key in rows.sizes[db].keys() - wanted[db]:
+                self.drop(db, key)
+                if key not in referenced[db]:
+                    self.report.orphans_removed += 1
 
 
-def _placeholder_nsinfo() -> dict:
+def _ancestors(nodes: dict[bytes, Node], entries: dict[bytes, Entry]) -> set[bytes]:
+    """The nodes the entries hang off and every node above them (what must stay)."""
+    live: set[bytes] = set()
+    for entry in entries.values():
+        key = entry.node
+        while key is not None and key not in live:
+            live.add(key)
+            key = nodes[key].parent
+    return live
+
+
+def _placeholder_nsinfo() -> NamespaceInfo:
     """A namespace row gc rebuilds from what hangs off it; what it stood for (target, prefix namespace,
     tenant) is filled in again by the next ``register_namespace`` of that key."""
-    return {"target": "", "prefix": "", "tenant": False, "created": time.time_ns(), "entries": 0, "bytes": 0,
-            "hits": 0, "misses": 0, "last_use": None, "sigs": [], "rebuilt": True}
+    return NamespaceInfo("", "", False, time.time_ns(), 0, 0, 0, 0, None, [], rebuilt=True)
 
 
 def _delete_rows(txn, db, keys: set[bytes]) -> None:

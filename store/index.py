@@ -1,183 +1,392 @@
-"""Bookkeeping of the prefix index inside one write transaction: nodes, entries, LRU rows, counters.
+"""The prefix index inside one transaction: ``Index`` owns every change to nodes, entries, LRU rows and counters.
 
-Nodes (one per chain key) hold ``{ns, parent, depth, refs, tails, bytes, complete, minr, broken}``: ``refs``
-counts child nodes plus entries hanging off the node, ``tails`` maps a tail length to how many entries hang
-off it with that tail (so a lookup only hashes tails that exist). A node whose ``refs`` drops to zero is
-deleted with its chunk record, and the drop cascades to its parent: a stored prefix never loses its chunks,
-and no chunk outlives the last entry that needs it.
+Nothing else in the store changes a reference count, a tail count, a byte counter or an LRU row: ``Store``,
+``maintenance``, the shared tier and ``gc`` all ask an ``Index`` (or, for gc's rebuild from scratch,
+``expected_bookkeeping``, the same invariants as a pure function).
 """
 
 from __future__ import annotations
 
-import struct
 import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping
 
 import blake3
-import msgpack
 
-from .errors import CorruptIndex
+from .errors import CorruptIndex, NamespaceNotRegistered
 from .keys import lru_key
-from .values import TOTALS_KEY, decode, unpack
+from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode, decode_typed, pack, unpack
 
-__all__ = ["Index", "TOTALS_KEY", "decode", "draft_key", "now_ns", "pack", "unpack"]
-
-
-def pack(obj) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+__all__ = ["Index", "ChainWrite", "Bookkeeping", "expected_bookkeeping", "TOTALS_KEY", "decode", "draft_key",
+           "now_ns", "pack", "unpack"]
 
 
 def draft_key(entry: bytes, drafter_namespace: str) -> bytes:
+    """Key of a drafter's part of entry ``entry``: the entry key and 16 bytes of blake3(drafter namespace)."""
     return entry + blake3.blake3(drafter_namespace.encode()).digest()[:16]
-
-
-class Index:
-    """Helpers bound to one transaction and the environment's sub-databases."""
-
-    def __init__(self, txn, dbs):
-        self.txn = txn
-        self.dbs = dbs
-
-    # --- generic accessors -------------------------------------------------------------------------
-    def get(self, db: str, key: bytes):
-        """The decoded value under ``key`` (None if absent); a damaged value raises ``CorruptIndex``."""
-        return decode(db, self.txn.get(key, db=self.dbs[db]), key)
-
-    def put(self, db: str, key: bytes, value) -> None:
-        self.txn.put(key, value if isinstance(value, (bytes, memoryview)) else pack(value), db=self.dbs[db])
-
-    def delete(self, db: str, key: bytes) -> None:
-        self.txn.delete(key, db=self.dbs[db])
-
-    def raw(self, db: str, key: bytes):
-        return self.txn.get(key, db=self.dbs[db])
-
-    # --- totals and namespace counters -------------------------------------------------------------
-    def totals(self) -> dict:
-        return self.get("meta", TOTALS_KEY) or {"bytes": 0, "entries": 0}
-
-    def add_totals(self, d_bytes: int, d_entries: int) -> None:
-        t = self.totals()
-        t["bytes"] += d_bytes
-        t["entries"] += d_entries
-        self.put("meta", TOTALS_KEY, t)
-
-    def nsinfo(self, ns: bytes) -> dict | None:
-        return self.get("nsinfo", ns)
-
-    def add_ns(self, ns: bytes, *, d_bytes=0, d_entries=0, hits=0, misses=0, last_use=None) -> None:
-        info = self.nsinfo(ns)
-        if info is None:
-            return
-        info["bytes"] += d_bytes
-        info["entries"] += d_entries
-        info["hits"] += hits
-        info["misses"] += misses
-        if last_use is not None:
-            info["last_use"] = max(info.get("last_use") or 0, last_use)
-        self.put("nsinfo", ns, info)
-
-    # --- nodes -------------------------------------------------------------------------------------
-    def release_node(self, key: bytes) -> int:
-        """Drop one reference to node ``key``; delete it (and cascade) at zero. Returns bytes freed."""
-        freed = 0
-        while key is not None:
-            node = self.get("nodes", key)
-            if node is None:
-                return freed
-            node["refs"] -= 1
-            if node["refs"] > 0:
-                self.put("nodes", key, node)
-                return freed
-            self.delete("nodes", key)
-            if node["depth"] > 0:
-                self.delete("chunks", key)
-                freed += node["bytes"]
-            else:
-                self._forget_signature(node["ns"], node.get("sig", b""))
-            key = node["parent"]
-        return freed
-
-    def _forget_signature(self, ns: bytes, sig: bytes) -> None:
-        info = self.nsinfo(ns)
-        if info is not None and sig in info["sigs"]:
-            info["sigs"].remove(sig)
-            self.put("nsinfo", ns, info)
-
-    # --- entries -----------------------------------------------------------------------------------
-    def delete_entry(self, key: bytes, entry: dict | None = None) -> int:
-        """Remove an entry with its records, LRU row and node references; returns bytes freed."""
-        entry = entry or self.get("entries", key)
-        if entry is None:
-            return 0
-        freed = entry["bytes"]
-        self.delete("edata", key)
-        for dns in entry["drafters"]:
-            self.delete("drafts", draft_key(key, dns))
-        self.delete("lru", lru_key(entry["last_use"], key))
-        self.delete("entries", key)
-        node = self.get("nodes", entry["node"])
-        if node is not None:
-            tail = str(entry["tail"])
-            node["tails"][tail] = node["tails"].get(tail, 1) - 1
-            if node["tails"][tail] <= 0:
-                del node["tails"][tail]
-            self.put("nodes", entry["node"], node)
-        chunk_bytes = self.release_node(entry["node"])
-        freed_all = freed + chunk_bytes
-        self.add_ns(entry["ns"], d_bytes=-freed_all, d_entries=-1)
-        self.add_totals(-freed_all, -1)
-        return freed_all
-
-    def drop_drafter(self, key: bytes, entry: dict, drafter_namespace: str) -> int:
-        nbytes = entry["drafters"].pop(drafter_namespace, None)
-        if nbytes is None:
-            return 0
-        self.delete("drafts", draft_key(key, drafter_namespace))
-        entry["bytes"] -= nbytes
-        self.put("entries", key, entry)
-        self.add_ns(entry["ns"], d_bytes=-nbytes)
-        self.add_totals(-nbytes, 0)
-        return nbytes
-
-    def touch(self, key: bytes, when: int) -> None:
-        entry = self.get("entries", key)
-        if entry is None or entry["last_use"] >= when:
-            return
-        self.delete("lru", lru_key(entry["last_use"], key))
-        entry["last_use"] = when
-        self.put("lru", lru_key(when, key), b"")
-        self.put("entries", key, entry)
-
-    def lru_victims(self, exclude: set[bytes]):
-        """Entry keys, least recently used first, skipping pinned ones and ``exclude``."""
-        cursor = self.txn.cursor(db=self.dbs["lru"])
-        for raw_key, _ in cursor:
-            key = bytes(raw_key)[8:]
-            if key in exclude:
-                continue
-            try:
-                entry = self.get("entries", key)
-            except CorruptIndex:  # a damaged entry is gc's to remove; evict around it
-                continue
-            if entry is None or entry.get("pinned"):
-                continue
-            yield key, entry
-
-    def evict_to(self, max_bytes: int, exclude: set[bytes]) -> int:
-        """Evict LRU entries until total bytes <= max_bytes; returns the number evicted."""
-        evicted = 0
-        while self.totals()["bytes"] > max_bytes:
-            victim = next(self.lru_victims(exclude), None)
-            if victim is None:
-                break
-            self.delete_entry(*victim)
-            evicted += 1
-        return evicted
 
 
 def now_ns() -> int:
     return time.time_ns()
 
 
-def u32(n: int) -> bytes:
-    return struct.pack("<I", n)
+@dataclass(frozen=True)
+class ChainWrite:
+    """What ``Index.extend_chain`` did: chunk records written, their bytes, and the whole chain's bytes."""
+
+    new_chunks: int        # chunk records written (new nodes, or broken ones rewritten)
+    written: int           # bytes of those records
+    chain_bytes: int       # bytes of every chunk record of the chain (what the checkpoint costs with its chunks)
+
+
+class Index:
+    """Every change to the prefix index, bound to one LMDB transaction and the environment's sub-databases.
+
+    Invariants (a crash cannot break them: each public operation runs inside one write transaction; the same
+    rules as a pure function are ``expected_bookkeeping``, which ``verify`` checks and ``gc`` rebuilds from):
+
+    1. ``Node.refs`` = the child nodes plus the entries hanging off the node, and is > 0: a node whose count
+       drops to zero is deleted with its chunk record, and the drop cascades to its parent. A stored prefix
+       never loses its chunks, and no chunk outlives the last entry that needs it.
+    2. ``Node.tails[str(t)]`` = the entries hanging off the node with a tail of ``t`` tokens (so a lookup
+       only hashes tails that exist); an entry hangs off the deepest full chunk at or below its length.
+    3. ``Node.chunk_bytes`` = its chunk record's size; ``Entry.drafters[d]`` = drafter ``d``'s record size;
+       ``Entry.entry_bytes`` = its entry record's size plus those.
+    4. ``NamespaceInfo.bytes``/``entries`` = the sums over its nodes and entries, ``Totals`` = the sums over
+       every namespace; ``NamespaceInfo.signatures`` = the signatures of its chain roots.
+    5. One LRU row ``lru_key(entry.last_use, key)`` per entry and no other.
+
+    The raw accessors (``get``, ``put``, ``delete``, ``nsinfo``) read and write plain dict rows; they exist
+    for fault-injection tests and tools that must write what the store never would.
+    """
+
+    def __init__(self, txn, dbs):
+        self.txn = txn
+        self.dbs = dbs
+
+    # --- raw rows ----------------------------------------------------------------------------------
+    def get(self, db: str, key: bytes):
+        """The shape-checked dict under ``key`` (None if absent); a damaged value raises ``CorruptIndex``."""
+        return decode(db, self.txn.get(key, db=self.dbs[db]), key)
+
+    def put(self, db: str, key: bytes, value) -> None:
+        """Write ``value``: bytes as they are, a typed record or a dict msgpack-packed."""
+        self.txn.put(key, value if isinstance(value, (bytes, memoryview)) else pack(value), db=self.dbs[db])
+
+    def delete(self, db: str, key: bytes) -> None:
+        self.txn.delete(key, db=self.dbs[db])
+
+    def nsinfo(self, ns: bytes) -> dict | None:
+        """The raw namespace row (a dict); code that keeps the books uses ``namespace``."""
+        return self.get("nsinfo", ns)
+
+    # --- typed reads -------------------------------------------------------------------------------
+    def node(self, key: bytes) -> Node | None:
+        value = self.get("nodes", key)
+        return None if value is None else Node.from_dict(value)
+
+    def entry(self, key: bytes) -> Entry | None:
+        value = self.get("entries", key)
+        return None if value is None else Entry.from_dict(value)
+
+    def namespace(self, ns: bytes) -> NamespaceInfo | None:
+        value = self.get("nsinfo", ns)
+        return None if value is None else NamespaceInfo.from_dict(value)
+
+    def totals(self) -> Totals:
+        value = self.get("meta", TOTALS_KEY)
+        return Totals() if value is None else Totals.from_dict(value)
+
+    # --- counters ----------------------------------------------------------------------------------
+    def add_totals(self, d_bytes: int, d_entries: int) -> None:
+        totals = self.totals()
+        totals.bytes += d_bytes
+        totals.entries += d_entries
+        self.put("meta", TOTALS_KEY, totals)
+
+    def add_ns(self, ns: bytes, *, d_bytes=0, d_entries=0, hits=0, misses=0, last_use=None) -> None:
+        """Add to a namespace's counters (nothing if the row is gone)."""
+        info = self.namespace(ns)
+        if info is None:
+            return
+        info.bytes += d_bytes
+        info.entries += d_entries
+        info.hits += hits
+        info.misses += misses
+        if last_use is not None:
+            info.last_use = max(info.last_use or 0, last_use)
+        self.put("nsinfo", ns, info)
+
+    def _count(self, ns: bytes, d_bytes: int, d_entries: int, last_use: int | None = None) -> None:
+        self.add_ns(ns, d_bytes=d_bytes, d_entries=d_entries, last_use=last_use)
+        self.add_totals(d_bytes, d_entries)
+
+    # --- namespaces --------------------------------------------------------------------------------
+    def register_namespace(self, ns: bytes, *, target: str, prefix_namespace: str, tenant: bool) -> None:
+        """Create the namespace row; a row ``gc`` rebuilt learns again what it stands for. Idempotent."""
+        info = self.namespace(ns)
+        if info is None:
+            self.put("nsinfo", ns, NamespaceInfo(target, prefix_namespace, bool(tenant), now_ns(), 0, 0, 0, 0,
+                                                 None, []))
+        elif info.rebuilt:
+            info.target, info.prefix_namespace, info.tenant, info.rebuilt = target, prefix_namespace, bool(tenant), False
+            self.put("nsinfo", ns, info)
+
+    def require_namespace(self, ns: bytes) -> NamespaceInfo:
+        """The namespace row; raises ``NamespaceNotRegistered`` if there is none."""
+        info = self.namespace(ns)
+        if info is None:
+            raise NamespaceNotRegistered("namespace key is not registered: call register_namespace first")
+        return info
+
+    # --- adding a checkpoint -----------------------------------------------------------------------
+    def extend_chain(self, ns: bytes, signature: bytes, chain: list[bytes], *, complete: bool,
+                     minimum_reusable: int, chunk_record: Callable[[int], object]) -> ChainWrite:
+        """Make sure every node of ``chain`` (root, chunk 1..K) stands with its chunk record.
+
+        Existing nodes are refreshed (``complete`` and-ed in, ``minimum_reusable`` max-ed in); missing ones are
+        created with ``chunk_record(k)`` (an encoded record) and a reference from their parent; a broken one
+        (its record was dropped as corrupt) is rewritten in place, keeping its references. The bytes of
+        records written are counted here.
+        """
+        info = self.require_namespace(ns)
+        if signature not in info.signatures:
+            info.signatures.append(signature)
+            self.put("nsinfo", ns, info)
+        written = new_chunks = reclaimed = chain_bytes = 0
+        for k, key in enumerate(chain):
+            node = self.node(key)
+            if node is not None and not node.broken:
+                node.minimum_reusable = max(node.minimum_reusable, minimum_reusable)
+                # a chunk boundary is usable only if every checkpoint through it was fully chunked
+                node.complete = node.complete and complete
+                self.put("nodes", key, node)
+                chain_bytes += node.chunk_bytes
+                continue
+            if node is not None:  # a broken chunk is rewritten in place; its references stay
+                reclaimed += node.chunk_bytes  # its old bytes are still counted in the totals
+                node = Node(ns, node.parent, k, node.refs, node.tails, 0, node.complete and complete,
+                            max(node.minimum_reusable, minimum_reusable), signature if k == 0 else b"")
+            else:
+                node = Node(ns, chain[k - 1] if k else None, k, 0, {}, 0, complete, minimum_reusable,
+                            signature if k == 0 else b"")
+                if k > 0:
+                    parent = self.node(chain[k - 1])
+                    parent.refs += 1
+                    self.put("nodes", chain[k - 1], parent)
+            node.parent = chain[k - 1] if k else None
+            if k > 0:
+                record = chunk_record(k)
+                self.txn.put(key, record, db=self.dbs["chunks"])
+                node.chunk_bytes = record.nbytes
+                written += record.nbytes
+                chain_bytes += record.nbytes
+                new_chunks += 1
+            self.put("nodes", key, node)
+        if written - reclaimed:
+            self._count(ns, written - reclaimed, 0)
+        return ChainWrite(new_chunks, written, chain_bytes)
+
+    def add_entry(self, key: bytes, entry: Entry, record, drafter_part: tuple[str, object] | None = None) -> int:
+        """Store entry ``key``: its record, optionally one drafter's record (``(drafter namespace, record)``),
+        its row and LRU row, a reference and tail count on ``entry.node``; counted. An entry already under
+        ``key`` (an exact duplicate) is replaced: its other drafters' parts and its pin stay.
+
+        ``entry.entry_bytes`` and ``entry.drafters`` are filled in here. Returns the bytes written.
+        """
+        old = self.entry(key)
+        drafters: dict[str, int] = {}
+        if old is not None:
+            self.delete("lru", lru_key(old.last_use, key))
+            drafters = dict(old.drafters)
+            if drafter_part is not None:
+                drafters.pop(drafter_part[0], None)
+            freed = old.entry_bytes - sum(drafters.values())
+            self._count(entry.namespace, -freed, -1)
+            entry.pinned = entry.pinned or old.pinned
+        else:
+            node = self.node(entry.node)
+            tail = str(entry.tail)
+            node.tails[tail] = node.tails.get(tail, 0) + 1
+            node.refs += 1
+            self.put("nodes", entry.node, node)
+        self.txn.put(key, record, db=self.dbs["edata"])
+        written = record.nbytes
+        if drafter_part is not None:
+            dns, draft_record = drafter_part
+            self.txn.put(draft_key(key, dns), draft_record, db=self.dbs["drafts"])
+            drafters[dns] = draft_record.nbytes
+            written += draft_record.nbytes
+        entry.drafters = drafters
+        entry.entry_bytes = record.nbytes + sum(drafters.values())
+        self.put("entries", key, entry)
+        self.put("lru", lru_key(entry.last_use, key), b"")
+        self._count(entry.namespace, written, 1, last_use=entry.last_use)
+        return written
+
+    # --- removing ----------------------------------------------------------------------------------
+    def remove_entry(self, key: bytes, entry: Entry | None = None) -> int:
+        """Remove an entry with its records, LRU row and node references; returns bytes freed (chunks too)."""
+        entry = entry or self.entry(key)
+        if entry is None:
+            return 0
+        self.delete("edata", key)
+        for dns in entry.drafters:
+            self.delete("drafts", draft_key(key, dns))
+        self.delete("lru", lru_key(entry.last_use, key))
+        self.delete("entries", key)
+        node = self.node(entry.node)
+        if node is not None:
+            tail = str(entry.tail)
+            node.tails[tail] = node.tails.get(tail, 1) - 1
+            if node.tails[tail] <= 0:
+                del node.tails[tail]
+            self.put("nodes", entry.node, node)
+        freed = entry.entry_bytes + self._release_node(entry.node)
+        self._count(entry.namespace, -freed, -1)
+        return freed
+
+    def _release_node(self, key: bytes | None) -> int:
+        """Drop one reference to node ``key``; delete it (and cascade) at zero. Returns chunk bytes freed."""
+        freed = 0
+        while key is not None:
+            node = self.node(key)
+            if node is None:
+                return freed
+            node.refs -= 1
+            if node.refs > 0:
+                self.put("nodes", key, node)
+                return freed
+            self.delete("nodes", key)
+            if node.depth > 0:
+                self.delete("chunks", key)
+                freed += node.chunk_bytes
+            else:
+                self._forget_signature(node.namespace, node.signature)
+            key = node.parent
+        return freed
+
+    def _forget_signature(self, ns: bytes, signature: bytes) -> None:
+        info = self.namespace(ns)
+        if info is not None and signature in info.signatures:
+            info.signatures.remove(signature)
+            self.put("nsinfo", ns, info)
+
+    def drop_drafter(self, key: bytes, entry: Entry, drafter_namespace: str) -> int:
+        """Remove one drafter's part of entry ``key`` (the target state stays); returns bytes freed."""
+        nbytes = entry.drafters.pop(drafter_namespace, None)
+        if nbytes is None:
+            return 0
+        self.delete("drafts", draft_key(key, drafter_namespace))
+        entry.entry_bytes -= nbytes
+        self.put("entries", key, entry)
+        self._count(entry.namespace, -nbytes, 0)
+        return nbytes
+
+    def drop_corrupt(self, key: bytes) -> None:
+        """Forget a record found corrupt: an entry goes whole; a chunk's node is marked broken (lookups stop
+        above it, the next put through it rewrites it, gc removes the subtree); a drafter part goes alone."""
+        if self.entry(key) is not None:
+            self.remove_entry(key)
+            return
+        node = self.node(key)
+        if node is not None:
+            self.delete("chunks", key)
+            node.broken = True
+            self.put("nodes", key, node)
+            return
+        if len(key) == 48:
+            entry = self.entry(key[:32])
+            if entry is not None:
+                for dns in list(entry.drafters):
+                    if draft_key(key[:32], dns) == key:
+                        self.drop_drafter(key[:32], entry, dns)
+
+    # --- use, pins and eviction --------------------------------------------------------------------
+    def touch(self, key: bytes, when: int) -> None:
+        """Move entry ``key`` up the LRU order to ``when`` (never back)."""
+        entry = self.entry(key)
+        if entry is None or entry.last_use >= when:
+            return
+        self.delete("lru", lru_key(entry.last_use, key))
+        entry.last_use = when
+        self.put("lru", lru_key(when, key), b"")
+        self.put("entries", key, entry)
+
+    def set_pinned(self, key: bytes, pinned: bool) -> bool:
+        """Pin or unpin entry ``key``; False if there is no such entry."""
+        entry = self.entry(key)
+        if entry is None:
+            return False
+        entry.pinned = bool(pinned)
+        self.put("entries", key, entry)
+        return True
+
+    def lru_victims(self, exclude: set[bytes]) -> Iterator[tuple[bytes, Entry]]:
+        """Entries, least recently used first, skipping pinned ones and ``exclude``."""
+        cursor = self.txn.cursor(db=self.dbs["lru"])
+        for raw_key, _ in cursor:
+            key = bytes(raw_key)[8:]
+            if key in exclude:
+                continue
+            try:
+                entry = self.entry(key)
+            except CorruptIndex:  # a damaged entry is gc's to remove; evict around it
+                continue
+            if entry is None or entry.pinned:
+                continue
+            yield key, entry
+
+    def evict_one(self, exclude: set[bytes] = frozenset()) -> bool:
+        """Remove the least recently used unpinned entry; False if there is none."""
+        victim = next(self.lru_victims(set(exclude)), None)
+        if victim is None:
+            return False
+        self.remove_entry(*victim)
+        return True
+
+    def evict_to(self, max_bytes: int, exclude: set[bytes]) -> int:
+        """Evict LRU entries until total bytes <= max_bytes; returns the number evicted."""
+        evicted = 0
+        while self.totals().bytes > max_bytes and self.evict_one(exclude):
+            evicted += 1
+        return evicted
+
+
+@dataclass
+class Bookkeeping:
+    """What the counters must say for a set of nodes and entries (``expected_bookkeeping``)."""
+
+    refs: dict[bytes, int] = field(default_factory=dict)               # node -> child nodes + entries
+    tails: dict[bytes, dict[str, int]] = field(default_factory=dict)   # node -> tail length -> entries
+    ns_bytes: dict[bytes, int] = field(default_factory=dict)           # namespace -> bytes
+    ns_entries: dict[bytes, int] = field(default_factory=dict)         # namespace -> entries
+    ns_signatures: dict[bytes, list[bytes]] = field(default_factory=dict)  # namespace -> root signatures
+    lru: set[bytes] = field(default_factory=set)                       # LRU rows
+    totals: Totals = field(default_factory=Totals)
+
+
+def expected_bookkeeping(nodes: Mapping[bytes, Node], entries: Mapping[bytes, Entry]) -> Bookkeeping:
+    """The counters ``Index``'s invariants demand for these nodes and entries (a pure function).
+
+    Counts a child node toward its parent only if the parent is in ``nodes``, and an entry toward its node
+    only if the node is; byte counters use the records' sizes as the nodes and entries state them.
+    """
+    out = Bookkeeping(refs=dict.fromkeys(nodes, 0), tails={k: {} for k in nodes})
+    for key, node in nodes.items():
+        if node.depth > 0:
+            if node.parent in out.refs:
+                out.refs[node.parent] += 1
+            out.ns_bytes[node.namespace] = out.ns_bytes.get(node.namespace, 0) + node.chunk_bytes
+        else:
+            out.ns_signatures.setdefault(node.namespace, []).append(node.signature)
+    for key, entry in entries.items():
+        if entry.node in out.refs:
+            out.refs[entry.node] += 1
+            tails = out.tails[entry.node]
+            tails[str(entry.tail)] = tails.get(str(entry.tail), 0) + 1
+        out.ns_bytes[entry.namespace] = out.ns_bytes.get(entry.namespace, 0) + entry.entry_bytes
+        out.ns_entries[entry.namespace] = out.ns_entries.get(entry.namespace, 0) + 1
+        out.lru.add(lru_key(entry.last_use, key))
+    out.totals = Totals(sum(out.ns_bytes.values()), len(entries))
+    return out

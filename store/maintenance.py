@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from .errors import StoreFullError
 from .gc import GcReport, gc
-from .index import Index, TOTALS_KEY, decode
+from .index import Index
 from .store import Store
+from .values import decode_typed
 from .verify import RECORD_DBS, Progress, VerifyReport, index_problems, verify
 
 __all__ = ["namespaces", "resolve_namespace", "entries", "stats", "evict", "EvictReport", "verify", "VerifyReport",
@@ -28,13 +29,12 @@ def _hex(b: bytes) -> str:
 def namespaces(store: Store) -> list[dict]:
     """Every namespace with its counters, most recently used first."""
     out = []
-    with store.env.read() as txn:
+    with store.reading() as txn:
         for key, raw in txn.cursor(db=store.env.dbs["nsinfo"]):
-            info = decode("nsinfo", raw, bytes(key))
-            out.append({"key": _hex(key), "target": info["target"], "prefix_namespace": info["prefix"],
-                        "tenant": info["tenant"], "entries": info["entries"], "bytes": info["bytes"],
-                        "hits": info["hits"], "misses": info["misses"], "last_use_ns": info["last_use"],
-                        "created_ns": info["created"]})
+            info = decode_typed("nsinfo", raw, bytes(key))
+            out.append({"key": _hex(key), "target": info.target, "prefix_namespace": info.prefix_namespace,
+                        "tenant": info.tenant, "entries": info.entries, "bytes": info.bytes, "hits": info.hits,
+                        "misses": info.misses, "last_use_ns": info.last_use, "created_ns": info.created})
     out.sort(key=lambda d: d["last_use_ns"] or 0, reverse=True)
     return out
 
@@ -53,28 +53,28 @@ def resolve_namespace(store: Store, prefix: str) -> bytes:
 def entries(store: Store, ns_key: bytes | None = None) -> list[dict]:
     """Entries (exact-boundary checkpoints), optionally of one namespace, most recently used first."""
     out = []
-    with store.env.read() as txn:
+    with store.reading() as txn:
         for key, raw in txn.cursor(db=store.env.dbs["entries"]):
-            e = decode("entries", raw, bytes(key))
-            if ns_key is not None and e["ns"] != ns_key:
+            e = decode_typed("entries", raw, bytes(key))
+            if ns_key is not None and e.namespace != ns_key:
                 continue
-            out.append({"key": _hex(key), "namespace": _hex(e["ns"]), "tokens": e["len"], "bytes": e["bytes"],
-                        "drafters": sorted(e["drafters"]), "pinned": e["pinned"], "last_use_ns": e["last_use"],
-                        "minimum_reusable": e["minr"]})
+            out.append({"key": _hex(key), "namespace": _hex(e.namespace), "tokens": e.length,
+                        "bytes": e.entry_bytes, "drafters": sorted(e.drafters), "pinned": e.pinned,
+                        "last_use_ns": e.last_use, "minimum_reusable": e.minimum_reusable})
     out.sort(key=lambda d: d["last_use_ns"], reverse=True)
     return out
 
 
 def stats(store: Store) -> dict:
     """Store-wide figures: bytes, entries, chunks, map and file sizes, format, budget."""
-    with store.env.read() as txn:
-        totals = decode("meta", txn.get(TOTALS_KEY, db=store.env.dbs["meta"]), TOTALS_KEY) or {"bytes": 0, "entries": 0}
+    with store.reading() as txn:
+        totals = Index(txn, store.env.dbs).totals()
         counts = {name: txn.stat(store.env.dbs[name])["entries"] for name in ("chunks", "nodes", "drafts")}
     info = store.env.env.info()
     data_file = os.path.join(store.path, "data.mdb")
     ns = namespaces(store)
     return {"path": store.path, "format": f"{store.env.meta['format']} {store.env.meta['major']}.{store.env.meta['minor']}",
-            "chunk_tokens": store.chunk_tokens, "bytes": totals["bytes"], "entries": totals["entries"],
+            "chunk_tokens": store.chunk_tokens, "bytes": totals.bytes, "entries": totals.entries,
             "chunks": counts["chunks"], "drafter_parts": counts["drafts"], "namespaces": len(ns),
             "hits": sum(n["hits"] for n in ns), "misses": sum(n["misses"] for n in ns),
             "max_bytes": store.max_bytes, "map_size": info["map_size"],
@@ -102,24 +102,24 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
     then the removal goes on in small transactions, each freeing pages for the next (``StoreFullError`` only
     if not even one entry can be removed).
     """
-    store._flush_best_effort()
+    store.flush_best_effort()
     cutoff = None if older_than_s is None else time.time_ns() - int(older_than_s * 1e9)
     filtered = everything or namespace is not None or cutoff is not None or drafter is not None
 
     def step(txn, limit: int | None) -> tuple[EvictReport, bool]:
         counts = EvictReport()
-        ix = Index(txn, store.env.dbs)
-        before = ix.totals()["bytes"]
+        index = Index(txn, store.env.dbs)
+        before = index.totals().bytes
         done, finished = 0, True
         if filtered:
             victims = []
             for key, raw in txn.cursor(db=store.env.dbs["entries"]):
-                e = decode("entries", raw, bytes(key))
-                if namespace is not None and e["ns"] != namespace:
+                e = decode_typed("entries", raw, bytes(key))
+                if namespace is not None and e.namespace != namespace:
                     continue
-                if cutoff is not None and (e["pinned"] or e["last_use"] >= cutoff):
+                if cutoff is not None and (e.pinned or e.last_use >= cutoff):
                     continue
-                if drafter is not None and drafter not in e["drafters"]:
+                if drafter is not None and drafter not in e.drafters:
                     continue
                 victims.append((bytes(key), e))
             for key, e in victims:
@@ -127,24 +127,22 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
                     finished = False
                     break
                 if drafter is not None:
-                    ix.drop_drafter(key, e, drafter)
+                    index.drop_drafter(key, e, drafter)
                     counts.drafter_parts += 1
                 else:
-                    ix.delete_entry(key, e)
+                    index.remove_entry(key, e)
                     counts.entries += 1
                 done += 1
         if finished and to_size is not None:
-            while ix.totals()["bytes"] > to_size:
+            while index.totals().bytes > to_size:
                 if limit is not None and done >= limit:
                     finished = False
                     break
-                victim = next(ix.lru_victims(set()), None)
-                if victim is None:
+                if not index.evict_one():
                     break
-                ix.delete_entry(*victim)
                 counts.entries += 1
                 done += 1
-        counts.bytes = before - ix.totals()["bytes"]
+        counts.bytes = before - index.totals().bytes
         return counts, finished
 
     try:

@@ -20,11 +20,12 @@ from typing import Callable
 
 import numpy as np
 
-from .codec import CorruptRecord, check_key, decode_record
+from .codec import CorruptRecord
 from .errors import CorruptIndex, StoreError, StoreOpenError
-from .index import decode
+from .read import verified_record
 from .store import Store
 from .structure import check_structure
+from .values import Entry, NamespaceInfo, decode_typed
 
 Progress = Callable[[int, int], None]
 
@@ -115,37 +116,37 @@ def repair(src: str, dst: str, progress: Progress | None = None, on_copied: Call
 
 def _copy_entries(source: Store, target: Store, report: RepairReport, progress, on_copied) -> None:
     dbs = source.env.dbs
-    entries: list[tuple[bytes, dict]] = []
-    namespaces: dict[bytes, dict] = {}
+    entries: list[tuple[bytes, Entry]] = []
+    namespaces: dict[bytes, NamespaceInfo] = {}
     try:
         with source.env.read() as txn:
             for key, raw in txn.cursor(db=dbs["entries"]):
                 try:
-                    entries.append((bytes(key), decode("entries", raw, bytes(key))))
+                    entries.append((bytes(key), decode_typed("entries", raw, bytes(key))))
                 except CorruptIndex as exc:
                     report.entries_lost += 1
                     _note(report, str(exc))
             for key, raw in txn.cursor(db=dbs["nsinfo"]):
                 try:
-                    namespaces[bytes(key)] = decode("nsinfo", raw, bytes(key))
+                    namespaces[bytes(key)] = decode_typed("nsinfo", raw, bytes(key))
                 except CorruptIndex as exc:
                     _note(report, str(exc))
     except StoreError as exc:  # the walk itself hit a damaged page: keep what was listed before it
         _note(report, f"listing entries stopped: {exc}")
-    entries.sort(key=lambda item: item[1]["last_use"])  # oldest first: the copy keeps the LRU order
+    entries.sort(key=lambda item: item[1].last_use)  # oldest first: the copy keeps the LRU order
     registered: set[bytes] = set()
     total = len(entries)
     report.entries_seen = total
     for done, (key, entry) in enumerate(entries, 1):
         try:
             tokens = _tokens_of(source, key, entry)
-            ns = entry["ns"]
+            ns = entry.namespace
             if ns not in registered:
                 info = namespaces.get(ns)
                 if info is None:
                     raise CorruptIndex("its namespace record is lost")
-                target.register_namespace(ns, target=info["target"], prefix_namespace=info["prefix"],
-                                          tenant=info["tenant"])
+                target.register_namespace(ns, target=info.target, prefix_namespace=info.prefix_namespace,
+                                          tenant=info.tenant)
                 registered.add(ns)
             copied_parts = _copy_one(source, target, ns, tokens, entry, report)
             report.entries_copied += 1
@@ -154,20 +155,20 @@ def _copy_entries(source: Store, target: Store, report: RepairReport, progress, 
                 on_copied(report.entries_copied)
         except (StoreError, ValueError) as exc:
             report.entries_lost += 1
-            report.drafter_parts_lost += len(entry["drafters"])
+            report.drafter_parts_lost += len(entry.drafters)
             _note(report, f"entry {key.hex()[:16]}: {exc}")
         if progress:
             progress(done, total)
     report.namespaces = len(registered)
 
 
-def _copy_one(source: Store, target: Store, ns: bytes, tokens: np.ndarray, entry: dict, report) -> int:
-    drafters = sorted(entry["drafters"]) or [None]
+def _copy_one(source: Store, target: Store, ns: bytes, tokens: np.ndarray, entry: Entry, report) -> int:
+    drafters = sorted(entry.drafters) or [None]
     parts = 0
     for i, dns in enumerate(drafters):
         notes: list[str] = []
         restored = source.fetch(ns, tokens, drafter=dns, warnings=notes)
-        if restored is None or restored.length != entry["len"] or restored.entry is None:
+        if restored is None or restored.length != entry.length or restored.entry is None:
             if i == 0:
                 raise CorruptRecord(f"does not read back whole ({'; '.join(notes) or 'a shorter prefix or a miss'})")
             report.drafter_parts_lost += 1
@@ -177,42 +178,38 @@ def _copy_one(source: Store, target: Store, ns: bytes, tokens: np.ndarray, entry
             report.drafter_parts_lost += 1
             if i > 0:
                 continue
-        target.put(ns, tokens, restored.layers, drafter=drafter, minimum_reusable=entry["minr"],
-                   pin=entry["pinned"])
+        target.put(ns, tokens, restored.layers, drafter=drafter, minimum_reusable=entry.minimum_reusable,
+                   pin=entry.pinned)
         parts += drafter is not None
     return parts
 
 
-def _tokens_of(source: Store, key: bytes, entry: dict) -> np.ndarray:
+def _tokens_of(source: Store, key: bytes, entry: Entry) -> np.ndarray:
     """The full token list of an entry: its chunk chain's tokens (root to leaf) and its own tail tokens."""
     dbs = source.env.dbs
     pieces = []
-    with source.env.read() as txn:
-        node_key = entry["node"]
-        node = decode("nodes", txn.get(node_key, db=dbs["nodes"]), node_key)
+    with source.reading() as txn:
+        node_key = entry.node
+        node = decode_typed("nodes", txn.get(node_key, db=dbs["nodes"]), node_key)
         seen = 0
-        while node is not None and node["depth"] > 0 and seen < 1 << 20:
+        while node is not None and node.depth > 0 and seen < 1 << 20:
             raw = txn.get(node_key, db=dbs["chunks"])
             if raw is None:
                 raise CorruptRecord("a chunk of its prefix is missing")
-            rec = decode_record(raw)
-            check_key(rec, node_key, "chunks")
-            pieces.append(bytes(rec.tensors["tokens"].data))
-            node_key = node["parent"]
-            node = decode("nodes", txn.get(node_key, db=dbs["nodes"]), node_key)
+            pieces.append(bytes(verified_record(raw, "chunk", node_key).tensors["tokens"].data))
+            node_key = node.parent
+            node = decode_typed("nodes", txn.get(node_key, db=dbs["nodes"]), node_key)
             seen += 1
         if node is None:
             raise CorruptIndex("its chunk chain is broken")
         raw = txn.get(key, db=dbs["edata"])
         if raw is None:
             raise CorruptRecord("its record is missing")
-        rec = decode_record(raw)
-        check_key(rec, key, "edata")
         pieces.reverse()
-        pieces.append(bytes(rec.tensors["tokens"].data))
+        pieces.append(bytes(verified_record(raw, "entry", key).tensors["tokens"].data))
     tokens = np.frombuffer(b"".join(pieces), dtype="<u4")
-    if len(tokens) != entry["len"]:
-        raise CorruptIndex(f"its chain holds {len(tokens)} tokens, the entry says {entry['len']}")
+    if len(tokens) != entry.length:
+        raise CorruptIndex(f"its chain holds {len(tokens)} tokens, the entry says {entry.length}")
     return tokens
 
 

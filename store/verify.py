@@ -15,10 +15,10 @@ from spec_cache.schemas import SCHEMAS
 
 from .codec import CorruptRecord, check_key, decode_record
 from .errors import CorruptIndex
-from .index import TOTALS_KEY, decode, draft_key
-from .keys import lru_key
+from .index import Bookkeeping, draft_key, expected_bookkeeping
 from .store import Store
 from .structure import check_structure
+from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode_typed
 
 Progress = Callable[[int, int], None]
 
@@ -128,12 +128,45 @@ def _scan(store: Store, db: str, slice_s: float = SCAN_SLICE_S):
                 return
 
 
+@dataclass
+class IndexRows:
+    """Every index value of a store, decoded and typed, with the sizes of the records they describe."""
+
+    nsinfo: dict[bytes, NamespaceInfo] = field(default_factory=dict)
+    nodes: dict[bytes, Node] = field(default_factory=dict)
+    entries: dict[bytes, Entry] = field(default_factory=dict)
+    damaged: list[tuple[str, bytes, CorruptIndex]] = field(default_factory=list)  # (db, key, error)
+    sizes: dict[str, dict[bytes, int]] = field(default_factory=dict)  # record db -> key -> record size
+    lru: set[bytes] = field(default_factory=set)                      # LRU row keys
+    totals: Totals | None = None                                      # None: the totals value is damaged
+
+
+def read_index(txn, dbs) -> IndexRows:
+    """All index values in one read (or write) transaction; damaged ones are listed in ``damaged``."""
+    rows = IndexRows()
+    for db, into in (("nsinfo", rows.nsinfo), ("nodes", rows.nodes), ("entries", rows.entries)):
+        for key, raw in txn.cursor(db=dbs[db]):
+            key = bytes(key)
+            try:
+                into[key] = decode_typed(db, raw, key)
+            except CorruptIndex as exc:
+                rows.damaged.append((db, key, exc))
+    rows.sizes = {db: {bytes(k): len(v) for k, v in txn.cursor(db=dbs[db])} for db in RECORD_DBS}
+    rows.lru = {bytes(k) for k, _ in txn.cursor(db=dbs["lru"])}
+    try:
+        rows.totals = decode_typed("meta", txn.get(TOTALS_KEY, db=dbs["meta"]), TOTALS_KEY) or Totals()
+    except CorruptIndex as exc:
+        rows.damaged.append(("meta", TOTALS_KEY, exc))
+    return rows
+
+
 def index_problems(store: Store, limit: int = 100) -> list[str]:
     """The index's bookkeeping checked against itself and the records it describes; [] when consistent.
 
     Damaged values, entries without their record or node, chunks without their node, reference and tail
-    counts, byte and entry counters (per namespace and in total) and LRU rows. A crash cannot leave any of
-    these behind (every write is one transaction), so each one is damage; ``gc`` repairs them all.
+    counts, byte and entry counters (per namespace and in total) and LRU rows: ``Index``'s invariants, as
+    ``expected_bookkeeping`` computes them. A crash cannot leave any of these behind (every write is one
+    transaction), so each one is damage; ``gc`` repairs them all.
     """
     out: list[str] = []
 
@@ -141,86 +174,65 @@ def index_problems(store: Store, limit: int = 100) -> list[str]:
         if len(out) < limit:
             out.append(msg)
 
-    dbs = store.env.dbs
-    with store.env.read() as txn:
-        values = {}
-        for name in ("nsinfo", "nodes", "entries"):
-            values[name] = {}
-            for k, v in txn.cursor(db=dbs[name]):
-                try:
-                    values[name][bytes(k)] = decode(name, v, bytes(k))
-                except CorruptIndex as exc:
-                    bad(str(exc))
-        sizes = {name: {bytes(k): len(v) for k, v in txn.cursor(db=dbs[name])} for name in RECORD_DBS}
-        lru_rows = {bytes(k) for k, _ in txn.cursor(db=dbs["lru"])}
-        try:
-            totals = decode("meta", txn.get(TOTALS_KEY, db=dbs["meta"]), TOTALS_KEY) or {"bytes": 0, "entries": 0}
-        except CorruptIndex as exc:
-            bad(str(exc))
-            totals = None
-    nodes, entries, nsinfo = values["nodes"], values["entries"], values["nsinfo"]
-    refs = dict.fromkeys(nodes, 0)
-    tails: dict[bytes, dict[str, int]] = {k: {} for k in nodes}
-    ns_bytes: dict[bytes, int] = {}
-    ns_entries: dict[bytes, int] = {}
-    for key, node in nodes.items():
-        if node["ns"] not in nsinfo:
-            bad(f"node {_hex(key)[:16]}: namespace not registered")
-        if node["depth"] > 0:
-            if node["parent"] not in nodes:
-                bad(f"node {_hex(key)[:16]}: parent missing")
-            else:
-                refs[node["parent"]] += 1
-            size = sizes["chunks"].get(key)
-            if size is None and not node.get("broken"):
-                bad(f"node {_hex(key)[:16]}: chunk record missing")
-            if size is not None and node["bytes"] != size:
-                bad(f"node {_hex(key)[:16]}: {node['bytes']} bytes counted, record holds {size}")
-            ns_bytes[node["ns"]] = ns_bytes.get(node["ns"], 0) + node["bytes"]
-    for key in sizes["chunks"].keys() - nodes.keys():
-        bad(f"chunk record {_hex(key)[:16]} without a node")
-    lru = set()
-    for key, e in entries.items():
-        if e["node"] not in nodes:
-            bad(f"entry {_hex(key)[:16]}: node missing")
-        else:
-            refs[e["node"]] += 1
-            t = str(e["tail"])
-            tails[e["node"]][t] = tails[e["node"]].get(t, 0) + 1
-        if key not in sizes["edata"]:
-            bad(f"entry {_hex(key)[:16]}: record missing")
-        parts = {dns: sizes["drafts"].get(draft_key(key, dns)) for dns in e["drafters"]}
-        if parts != e["drafters"]:
-            bad(f"entry {_hex(key)[:16]}: drafter parts disagree with their records")
-        if e["bytes"] != sizes["edata"].get(key, 0) + sum(p or 0 for p in parts.values()):
-            bad(f"entry {_hex(key)[:16]}: byte count")
-        ns_bytes[e["ns"]] = ns_bytes.get(e["ns"], 0) + e["bytes"]
-        ns_entries[e["ns"]] = ns_entries.get(e["ns"], 0) + 1
-        lru.add(lru_key(e["last_use"], key))
-    listed = {draft_key(k, d) for k, e in entries.items() for d in e["drafters"]}
-    for name, live in (("edata", entries.keys()), ("drafts", listed)):
-        extra = len(sizes[name].keys() - live)
-        if extra:
-            bad(f"{extra} {name} records no entry refers to")
-    for key, node in nodes.items():
-        if node["refs"] != refs[key] or refs[key] <= 0:
-            bad(f"node {_hex(key)[:16]}: {node['refs']} references recorded, {refs[key]} found")
-        if node["tails"] != tails[key]:
-            bad(f"node {_hex(key)[:16]}: tail counts disagree with its entries")
-    if lru_rows != lru:
-        bad(f"LRU rows disagree with the entries ({len(lru_rows)} rows, {len(lru)} entries)")
-    if totals is not None and (totals["entries"], totals["bytes"]) != (len(entries), sum(ns_bytes.values())):
-        bad(f"totals say {totals['entries']} entries / {totals['bytes']} bytes, the index holds "
-            f"{len(entries)} / {sum(ns_bytes.values())}")
-    roots: dict[bytes, set[bytes]] = {}
-    for node in nodes.values():
-        if node["depth"] == 0:
-            roots.setdefault(node["ns"], set()).add(node.get("sig", b""))
-    for ns, info in nsinfo.items():
-        if (info["bytes"], info["entries"]) != (ns_bytes.get(ns, 0), ns_entries.get(ns, 0)):
+    with store.reading() as txn:
+        rows = read_index(txn, store.env.dbs)
+    for _db, _key, exc in rows.damaged:
+        bad(str(exc))
+    expected = expected_bookkeeping(rows.nodes, rows.entries)
+    _node_problems(rows, expected, bad)
+    _entry_problems(rows, bad)
+    if rows.lru != expected.lru:
+        bad(f"LRU rows disagree with the entries ({len(rows.lru)} rows, {len(expected.lru)} entries)")
+    if rows.totals is not None and rows.totals != expected.totals:
+        bad(f"totals say {rows.totals.entries} entries / {rows.totals.bytes} bytes, the index holds "
+            f"{expected.totals.entries} / {expected.totals.bytes}")
+    for ns, info in rows.nsinfo.items():
+        if (info.bytes, info.entries) != (expected.ns_bytes.get(ns, 0), expected.ns_entries.get(ns, 0)):
             bad(f"namespace {_hex(ns)[:16]}: counters disagree with its entries")
-        if set(info["sigs"]) != roots.get(ns, set()):  # lookups start from these: a wrong one hides chains
+        if set(info.signatures) != set(expected.ns_signatures.get(ns, ())):  # lookups start from these
             bad(f"namespace {_hex(ns)[:16]}: layer signatures disagree with its chain roots")
     return out
 
 
+def _node_problems(rows: IndexRows, expected: Bookkeeping, bad: Callable[[str], None]) -> None:
+    chunk_sizes = rows.sizes["chunks"]
+    for key, node in rows.nodes.items():
+        name = f"node {_hex(key)[:16]}"
+        if node.namespace not in rows.nsinfo:
+            bad(f"{name}: namespace not registered")
+        if node.depth > 0:
+            if node.parent not in rows.nodes:
+                bad(f"{name}: parent missing")
+            size = chunk_sizes.get(key)
+            if size is None and not node.broken:
+                bad(f"{name}: chunk record missing")
+            if size is not None and node.chunk_bytes != size:
+                bad(f"{name}: {node.chunk_bytes} bytes counted, record holds {size}")
+    for key in chunk_sizes.keys() - rows.nodes.keys():
+        bad(f"chunk record {_hex(key)[:16]} without a node")
+    for key, node in rows.nodes.items():
+        refs = expected.refs[key]
+        if node.refs != refs or refs <= 0:
+            bad(f"node {_hex(key)[:16]}: {node.refs} references recorded, {refs} found")
+        if node.tails != expected.tails[key]:
+            bad(f"node {_hex(key)[:16]}: tail counts disagree with its entries")
+
+
+def _entry_problems(rows: IndexRows, bad: Callable[[str], None]) -> None:
+    sizes = rows.sizes
+    for key, entry in rows.entries.items():
+        name = f"entry {_hex(key)[:16]}"
+        if entry.node not in rows.nodes:
+            bad(f"{name}: node missing")
+        if key not in sizes["edata"]:
+            bad(f"{name}: record missing")
+        parts = {dns: sizes["drafts"].get(draft_key(key, dns)) for dns in entry.drafters}
+        if parts != entry.drafters:
+            bad(f"{name}: drafter parts disagree with their records")
+        if entry.entry_bytes != sizes["edata"].get(key, 0) + sum(p or 0 for p in parts.values()):
+            bad(f"{name}: byte count")
+    listed = {draft_key(k, d) for k, e in rows.entries.items() for d in e.drafters}
+    for db, live in (("edata", rows.entries.keys()), ("drafts", listed)):
+        extra = len(sizes[db].keys() - live)
+        if extra:
+            bad(f"{extra} {db} records no entry refers to")

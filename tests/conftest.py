@@ -37,53 +37,43 @@ def store_invariants():
     equal the entries and child nodes that hang off them, every chunk has its node (a broken node keeps its
     bytes counted until gc), and LRU rows match the entries' last use.
     """
-    from spec_cache.store.index import TOTALS_KEY, draft_key, unpack
-    from spec_cache.store.keys import lru_key
+    from spec_cache.store.index import draft_key, expected_bookkeeping
+    from spec_cache.store.values import TOTALS_KEY, decode_typed
 
     def check(store) -> dict:
         dbs = store.env.dbs
         with store.env.read() as txn:
             rows = {name: {bytes(k): bytes(v) for k, v in txn.cursor(db=dbs[name])}
                     for name in ("nsinfo", "nodes", "chunks", "entries", "edata", "drafts", "lru")}
-            totals = unpack(txn.get(TOTALS_KEY, db=dbs["meta"])) or {"bytes": 0, "entries": 0}
-        nodes = {k: unpack(v) for k, v in rows["nodes"].items()}
-        entries = {k: unpack(v) for k, v in rows["entries"].items()}
-        refs = {k: 0 for k in nodes}
-        tails: dict[bytes, dict[str, int]] = {k: {} for k in nodes}
-        ns_bytes: dict[bytes, int] = {}
-        ns_entries: dict[bytes, int] = {}
+            totals = decode_typed("meta", txn.get(TOTALS_KEY, db=dbs["meta"]), TOTALS_KEY)
+        nodes = {k: decode_typed("nodes", v, k) for k, v in rows["nodes"].items()}
+        entries = {k: decode_typed("entries", v, k) for k, v in rows["entries"].items()}
+        expected = expected_bookkeeping(nodes, entries)
         for key, node in nodes.items():
-            if node["depth"] > 0:
-                assert node["parent"] in nodes, "node without its parent"
-                refs[node["parent"]] += 1
-                assert key in rows["chunks"] or node.get("broken"), "chunk record missing"
+            if node.depth > 0:
+                assert node.parent in nodes, "node without its parent"
+                assert key in rows["chunks"] or node.broken, "chunk record missing"
                 if key in rows["chunks"]:
-                    assert node["bytes"] == len(rows["chunks"][key])
-                ns_bytes[node["ns"]] = ns_bytes.get(node["ns"], 0) + node["bytes"]
+                    assert node.chunk_bytes == len(rows["chunks"][key])
         assert set(rows["chunks"]) <= set(nodes), "chunk record without a node"
-        lru = set()
         for key, e in entries.items():
-            assert e["node"] in nodes, "entry hangs off a missing node"
-            refs[e["node"]] += 1
-            t = str(e["tail"])
-            tails[e["node"]][t] = tails[e["node"]].get(t, 0) + 1
+            assert e.node in nodes, "entry hangs off a missing node"
             assert key in rows["edata"], "entry without its record"
-            parts = {dns: len(rows["drafts"][draft_key(key, dns)]) for dns in e["drafters"]}
-            assert parts == e["drafters"], "drafter part sizes"
-            assert e["bytes"] == len(rows["edata"][key]) + sum(parts.values())
-            ns_bytes[e["ns"]] = ns_bytes.get(e["ns"], 0) + e["bytes"]
-            ns_entries[e["ns"]] = ns_entries.get(e["ns"], 0) + 1
-            lru.add(lru_key(e["last_use"], key))
+            parts = {dns: len(rows["drafts"][draft_key(key, dns)]) for dns in e.drafters}
+            assert parts == e.drafters, "drafter part sizes"
+            assert e.entry_bytes == len(rows["edata"][key]) + sum(parts.values())
         for key, node in nodes.items():
-            assert node["refs"] == refs[key] > 0, "node reference count"
-            assert node["tails"] == tails[key], "node tail counts"
-        assert set(rows["lru"]) == lru, "LRU rows"
-        assert totals["entries"] == len(entries)
-        assert totals["bytes"] == sum(ns_bytes.values())
+            assert node.refs == expected.refs[key] > 0, "node reference count"
+            assert node.tails == expected.tails[key], "node tail counts"
+        assert set(rows["lru"]) == expected.lru, "LRU rows"
+        assert totals is not None or not entries, "totals missing"
+        if totals is not None:
+            assert totals == expected.totals, "totals"
         for ns, raw in rows["nsinfo"].items():
-            info = unpack(raw)
-            assert info["bytes"] == ns_bytes.get(ns, 0) and info["entries"] == ns_entries.get(ns, 0), "ns counters"
-        return {"bytes": totals["bytes"], "entries": len(entries), "chunks": len(rows["chunks"]),
+            info = decode_typed("nsinfo", raw, ns)
+            assert (info.bytes, info.entries) == (expected.ns_bytes.get(ns, 0), expected.ns_entries.get(ns, 0)), \
+                "ns counters"
+        return {"bytes": expected.totals.bytes, "entries": len(entries), "chunks": len(rows["chunks"]),
                 "nodes": len(nodes), "drafts": len(rows["drafts"])}
 
     return check

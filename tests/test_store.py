@@ -355,7 +355,7 @@ def test_a_put_is_all_or_nothing(open_store, monkeypatch, store_invariants, meth
 
 
 def test_failing_encode_of_the_drafter_changes_nothing(open_store, monkeypatch):
-    import spec_cache.store.store as store_module
+    import spec_cache.store.write as store_module
 
     store = new_store(open_store)
     put(store, rng_tokens(6, 7), drafter=True)

@@ -5,7 +5,8 @@ On the caller's thread, every socket read bounded by ``timeout_s``:
 1. one pipeline: the namespace's layer signatures and, for the signatures this process already knows, the node
    hash of every full chunk of the prompt (chain keys are computed locally, so nothing is scanned); a signature
    seen for the first time costs one more pipeline;
-2. one MULTI/EXEC: the manifests of the longest few entry candidates plus every record of the longest one not yet
+2. candidates ranked as the local store ranks them (``store/candidates.py``), then one MULTI/EXEC: the
+   manifests of the longest few entry candidates plus every record of the longest one not yet
    in hand, read as one consistent snapshot; a candidate that turns out stale, evicted or corrupt costs one more
    MULTI for the next (``max_attempts`` in all).
 
@@ -27,6 +28,7 @@ import numpy as np
 from spec_cache.schemas import CheckpointAttachment
 
 from .. import keys as K
+from ..candidates import Hit, Level, Usable, chain_candidates, longest_first
 from ..errors import CorruptRecord
 from ..index import draft_key
 from ..tensors import LayerState
@@ -63,6 +65,17 @@ class _Candidate:
     is_entry: bool
     chain: tuple[bytes, ...]   # root .. the node the prefix ends in or hangs off
     entry_key: bytes | None
+    minimum_reusable: int = 0  # a chunk boundary's (its node's ``m``); an entry's is in its manifest
+
+    def hit(self, manifests: dict, drafter: str | None) -> Hit | None:
+        """The candidate as a ``Hit`` for the caller's ``usable``; None while its manifest is not read yet."""
+        if not self.is_entry:
+            return Hit(self.length, False, None, self.chain, self.minimum_reusable)
+        man = manifests.get(self.entry_key)
+        if man is None:
+            return None
+        return Hit(self.length, bool(drafter) and drafter in man["drafters"], self.entry_key, self.chain,
+                   man["minr"])
 
 
 class LookupMixin:
@@ -70,8 +83,10 @@ class LookupMixin:
     ``_sigs``, ``_redis`` and ``_failed`` from the tier)."""
 
     def restore(self, ns_key: bytes, tokens, *, chunk_tokens: int, drafter: str | None = None, floor: int = 0,
-                warnings: list[str] | None = None) -> Incoming | None:
-        """The longest usable prefix of ``tokens`` longer than ``floor`` tokens, fetched and verified; or None.
+                warnings: list[str] | None = None, usable: Usable | None = None) -> Incoming | None:
+        """The longest prefix of ``tokens`` longer than ``floor`` tokens that ``usable(hit)`` accepts (any when
+        None; the same predicate as ``Store.fetch``), fetched and verified; or None. A candidate the predicate
+        rejects is skipped without fetching when its manifest is already in hand.
 
         Never raises for a server problem (down, slow, garbage): that is a miss, noted in ``warnings``.
         """
@@ -83,7 +98,7 @@ class LookupMixin:
         start = time.perf_counter()
         self.health.add("lookups")
         try:
-            got = self._restore(ns_key, packed, chunk_tokens, drafter, floor, warnings)
+            got = self._restore(ns_key, packed, chunk_tokens, drafter, floor, warnings, usable)
         except (self._redis.RedisError, OSError) as exc:
             self._failed(exc, "a lookup", warnings)
             got = None
@@ -93,7 +108,7 @@ class LookupMixin:
         self.health.add("hits" if got is not None else "misses")
         return got
 
-    def _restore(self, ns_key, packed, C, drafter, floor, warnings) -> Incoming | None:
+    def _restore(self, ns_key, packed, C, drafter, floor, warnings, usable) -> Incoming | None:
         candidates = self._candidates(ns_key, packed, C, floor, warnings)
         seen = _Seen()
         attempts = 0
@@ -104,9 +119,13 @@ class LookupMixin:
                 continue  # known to have no usable manifest
             if cand.entry_key in seen.unusable or any(k in seen.unusable for k in cand.chain[1:]):
                 continue  # needs a record known to be missing or corrupt
+            hit = cand.hit(seen.manifests, drafter)
+            if hit is not None and usable is not None and not usable(hit):
+                continue  # the caller cannot use it: no round trip
             attempts += 1
             probe = [c.entry_key for c in candidates if c.entry_key is not None and c.entry_key not in seen.manifests]
-            got = self._attempt(ns_key, packed, C, drafter, cand, probe[:self.config.max_candidates], seen, warnings)
+            got = self._attempt(ns_key, packed, C, drafter, cand, probe[:self.config.max_candidates], seen, warnings,
+                                usable)
             if got is not None:
                 return got
         return None
@@ -148,37 +167,39 @@ class LookupMixin:
                     nodes[key] = res[at]
                     at += 1
         self._sigs[ns_key] = sigs_now
-        out = []
+        chains_here = []
         for sig in sigs_now:
             chain = chains[sig]
-            for j, key in enumerate(chain):
-                node = nodes.get(key)
-                if isinstance(node, Exception):
-                    self._corrupt_key(self.keys.node(key), None, "node is not a hash", warnings, "hash")
-                    continue
-                if not node:
-                    continue
-                base = j * C
-                for name in node:
-                    if not (isinstance(name, bytes) and name.startswith(b"t:")):
-                        continue
-                    try:
-                        t = int(name[2:])
-                    except ValueError:
-                        continue
-                    length = base + t
-                    if t < 0 or not floor < length <= n or length < 1:
-                        continue
-                    out.append(_Candidate(length, True, tuple(chain[:j + 1]), None))
-                if j > 0 and base > floor and node.get(b"c") == b"1" and _int(node.get(b"m"), base + 1) <= base:
-                    out.append(_Candidate(base, False, tuple(chain[:j + 1]), None))
-        out.sort(key=lambda c: (c.length, c.is_entry), reverse=True)
-        entries = [c for c in out if c.is_entry][:self.config.max_candidates]
-        out = [c for c in out if not c.is_entry or c in entries]  # every chunk boundary stays: no hashing needed
+
+            def level(j: int, chain=chain) -> Level | None:
+                return self._level(chain[j], nodes.get(chain[j]), j * C, warnings)
+            chains_here.append(chain_candidates(chain, level, n, C, floor))
+        ranked = list(longest_first(chains_here))  # the store's one ranking: longest first, entries first
+        entries = [c for c in ranked if c.is_entry][:self.config.max_candidates]
+        ranked = [c for c in ranked if not c.is_entry or c in entries]  # every chunk boundary stays: no hashing
         # entry keys only for the candidates kept (one blake3 over the tail tokens each)
-        return [c if not c.is_entry else
-                _Candidate(c.length, True, c.chain, K.entry_key(c.chain[-1], packed[(len(c.chain) - 1) * C:c.length]))
-                for c in out]
+        return [_Candidate(c.length, c.is_entry, c.chain,
+                           K.entry_key(c.chain[-1], packed[c.tail_start(C):c.length]) if c.is_entry else None,
+                           c.minimum_reusable)
+                for c in ranked]
+
+    def _level(self, key: bytes, node, base: int, warnings: list[str]) -> Level | None:
+        """What a node hash says: its entries' tail lengths (``t:<n>`` fields), ``c`` (complete), ``m`` (minr)."""
+        if isinstance(node, Exception):
+            self._corrupt_key(self.keys.node(key), None, "node is not a hash", warnings, "hash")
+            return None
+        if not node:
+            return None
+        tails = set()
+        for name in node:
+            if isinstance(name, bytes) and name.startswith(b"t:"):
+                try:
+                    t = int(name[2:])
+                except ValueError:
+                    continue
+                if t >= 0:
+                    tails.add(t)
+        return Level(sorted(tails, reverse=True), node.get(b"c") == b"1", _int(node.get(b"m"), base + 1))
 
     @staticmethod
     def _chain(ns_key: bytes, sig: bytes, packed: np.ndarray, C: int) -> list[bytes]:
@@ -186,7 +207,7 @@ class LookupMixin:
         return K.chain(root, packed, C) if sig else [root]  # no chunked layers: entries hang off the root
 
     def _attempt(self, ns_key, packed, C, drafter, cand: _Candidate, probe: list[bytes], seen: "_Seen",
-                 warnings: list[str]) -> Incoming | None:
+                 warnings: list[str], usable: Usable | None = None) -> Incoming | None:
         """One MULTI: manifests of ``probe`` (and of the candidate) plus the candidate's records not yet in hand."""
         manifests = seen.manifests
         ek = cand.entry_key
@@ -234,7 +255,9 @@ class LookupMixin:
             if man["len"] != cand.length or man["minr"] > cand.length:
                 manifests[ek] = None  # not usable at this length
                 return None
-        entry = None
+            if usable is not None and not usable(cand.hit(manifests, drafter)):
+                return None  # the caller cannot use it; a shorter candidate may serve
+        records = dict(zip(chunk_keys, chunks_raw))
         if ek is not None:
             if entry_raw is None:
                 self.health.add("vanished")
@@ -245,12 +268,12 @@ class LookupMixin:
                                   warnings)
                 seen.unusable.add(ek)
                 return None
-            entry = (ek, entry_raw)
+            records[ek] = entry_raw
         try:
-            layers = assemble(packed=packed, length=cand.length, chunk_tokens=C,
-                              chunks=list(zip(chunk_keys, chunks_raw)), entry=entry)
+            layers = assemble(packed=packed, length=cand.length, chunk_tokens=C, chain=cand.chain, records=records,
+                              entry=ek)
         except CorruptRecord as exc:
-            raw = entry_raw if exc.key == ek else dict(zip(chunk_keys, chunks_raw)).get(exc.key)
+            raw = records.get(exc.key)
             name = self.keys.entry(ek) if exc.key == ek else self.keys.chunk(exc.key or b"")
             self._corrupt_key(name, raw, str(exc), warnings)
             seen.unusable.add(exc.key)

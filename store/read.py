@@ -1,0 +1,213 @@
+"""Verified reads: records checked and assembled into layers; one path for the local store and the shared tier.
+
+Whatever a record comes from (an LMDB read transaction, a Redis MULTI), it is returned only after:
+
+* its blake3 checksum and structure pass (``codec.decode_record``), possibly on a second thread while its
+  tensors are copied out (``BackgroundVerifier``; nothing is returned before every checksum passed);
+* it is of the kind asked for (chunk, entry, draft) and names the key it is stored under (``codec.check_key``);
+* it holds the prompt's tokens for the span its key stands for;
+* an entry record covers the length asked for in chunks of the store's size, a chunk-boundary prefix comes
+  from a fully chunked checkpoint, and every layer's pieces add up to the prefix length.
+
+Any failure raises ``CorruptRecord`` naming the key of the record to drop (a miss plus a warning for the
+caller). A drafter part with an unknown or invalid schema is not damage: it is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from spec_cache.schemas import CheckpointAttachment, SchemaError, validate_attachment
+from spec_cache.schemas.errors import UnknownSchemaError
+
+from .codec import Record, check_key, copy_out, decode_record, verify_checksum
+from .errors import CorruptRecord
+from .tensors import LayerState, Tensor, numpy_dtype
+
+__all__ = ["ASYNC_VERIFY_BYTES", "BackgroundVerifier", "Concat", "RawRecords", "verified_record", "read_layers",
+           "read_attachment", "assemble_layers"]
+
+log = logging.getLogger("spec_cache.store")
+ASYNC_VERIFY_BYTES = 1 << 20  # records at least this big are checksummed on a second thread during a read
+
+RawRecords = Callable[[str, bytes], Any]
+"""``raw(kind, key)``: the stored bytes of the ``kind`` record under ``key`` (a buffer), or None if absent."""
+
+Concat = Callable[[list, int, str], Any]
+"""``concat(pieces, axis, dtype)``: build a token-sliceable tensor from numpy views of its pieces (valid only
+during the call: copy them) and return what ``Tensor.data`` should hold."""
+
+
+class BackgroundVerifier:
+    """Checksums large records on one worker thread while their tensors are copied out (blake3 releases the
+    GIL), so a restore costs about one pass over its bytes instead of two. Created lazily; ``close()`` ends it."""
+
+    def __init__(self, min_bytes: int = ASYNC_VERIFY_BYTES):
+        self.min_bytes = min_bytes
+        self._pool: ThreadPoolExecutor | None = None
+
+    def defers(self, raw) -> bool:
+        return len(raw) >= self.min_bytes
+
+    def start(self, deferred: list[tuple[str, bytes, Any]]) -> Future | None:
+        """Start checksumming ``deferred`` ``(kind, key, raw)`` records; None when there are none."""
+        if not deferred:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-cache-verify")
+
+        def run():
+            for kind, key, raw in deferred:
+                if not verify_checksum(raw):
+                    return kind, key
+            return None
+        return self._pool.submit(run)
+
+    @staticmethod
+    def wait(pending: Future | None) -> None:
+        """Wait for background checksums; raise ``CorruptRecord`` for the first record that failed."""
+        if pending is None:
+            return
+        bad = pending.result()
+        if bad is not None:
+            raise CorruptRecord(f"{bad[0]} record: record checksum mismatch (bit flip or truncation)", bad[1])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def verified_record(raw, kind: str, key: bytes, expect_tokens: np.ndarray | None = None, *,
+                    deferred: list | None = None, verifier: BackgroundVerifier | None = None) -> Record:
+    """Decode the ``kind`` record ``raw`` stored under ``key`` and check it (see the module docstring).
+
+    With ``verifier`` and ``deferred`` a large record's checksum is left for ``verifier.start(deferred)``.
+    """
+    if raw is None:
+        raise CorruptRecord(f"{kind} record missing under an indexed key", key)
+    defer = deferred is not None and verifier is not None and verifier.defers(raw)
+    if defer:
+        deferred.append((kind, key, raw))
+    try:
+        rec = decode_record(raw, verify=not defer)
+    except CorruptRecord as exc:
+        raise CorruptRecord(f"{kind} record: {exc}", key) from None
+    if rec.kind != kind:
+        raise CorruptRecord(f"{kind} record holds a {rec.kind!r} record", key)
+    check_key(rec, key, kind)  # a record names the key it was written under
+    if expect_tokens is not None:
+        stored = rec.tensors.get("tokens")
+        if stored is None or stored.shape != (len(expect_tokens),) or bytes(stored.data) != expect_tokens.tobytes():
+            raise CorruptRecord(f"{kind} record holds other tokens than its key says", key)
+    return rec
+
+
+def read_layers(raw: RawRecords, *, packed: np.ndarray, length: int, chunk_tokens: int, chain: Sequence[bytes],
+                entry: bytes | None, concat: Concat | None = None,
+                verifier: BackgroundVerifier | None = None) -> list[LayerState]:
+    """The target layers of ``packed[:length]`` from the chunk records of ``chain[1:]`` and, unless ``entry`` is
+    None (a chunk-boundary prefix), the entry record ``entry``. Raises ``CorruptRecord``."""
+    deferred: list = []
+    chunks = []
+    for k, key in enumerate(chain[1:], 1):
+        expect = packed[(k - 1) * chunk_tokens:k * chunk_tokens]
+        chunks.append(verified_record(raw("chunk", key), "chunk", key, expect, deferred=deferred, verifier=verifier))
+    entry_rec = None
+    if entry is None:
+        bad_key = chain[-1] if len(chain) > 1 else None
+        table = chunks[0].meta.get("layers") if chunks else None
+        if chunks and chunks[-1].meta.get("complete") is False:  # the node's flag disagrees: index damage
+            raise CorruptRecord("chunk-boundary prefix of a checkpoint with untrimmable layers (damaged index)",
+                                bad_key)
+    else:
+        bad_key = entry
+        base = (len(chain) - 1) * chunk_tokens
+        entry_rec = verified_record(raw("entry", entry), "entry", entry, packed[base:length], deferred=deferred,
+                                    verifier=verifier)
+        meta = entry_rec.meta
+        if meta.get("length") != length or meta.get("chunk_tokens") != chunk_tokens:
+            raise CorruptRecord(f"entry record covers {meta.get('length')} tokens in chunks of "
+                                f"{meta.get('chunk_tokens')}, expected {length} in chunks of {chunk_tokens}", entry)
+        table = meta.get("layers")
+    pending = verifier.start(deferred) if verifier is not None else None
+    try:
+        if table is None:
+            raise CorruptRecord("records carry no layer table", bad_key)
+        layers = assemble_layers(table, chunks, entry_rec, length, concat=concat)
+    except CorruptRecord as exc:
+        BackgroundVerifier.wait(pending)  # a checksum failure explains a broken table best: report that first
+        raise CorruptRecord(str(exc), bad_key) from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        BackgroundVerifier.wait(pending)
+        raise CorruptRecord(f"stored layer table does not match its tensors ({exc})", bad_key) from None
+    BackgroundVerifier.wait(pending)  # nothing is returned before every record it came from passed its checksum
+    return layers
+
+
+def assemble_layers(layer_table, chunks: list[Record], entry_rec: Record | None, length: int, *,
+                    concat: Concat | None = None) -> list[LayerState]:
+    """Concatenate each chunked layer's pieces along its token axis (one copy out of the map, or ``concat``'s
+    result); untrimmable layers come whole from the entry record. Raises ``CorruptRecord`` (without a key)
+    when the pieces do not add up, or KeyError/TypeError/... for a table that does not fit the tensors."""
+    layers = []
+    for i, kind, meta, axis, tensor_specs in layer_table:
+        out = []
+        for j, (dtype, shape) in enumerate(tensor_specs):
+            name = f"L{i}.{j}"
+            if axis is None:
+                out.append(Tensor(dtype, tuple(shape), copy_out(entry_rec.tensors[name])))
+                continue
+            pieces = [c.tensors[name] for c in chunks]
+            if entry_rec is not None:
+                pieces.append(entry_rec.tensors[name])
+            full = list(shape)
+            full[axis] = sum(p.shape[axis] for p in pieces)
+            if any(len(p.shape) != len(full) or any(d != f for a, (d, f) in enumerate(zip(p.shape, full)) if a != axis)
+                   for p in pieces):
+                raise CorruptRecord(f"layer {i} pieces do not match the stored layer table")
+            if full[axis] != length:
+                raise CorruptRecord(f"layer {i} pieces cover {full[axis]} tokens, expected {length}")
+            out.append(Tensor(dtype, tuple(full), _concatenate(pieces, axis, dtype, full, concat)))
+        layers.append(LayerState(kind, meta, out, axis))
+    return layers
+
+
+def _concatenate(pieces, axis: int, dtype: str, full: list[int], concat: Concat | None):
+    if concat is not None:
+        return concat([p.array() for p in pieces], axis, dtype)
+    arr = np.empty(full, dtype=numpy_dtype(dtype))
+    index: list = [slice(None)] * arr.ndim
+    at = 0
+    for p in pieces:
+        step = p.shape[axis]
+        index[axis] = slice(at, at + step)
+        arr[tuple(index)] = p.array()
+        at += step
+    return arr
+
+
+def read_attachment(raw, key: bytes, length: int, warnings: list[str], *, source: str = "") -> CheckpointAttachment | None:
+    """The drafter attachment in the draft record ``raw`` under ``key``, validated for ``length`` tokens; None
+    (with a warning, ``source`` naming where it came from) for an unknown or invalid schema.
+
+    Raises ``CorruptRecord`` if the record itself is damaged.
+    """
+    rec = verified_record(raw, "draft", key)
+    try:
+        tensors = tuple(Tensor(t.dtype, t.shape, copy_out(t)) for t in rec.tensors.values())
+        attachment = CheckpointAttachment(rec.schema, rec.meta.get("metadata", {}), tensors)
+        validate_attachment(attachment, length)
+    except UnknownSchemaError as exc:
+        message = f"{source}drafter part skipped: {exc}"
+    except SchemaError as exc:
+        message = f"{source}drafter part skipped: stored attachment is invalid: {exc}"
+    else:
+        return attachment
+    warnings.append(message)
+    log.warning(message)
+    return None
