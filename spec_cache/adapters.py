@@ -4,7 +4,9 @@ An adapter is an mlx-lm adapter directory (``adapter_config.json`` + ``adapters.
 ``mlx_lm.lora``). Its namespace entry is ``id@revision``, where ``id`` names it (the directory name unless given)
 and ``revision`` is 64 hex of blake3 over its config and weights (``artifact_identity`` with the seed
 ``spec-cache/adapter-identity/v1``): retraining an adapter under the same name orphans its old prefixes. A stack
-of adapters joins its entries with ``+`` in the order applied; the base model is ``""``.
+of adapters joins its entries with ``+`` in the order applied; the base model is ``""``. The runtime's prefix
+namespace takes the resolved stack through ``spec_cache.namespace.resolve_prefix_namespace`` (which also drops
+the drafter part for a drafter not valid under a target adapter).
 
 Applying: one adapter is loaded exactly as ``mlx_lm.utils.load(..., adapter_path=...)`` does
 (``mlx_lm.tuner.utils.load_adapters``, LoRA layers left unfused), so generation matches mlx-lm's. A stack is

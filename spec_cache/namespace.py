@@ -22,6 +22,9 @@ enters here.
 
 These strings and keys are public contracts: ``tests/golden/namespaces.json`` pins them, and a change that
 alters one byte of either orphans every stored entry. Nothing here imports mlx.
+
+Length (~450 lines): the whole namespace contract (options, capture, the strings, the run check, the key) is
+kept in one file on purpose, so that one reading shows every byte a stored entry's namespace depends on.
 """
 
 from __future__ import annotations
@@ -215,8 +218,10 @@ def capture_options(options: KVOptions | Mapping[str, Any]) -> KVOptions:
     """Snapshot the KV options when a request is bound (mlx-bun ``captureSpeculativeOptions``).
 
     A mapping is read with :meth:`KVOptions.from_mapping`: ``kvConfig`` reduced to its three fields and sorted
-    by ``layerIdx``, ``turboQuant`` deep-copied, so later changes to the caller's dicts and lists change nothing.
-    A :class:`KVOptions` is already such a snapshot and is returned unchanged.
+    by ``layerIdx`` (stably: a layer named twice keeps both entries in the order given), ``turboQuant``
+    deep-copied, so later changes to the caller's dicts and lists change nothing. A :class:`KVOptions` is
+    already such a snapshot and is returned unchanged. Nothing is refused for being unrunnable
+    (:func:`check_runnable` does that at execution).
     """
     if isinstance(options, KVOptions):
         return options
