@@ -10,13 +10,39 @@ transactions (``read()``) turn LMDB's own errors into ``StoreError``.
 Space: puts stop ``HEADROOM_BYTES`` short of the map limit and the disk's free space, and ``reserve`` holds that
 much disk while there is room; writes that make room (unpin, evict, gc) may use both, so a store that filled
 its disk (or whose disk something else filled) can always be emptied again.
+
+Write path (what a large put costs, measured for a 256 MiB state on 2-core VMs): the record encoder gathers the
+tensors into one buffer (one copy, checksummed as it goes), ``txn.put`` copies it into pages LMDB mallocs for
+the transaction, and the commit ``pwrite``s those pages and ``fdatasync``s (twice: data, then the meta page).
+What made the put machine-sensitive was not LMDB but the allocator and the disk:
+
+* glibc serves each 16 MiB value LMDB mallocs from fresh memory (mmap'd, or heap top trimmed back after every
+  commit) and the copy into it page-faults at the VM's first-touch rate (~1-2 GB/s, vs ~6 GB/s into memory
+  already mapped): on one VM ``txn.put`` of 256 MiB took ~230 ms, ~45 ms with the thresholds below. So a
+  writable store sets glibc's ``M_MMAP_THRESHOLD`` (32 MiB, the most glibc allows) and ``M_TRIM_THRESHOLD``
+  (``TRIM_THRESHOLD_BYTES``) once per process, unless the process set them itself (``MALLOC_*`` environment,
+  ``GLIBC_TUNABLES``) or ``SPEC_CACHE_MALLOC_TUNE=0``. Cost: up to that much freed heap stays mapped for reuse.
+* ``fdatasync`` of new data is bounded by the disk (0.6-0.8 GB/s for 256 MiB here, less into a file that grows:
+  ext4 allocates the blocks at writeback); mlx-lm's ``save_prompt_cache`` + fsync pays the same.
+* ``writemap`` (LMDB writing straight into a shared map of the file) would save ``txn.put``'s copy, but LMDB
+  then ftruncates ``data.mdb`` to the whole map as a sparse file and a full disk turns into SIGBUS on a page
+  fault instead of an error at commit, which the disk-full handling here relies on. It stays off.
+* Map growth: a put that finds the map full is aborted, the map grown and the put run again (all of its
+  encoding redone), so ``write`` grows the map ahead of time in big steps (doubling) once it is
+  ``GROW_AHEAD_FRACTION`` used.
+
+``Environment.last_write`` holds the last write's phases (seconds in ``fn``, in the commit, attempts) for
+benchmarks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import platform
 import stat
+import threading
 import time
 from typing import Callable, TypeVar
 
@@ -40,6 +66,9 @@ READER_CHECK_S = 5.0
 HEADROOM_BYTES = 4 << 20  # map growth and disk space (``reserve``) puts leave to unpin/evict/gc a full store
 RESERVE_NAME = "reserve"
 DISK_FULL_BYTES = 64 << 20  # an EIO/ENOSPC commit with less free than this (or 5% of the disk) is "disk full"
+TRIM_THRESHOLD_BYTES = 512 << 20  # freed heap glibc keeps mapped (see the module docstring)
+MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc's mallopt accepts on 64-bit
+GROW_AHEAD_FRACTION = 0.75  # grow the map before a write once this much of it is in use
 SUBDBS = ("meta", "nsinfo", "nodes", "chunks", "entries", "edata", "drafts", "lru", "memo")
 T = TypeVar("T")
 
@@ -54,6 +83,38 @@ def _secure_dir(path: str) -> None:
     st = os.stat(path)
     if stat.S_IMODE(st.st_mode) != 0o700 and st.st_uid == os.getuid():
         os.chmod(path, 0o700)
+
+
+_allocator_tuned: bool | None = None
+_allocator_lock = threading.Lock()
+
+
+def tune_allocator() -> bool:
+    """Keep glibc from handing LMDB's large transaction buffers out as fresh pages on every put (see the module
+    docstring). Once per process; a no-op off glibc, when the process chose its own malloc settings, or with
+    ``SPEC_CACHE_MALLOC_TUNE=0``. Returns whether the thresholds are set."""
+    global _allocator_tuned
+    with _allocator_lock:
+        if _allocator_tuned is not None:
+            return _allocator_tuned
+        _allocator_tuned = False
+        if os.environ.get("SPEC_CACHE_MALLOC_TUNE", "1") == "0" or platform.system() != "Linux":
+            return False
+        if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                                         "MALLOC_MMAP_MAX_")) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+            return False
+        try:
+            if platform.libc_ver()[0] != "glibc":
+                return False
+            libc = ctypes.CDLL(None)
+            mallopt = libc.mallopt
+            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+            _allocator_tuned = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)) and \
+                bool(mallopt(m_trim_threshold, TRIM_THRESHOLD_BYTES))
+        except (OSError, AttributeError, ValueError):
+            _allocator_tuned = False
+        return _allocator_tuned
 
 
 def _write_failed(exc: lmdb.Error) -> bool:
@@ -95,6 +156,9 @@ class Environment:
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
         self._reader_checked = time.monotonic()
+        self.last_write: dict = {}
+        if not readonly:
+            tune_allocator()
         if readonly:
             if not os.path.exists(os.path.join(self.path, "data.mdb")):
                 raise StoreOpenError(f"no spec-cache store at {self.path}")
@@ -238,10 +302,20 @@ class Environment:
             self._clear_stale_readers()
             self._keep_reserve()
         maintenance = making_room
-        for _attempt in range(64):
+        self._grow_ahead()
+        for attempt in range(64):
             try:
-                with self.env.begin(write=True, buffers=True) as txn:
-                    return fn(txn)
+                txn = self.env.begin(write=True, buffers=True)
+                t0 = time.perf_counter()
+                try:
+                    result = fn(txn)
+                except BaseException:
+                    txn.abort()
+                    raise
+                t1 = time.perf_counter()
+                txn.commit()  # durable: LMDB fdatasyncs the data pages, then the meta page
+                self.last_write = {"fn_s": t1 - t0, "commit_s": time.perf_counter() - t1, "attempts": attempt + 1}
+                return result
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)
             except lmdb.MapFullError:
@@ -272,6 +346,17 @@ class Environment:
                     raise StoreFullError(f"store at {self.path}: {reason} and nothing more can be evicted; the "
                                          f"store is unchanged and still readable") from None
         raise StoreFullError(f"store at {self.path}: write did not fit after repeated map growth or eviction")
+
+    def _grow_ahead(self) -> None:
+        """Grow the map (doubling, within the disk's free space) before a write once ``GROW_AHEAD_FRACTION`` of
+        it is in use, so a large put is rarely aborted half-way by a full map and run again."""
+        try:
+            info = self.env.info()
+            used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+            if used > GROW_AHEAD_FRACTION * info["map_size"]:
+                self._grow()
+        except lmdb.Error:
+            pass
 
     def _keep_reserve(self) -> None:
         """Hold ``HEADROOM_BYTES`` of disk in ``reserve`` (allocated blocks, not a sparse file) while the disk has

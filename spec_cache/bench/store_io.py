@@ -5,6 +5,13 @@
   ``load_prompt_cache`` + eval of the same arrays (page cache warm; median of N).
 * longest-prefix lookup of a 32k-token prompt with 1k, 10k and 100k stored entries.
 
+The put is broken into phases so a slow machine shows where its time goes: ``encode`` (gather + checksum into
+records), ``lmdb_put`` (the rest of the transaction body: ``txn.put`` copying records into LMDB's pages, index
+updates), ``commit`` (``pwrite`` + ``fdatasync``). Next to them: the disk's own rate (``pwrite`` + ``fdatasync`` of
+the same bytes into a new file and over an existing one), first-touch vs warm memory copy rates (a copy into fresh
+pages is what glibc's thresholds decide; see ``store/env.py``), and the record checksum rates (XXH3-128, format 2,
+vs blake3, format 1) over the state.
+
 Usage: python tools/bench_store.py [--json] [--quick] [--reps N]
 """
 
@@ -22,6 +29,87 @@ import time
 import numpy as np
 
 from .timing import median_time
+
+
+class _PutPhases:
+    """Times ``encode_record`` calls (wherever the store imported it) and reads the environment's last write."""
+
+    def __init__(self):
+        from spec_cache.store import codec
+
+        self.codec = codec
+        self.encode_s = 0.0
+        self.patched = []
+        orig = codec.encode_record
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self.encode_s += time.perf_counter() - t0
+        self.orig, self.timed = orig, timed
+
+    def __enter__(self):
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("spec_cache.store") and getattr(mod, "encode_record", None) is self.orig:
+                setattr(mod, "encode_record", self.timed)
+                self.patched.append(mod)
+        return self
+
+    def __exit__(self, *exc):
+        for mod in self.patched:
+            setattr(mod, "encode_record", self.orig)
+        return False
+
+    def phases(self, env, total: float) -> dict:
+        w = getattr(env, "last_write", {}) or {}
+        fn, commit = w.get("fn_s", float("nan")), w.get("commit_s", float("nan"))
+        return {"total": total, "encode": self.encode_s, "lmdb_put": fn - self.encode_s, "commit": commit,
+                "attempts": w.get("attempts")}
+
+
+def _rates(nbytes: int, work: str, reps: int) -> dict:
+    """The machine's own limits for the put's phases: disk, fresh vs warm memory, checksums (GB/s)."""
+    import blake3
+    import xxhash
+
+    src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    mv = memoryview(src)
+    gb = nbytes / 1e9
+    out = {}
+    path = os.path.join(work, "disk-probe")
+
+    def write_sync(new: bool):
+        if new and os.path.exists(path):
+            os.remove(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.pwrite(fd, mv, 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    out["disk_new_file_GBps"] = gb / median_time(lambda: write_sync(True), max(reps // 2, 2))
+    out["disk_overwrite_GBps"] = gb / median_time(lambda: write_sync(False), max(reps // 2, 2))
+    os.remove(path)
+    piece = 16 << 20  # the size of a chunk record here: what LMDB mallocs per value
+    pieces = [src[i:i + piece] for i in range(0, nbytes, piece)]
+
+    def fresh_copy():
+        for p in pieces:
+            np.empty_like(p)[:] = p
+    warm = np.empty(piece, np.uint8)
+
+    def warm_copy():
+        for p in pieces:
+            warm[:len(p)] = p
+    out["copy_fresh_pages_GBps"] = gb / median_time(fresh_copy, reps)
+    out["copy_warm_pages_GBps"] = gb / median_time(warm_copy, reps)
+    out["xxh3_128_GBps"] = gb / median_time(lambda: xxhash.xxh3_128(mv).digest(), reps)
+    out["blake3_GBps"] = gb / median_time(
+        lambda: blake3.blake3(mv, max_threads=blake3.blake3.AUTO).digest(), reps)
+    out["blake3_1thread_GBps"] = gb / median_time(lambda: blake3.blake3(mv).digest(), reps)
+    return out
 
 
 
@@ -75,10 +163,16 @@ def bench_put_get(reps: int, tokens: int) -> dict:
     store = Store.open(store_dir, map_size=8 << 30)
     fresh = iter(range(1 << 30))
 
+    phases: list[dict] = []
+
     def put():  # a new namespace each time, so every chunk is really written
         key = namespace_key("0" * 64, f"bench-{next(fresh)}")
         store.register_namespace(key, target="0" * 64, prefix_namespace="bench")
-        store.put(key, toks, layers())
+        state = layers()
+        with _PutPhases() as timer:
+            t0 = time.perf_counter()
+            store.put(key, toks, state)
+            phases.append(timer.phases(store.env, time.perf_counter() - t0))
         return key
 
     def get():  # what SpecCache.restore does: one copy out of the map into MLX, joined in MLX
@@ -104,14 +198,27 @@ def bench_put_get(reps: int, tokens: int) -> dict:
     load(); get()
     t_load = median_time(load, reps)
     t_get = median_time(get, reps)
+    from spec_cache.store import env as store_env
+
+    tuned = bool(store_env._allocator_tuned)
     store.close()
+    rates = _rates(nbytes, work, reps)
     shutil.rmtree(work, ignore_errors=True)
     gb = nbytes / 1e9
-    return {"state_bytes": nbytes, "reps": reps,
-            "mlx_lm_save_s": t_save, "put_s": t_put, "put_vs_mlx_lm_save": t_save / t_put,
-            "put_growing_file_s": t_put_growing,
-            "mlx_lm_load_s": t_load, "get_s": t_get, "restore_vs_mlx_lm_load": t_load / t_get,
-            "put_GBps": gb / t_put, "get_GBps": gb / t_get, "save_GBps": gb / t_save, "load_GBps": gb / t_load}
+    out = {"state_bytes": nbytes, "reps": reps,
+           "mlx_lm_save_s": t_save, "put_s": t_put, "put_vs_mlx_lm_save": t_save / t_put,
+           "put_growing_file_s": t_put_growing,
+           "mlx_lm_load_s": t_load, "get_s": t_get, "restore_vs_mlx_lm_load": t_load / t_get,
+           "put_GBps": gb / t_put, "get_GBps": gb / t_get, "save_GBps": gb / t_save, "load_GBps": gb / t_load,
+           "malloc_thresholds_set": tuned}
+    # phases: the first put (into a growing data.mdb), then the median of each phase over the steady puts
+    for name in ("encode", "lmdb_put", "commit"):
+        out[f"put_growing_{name}_s"] = phases[0][name]
+        out[f"put_{name}_s"] = statistics.median(p[name] for p in phases[1:])
+        out[f"put_{name}_GBps"] = gb / out[f"put_{name}_s"] if out[f"put_{name}_s"] > 0 else float("inf")
+    out["put_attempts_max"] = max((p["attempts"] or 0) for p in phases)
+    out.update(rates)
+    return out
 
 
 def bench_lookup(counts: list[int], reps: int, prompt_tokens: int = 32768) -> dict:
