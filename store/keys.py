@@ -57,13 +57,6 @@ def root_key(ns_key: bytes, signature: bytes) -> bytes:
     return blake3.blake3(_ROOT + ns_key + struct.pack("<Q", len(signature)) + signature).digest()
 
 
-def chunk_key(parent: bytes, chunk_tokens: np.ndarray) -> bytes:
-    h = blake3.blake3(_CHUNK)
-    h.update(parent)
-    h.update(chunk_tokens.view(np.uint8))
-    return h.digest()
-
-
 def entry_key(node: bytes, tail_tokens: np.ndarray) -> bytes:
     h = blake3.blake3(_ENTRY)
     h.update(node)
@@ -75,7 +68,7 @@ def entry_key(node: bytes, tail_tokens: np.ndarray) -> bytes:
 def chain(root: bytes, tokens: np.ndarray, chunk_tokens: int, max_chunks: int | None = None) -> list[bytes]:
     """[root, chunk_1, ..., chunk_K] for the full chunks of ``tokens`` (K capped by ``max_chunks``).
 
-    Same digests as ``chunk_key`` step by step, with one blake3 call per chunk (the lookup's hot loop).
+    ``chunk_k`` of the module docstring for k = 1..K, one blake3 call per chunk (the lookup's hot loop).
     """
     count = len(tokens) // chunk_tokens
     if max_chunks is not None:

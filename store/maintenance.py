@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .errors import StoreFullError
 from .gc import GcReport, gc
 from .index import Index
 from .store import Store
-from .values import decode_typed
+from .values import Entry, decode_typed
 from .verify import RECORD_DBS, Progress, VerifyReport, index_problems, verify
 
 __all__ = ["namespaces", "resolve_namespace", "entries", "stats", "evict", "EvictReport", "verify", "VerifyReport",
@@ -106,44 +107,13 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
     cutoff = None if older_than_s is None else time.time_ns() - int(older_than_s * 1e9)
     filtered = everything or namespace is not None or cutoff is not None or drafter is not None
 
+    def selected(e: Entry) -> bool:
+        return ((namespace is None or e.namespace == namespace)
+                and (cutoff is None or not (e.pinned or e.last_use >= cutoff))
+                and (drafter is None or drafter in e.drafters))
+
     def step(txn, limit: int | None) -> tuple[EvictReport, bool]:
-        counts = EvictReport()
-        index = Index(txn, store.env.dbs)
-        before = index.totals().bytes
-        done, finished = 0, True
-        if filtered:
-            victims = []
-            for key, raw in txn.cursor(db=store.env.dbs["entries"]):
-                e = decode_typed("entries", raw, bytes(key))
-                if namespace is not None and e.namespace != namespace:
-                    continue
-                if cutoff is not None and (e.pinned or e.last_use >= cutoff):
-                    continue
-                if drafter is not None and drafter not in e.drafters:
-                    continue
-                victims.append((bytes(key), e))
-            for key, e in victims:
-                if limit is not None and done >= limit:
-                    finished = False
-                    break
-                if drafter is not None:
-                    index.drop_drafter(key, e, drafter)
-                    counts.drafter_parts += 1
-                else:
-                    index.remove_entry(key, e)
-                    counts.entries += 1
-                done += 1
-        if finished and to_size is not None:
-            while index.totals().bytes > to_size:
-                if limit is not None and done >= limit:
-                    finished = False
-                    break
-                if not index.evict_one():
-                    break
-                counts.entries += 1
-                done += 1
-        counts.bytes = before - index.totals().bytes
-        return counts, finished
+        return _evict_step(Index(txn, store.env.dbs), selected if filtered else None, drafter, to_size, limit)
 
     try:
         return store.env.write(lambda txn: step(txn, None), making_room=True)[0]
@@ -165,3 +135,38 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
             return report
 
 
+def _evict_step(index: Index, selected: Callable[[Entry], bool] | None, drafter: str | None, to_size: int | None,
+                limit: int | None) -> tuple[EvictReport, bool]:
+    """One transaction of ``evict``: at most ``limit`` removals; returns what it did and whether it finished."""
+    counts = EvictReport()
+    before = index.totals().bytes
+    done = 0
+    if selected is not None:
+        victims = []
+        for key, raw in index.txn.cursor(db=index.dbs["entries"]):
+            e = decode_typed("entries", raw, bytes(key))
+            if selected(e):
+                victims.append((bytes(key), e))
+        for key, e in victims:
+            if limit is not None and done >= limit:
+                counts.bytes = before - index.totals().bytes
+                return counts, False
+            if drafter is not None:
+                index.drop_drafter(key, e, drafter)
+                counts.drafter_parts += 1
+            else:
+                index.remove_entry(key, e)
+                counts.entries += 1
+            done += 1
+    finished = True
+    if to_size is not None:
+        while index.totals().bytes > to_size:
+            if limit is not None and done >= limit:
+                finished = False
+                break
+            if not index.evict_one():
+                break
+            counts.entries += 1
+            done += 1
+    counts.bytes = before - index.totals().bytes
+    return counts, finished

@@ -927,3 +927,185 @@ def test_stale_reader_of_a_killed_process_does_not_pin_old_pages(open_store, sto
     assert str(holder_pid) not in pids
     assert result["growth"] < 4 << 20  # freed pages are reused: 40 x 256 KiB would be 10 MiB
     assert store.lookup(NS, [1, 2, 3]).length == 3
+
+
+# --- typed index records: same bytes on disk -------------------------------------------------------------------
+_NS32, _PARENT32 = bytes(range(32)), bytes(range(32, 64))
+_SIG = b"\x91\x95\x00"
+# (sub-database, the dict the store has always written, its msgpack bytes)
+INDEX_GOLDEN = [
+    ("nodes", {"ns": _NS32, "parent": _PARENT32, "depth": 2, "refs": 3, "tails": {"5": 1, "0": 2}, "bytes": 4096,
+               "complete": True, "minr": 7, "sig": b""},
+     "89a26e73c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa6706172656e74c420202122232425"
+     "262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3fa5646570746802a47265667303a57461696c7382a13501a13002a562"
+     "79746573cd1000a8636f6d706c657465c3a46d696e7207a3736967c400"),
+    ("nodes", {"ns": _NS32, "parent": None, "depth": 0, "refs": 1, "tails": {}, "bytes": 0, "complete": False,
+               "minr": 0, "sig": _SIG},
+     "89a26e73c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa6706172656e74c0a5646570746800"
+     "a47265667301a57461696c7380a5627974657300a8636f6d706c657465c2a46d696e7200a3736967c403919500"),
+    ("nodes", {"ns": _NS32, "parent": _PARENT32, "depth": 2, "refs": 3, "tails": {"5": 1, "0": 2}, "bytes": 4096,
+               "complete": True, "minr": 7, "sig": b"", "broken": True},
+     "8aa26e73c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa6706172656e74c420202122232425"
+     "262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3fa5646570746802a47265667303a57461696c7382a13501a13002a562"
+     "79746573cd1000a8636f6d706c657465c3a46d696e7207a3736967c400a662726f6b656ec3"),
+    ("entries", {"ns": _NS32, "len": 133, "node": _PARENT32, "tail": 5, "last_use": 1764000000000000000,
+                 "created": 1763000000000000000, "pinned": False, "bytes": 9000, "drafters": {"assistant/x": 1200},
+                 "minr": 64},
+     "8aa26e73c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa36c656ecc85a46e6f6465c4202021"
+     "22232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3fa47461696c05a86c6173745f757365cf187afca767ca0000"
+     "a763726561746564cf18776f28c3038000a670696e6e6564c2a56279746573cd2328a8647261667465727381ab617373697374616e74"
+     "2f78cd04b0a46d696e7240"),
+    ("nsinfo", {"target": "t:abc", "prefix": "assistant", "tenant": False, "created": 1763000000000000000,
+                "entries": 2, "bytes": 13096, "hits": 5, "misses": 1, "last_use": None, "sigs": [_SIG]},
+     "8aa6746172676574a5743a616263a6707265666978a9617373697374616e74a674656e616e74c2a763726561746564cf18776f28c3"
+     "038000a7656e747269657302a56279746573cd3328a46869747305a66d697373657301a86c6173745f757365c0a47369677391c403"
+     "919500"),
+    ("nsinfo", {"target": "", "prefix": "", "tenant": False, "created": 1, "entries": 0, "bytes": 0, "hits": 0,
+                "misses": 0, "last_use": None, "sigs": [], "rebuilt": True},
+     "8ba6746172676574a0a6707265666978a0a674656e616e74c2a76372656174656401a7656e747269657300a5627974657300a4686974"
+     "7300a66d697373657300a86c6173745f757365c0a47369677390a772656275696c74c3"),
+    ("meta", {"bytes": 13096, "entries": 2}, "82a56279746573cd3328a7656e747269657302"),
+]
+
+
+@pytest.mark.parametrize("db, old, golden", INDEX_GOLDEN)
+def test_typed_index_records_pack_to_the_bytes_the_store_always_wrote(db, old, golden):
+    from spec_cache.store.values import TOTALS_KEY, decode_typed
+
+    raw = bytes.fromhex(golden)
+    assert msgpack.packb(old, use_bin_type=True) == raw  # the golden bytes are the old dict packing
+    record = decode_typed(db, raw, TOTALS_KEY if db == "meta" else None)
+    assert pack(record) == raw
+    assert record.to_dict() == old and list(record.to_dict()) == list(old)  # same keys, same order
+    assert pack(type(record).from_dict(old)) == raw
+
+
+def test_typed_index_records_keep_fields_they_do_not_know():
+    from spec_cache.store.values import Entry, Node
+
+    node = dict(INDEX_GOLDEN[0][1], future=[1, 2])
+    assert pack(Node.from_dict(node)) == msgpack.packb(node, use_bin_type=True)
+    entry = dict(INDEX_GOLDEN[3][1], future="x")
+    assert Entry.from_dict(entry).extra == {"future": "x"}
+    assert pack(Entry.from_dict(entry)) == msgpack.packb(entry, use_bin_type=True)
+
+
+def test_every_index_row_a_store_writes_packs_back_to_its_bytes(open_store):
+    """Typed records read from a store written by puts, pins, drafter parts, replacement, eviction and gc pack
+    back to exactly the stored bytes (what an older version wrote is rewritten byte for byte)."""
+    from spec_cache.store.values import TOTALS_KEY, decode_typed
+
+    store = new_store(open_store, max_bytes=1 << 20)
+    put(store, rng_tokens(1, 13), drafter=True, minimum_reusable=5)
+    put(store, rng_tokens(2, 9), "mixed")
+    put(store, rng_tokens(3, 3), "whole", ns=NS_B, pin=True)
+    put(store, rng_tokens(1, 13))  # replacement keeps the drafter part
+    store.fetch(NS, rng_tokens(1, 13), drafter=DRAFTER)
+    store.flush()
+    maintenance.gc(store)
+    with store.env.read() as txn:
+        rows = [(db, bytes(k), bytes(v)) for db in ("nodes", "entries", "nsinfo")
+                for k, v in txn.cursor(db=store.env.dbs[db])]
+        rows.append(("meta", TOTALS_KEY, bytes(txn.get(TOTALS_KEY, db=store.env.dbs["meta"]))))
+    assert {db for db, _, _ in rows} == {"nodes", "entries", "nsinfo", "meta"}
+    for db, key, raw in rows:
+        assert pack(decode_typed(db, raw, key)) == raw, db
+
+
+def test_expected_bookkeeping_recomputes_counters_from_nodes_and_entries():
+    from spec_cache.store.index import expected_bookkeeping
+    from spec_cache.store.keys import lru_key
+    from spec_cache.store.values import Entry, Node, Totals
+
+    root, c1, c2 = b"r" * 32, b"1" * 32, b"2" * 32
+    nodes = {root: Node(NS, None, 0, 0, {}, 0, True, 0, _SIG),
+             c1: Node(NS, root, 1, 0, {}, 100, True, 0),
+             c2: Node(NS, c1, 2, 0, {}, 120, True, 0)}
+    entries = {b"a" * 32: Entry(NS, 9, c2, 1, 5, 1, False, 50, {"d": 10}, 0),
+               b"b" * 32: Entry(NS, 9, c2, 1, 7, 1, False, 40, {}, 0),
+               b"c" * 32: Entry(NS, 3, root, 3, 6, 1, True, 30, {}, 0),
+               b"d" * 32: Entry(NS_B, 2, b"x" * 32, 2, 8, 1, False, 20, {}, 0)}  # its node is not given
+    books = expected_bookkeeping(nodes, entries)
+    assert books.refs == {root: 2, c1: 1, c2: 2}
+    assert books.tails == {root: {"3": 1}, c1: {}, c2: {"1": 2}}
+    assert books.ns_bytes == {NS: 100 + 120 + 50 + 40 + 30, NS_B: 20}
+    assert books.ns_entries == {NS: 3, NS_B: 1}
+    assert books.ns_signatures == {NS: [_SIG]}
+    assert books.lru == {lru_key(e.last_use, k) for k, e in entries.items()}
+    assert books.totals == Totals(360, 4)
+
+
+def test_expected_bookkeeping_agrees_with_a_store_after_puts_and_evictions(open_store, store_invariants):
+    from spec_cache.store.index import expected_bookkeeping
+    from spec_cache.store.verify import read_index
+
+    store = new_store(open_store, max_bytes=60_000)
+    for seed in range(12):
+        put(store, rng_tokens(seed % 4, 5 + seed), "mixed" if seed % 3 else "plain", drafter=seed % 2 == 0)
+    store_invariants(store)
+    with store.env.read() as txn:
+        rows = read_index(txn, store.env.dbs)
+    books = expected_bookkeeping(rows.nodes, rows.entries)
+    assert not rows.damaged and books.totals == rows.totals and books.lru == rows.lru
+    assert all(books.refs[k] == n.refs and books.tails[k] == n.tails for k, n in rows.nodes.items())
+
+
+# --- the caller's usability rule, passed down ------------------------------------------------------------------
+def _steps(open_store):
+    """Entries at 6 (with the drafter part), 10 and 13 tokens of one prompt (chunks of 4: boundaries at 4, 8, 12)."""
+    store = new_store(open_store)
+    tokens = rng_tokens(7, 16)
+    put(store, tokens[:6], drafter=True, minimum_reusable=2)
+    put(store, tokens[:10])
+    put(store, tokens[:13], minimum_reusable=11)
+    return store, tokens
+
+
+def test_lookup_returns_the_longest_candidate_the_predicate_accepts(open_store):
+    store, tokens = _steps(open_store)
+    assert store.lookup(NS, tokens).length == 13
+    assert store.lookup(NS, tokens, usable=None).length == 13
+    hit = store.lookup(NS, tokens, drafter=DRAFTER, usable=lambda h: h.has_drafter)
+    assert (hit.length, hit.has_drafter, hit.minimum_reusable) == (6, True, 2)
+    hit = store.lookup(NS, tokens, usable=lambda h: h.length <= 12)
+    assert (hit.length, hit.entry) == (12, None)  # the chunk boundary between the entries
+    hit = store.lookup(NS, tokens, usable=lambda h: h.entry is not None and h.length < 13)
+    assert hit.length == 10
+    hit = store.lookup(NS, tokens, usable=lambda h: h.minimum_reusable == 0 and h.entry is not None)
+    assert hit.length == 10
+    seen = []
+    assert store.lookup(NS, tokens, usable=lambda h: seen.append(h.length) and False) is None
+    # every candidate once, longest first (the boundaries at 4 and 8 carry the 13-token entry's minimum 11)
+    assert seen == [13, 12, 10, 6]
+
+
+def test_fetch_restores_the_longest_usable_prefix_in_one_call(open_store):
+    store, tokens = _steps(open_store)
+    restored = store.fetch(NS, tokens, drafter=DRAFTER, usable=lambda h: h.has_drafter)
+    assert restored.length == 6
+    assert_restored(restored, "plain", tokens, drafter=True)
+    restored = store.fetch(NS, tokens, usable=lambda h: h.length <= 12)
+    assert restored.length == 12 and restored.entry is None
+    assert_restored(restored, "plain", tokens)
+    assert store.fetch(NS, tokens, usable=lambda h: False) is None  # rejecting everything is a miss
+    store.flush()
+    assert maintenance.namespaces(store)[0]["misses"] >= 1
+
+
+def test_fetch_steps_past_a_corrupt_record_to_the_next_usable_prefix(open_store):
+    store, tokens = _steps(open_store)
+    ekey = store.lookup(NS, tokens, usable=lambda h: h.length == 10).entry
+    flip(store, "edata", ekey)
+    notes: list[str] = []
+    restored = store.fetch(NS, tokens, usable=lambda h: h.entry is not None and h.length < 13, warnings=notes)
+    assert restored.length == 6 and any("corrupt" in n for n in notes)
+    assert_restored(restored, "plain", tokens)
+
+
+def test_put_without_a_registered_namespace_raises_a_typed_error(open_store):
+    from spec_cache.store import NamespaceNotRegistered
+
+    store = new_store(open_store)
+    with pytest.raises(NamespaceNotRegistered, match="not registered"):
+        put(store, rng_tokens(1, 5), ns=blake3.blake3(b"unregistered").digest())
+    assert issubclass(NamespaceNotRegistered, InvalidInput)

@@ -208,14 +208,42 @@ class LookupMixin:
 
     def _attempt(self, ns_key, packed, C, drafter, cand: _Candidate, probe: list[bytes], seen: "_Seen",
                  warnings: list[str], usable: Usable | None = None) -> Incoming | None:
-        """One MULTI: manifests of ``probe`` (and of the candidate) plus the candidate's records not yet in hand."""
-        manifests = seen.manifests
+        """One MULTI: manifests of ``probe`` (and of the candidate) plus the candidate's records not yet in hand;
+        then the candidate checked against its manifest, verified and assembled."""
+        ek = cand.entry_key
+        dkey = draft_key(ek, drafter) if (ek is not None and drafter) else None
+        entry_raw, draft_raw, nbytes = self._read_candidate(ns_key, cand, dkey, probe, seen, warnings)
+        if any(key in seen.unusable for key in cand.chain[1:]):
+            self.health.add("vanished")  # evicted between the index read and this one: try a shorter prefix
+            return None
+        records = {key: seen.chunks[key] for key in cand.chain[1:]}
+        man = None
+        if ek is not None:
+            man = self._usable_manifest(cand, entry_raw, seen, drafter, usable, warnings)
+            if man is None:
+                return None
+            records[ek] = entry_raw
+        try:
+            layers = assemble(packed=packed, length=cand.length, chunk_tokens=C, chain=cand.chain, records=records,
+                              entry=ek)
+        except CorruptRecord as exc:
+            name = self.keys.entry(ek) if exc.key == ek else self.keys.chunk(exc.key or b"")
+            self._corrupt_key(name, records.get(exc.key), str(exc), warnings)
+            seen.unusable.add(exc.key)
+            seen.chunks.pop(exc.key, None)
+            return None
+        want = man["drafters"].get(drafter) if (man is not None and drafter) else None
+        attachment = self._attachment(dkey, draft_raw, want, cand.length, warnings) if want is not None else None
+        return Incoming(cand.length, layers, attachment, man["minr"] if man is not None else 0, nbytes)
+
+    def _read_candidate(self, ns_key, cand: _Candidate, dkey: bytes | None, probe: list[bytes], seen: "_Seen",
+                        warnings: list[str]):
+        """The MULTI of ``_attempt``: manifests go to ``seen.manifests``, chunk records to ``seen.chunks`` (or
+        ``seen.unusable``); returns ``(entry record, drafter record, bytes fetched)``."""
         ek = cand.entry_key
         if ek is not None and ek not in probe:
             probe = [ek] + probe
-        chunk_keys = list(cand.chain[1:])
-        fetch = [key for key in chunk_keys if key not in seen.chunks]
-        dkey = draft_key(ek, drafter) if (ek is not None and drafter) else None
+        fetch = [key for key in cand.chain[1:] if key not in seen.chunks]
         pipe = self._read.pipeline(transaction=True)
         for key in probe:
             pipe.hgetall(self.keys.manifest(key))
@@ -227,7 +255,7 @@ class LookupMixin:
             pipe.get(self.keys.draft(dkey))
         res = pipe.execute(raise_on_error=False)
         for key, raw in zip(probe, res):
-            manifests[key] = self._manifest(ns_key, key, raw, warnings)
+            seen.manifests[key] = self._manifest(ns_key, key, raw, warnings)
         res = res[len(probe):]
         fetched, res = res[:len(fetch)], res[len(fetch):]
         entry_raw = res[0] if ek is not None else None
@@ -242,57 +270,47 @@ class LookupMixin:
                 seen.unusable.add(key)
             else:
                 seen.chunks[key] = raw
-        if any(key in seen.unusable for key in chunk_keys):
-            self.health.add("vanished")  # evicted between the index read and this one: try a shorter prefix
+        return entry_raw, draft_raw, nbytes
+
+    def _usable_manifest(self, cand: _Candidate, entry_raw, seen: "_Seen", drafter: str | None,
+                         usable: Usable | None, warnings: list[str]) -> dict | None:
+        """The candidate entry's manifest if it serves at this length, the caller can use it and the entry record
+        carries the checksum it pins; else None (a mismatching record is dropped from the server)."""
+        ek, manifests = cand.entry_key, seen.manifests
+        man = manifests.get(ek)
+        if man is None:
+            self.health.add("vanished")  # a node still lists the tail, the checkpoint was evicted
             return None
-        chunks_raw = [seen.chunks[key] for key in chunk_keys]
-        man = None
-        if ek is not None:
-            man = manifests.get(ek)
-            if man is None:
-                self.health.add("vanished")  # a node still lists the tail, the checkpoint was evicted
-                return None
-            if man["len"] != cand.length or man["minr"] > cand.length:
-                manifests[ek] = None  # not usable at this length
-                return None
-            if usable is not None and not usable(cand.hit(manifests, drafter)):
-                return None  # the caller cannot use it; a shorter candidate may serve
-        records = dict(zip(chunk_keys, chunks_raw))
-        if ek is not None:
-            if entry_raw is None:
-                self.health.add("vanished")
-                manifests[ek] = None
-                return None
-            if not isinstance(entry_raw, bytes) or record_checksum(entry_raw) != man["sum"]:
-                self._corrupt_key(self.keys.entry(ek), entry_raw, "entry record does not match its manifest",
-                                  warnings)
-                seen.unusable.add(ek)
-                return None
-            records[ek] = entry_raw
-        try:
-            layers = assemble(packed=packed, length=cand.length, chunk_tokens=C, chain=cand.chain, records=records,
-                              entry=ek)
-        except CorruptRecord as exc:
-            raw = records.get(exc.key)
-            name = self.keys.entry(ek) if exc.key == ek else self.keys.chunk(exc.key or b"")
-            self._corrupt_key(name, raw, str(exc), warnings)
-            seen.unusable.add(exc.key)
-            seen.chunks.pop(exc.key, None)
+        if man["len"] != cand.length or man["minr"] > cand.length:
+            manifests[ek] = None  # not usable at this length
             return None
-        attachment = None
-        want = man["drafters"].get(drafter) if (man is not None and drafter) else None
-        if want is not None:
-            if draft_raw is None:
-                self.health.add("vanished")  # the target part still serves
-            elif not isinstance(draft_raw, bytes) or record_checksum(draft_raw) != want:
-                self._corrupt_key(self.keys.draft(dkey), draft_raw, "drafter record does not match its manifest",
-                                  warnings)
-            else:
-                try:
-                    attachment = attachment_of(dkey, draft_raw, cand.length, warnings)
-                except CorruptRecord as exc:
-                    self._corrupt_key(self.keys.draft(dkey), draft_raw, str(exc), warnings)
-        return Incoming(cand.length, layers, attachment, man["minr"] if man is not None else 0, nbytes)
+        if usable is not None and not usable(cand.hit(manifests, drafter)):
+            return None  # the caller cannot use it; a shorter candidate may serve
+        if entry_raw is None:
+            self.health.add("vanished")
+            manifests[ek] = None
+            return None
+        if not isinstance(entry_raw, bytes) or record_checksum(entry_raw) != man["sum"]:
+            self._corrupt_key(self.keys.entry(ek), entry_raw, "entry record does not match its manifest", warnings)
+            seen.unusable.add(ek)
+            return None
+        return man
+
+    def _attachment(self, dkey: bytes, draft_raw, checksum: bytes, length: int,
+                    warnings: list[str]) -> CheckpointAttachment | None:
+        """The drafter part if its record is there and carries the checksum its manifest pins; else None (the
+        target part still serves)."""
+        if draft_raw is None:
+            self.health.add("vanished")
+        elif not isinstance(draft_raw, bytes) or record_checksum(draft_raw) != checksum:
+            self._corrupt_key(self.keys.draft(dkey), draft_raw, "drafter record does not match its manifest",
+                              warnings)
+        else:
+            try:
+                return attachment_of(dkey, draft_raw, length, warnings)
+            except CorruptRecord as exc:
+                self._corrupt_key(self.keys.draft(dkey), draft_raw, str(exc), warnings)
+        return None
 
     def _manifest(self, ns_key: bytes, key: bytes, raw, warnings: list[str]) -> dict | None:
         """A parsed, checked manifest; None if missing or bad (a bad one is removed from the server)."""
