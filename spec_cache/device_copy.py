@@ -32,6 +32,7 @@ import ctypes.util
 import logging
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -298,6 +299,9 @@ class StagingLoader:
         self._view = None
         self.capacity = 0
         self.bytes_in = 0
+        self.calls = 0
+        self.copy_s = 0.0  # host copies (threads) into the staging buffer
+        self.wait_s = 0.0  # waiting for device ops still reading a region about to be reused
         self._allocate(capacity)
 
     # the buffer ---------------------------------------------------------------------------------------------
@@ -336,7 +340,9 @@ class StagingLoader:
             else:
                 keep.append(entry)
         if waits:
+            t0 = time.perf_counter()
             mx.eval(waits)
+            self.wait_s += time.perf_counter() - t0
         self._pending = keep
         self._pos = end
         return start
@@ -352,7 +358,9 @@ class StagingLoader:
         with self._lock:
             start = self._region(nbytes)
             dst = self._view[start:start + nbytes].view(np_dtype).reshape(shape)
+            t0 = time.perf_counter()
             self.copier.copy(dst, pieces, axis)
+            self.copy_s += time.perf_counter() - t0
             words = -(-nbytes // 4)
             region = self._stage[start // 4:start // 4 + words]
             copied = region + 0  # the device op: a fresh array, bit-exact (integer words)
@@ -362,7 +370,15 @@ class StagingLoader:
             mx.async_eval(out, fence)
             self._pending.append((start, start + 4 * words, fence))
             self.bytes_in += nbytes
+            self.calls += 1
             return out
+
+    def counters(self) -> dict:
+        return {"calls": self.calls, "bytes": self.bytes_in, "copy_s": self.copy_s, "wait_s": self.wait_s,
+                "capacity": self.capacity, "threads": self.copier.threads}
+
+    def reset_counters(self) -> None:
+        self.calls, self.bytes_in, self.copy_s, self.wait_s = 0, 0, 0.0, 0.0
 
     def close(self) -> None:
         with self._lock:

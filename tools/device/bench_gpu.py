@@ -1,12 +1,19 @@
 """GPU benchmark driver for the lent H200 (run by tools/device/bench_gpu.sh there, never by CI).
 
-Runs spec-cache's own benchmark code unchanged — ``spec_cache.bench.ttft.run`` and
-``spec_cache.bench.store_io.bench_put_get`` — under MLX's CUDA backend and writes one JSON file, rewritten after
-each section so that a run stopped at the device's time limit still returns what it measured.
+Writes one JSON file, rewritten after each section so that a run stopped at the device's time limit still returns
+what it measured. Sections (``--sections``, in order):
 
-Sections: ``ttft`` (hidden 1024, 8 layers, 1k/4k/16k tokens), ``store_io`` (256 MiB KV state put/get vs mlx-lm
-save/load), ``ttft_big`` (hidden 4096, 16 layers, float32, 4k/16k tokens; skipped when less than
-``--big-needs`` seconds are left before ``--deadline``).
+* ``limits``: the machine's copy limits: host memcpy (1 thread and the staging loader's threads), pinned and
+  pageable host-to-GPU DMA (torch, in a subprocess, where the image has it), device-to-device copy in MLX, the GPU
+  reading the host-resident staging buffer, blake3 with threads.
+* ``routes``: ``Store.fetch`` of an 8B-shaped bf16 KV state (32 layers x 8 KV heads x 128, 4k and 16k tokens)
+  into MLX by each route (numpy assembly + ``mx.array``; ``mx_concat``; the staging loader with 1/4/8/16
+  threads) against mlx-lm's ``load_prompt_cache`` + eval of the same state.
+* ``gpu_8b``: ``spec_cache.bench.ttft.run_tiers`` on a Llama-3-8B-shaped bf16 model with random weights (32
+  layers, hidden 4096, 32 heads / 8 KV heads, head_dim 128, intermediate 14336, vocab 128256; no drafter) at
+  1k, 4k, 16k, 32k tokens: cold vs memory tier vs LMDB (reopened, memory tier off) vs mlx-lm load + last-token
+  forward, warm tokens checked. Figures ``gpu_8b_*`` go to the top-level ``figures``.
+* ``ttft``, ``store_io``, ``ttft_big``: the earlier sections (small float32 models; 256 MiB put/get).
 """
 
 from __future__ import annotations
@@ -15,14 +22,22 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
 SMALL = {"lengths": [1024, 4096, 16384], "warm_reps": 5, "cold_reps": 3, "hidden": 1024, "layers": 8, "vocab": 32000}
 BIG = {"lengths": [4096, 16384], "warm_reps": 5, "cold_reps": 3, "hidden": 4096, "layers": 16, "vocab": 32000}
 STORE_IO = {"reps": 5, "tokens": 4096}
+GPU_8B = {"model": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
+                    "intermediate": 14336, "vocab": 128256},
+          "lengths": [1024, 4096, 16384, 32768], "cold_reps": 3, "warm_reps": 5}
+ROUTES = {"tokens": [4096, 16384], "reps": 5, "threads": [1, 4, 8, 16]}
+GOALS = {"gpu_8b_memory_vs_cold_4k": 8.0, "gpu_8b_memory_vs_cold_16k": 30.0, "gpu_8b_lmdb_vs_cold_4k": 4.0,
+         "gpu_8b_lmdb_vs_cold_16k": 10.0, "gpu_8b_lmdb_vs_mlx_lm_load": 3.0}
 
 
 def log(msg: str) -> None:
@@ -42,21 +57,21 @@ def environment() -> dict:
     env = {"python": platform.python_version(), "platform": platform.platform(), "cores": os.cpu_count(),
            "mlx": mx.__version__, "mlx_default_device": str(mx.default_device()),
            "gpu": sh("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"),
-           "cpu": sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2").strip()}
+           "cpu": sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2").strip(),
+           "mem": sh("free -g | sed -n 2p")}
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and hasattr(cuda, "is_available"):
         env["mlx_cuda_available"] = bool(cuda.is_available())
-    if hasattr(mx, "device_info"):
-        try:
-            env["mlx_device_info"] = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                                      for k, v in mx.device_info().items()}
-        except Exception as e:
-            env["mlx_device_info"] = f"error: {e}"
     try:
         import mlx_lm
         env["mlx_lm"] = mlx_lm.__version__
     except Exception as e:
         env["mlx_lm"] = f"error: {e}"
+    try:
+        from spec_cache import device_copy
+        env["copy_route"] = device_copy.status()
+    except Exception as e:
+        env["copy_route"] = f"error: {e}"
     env["spec_cache_git"] = os.environ.get("SPEC_CACHE_GIT", "")
     return env
 
@@ -70,6 +85,228 @@ def peak_memory():
     value = fn()
     getattr(mx, "reset_peak_memory", lambda: None)()
     return value
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / 1e9 / seconds
+
+
+# --- limits ---------------------------------------------------------------------------------------------------
+_TORCH_DMA = r"""
+import json, time, torch
+n = 1 << 30
+out = {}
+dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+for name, pin in (("pinned", True), ("pageable", False)):
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=pin); host.fill_(1)
+    dev.copy_(host, non_blocking=pin); torch.cuda.synchronize()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter(); dev.copy_(host, non_blocking=pin); torch.cuda.synchronize(); ts.append(time.perf_counter() - t)
+    out[f"h2d_{name}_GBps"] = n / 1e9 / sorted(ts)[2]
+print(json.dumps(out))
+"""
+
+
+def run_limits() -> dict:
+    import mlx.core as mx
+    import numpy as np
+
+    from spec_cache import device_copy
+    from spec_cache.bench.timing import median_time
+
+    out = {}
+    n = 1 << 30
+    src = np.ones(n, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    out["host_memcpy_1t_GBps"] = gbps(n, median_time(lambda: np.copyto(dst, src), 5))
+    for threads in (8, 16):
+        c = device_copy.Copier(threads)
+        out[f"host_memcpy_{threads}t_GBps"] = gbps(n, median_time(lambda: c.copy(dst, [src], 0), 5))
+        c.close()
+    fresh = lambda: np.copyto(np.empty(n, dtype=np.uint8), src)  # noqa: E731
+    out["host_memcpy_fresh_dst_1t_GBps"] = gbps(n, median_time(fresh, 3))
+    del dst
+    try:
+        import blake3
+
+        out["blake3_threads_GBps"] = gbps(n, median_time(lambda: blake3.blake3(src, max_threads=blake3.blake3.AUTO).digest(), 5))
+        out["blake3_1t_GBps"] = gbps(n, median_time(lambda: blake3.blake3(src).digest(), 3))
+    except Exception as e:
+        out["blake3"] = f"error: {e}"
+    try:
+        import xxhash
+
+        out["xxh3_1t_GBps"] = gbps(n, median_time(lambda: xxhash.xxh3_64_intdigest(src), 5))
+    except Exception as e:
+        out["xxh3"] = f"unavailable: {e}"
+    del src
+    if device_copy.is_gpu():
+        x = mx.zeros((n // 2,), dtype=mx.uint32)  # 2 GiB on the device
+        mx.eval(x)
+
+        def d2d():
+            mx.eval(x + 0)
+        d2d()
+        out["d2d_read_plus_write_GBps"] = gbps(2 * x.nbytes, median_time(d2d, 5))
+        del x
+        loader = device_copy.staging_loader()
+        if loader is not None:
+            stage = mx.zeros((n // 4,), dtype=mx.uint32, stream=mx.cpu)
+            mx.eval(stage)
+            view = np.array(stage, copy=False)
+            ok = device_copy.CudaAdvice().advise_host(device_copy._pointer(view), n)
+            view[:] = 1
+
+            def gpu_reads_host():
+                mx.eval(stage + 0)
+            gpu_reads_host()
+            out["gpu_reads_host_resident_GBps"] = gbps(n, median_time(gpu_reads_host, 5))
+            out["memcpy_into_host_resident_stage_1t_GBps"] = gbps(n, median_time(lambda: np.copyto(view, 2), 3))
+            out["stage_advised"] = ok
+            del stage, view
+        if os.environ.get("BENCH_TORCH", "1") == "1":
+            try:
+                r = subprocess.run(["python3", "-c", _TORCH_DMA], capture_output=True, text=True, timeout=120,
+                                   env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                out.update(json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else
+                           {"torch_dma": f"rc {r.returncode}: {r.stderr[-500:]}"})
+            except Exception as e:
+                out["torch_dma"] = f"error: {e}"
+    return out
+
+
+# --- routes -----------------------------------------------------------------------------------------------------
+def run_routes(cfg: dict) -> dict:
+    import shutil
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+
+    from spec_cache import device_copy
+    from spec_cache.bench.timing import median_time
+    from spec_cache.cache_state import mx_concat, to_mx
+    from spec_cache.namespace import namespace_key
+    from spec_cache.store import LayerState, Store, Tensor
+
+    out = {}
+    reps = cfg["reps"]
+    for tokens in cfg["tokens"]:
+        mx.random.seed(0)
+        layers, caches = [], []
+        for _ in range(32):
+            k = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
+            v = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
+            mx.eval(k, v)
+            c = KVCache()
+            c.update_and_fetch(k, v)
+            caches.append(c)
+            layers.append((k, v))
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        work = tempfile.mkdtemp(prefix="bench-routes-")
+        store = Store.open(os.path.join(work, "store"), map_size=64 << 30)
+        ns = namespace_key("0" * 64, "routes")
+        store.register_namespace(ns, target="0" * 64, prefix_namespace="routes")
+        toks = list(range(tokens))
+        from spec_cache.cache_state import to_tensor
+
+        t0 = time.perf_counter()
+        store.put(ns, toks, [LayerState("kv", {}, [to_tensor(k), to_tensor(v)], token_axis=2) for k, v in layers])
+        put_s = time.perf_counter() - t0
+        path = os.path.join(work, "mlx.safetensors")
+        save_prompt_cache(path, caches)
+        del caches, layers
+
+        def load():
+            loaded = load_prompt_cache(path)
+            mx.eval([c.state for c in loaded])
+
+        row = {"state_bytes": nbytes, "put_s": put_s}
+        routes = {"numpy": None, "join": mx_concat}
+        loaders = {}
+        if device_copy.staging_loader() is not None:
+            for t in cfg["threads"]:
+                loaders[t] = device_copy.StagingLoader(threads=t)
+                routes[f"staging_{t}t"] = loaders[t]
+        reference = None
+        for name, concat in routes.items():
+            def get(concat=concat):
+                r = store.fetch(ns, toks, concat=concat)
+                arrays = [to_mx(t) for layer in r.layers for t in layer.tensors]
+                mx.eval(arrays)
+                return arrays
+            try:
+                arrays = get()
+                first = arrays[0].view(mx.uint16)
+                check = mx.sum(first.astype(mx.uint32)).item()
+                reference = check if reference is None else reference
+                del arrays
+                if name.startswith("staging"):
+                    loaders[int(name.split("_")[1][:-1])].reset_counters()
+                t = median_time(get, reps)
+                row[f"{name}_s"] = t
+                row[f"{name}_GBps"] = gbps(nbytes, t)
+                row[f"{name}_same_bytes"] = check == reference
+                if name.startswith("staging"):
+                    row[f"{name}_counters"] = loaders[int(name.split("_")[1][:-1])].counters()
+                log(f"  routes {tokens}: {name} {t * 1e3:.1f} ms ({gbps(nbytes, t):.2f} GB/s)")
+            except Exception as e:
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+                log(f"  routes {tokens}: {name} FAILED {e}")
+        load()
+        t = median_time(load, reps)
+        row["mlx_lm_load_s"], row["mlx_lm_load_GBps"] = t, gbps(nbytes, t)
+        # fetch without any copy into MLX (record decode + verification + numpy assembly) for the breakdown
+        row["fetch_numpy_only_s"] = median_time(lambda: store.fetch(ns, toks), reps)
+        log(f"  routes {tokens}: mlx-lm load {t * 1e3:.1f} ms ({gbps(nbytes, t):.2f} GB/s)")
+        for loader in loaders.values():
+            loader.close()
+        store.close()
+        shutil.rmtree(work, ignore_errors=True)
+        out[f"{tokens // 1024}k"] = row
+    return out
+
+
+# --- the 8B-shaped model ----------------------------------------------------------------------------------------
+def model_dir() -> str:
+    """Where to write the 16 GB model: /dev/shm when it has room, else /tmp."""
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize > 40 << 30:
+            return "/dev/shm/spec-cache-8b"
+    except OSError:
+        pass
+    return os.path.join(tempfile.gettempdir(), "spec-cache-8b")
+
+
+def run_gpu_8b(cfg: dict, lengths: list[int]) -> dict:
+    from spec_cache.bench import ttft
+
+    path = model_dir()
+    t0 = time.perf_counter()
+    if not os.path.exists(os.path.join(path, "config.json")):
+        m = cfg["model"]
+        ttft.write_bf16_llama(path, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"],
+                              head_dim=m["head_dim"], intermediate=m["intermediate"], vocab=m["vocab"])
+    write_s = time.perf_counter() - t0
+    log(f"  8B model at {path} ({write_s:.1f} s to write)")
+    work = tempfile.mkdtemp(prefix="bench-8b-", dir="/tmp")
+    r = ttft.run_tiers(path, lengths, cold_reps=cfg["cold_reps"], warm_reps=cfg["warm_reps"], progress=log, work=work)
+    r["model_write_s"] = write_s
+    r["model_dir"] = path
+    return r
+
+
+def figures_8b(r: dict) -> dict:
+    rows = r.get("lengths", {})
+    f = {}
+    for key in ("4k", "16k"):
+        if key in rows:
+            f[f"gpu_8b_memory_vs_cold_{key}"] = rows[key]["memory_vs_cold"]
+            f[f"gpu_8b_lmdb_vs_cold_{key}"] = rows[key]["lmdb_vs_cold"]
+    if "4k" in rows:  # verified LMDB restore vs load_prompt_cache + eval of the same state
+        f["gpu_8b_lmdb_vs_mlx_lm_load"] = rows["4k"]["lmdb_restore_vs_mlx_lm_load"]
+    return f
 
 
 def run_ttft(cfg: dict) -> dict:
@@ -88,14 +325,18 @@ def run_store_io(cfg: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON file, rewritten after each section")
-    p.add_argument("--sections", default="ttft,store_io,ttft_big")
-    p.add_argument("--deadline", type=float, default=520.0, help="seconds from start this driver may use")
+    p.add_argument("--sections", default="limits,routes,gpu_8b,store_io")
+    p.add_argument("--lengths", default=",".join(str(n) for n in GPU_8B["lengths"]), help="gpu_8b prompt lengths")
+    p.add_argument("--deadline", type=float, default=560.0, help="seconds from start this driver may use")
     p.add_argument("--big-needs", type=float, default=200.0, help="seconds ttft_big needs to be started")
     args = p.parse_args(argv)
     start = time.perf_counter()
+    lengths = [int(x) for x in args.lengths.split(",") if x]
     result = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv,
-              "environment": environment(), "configs": {"ttft": SMALL, "store_io": STORE_IO, "ttft_big": BIG},
-              "results": {}, "errors": {}, "skipped": {}}
+              "environment": environment(),
+              "configs": {"ttft": SMALL, "store_io": STORE_IO, "ttft_big": BIG, "gpu_8b": dict(GPU_8B, lengths=lengths),
+                          "routes": ROUTES},
+              "results": {}, "errors": {}, "skipped": {}, "figures": {}, "goals": {}}
 
     def save():
         result["seconds"] = time.perf_counter() - start
@@ -104,7 +345,8 @@ def main(argv=None) -> int:
 
     log(f"environment: {json.dumps(result['environment'])}")
     save()
-    jobs = {"ttft": lambda: run_ttft(SMALL), "store_io": lambda: run_store_io(STORE_IO),
+    jobs = {"limits": run_limits, "routes": lambda: run_routes(ROUTES), "gpu_8b": lambda: run_gpu_8b(GPU_8B, lengths),
+            "ttft": lambda: run_ttft(SMALL), "store_io": lambda: run_store_io(STORE_IO),
             "ttft_big": lambda: run_ttft(BIG)}
     for name in args.sections.split(","):
         left = args.deadline - (time.perf_counter() - start)
@@ -112,17 +354,25 @@ def main(argv=None) -> int:
             result["skipped"][name] = f"only {left:.0f} s left of the {args.deadline:.0f} s budget"
             log(f"skip {name}: {result['skipped'][name]}")
             continue
+        if left < 20:
+            result["skipped"][name] = f"only {left:.0f} s left"
+            continue
         log(f"section {name} ...")
         t0 = time.perf_counter()
         try:
             result["results"][name] = jobs[name]()
             result["results"][name]["section_seconds"] = time.perf_counter() - t0
             result["results"][name]["mlx_peak_memory_bytes"] = peak_memory()
+            if name == "gpu_8b":
+                result["figures"].update(figures_8b(result["results"][name]))
+                result["goals"] = {k: {"goal": f">= {g:g}", "met": result["figures"][k] >= g}
+                                   for k, g in GOALS.items() if k in result["figures"]}
             log(f"{name}: {json.dumps(result['results'][name])}")
         except Exception as e:
             result["errors"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             log(f"{name} FAILED: {traceback.format_exc()}")
         save()
+    log(f"figures: {json.dumps(result['figures'])}")
     log(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -1,14 +1,18 @@
 #!/bin/bash
-# On the lent H200, from the repo root: installs the carried MLX CUDA build (once per warm machine), then runs
+# On the lent H200, from the repo root: installs the carried MLX CUDA build (once per warm machine), lays out
+# spec_cache as it installs (store/ and schemas/ at the repository root become spec_cache.store /
+# spec_cache.schemas: a symlink farm in $SC, as pyproject's package-dir mapping does), then runs
 # tools/device/bench_gpu.py. The MLX CUDA wheel (89 MB) is over the 64 MiB carry limit, so it travels as an
 # xz tarball of its unpacked files split in two: part-00 in an earlier call (tools/device/stage_part.sh copies it
 # to /tmp/parts), part-01 plus the small wheels in .whl/p2 with this call.
-# Usage: bash tools/device/bench_gpu.sh [--sections ttft,store_io,ttft_big] [--deadline S]
+# Usage: bash tools/device/bench_gpu.sh [bench_gpu.py options: --sections limits,routes,gpu_8b,store_io ...]
 #        bash tools/device/bench_gpu.sh --profile [profile_warm.py options]   (warm-path stage timings)
+#        bash tools/device/bench_gpu.sh --setup-only                           (install, print the route, exit)
 set -u
 SITE=/tmp/site
+SC=/tmp/sc-site
 PARTS=/tmp/parts
-SHA=74fc4a5b9e7a477a5c545de34bae03652f8affd6ed1d918498726b2e20d156dd
+SHA=2d73b14a61cbc10b9297b5f8695810470e143694f829fda6c1efd8ca0a41b475
 OUTDIR=${OUT:-/tmp/out}
 mkdir -p "$PARTS" "$OUTDIR"
 if [ ! -e "$SITE/mlx/lib/libmlx.so" ]; then
@@ -22,18 +26,30 @@ if [ ! -e "$SITE/mlx/lib/libmlx.so" ]; then
   ln -sfn "$NV" "$SITE/nvidia"
 fi
 ldd "$SITE/mlx/lib/libmlx.so" | grep "not found" && echo "WARNING: libraries not found"
-export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+
+farm() {  # $1: a source tree holding spec_cache/, store/, schemas/
+  rm -rf "$SC" && mkdir -p "$SC/spec_cache" || return 1
+  for e in "$1"/spec_cache/*; do ln -s "$(readlink -f "$e")" "$SC/spec_cache/"; done
+  ln -sfn "$(readlink -f "$1/store")" "$SC/spec_cache/store"
+  ln -sfn "$(readlink -f "$1/schemas")" "$SC/spec_cache/schemas"
+}
+farm "$PWD" || exit 1
+export PYTHONPATH=$SITE:$SC PYTHONUNBUFFERED=1
 export SPEC_CACHE_GIT="$(cat .whl/p2/GIT_STATE 2>/dev/null)"
-if ! python3 -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, spec_cache.store"; then
+if ! python3 -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, spec_cache.store, spec_cache.device_copy"; then
   # another session may be mid-edit in the working tree: fall back to the committed snapshot carried in .whl/p2/src
   echo "working tree does not import: using the HEAD snapshot"
-  export PYTHONPATH=$SITE:$PWD/.whl/p2/src SPEC_CACHE_GIT="HEAD snapshot only: $SPEC_CACHE_GIT"
+  farm "$PWD/.whl/p2/src" || exit 1
+  export SPEC_CACHE_GIT="HEAD snapshot only: $SPEC_CACHE_GIT"
 fi
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device()); print(mx.sum(mx.ones((1024, 1024))).item())" || exit 1
-python3 -m pip list 2>/dev/null | grep -iE "^(mlx|transformers|tokenizers|lmdb|blake3|msgpack|safetensors|numpy|tqdm) " 
-df -h /tmp | tail -1; free -g | head -2
+python3 -c "from spec_cache import device_copy; print('copy route:', device_copy.status())"
+python3 -m pip list 2>/dev/null | grep -iE "^(mlx|transformers|tokenizers|lmdb|blake3|xxhash|msgpack|safetensors|numpy|tqdm) "
+df -h /tmp /dev/shm | tail -2; free -g | head -2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-if [ "${1:-}" = "--profile" ]; then
+if [ "${1:-}" = "--setup-only" ]; then
+  exit 0
+elif [ "${1:-}" = "--profile" ]; then
   shift
   python3 tools/device/profile_warm.py "$@" 2>&1 | tee "$OUTDIR/profile-warm.log"
 else
