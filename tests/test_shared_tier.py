@@ -24,7 +24,7 @@ from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowC
 from spec_cache import shared_cli
 from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.store import StoreError
-from spec_cache.store.shared import SharedConfig
+from spec_cache.store.shared import SharedConfig, SharedTier
 from spec_cache.store.shared.records import read_outgoing
 from spec_cache.store.shared.server import ThrowawayServer, free_port, server_binaries
 from spec_cache.store.shared.publish import PublishJob
@@ -203,6 +203,37 @@ def test_generator_restores_from_the_shared_tier_identically(server, hosts, tmp_
     assert warm.tokens == cold.tokens
     assert warm.cached_tokens == len(p) - 1 and warm.restored_drafter
     assert b.drain(10) and b.shared_status()["promoted"] == 1
+
+
+def test_shared_restore_takes_the_callers_usability_rule(server, hosts):
+    """``SharedTier.restore(usable=...)``: the longest candidate the predicate accepts, stepping down through
+    shorter entries and chunk boundaries in one call; rejecting everything is a miss."""
+    a = hosts("a", server.url)
+    ns = a.namespace(TARGET, PREFIX_NS)
+    p = prompt(11, 100)
+    save(a, ns, p[:40])                   # with the drafter part
+    save(a, ns, p[:70], drafter=False)
+    save(a, ns, p[:100], drafter=False)
+    assert a.shared.drain(10)
+    tier = SharedTier(server.url)
+    try:
+        def restore(usable=None):
+            return tier.restore(ns, p + [5], chunk_tokens=C, drafter=DRAFTER, usable=usable)
+        assert restore().length == 100
+        got = restore(lambda hit: hit.has_drafter)
+        assert got.length == 40 and got.attachment is not None
+        asked = []
+
+        def boundary_below_70(hit):
+            asked.append((hit.length, hit.entry is None))
+            return hit.entry is None and hit.length < 70
+        got = restore(boundary_below_70)
+        assert got.length == 64 and got.attachment is None
+        assert asked == [(100, False), (96, True), (80, True), (70, False), (64, True)]  # longest first, once each
+        assert restore(lambda hit: False) is None
+        assert tier.health.snapshot().get("corrupt", 0) == 0
+    finally:
+        tier.close()
 
 
 # --- atomic visibility -----------------------------------------------------------------------------------
