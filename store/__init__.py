@@ -4,10 +4,19 @@ Never imports MLX: tensors cross this boundary as ``Tensor`` (dtype name, shape,
 """
 
 from .candidates import Hit, Usable
-from .codec import FORMAT_MAJOR as RECORD_FORMAT_MAJOR, Record, decode_record, encode_record
+from .codec import FORMAT_MAJOR as RECORD_FORMAT_MAJOR
+from .codec import Record, decode_record, encode_record
 from .env import STORE_FORMAT, STORE_MAJOR, STORE_MINOR
-from .errors import (CorruptIndex, CorruptRecord, InvalidInput, NamespaceNotRegistered, StoreError,
-                     StoreFormatError, StoreFullError, StoreOpenError)
+from .errors import (
+    CorruptIndex,
+    CorruptRecord,
+    InvalidInput,
+    NamespaceNotRegistered,
+    StoreError,
+    StoreFormatError,
+    StoreFullError,
+    StoreOpenError,
+)
 from .store import PutResult, Restored, Store, StoreMemo
 from .tensors import LayerState, Tensor
 from .values import Entry, NamespaceInfo, Node, Totals

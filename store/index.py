@@ -15,7 +15,7 @@ import blake3
 
 from .errors import CorruptIndex, NamespaceNotRegistered
 from .keys import lru_key
-from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode, decode_typed, pack, unpack
+from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode, pack, unpack
 
 __all__ = ["Index", "ChainWrite", "Bookkeeping", "expected_bookkeeping", "TOTALS_KEY", "decode", "draft_key",
            "now_ns", "pack", "unpack"]
@@ -129,7 +129,8 @@ class Index:
             self.put("nsinfo", ns, NamespaceInfo(target, prefix_namespace, bool(tenant), now_ns(), 0, 0, 0, 0,
                                                  None, []))
         elif info.rebuilt:
-            info.target, info.prefix_namespace, info.tenant, info.rebuilt = target, prefix_namespace, bool(tenant), False
+            info.target, info.prefix_namespace, info.tenant = target, prefix_namespace, bool(tenant)
+            info.rebuilt = False
             self.put("nsinfo", ns, info)
 
     def require_namespace(self, ns: bytes) -> NamespaceInfo:

@@ -74,7 +74,8 @@ def stats(store: Store) -> dict:
     info = store.env.env.info()
     data_file = os.path.join(store.path, "data.mdb")
     ns = namespaces(store)
-    return {"path": store.path, "format": f"{store.env.meta['format']} {store.env.meta['major']}.{store.env.meta['minor']}",
+    meta = store.env.meta
+    return {"path": store.path, "format": f"{meta['format']} {meta['major']}.{meta['minor']}",
             "chunk_tokens": store.chunk_tokens, "bytes": totals.bytes, "entries": totals.entries,
             "chunks": counts["chunks"], "drafter_parts": counts["drafts"], "namespaces": len(ns),
             "hits": sum(n["hits"] for n in ns), "misses": sum(n["misses"] for n in ns),

@@ -191,7 +191,8 @@ def _concatenate(pieces, axis: int, dtype: str, full: list[int], concat: Concat 
     return arr
 
 
-def read_attachment(raw, key: bytes, length: int, warnings: list[str], *, source: str = "") -> CheckpointAttachment | None:
+def read_attachment(raw, key: bytes, length: int, warnings: list[str], *,
+                    source: str = "") -> CheckpointAttachment | None:
     """The drafter attachment in the draft record ``raw`` under ``key``, validated for ``length`` tokens; None
     (with a warning, ``source`` naming where it came from) for an unknown or invalid schema.
 

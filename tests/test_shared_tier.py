@@ -20,14 +20,14 @@ import pytest
 import redis
 from mlx_lm.models.cache import KVCache
 
-from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
 from spec_cache import shared_cli
 from spec_cache.cache import CacheWarning, SpecCache
+from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
 from spec_cache.store import StoreError
 from spec_cache.store.shared import SharedConfig, SharedTier
+from spec_cache.store.shared.publish import PublishJob
 from spec_cache.store.shared.records import read_outgoing
 from spec_cache.store.shared.server import ThrowawayServer, free_port, server_binaries
-from spec_cache.store.shared.publish import PublishJob
 
 BINARIES = server_binaries()
 pytestmark = pytest.mark.skipif(not BINARIES, reason="no redis-server or valkey-server binary installed")
@@ -409,8 +409,9 @@ def test_hung_server_times_out_and_never_blocks_decoding(own_server, hosts):
     assert b.shared_status()["state"] == "up"
 
 
-CORRUPTIONS = ["entry-bitflip", "entry-other-record", "entry-other-record-pinned", "chunk-garbage", "chunks-swapped", "manifest-string",
-               "manifest-other-ns", "node-garbage-fields", "node-string", "sigs-string", "draft-bitflip"]
+CORRUPTIONS = ["entry-bitflip", "entry-other-record", "entry-other-record-pinned", "chunk-garbage",
+               "chunks-swapped", "manifest-string", "manifest-other-ns", "node-garbage-fields", "node-string",
+               "sigs-string", "draft-bitflip"]
 
 
 @pytest.mark.parametrize("how", CORRUPTIONS)

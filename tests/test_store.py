@@ -23,8 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, SchemaError
-from spec_cache.store import (CorruptRecord, InvalidInput, LayerState, Store, StoreFormatError, StoreFullError, Tensor,
-                   maintenance)
+from spec_cache.store import InvalidInput, LayerState, Store, StoreFormatError, StoreFullError, Tensor, maintenance
 from spec_cache.store.codec import encode_record
 from spec_cache.store.index import Index, draft_key, pack, unpack
 from tools.faults.concurrency import kill_reader_holder
