@@ -95,9 +95,15 @@ def _rates(nbytes: int, work: str, reps: int) -> dict:
     piece = 16 << 20  # the size of a chunk record here: what LMDB mallocs per value
     pieces = [src[i:i + piece] for i in range(0, nbytes, piece)]
 
-    def fresh_copy():
+    def fresh_copy():  # into never-touched pages (an anonymous map each time), as a first put into new memory
+        import mmap
+
         for p in pieces:
-            np.empty_like(p)[:] = p
+            m = mmap.mmap(-1, len(p))
+            dst = np.frombuffer(m, np.uint8)
+            dst[:] = p
+            del dst
+            m.close()
     warm = np.empty(piece, np.uint8)
 
     def warm_copy():
