@@ -1,6 +1,19 @@
 """spec-cache's persistence layer: LMDB environment, record codec, prefix index, eviction, stats.
 
 Never imports MLX: tensors cross this boundary as ``Tensor`` (dtype name, shape, buffer).
+
+One checkpoint, top to bottom:
+
+* ``store.py``: ``Store``, the public API (``put``, ``lookup``, ``fetch``, ``pin``, namespaces, batched counters);
+* ``write.py``: a put's first half, the checkpoint checked, keyed (``keys.py``) and encoded (``codec.py``);
+* ``index.py``: ``Index``, the one owner of nodes, entries, LRU rows and counters inside a transaction
+  (``values.py``: those rows typed, and their fixed bytes on disk); ``expected_bookkeeping``, its invariants;
+* ``env.py``: the LMDB environment, its transactions and map growth;
+* ``lookup.py`` + ``candidates.py``: the longest prefix the caller's ``usable(hit)`` accepts, one ranking for
+  both tiers;
+* ``read.py``: verified record reads and layer assembly, for both tiers;
+* ``maintenance.py``, ``verify.py``, ``gc.py``, ``repair.py``, ``structure.py``: operator work;
+* ``shared/``: the Redis/Valkey tier behind the local store.
 """
 
 from .candidates import Hit, Usable

@@ -60,10 +60,12 @@ class Restored:
 
 @dataclass(frozen=True)
 class PutResult:
-    entry: bytes
-    bytes_written: int
-    new_chunks: int
-    evicted: int
+    """What a put wrote."""
+
+    entry: bytes           # the entry key (what ``SharedTier.enqueue`` publishes)
+    bytes_written: int     # bytes of the records written: new chunks, the entry record, the drafter record
+    new_chunks: int        # chunk records written (the others were shared with stored prefixes)
+    evicted: int           # entries evicted to stay within ``max_bytes``
 
 
 class Store:
