@@ -221,7 +221,7 @@ def bench_put_get(reps: int, tokens: int) -> dict:
     for name in ("encode", "lmdb_put", "commit"):
         out[f"put_growing_{name}_s"] = phases[0][name]
         out[f"put_{name}_s"] = statistics.median(p[name] for p in phases[1:])
-        out[f"put_{name}_GBps"] = gb / out[f"put_{name}_s"] if out[f"put_{name}_s"] > 0 else float("inf")
+        out[f"put_{name}_GBps"] = gb / out[f"put_{name}_s"] if out[f"put_{name}_s"] > 0 else None
     out["put_attempts_max"] = max((p["attempts"] or 0) for p in phases)
     out.update(rates)
     return out
