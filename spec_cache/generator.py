@@ -26,7 +26,7 @@ from typing import Any, Sequence
 from .cache import CacheWarning, SpecCache
 from .identity import model_identity
 from .kv_quant import converted_at, reusable
-from .namespace import KVOptions, capture_options, prefix_namespace
+from .namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
 
 @dataclass
 class Result:
@@ -70,30 +70,20 @@ class Generator:
         convert, as ``generate_step``'s does. Refused options (``turbo_quant``, an unsupported ``kv_config``)
         raise before anything is registered in the cache.
         """
-        from .adapters import adapters_namespace, resolve_adapters
-        from .drafters import load_provider
+        from .adapters import resolve_adapters
+        from .drafters import open_provider
         from .engine import SpeculativeEngine
         from .target import TargetModel
 
-        options = capture_options(kv)
+        options = check_runnable(kv)
         target_dir = Path(target_dir)
         memo = cache.memo() if cache is not None else None
         stack = resolve_adapters(adapters, memo)
         target = TargetModel.load(target_dir, adapters=stack)
         identity = model_identity(target_dir, memo=memo)
-        provider = None
-        if drafter_dir is not None:
-            provider = load_provider(drafter_dir, method)
-        elif method == "ngram":
-            from .drafters.ngram import NgramProvider
-
-            provider = NgramProvider()
-        elif method is not None:
-            raise ValueError(f"method {method!r} needs a drafter directory")
-        drafter_ns = getattr(provider, "namespace", None)
-        if provider is not None and stack and not getattr(provider, "supports_target_adapters", False):
-            drafter_ns = None  # the drafter is not valid under a target adapter: cache the target part only
-        prefix_ns = prefix_namespace(drafter_ns, adapters_namespace(stack), options)
+        provider = open_provider(drafter_dir, method)
+        drafter_ns = cached_drafter_namespace(provider, stack)
+        prefix_ns = resolve_prefix_namespace(provider, stack, options)
         engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options,
                                    prefill_step_size=prefill_step_size)  # refuses bad options
         ns_key = cache.namespace(identity, prefix_ns, tenant) if cache is not None else None
