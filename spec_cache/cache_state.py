@@ -38,11 +38,19 @@ def dtype_of(x: mx.array) -> str:
 
 
 def to_tensor(x: mx.array) -> Tensor:
-    """An ``mx.array`` as a store ``Tensor`` (numpy view of its buffer; bfloat16 as uint16 words)."""
+    """An ``mx.array`` as a store ``Tensor``: a numpy view of its buffer (bfloat16 as uint16 words); on MLX's
+    CUDA backend an owned host copy made by the copy engine instead (``device_copy.device_to_host``): reading
+    managed memory through a view would move the array's pages to the host, and the next kernel that reads it
+    (a memory-tier hit) would pull them back at fault speed."""
+    from . import device_copy
+
     name = dtype_of(x)
     mx.eval(x)
     raw = x.view(mx.uint16) if name == "bfloat16" else x
-    arr = np.asarray(memoryview(raw)) if raw.size else np.zeros(raw.shape, dtype=numpy_dtype(name))
+    if not raw.size:
+        return Tensor(name, tuple(x.shape), np.zeros(raw.shape, dtype=numpy_dtype(name)))
+    d2h = device_copy.device_to_host() if device_copy.is_gpu() else None
+    arr = d2h(raw) if d2h is not None else np.asarray(memoryview(raw))
     return Tensor(name, tuple(x.shape), arr)
 
 

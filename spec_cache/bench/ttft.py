@@ -238,6 +238,14 @@ def run_tiers(target_dir, lengths=(1024, 4096), *, cold_reps: int = 3, warm_reps
                      f" memory {row['memory_s'] * 1e3:7.1f} ms ({row['memory_vs_cold']:.1f}x), lmdb"
                      f" {row['lmdb_s'] * 1e3:7.1f} ms ({row['lmdb_vs_cold']:.1f}x), mlx-lm {row['mlx_lm_s'] * 1e3:7.1f}"
                      f" ms; restore GB/s lmdb {row['lmdb_restore_GBps']:.2f}, mlx-lm load {row['mlx_lm_load_GBps']:.2f}")
+    try:
+        from spec_cache import device_copy
+        out["capture_route"] = device_copy.capture_status()
+        d2h = device_copy._D2H
+        if d2h is not None:
+            out["capture_d2h"] = {"bytes": d2h.bytes, "seconds": d2h.seconds}
+    except Exception as exc:  # reporting only
+        out["capture_route"] = f"unknown: {exc}"
     if own_work:
         shutil.rmtree(work, ignore_errors=True)
     return out

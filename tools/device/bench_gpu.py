@@ -70,6 +70,7 @@ def environment() -> dict:
     try:
         from spec_cache import device_copy
         env["copy_route"] = device_copy.status()
+        env["capture_route"] = device_copy.capture_status()
     except Exception as e:
         env["copy_route"] = f"error: {e}"
     env["spec_cache_git"] = os.environ.get("SPEC_CACHE_GIT", "")
@@ -165,6 +166,23 @@ def run_limits() -> dict:
             out["memcpy_into_host_resident_stage_1t_GBps"] = gbps(n, median_time(lambda: np.copyto(view, 2), 3))
             out["stage_advised"] = ok
             del stage, view
+        d2h = device_copy.device_to_host()
+        out["capture_route"] = device_copy.capture_status()
+        if d2h is not None:  # device -> host: the copy engine vs reading managed memory through a numpy view
+            x = mx.random.normal((n // 2,)).astype(mx.bfloat16)  # 1 GiB on the device
+            mx.eval(x)
+
+            def gpu_read():
+                mx.eval(x.view(mx.uint16) + 0)
+            gpu_read()
+            out["gpu_read_device_resident_GBps"] = gbps(n, median_time(gpu_read, 3))
+            out["d2h_cuMemcpy_GBps"] = gbps(n, median_time(lambda: d2h(x.view(mx.uint16)), 3))
+            out["gpu_read_after_cuMemcpy_GBps"] = gbps(n, median_time(gpu_read, 1))
+            t0 = time.perf_counter()
+            np.asarray(memoryview(x.view(mx.uint16))).copy()
+            out["d2h_numpy_view_GBps"] = gbps(n, time.perf_counter() - t0)
+            out["gpu_read_after_numpy_view_GBps"] = gbps(n, median_time(gpu_read, 1))
+            del x
         if os.environ.get("BENCH_TORCH", "1") == "1":
             try:
                 r = subprocess.run(["python3", "-c", _TORCH_DMA], capture_output=True, text=True, timeout=120,
@@ -174,6 +192,30 @@ def run_limits() -> dict:
             except Exception as e:
                 out["torch_dma"] = f"error: {e}"
     return out
+
+
+def _patch_verify_wait():
+    """Time the restore spends waiting for its background checksums after assembling (instrumentation only:
+    wraps ``BackgroundVerifier.wait``); returns a function giving the seconds since the call and undoing it."""
+    try:
+        from spec_cache.store import read
+    except Exception:
+        return lambda: float("nan")
+    original = read.BackgroundVerifier.__dict__["wait"]
+    total = [0.0]
+
+    def wait(pending):
+        t0 = time.perf_counter()
+        try:
+            return original.__func__(pending)
+        finally:
+            total[0] += time.perf_counter() - t0
+    read.BackgroundVerifier.wait = staticmethod(wait)
+
+    def done():
+        read.BackgroundVerifier.wait = original
+        return total[0]
+    return done
 
 
 # --- routes -----------------------------------------------------------------------------------------------------
@@ -243,7 +285,9 @@ def run_routes(cfg: dict) -> dict:
                 del arrays
                 if name.startswith("staging"):
                     loaders[int(name.split("_")[1][:-1])].reset_counters()
+                waited = _patch_verify_wait()
                 t = median_time(get, reps)
+                row[f"{name}_verify_wait_s_per_fetch"] = waited() / reps
                 row[f"{name}_s"] = t
                 row[f"{name}_GBps"] = gbps(nbytes, t)
                 row[f"{name}_same_bytes"] = check == reference

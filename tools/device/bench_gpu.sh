@@ -36,14 +36,14 @@ farm() {  # $1: a source tree holding spec_cache/, store/, schemas/
 farm "$PWD" || exit 1
 export PYTHONPATH=$SITE:$SC PYTHONUNBUFFERED=1
 export SPEC_CACHE_GIT="$(cat .whl/p2/GIT_STATE 2>/dev/null)"
-if ! python3 -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, spec_cache.store, spec_cache.device_copy"; then
+if ! python3 -P -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, spec_cache.store, spec_cache.device_copy"; then
   # another session may be mid-edit in the working tree: fall back to the committed snapshot carried in .whl/p2/src
   echo "working tree does not import: using the HEAD snapshot"
   farm "$PWD/.whl/p2/src" || exit 1
   export SPEC_CACHE_GIT="HEAD snapshot only: $SPEC_CACHE_GIT"
 fi
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device()); print(mx.sum(mx.ones((1024, 1024))).item())" || exit 1
-python3 -c "from spec_cache import device_copy; print('copy route:', device_copy.status())"
+python3 -P -c "from spec_cache import device_copy; print('copy route:', device_copy.status()); print('capture route:', device_copy.capture_status())"
 python3 -m pip list 2>/dev/null | grep -iE "^(mlx|transformers|tokenizers|lmdb|blake3|xxhash|msgpack|safetensors|numpy|tqdm) "
 df -h /tmp /dev/shm | tail -2; free -g | head -2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
