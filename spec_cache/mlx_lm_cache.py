@@ -1,0 +1,236 @@
+"""A persistent, verified prompt cache for ``mlx_lm.server``: ``LRUPromptCache``'s interface over ``SpecCache``.
+
+``mlx_lm.server`` keeps its prompt cache in an in-RAM ``LRUPromptCache``; :class:`SpecCachePromptCache` is a
+subclass with the same methods, signatures and return shapes (checked against the pinned mlx-lm 0.32.2):
+
+* ``fetch_nearest_cache(model_key, tokens) -> (cache | None, rest_tokens)``: the longest stored prefix of
+  ``tokens[:-1]`` from the memory tier, the local LMDB store (verified on read) or the shared tier, as fresh
+  mlx-lm cache objects (new array objects over the held ones: whatever the server does to them, stored state
+  never changes); ``rest_tokens`` are the tokens the caller still has to prefill, never empty (mlx-lm's
+  ``generate_step`` refuses an empty prompt, and its own cache trims a longer entry to ``len(tokens) - 1`` too).
+* ``insert_cache(model_key, tokens, prompt_cache, *, cache_type=...)``: the checkpoint enters the memory tier at
+  once and is written to LMDB behind the request (``SpecCache.save(..., background=True)``), keyed by the
+  tokens the cache really covers (its ``offset``).
+* ``__len__``, ``nbytes``, ``stats_by_type()``, ``trim_to(...)``: the in-RAM part plus the memory tier.
+
+The namespace of a model key ``(model_path, adapter_path, draft_model_path)`` is the model's artifact identity
+(``spec_cache.identity.model_identity`` of the directory mlx-lm loaded), the adapter stack's namespace, the KV
+options the server quantizes with (``--kv-bits`` / ``--kv-group-size`` / ``--quantized-kv-start``), method None,
+through ``spec_cache.namespace.resolve_prefix_namespace`` (the definition ``Generator.load`` and the mlx-lm
+import use). With a draft model the cache list also holds the draft model's layers: the method is then
+``mlx-lm-draft-v1:<draft identity>``, so such entries never mix with target-only ones.
+
+Cache kinds spec-cache cannot store (``ChunkedKVCache``, ``CacheList``, batch caches, ...), model keys whose
+directory cannot be identified, and token keys that are not token ids (vision keys) fall back to the original
+in-RAM behaviour of ``LRUPromptCache`` with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, List, Optional, Sequence
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from .cache import SpecCache
+from .namespace import KVOptions, drafter_namespace, resolve_prefix_namespace
+
+log = logging.getLogger("spec_cache.mlx_lm")
+
+__all__ = ["DRAFT_SCHEMA", "SpecCachePromptCache", "kv_options_from_args", "resolve_model_dir"]
+
+#: the drafter-namespace schema of an mlx-lm draft model's layers appended to the target's cache list
+DRAFT_SCHEMA = "mlx-lm-draft-v1"
+_MAX_TOKEN = 2**32 - 1
+
+
+def _storable_classes() -> tuple[type, ...]:
+    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+    return (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
+
+
+def kv_options_from_args(args: Any) -> KVOptions:
+    """The KV options ``mlx_lm.server``'s arguments quantize with (none without ``--kv-bits``)."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None:
+        return KVOptions()
+    return KVOptions(kv_bits=int(bits), kv_group_size=getattr(args, "kv_group_size", None),
+                     quantized_kv_start=getattr(args, "quantized_kv_start", None))
+
+
+def resolve_model_dir(path_or_repo: str | Path) -> Path:
+    """The local directory mlx-lm loaded ``path_or_repo`` from (a directory, or a Hugging Face repo already in the
+    local cache: ``mlx_lm.utils._download`` resolves it the same way). Raises when there is none."""
+    path = Path(path_or_repo)
+    if path.exists():
+        return path
+    from mlx_lm.utils import hf_repo_to_path
+
+    return Path(hf_repo_to_path(str(path_or_repo)))
+
+
+class SpecCachePromptCache(LRUPromptCache):
+    """``mlx_lm.models.cache.LRUPromptCache`` backed by a ``SpecCache`` (memory tier, LMDB, shared tier).
+
+    ``cache``: an open ``SpecCache`` (closed by ``close()`` only when ``owns_cache``). ``kv_options``: the
+    server's KV options (:func:`kv_options_from_args`). ``tenant``: an optional namespace salt. ``max_size`` and
+    ``max_bytes`` bound the in-RAM fallback exactly as they bound ``LRUPromptCache``.
+    """
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *, cache: SpecCache,
+                 kv_options: KVOptions | None = None, tenant: str | None = None, owns_cache: bool = False):
+        super().__init__(max_size, max_bytes)
+        self.cache = cache
+        self.kv_options = kv_options if kv_options is not None else KVOptions()
+        self.tenant = tenant
+        self.owns_cache = owns_cache
+        self._ns: dict[Any, Optional[bytes]] = {}  # model key -> namespace key (None: in-RAM fallback)
+        self._ram_models: set = set()  # model keys whose cache kinds cannot be stored
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self.counters = {"fetches": 0, "hits": 0, "hit_tokens": 0, "inserts": 0, "fallback_fetches": 0,
+                         "fallback_inserts": 0, "skipped_inserts": 0}
+        self.last_hit_tier: Optional[str] = None
+
+    # --- namespace ------------------------------------------------------------------------------
+    def namespace_for(self, model: Any) -> Optional[bytes]:
+        """The store namespace of a server model key, or None (the in-RAM fallback serves it)."""
+        if model in self._ns:
+            return self._ns[model]
+        with self._lock:
+            if model not in self._ns:
+                self._ns[model] = self._resolve(model)
+        return self._ns[model]
+
+    def _resolve(self, model: Any) -> Optional[bytes]:
+        from .adapters import resolve_adapters
+        from .identity import model_identity
+
+        try:
+            model_path, adapter_path, draft_path = model
+        except (TypeError, ValueError):
+            self._warn_once("key", f"spec-cache: model key {model!r} is not (model, adapter, draft); "
+                                   "prompt caches for it stay in RAM")
+            return None
+        if model_path is None:
+            return None
+        try:
+            memo = self.cache.memo()
+            identity = model_identity(resolve_model_dir(model_path), memo=memo)
+            stack = resolve_adapters(adapter_path, memo) if adapter_path else ()
+            provider = None
+            if draft_path is not None:
+                draft_identity = model_identity(resolve_model_dir(draft_path), memo=memo)
+                provider = SimpleNamespace(namespace=drafter_namespace(DRAFT_SCHEMA, draft_identity),
+                                           supports_target_adapters=True)
+            prefix = resolve_prefix_namespace(provider, stack, self.kv_options)
+            return self.cache.namespace(identity, prefix, self.tenant)
+        except Exception as exc:  # an unidentifiable model never stops the server: it keeps the RAM cache
+            self._warn_once(f"ns:{model!r}", f"spec-cache: cannot identify model {model_path!r} ({exc}); "
+                                             "its prompt caches stay in RAM")
+            return None
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.warning(message)
+
+    # --- LRUPromptCache interface -----------------------------------------------------------------
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        self.counters["fetches"] += 1
+        self.last_hit_tier = None
+        ns = None if model in self._ram_models else self.namespace_for(model)
+        if ns is None or not _token_ids(tokens):
+            self.counters["fallback_fetches"] += 1
+            return super().fetch_nearest_cache(model, tokens)
+        if len(self._lru):  # entries this process kept in RAM (kinds not storable at the time)
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            if cache is not None:
+                self.counters["fallback_fetches"] += 1
+                return cache, rest
+        if len(tokens) < 2:
+            return None, tokens
+        # at least one token left to prefill: mlx-lm's generate_step refuses an empty prompt
+        restored = self.cache.restore(ns, list(tokens[:-1]))
+        if restored is None or restored.length <= 0:
+            return None, tokens
+        self.counters["hits"] += 1
+        self.counters["hit_tokens"] += restored.length
+        self.last_hit_tier = restored.tier
+        return list(restored.caches), tokens[restored.length:]
+
+    def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *,
+                     cache_type: str = "assistant"):
+        ns = None if model in self._ram_models else self.namespace_for(model)
+        if ns is not None and not _token_ids(tokens):
+            ns = None
+        if ns is not None:
+            storable = _storable_classes()
+            odd = sorted({type(c).__name__ for c in prompt_cache if type(c) not in storable})
+            if odd:
+                self._ram_models.add(model)
+                self._warn_once(f"kinds:{model!r}", f"spec-cache: cache kinds {', '.join(odd)} cannot be stored; "
+                                                    "prompt caches for this model stay in RAM (mlx-lm's own cache)")
+                ns = None
+        if ns is None:
+            self.counters["fallback_inserts"] += 1
+            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        covered = _covered(prompt_cache)
+        if covered is None or covered <= 0 or covered > len(tokens):
+            # the key does not say which tokens the state covers: storing it could serve a wrong prefix
+            self.counters["skipped_inserts"] += 1
+            self._warn_once("coverage", f"spec-cache: a prompt cache covering {covered} tokens came with a key of "
+                                        f"{len(tokens)} tokens; not stored")
+            return None
+        self.counters["inserts"] += 1
+        self.cache.save(ns, list(tokens[:covered]), prompt_cache, background=True)
+        return None
+
+    def __len__(self):
+        return len(self._lru) + int(self.cache.memory.stats().get("entries", 0))
+
+    @property
+    def nbytes(self):
+        return self._n_bytes + int(self.cache.memory.stats().get("bytes", 0))
+
+    def stats_by_type(self):
+        result = super().stats_by_type()
+        mem = self.cache.memory.stats()
+        result["spec-cache"] = {"n_sequences": int(mem.get("entries", 0)), "n_bytes": int(mem.get("bytes", 0))}
+        return result
+
+    # --- lifetime ----------------------------------------------------------------------------------
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every inserted checkpoint is durable in LMDB (and published, with a shared tier)."""
+        return self.cache.drain(timeout)
+
+    def close(self) -> None:
+        """Write what is queued and close the store (only when this object owns it)."""
+        if self.owns_cache:
+            self.cache.close()
+        else:
+            self.cache.drain()
+
+
+def _token_ids(tokens: Sequence[Any]) -> bool:
+    """Whether ``tokens`` are plain token ids (mlx-lm's vision keys hold other things)."""
+    try:
+        return all(type(t) is int and 0 <= t <= _MAX_TOKEN for t in tokens)
+    except TypeError:
+        return False
+
+
+def _covered(prompt_cache: Sequence[Any]) -> Optional[int]:
+    """How many tokens a cache list holds state for: the layers' common ``offset`` (None when they disagree or
+    no layer says; a recurrent ``ArraysCache`` has no offset and follows its model's attention layers)."""
+    offsets = {int(c.offset) for c in prompt_cache if hasattr(c, "offset") and c.offset is not None}
+    if len(offsets) != 1:
+        return None
+    return offsets.pop()

@@ -1,0 +1,231 @@
+"""``spec-cache mlx-lm-server``: mlx-lm's own OpenAI-compatible server with a persistent, verified prompt cache.
+
+``python -m spec_cache.mlx_lm_server [mlx_lm.server args] [--cache PATH] [--shared URL] [--memory-bytes N]
+[--tenant SALT]`` runs ``mlx_lm.server``'s own ``main`` (its argument parser, its HTTP handler, its batching)
+with one thing changed: the prompt cache it builds in ``run`` is a
+:class:`spec_cache.mlx_lm_cache.SpecCachePromptCache` (memory tier, LMDB store at ``--cache``, the shared tier
+at ``--shared``) instead of the in-RAM ``LRUPromptCache``. Two names in ``mlx_lm.server`` are patched while it
+runs, and restored after: ``LRUPromptCache`` (the class ``run`` instantiates) and ``run`` (wrapped, to read the
+server's KV options from its parsed arguments and to close the cache after the server stops).
+
+Shutdown: SIGINT or SIGTERM stops the HTTP server the way mlx-lm handles Ctrl-C (``httpd.shutdown()``, the
+generation thread joined), then the cache is closed: queued checkpoints are written to LMDB (and published to the
+shared tier) before the process exits. A SIGKILL loses only checkpoints still queued (the store stays valid).
+
+Pinned against mlx-lm 0.32.2 (``pyproject.toml``); the interface used is ``LRUPromptCache``'s
+``fetch_nearest_cache`` / ``insert_cache`` / ``trim_to`` / ``stats_by_type`` / ``nbytes`` / ``len`` and
+``mlx_lm.server.run(host, port, model_provider)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any, Sequence
+
+__all__ = ["add_arguments", "main", "patched_server"]
+
+log = logging.getLogger("spec_cache.mlx_lm")
+
+_OUR_DESTS = ("cache", "shared", "memory_bytes", "tenant")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add spec-cache's options (``--cache``, ``--shared``, ``--memory-bytes``, ``--tenant``, each unless the
+    parser has it already) and every ``mlx_lm.server`` option (taken from mlx-lm's own parser) to ``parser``."""
+    from .cli.common import parse_size
+    from .cli.shared import add_shared_option
+
+    have = {s for action in parser._actions for s in action.option_strings}
+    if "--cache" not in have:
+        parser.add_argument("--cache", default=argparse.SUPPRESS,
+                            help="spec-cache store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
+    add_shared_option(parser)
+    if "--memory-bytes" not in have:
+        parser.add_argument("--memory-bytes", type=parse_size, default=None, metavar="N",
+                            help="memory tier budget above the store (e.g. 4GiB; 0: off; default: 1/8 of memory)")
+    if "--tenant" not in have:
+        parser.add_argument("--tenant", default=None, metavar="SALT",
+                            help="namespace salt: prefixes are shared only with servers given the same one")
+    have = {s for action in parser._actions for s in action.option_strings}
+    for action in _mlx_lm_parser()._actions:
+        if not action.option_strings or set(action.option_strings) & have:
+            continue  # -h/--help, and anything the parser already has
+        parser._add_action(action)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spec-cache mlx-lm-server",
+                                     description="mlx_lm.server with a persistent, verified prompt cache.")
+    return add_arguments(parser)
+
+
+class _Captured(Exception):
+    def __init__(self, parser):
+        super().__init__("captured")
+        self.parser = parser
+
+
+def _mlx_lm_parser() -> argparse.ArgumentParser:
+    """``mlx_lm.server.main``'s own parser: main is run up to its ``parse_args`` call, which raises instead."""
+    import mlx_lm.server as server
+
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, *args, **kwargs):
+        raise _Captured(self)
+
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        server.main()
+    except _Captured as captured:
+        return captured.parser
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    raise RuntimeError("mlx_lm.server.main did not parse arguments")  # pragma: no cover
+
+
+class patched_server:
+    """Context manager: while open, ``mlx_lm.server.run`` serves with a ``SpecCachePromptCache``.
+
+    ``cache_options``: ``SpecCache.open`` keywords besides the path (``memory_bytes``, ``shared``).
+    ``instances`` lists the drop-ins built (one per ``run``).
+    """
+
+    def __init__(self, path: str, *, tenant: str | None = None, **cache_options: Any):
+        self.path = path
+        self.tenant = tenant
+        self.cache_options = cache_options
+        self.instances: list = []
+
+    def __enter__(self):
+        import mlx_lm.server as server
+
+        self._server = server
+        self._saved = (server.run, server.LRUPromptCache)
+        original_run = server.run
+        launcher = self
+
+        def run(host, port, model_provider, *args, **kwargs):
+            from .cache import SpecCache
+            from .mlx_lm_cache import SpecCachePromptCache, kv_options_from_args
+
+            cli_args = model_provider.cli_args
+            store = SpecCache.open(launcher.path, **launcher.cache_options)
+
+            def make(max_size: int = 10, max_bytes: int = 1 << 63):
+                prompt_cache = SpecCachePromptCache(max_size, max_bytes, cache=store, owns_cache=True,
+                                                    kv_options=kv_options_from_args(cli_args),
+                                                    tenant=launcher.tenant)
+                launcher.instances.append(prompt_cache)
+                return prompt_cache
+
+            server.LRUPromptCache = make
+            try:
+                if cli_args.model is not None:  # identify the model now, not on the first request
+                    threading.Thread(target=_warm_namespace, args=(make_probe(store, cli_args),),
+                                     daemon=True).start()
+                return original_run(host, port, model_provider, *args, **kwargs)
+            finally:
+                server.LRUPromptCache = launcher._saved[1]
+                log.info("spec-cache: writing queued prompt caches to %s", launcher.path)
+                store.close()
+
+        server.run = run
+        return self
+
+    def __exit__(self, *exc):
+        self._server.run, self._server.LRUPromptCache = self._saved
+        return False
+
+
+def make_probe(store, cli_args):
+    from .mlx_lm_cache import kv_options_from_args
+
+    key = (cli_args.model, cli_args.adapter_path, cli_args.draft_model)
+    return store, key, kv_options_from_args(cli_args)
+
+
+def _warm_namespace(probe) -> None:
+    """Hash the model's files once at startup (memoized in the store), so the first request does not."""
+    from .identity import model_identity
+    from .mlx_lm_cache import resolve_model_dir
+
+    store, key, _ = probe
+    try:
+        model_identity(resolve_model_dir(key[0]), memo=store.memo())
+    except Exception:  # the request path reports it (once) and falls back to RAM
+        pass
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops the server as Ctrl-C does (mlx-lm's ``serve_forever`` handles KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Our options out of ``argv``; the rest (mlx-lm's) in order."""
+    from .cli.common import parse_size
+
+    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ours.add_argument("--cache", default=None)
+    ours.add_argument("--shared", default=None)
+    ours.add_argument("--memory-bytes", type=parse_size, default=None)
+    ours.add_argument("--tenant", default=None)
+    return ours.parse_known_args(list(argv))
+
+
+def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
+    """Run the server: ``argv`` (a list; None: ``sys.argv[1:]``) as ``python -m spec_cache.mlx_lm_server``
+    takes it, or a namespace parsed by a parser given :func:`add_arguments`. Returns the exit status."""
+    from .cli.common import default_cache_dir
+    from .cli.shared import shared_url
+
+    if isinstance(argv_or_args, argparse.Namespace):
+        args = argv_or_args
+        mlx_argv = None
+    else:
+        argv = sys.argv[1:] if argv_or_args is None else list(argv_or_args)
+        if any(a in ("-h", "--help") for a in argv):
+            build_parser().print_help()
+            return 0
+        args, mlx_argv = _split(argv)
+    path = getattr(args, "cache", None) or default_cache_dir()
+    options: dict[str, Any] = {"shared": shared_url(args)}
+    if getattr(args, "memory_bytes", None) is not None:
+        options["memory_bytes"] = args.memory_bytes
+    os.makedirs(path, exist_ok=True)
+    _stop_on_sigterm()
+    with patched_server(path, tenant=getattr(args, "tenant", None), **options):
+        import mlx_lm.server as server
+
+        if mlx_argv is not None:  # mlx-lm's own main parses the rest
+            saved = sys.argv
+            sys.argv = ["mlx_lm.server", *mlx_argv]
+            try:
+                server.main()
+            except SystemExit as exc:  # its parser's usage errors
+                return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+            finally:
+                sys.argv = saved
+        else:  # already parsed with mlx-lm's options: the tail of mlx-lm's main
+            server.maybe_set_recommended_wired_limit()
+            logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), None),
+                                format="%(asctime)s - %(levelname)s - %(message)s")
+            server.run(args.host, args.port, server.ModelProvider(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
