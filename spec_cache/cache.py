@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
-from spec_cache.store import InvalidInput, PutResult, Store, StoreError
+from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, Store, StoreError
 from spec_cache.store.keys import pack_tokens
 from spec_cache.store.shared.queue import WriteBehind
 
@@ -34,11 +34,6 @@ from .kv_quant import converted_at
 from .memory_tier import MemoryHit, MemoryTier, default_budget
 from .namespace import namespace_key
 from .write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter
-
-try:  # TEMPORARY until the store refactor lands
-    from spec_cache.store import NamespaceNotRegistered
-except ImportError:
-    NamespaceNotRegistered = InvalidInput
 
 log = logging.getLogger("spec_cache")
 
@@ -268,7 +263,7 @@ class SpecCache:
         if self.shared is not None:
             local = floor[0]
             try:
-                hit = _TEMP_lookup(self.store, ns_key, tokens, drafter=drafter_namespace, usable=better)
+                hit = self.store.lookup(ns_key, tokens, drafter=drafter_namespace, usable=better)
                 local = max(local, 0 if hit is None else hit.length)
             except (StoreError, ValueError) as exc:
                 warnings.warn(f"spec-cache: local lookup failed, asking the shared tier: {exc}", CacheWarning,
@@ -290,8 +285,8 @@ class SpecCache:
                        ) -> RestoredPrefix | None:
         notes: list[str] = []
         try:
-            restored = _TEMP_fetch(self.store, ns_key, tokens, drafter=drafter_namespace, warnings=notes,
-                                   usable=usable, concat=restore_concat())
+            restored = self.store.fetch(ns_key, tokens, drafter=drafter_namespace, warnings=notes, usable=usable,
+                                        concat=restore_concat())
         except (StoreError, SchemaError, ValueError) as exc:
             warnings.warn(f"spec-cache: lookup failed, treated as a miss: {exc}", CacheWarning, stacklevel=3)
             return None
@@ -391,28 +386,3 @@ class _WriteJob:
             n += sum(t.nbytes for t in self.drafter[1].tensors)
         return n
 
-
-def _TEMP_lookup(store, ns_key, tokens, *, drafter, usable):  # TEMPORARY until Store.lookup takes usable=
-    import inspect
-    if "usable" in inspect.signature(store.lookup).parameters:
-        return store.lookup(ns_key, tokens, drafter=drafter, usable=usable)
-    bound = len(tokens)
-    while bound >= 1:
-        hit = store.lookup(ns_key, tokens[:bound], drafter=drafter)
-        if hit is None or usable is None or usable(hit):
-            return hit
-        bound = hit.length - 1
-    return None
-
-
-def _TEMP_fetch(store, ns_key, tokens, *, drafter, warnings, usable, concat):  # TEMPORARY
-    import inspect
-    if "usable" in inspect.signature(store.fetch).parameters:
-        return store.fetch(ns_key, tokens, drafter=drafter, warnings=warnings, usable=usable, concat=concat)
-    hit = _TEMP_lookup(store, ns_key, tokens, drafter=drafter, usable=usable)
-    if hit is None:
-        return None
-    got = store.fetch(ns_key, tokens[:hit.length], drafter=drafter, warnings=warnings, concat=concat)
-    if got is not None and usable is not None and got.length != hit.length:
-        return None
-    return got
