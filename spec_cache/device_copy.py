@@ -480,10 +480,14 @@ class DeviceToHost:
     fault speed (~3 GB/s on the H200). ``threads`` copies run at once for large arrays.
     """
 
-    def __init__(self, advice: CudaAdvice, threads: int = 4, part_bytes: int = 64 << 20):
+    def __init__(self, advice: CudaAdvice, threads: int = 4, part_bytes: int = 64 << 20, mode: str | None = None):
         self.advice = advice
         self.threads = max(1, threads)
         self.part_bytes = part_bytes
+        #: "direct": cuMemcpy straight into the new numpy array (pageable); "pinned": through page-locked bounce
+        #: buffers (one per thread, ``part_bytes`` each), then a numpy copy into the new array
+        self.mode = mode or os.environ.get("SPEC_CACHE_D2H_MODE", "direct")
+        self._bounce: dict[int, tuple[int, np.ndarray]] = {}
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="spec-cache-d2h") \
             if self.threads > 1 else None
         cu = advice._driver
@@ -494,12 +498,37 @@ class DeviceToHost:
         self.bytes = 0
         self.seconds = 0.0
 
+    def _pinned(self) -> tuple[int, np.ndarray]:
+        """This thread's page-locked bounce buffer (``cuMemAllocHost``), made on first use."""
+        key = threading.get_ident()
+        got = self._bounce.get(key)
+        if got is None:
+            cu = self.advice._driver
+            ptr = ctypes.c_void_p()
+            rc = cu.cuMemAllocHost_v2(ctypes.byref(ptr), ctypes.c_size_t(self.part_bytes))
+            if rc != 0:
+                raise RuntimeError(f"cuMemAllocHost failed ({rc})")
+            view = np.ctypeslib.as_array((ctypes.c_uint8 * self.part_bytes).from_address(ptr.value))
+            got = self._bounce[key] = (int(ptr.value), view)
+        return got
+
     def _copy(self, dst: int, src: int, n: int) -> None:
         if not self.advice._driver_context():
             raise RuntimeError("no CUDA context for cuMemcpy")
-        rc = self._memcpy(dst, src, n)
-        if rc != 0:
-            raise RuntimeError(f"cuMemcpy failed ({rc})")
+        if self.mode != "pinned":
+            rc = self._memcpy(dst, src, n)
+            if rc != 0:
+                raise RuntimeError(f"cuMemcpy failed ({rc})")
+            return
+        ptr, view = self._pinned()
+        at = 0
+        while at < n:
+            step = min(self.part_bytes, n - at)
+            rc = self._memcpy(ptr, src + at, step)
+            if rc != 0:
+                raise RuntimeError(f"cuMemcpy failed ({rc})")
+            ctypes.memmove(dst + at, ptr, step)
+            at += step
 
     def __call__(self, x: mx.array) -> np.ndarray:
         t0 = time.perf_counter()
