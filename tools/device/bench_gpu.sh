@@ -33,9 +33,14 @@ farm() {  # $1: a source tree holding spec_cache/, store/, schemas/
   ln -sfn "$(readlink -f "$1/store")" "$SC/spec_cache/store"
   ln -sfn "$(readlink -f "$1/schemas")" "$SC/spec_cache/schemas"
 }
-farm "$PWD" || exit 1
 export PYTHONPATH=$SITE:$SC PYTHONUNBUFFERED=1
 export SPEC_CACHE_GIT="$(cat .whl/p2/GIT_STATE 2>/dev/null)"
+if [ "${SPEC_CACHE_BENCH_TREE:-}" = head ]; then  # measure the committed snapshot, not others' edits in progress
+  farm "$PWD/.whl/p2/src" || exit 1
+  export SPEC_CACHE_GIT="HEAD snapshot (asked): $SPEC_CACHE_GIT"
+else
+  farm "$PWD" || exit 1
+fi
 if ! python3 -P -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, spec_cache.store, spec_cache.device_copy"; then
   # another session may be mid-edit in the working tree: fall back to the committed snapshot carried in .whl/p2/src
   echo "working tree does not import: using the HEAD snapshot"
