@@ -42,10 +42,10 @@ from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 from .kv_quant import converted_at, plan_kv, reusable
 from .quantized_rows import QuantizedTargetRows
 from .rows import RoundContext, TargetRowGroup, apply_state_changes
-from .sampling import Sampling, TokenSampler
+from .sampling import RowSampler, RowSampling, Sampling
 from .target import TargetModel, TargetRows, check_kv_options, prefix_caches
 
-__all__ = ["RowRequest", "RowResult", "SpeculativeEngine", "CheckpointHook"]
+__all__ = ["RowRequest", "RowResult", "SpeculativeEngine", "DecodeSession", "CheckpointHook"]
 
 #: ``on_checkpoint(row_index, tokens, target_caches, draft_checkpoint)``
 CheckpointHook = Callable[[int, list, list, "DraftRowCheckpoint | None"], None]
@@ -66,13 +66,16 @@ class RowRequest:
     restored_tokens: int = 0
     draft_checkpoint: DraftRowCheckpoint | None = None
     max_tokens: int = 32
+    #: this row's temperature / top_p / seed (None: the run's); see ``spec_cache.sampling.RowSampler``
+    sampling: RowSampling | None = None
 
 
 @dataclass
 class RowResult:
     """``tokens``: generated tokens (EOS included when hit). ``cached_tokens``: prompt tokens the target did not
-    forward. ``drafted``/``accepted``: proposals verified / accepted. ``ttft_s``: seconds from ``run`` to the row's
-    first token. ``cancelled``: the row left early through ``cancel``."""
+    forward. ``drafted``/``accepted``: proposals verified / accepted. ``ttft_s``: seconds from ``run`` (or the
+    row's ``submit``) to its first token. ``cancelled``: the row left early through ``cancel``. ``reason``:
+    ``"length"``, ``"eos"``, ``"stop"`` (``DecodeSession.finish``) or ``"cancelled"``."""
 
     tokens: list[int]
     cached_tokens: int
@@ -80,6 +83,7 @@ class RowResult:
     accepted: int
     ttft_s: float
     cancelled: bool = False
+    reason: str = ""
 
 
 @dataclass
@@ -94,10 +98,16 @@ class _Row:
     accepted: int = 0
     ttft_s: float | None = None
     done: bool = False
+    reason: str = ""
+    sampling: RowSampling | None = None
+    on_tokens: Callable[[int, list], None] | None = None
+    on_finish: Callable[[int, RowResult], None] | None = None
+    submitted: float = 0.0
 
-    def result(self, cancelled: bool = False) -> RowResult:
+    def result(self, cancelled: bool = False, reason: str | None = None) -> RowResult:
         return RowResult(list(self.generated), self.target_start, self.drafted, self.accepted,
-                         self.ttft_s if self.ttft_s is not None else 0.0, cancelled)
+                         self.ttft_s if self.ttft_s is not None else 0.0, cancelled,
+                         self.reason if reason is None else reason)
 
 
 class SpeculativeEngine:
@@ -163,14 +173,40 @@ class SpeculativeEngine:
 
         Every request is checked before any model work (ValueError naming the request; SchemaError for a draft
         checkpoint of the wrong schema or alignment). ``cancel(row_index)`` is asked between rounds for every
-        decoding row; a cancelled row leaves without a finish checkpoint.
+        decoding row; a cancelled row leaves without a finish checkpoint. ``temperature``/``seed`` apply to every
+        request without its own ``sampling``; a row's sampled tokens depend on its own prompt and seed only.
         """
         start = time.perf_counter()
         sampling = Sampling(temperature, seed)
-        rows = [self._plan(index, request) for index, request in enumerate(requests)]
-        if not rows:
+        default = None if sampling.greedy else RowSampling(temperature, 1.0, seed)
+        for index, request in enumerate(requests):
+            self._plan(index, request)  # every request checked before the batch state is built
+        if not requests:
             return []
-        return _Run(self, sampling, set(int(t) for t in eos_token_ids), on_checkpoint, cancel, start).execute(rows)
+        results: list[RowResult | None] = [None] * len(requests)
+
+        def finished(row_id: int, result: RowResult) -> None:
+            results[row_id] = result
+
+        session = self.session(eos_token_ids=eos_token_ids, on_checkpoint=on_checkpoint, draft_sampling=sampling,
+                               default_sampling=default, cancel=cancel)
+        try:
+            for request in requests:
+                session.submit(request, on_finish=finished, submitted_at=start)
+            while session.step():
+                pass
+        finally:
+            session.close()
+        return results  # type: ignore[return-value]
+
+    def session(self, *, eos_token_ids: Sequence[int] = (), on_checkpoint: CheckpointHook | None = None,
+                draft_sampling: Sampling | None = None, default_sampling: RowSampling | None = None,
+                cancel: Callable[[int], bool] | None = None) -> "DecodeSession":
+        """A ``DecodeSession`` on this engine: requests join and leave between rounds (continuous batching).
+        ``draft_sampling`` is the drafters' (greedy by default; it changes acceptance, never the tokens);
+        ``default_sampling`` applies to requests without their own ``sampling`` (None: greedy)."""
+        return DecodeSession(self, eos_token_ids=eos_token_ids, on_checkpoint=on_checkpoint,
+                             draft_sampling=draft_sampling, default_sampling=default_sampling, cancel=cancel)
 
     def _plan(self, index: int, request: RowRequest) -> _Row:
         where = f"request {index}"
@@ -190,6 +226,8 @@ class SpeculativeEngine:
         caches = request.restored_caches
         if caches is None and restored:
             raise ValueError(f"{where}: restored_tokens={restored} needs restored_caches")
+        if request.sampling is not None and not isinstance(request.sampling, RowSampling):
+            raise ValueError(f"{where}: sampling must be a RowSampling or None, got {type(request.sampling).__name__}")
         conversion = self.conversion_point(len(prompt))
         if caches is not None:
             self._check_restored(where, caches, restored, conversion)
@@ -228,39 +266,121 @@ class SpeculativeEngine:
                                  f"converting at offset {conversion} holds")
 
 
-class _Run:
-    """The state of one ``SpeculativeEngine.run``: the running target rows, the draft group, the active rows."""
+class DecodeSession:
+    """A running batch that requests join and leave between rounds (continuous batching).
 
-    def __init__(self, engine: SpeculativeEngine, sampling: Sampling, eos: set[int],
-                 on_checkpoint: CheckpointHook | None, cancel: Callable[[int], bool] | None, start: float) -> None:
+    ``submit`` checks a request (ValueError / SchemaError, before any model work) and queues it; ``step`` admits
+    queued rows (up to the engine's ``max_rows`` active), runs one verify round for every active row and retires
+    the rows that are done. ``cancel`` ends a row without a finish checkpoint, ``finish`` ends it as done (with
+    one); outside ``step`` either frees the row at once, inside a callback at the end of the current step.
+
+    Per row: ``on_tokens(row_id, tokens)`` after every round that emitted tokens for it, ``on_finish(row_id,
+    RowResult)`` once when it leaves (also when cancelled while waiting). ``on_checkpoint`` as in the module doc
+    (``row_index`` is the row id ``submit`` returned).
+
+    Exactness: a row's tokens depend only on its own prompt, ``max_tokens``, sampling and seed (greedy: the
+    target's own greedy tokens), never on which rows share its rounds (``spec_cache.sampling.RowSampler``).
+    Threading: one owner thread calls every method. If ``step`` raises, the session is unusable: ``close`` it.
+    """
+
+    def __init__(self, engine: "SpeculativeEngine", *, eos_token_ids: Sequence[int] = (),
+                 on_checkpoint: CheckpointHook | None = None, draft_sampling: Sampling | None = None,
+                 default_sampling: RowSampling | None = None,
+                 cancel: Callable[[int], bool] | None = None) -> None:
         self.engine = engine
         self.target = engine.target
-        self.sampler = TokenSampler(sampling, stream=0)
-        self.eos = eos
+        self.sampler = RowSampler()
+        self.default_sampling = default_sampling
+        self.eos = {int(t) for t in eos_token_ids}
         self.on_checkpoint = on_checkpoint
-        self.cancel = cancel
+        self.cancel_check = cancel
         self.rows = engine._rows([], [])
         provider = engine.provider
-        self.group = None if provider is None else provider.open(self.rows, [], sampling)
+        self.group = None if provider is None else provider.open(self.rows, [], draft_sampling or Sampling())
         self.active: list[_Row] = []
-        self.start = start
+        self.waiting: list[_Row] = []
+        self._next_id = 0
+        self._stepping = False
+        self._leaving: dict[int, bool] = {}  # row id -> write its finish checkpoint (finish) or not (cancel)
+        self._closed = False
 
-    def execute(self, rows: list[_Row]) -> list[RowResult]:
-        results: list[RowResult | None] = [None] * len(rows)
-        waiting = list(rows)
+    # -- the owner's API ----------------------------------------------------------------------------------
+    def submit(self, request: RowRequest, *, on_tokens: Callable[[int, list], None] | None = None,
+               on_finish: Callable[[int, "RowResult"], None] | None = None,
+               submitted_at: float | None = None) -> int:
+        """Check and queue ``request``; returns its row id. It joins at the next ``step``."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        row = self.engine._plan(self._next_id, request)
+        self._next_id += 1
+        row.sampling = request.sampling if request.sampling is not None else self.default_sampling
+        row.on_tokens, row.on_finish = on_tokens, on_finish
+        row.submitted = time.perf_counter() if submitted_at is None else submitted_at
+        self.waiting.append(row)
+        return row.index
+
+    def cancel(self, row_id: int) -> bool:
+        """End a row without a finish checkpoint (False if it is not here any more)."""
+        return self._leave(row_id, checkpoint=False)
+
+    def finish(self, row_id: int) -> bool:
+        """End a row as done (e.g. a stop string matched): its finish checkpoint is written."""
+        return self._leave(row_id, checkpoint=True)
+
+    @property
+    def busy(self) -> bool:
+        """Rows are active or waiting."""
+        return bool(self.active or self.waiting)
+
+    @property
+    def active_count(self) -> int:
+        return len(self.active)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self.waiting)
+
+    def step(self) -> bool:
+        """Admit what fits, run one round, retire finished rows; True while rows remain."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        self._stepping = True
         try:
-            while waiting or self.active:
-                free = len(waiting) if self.engine.max_rows is None else self.engine.max_rows - len(self.active)
-                if waiting and free > 0:
-                    cohort, waiting = waiting[:free], waiting[free:]
-                    self._admit(cohort)
+            free = len(self.waiting) if self.engine.max_rows is None else self.engine.max_rows - len(self.active)
+            if self.waiting and free > 0:
+                cohort, self.waiting = self.waiting[:free], self.waiting[free:]
+                self._admit(cohort)
+            if self.active:
                 self._round()
-                self._retire(results)
+            self._retire()
         finally:
+            self._stepping = False
+        return self.busy
+
+    def close(self) -> None:
+        """Release the batch state (rows still here get no further callbacks). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
             if self.group is not None:
                 self.group.dispose()
+        finally:
             self.rows.dispose()
-        return results  # type: ignore[return-value]
+
+    def _leave(self, row_id: int, checkpoint: bool) -> bool:
+        for i, row in enumerate(self.waiting):
+            if row.index == row_id:
+                del self.waiting[i]
+                if row.on_finish is not None:
+                    row.on_finish(row.index, row.result(cancelled=not checkpoint, reason="cancelled"))
+                return True
+        if not any(row.index == row_id for row in self.active):
+            return False
+        self._leaving.setdefault(row_id, checkpoint)
+        if not self._stepping:
+            self._retire()
+        return True
 
     # -- admission --------------------------------------------------------------------------------------
     def _admit(self, cohort: list[_Row]) -> None:
@@ -331,8 +451,8 @@ class _Run:
         window = [[p] + d + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts)]
         taps = () if self.group is None else tuple(self.group.tap_layers)
         out = self.rows.verify(window, tap_layers=taps)
-        sampled = self.sampler(out.logits).tolist()
-        now = time.perf_counter() - self.start
+        sampled = self.sampler(out.logits, [(row.sampling, len(row.tokens)) for row in active])
+        clock = time.perf_counter()
         kept = []
         for row, draft, choice, budget in zip(active, drafts, sampled, budgets):
             agree = 0
@@ -348,35 +468,55 @@ class _Run:
             row.drafted += len(draft)
             row.accepted += min(agree, len(emitted))
             if row.ttft_s is None:
-                row.ttft_s = now
-            row.done = len(row.generated) >= row.request.max_tokens or emitted[-1] in self.eos
+                row.ttft_s = clock - row.submitted
+            if emitted[-1] in self.eos:
+                row.done, row.reason = True, "eos"
+            elif len(row.generated) >= row.request.max_tokens:
+                row.done, row.reason = True, "length"
             kept.append(len(emitted) - 1)
         self.rows.rollback([width - 1 - k for k in kept])
         if self.group is not None:
             self.group.commit(kept, RoundContext(window, out.hidden, out.taps))
+        for row, count in zip(active, kept):  # after the round is committed: a callback may end any row
+            if row.on_tokens is not None:
+                row.on_tokens(row.index, row.generated[len(row.generated) - count - 1:])
 
     # -- retirement -------------------------------------------------------------------------------------
-    def _retire(self, results: list) -> None:
-        cancelled = set()
-        if self.cancel is not None:
-            cancelled = {i for i, row in enumerate(self.active) if not row.done and self.cancel(row.index)}
-        leaving = [i for i, row in enumerate(self.active) if row.done or i in cancelled]
-        if not leaving:
+    def _retire(self) -> None:
+        """Remove every row that is done or asked to leave: done / finished rows write their finish checkpoint."""
+        checkpointed: dict[int, bool] = {}
+        for i, row in enumerate(self.active):
+            if row.index in self._leaving:
+                checkpointed[i] = self._leaving[row.index] or row.done
+                if not row.done and self._leaving[row.index]:
+                    row.reason = "stop"
+            elif row.done:
+                checkpointed[i] = True
+            elif self.cancel_check is not None and self.cancel_check(row.index):
+                checkpointed[i] = False
+        self._leaving.clear()
+        if not checkpointed:
             return
+        leaving = sorted(checkpointed)
+        finished = []
         for i in leaving:
             row = self.active[i]
             held = self.rows.offsets[i]
             if held != len(row.tokens) - 1:
                 raise RuntimeError(f"row {row.index}: target KV holds {held} tokens, expected {len(row.tokens) - 1}")
-            if self.on_checkpoint is not None and i not in cancelled:
+            if self.on_checkpoint is not None and checkpointed[i]:
                 draft = None if self.group is None else self.group.capture(i)
                 self.on_checkpoint(row.index, list(row.tokens[:-1]), self.rows.extract(i), draft)
-            results[row.index] = row.result(cancelled=i in cancelled)
-        keep = [i for i in range(len(self.active)) if i not in set(leaving)]
+            cancelled = not checkpointed[i]
+            finished.append((row, row.result(cancelled=cancelled, reason="cancelled" if cancelled else None)))
+        keep = [i for i in range(len(self.active)) if i not in checkpointed]
         self.rows.filter_rows(keep)
         if self.group is not None:
             self.group.filter_rows(keep)
         self.active = [self.active[i] for i in keep]
+        for row, result in finished:  # the state is consistent again: callbacks may submit or cancel
+            if row.on_finish is not None:
+                row.on_finish(row.index, result)
 
 
 def _draft_start(row: _Row) -> int:

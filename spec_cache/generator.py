@@ -28,6 +28,25 @@ from .identity import model_identity
 from .kv_quant import converted_at, reusable
 from .namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
 
+
+@dataclass
+class PreparedRow:
+    """A prompt made ready for the engine (``Generator.prepare``): its ``RowRequest`` (restored state attached
+    when the cache had a usable prefix), how many prompt tokens came from the cache, and under which namespace
+    key its checkpoints go."""
+
+    request: Any  # engine.RowRequest
+    ns_key: bytes | None
+    cached_tokens: int = 0
+    restored_drafter: bool = False
+    #: (tokens, with drafter row) of the restored checkpoint: writing that one again would change nothing
+    restored_at: tuple[int, bool] | None = None
+
+    def needs_save(self, tokens: Sequence[int], draft_checkpoint, drafter_namespace: str | None) -> bool:
+        """Whether a checkpoint of ``tokens`` (with ``draft_checkpoint``) adds anything to what was restored."""
+        return self.restored_at != (len(tokens), draft_checkpoint is not None or not drafter_namespace)
+
+
 @dataclass
 class Result:
     """One row's outcome. ``cached_tokens``: prompt tokens restored instead of prefilled."""
@@ -91,11 +110,55 @@ class Generator:
         return cls(engine, cache=cache, target_identity=identity, drafter_namespace=drafter_ns, prefix_ns=prefix_ns,
                    ns_key=ns_key, eos_token_ids=eos, adapters=stack)
 
+    # -- seams for servers and other schedulers ------------------------------------------------------------
+    def namespace_key(self, tenant: str | bytes | None = None) -> bytes | None:
+        """The store key of this generator's namespace for ``tenant`` (None: the key ``load`` was given); None
+        without a cache. Prefixes never cross keys: a server maps each API key / cache salt to a tenant."""
+        if self.cache is None:
+            return None
+        if tenant is None:
+            return self.ns_key
+        return self.cache.namespace(self.target_identity, self.prefix_namespace, tenant)
+
+    def prepare(self, prompt: Sequence[int], max_tokens: int = 32, *, sampling: Any = None,
+                ns_key: bytes | None = None) -> PreparedRow:
+        """Look up the longest usable stored prefix of ``prompt[:-1]`` (under ``ns_key``, default this
+        generator's) and build the engine request for ``prompt``: restored when the cache had one, cold
+        otherwise. ``sampling``: a ``spec_cache.sampling.RowSampling`` (None: the run's)."""
+        from .engine import RowRequest
+
+        prompt = [int(t) for t in prompt]
+        key = self.ns_key if ns_key is None else ns_key
+        hit = self.restore_for_prompt(prompt, ns_key=key)
+        if hit is None:
+            return PreparedRow(RowRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling), key)
+        request = RowRequest(prompt=prompt, restored_caches=hit.caches, restored_tokens=hit.length,
+                             draft_checkpoint=hit.draft_checkpoint, max_tokens=max_tokens, sampling=sampling)
+        with_drafter = hit.draft_checkpoint is not None
+        return PreparedRow(request, key, hit.length, with_drafter,
+                           (hit.length, with_drafter or not self.drafter_namespace))
+
+    def restore_for_prompt(self, prompt: Sequence[int], *, ns_key: bytes | None = None):
+        """The longest stored prefix of ``prompt[:-1]`` this request may continue from (a
+        ``cache.RestoredPrefix``), or None; ``ns_key`` defaults to this generator's."""
+        return self._restore([int(t) for t in prompt], self.ns_key if ns_key is None else ns_key)
+
+    def save_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any], draft_checkpoint=None, *,
+                        ns_key: bytes | None = None, background: bool | None = None) -> None:
+        """Store an engine checkpoint (``on_checkpoint``'s ``tokens, target_caches, draft_checkpoint``) under
+        ``ns_key`` (default this generator's): the memory tier at once, LMDB behind the request when
+        ``background`` (default ``write_behind``). No cache: nothing. Failures are ``CacheWarning``s."""
+        if self.cache is None:
+            return
+        self.cache.save(self.ns_key if ns_key is None else ns_key, list(tokens), caches,
+                        drafter_namespace=self.drafter_namespace,
+                        draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
+                        minimum_reusable=converted_at(caches) or 0,
+                        background=self.write_behind if background is None else background)
+
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32, temperature: float = 0.0,
                  seed: int = 0) -> list[Result]:
         """Decode every prompt (one batch); rows resume from the cache where they can."""
-        from .engine import RowRequest
-
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError("max_tokens must be a positive int")
         rows = []
@@ -105,43 +168,27 @@ class Generator:
                 raise ValueError(f"prompt {i} is empty")
             rows.append(prompt)
         started = time.perf_counter()  # TTFT counts the lookups and restores too, not only the engine
-        requests, restored_flags, restored_at = [], [], []
-        for prompt in rows:
-            hit = self._restore(prompt)
-            if hit is None:
-                requests.append(RowRequest(prompt=prompt, max_tokens=max_tokens))
-                restored_flags.append(False)
-                restored_at.append(None)
-            else:
-                requests.append(RowRequest(prompt=prompt, restored_caches=hit.caches, restored_tokens=hit.length,
-                                           draft_checkpoint=hit.draft_checkpoint, max_tokens=max_tokens))
-                restored_flags.append(hit.draft_checkpoint is not None)
-                restored_at.append((hit.length, hit.draft_checkpoint is not None or not self.drafter_namespace))
-
+        prepared = [self.prepare(prompt, max_tokens) for prompt in rows]
         saves = []
 
         def on_checkpoint(row, tokens, caches, draft_checkpoint):
-            if self.cache is None:
-                return
-            if restored_at[row] == (len(tokens), draft_checkpoint is not None or not self.drafter_namespace):
-                return  # this exact checkpoint was just restored: writing it again would change nothing
+            if self.cache is None or not prepared[row].needs_save(tokens, draft_checkpoint, self.drafter_namespace):
+                return  # no cache, or this exact checkpoint was just restored
             saves.append((tokens, caches, draft_checkpoint))  # written after decoding, off the TTFT path
 
         engine_started = time.perf_counter()
         try:
-            out = self.engine.run(requests, temperature=temperature, seed=seed, eos_token_ids=self.eos_token_ids,
-                                  on_checkpoint=on_checkpoint)
+            out = self.engine.run([p.request for p in prepared], temperature=temperature, seed=seed,
+                                  eos_token_ids=self.eos_token_ids, on_checkpoint=on_checkpoint)
         finally:
             for tokens, caches, draft_checkpoint in saves:  # memory tier now, LMDB behind the request
-                self.cache.save(self.ns_key, tokens, caches,
-                                drafter_namespace=self.drafter_namespace,
-                                draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
-                                minimum_reusable=converted_at(caches) or 0, background=self.write_behind)
+                self.save_checkpoint(tokens, caches, draft_checkpoint)
         before_engine = engine_started - started
-        return [Result(r.tokens, r.cached_tokens, r.drafted, r.accepted, before_engine + r.ttft_s, len(p), flag)
-                for r, p, flag in zip(out, rows, restored_flags)]
+        return [Result(r.tokens, r.cached_tokens, r.drafted, r.accepted, before_engine + r.ttft_s, len(p),
+                       row.restored_drafter)
+                for r, p, row in zip(out, rows, prepared)]
 
-    def _restore(self, prompt: list[int]):
+    def _restore(self, prompt: list[int], ns_key: bytes | None = None):
         """The longest stored prefix of ``prompt[:-1]`` this request may continue from, or None: one call down
         to the cache with this request's usability rule (``usable_rule``), one result up."""
         if self.cache is None or len(prompt) < 2:
@@ -149,7 +196,8 @@ class Generator:
         usable = self.usable_rule(len(prompt))
         if usable is None:
             return None
-        restored = self.cache.restore(self.ns_key, prompt[:-1], drafter_namespace=self.drafter_namespace,
+        restored = self.cache.restore(self.ns_key if ns_key is None else ns_key, prompt[:-1],
+                                      drafter_namespace=self.drafter_namespace,
                                       usable=usable)
         if restored is None:
             return None

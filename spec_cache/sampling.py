@@ -1,21 +1,31 @@
 """Token sampling shared by target verification and drafting.
 
-mlx-lm's parity rule for speculative decoding: the drafter proposes with the same sampler the target verifies
-with, and a draft is accepted while it equals the token the target sampled at that position. Every emitted token
-is therefore drawn from the target's own distribution (greedy: exactly the target's argmax sequence).
+mlx-lm's parity rule for speculative decoding: the drafter proposes, and a draft is accepted while it equals the
+token the target sampled at that position. Every emitted token is therefore drawn from the target's own
+distribution (greedy: exactly the target's argmax sequence).
 
 Temperature 0 is greedy (argmax of the log-probabilities, as mlx-lm's ``greedy_sampler``). Temperature > 0 draws
-from ``softmax(logprobs / T)`` with an explicit PRNG key split per call, so a run is reproducible from its seed
-and never touches MLX's global random state.
+from ``softmax(logprobs / T)`` (restricted to the ``top_p`` nucleus when ``top_p < 1``).
+
+Two samplers:
+
+* ``TokenSampler`` (drafters): one PRNG stream per batch, split per call. Drafts only decide how many tokens a
+  round emits, never which, so their stream may depend on the batch.
+* ``RowSampler`` (the target's verification): each row samples the token at absolute position ``p`` of its
+  sequence with the key ``position_key(seed, p)``, so a row's tokens depend only on its own prompt, parameters
+  and seed, never on what else is in the batch, on how many drafts were accepted, or on a restore.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
 
-__all__ = ["Sampling", "TokenSampler"]
+__all__ = ["Sampling", "TokenSampler", "RowSampling", "RowSampler", "position_key"]
 
 
 @dataclass(frozen=True)
@@ -51,3 +61,73 @@ class TokenSampler:
             return mx.argmax(logprobs, axis=-1)
         self._key, key = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1.0 / self.sampling.temperature), key=key)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One row's sampling: ``temperature`` (0: greedy), ``top_p`` in (0, 1] (1: the whole distribution) and
+    ``seed`` (any int). Raises TypeError / ValueError for values outside those ranges."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def position_key(seed: int, position: int) -> mx.array:
+    """The PRNG key that samples the token at ``position`` (its index in the row's whole sequence) for ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little") >> 1)
+
+
+def _nucleus(logprobs: mx.array, top_p: float) -> mx.array:
+    """``logprobs [W, V]`` with every token outside the smallest set whose probability reaches ``top_p`` at -inf
+    (the most likely token always stays)."""
+    order = mx.argsort(-logprobs, axis=-1)
+    ranked = mx.take_along_axis(logprobs, order, axis=-1)
+    before = mx.cumsum(mx.exp(ranked), axis=-1) - mx.exp(ranked)  # mass of the tokens ranked above each one
+    keep_ranked = before < top_p
+    keep = mx.put_along_axis(mx.zeros(logprobs.shape, dtype=mx.bool_), order, keep_ranked, axis=-1)
+    return mx.where(keep, logprobs, -mx.inf)
+
+
+class RowSampler:
+    """Samples a verify window ``logits [B, W, V]`` row by row (see module doc)."""
+
+    def __call__(self, logits: mx.array, rows: Sequence[tuple[RowSampling | None, int]]) -> list[list[int]]:
+        """``rows[b] = (sampling, position)``: row ``b``'s sampling (None: greedy) and the absolute position of
+        the token its window's first logits choose. Returns ``[B][W]`` token ids."""
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.argmax(logprobs, axis=-1)
+        sampled = [b for b, (sampling, _) in enumerate(rows) if sampling is not None and not sampling.greedy]
+        if not sampled:
+            return chosen.tolist()
+        width, vocab = logprobs.shape[1], logprobs.shape[2]
+        replaced = {}
+        for b in sampled:
+            sampling, position = rows[b]
+            scaled = logprobs[b] * (1.0 / sampling.temperature)
+            if sampling.top_p < 1.0:
+                scaled = _nucleus(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), sampling.top_p)
+            noise = mx.stack([mx.random.gumbel((vocab,), key=position_key(sampling.seed, position + j))
+                              for j in range(width)])
+            replaced[b] = mx.argmax(scaled + noise, axis=-1)
+        out = chosen.tolist()
+        for b, tokens in replaced.items():
+            out[b] = tokens.tolist()
+        return out

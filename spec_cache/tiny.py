@@ -98,6 +98,21 @@ def write_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     wrapped.save_pretrained(str(path))
+    config_path = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TINY_CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+#: The tiny tokenizer's chat template (in its ``tokenizer_config.json``): every message is ``<s> ROLE CONTENT
+#: </s>`` with the role spelled in vocabulary words (system ``w3``, user ``w4``, assistant ``w5``), and a
+#: generation prompt ``<s> w5``; so a templated conversation tokenizes without ``<unk>`` when its contents are
+#: ``w<N>`` words, and an assistant turn re-tokenizes to the tokens that were generated.
+TINY_CHAT_TEMPLATE = (
+    "{% set roles = {'system': 'w3', 'user': 'w4', 'assistant': 'w5'} %}"
+    "{% for message in messages %}<s> {{ roles[message['role']] }} {{ message['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> w5{% endif %}"
+)
 
 
 def write_tiny_target(

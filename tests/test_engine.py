@@ -305,3 +305,126 @@ def test_random_batches_with_random_restore_points_match_plain_greedy(tiny, data
     for prompt, budget, result in zip(prompts, budgets, results):
         assert result.tokens == plain_greedy(tiny.target, prompt, budget)
         assert 0 <= result.accepted <= result.drafted
+
+
+# -- continuous batching: DecodeSession ------------------------------------------------------------------------
+class Stream:
+    """Per-row on_tokens / on_finish collector."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.results: dict = {}
+
+    def on_tokens(self, row, tokens) -> None:
+        assert row not in self.results, "tokens after the row finished"
+        self.tokens.setdefault(row, []).extend(tokens)
+
+    def on_finish(self, row, result) -> None:
+        assert row not in self.results
+        self.results[row] = result
+
+
+@pytest.mark.parametrize("provider_name", [None, "draft-model", "assistant", "ngram", "dflash"])
+def test_rows_joining_a_running_batch_equal_plain_greedy(tiny, provider_name):
+    recorder = Recorder(tiny.target)
+    run(tiny, provider_name, [RowRequest(PROMPTS[2], max_tokens=1)], on_checkpoint=recorder)
+    _, tokens, caches, draft = recorder.boundary(0)  # a restored row joins too
+    engine = SpeculativeEngine(tiny.target, tiny.provider(provider_name), draft_depth=3, max_rows=2)
+    stream = Stream()
+    session = engine.session(on_checkpoint=Recorder(tiny.target))
+    first = session.submit(RowRequest(PROMPTS[0], max_tokens=MAX_TOKENS), on_tokens=stream.on_tokens,
+                           on_finish=stream.on_finish)
+    session.step()
+    session.step()
+    assert session.active_count == 1 and len(stream.tokens[first]) >= 2
+    late = [session.submit(RowRequest(PROMPTS[1], max_tokens=9), on_tokens=stream.on_tokens,
+                           on_finish=stream.on_finish),
+            session.submit(RowRequest(PROMPTS[2], caches, len(tokens), draft, max_tokens=12),
+                           on_tokens=stream.on_tokens, on_finish=stream.on_finish)]
+    session.step()
+    assert session.active_count == 2 and session.waiting_count == 1  # max_rows=2: the third one waits
+    while session.step():
+        pass
+    session.close()
+    for row, prompt, budget in [(first, PROMPTS[0], MAX_TOKENS), (late[0], PROMPTS[1], 9), (late[1], PROMPTS[2], 12)]:
+        assert stream.results[row].tokens == stream.tokens[row] == plain_greedy(tiny.target, prompt, budget)
+        assert stream.results[row].reason in ("length", "eos") and not stream.results[row].cancelled
+    assert stream.results[late[1]].cached_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("provider_name", [None, "draft-model-full", "assistant"])
+def test_a_seeded_row_samples_the_same_tokens_alone_and_in_a_batch(tiny, provider_name):
+    from spec_cache.sampling import RowSampling
+
+    seeded = RowRequest(PROMPTS[0], max_tokens=16, sampling=RowSampling(temperature=0.9, top_p=0.95, seed=1234))
+    (alone,) = run(tiny, provider_name, [seeded])
+    others = [RowRequest(PROMPTS[2], max_tokens=20, sampling=RowSampling(1.3, 1.0, 99)),
+              RowRequest(PROMPTS[1], max_tokens=7)]
+    for batch in ([seeded, *others], [others[0], seeded, others[1]]):
+        results = run(tiny, provider_name, batch)
+        assert results[batch.index(seeded)].tokens == alone.tokens
+    (again,) = run(tiny, provider_name, [seeded], temperature=0.2, seed=5)  # the row's own sampling wins
+    assert again.tokens == alone.tokens
+    other_seed = RowRequest(PROMPTS[0], max_tokens=16, sampling=RowSampling(0.9, 0.95, 1235))
+    assert run(tiny, provider_name, [other_seed])[0].tokens != alone.tokens
+    # a greedy row (temperature 0) is the target's greedy sequence whatever its batch samples
+    greedy = run(tiny, provider_name, [others[0], RowRequest(PROMPTS[0], max_tokens=12)])[1]
+    assert greedy.tokens == plain_greedy(tiny.target, PROMPTS[0], 12)
+
+
+def test_a_seeded_row_is_the_same_when_it_joins_late_or_restored(tiny):
+    from spec_cache.sampling import RowSampling
+
+    sampling = RowSampling(temperature=1.0, seed=77)
+    (alone,) = run(tiny, "assistant", [RowRequest(PROMPTS[2], max_tokens=14, sampling=sampling)])
+    recorder = Recorder(tiny.target)
+    run(tiny, "assistant", [RowRequest(PROMPTS[2], max_tokens=1)], on_checkpoint=recorder)
+    _, tokens, caches, draft = recorder.boundary(0)
+    engine = SpeculativeEngine(tiny.target, tiny.provider("assistant"))
+    stream = Stream()
+    session = engine.session()
+    session.submit(RowRequest(PROMPTS[0], max_tokens=20, sampling=RowSampling(0.7, 0.9, 3)), on_finish=stream.on_finish)
+    session.step()
+    row = session.submit(RowRequest(PROMPTS[2], caches, len(tokens), draft, max_tokens=14, sampling=sampling),
+                         on_finish=stream.on_finish)
+    while session.step():
+        pass
+    session.close()
+    assert stream.results[row].tokens == alone.tokens
+
+
+def test_cancel_frees_the_row_at_once_and_finish_writes_its_checkpoint(tiny):
+    recorder = Recorder(tiny.target)
+    engine = SpeculativeEngine(tiny.target, tiny.provider("draft-model"))
+    stream = Stream()
+    session = engine.session(on_checkpoint=recorder)
+    stopped = []
+
+    def stop_after_five(row, tokens):
+        stream.on_tokens(row, tokens)
+        if len(stream.tokens[row]) >= 5 and not stopped:
+            stopped.append(row)
+            assert session.finish(row)  # inside a round: leaves when the step ends
+
+    rows = [session.submit(RowRequest(p, max_tokens=MAX_TOKENS), on_tokens=stream.on_tokens, on_finish=stream.on_finish)
+            for p in PROMPTS[:2]]
+    stop = session.submit(RowRequest(PROMPTS[2], max_tokens=MAX_TOKENS), on_tokens=stop_after_five,
+                          on_finish=stream.on_finish)
+    waiting = session.submit(RowRequest([9, 10], max_tokens=3), on_finish=stream.on_finish)
+    assert session.cancel(waiting) and stream.results[waiting].cancelled and stream.results[waiting].tokens == []
+    session.step()
+    session.step()
+    assert session.active_count == 3
+    assert session.cancel(rows[1])  # between steps: gone now, before any further round
+    assert session.active_count == 2 and stream.results[rows[1]].cancelled
+    assert not session.cancel(rows[1])
+    while session.step():
+        pass
+    session.close()
+    assert stream.results[rows[0]].tokens == plain_greedy(tiny.target, PROMPTS[0], MAX_TOKENS)
+    result = stream.results[stop]
+    assert result.reason == "stop" and not result.cancelled and 5 <= len(result.tokens) < MAX_TOKENS
+    assert result.tokens == plain_greedy(tiny.target, PROMPTS[2], MAX_TOKENS)[: len(result.tokens)]
+    finish = recorder.finish(stop)
+    assert finish[1] == PROMPTS[2] + result.tokens[:-1]
+    assert [call[0] for call in recorder.calls].count(rows[1]) == 1  # the cancelled row: its boundary only

@@ -198,6 +198,7 @@ def test_ttft_counts_the_restore_and_saves_happen_after_decoding(tiny, tmp_path,
     with SpecCache.open(tmp_path / "store") as cache:
         gen = load(tiny, cache, "assistant")
         gen.generate([PROMPTS[0]], max_tokens=4)
+        assert cache.drain()  # the first call's write-behind puts land before store.put is watched
         real_restore = cache.restore
 
         def slow_restore(*args, **kwargs):
@@ -209,4 +210,32 @@ def test_ttft_counts_the_restore_and_saves_happen_after_decoding(tiny, tmp_path,
         monkeypatch.setattr(cache.store, "put", lambda *a, **k: puts.append(len(a[1])) or real_put(*a, **k))
         (r,) = gen.generate([PROMPTS[0]], max_tokens=4)
         assert r.cached_tokens == len(PROMPTS[0]) - 1 and r.ttft_s >= 0.2
+        assert cache.drain()
         assert puts == [len(PROMPTS[0]) + 3]  # only the finish checkpoint: the boundary one was just restored
+
+
+def test_prepare_and_save_checkpoint_seams_per_tenant(tiny, tmp_path):
+    """What a server calls: ``prepare`` (lookup + engine request), ``save_checkpoint`` under a namespace key per
+    tenant; a tenant's prefixes are invisible to another."""
+    from spec_cache.engine import RowRequest  # noqa: F401
+
+    with SpecCache.open(tmp_path / "store") as cache:
+        gen = load(tiny, cache, "assistant")
+        key_a, key_b = gen.namespace_key("tenant-a"), gen.namespace_key("tenant-b")
+        assert key_a != key_b and gen.namespace_key() == gen.ns_key
+        cold = gen.prepare(PROMPTS[0], MAX, ns_key=key_a)
+        assert cold.cached_tokens == 0 and cold.request.restored_caches is None
+
+        def on_checkpoint(row, tokens, caches, draft):
+            if cold.needs_save(tokens, draft, gen.drafter_namespace):
+                gen.save_checkpoint(tokens, caches, draft, ns_key=key_a, background=False)
+
+        (result,) = gen.engine.run([cold.request], on_checkpoint=on_checkpoint)
+        assert result.tokens == plain_greedy(tiny.target, PROMPTS[0], MAX)
+        warm = gen.prepare(PROMPTS[0], MAX, ns_key=key_a)
+        assert warm.cached_tokens == len(PROMPTS[0]) - 1 and warm.restored_drafter
+        assert not warm.needs_save(PROMPTS[0][:-1], object(), gen.drafter_namespace)
+        assert gen.prepare(PROMPTS[0], MAX, ns_key=key_b).cached_tokens == 0
+        assert gen.prepare(PROMPTS[0], MAX).cached_tokens == 0  # the generator's own (no tenant) neither
+        (again,) = gen.engine.run([warm.request])
+        assert again.tokens == result.tokens
