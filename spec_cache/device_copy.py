@@ -486,7 +486,7 @@ class DeviceToHost:
         self.part_bytes = part_bytes
         #: "direct": cuMemcpy straight into the new numpy array (pageable); "pinned": through page-locked bounce
         #: buffers (one per thread, ``part_bytes`` each), then a numpy copy into the new array
-        self.mode = mode or os.environ.get("SPEC_CACHE_D2H_MODE", "direct")
+        self.mode = mode or os.environ.get("SPEC_CACHE_D2H_MODE", "pinned")  # H200: 7.8 vs 3.1 GB/s
         self._bounce: dict[int, tuple[int, np.ndarray]] = {}
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="spec-cache-d2h") \
             if self.threads > 1 else None
