@@ -1,0 +1,5 @@
+import sys
+
+from .cli import run_module
+
+sys.exit(run_module())

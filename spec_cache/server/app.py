@@ -1,0 +1,376 @@
+"""The ASGI app (Starlette): OpenAI-compatible routes over the scheduler.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true``: server-sent events ending in
+``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Handlers never touch the engine: they
+tokenize (chat template), submit a ``scheduler.Job`` and read its events from an asyncio queue; the scheduler
+thread hops events onto the loop with ``call_soon_threadsafe``. A client that disconnects (streaming or not)
+cancels its row at once. Errors are OpenAI's error JSON with the right status (see ``protocol``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..sampling import RowSampling
+from .auth import Auth, salted_tenant
+from .detokenizer import StopMatcher, StreamingDetokenizer
+from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .protocol import (
+    APIError,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+from .scheduler import Job, Scheduler, random_seed
+
+log = logging.getLogger("spec_cache.server")
+
+__all__ = ["ServerConfig", "ServerState", "create_app"]
+
+
+@dataclass
+class ServerConfig:
+    """Limits and defaults. ``context_tokens``: prompt + completion must fit (the model's
+    ``max_position_embeddings``); ``max_prompt_tokens``: a prompt longer than this is refused (400) even when it
+    fits; ``max_body_bytes``: larger request bodies get 413."""
+
+    model_id: str
+    context_tokens: int = 4096
+    max_prompt_tokens: int | None = None
+    default_max_tokens: int = 512
+    default_temperature: float = 0.0
+    max_body_bytes: int = 4 << 20
+    drain_timeout_s: float = 30.0
+
+
+@dataclass
+class ServerState:
+    """What the app serves: the loaded generator, its tokenizer, the scheduler that owns them, metrics, auth."""
+
+    generator: Any
+    tokenizer: Any
+    scheduler: Scheduler
+    config: ServerConfig
+    auth: Auth = field(default_factory=Auth)
+    metrics: Metrics = field(default_factory=Metrics)
+    cache: Any = None  # closed on shutdown
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return (self.config.model_id,)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always watch for the client's disconnect (whatever ASGI spec version the server
+    speaks) and call ``on_disconnect`` when the stream did not end by itself."""
+
+    def __init__(self, content, on_disconnect) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope, receive, send) -> None:
+        completed = False
+
+        async def stream() -> None:
+            nonlocal completed
+            try:
+                await self.stream_response(send)
+                completed = True
+            except OSError:
+                pass
+            task_group.cancel_scope.cancel()
+
+        async def listen() -> None:
+            await self.listen_for_disconnect(receive)
+            task_group.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as task_group:
+                task_group.start_soon(stream)
+                task_group.start_soon(listen)
+        finally:
+            if not completed:
+                self.on_disconnect()
+
+
+def create_app(state: ServerState) -> Starlette:
+    """The Starlette app for ``state``; its lifespan starts the scheduler and, on shutdown, drains it and closes
+    the cache."""
+    config, metrics, scheduler = state.config, state.metrics, state.scheduler
+    tokenizer = state.tokenizer
+    vocab = state.generator.engine.target.vocab_size
+
+    cache = state.generator.cache
+    metrics.gauge("spec_cache_queue_depth", "requests waiting for a row", lambda: scheduler.queue_depth)
+    metrics.gauge("spec_cache_active_rows", "rows decoding", lambda: scheduler.active_rows)
+    if cache is not None:
+        metrics.gauge("spec_cache_memory_tier_bytes", "bytes held by the memory tier",
+                      lambda: cache.memory_stats().get("bytes", 0))
+        metrics.gauge("spec_cache_memory_tier_entries", "checkpoints held by the memory tier",
+                      lambda: cache.memory_stats().get("entries", 0))
+        metrics.gauge("spec_cache_checkpoints_not_durable", "checkpoints not yet written to LMDB",
+                      lambda: cache.memory_stats().get("not_durable", 0))
+        metrics.gauge("spec_cache_write_queue_bytes", "checkpoint bytes waiting for their LMDB write",
+                      lambda: cache.memory_stats().get("writes", {}).get("pending_bytes", 0))
+
+    def count(endpoint: str, status: int) -> None:
+        metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    async def read_json(request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise APIError(413, f"the request body is larger than {config.max_body_bytes} bytes",
+                           code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > config.max_body_bytes:
+                raise APIError(413, f"the request body is larger than {config.max_body_bytes} bytes",
+                               code="request_too_large")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def tenant_of(request: Request) -> str | None:
+        return state.auth.check(request.headers.get("authorization"))
+
+    def encode_chat(messages: list[dict]) -> list[int]:
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:
+            raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
+                           param="messages", code="chat_template_error") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def make_job(params, prompt: list[int], tenant: str | None, deliver) -> Job:
+        if not prompt:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        limit = config.max_prompt_tokens
+        if limit is not None and len(prompt) > limit:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this server takes at most {limit}",
+                           param="messages", code="context_length_exceeded")
+        room = config.context_tokens - len(prompt)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; the model's context is "
+                           f"{config.context_tokens}", param="messages", code="context_length_exceeded")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = min(config.default_max_tokens, room)
+        elif max_tokens > room:
+            raise APIError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                           f"context of {config.context_tokens} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        temperature = config.default_temperature if params.temperature is None else params.temperature
+        seed = params.seed if params.seed is not None else (0 if temperature == 0 else random_seed())
+        sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed))
+        return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
+                   tenant=salted_tenant(tenant, params.cache_salt))
+
+    async def run_job(request: Request, endpoint: str, params, prompt: list[int], tenant: str | None, chat: bool):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def deliver(event: tuple) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = make_job(params, prompt, tenant, deliver)
+        scheduler.submit(job)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        created = int(time.time())
+        pieces = _pieces(job, events, tokenizer, params.stop, scheduler)
+        if params.stream:
+            count(endpoint, 200)
+            return _EventStream(_sse(pieces, rid, params, created, chat, len(prompt)),
+                                on_disconnect=lambda: scheduler.cancel(job))
+        collect = asyncio.ensure_future(_collect(pieces))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if collect not in done:
+            collect.cancel()
+            scheduler.cancel(job)
+            count(endpoint, 499)
+            return Response(status_code=499)
+        text, reason, generated, cached = collect.result()
+        use = usage(len(prompt), generated, cached)
+        model = params.model
+        body = (chat_response(rid, model, text, reason, use) if chat
+                else completion_response(rid, model, text, reason, use))
+        count(endpoint, 200)
+        return JSONResponse(body)
+
+    def endpoint(name: str, chat: bool):
+        async def handle(request: Request) -> Response:
+            try:
+                tenant = tenant_of(request)
+                body = await read_json(request)
+                if chat:
+                    params, messages = parse_chat(body, state.models)
+                    prompt = encode_chat(messages)
+                else:
+                    params, text = parse_completion(body, state.models, vocab)
+                    prompt = text if isinstance(text, list) else [int(t) for t in tokenizer.encode(text)]
+                return await run_job(request, name, params, prompt, tenant, chat)
+            except APIError as error:
+                count(name, error.status)
+                return _error_response(error)
+        return handle
+
+    async def models_route(request: Request) -> Response:
+        try:
+            tenant_of(request)
+        except APIError as error:
+            count("models", error.status)
+            return _error_response(error)
+        count("models", 200)
+        return JSONResponse({"object": "list", "data": [
+            {"id": config.model_id, "object": "model", "created": 0, "owned_by": "spec-cache"}]})
+
+    async def health(request: Request) -> Response:
+        ok = scheduler.error is None
+        body = {"status": "ok" if ok else "failed", "model": config.model_id,
+                "active_rows": scheduler.active_rows, "queue_depth": scheduler.queue_depth}
+        if cache is not None:
+            stats = cache.memory_stats()
+            body["checkpoints_not_durable"] = stats.get("not_durable", 0)
+            body["write_queue_pending"] = stats.get("writes", {}).get("pending", 0)
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics_route(request: Request) -> Response:
+        try:
+            tenant_of(request)
+        except APIError as error:
+            return _error_response(error)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(request: Request, exc) -> Response:
+        status = getattr(exc, "status_code", 404)
+        message = "not found" if status == 404 else getattr(exc, "detail", "error")
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {message}"), status_code=status)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(lambda: scheduler.stop(config.drain_timeout_s))
+            if state.cache is not None:
+                await anyio.to_thread.run_sync(state.cache.close)
+
+    routes = [
+        Route("/v1/chat/completions", endpoint("chat", chat=True), methods=["POST"]),
+        Route("/v1/completions", endpoint("completions", chat=False), methods=["POST"]),
+        Route("/v1/models", models_route, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler
+                  ) -> AsyncIterator[tuple]:
+    """Text pieces of a job as ``("text", str)``, then ``("end", finish_reason, completion_tokens, cached)``."""
+    detokenizer = StreamingDetokenizer(tokenizer)
+    matcher = StopMatcher(stops)
+    generated = cached = 0
+    while True:
+        event = await events.get()
+        kind = event[0]
+        if kind == "start":
+            cached = event[1]
+        elif kind == "tokens":
+            generated += len(event[1])
+            text, stopped = matcher.feed(detokenizer.add(event[1]))
+            if text:
+                yield ("text", text)
+            if stopped:
+                scheduler.finish(job)  # the row leaves at the end of its round, its finish checkpoint written
+                yield ("end", "stop", generated, cached)
+                return
+        elif kind == "done":
+            _, reason, _ = event
+            text, stopped = matcher.feed(detokenizer.flush())
+            text += "" if stopped else matcher.flush()
+            if text:
+                yield ("text", text)
+            if reason == "cancelled":
+                raise APIError(503, "the request was cancelled (the server is shutting down)", code="cancelled")
+            yield ("end", "length" if reason == "length" else "stop", generated, cached)
+            return
+        elif kind == "error":
+            raise event[1]
+
+
+async def _collect(pieces: AsyncIterator[tuple]) -> tuple[str, str, int, int]:
+    parts = []
+    async for piece in pieces:
+        if piece[0] == "text":
+            parts.append(piece[1])
+        else:
+            return "".join(parts), piece[1], piece[2], piece[3]
+    raise APIError(500, "generation ended without a result")  # pragma: no cover
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, chat: bool, prompt_tokens: int):
+    model = params.model
+    try:
+        if chat:
+            yield _event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+        async for piece in pieces:
+            if piece[0] == "text":
+                yield _event(chat_chunk(rid, model, created, {"content": piece[1]}) if chat
+                             else completion_chunk(rid, model, created, piece[1]))
+                continue
+            _, reason, generated, cached = piece
+            yield _event(chat_chunk(rid, model, created, {}, reason) if chat
+                         else completion_chunk(rid, model, created, "", reason))
+            if params.include_usage:
+                use = usage(prompt_tokens, generated, cached)
+                yield _event(chat_chunk(rid, model, created, None, use=use) if chat
+                             else completion_chunk(rid, model, created, None, use=use))
+            break
+    except APIError as error:
+        yield _event(error.body())
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,187 @@
+"""``spec-cache serve`` / ``python -m spec_cache.server``: load a target (+ drafter) bound to the cache and serve
+it over HTTP (see ``spec_cache.server``).
+
+``add_arguments(parser)`` adds the options (``--cache`` and ``--shared`` only when the parser does not already
+have them, so it works under the main CLI's common options); ``main(args) -> int`` runs the server until SIGINT
+/ SIGTERM, then drains the rows, writes the checkpoints and closes the cache. Building the parser imports no MLX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+__all__ = ["add_arguments", "main", "build_state", "run_module"]
+
+DRAFTER_METHODS = ("assistant", "draft-model", "ngram", "deepspec", "dflash")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
+
+
+def _size(text: str) -> int:
+    from spec_cache.cli.common import parse_size
+
+    return parse_size(text)
+
+
+def _has(parser: argparse.ArgumentParser, option: str) -> bool:
+    return any(option in action.option_strings for action in parser._actions)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` options."""
+    parser.add_argument("--model", required=True, metavar="DIR", help="target model directory (mlx-lm layout, "
+                        "with its tokenizer files)")
+    parser.add_argument("--model-id", metavar="NAME", help="the model name clients send (default: the directory's "
+                        "name)")
+    parser.add_argument("--drafter", metavar="DIR", help="drafter directory")
+    parser.add_argument("--method", choices=DRAFTER_METHODS, help="drafter method (ngram needs no --drafter)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                        help="mlx-lm LoRA adapter directory (repeat to stack)")
+    if not _has(parser, "--cache"):
+        parser.add_argument("--cache", metavar="PATH",
+                            help="store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
+    if not _has(parser, "--shared"):
+        parser.add_argument("--shared", metavar="URL", help="shared tier, a Redis/Valkey URL (default: "
+                            "$SPEC_CACHE_SHARED)")
+    parser.add_argument("--no-cache", action="store_true", help="serve without the store")
+    parser.add_argument("--memory-bytes", type=_size, metavar="N", help="memory tier size, e.g. 2G (0: off)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
+                        "only)")
+    parser.add_argument("--port", type=_non_negative_int, default=8080)
+    parser.add_argument("--max-rows", type=_positive_int, default=8, help="rows decoded at once (default 8)")
+    parser.add_argument("--max-queue", type=_non_negative_int, default=64,
+                        help="requests that may wait for a row; beyond it the answer is 429 (default 64)")
+    parser.add_argument("--draft-depth", type=_non_negative_int, default=4)
+    parser.add_argument("--prefill-step-size", type=_positive_int, default=512)
+    parser.add_argument("--kv-bits", type=_positive_int)
+    parser.add_argument("--kv-group-size", type=_positive_int)
+    parser.add_argument("--quantized-kv-start", type=_non_negative_int)
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' (repeat for several keys; each key is its own "
+                             "cache tenant); also $SPEC_CACHE_API_KEY")
+    parser.add_argument("--api-keys-file", metavar="FILE", help="one API key per line")
+    parser.add_argument("--max-tokens", type=_positive_int, default=512, dest="default_max_tokens",
+                        help="max_tokens when a request gives none (default 512)")
+    parser.add_argument("--temperature", type=float, default=0.0, dest="default_temperature",
+                        help="temperature when a request gives none (default 0: greedy, as mlx_lm.server)")
+    parser.add_argument("--max-prompt-tokens", type=_positive_int, help="refuse longer prompts (400)")
+    parser.add_argument("--max-body-bytes", type=_size, default=4 << 20, help="refuse larger bodies (413; "
+                        "default 4MiB)")
+    parser.add_argument("--checkpoint-every", type=_positive_int, metavar="N",
+                        help="NOT IMPLEMENTED YET: accepted and ignored (checkpoints are written at the prompt "
+                             "boundary and when a row finishes)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _context_tokens(model_dir: Path) -> int:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return 4096
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 4096
+
+
+def build_state(args):
+    """Open the cache, load the model, tokenizer and scheduler from parsed ``args``; returns a ``ServerState``."""
+    from mlx_lm.utils import load_tokenizer
+
+    from spec_cache.cache import SpecCache
+    from spec_cache.generator import Generator
+    from spec_cache.namespace import KVOptions
+
+    from .app import ServerConfig, ServerState
+    from .auth import Auth, read_keys_file
+    from .metrics import Metrics
+    from .scheduler import Scheduler
+
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise SystemExit(f"spec-cache serve: error: model directory {model_dir} does not exist")
+    if args.method not in (None, "ngram") and args.drafter is None:
+        raise SystemExit(f"spec-cache serve: error: --method {args.method} needs --drafter DIR")
+    keys = list(args.api_key)
+    if os.environ.get("SPEC_CACHE_API_KEY"):
+        keys.append(os.environ["SPEC_CACHE_API_KEY"])
+    if args.api_keys_file:
+        keys += read_keys_file(args.api_keys_file)
+    kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                   quantized_kv_start=args.quantized_kv_start)
+    cache = None
+    if not args.no_cache:
+        from spec_cache.cli.common import default_cache_dir
+
+        path = getattr(args, "cache", None) or default_cache_dir()
+        shared = getattr(args, "shared", None) or os.environ.get("SPEC_CACHE_SHARED") or None
+        options = {} if args.memory_bytes is None else {"memory_bytes": args.memory_bytes}
+        cache = SpecCache.open(path, shared=shared, **options)
+    try:
+        generator = Generator.load(model_dir, args.drafter, method=args.method, cache=cache, kv=kv,
+                                   adapters=args.adapter or "", draft_depth=args.draft_depth,
+                                   prefill_step_size=args.prefill_step_size)
+        tokenizer = load_tokenizer(model_dir)
+    except BaseException:
+        if cache is not None:
+            cache.close()
+        raise
+    metrics = Metrics()
+    scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics)
+    config = ServerConfig(model_id=args.model_id or model_dir.resolve().name, context_tokens=_context_tokens(model_dir),
+                          max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
+                          default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes)
+    return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
+                       auth=Auth(keys), metrics=metrics, cache=cache)
+
+
+def main(args) -> int:
+    """Run the server for parsed ``args`` until SIGINT / SIGTERM; 0 after a clean shutdown."""
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("spec_cache.server")
+    if args.checkpoint_every is not None:
+        log.warning("--checkpoint-every is not implemented yet: checkpoints are written at the prompt boundary "
+                    "and when a row finishes")
+    state = build_state(args)
+    app = create_app(state)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=int(state.config.drain_timeout_s) + 5, lifespan="on")
+    server = uvicorn.Server(config)
+    log.info("spec-cache serve: %s on http://%s:%d (max rows %d, queue %d, cache %s)", state.config.model_id,
+             args.host, args.port, args.max_rows, args.max_queue,
+             "off" if state.cache is None else state.cache.store.path if hasattr(state.cache.store, "path") else "on")
+    try:
+        server.run()
+    finally:
+        if state.cache is not None and not state.cache.closed:  # the lifespan did not run (e.g. bind failed)
+            state.scheduler.stop(0)
+            state.cache.close()
+    return 0 if server.started else 1
+
+
+def run_module(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spec_cache.server",
+                                     description="An OpenAI-compatible server on the spec-cache speculative engine.")
+    add_arguments(parser)
+    return main(parser.parse_args(argv))

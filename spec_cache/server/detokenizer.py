@@ -1,0 +1,95 @@
+"""Streaming detokenization and stop strings.
+
+``StreamingDetokenizer`` turns generated token ids into text pieces as they arrive, never emitting a piece that
+ends inside a multi-byte character (the tokenizer decodes an incomplete UTF-8 sequence as U+FFFD; such text is
+held until the next token completes it). It decodes a short window (the unread tokens after those of the last
+emitted piece, which give the decoder its left context for spacing rules), so the whole stream costs
+O(tokens), as vLLM's incremental detokenizer does.
+
+``StopMatcher`` holds back the tail of the text that could still become one of the stop strings and cuts the
+text at the first stop string found (the stop string itself is not returned, as in OpenAI's API).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["StreamingDetokenizer", "StopMatcher"]
+
+REPLACEMENT = "\ufffd"
+class StreamingDetokenizer:
+    """``add(tokens) -> str`` (new text, possibly empty); ``flush() -> str`` (what is held at the end);
+    ``text``: everything emitted so far. ``tokenizer.decode(ids, skip_special_tokens=True)`` is all it uses."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self._prefix = 0  # decoded as context only
+        self._read = 0  # tokens whose text is emitted
+        self.text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def add(self, tokens: Sequence[int]) -> str:
+        self.tokens.extend(int(t) for t in tokens)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read >= len(self.tokens):
+            return ""
+        before = self._decode(self.tokens[self._prefix:self._read])
+        after = self._decode(self.tokens[self._prefix:])
+        if not final and after.endswith(REPLACEMENT):
+            return ""  # an incomplete character: wait for the tokens that complete it
+        if len(after) <= len(before):
+            return ""  # nothing visible yet (e.g. a special token): keep the window
+        new = after[len(before):] if after.startswith(before) else after[len(_common_prefix(before, after)):]
+        self._prefix, self._read = self._read, len(self.tokens)
+        self.text += new
+        return new
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+class StopMatcher:
+    """``feed(text) -> (emit, stopped)``: the text safe to emit now, and whether a stop string was reached
+    (then ``emit`` ends just before it and everything after is dropped). ``flush()``: the held tail at the end."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        buffer = self.held + text
+        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held, self.stopped = "", True
+            return buffer[:cut], True
+        keep = 0  # the longest tail of the buffer that begins a stop string
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(buffer)), 0, -1):
+                if buffer.endswith(stop[:n]):
+                    keep = max(keep, n)
+                    break
+        self.held = buffer[len(buffer) - keep:] if keep else ""
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return "" if self.stopped else held

@@ -1,0 +1,255 @@
+"""The OpenAI request and response shapes the server speaks: parsing with typed errors, and response builders.
+
+``parse_chat`` / ``parse_completion`` turn a decoded JSON body into a ``GenerationParams`` (plus the messages or
+the prompt) or raise ``APIError`` with the status OpenAI-compatible clients expect: 400 for a malformed body
+(not an object, a missing field, a wrong type), 422 for a value out of range or a feature this server does not
+offer (``n > 1``, several prompts), 404 for an unknown model. Nothing here touches the model or the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["APIError", "GenerationParams", "parse_chat", "parse_completion", "error_body", "usage",
+           "chat_response", "chat_chunk", "completion_response", "completion_chunk", "new_id"]
+
+#: the most stop strings a request may give (OpenAI's limit)
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {message, type, param, code}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "server_error"}
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class GenerationParams:
+    """What one request asks of the engine, checked. ``max_tokens`` None: the server's default."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None  # None: the server's default
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+def _malformed(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _bad_value(message: str, param: str | None = None) -> APIError:
+    return APIError(422, message, param=param, code="invalid_value")
+
+
+def _number(body: dict, name: str, default: float | None, low: float, high: float, *,
+            low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _malformed(f"'{name}' must be a number", name)
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise _bad_value(f"'{name}' must be in {bound}, got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _malformed(f"'{name}' must be an integer", name)
+    if value < low or (high is not None and value > high):
+        raise _bad_value(f"'{name}' must be >= {low}" + (f" and <= {high}" if high is not None else "")
+                         + f", got {value}", name)
+    return value
+
+
+def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...]) -> GenerationParams:
+    if not isinstance(body, dict):
+        raise _malformed("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _malformed("'model' is required (a string)", "model")
+    if model not in models:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves {', '.join(models)}",
+                       param="model", code="model_not_found")
+    max_tokens = None
+    for name in max_tokens_names:
+        value = _integer(body, name, 1)
+        if value is not None:
+            max_tokens = value
+    n = _integer(body, "n", 1)
+    if n is not None and n != 1:
+        raise _bad_value("only n=1 is supported", "n")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _malformed("'seed' must be an integer", "seed")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise _bad_value("'seed' is out of range", "seed")
+    stop = body.get("stop")
+    if stop is None:
+        stops = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise _malformed("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise _bad_value(f"'stop' takes at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
+                         "characters", "stop")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _malformed("'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _malformed("'stream_options' must be an object", "stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
+        raise _malformed("'cache_salt' must be a non-empty string of at most 1024 characters", "cache_salt")
+    user = body.get("user")
+    return GenerationParams(
+        model=model, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", None, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        seed=seed, stop=stops, stream=stream, include_usage=include_usage, cache_salt=salt,
+        user=user if isinstance(user, str) else None,
+    )
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad_value(f"{where}: only text content parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise _malformed(f"{where}: 'content' must be a string or a list of text parts", "messages")
+
+
+def parse_chat(body: Any, models: tuple[str, ...]) -> tuple[GenerationParams, list[dict]]:
+    """A ``/v1/chat/completions`` body: its parameters and its messages as ``{"role", "content": str}``."""
+    params = _common(body, models, ("max_tokens", "max_completion_tokens"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _malformed("'messages' is required (a non-empty list)", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _malformed(f"{where} must be an object", "messages")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise _malformed(f"{where}: 'role' is required", "messages")
+        if role not in ROLES:
+            raise _bad_value(f"{where}: unknown role {role!r}", "messages")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _text_content(message.get("content"), where)})
+    return params, out
+
+
+def parse_completion(body: Any, models: tuple[str, ...], vocab_size: int) -> tuple[GenerationParams, str | list[int]]:
+    """A ``/v1/completions`` body: its parameters and its prompt (text, or token ids)."""
+    params = _common(body, models, ("max_tokens",))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad_value("'prompt' is empty", "prompt")
+        return params, prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise _bad_value(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
+        return params, list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise _bad_value("one prompt per request is supported", "prompt")
+    raise _malformed("'prompt' is required: a string or a list of token ids", "prompt")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
+               use: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        chunk["usage"] = use
+    return chunk
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
+                     use: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        chunk["usage"] = use
+    return chunk

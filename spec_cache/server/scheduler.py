@@ -1,0 +1,310 @@
+"""The scheduler: one thread owns the generator, its engine session and the cache; nothing else touches them.
+
+HTTP handlers call ``submit`` / ``cancel`` / ``finish`` (thread-safe: they only enqueue) and read the events of
+their ``Job`` through its ``deliver`` callback (which must be thread-safe: the app passes one that hops onto its
+event loop). The thread loops: take every control message, admit waiting jobs while fewer than ``max_rows`` are
+in the batch (each restored from the cache at that moment: memory tier, LMDB, shared tier), run one engine
+round, write the checkpoints that round produced (``cache.save(..., background=True)``: the memory tier at once,
+LMDB behind), and go on; with nothing to do it sleeps on its inbox.
+
+Back-pressure: at most ``max_rows`` jobs decode at once; up to ``max_queue`` more wait; beyond that ``submit``
+raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
+``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason, generated)`` with reason
+``length``/``eos``/``stop``/``cancelled``, or ``("error", APIError)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..sampling import RowSampling
+from .protocol import APIError
+
+log = logging.getLogger("spec_cache.server")
+
+__all__ = ["Job", "Scheduler"]
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation request as the scheduler sees it."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: RowSampling
+    deliver: Callable[[tuple], None]  # thread-safe: called on the scheduler thread
+    tenant: str | None = None  # namespace tenant (API key, cache salt); None: the open namespace
+    arrived: float = field(default_factory=time.perf_counter)
+    # set by the scheduler thread
+    row: int | None = None
+    prepared: Any = None
+    cached_tokens: int = 0
+    generated: int = 0
+    last_token_at: float | None = None
+    finished: bool = False
+
+
+def random_seed() -> int:
+    return secrets.randbits(62)
+
+
+class Scheduler:
+    """See the module doc. ``generator``: a loaded ``spec_cache.generator.Generator``."""
+
+    def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None) -> None:
+        if max_rows < 1 or max_queue < 0:
+            raise ValueError("max_rows must be >= 1 and max_queue >= 0")
+        self.generator = generator
+        self.max_rows = max_rows
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._outstanding = 0  # submitted and not finished (waiting + decoding)
+        self._decoding = 0
+        self._accepting = True
+        self._stop = threading.Event()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._rows: dict[int, Job] = {}
+        self._saves: list[tuple] = []
+        self._ns_keys: dict[str | None, bytes | None] = {}
+        self._session = None
+        self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
+        self.error: BaseException | None = None
+
+    # -- any thread ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread (idempotent)."""
+        if self._thread.ident is None:
+            self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs accepted and not yet decoding."""
+        with self._lock:
+            return self._outstanding - self._decoding
+
+    @property
+    def active_rows(self) -> int:
+        with self._lock:
+            return self._decoding
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; ``APIError(429)`` when ``max_rows + max_queue`` jobs are already in, 503 when stopping."""
+        with self._lock:
+            if not self._accepting or not self._thread.is_alive():
+                raise APIError(503, "the server is shutting down", code="unavailable")
+            if self._outstanding >= self.max_rows + self.max_queue:
+                raise APIError(429, f"the server is overloaded ({self.max_rows} rows decoding, {self.max_queue} "
+                               "waiting); retry later", code="overloaded", headers={"Retry-After": "1"})
+            self._outstanding += 1
+        self._inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the row leaves at once (no finish checkpoint)."""
+        self._inbox.put(("cancel", job))
+
+    def finish(self, job: Job) -> None:
+        """A stop string matched: the row leaves as done (its finish checkpoint is written)."""
+        self._inbox.put(("finish", job))
+
+    def stop(self, drain_timeout: float = 30.0) -> None:
+        """Stop accepting, let the jobs in finish (up to ``drain_timeout`` s; then cancel them), write the pending
+        checkpoints and end the thread."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline and self._thread.is_alive():
+            with self._lock:
+                if self._outstanding == 0:
+                    break
+            time.sleep(0.02)
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout=max(5.0, drain_timeout))
+
+    # -- the scheduler thread -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            self._session = self._new_session()
+            while True:
+                self._take_messages(block=not (self._pending or self._session.busy))
+                if self._stop.is_set():
+                    break
+                self._admit()
+                if self._session.busy:
+                    self._step()
+                self._write_checkpoints()
+        except BaseException as exc:  # pragma: no cover - a bug: fail every job rather than hang its client
+            log.exception("spec-cache: the scheduler thread failed")
+            self.error = exc
+            with self._lock:
+                self._accepting = False
+        finally:
+            self._shutdown()
+
+    def _new_session(self):
+        generator = self.generator
+        return generator.engine.session(eos_token_ids=generator.eos_token_ids, on_checkpoint=self._on_checkpoint)
+
+    def _take_messages(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, job: Job | None) -> None:
+        if kind == "submit":
+            self._pending.append(job)
+        elif kind in ("cancel", "finish"):
+            if job.finished:
+                return
+            if job.row is None:
+                if job in self._pending:
+                    self._pending.remove(job)
+                    self._done(job, "cancelled")
+                return
+            if kind == "cancel":
+                self._session.cancel(job.row)
+            else:
+                self._session.finish(job.row)
+
+    def _ns_key(self, tenant: str | None) -> bytes | None:
+        if tenant not in self._ns_keys:
+            self._ns_keys[tenant] = self.generator.namespace_key(tenant)
+        return self._ns_keys[tenant]
+
+    def _admit(self) -> None:
+        session = self._session
+        while self._pending and session.active_count + session.waiting_count < self.max_rows:
+            job = self._pending.popleft()
+            try:
+                job.prepared = self.generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling,
+                                                      ns_key=self._ns_key(job.tenant))
+                job.row = session.submit(job.prepared.request, on_tokens=self._on_tokens,
+                                         on_finish=self._on_finish, submitted_at=job.arrived)
+            except Exception as exc:  # a request the engine refuses: this job fails, the others go on
+                log.warning("spec-cache: request refused: %s", exc)
+                self._fail(job, APIError(400, f"the engine refused the request: {exc}"))
+                continue
+            self._rows[job.row] = job
+            job.cached_tokens = job.prepared.cached_tokens
+            with self._lock:
+                self._decoding += 1
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(job.prompt))
+                self.metrics.cached_tokens.inc(job.cached_tokens)
+            job.deliver(("start", job.cached_tokens))
+
+    def _step(self) -> None:
+        try:
+            self._session.step()
+        except Exception as exc:
+            log.exception("spec-cache: an engine step failed; failing the rows in the batch")
+            jobs = list(self._rows.values())
+            self._rows.clear()
+            self._saves.clear()
+            try:
+                self._session.close()
+            finally:
+                self._session = self._new_session()
+            for job in jobs:
+                self._fail(job, APIError(500, f"generation failed: {type(exc).__name__}: {exc}",
+                                         code="engine_error"))
+
+    def _on_tokens(self, row: int, tokens: list) -> None:
+        job = self._rows.get(row)
+        if job is None:
+            return
+        now = time.perf_counter()
+        if self.metrics is not None:
+            if job.last_token_at is None:
+                self.metrics.ttft.observe(now - job.arrived)
+                following = len(tokens) - 1
+            else:
+                following = len(tokens)
+                for _ in range(following):
+                    self.metrics.token_latency.observe((now - job.last_token_at) / following)
+            self.metrics.generated_tokens.inc(len(tokens))
+        job.last_token_at = now
+        job.generated += len(tokens)
+        job.deliver(("tokens", list(tokens)))
+
+    def _on_finish(self, row: int, result) -> None:
+        job = self._rows.pop(row, None)
+        if job is None:
+            return
+        with self._lock:
+            self._decoding -= 1
+        self._done(job, result.reason or ("cancelled" if result.cancelled else "length"))
+
+    def _on_checkpoint(self, row: int, tokens: list, caches: list, draft) -> None:
+        job = self._rows.get(row)
+        if job is None or self.generator.cache is None:
+            return
+        if job.prepared.needs_save(tokens, draft, self.generator.drafter_namespace):
+            self._saves.append((tokens, caches, draft, job.prepared.ns_key))  # written after the step
+
+    def _write_checkpoints(self) -> None:
+        saves, self._saves = self._saves, []
+        for tokens, caches, draft, ns_key in saves:
+            try:
+                self.generator.save_checkpoint(tokens, caches, draft, ns_key=ns_key, background=True)
+            except Exception:  # a cache never takes the server down
+                log.exception("spec-cache: checkpoint of %d tokens not stored", len(tokens))
+
+    def _done(self, job: Job, reason: str) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        with self._lock:
+            self._outstanding -= 1
+        job.deliver(("done", reason, job.generated))
+
+    def _fail(self, job: Job, error: APIError) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        with self._lock:
+            self._outstanding -= 1
+            if job.row is not None:
+                self._decoding -= 1
+        job.deliver(("error", error))
+
+    def _shutdown(self) -> None:
+        """Cancel what is left (a drain that timed out), write the checkpoints taken so far, free the batch."""
+        with self._lock:
+            self._accepting = False
+        session = self._session
+        for job in list(self._rows.values()):
+            try:
+                session.cancel(job.row)
+            except Exception:  # pragma: no cover - the session may be broken after a failure
+                self._rows.pop(job.row, None)
+                self._fail(job, APIError(503, "the server is shutting down", code="unavailable"))
+        while self._pending:
+            self._done(self._pending.popleft(), "cancelled")
+        while True:  # submissions that raced with the stop
+            try:
+                kind, job = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._done(job, "cancelled")
+        self._write_checkpoints()
+        if session is not None:
+            session.close()
