@@ -12,9 +12,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from spec_cache.adapters import adapters_namespace, resolve_adapters
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
-from spec_cache.namespace import KVOptions, prefix_namespace
+from spec_cache.namespace import KVOptions
 from spec_cache.store import maintenance
 
 from . import shared
@@ -125,34 +124,16 @@ def cmd_export_mlx_lm(args) -> int:
     return EXIT_OK
 
 
-def _drafter_namespace(args) -> str | None:
-    """The drafter namespace of ``--drafter``/``--method`` (None without a drafter)."""
-    if args.drafter is None and args.method != "ngram":
-        return None
-    from spec_cache.drafters import load_provider  # the providers load MLX
-    from spec_cache.drafters.ngram import NgramProvider
-
-    try:
-        provider = NgramProvider() if args.drafter is None else load_provider(args.drafter, args.method)
-    except (ValueError, FileNotFoundError) as exc:
-        raise CliError(str(exc)) from None
-    return provider.namespace
-
-
 def cmd_import_mlx_lm(args) -> int:
-    from spec_cache.interop import InteropError, import_mlx_lm  # loads MLX
+    from spec_cache.interop import InteropError, import_mlx_lm, import_prefix_namespace  # loads MLX
 
     tokens = _tokens_arg(args.tokens)
     if not os.path.isfile(args.file):
         raise CliError(f"no such file: {args.file}")
-    drafter_ns = _drafter_namespace(args)
-    try:
-        kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                       quantized_kv_start=args.quantized_kv_start)
-        adapters = adapters_namespace(resolve_adapters(args.adapter)) if args.adapter else ""
-        pns = prefix_namespace(drafter_ns, adapters, kv)
-    except (TypeError, ValueError) as exc:
-        raise CliError(str(exc)) from None
+    try:  # the namespace Generator.load(model, drafter, method, adapters, kv) would store under
+        pns = import_prefix_namespace(args.drafter, args.method, args.adapter or "", _kv_options(args))
+    except (TypeError, ValueError, FileNotFoundError) as exc:
+        raise CliError(_one_line(exc)) from None
     with open_cache(args) as cache:
         try:
             ns = import_mlx_lm(cache, args.file, args.model, tokens, prefix_namespace=pns)
