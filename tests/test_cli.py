@@ -172,6 +172,17 @@ def test_bench_plot_without_matplotlib_fails_before_running(env, tmp_path):
         usage_error(out, "matplotlib")
 
 
+def test_serve_is_wired_with_its_memory_tier_option(env):
+    """``spec-cache serve`` parses (spec_cache.server's options under the common ones) without loading MLX."""
+    code = ("import sys\nfrom spec_cache.cli import build_parser\na = build_parser().parse_args(sys.argv[1:])\n"
+            "print(a.fn.__name__, a.memory_bytes, a.port, a.cache, a.shared,\n"
+            "      sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
+    out = subprocess.run([sys.executable, "-c", code, "--cache", "/tmp/s", "serve", "--model", "/tmp/m",
+                          "--memory-bytes", "2G", "--port", "0", "--shared", "redis://h:1/0"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert ok(out).split() == ["cmd_serve", str(2 << 30), "0", "/tmp/s", "redis://h:1/0", "[]"]
+
+
 def test_cache_defaults_to_the_environment_variable(cli, cache, tmp_path):
     obj = one_json(cli("--json", "ls", extra_env={"SPEC_CACHE_DIR": str(cache)}))
     assert len(obj["namespaces"]) == 2

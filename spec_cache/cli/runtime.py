@@ -1,4 +1,5 @@
-"""Commands that run models: generate, demo, bench, and the mlx-lm file interop (export-mlx-lm, import-mlx-lm).
+"""Commands that run models: generate, serve, demo, bench, and the mlx-lm file interop (export-mlx-lm,
+import-mlx-lm).
 
 Modules that load MLX (``spec_cache.cache``, ``generator``, ``interop``, the drafters, ``demo``, ``bench``,
 ``mlx_lm``) are imported inside the command that runs them, never at the top of this module: building the
@@ -12,6 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from spec_cache import server  # imports only spec_cache.server.cli (its options); the server loads in serve
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
 from spec_cache.namespace import KVOptions
 from spec_cache.store import maintenance
@@ -144,6 +146,10 @@ def cmd_import_mlx_lm(args) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args) -> int:
+    return server.main(args)
+
+
 def cmd_demo(args) -> int:
     from spec_cache import demo  # loads MLX
 
@@ -176,7 +182,7 @@ def _add_kv_options(parser: argparse.ArgumentParser) -> None:
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
-    """Add demo, bench, generate, export-mlx-lm and import-mlx-lm."""
+    """Add demo, bench, generate, serve, export-mlx-lm and import-mlx-lm."""
     s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models")
     s.add_argument("--method", choices=DRAFTER_METHODS, default="assistant")
     s.add_argument("--max-tokens", type=positive_int, default=24)
@@ -202,6 +208,10 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     s.add_argument("--no-cache", action="store_true", help="run without the store")
     _add_memory_option(s)
     s.set_defaults(fn=cmd_generate)
+    s = sub.add_parser("serve", parents=[common],
+                       help="an OpenAI-compatible HTTP server on a local model, through the cache")
+    server.add_arguments(s)  # --model, --port, --memory-bytes, ... (--cache and --shared come from common)
+    s.set_defaults(fn=cmd_serve)
     s = sub.add_parser("export-mlx-lm", parents=[common],
                        help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)")
     s.add_argument("namespace", help="namespace key (hex or unique prefix)")
