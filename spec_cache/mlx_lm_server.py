@@ -31,8 +31,6 @@ __all__ = ["add_arguments", "main", "patched_server"]
 
 log = logging.getLogger("spec_cache.mlx_lm")
 
-_OUR_DESTS = ("cache", "shared", "memory_bytes", "tenant")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add spec-cache's options (``--cache``, ``--shared``, ``--memory-bytes``, ``--tenant``, each unless the
@@ -43,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     have = {s for action in parser._actions for s in action.option_strings}
     if "--cache" not in have:
         parser.add_argument("--cache", default=argparse.SUPPRESS,
-                            help="spec-cache store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
+                            help="spec-cache store directory "
+                                 "(default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
     add_shared_option(parser)
     if "--memory-bytes" not in have:
         parser.add_argument("--memory-bytes", type=parse_size, default=None, metavar="N",
@@ -127,9 +126,8 @@ class patched_server:
 
             server.LRUPromptCache = make
             try:
-                if cli_args.model is not None:  # identify the model now, not on the first request
-                    threading.Thread(target=_warm_namespace, args=(make_probe(store, cli_args),),
-                                     daemon=True).start()
+                if cli_args.model is not None:  # hash the model's files now, not on the first request
+                    threading.Thread(target=_warm_identity, args=(store, cli_args.model), daemon=True).start()
                 return original_run(host, port, model_provider, *args, **kwargs)
             finally:
                 server.LRUPromptCache = launcher._saved[1]
@@ -144,21 +142,13 @@ class patched_server:
         return False
 
 
-def make_probe(store, cli_args):
-    from .mlx_lm_cache import kv_options_from_args
-
-    key = (cli_args.model, cli_args.adapter_path, cli_args.draft_model)
-    return store, key, kv_options_from_args(cli_args)
-
-
-def _warm_namespace(probe) -> None:
+def _warm_identity(store, model: str) -> None:
     """Hash the model's files once at startup (memoized in the store), so the first request does not."""
     from .identity import model_identity
     from .mlx_lm_cache import resolve_model_dir
 
-    store, key, _ = probe
     try:
-        model_identity(resolve_model_dir(key[0]), memo=store.memo())
+        model_identity(resolve_model_dir(model), memo=store.memo())
     except Exception:  # the request path reports it (once) and falls back to RAM
         pass
 

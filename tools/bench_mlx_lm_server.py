@@ -107,6 +107,7 @@ def words(n: int, salt: int) -> str:
 
 def run_turns(port: int, args, system: str) -> tuple[dict[int, list[float]], list[list[dict]]]:
     ttfts: dict[int, list[float]] = {t: [] for t in range(args.turns)}
+    cached: dict[int, list[int]] = {t: [] for t in range(args.turns)}
     histories: list[list[dict]] = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
     lock = threading.Lock()
     todo = list(range(args.conversations))
@@ -119,22 +120,24 @@ def run_turns(port: int, args, system: str) -> tuple[dict[int, list[float]], lis
                 conv = todo.pop(0)
             for turn in range(args.turns):
                 histories[conv].append({"role": "user", "content": words(args.user_words, conv * 10 + turn)})
-                ttft, reply, _ = chat(port, histories[conv], args.max_tokens)
+                ttft, reply, hit = chat(port, histories[conv], args.max_tokens)
                 histories[conv].append({"role": "assistant", "content": reply})
                 with lock:
                     ttfts[turn].append(ttft)
+                    cached[turn].append(hit or 0)
 
     threads = [threading.Thread(target=client) for _ in range(args.clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return ttfts, histories
+    return ttfts, cached, histories
 
 
 def resume(port: int, args, histories) -> list[float]:
     """Each conversation's last turn (history without its reply) against a restarted server."""
     out: list[float] = []
+    cached: list[int] = []
     lock = threading.Lock()
     todo = list(range(len(histories)))
 
@@ -144,16 +147,17 @@ def resume(port: int, args, histories) -> list[float]:
                 if not todo:
                     return
                 conv = todo.pop(0)
-            ttft, _, _ = chat(port, histories[conv][:-1], args.max_tokens)
+            ttft, _, hit = chat(port, histories[conv][:-1], args.max_tokens)
             with lock:
                 out.append(ttft)
+                cached.append(hit or 0)
 
     threads = [threading.Thread(target=client) for _ in range(args.clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return out
+    return out, cached
 
 
 def pct(values: list[float], q: float) -> float:
@@ -171,18 +175,20 @@ def bench(kind: str, model: str, store: str, args, system: str, logdir: Path) ->
     try:
         chat(s.port, [{"role": "user", "content": "w3 w4"}], 2)  # warm up the model load and kernels
         t0 = time.perf_counter()
-        ttfts, histories = run_turns(s.port, args, system)
+        ttfts, cached, histories = run_turns(s.port, args, system)
         wall = time.perf_counter() - t0
     finally:
         s.stop()
     s = Server(argv, logdir / f"{kind}-2.log")
     try:
         chat(s.port, [{"role": "user", "content": "w5 w6"}], 2)
-        after = resume(s.port, args, histories)
+        after, after_cached = resume(s.port, args, histories)
     finally:
         s.stop()
-    return {"turns": {t + 1: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v)} for t, v in ttfts.items()},
-            "after_restart": {"p50": pct(after, 50), "p95": pct(after, 95), "n": len(after)},
+    return {"turns": {t + 1: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v),
+                              "cached_mean": statistics.mean(cached[t]) if cached[t] else 0} for t, v in ttfts.items()},
+            "after_restart": {"p50": pct(after, 50), "p95": pct(after, 95), "n": len(after),
+                              "cached_mean": statistics.mean(after_cached) if after_cached else 0},
             "turns_wall_s": wall, "replies": [h[-1]["content"] for h in histories]}
 
 
@@ -208,13 +214,15 @@ def main() -> int:
     same = results["mlx-lm"].pop("replies") == results["spec-cache"].pop("replies")
     print(f"model {model}; {args.conversations} conversations x {args.turns} turns, {args.clients} clients, "
           f"system {args.system_words} words, user {args.user_words} words/turn, {args.max_tokens} tokens/reply")
-    print(f"{'phase':<16}{'mlx-lm p50':>12}{'p95':>9}{'spec-cache p50':>16}{'p95':>9}{'ratio p50':>11}{'p95':>8}")
+    print(f"{'phase':<16}{'mlx-lm p50':>12}{'p95':>9}{'spec-cache p50':>16}{'p95':>9}{'ratio p50':>11}{'p95':>8}"
+          f"{'cached mlx-lm':>15}{'spec-cache':>12}")
     rows = [(f"turn {t}", results["mlx-lm"]["turns"][t], results["spec-cache"]["turns"][t])
             for t in results["mlx-lm"]["turns"]]
     rows.append(("after restart", results["mlx-lm"]["after_restart"], results["spec-cache"]["after_restart"]))
     for name, a, b in rows:
         print(f"{name:<16}{a['p50'] * 1e3:>10.1f}ms{a['p95'] * 1e3:>7.1f}ms{b['p50'] * 1e3:>14.1f}ms"
-              f"{b['p95'] * 1e3:>7.1f}ms{a['p50'] / b['p50']:>10.2f}x{a['p95'] / b['p95']:>7.2f}x")
+              f"{b['p95'] * 1e3:>7.1f}ms{a['p50'] / b['p50']:>10.2f}x{a['p95'] / b['p95']:>7.2f}x"
+              f"{a['cached_mean']:>15.0f}{b['cached_mean']:>12.0f}")
     print(f"turns wall: mlx-lm {results['mlx-lm']['turns_wall_s']:.2f}s, "
           f"spec-cache {results['spec-cache']['turns_wall_s']:.2f}s; identical replies: {same}")
     if args.json:
