@@ -26,6 +26,7 @@ class StreamingDetokenizer:
         self.tokens: list[int] = []
         self._prefix = 0  # decoded as context only
         self._read = 0  # tokens whose text is emitted
+        self._held_back = 0  # characters of the current window already emitted before its tail completed
         self.text = ""
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -43,12 +44,16 @@ class StreamingDetokenizer:
             return ""
         before = self._decode(self.tokens[self._prefix:self._read])
         after = self._decode(self.tokens[self._prefix:])
-        if not final and after.endswith(REPLACEMENT):
-            return ""  # an incomplete character: wait for the tokens that complete it
-        if len(after) <= len(before):
-            return ""  # nothing visible yet (e.g. a special token): keep the window
-        new = after[len(before):] if after.startswith(before) else after[len(_common_prefix(before, after)):]
-        self._prefix, self._read = self._read, len(self.tokens)
+        complete = final or not after.endswith(REPLACEMENT)
+        visible = after if complete else after.rstrip(REPLACEMENT)  # an incomplete character waits
+        if not visible.startswith(before):  # a decoder rewrote its context: emit what differs from here on
+            before = _common_prefix(before, visible)
+        start = len(before) + self._held_back
+        new = visible[start:] if len(visible) > start else ""
+        if complete and len(after) > len(before):
+            self._prefix, self._read, self._held_back = self._read, len(self.tokens), 0
+        else:
+            self._held_back += len(new)  # emitted while the window stays (its tail is still incomplete)
         self.text += new
         return new
 
