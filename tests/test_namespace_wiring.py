@@ -10,8 +10,6 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 from mlx_lm.utils import load_model
 
-import spec_cache.cli.runtime as cli_runtime
-import spec_cache.generator as generator_module
 from spec_cache.cache import SpecCache
 from spec_cache.cli import main as cli_main
 from spec_cache.generator import Generator
@@ -22,12 +20,6 @@ from tests.runtime_fixtures import _identity_memo, build_tiny  # noqa: F401
 
 PROMPT = list(range(3, 30))
 
-# Until the callers are switched (Generator.load -> check_runnable / resolve_prefix_namespace; the CLI's
-# import-mlx-lm -> interop.import_prefix_namespace), these tests document the gap and must fail.
-generator_wired = pytest.mark.xfail(not hasattr(generator_module, "check_runnable"), strict=True,
-                                    reason="Generator.load does not call namespace.check_runnable yet")
-cli_wired = pytest.mark.xfail(hasattr(cli_runtime, "_drafter_namespace"), strict=True,
-                              reason="import-mlx-lm does not use interop.import_prefix_namespace yet")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +31,6 @@ def lora(tmp_path_factory):
     return tiny
 
 
-@generator_wired
 @pytest.mark.parametrize("kv", [KVOptions(kv_config=(KVLayerConfig(0, 4), KVLayerConfig(0, 8))),
                                 KVOptions(kv_bits=0), KVOptions(kv_group_size=0)])
 def test_generator_load_refuses_what_cannot_run_before_registering(lora, tmp_path, kv):
@@ -50,7 +41,6 @@ def test_generator_load_refuses_what_cannot_run_before_registering(lora, tmp_pat
         assert maintenance.namespaces(cache.store) == []  # refused before anything was registered
 
 
-@cli_wired
 def test_cli_import_under_an_adapter_uses_the_generators_namespace(lora, tmp_path, capsys):
     target = lora.root / "target"
     model, _ = load_model(target)
@@ -67,7 +57,6 @@ def test_cli_import_under_an_adapter_uses_the_generators_namespace(lora, tmp_pat
     assert json.loads(capsys.readouterr().out)["prefix_namespace"] == gen.prefix_namespace
 
 
-@cli_wired
 def test_cli_import_refuses_a_method_without_its_directory(lora, tmp_path, capsys):
     f = tmp_path / "x.safetensors"
     f.write_bytes(b"")
