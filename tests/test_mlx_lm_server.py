@@ -58,9 +58,9 @@ def _greedy(loaded, tokens, max_tokens=MAX_TOKENS, cache=None):
                                              prompt_cache=cache)]
 
 
-def _serve(prompt_cache, loaded, key, tokens, max_tokens=MAX_TOKENS):
-    """One request the way ``mlx_lm.server._serve_single`` makes it: fetch, prefill the rest, generate, insert.
-    Returns (generated tokens, cached prompt tokens)."""
+def _serve(prompt_cache, loaded, key, tokens, max_tokens=MAX_TOKENS, **kv):
+    """One request the way ``mlx_lm.server._serve_single`` makes it: fetch, prefill the rest, generate, insert
+    (``kv``: its kv_bits / kv_group_size / quantized_kv_start). Returns (generated tokens, cached prompt tokens)."""
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -70,7 +70,7 @@ def _serve(prompt_cache, loaded, key, tokens, max_tokens=MAX_TOKENS):
     if cache is None:
         cache = make_prompt_cache(model)
     out = []
-    for g in stream_generate(model, tok, mx.array(rest), max_tokens=max_tokens, prompt_cache=cache):
+    for g in stream_generate(model, tok, mx.array(rest), max_tokens=max_tokens, prompt_cache=cache, **kv):
         out.append(g.token)
     prompt_cache.insert_cache(key, list(tokens) + out, cache)
     return out, cached
@@ -177,6 +177,53 @@ def test_namespace_follows_model_identity_and_kv_options(loaded, model_dir, tmp_
     _serve(plain, loaded, key, tok.encode(_prompt_text(40)))
     cache_q, rest = quant.fetch_nearest_cache(key, tok.encode(_prompt_text(40)) + [5])
     assert cache_q is None  # stored under the plain namespace only
+
+
+def test_quantized_kv_matches_mlx_lm_own_cache(loaded, model_dir, open_cache):
+    """``--kv-bits 8``: the server's QuantizedKVCache is stored and restored; turn 2 equals the same turn served
+    from mlx-lm's own LRUPromptCache (quantized state is not bit-equal to a cold run in either)."""
+    import argparse
+
+    from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache
+
+    _, tok = loaded
+    kv = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=0)
+    key = (str(model_dir), None, None)
+    ours = SpecCachePromptCache(cache=open_cache(), kv_options=kv_options_from_args(argparse.Namespace(**kv)))
+    theirs = LRUPromptCache()
+    prompt = tok.encode(_prompt_text(120))
+    first, _ = _serve(ours, loaded, key, prompt, **kv)
+    assert _serve(theirs, loaded, key, prompt, **kv)[0] == first
+    turn2 = prompt + first + tok.encode(" w30 w31")
+    got, cached = _serve(ours, loaded, key, turn2, **kv)
+    assert (got, cached) == _serve(theirs, loaded, key, turn2, **kv) and cached == len(prompt) + len(first)
+    assert all(isinstance(c, QuantizedKVCache) for c in ours.fetch_nearest_cache(key, turn2 + got)[0])
+
+
+def test_shared_tier_serves_another_host(loaded, model_dir, tmp_path):
+    """Two servers with their own LMDB stores and one Redis/Valkey: host B restores what host A served."""
+    from spec_cache.store.shared.server import ThrowawayServer, server_binaries
+
+    binaries = server_binaries()
+    if not binaries:
+        pytest.skip("no redis-server or valkey-server binary installed")
+    _, tok = loaded
+    key = (str(model_dir), None, None)
+    prompt = tok.encode(_prompt_text(100))
+    with ThrowawayServer(next(iter(binaries.values()))) as server:
+        a = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "a", shared=server.url), owns_cache=True)
+        b = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "b", shared=server.url, memory_bytes=0),
+                                 owns_cache=True)
+        try:
+            first, _ = _serve(a, loaded, key, prompt)
+            assert a.drain(20)
+            turn2 = prompt + first + tok.encode(" w40")
+            got, cached = _serve(b, loaded, key, turn2)
+            assert b.last_hit_tier == "shared" and cached == len(prompt) + len(first)
+            assert got == _greedy(loaded, turn2)
+        finally:
+            a.close()
+            b.close()
 
 
 def test_other_cache_kinds_fall_back_to_ram_with_one_warning(loaded, model_dir, open_cache):
