@@ -16,6 +16,8 @@ _LAZY = {
     "KVOptions": ("spec_cache.namespace", "KVOptions"),
     "capture_options": ("spec_cache.namespace", "capture_options"),
     "prefix_namespace": ("spec_cache.namespace", "prefix_namespace"),
+    "resolve_prefix_namespace": ("spec_cache.namespace", "resolve_prefix_namespace"),
+    "check_runnable": ("spec_cache.namespace", "check_runnable"),
     "namespace_key": ("spec_cache.namespace", "namespace_key"),
     "artifact_identity": ("spec_cache.identity", "artifact_identity"),
     "model_identity": ("spec_cache.identity", "model_identity"),

@@ -103,6 +103,9 @@ def plan_kv(options: Any, num_layers: int, head_dims: Sequence[int], windows: Se
         return None
     if getattr(options, "turbo_quant", None) is not None:
         raise NotImplementedError(TURBO_QUANT_REFUSED)
+    from .namespace import check_runnable
+
+    options = check_runnable(options)  # a layer named twice, group size 0, ... refused here too (engine built directly)
     kv_bits = getattr(options, "kv_bits", None)
     group_default = getattr(options, "kv_group_size", None) or 64
     start = getattr(options, "quantized_kv_start", None)

@@ -17,12 +17,13 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from spec_cache.cache import SpecCache
+from spec_cache.drafters import METHODS as DRAFTER_METHODS
 from spec_cache.generator import Generator
 from spec_cache.memory_tier import Candidate, MemoryTier
 from spec_cache.store import Store
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
-METHODS = ["assistant", "draft-model", "ngram", "deepspec", "dflash"]
+METHODS = list(DRAFTER_METHODS)
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 9, 10], list(range(60, 110))]
 MAX = 8
 
@@ -231,6 +232,7 @@ def test_drain_makes_every_queued_checkpoint_durable(tmp_path):
 KILL_SCRIPT = """
 import sys, time
 from spec_cache.cache import SpecCache
+from spec_cache.drafters import METHODS as DRAFTER_METHODS
 from spec_cache.generator import Generator
 cache = SpecCache.open(sys.argv[1])
 gen = Generator.load(sys.argv[2], None, method="ngram", cache=cache)

@@ -346,3 +346,15 @@ def test_random_batches_restore_points_and_row_churn(qtiny, data):
     run.max_rows = max_rows
     for prompt, budget, result in zip(prompts, budgets, run.run(requests)):
         assert result.tokens == reference(qtiny.target, prompt, bits, start, step=step, max_tokens=budget)
+
+
+def test_an_engine_built_directly_refuses_what_cannot_run():
+    """plan_kv applies namespace.check_runnable: a layer named twice or a group size of 0 is refused, not
+    silently resolved (last entry wins / 64)."""
+    from spec_cache.kv_quant import plan_kv
+    from spec_cache.namespace import capture_options
+
+    with pytest.raises(ValueError, match="more than once"):
+        plan_kv(capture_options({"kvConfig": [{"layerIdx": 0, "bits": 4}, {"layerIdx": 0, "bits": 8}]}), 2, [64, 64])
+    with pytest.raises(ValueError, match="kv_group_size"):
+        plan_kv(capture_options({"kvBits": 4, "kvGroupSize": 0}), 2, [64, 64])
