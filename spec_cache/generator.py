@@ -121,15 +121,16 @@ class Generator:
         return self.cache.namespace(self.target_identity, self.prefix_namespace, tenant)
 
     def prepare(self, prompt: Sequence[int], max_tokens: int = 32, *, sampling: Any = None,
-                ns_key: bytes | None = None) -> PreparedRow:
+                ns_key: bytes | None = None, lookup: bool = True) -> PreparedRow:
         """Look up the longest usable stored prefix of ``prompt[:-1]`` (under ``ns_key``, default this
         generator's) and build the engine request for ``prompt``: restored when the cache had one, cold
-        otherwise. ``sampling``: a ``spec_cache.sampling.RowSampling`` (None: the run's)."""
+        otherwise (always cold with ``lookup=False``). ``sampling``: a ``spec_cache.sampling.RowSampling``
+        (None: the run's)."""
         from .engine import RowRequest
 
         prompt = [int(t) for t in prompt]
         key = self.ns_key if ns_key is None else ns_key
-        hit = self.restore_for_prompt(prompt, ns_key=key)
+        hit = self.restore_for_prompt(prompt, ns_key=key) if lookup else None
         if hit is None:
             return PreparedRow(RowRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling), key)
         request = RowRequest(prompt=prompt, restored_caches=hit.caches, restored_tokens=hit.length,

@@ -268,7 +268,11 @@ def test_second_turn_reports_cached_tokens(server, reference):
     assert reply.usage.prompt_tokens_details.cached_tokens < 5  # "<s> w3": the head other tests' prompts share
     second = first + [{"role": "assistant", "content": reply.choices[0].message.content}, user(words(60, 4))]
     again = client.chat.completions.create(model="tiny", messages=second, max_tokens=8, temperature=0)
-    assert again.usage.prompt_tokens_details.cached_tokens >= turn1_prompt - 1
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= turn1_prompt - 1
+    answer = greedy(chat_ids(tokenizer, first), 8)
+    if min(answer) > EOS:  # the answer re-tokenizes to itself: the seam is the previous turn's finish checkpoint
+        assert cached == turn1_prompt + len(answer) - 1
     assert again.choices[0].message.content == expected_text(tokenizer, greedy(chat_ids(tokenizer, second), 8))
     assert server.metric("spec_cache_cached_prompt_tokens_total") > 0
     assert 0 < server.metric("spec_cache_prompt_cache_hit_ratio") < 1
@@ -367,7 +371,7 @@ def test_overload_answers_429(model, tmp_path):
 
         def post():
             r = httpx.post(srv.url + "/v1/completions", timeout=60,
-                           json={"model": "tiny", "prompt": list(range(3, 30)), "max_tokens": 300, "temperature": 0})
+                           json={"model": "tiny", "prompt": list(range(3, 30)), "max_tokens": 80, "temperature": 0})
             statuses.append(r.status_code)
             if r.status_code == 429:
                 assert r.json()["error"]["type"] == "rate_limit_error"

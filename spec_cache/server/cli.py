@@ -12,9 +12,10 @@ import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
-__all__ = ["add_arguments", "main", "build_state", "run_module"]
+__all__ = ["add_arguments", "main", "register", "build_state", "run_module"]
 
 DRAFTER_METHODS = ("assistant", "draft-model", "ngram", "deepspec", "dflash")
 
@@ -89,6 +90,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+def register(sub, common: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``spec-cache`` subcommands: ``sub`` is the main parser's subparsers action, ``common``
+    its shared options (``--cache``, ``--shared``, ``--json``). Sets ``fn=main``; returns the subparser."""
+    parser = sub.add_parser("serve", parents=[] if common is None else [common],
+                            help="an OpenAI-compatible HTTP server (chat/completions, streaming) with the cache",
+                            description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.set_defaults(fn=main)
+    return parser
+
+
+def _fail(message: str):
+    from spec_cache.cli.common import CliError
+
+    return CliError(message)
+
+
 def _context_tokens(model_dir: Path) -> int:
     try:
         config = json.loads((model_dir / "config.json").read_text())
@@ -116,16 +134,21 @@ def build_state(args):
 
     model_dir = Path(args.model)
     if not model_dir.is_dir():
-        raise SystemExit(f"spec-cache serve: error: model directory {model_dir} does not exist")
+        raise _fail(f"model directory {model_dir} does not exist")
+    if args.drafter is not None and not Path(args.drafter).is_dir():
+        raise _fail(f"drafter directory {args.drafter} does not exist")
     if args.method not in (None, "ngram") and args.drafter is None:
-        raise SystemExit(f"spec-cache serve: error: --method {args.method} needs --drafter DIR")
+        raise _fail(f"--method {args.method} needs --drafter DIR")
     keys = list(args.api_key)
     if os.environ.get("SPEC_CACHE_API_KEY"):
         keys.append(os.environ["SPEC_CACHE_API_KEY"])
     if args.api_keys_file:
         keys += read_keys_file(args.api_keys_file)
-    kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                   quantized_kv_start=args.quantized_kv_start)
+    try:
+        kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                       quantized_kv_start=args.quantized_kv_start)
+    except (TypeError, ValueError) as exc:
+        raise _fail(str(exc)) from None
     cache = None
     if not args.no_cache:
         from spec_cache.cli.common import default_cache_dir
@@ -139,6 +162,10 @@ def build_state(args):
                                    adapters=args.adapter or "", draft_depth=args.draft_depth,
                                    prefill_step_size=args.prefill_step_size)
         tokenizer = load_tokenizer(model_dir)
+    except (NotImplementedError, ValueError, FileNotFoundError) as exc:
+        if cache is not None:
+            cache.close()
+        raise _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     except BaseException:
         if cache is not None:
             cache.close()
@@ -181,7 +208,15 @@ def main(args) -> int:
 
 
 def run_module(argv: list[str] | None = None) -> int:
+    """``python -m spec_cache.server ARGS``: the ``serve`` options; a usage problem is one line, exit 2."""
+    from spec_cache.cli.common import CliError
+
     parser = argparse.ArgumentParser(prog="python -m spec_cache.server",
                                      description="An OpenAI-compatible server on the spec-cache speculative engine.")
     add_arguments(parser)
-    return main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except CliError as exc:
+        print(f"spec-cache serve: error: {exc}", file=sys.stderr)
+        return 2

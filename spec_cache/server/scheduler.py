@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from spec_cache.schemas import SchemaError
+
 from ..sampling import RowSampling
 from .protocol import APIError
 
@@ -195,8 +197,19 @@ class Scheduler:
             try:
                 job.prepared = self.generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling,
                                                       ns_key=self._ns_key(job.tenant))
-                job.row = session.submit(job.prepared.request, on_tokens=self._on_tokens,
-                                         on_finish=self._on_finish, submitted_at=job.arrived)
+                try:
+                    job.row = session.submit(job.prepared.request, on_tokens=self._on_tokens,
+                                             on_finish=self._on_finish, submitted_at=job.arrived)
+                except (ValueError, SchemaError) as exc:
+                    if not job.prepared.cached_tokens:
+                        raise
+                    # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
+                    log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
+                    job.prepared = self.generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling,
+                                                          ns_key=None, lookup=False)
+                    job.prepared.ns_key = self._ns_key(job.tenant)
+                    job.row = session.submit(job.prepared.request, on_tokens=self._on_tokens,
+                                             on_finish=self._on_finish, submitted_at=job.arrived)
             except Exception as exc:  # a request the engine refuses: this job fails, the others go on
                 log.warning("spec-cache: request refused: %s", exc)
                 self._fail(job, APIError(400, f"the engine refused the request: {exc}"))
