@@ -112,3 +112,27 @@ def test_api_keys_and_tenants():
     assert Auth().check(None) is None and not Auth().enabled
     assert salted_tenant(a, None) == a
     assert len({salted_tenant(a, "s"), salted_tenant(a, "t"), salted_tenant(b, "s"), salted_tenant(None, "s"), a}) == 5
+
+
+def test_serve_registers_under_the_main_cli_without_loading_mlx():
+    import argparse
+    import subprocess
+    import sys
+
+    from spec_cache.server.cli import register
+
+    parser = argparse.ArgumentParser()
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--cache", default=argparse.SUPPRESS)
+    common.add_argument("--shared", default=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command")
+    register(sub, common)
+    args = parser.parse_args(["serve", "--model", "m", "--cache", "c", "--max-rows", "2", "--api-key", "k",
+                              "--api-key", "j"])
+    assert (args.model, args.cache, args.max_rows, args.api_key, args.host) == ("m", "c", 2, ["k", "j"], "127.0.0.1")
+    assert args.fn.__module__ == "spec_cache.server.cli"
+    code = "import sys, spec_cache.server; assert 'mlx.core' not in sys.modules and 'starlette' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    out = subprocess.run([sys.executable, "-m", "spec_cache.server", "--model", "/does/not/exist"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr
