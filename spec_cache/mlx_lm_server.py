@@ -111,23 +111,33 @@ class patched_server:
         launcher = self
 
         def run(host, port, model_provider, *args, **kwargs):
+            import mlx.core as mx
+
             from .cache import SpecCache
             from .mlx_lm_cache import SpecCachePromptCache, kv_options_from_args
 
+            if mx.distributed.init().size() > 1:  # each rank holds its own shard of the KV: never one namespace
+                log.warning("spec-cache: distributed mlx_lm.server keeps mlx-lm's in-RAM prompt cache")
+                return original_run(host, port, model_provider, *args, **kwargs)
             cli_args = model_provider.cli_args
-            store = SpecCache.open(launcher.path, **launcher.cache_options)
+            options = dict(launcher.cache_options)
+            if options.get("memory_bytes") is None and getattr(cli_args, "prompt_cache_bytes", None) is not None:
+                options["memory_bytes"] = int(cli_args.prompt_cache_bytes)  # --prompt-cache-bytes bounds RAM
+            store = SpecCache.open(launcher.path, **options)
 
             def make(max_size: int = 10, max_bytes: int = 1 << 63):
                 prompt_cache = SpecCachePromptCache(max_size, max_bytes, cache=store, owns_cache=True,
                                                     kv_options=kv_options_from_args(cli_args),
                                                     tenant=launcher.tenant)
                 launcher.instances.append(prompt_cache)
+                if cli_args.model is not None:  # hash the model's files now, not on the first request
+                    key = (cli_args.model, cli_args.adapter_path, cli_args.draft_model)  # ModelProvider.model_key
+                    threading.Thread(target=_warm_namespace, args=(prompt_cache, key), daemon=True,
+                                     name="spec-cache-identity").start()
                 return prompt_cache
 
             server.LRUPromptCache = make
             try:
-                if cli_args.model is not None:  # hash the model's files now, not on the first request
-                    threading.Thread(target=_warm_identity, args=(store, cli_args.model), daemon=True).start()
                 return original_run(host, port, model_provider, *args, **kwargs)
             finally:
                 server.LRUPromptCache = launcher._saved[1]
@@ -142,13 +152,11 @@ class patched_server:
         return False
 
 
-def _warm_identity(store, model: str) -> None:
-    """Hash the model's files once at startup (memoized in the store), so the first request does not."""
-    from .identity import model_identity
-    from .mlx_lm_cache import resolve_model_dir
-
+def _warm_namespace(prompt_cache, key) -> None:
+    """Resolve the default model's namespace (hashing its files once; memoized in the store) at startup: the
+    first request waits for this instead of hashing again."""
     try:
-        model_identity(resolve_model_dir(model), memo=store.memo())
+        prompt_cache.namespace_for(key)
     except Exception:  # the request path reports it (once) and falls back to RAM
         pass
 
