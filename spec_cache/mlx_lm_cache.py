@@ -11,7 +11,10 @@ subclass with the same methods, signatures and return shapes (checked against th
 * ``insert_cache(model_key, tokens, prompt_cache, *, cache_type=...)``: the checkpoint enters the memory tier at
   once and is written to LMDB behind the request (``SpecCache.save(..., background=True)``), keyed by the
   tokens the cache really covers (its ``offset``).
-* ``__len__``, ``nbytes``, ``stats_by_type()``, ``trim_to(...)``: the in-RAM part plus the memory tier.
+* ``__len__``, ``nbytes``, ``stats_by_type()``: the in-RAM fallback plus the memory tier (its own row,
+  ``spec-cache``). ``trim_to`` and ``max_size`` / ``max_bytes`` (``--prompt-cache-size`` / ``--prompt-cache-bytes``)
+  bound the in-RAM fallback as they bound ``LRUPromptCache``; the memory tier has its own byte budget (the
+  launcher's ``--memory-bytes``, else ``--prompt-cache-bytes``) and never drops a checkpoint LMDB lacks.
 
 The namespace of a model key ``(model_path, adapter_path, draft_model_path)`` is the model's artifact identity
 (``spec_cache.identity.model_identity`` of the directory mlx-lm loaded), the adapter stack's namespace, the KV
