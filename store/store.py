@@ -51,11 +51,12 @@ _RECORD_DB = {"chunk": "chunks", "entry": "edata", "draft": "drafts"}  # record 
 class Restored:
     """State read back for a hit: per-layer target state and this drafter's checkpoint (or None)."""
 
-    length: int
-    layers: list[LayerState]
-    attachment: CheckpointAttachment | None
-    entry: bytes | None
-    warnings: list[str] = field(default_factory=list)
+    length: int                              # tokens of the prompt the state covers
+    layers: list[LayerState]                 # the target's per-layer state, in layer order
+    attachment: CheckpointAttachment | None  # the drafter's part, or None (not asked, not stored, or skipped)
+    entry: bytes | None                      # entry key, or None for a chunk-boundary prefix
+    warnings: list[str] = field(default_factory=list)  # what went wrong on the way (dropped records, ...)
+    minimum_reusable: int = 0                # shortest prefix of it a restore may use (the hit's)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ class Store:
         if drafter is not None and hit.has_drafter:
             key = draft_key(hit.entry, drafter)
             attachment = read_attachment(raw("draft", key), key, hit.length, warnings)
-        return Restored(hit.length, layers, attachment, hit.entry)
+        return Restored(hit.length, layers, attachment, hit.entry, minimum_reusable=hit.minimum_reusable)
 
     def _forget_corrupt(self, key: bytes | None) -> None:
         """Drop a corrupt record from the store; if that is impossible (read-only), hide it from lookups."""
