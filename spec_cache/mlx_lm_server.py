@@ -27,14 +27,31 @@ import sys
 import threading
 from typing import Any, Sequence
 
-__all__ = ["add_arguments", "main", "patched_server"]
+__all__ = ["add_arguments", "add_full_arguments", "full_parser", "main", "patched_server"]
 
 log = logging.getLogger("spec_cache.mlx_lm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add spec-cache's options (``--cache``, ``--shared``, ``--memory-bytes``, ``--tenant``, each unless the
-    parser has it already) and every ``mlx_lm.server`` option (taken from mlx-lm's own parser) to ``parser``."""
+    """Make ``parser`` (the ``mlx-lm-server`` subparser) take the rest of the command line verbatim, for
+    :func:`main` to split: spec-cache's options (``--cache``, ``--shared``, ``--memory-bytes``, ``--tenant``) out,
+    everything else to mlx-lm's own parser. Cheap and MLX-free (nothing of mlx-lm is imported), so a CLI can call
+    it while building its parser. ``-h`` after the command prints every option (spec-cache's and mlx-lm's).
+
+    The parser stops recognising ``-``/``--`` options of its own (its ``prefix_chars`` becomes ``+``), so that
+    ``--model``, ``--port`` ... reach ``mlx_lm_args`` in order; options given *before* the command
+    (``spec-cache --cache DIR mlx-lm-server ...``) are still read from the namespace by :func:`main`.
+    """
+    parser.prefix_chars = "+"
+    parser.set_defaults(fn=_cli_main)  # main(args, hard_exit=True): the process ends when the server does
+    parser.add_argument("mlx_lm_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="mlx_lm.server arguments and --cache PATH --shared URL --memory-bytes N --tenant SALT")
+    return parser
+
+
+def add_full_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add spec-cache's options (each unless the parser has it already) and every ``mlx_lm.server`` option (taken
+    from mlx-lm's own parser: this imports mlx-lm) to ``parser``; :func:`main` takes the namespace it parses."""
     from .cli.common import parse_size
     from .cli.shared import add_shared_option
 
@@ -46,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_shared_option(parser)
     if "--memory-bytes" not in have:
         parser.add_argument("--memory-bytes", type=parse_size, default=None, metavar="N",
-                            help="memory tier budget above the store (e.g. 4GiB; 0: off; default: 1/8 of memory)")
+                            help="memory tier budget above the store (e.g. 4GiB; 0: off; default: "
+                                 "--prompt-cache-bytes, else 1/8 of memory)")
     if "--tenant" not in have:
         parser.add_argument("--tenant", default=None, metavar="SALT",
                             help="namespace salt: prefixes are shared only with servers given the same one")
@@ -58,10 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def full_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spec-cache mlx-lm-server",
-                                     description="mlx_lm.server with a persistent, verified prompt cache.")
-    return add_arguments(parser)
+                                     description="mlx_lm.server with a persistent, verified prompt cache "
+                                                 "(spec-cache store, memory tier, optional shared tier).")
+    return add_full_arguments(parser)
 
 
 class _Captured(Exception):
@@ -184,21 +203,51 @@ def _split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return ours.parse_known_args(list(argv))
 
 
-def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
-    """Run the server: ``argv`` (a list; None: ``sys.argv[1:]``) as ``python -m spec_cache.mlx_lm_server``
-    takes it, or a namespace parsed by a parser given :func:`add_arguments`. Returns the exit status."""
+def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None, *, hard_exit: bool = False) -> int:
+    """Run the server; returns the exit status. Takes ``argv`` (a list; None: ``sys.argv[1:]``) as
+    ``python -m spec_cache.mlx_lm_server`` takes it, or a namespace from a parser given :func:`add_arguments`
+    (its ``mlx_lm_args``, plus ``cache``/``shared`` given before the command), or one from
+    :func:`add_full_arguments` (every option parsed).
+
+    ``hard_exit``: end the process with ``os._exit`` once the server has stopped and the store is closed (every
+    checkpoint durable): MLX's native threads can abort the interpreter's normal teardown ("terminate called
+    without an active exception") when a request thread was still winding down. For a process entry point only.
+    """
+    code = _main(argv_or_args)
+    if hard_exit:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _cli_main(args: argparse.Namespace) -> int:
+    return main(args, hard_exit=True)
+
+
+def _main(argv_or_args) -> int:
     from .cli.common import default_cache_dir
     from .cli.shared import shared_url
 
-    if isinstance(argv_or_args, argparse.Namespace):
-        args = argv_or_args
-        mlx_argv = None
-    else:
-        argv = sys.argv[1:] if argv_or_args is None else list(argv_or_args)
+    given = argv_or_args if isinstance(argv_or_args, argparse.Namespace) else None
+    mlx_argv = None
+    if given is None or hasattr(given, "mlx_lm_args"):
+        if given is None:
+            argv = sys.argv[1:] if argv_or_args is None else list(argv_or_args)
+        else:
+            argv = list(given.mlx_lm_args or [])
+        if argv[:1] == ["--"]:
+            argv = argv[1:]
         if any(a in ("-h", "--help") for a in argv):
-            build_parser().print_help()
+            full_parser().print_help()
             return 0
         args, mlx_argv = _split(argv)
+        for name in ("cache", "shared"):  # given before the command
+            if getattr(args, name, None) is None and given is not None:
+                setattr(args, name, getattr(given, name, None))
+    else:
+        args = given
     path = getattr(args, "cache", None) or default_cache_dir()
     options: dict[str, Any] = {"shared": shared_url(args)}
     if getattr(args, "memory_bytes", None) is not None:
@@ -214,7 +263,7 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
             try:
                 server.main()
             except SystemExit as exc:  # its parser's usage errors
-                return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+                return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
             finally:
                 sys.argv = saved
         else:  # already parsed with mlx-lm's options: the tail of mlx-lm's main
@@ -226,4 +275,4 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(hard_exit=True))

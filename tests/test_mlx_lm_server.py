@@ -281,16 +281,30 @@ def test_rotating_kv_cache_model_round_trip(tmp_path, open_cache):
     assert any(isinstance(c, RotatingKVCache) for c in pc.fetch_nearest_cache(key, turn2 + got)[0])
 
 
-def test_add_arguments_takes_mlx_lm_server_options():
+def test_cli_registration_is_mlx_free_and_passes_the_command_line_through():
+    """``add_arguments`` (what ``spec-cache mlx-lm-server`` registers) imports nothing of MLX and hands the
+    command line to ``main`` verbatim; ``add_full_arguments`` parses mlx-lm's own options."""
     import argparse
 
-    from spec_cache.mlx_lm_server import _split, add_arguments
+    from spec_cache.mlx_lm_server import _split, add_arguments, add_full_arguments
 
-    p = add_arguments(argparse.ArgumentParser())
-    args = p.parse_args(["--model", "m", "--cache", "/s", "--kv-bits", "4", "--memory-bytes", "1MiB", "--port", "9"])
-    assert (args.model, args.cache, args.kv_bits, args.memory_bytes, args.port) == ("m", "/s", 4, 1 << 20, 9)
-    ours, rest = _split(["--model", "m", "--cache", "/s", "--port", "9", "--shared", "redis://x"])
-    assert (ours.cache, ours.shared, rest) == ("/s", "redis://x", ["--model", "m", "--port", "9"])
+    code = ("import argparse, sys\nfrom spec_cache import mlx_lm_server as m\n"
+            "p = argparse.ArgumentParser(); m.add_arguments(p.add_subparsers().add_parser('mlx-lm-server'))\n"
+            "print('mlx' in sys.modules, 'mlx_lm' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "False"], out.stderr
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--cache", default=argparse.SUPPRESS)
+    cli = argparse.ArgumentParser(parents=[common])
+    add_arguments(cli.add_subparsers(dest="command").add_parser("mlx-lm-server", parents=[common]))
+    argv = ["--model", "m", "--port", "9", "--memory-bytes", "1MiB", "--shared", "redis://x", "-h"]
+    args = cli.parse_args(["--cache", "/s", "mlx-lm-server", *argv])
+    assert (args.cache, args.mlx_lm_args) == ("/s", argv)
+    ours, rest = _split(argv)
+    assert (ours.memory_bytes, ours.shared, rest) == (1 << 20, "redis://x", ["--model", "m", "--port", "9", "-h"])
+    full = add_full_arguments(argparse.ArgumentParser())
+    args = full.parse_args(["--model", "m", "--cache", "/s", "--kv-bits", "4", "--memory-bytes", "1MiB"])
+    assert (args.model, args.cache, args.kv_bits, args.memory_bytes, args.port) == ("m", "/s", 4, 1 << 20, 8080)
 
 
 # --- real servers ------------------------------------------------------------------------------------------
