@@ -12,6 +12,10 @@ Shutdown: SIGINT or SIGTERM stops the HTTP server the way mlx-lm handles Ctrl-C 
 generation thread joined), then the cache is closed: queued checkpoints are written to LMDB (and published to the
 shared tier) before the process exits. A SIGKILL loses only checkpoints still queued (the store stays valid).
 
+Registering it as a subcommand of another CLI: ``add_arguments(subparser)`` (MLX-free; the command line after
+the command reaches :func:`main` verbatim; it sets ``fn`` to ``main(args, hard_exit=True)``), then call
+``args.fn(args)``. ``add_full_arguments`` parses every option up front instead (it imports mlx-lm).
+
 Pinned against mlx-lm 0.32.2 (``pyproject.toml``); the interface used is ``LRUPromptCache``'s
 ``fetch_nearest_cache`` / ``insert_cache`` / ``trim_to`` / ``stats_by_type`` / ``nbytes`` / ``len`` and
 ``mlx_lm.server.run(host, port, model_provider)``.
