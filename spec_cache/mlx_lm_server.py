@@ -12,7 +12,7 @@ Shutdown: SIGINT or SIGTERM stops the HTTP server the way mlx-lm handles Ctrl-C 
 generation thread joined), then the cache is closed: queued checkpoints are written to LMDB (and published to the
 shared tier) before the process exits. A SIGKILL loses only checkpoints still queued (the store stays valid).
 
-Registering it as a subcommand of another CLI: ``add_arguments(subparser)`` (MLX-free; the command line after
+Registering it as a subcommand of another CLI: ``register(sub, common)``, or ``add_arguments(subparser)`` (MLX-free; the command line after
 the command reaches :func:`main` verbatim; it sets ``fn`` to ``main(args, hard_exit=True)``), then call
 ``args.fn(args)``. ``add_full_arguments`` parses every option up front instead (it imports mlx-lm).
 
@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Any, Sequence
 
-__all__ = ["add_arguments", "add_full_arguments", "full_parser", "main", "patched_server"]
+__all__ = ["add_arguments", "add_full_arguments", "full_parser", "main", "patched_server", "register"]
 
 log = logging.getLogger("spec_cache.mlx_lm")
 
@@ -51,6 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("mlx_lm_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="mlx_lm.server arguments and --cache PATH --shared URL --memory-bytes N --tenant SALT")
     return parser
+
+
+def register(sub, common: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add ``mlx-lm-server`` to the ``spec-cache`` subcommands: ``sub`` is the main parser's subparsers action,
+    ``common`` its shared options (``--cache``, ``--shared``, ``--json``; given before the command they reach
+    :func:`main` through the namespace). MLX-free. Sets ``fn``; returns the subparser."""
+    parser = sub.add_parser("mlx-lm-server", parents=[] if common is None else [common],
+                            help="mlx-lm's own server (mlx_lm.server) with this persistent, verified prompt cache",
+                            description=__doc__.split("\n\n")[0])
+    return add_arguments(parser)
 
 
 def add_full_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

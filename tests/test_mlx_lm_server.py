@@ -286,20 +286,20 @@ def test_cli_registration_is_mlx_free_and_passes_the_command_line_through():
     command line to ``main`` verbatim; ``add_full_arguments`` parses mlx-lm's own options."""
     import argparse
 
-    from spec_cache.mlx_lm_server import _split, add_arguments, add_full_arguments
+    from spec_cache.mlx_lm_server import _cli_main, _split, add_full_arguments, register
 
     code = ("import argparse, sys\nfrom spec_cache import mlx_lm_server as m\n"
-            "p = argparse.ArgumentParser(); m.add_arguments(p.add_subparsers().add_parser('mlx-lm-server'))\n"
+            "p = argparse.ArgumentParser(); m.register(p.add_subparsers())\n"
             "print('mlx' in sys.modules, 'mlx_lm' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["False", "False"], out.stderr
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache", default=argparse.SUPPRESS)
     cli = argparse.ArgumentParser(parents=[common])
-    add_arguments(cli.add_subparsers(dest="command").add_parser("mlx-lm-server", parents=[common]))
+    register(cli.add_subparsers(dest="command"), common)
     argv = ["--model", "m", "--port", "9", "--memory-bytes", "1MiB", "--shared", "redis://x", "-h"]
     args = cli.parse_args(["--cache", "/s", "mlx-lm-server", *argv])
-    assert (args.cache, args.mlx_lm_args) == ("/s", argv)
+    assert (args.cache, args.mlx_lm_args, args.fn) == ("/s", argv, _cli_main)
     ours, rest = _split(argv)
     assert (ours.memory_bytes, ours.shared, rest) == (1 << 20, "redis://x", ["--model", "m", "--port", "9", "-h"])
     full = add_full_arguments(argparse.ArgumentParser())
