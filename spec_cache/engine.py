@@ -302,6 +302,7 @@ class DecodeSession:
         self._next_id = 0
         self._stepping = False
         self._leaving: dict[int, bool] = {}  # row id -> write its finish checkpoint (finish) or not (cancel)
+        self._snapshots: set[int] = set()  # row ids whose checkpoint is asked for at the end of this step
         self._closed = False
 
     # -- the owner's API ----------------------------------------------------------------------------------
@@ -326,6 +327,17 @@ class DecodeSession:
     def finish(self, row_id: int) -> bool:
         """End a row as done (e.g. a stop string matched): its finish checkpoint is written."""
         return self._leave(row_id, checkpoint=True)
+
+    def checkpoint(self, row_id: int) -> bool:
+        """Call ``on_checkpoint`` for a decoding row as it stands (``tokens == prompt + generated[:-1]``) and let
+        it go on: at once between steps, at the end of the step from inside a callback. False if the row is not
+        decoding."""
+        if not any(row.index == row_id for row in self.active):
+            return False
+        self._snapshots.add(row_id)
+        if not self._stepping:
+            self._take_snapshots()
+        return True
 
     @property
     def busy(self) -> bool:
@@ -353,6 +365,7 @@ class DecodeSession:
             if self.active:
                 self._round()
             self._retire()
+            self._take_snapshots()
         finally:
             self._stepping = False
         return self.busy
@@ -367,6 +380,15 @@ class DecodeSession:
                 self.group.dispose()
         finally:
             self.rows.dispose()
+
+    def _take_snapshots(self) -> None:
+        wanted, self._snapshots = self._snapshots, set()
+        if self.on_checkpoint is None or not wanted:
+            return
+        for i, row in enumerate(self.active):
+            if row.index in wanted:
+                draft = None if self.group is None else self.group.capture(i)
+                self.on_checkpoint(row.index, list(row.tokens[:-1]), self.rows.extract(i), draft)
 
     def _leave(self, row_id: int, checkpoint: bool) -> bool:
         for i, row in enumerate(self.waiting):

@@ -254,21 +254,13 @@ def test_request_checks(tiny):
 
 
 def test_kv_options_select_the_rows_that_run_them(tiny):
-    class Options:
-        kv_bits, kv_group_size, quantized_kv_start, turbo_quant, kv_config = 4, 64, None, None, ()
+    from spec_cache.namespace import KVOptions
 
-    assert SpeculativeEngine(tiny.target, None, kv=Options()).plan.start == 5000  # mlx-lm's default start
-
-    class Plain(Options):
-        kv_bits = None
-
-    assert SpeculativeEngine(tiny.target, None, kv=Plain()).plan is None
-
-    class Turbo(Options):
-        turbo_quant = {"kBits": 8}
-
+    assert SpeculativeEngine(tiny.target, None, kv=KVOptions(kv_bits=4)).plan.start == 5000  # mlx-lm's default
+    assert SpeculativeEngine(tiny.target, None, kv=KVOptions()).plan is None
+    assert SpeculativeEngine(tiny.target, None, kv={"kvBits": 4, "quantizedKvStart": 7}).plan.start == 7
     with pytest.raises(NotImplementedError, match="turbo_quant"):
-        SpeculativeEngine(tiny.target, None, kv=Turbo())
+        SpeculativeEngine(tiny.target, None, kv=KVOptions(kv_bits=4, turbo_quant={"kBits": 8}))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
@@ -428,3 +420,37 @@ def test_cancel_frees_the_row_at_once_and_finish_writes_its_checkpoint(tiny):
     finish = recorder.finish(stop)
     assert finish[1] == PROMPTS[2] + result.tokens[:-1]
     assert [call[0] for call in recorder.calls].count(rows[1]) == 1  # the cancelled row: its boundary only
+
+
+@pytest.mark.parametrize("provider_name", [None, "assistant", "dflash"])
+def test_a_checkpoint_taken_mid_generation_resumes_exactly(tiny, provider_name):
+    """``DecodeSession.checkpoint`` mid-generation: the row goes on unchanged, and a request restored from that
+    checkpoint (its prompt extended by what was generated so far) continues token-identically."""
+    recorder = Recorder(tiny.target)
+    engine = SpeculativeEngine(tiny.target, tiny.provider(provider_name))
+    stream = Stream()
+    session = engine.session(on_checkpoint=recorder)
+    asked = []
+
+    def on_tokens(row, tokens):
+        stream.on_tokens(row, tokens)
+        if len(stream.tokens[row]) >= 6 and not asked:
+            asked.append(session.checkpoint(row))
+
+    row = session.submit(RowRequest(PROMPTS[2], max_tokens=MAX_TOKENS), on_tokens=on_tokens, on_finish=stream.on_finish)
+    other = session.submit(RowRequest(PROMPTS[0], max_tokens=MAX_TOKENS), on_finish=stream.on_finish)
+    while session.step():
+        pass
+    assert asked == [True] and not session.checkpoint(row)  # gone now
+    session.close()
+    want = plain_greedy(tiny.target, PROMPTS[2], MAX_TOKENS)
+    assert stream.results[row].tokens == want
+    assert stream.results[other].tokens == plain_greedy(tiny.target, PROMPTS[0], MAX_TOKENS)
+    calls = [call for call in recorder.calls if call[0] == row]
+    assert len(calls) == 3  # boundary, mid-generation, finish
+    _, tokens, caches, draft = calls[1]
+    done = len(tokens) - len(PROMPTS[2]) + 1  # generated tokens covered, plus the pending one
+    assert tokens == PROMPTS[2] + want[: done - 1] and done >= 6
+    (resumed,) = run(tiny, provider_name, [RowRequest(PROMPTS[2] + want[:done], caches, len(tokens), draft,
+                                                      max_tokens=MAX_TOKENS - done)])
+    assert resumed.tokens == want[done:]

@@ -84,9 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=_positive_int, help="refuse longer prompts (400)")
     parser.add_argument("--max-body-bytes", type=_size, default=4 << 20, help="refuse larger bodies (413; "
                         "default 4MiB)")
-    parser.add_argument("--checkpoint-every", type=_positive_int, metavar="N",
-                        help="NOT IMPLEMENTED YET: accepted and ignored (checkpoints are written at the prompt "
-                             "boundary and when a row finishes)")
+    parser.add_argument("--checkpoint-every", type=_non_negative_int, default=4096, metavar="N",
+                        help="checkpoint every N tokens of a long prefill and of a long generation, besides the "
+                             "prompt boundary and the finish (default 4096; 0: only those two)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -171,7 +171,8 @@ def build_state(args):
             cache.close()
         raise
     metrics = Metrics()
-    scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics)
+    scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics,
+                          checkpoint_every=args.checkpoint_every or None)
     config = ServerConfig(model_id=args.model_id or model_dir.resolve().name, context_tokens=_context_tokens(model_dir),
                           max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
                           default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes)
@@ -187,9 +188,6 @@ def main(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("spec_cache.server")
-    if args.checkpoint_every is not None:
-        log.warning("--checkpoint-every is not implemented yet: checkpoints are written at the prompt boundary "
-                    "and when a row finishes")
     state = build_state(args)
     app = create_app(state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

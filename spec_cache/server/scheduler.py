@@ -7,6 +7,14 @@ in the batch (each restored from the cache at that moment: memory tier, LMDB, sh
 round, write the checkpoints that round produced (``cache.save(..., background=True)``: the memory tier at once,
 LMDB behind), and go on; with nothing to do it sleeps on its inbox.
 
+Long prompts and generations (``checkpoint_every=N``): a prompt with more than N tokens left to prefill goes in
+phases: a row for ``prompt[:k*N + 1]`` with ``max_tokens=1`` whose prompt-boundary checkpoint (``k*N`` tokens)
+is saved, then the next phase (or the request itself) restores from it; so a crash mid-prefill, or a later
+request sharing only the head, resumes part-way. Each phase costs one extra one-token round and a restore. A
+decoding row is checkpointed every N generated tokens (``DecodeSession.checkpoint``). Phases are skipped under KV
+quantization (the conversion point depends on the whole prompt's length, so a phase's state would not be
+reusable).
+
 Back-pressure: at most ``max_rows`` jobs decode at once; up to ``max_queue`` more wait; beyond that ``submit``
 raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
 ``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason, generated)`` with reason
@@ -16,6 +24,7 @@ raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import secrets
@@ -51,6 +60,10 @@ class Job:
     generated: int = 0
     last_token_at: float | None = None
     finished: bool = False
+    started: bool = False  # "start" delivered (the job's own row was admitted, not a prefill phase)
+    phase_end: int | None = None  # the row decoding now is a prefill phase up to this many prompt tokens
+    prefilled: int = 0  # prompt tokens covered by this job's own phase checkpoints
+    checkpointed_at: int = 0  # generated tokens at the last mid-generation checkpoint
 
 
 def random_seed() -> int:
@@ -60,9 +73,13 @@ def random_seed() -> int:
 class Scheduler:
     """See the module doc. ``generator``: a loaded ``spec_cache.generator.Generator``."""
 
-    def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None) -> None:
+    def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None,
+                 checkpoint_every: int | None = None) -> None:
         if max_rows < 1 or max_queue < 0:
             raise ValueError("max_rows must be >= 1 and max_queue >= 0")
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be None or >= 1")
+        self.checkpoint_every = checkpoint_every if generator.cache is not None else None
         self.generator = generator
         self.max_rows = max_rows
         self.max_queue = max_queue
@@ -195,33 +212,54 @@ class Scheduler:
         while self._pending and session.active_count + session.waiting_count < self.max_rows:
             job = self._pending.popleft()
             try:
-                job.prepared = self.generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling,
-                                                      ns_key=self._ns_key(job.tenant))
-                try:
-                    job.row = session.submit(job.prepared.request, on_tokens=self._on_tokens,
-                                             on_finish=self._on_finish, submitted_at=job.arrived)
-                except (ValueError, SchemaError) as exc:
-                    if not job.prepared.cached_tokens:
-                        raise
-                    # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
-                    log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
-                    job.prepared = self.generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling,
-                                                          ns_key=None, lookup=False)
-                    job.prepared.ns_key = self._ns_key(job.tenant)
-                    job.row = session.submit(job.prepared.request, on_tokens=self._on_tokens,
-                                             on_finish=self._on_finish, submitted_at=job.arrived)
+                self._submit(job)
             except Exception as exc:  # a request the engine refuses: this job fails, the others go on
                 log.warning("spec-cache: request refused: %s", exc)
                 self._fail(job, APIError(400, f"the engine refused the request: {exc}"))
                 continue
             self._rows[job.row] = job
-            job.cached_tokens = job.prepared.cached_tokens
             with self._lock:
                 self._decoding += 1
-            if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(len(job.prompt))
-                self.metrics.cached_tokens.inc(job.cached_tokens)
-            job.deliver(("start", job.cached_tokens))
+            if job.phase_end is None and not job.started:
+                job.started = True
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(job.prompt))
+                    self.metrics.cached_tokens.inc(job.cached_tokens)
+                job.deliver(("start", job.cached_tokens))
+
+    def _submit(self, job: Job) -> None:
+        """Restore ``job`` (or its next prefill phase) from the cache and put its row into the session."""
+        generator, ns_key = self.generator, self._ns_key(job.tenant)
+        first = job.prepared is None
+        job.prepared = generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling, ns_key=ns_key)
+        if first:
+            job.cached_tokens = job.prepared.cached_tokens  # what the cache held before this request
+        job.phase_end = self._phase_end(job)
+        if job.phase_end is not None:  # the same restored state, a shorter prompt: prefill up to phase_end
+            job.prepared.request = dataclasses.replace(job.prepared.request, prompt=job.prompt[: job.phase_end + 1],
+                                                       max_tokens=1, sampling=None)
+        try:
+            job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
+                                           on_finish=self._on_finish, submitted_at=job.arrived)
+        except (ValueError, SchemaError) as exc:
+            if not job.prepared.cached_tokens:
+                raise
+            # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
+            log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
+            job.phase_end = None
+            job.prepared = generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling, ns_key=ns_key,
+                                             lookup=False)
+            job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
+                                           on_finish=self._on_finish, submitted_at=job.arrived)
+
+    def _phase_end(self, job: Job) -> int | None:
+        """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now."""
+        every = self.checkpoint_every
+        if every is None or self.generator.engine.plan is not None:
+            return None
+        covered = max(job.prepared.cached_tokens, job.prefilled)
+        end = (covered // every + 1) * every
+        return end if end < len(job.prompt) - 1 else None
 
     def _step(self) -> None:
         try:
@@ -241,7 +279,7 @@ class Scheduler:
 
     def _on_tokens(self, row: int, tokens: list) -> None:
         job = self._rows.get(row)
-        if job is None:
+        if job is None or job.phase_end is not None:
             return
         now = time.perf_counter()
         if self.metrics is not None:
@@ -256,6 +294,10 @@ class Scheduler:
         job.last_token_at = now
         job.generated += len(tokens)
         job.deliver(("tokens", list(tokens)))
+        every = self.checkpoint_every
+        if every is not None and job.generated - job.checkpointed_at >= every and job.generated < job.max_tokens:
+            job.checkpointed_at = job.generated
+            self._session.checkpoint(row)  # taken at the end of this step
 
     def _on_finish(self, row: int, result) -> None:
         job = self._rows.pop(row, None)
@@ -263,12 +305,18 @@ class Scheduler:
             return
         with self._lock:
             self._decoding -= 1
+        if job.phase_end is not None and not result.cancelled:
+            job.prefilled, job.phase_end, job.row = job.phase_end, None, None
+            self._pending.appendleft(job)  # the next phase (or the job itself) restores from this one
+            return
         self._done(job, result.reason or ("cancelled" if result.cancelled else "length"))
 
     def _on_checkpoint(self, row: int, tokens: list, caches: list, draft) -> None:
         job = self._rows.get(row)
         if job is None or self.generator.cache is None:
             return
+        if job.phase_end is not None and len(tokens) != job.phase_end:
+            return  # a prefill phase: only its prompt-boundary checkpoint is worth keeping
         if job.prepared.needs_save(tokens, draft, self.generator.drafter_namespace):
             self._saves.append((tokens, caches, draft, job.prepared.ns_key))  # written after the step
 
