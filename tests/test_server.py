@@ -276,6 +276,9 @@ def test_second_turn_reports_cached_tokens(server, reference):
     assert again.choices[0].message.content == expected_text(tokenizer, greedy(chat_ids(tokenizer, second), 8))
     assert server.metric("spec_cache_cached_prompt_tokens_total") > 0
     assert 0 < server.metric("spec_cache_prompt_cache_hit_ratio") < 1
+    server.wait_durable()
+    assert server.metric("spec_cache_store_bytes") > 0 and server.metric("spec_cache_memory_tier_bytes") > 0
+    assert server.metric("spec_cache_time_to_first_token_seconds_count") > 0
 
 
 def test_api_keys_and_cache_salts_never_share_a_prefix(server):

@@ -172,7 +172,8 @@ def build_state(args):
         raise
     metrics = Metrics()
     scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics,
-                          checkpoint_every=args.checkpoint_every or None)
+                          checkpoint_every=args.checkpoint_every or None,
+                          eos_token_ids=getattr(tokenizer, "eos_token_ids", None) or ())
     config = ServerConfig(model_id=args.model_id or model_dir.resolve().name, context_tokens=_context_tokens(model_dir),
                           max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
                           default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes)

@@ -74,12 +74,14 @@ class Scheduler:
     """See the module doc. ``generator``: a loaded ``spec_cache.generator.Generator``."""
 
     def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None,
-                 checkpoint_every: int | None = None) -> None:
+                 checkpoint_every: int | None = None, eos_token_ids=()) -> None:
         if max_rows < 1 or max_queue < 0:
             raise ValueError("max_rows must be >= 1 and max_queue >= 0")
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError("checkpoint_every must be None or >= 1")
         self.checkpoint_every = checkpoint_every if generator.cache is not None else None
+        #: the model's EOS ids and the tokenizer's (a chat model's end-of-turn token is often only the latter)
+        self.eos_token_ids = tuple(sorted(set(generator.eos_token_ids) | {int(t) for t in eos_token_ids}))
         self.generator = generator
         self.max_rows = max_rows
         self.max_queue = max_queue
@@ -172,7 +174,7 @@ class Scheduler:
 
     def _new_session(self):
         generator = self.generator
-        return generator.engine.session(eos_token_ids=generator.eos_token_ids, on_checkpoint=self._on_checkpoint)
+        return generator.engine.session(eos_token_ids=self.eos_token_ids, on_checkpoint=self._on_checkpoint)
 
     def _take_messages(self, block: bool) -> None:
         try:
