@@ -6,6 +6,13 @@ proposals are padded); each row keeps its drafts up to the first disagreement pl
 and the rejected tail of every row is rolled back exactly (see ``TargetRows``). With greedy sampling the emitted
 tokens are exactly the target's own greedy tokens; the drafter only changes how many come per forward.
 
+Continuous batching: ``SpeculativeEngine.session()`` returns a ``DecodeSession`` that requests join (``submit``,
+cold or restored) and leave (done, ``cancel``, ``finish``) between rounds, with per-row ``on_tokens`` /
+``on_finish`` callbacks; ``run`` is a session that is given every request at once. Sampling is per row
+(``RowRequest.sampling``: temperature, top_p, seed; ``spec_cache.sampling.RowSampler``): the token at position
+``p`` of a row is drawn with a key derived from its seed and ``p`` only, so a row's tokens never depend on the
+other rows of its batch, on the drafter, or on where it was restored from.
+
 Row admission (prefill) is tail-split: the target KV gets ``prompt[:-1]`` (minus what was restored) and the last
 prompt token is the first pending token. Target rows and draft rows join a running group together through
 two-phase state changes, so a failure on either side leaves both as they were.

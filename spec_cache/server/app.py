@@ -153,7 +153,7 @@ def create_app(state: ServerState) -> Starlette:
                                code="request_too_large")
         try:
             return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
     def tenant_of(request: Request) -> str | None:
