@@ -73,16 +73,67 @@ SUBDBS = ("meta", "nsinfo", "nodes", "chunks", "entries", "edata", "drafts", "lr
 T = TypeVar("T")
 
 
-def _secure_dir(path: str) -> None:
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except OSError as exc:
-        raise StoreOpenError(f"cannot create store directory {path}: {exc.strerror}") from None
-    if not os.path.isdir(path):
+STORE_FILES = frozenset({"data.mdb", "lock.mdb", RESERVE_NAME})
+
+
+def _prepare_dir(path: str) -> bool:
+    """Make sure ``path`` may hold a store before anything is written; True if it holds one already.
+
+    Created: a new directory, and at most one missing parent. Accepted: an empty directory, or one holding only a
+    store's own files. Refused untouched (``StoreOpenError``): a file, a non-empty directory that is not a store,
+    a directory we may not enter, a deeper missing path.
+    """
+    if os.path.lexists(path) and not os.path.isdir(path):
         raise StoreOpenError(f"store path {path} is not a directory")
+    if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent) and not os.path.isdir(os.path.dirname(parent)):
+            raise StoreOpenError(f"cannot create store directory {path}: its parent {parent} does not exist "
+                                 "(a store creates at most one missing parent)")
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise StoreOpenError(f"cannot create store directory {path}: {exc.strerror}") from None
+        return False
+    try:
+        names = set(os.listdir(path))
+    except PermissionError:
+        raise StoreOpenError(f"permission denied: cannot read store directory {path}") from None
+    except OSError as exc:
+        raise StoreOpenError(f"cannot read store directory {path}: {exc.strerror}") from None
+    if names - STORE_FILES:
+        shown = ", ".join(sorted(names - STORE_FILES)[:3])
+        raise StoreOpenError(f"{path} is not a spec-cache store and not empty ({shown}...): refusing to create a "
+                             "store there; choose a new or empty directory")
+    _check_data_file(path)
+    return "data.mdb" in names
+
+
+def _check_data_file(path: str) -> None:
+    data = os.path.join(path, "data.mdb")
+    try:
+        size = os.path.getsize(data)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StoreOpenError(f"cannot open store at {path}: {exc.strerror}") from None
+    if size == 0:
+        raise StoreOpenError(f"store at {path} is damaged: data.mdb is empty (0 bytes); delete the directory or "
+                             "run 'spec-cache repair' on a copy that still has its data")
+    if not os.access(data, os.R_OK):
+        raise StoreOpenError(f"permission denied: cannot read {data}")
+
+
+def _secure(path: str) -> None:
+    """Owner-only modes on a store we own: directory 0700, files 0600 (only after every check passed)."""
     st = os.stat(path)
-    if stat.S_IMODE(st.st_mode) != 0o700 and st.st_uid == os.getuid():
+    if st.st_uid != os.getuid():
+        return
+    if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
+    for name in ("data.mdb", "lock.mdb"):
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.join(path, name), 0o600)
 
 
 _allocator_tuned: bool | None = None
@@ -148,6 +199,27 @@ class ReadTxn:
         return getattr(self.txn, name)
 
 
+def _first_unenterable(path: str) -> str | None:
+    """The first ancestor of ``path`` this user may not search (why ``path`` looks absent), or None."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts)):
+        ancestor = os.sep.join(parts[:i]) or os.sep
+        try:
+            os.listdir(ancestor)
+        except PermissionError:
+            return ancestor
+        except OSError:
+            return None
+    return None
+
+
+def _reason(exc: lmdb.Error) -> str:
+    """LMDB's error without the path it repeats (the message names the store once)."""
+    text = str(exc)
+    head, sep, tail = text.partition(": ")
+    return tail if sep and os.path.sep in head else text
+
+
 class Environment:
     """Owns the ``lmdb.Environment`` and its named sub-databases."""
 
@@ -160,27 +232,27 @@ class Environment:
         if not readonly:
             tune_allocator()
         if readonly:
-            if not os.path.exists(os.path.join(self.path, "data.mdb")):
-                raise StoreOpenError(f"no spec-cache store at {self.path}")
+            self._check_readable()
+            lock = os.access(os.path.join(self.path, "lock.mdb"), os.W_OK)
         else:
-            _secure_dir(self.path)
+            if _prepare_dir(self.path):
+                self._peek()  # a foreign or newer store is refused before LMDB's lock file is touched
+            lock = True
         old_umask = os.umask(0o077)
         try:
+            # read-only on a store whose lock file we may not write (another user's): lock-free reads (see
+            # ``_check_readable``); everything else takes LMDB's lock table
             self.env = lmdb.open(self.path, map_size=map_size or DEFAULT_MAP_SIZE, max_dbs=len(SUBDBS) + 2,
                                  subdir=True, readonly=readonly, sync=durable, metasync=durable,
-                                 max_readers=256, lock=True, writemap=False, readahead=False, mode=0o600)
+                                 max_readers=256, lock=lock, writemap=False, readahead=False, mode=0o600)
         except lmdb.Error as exc:
-            raise StoreOpenError(f"cannot open store at {self.path}: {exc}") from None
+            raise StoreOpenError(f"cannot open store at {self.path}: {_reason(exc)}") from None
         finally:
             os.umask(old_umask)
-        if not readonly:
-            for name in ("data.mdb", "lock.mdb"):
-                with contextlib.suppress(OSError):
-                    os.chmod(os.path.join(self.path, name), 0o600)
-            self._keep_reserve()
         try:
             self._check_file_size()
-            self.env.reader_check()  # clear reader slots left by killed processes
+            if lock:
+                self.env.reader_check()  # clear reader slots left by killed processes
             for attempt in range(8):
                 try:
                     existing = self._existing_format()  # before anything is created: a refused store stays untouched
@@ -190,13 +262,58 @@ class Environment:
                     if attempt == 7:
                         raise
                     self.env.set_mapsize(0)
+            if not readonly:  # every check passed: only now modes change and the reserve is made
+                _secure(self.path)
+                self._keep_reserve()
             self.meta = existing if existing is not None else self._create_format(chunk_tokens)
         except lmdb.Error as exc:
             self.env.close()
-            raise StoreOpenError(f"cannot open store at {self.path}: {exc}") from None
+            raise StoreOpenError(f"cannot open store at {self.path}: {_reason(exc)}") from None
         except BaseException:
             self.env.close()
             raise
+
+    def _peek(self) -> None:
+        """Check an existing ``data.mdb`` through a lock-free read-only open (which writes nothing)."""
+        try:
+            self.env = lmdb.open(self.path, readonly=True, lock=False, subdir=True, max_dbs=len(SUBDBS) + 2)
+        except lmdb.Error as exc:
+            raise StoreOpenError(f"cannot open store at {self.path}: {_reason(exc)}") from None
+        try:
+            self._check_file_size()
+            for attempt in range(8):
+                try:
+                    self._existing_format()
+                    break
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                    if attempt == 7:
+                        raise
+                    self.env.set_mapsize(0)
+        except lmdb.Error as exc:
+            raise StoreOpenError(f"cannot open store at {self.path}: {_reason(exc)}") from None
+        finally:
+            self.env.close()
+            self.env = None
+
+    def _check_readable(self) -> None:
+        """A read-only open needs a readable ``data.mdb``; permission problems are named as such.
+
+        Read-only inspection of a store whose ``lock.mdb`` this user cannot write (another user's store, a
+        read-only mount) opens without LMDB's lock table: safe while no process writes the store; during a
+        concurrent write a reader may see pages being rewritten (every record is still checksummed, so that
+        shows as a corrupt record, never as wrong data)."""
+        if not os.path.isdir(self.path):
+            if os.path.lexists(self.path):
+                raise StoreOpenError(f"store path {self.path} is not a directory")
+            blocked = _first_unenterable(self.path)
+            if blocked is not None:
+                raise StoreOpenError(f"permission denied: cannot enter {blocked}")
+            raise StoreOpenError(f"no spec-cache store at {self.path}")
+        if not os.access(self.path, os.X_OK | os.R_OK):
+            raise StoreOpenError(f"permission denied: cannot read store directory {self.path}")
+        if not os.path.exists(os.path.join(self.path, "data.mdb")):
+            raise StoreOpenError(f"no spec-cache store at {self.path}")
+        _check_data_file(self.path)
 
     def _check_file_size(self) -> None:
         """Refuse a ``data.mdb`` shorter than its committed pages (truncated by a full disk, a bad copy, a

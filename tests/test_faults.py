@@ -495,4 +495,4 @@ def test_open_adopts_a_map_another_process_grew(tmp_path, monkeypatch):
     monkeypatch.setattr(store_env.Environment, "_existing_format", resized_once)
     with Store.open(tmp_path / "s", durable=False) as store:
         assert store.chunk_tokens > 0
-    assert calls["n"] == 2
+    assert calls["n"] == 3  # the lock-free format check before the open retried once, then the open itself

@@ -258,7 +258,8 @@ def test_a_checkpoint_is_durable_soon_after_its_request_even_if_killed(tiny, tmp
     from spec_cache.store import maintenance
 
     with Store.open(store_dir) as store:
-        assert maintenance.verify(store).ok
+        report = maintenance.verify(store)
+        assert not report.damaged and report.ok > 0, report.as_dict()
     with SpecCache.open(store_dir, memory_bytes=0) as cache:
         gen = Generator.load(tiny.root / "target", None, method="ngram", cache=cache)
         out = gen.generate([list(range(3, 3 + n)) for n in (40, 70, 100)], max_tokens=6)
@@ -299,4 +300,4 @@ def test_sigkill_during_write_behind_leaves_no_torn_checkpoint(tmp_path):
 
         with Store.open(store_dir) as store:
             report = maintenance.verify(store)
-            assert report.ok, report.as_dict()
+            assert not report.damaged and report.ok > 0, report.as_dict()

@@ -1,0 +1,134 @@
+"""Opening a store never takes over what is not one (issue 14): a store is created only in a new or empty
+directory (with at most one missing parent); anything else is refused before any chmod or write; permission
+problems are named as such; a closed cache says so."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import warnings
+
+import lmdb
+import pytest
+
+from spec_cache.store import Store, StoreError
+
+
+def snapshot(path):
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            full = os.path.join(root, name)
+            st = os.lstat(full)
+            out[full] = (stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns)
+    st = os.stat(path)
+    out[str(path)] = (stat.S_IMODE(st.st_mode),)
+    return out
+
+
+def test_a_non_empty_directory_that_is_not_a_store_is_refused_untouched(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    (d / "f").write_text("user data")
+    before = snapshot(d)
+    with pytest.raises(StoreError, match="not a spec-cache store and not empty"):
+        Store.open(d)
+    assert snapshot(d) == before
+
+
+def test_a_foreign_lmdb_directory_is_refused_untouched(tmp_path):
+    d = tmp_path / "foreign"
+    env = lmdb.open(str(d), max_dbs=2)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v", db=env.open_db(b"theirs", txn=txn))
+    env.close()
+    os.chmod(d, 0o755)
+    before = snapshot(d)
+    with pytest.raises(StoreError, match="not a spec-cache store"):
+        Store.open(d)
+    assert snapshot(d) == before and not (d / "reserve").exists()
+
+
+def test_at_most_one_missing_parent_is_created(tmp_path):
+    with pytest.raises(StoreError, match="does not exist"):
+        Store.open(tmp_path / "x" / "y" / "store")
+    assert not (tmp_path / "x").exists()
+    with Store.open(tmp_path / "a" / "store") as store:
+        assert store.chunk_tokens > 0
+    assert stat.S_IMODE(os.stat(tmp_path / "a" / "store").st_mode) == 0o700
+
+
+def test_an_empty_directory_becomes_a_store_and_a_file_path_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    Store.open(tmp_path / "empty").close()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="not a directory"):
+        Store.open(tmp_path / "file")
+
+
+def test_a_zero_byte_data_file_is_named_and_not_replaced(tmp_path):
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / "data.mdb").write_bytes(b"")
+    for readonly in (False, True):
+        with pytest.raises(StoreError, match="data.mdb is empty"):
+            Store.open(d, readonly=readonly)
+    assert (d / "data.mdb").stat().st_size == 0 and not (d / "reserve").exists()
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root to switch users")
+def test_as_another_user_permission_denied_is_named_and_readonly_inspection_works(tmp_path):
+    import tempfile
+
+    tmp_path = __import__("pathlib").Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's own folders are 0700
+    """A store owned by root, 0700: another user gets "permission denied"; made world-readable (files 0644,
+    directory 0755) another user can inspect it read-only although lock.mdb is not theirs to write; and that
+    user's write-open of a foreign non-empty directory changes nothing there."""
+    d = tmp_path / "store"
+    with Store.open(d) as store:
+        from spec_cache.store import maintenance  # noqa: F401
+    os.chmod(tmp_path, 0o755)
+    code = ("import sys\nfrom spec_cache.store import Store, StoreError, maintenance\n"
+            "try:\n    s = Store.open(sys.argv[1], readonly=True)\nexcept StoreError as e:\n    print('ERR', e)\n"
+            "else:\n    print('OK', not maintenance.verify(s).damaged); s.close()\n")
+    user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code, str(d)]
+    out = subprocess.run(user, capture_output=True, text=True, timeout=120)
+    assert "permission denied" in out.stdout, out.stdout + out.stderr
+    os.chmod(d, 0o755)
+    for name in ("data.mdb", "lock.mdb"):
+        os.chmod(d / name, 0o644)
+    out = subprocess.run(user, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "OK True", out.stdout + out.stderr
+    foreign = tmp_path / "theirs"
+    foreign.mkdir(mode=0o777)
+    os.chmod(foreign, 0o777)
+    (foreign / "f").write_text("x")
+    before = snapshot(foreign)
+    takeover = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                "import sys\nfrom spec_cache.store import Store, StoreError\ntry:\n    Store.open(sys.argv[1])\n"
+                "except StoreError as e:\n    print('ERR', e)\n", str(foreign)]
+    out = subprocess.run(takeover, capture_output=True, text=True, timeout=120)
+    assert "not a spec-cache store" in out.stdout, out.stdout + out.stderr
+    assert snapshot(foreign) == before
+    shutil.rmtree(tmp_path)
+
+
+def test_a_closed_cache_is_a_clear_error_or_a_warned_miss(tmp_path):
+    from spec_cache.cache import CacheClosedError, CacheWarning, SpecCache
+
+    cache = SpecCache.open(tmp_path / "s")
+    ns = cache.namespace("ab" * 32, "{}")
+    cache.close()
+    cache.close()  # idempotent
+    with pytest.raises(CacheClosedError, match="closed"):
+        cache.namespace("ab" * 32, "{}")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert cache.restore(ns, [1, 2, 3]) is None
+        assert cache.save(ns, [1, 2, 3], []) is None
+    assert [w.category for w in seen] == [CacheWarning, CacheWarning]
+    assert all("closed" in str(w.message) for w in seen)
