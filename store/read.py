@@ -2,8 +2,9 @@
 
 Whatever a record comes from (an LMDB read transaction, a Redis MULTI), it is returned only after:
 
-* its blake3 checksum and structure pass (``codec.decode_record``), possibly on a second thread while its
-  tensors are copied out (``BackgroundVerifier``; nothing is returned before every checksum passed);
+* its checksum (XXH3-128, or blake3 in format-1 records) and structure pass (``codec.decode_record``), a large
+  record's checksum on a second thread while its tensors are copied out (``BackgroundVerifier``; nothing is
+  returned before every checksum passed);
 * it is of the kind asked for (chunk, entry, draft) and names the key it is stored under (``codec.check_key``);
 * it holds the prompt's tokens for the span its key stands for;
 * an entry record covers the length asked for in chunks of the store's size, a chunk-boundary prefix comes
@@ -43,7 +44,7 @@ during the call: copy them) and return what ``Tensor.data`` should hold."""
 
 
 class BackgroundVerifier:
-    """Checksums large records on one worker thread while their tensors are copied out (blake3 releases the
+    """Checksums large records on one worker thread while their tensors are copied out (the hash releases the
     GIL), so a restore costs about one pass over its bytes instead of two. Created lazily; ``close()`` ends it."""
 
     def __init__(self, min_bytes: int = ASYNC_VERIFY_BYTES):

@@ -217,7 +217,7 @@ class Store:
         """Look up and read back the longest prefix of ``tokens`` that ``usable(hit)`` accepts (any hit when
         None; see ``lookup``); None on a miss.
 
-        Every record read is verified (``read.py``: blake3, kind, key, tokens, lengths); a corrupt record is
+        Every record read is verified (``read.py``: checksum, kind, key, tokens, lengths); a corrupt record is
         dropped from the store, logged, and the lookup retried (a shorter prefix may still serve), up to
         ``max_attempts`` lookups. A drafter part with an unknown or invalid schema is skipped (target only).
         What went wrong is appended to ``warnings`` (when given; also on a miss) and to ``Restored.warnings``.

@@ -10,7 +10,7 @@ On the caller's thread, every socket read bounded by ``timeout_s``:
    in hand, read as one consistent snapshot; a candidate that turns out stale, evicted or corrupt costs one more
    MULTI for the next (``max_attempts`` in all).
 
-Every record is verified (blake3 checksum, structure, kind, the key it names, its tokens against the prompt's)
+Every record is verified (checksum, structure, kind, the key it names, its tokens against the prompt's)
 and the entry and drafter records must carry the checksums their manifest pins. A corrupt value is removed from
 the server if it still holds exactly what was read, and the lookup goes on with a shorter prefix. A key that
 vanished between the two steps (server eviction) is a miss, not an error.

@@ -3,7 +3,7 @@
 Outgoing: a committed local checkpoint read back from LMDB as its exact codec bytes (entry record, drafter
 records, the chain's chunk keys and, on demand, chunk records), each verified before it leaves the host, so a
 local bit flip is never spread to the fleet. Incoming: records fetched from the server are decoded and verified
-(blake3 checksum, structure, kind, the key the record names, and the tokens it holds against the tokens asked
+(checksum, structure, kind, the key the record names, and the tokens it holds against the tokens asked
 for) and assembled into ``LayerState`` lists by the store's one read path (``store/read.py``); promotion into
 LMDB goes through ``Store.put``.
 """
@@ -25,7 +25,7 @@ from ..tensors import LayerState
 
 
 def record_checksum(raw) -> bytes:
-    """The 32-byte blake3 checksum a record carries in its prefix (what manifests pin)."""
+    """The 32-byte checksum field a record carries in its prefix (what manifests pin)."""
     return bytes(memoryview(raw)[CHECKSUM_OFFSET:PREFIX_SIZE])
 
 
