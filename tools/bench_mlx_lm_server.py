@@ -14,6 +14,10 @@ chunk), then stopped (SIGTERM) and started again on the same store:
 
 Prints a table and the ratios (mlx-lm / spec-cache: > 1 means spec-cache is faster). Greedy, so both servers
 produce the same replies and the same histories.
+
+``--paired``: both servers run at once and every request goes to both, back to back, in alternating order, so
+both see the same host load (on a shared, busy machine the sequential figures drift by tens of percent between
+runs); they are restarted together.
 """
 
 from __future__ import annotations
@@ -169,8 +173,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def bench(kind: str, model: str, store: str, args, system: str, logdir: Path) -> dict:
-    argv = ["mlx_lm.server", "--model", model] if kind == "mlx-lm" else \
-        ["spec_cache.mlx_lm_server", "--model", model, "--cache", store]
+    argv = server_argv(kind, model, store)
     s = Server(argv, logdir / f"{kind}-1.log")
     try:
         chat(s.port, [{"role": "user", "content": "w3 w4"}], 2)  # warm up the model load and kernels
@@ -192,6 +195,98 @@ def bench(kind: str, model: str, store: str, args, system: str, logdir: Path) ->
             "turns_wall_s": wall, "replies": [h[-1]["content"] for h in histories]}
 
 
+KINDS = ("mlx-lm", "spec-cache")
+
+
+def server_argv(kind: str, model: str, store: str) -> list[str]:
+    return ["mlx_lm.server", "--model", model] if kind == "mlx-lm" else \
+        ["spec_cache.mlx_lm_server", "--model", model, "--cache", store]
+
+
+def bench_paired(model: str, store: str, args, system: str, logdir: Path) -> dict:
+    """Both servers at once; each request to both, back to back, the order alternating."""
+    out = {k: {"ttft": {t: [] for t in range(args.turns)}, "cached": {t: [] for t in range(args.turns)},
+               "after": [], "after_cached": []} for k in KINDS}
+    histories = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
+    same = [True]
+    lock = threading.Lock()
+
+    def both(ports, messages, n):
+        order = KINDS if n % 2 == 0 else KINDS[::-1]
+        got = {k: chat(ports[k], messages, args.max_tokens) for k in order}
+        if got["mlx-lm"][1] != got["spec-cache"][1]:
+            same[0] = False
+        return got
+
+    def pool(work):
+        todo = list(range(args.conversations))
+
+        def client():
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    conv = todo.pop(0)
+                work(conv)
+        threads = [threading.Thread(target=client) for _ in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def start():
+        servers = {k: Server(server_argv(k, model, store), logdir / f"paired-{k}.log") for k in KINDS}
+        for k in KINDS:
+            chat(servers[k].port, [{"role": "user", "content": "w3 w4"}], 2)
+        return servers
+
+    servers = start()
+    ports = {k: servers[k].port for k in KINDS}
+
+    def turns(conv):
+        for turn in range(args.turns):
+            histories[conv].append({"role": "user", "content": words(args.user_words, conv * 10 + turn)})
+            got = both(ports, histories[conv], conv + turn)
+            histories[conv].append({"role": "assistant", "content": got["mlx-lm"][1]})
+            with lock:
+                for k in KINDS:
+                    out[k]["ttft"][turn].append(got[k][0])
+                    out[k]["cached"][turn].append(got[k][2] or 0)
+
+    try:
+        pool(turns)
+    finally:
+        for s in servers.values():
+            s.stop()
+    servers = start()
+    ports = {k: servers[k].port for k in KINDS}
+
+    def after(conv):
+        got = both(ports, histories[conv][:-1], conv)
+        with lock:
+            for k in KINDS:
+                out[k]["after"].append(got[k][0])
+                out[k]["after_cached"].append(got[k][2] or 0)
+
+    try:
+        pool(after)
+    finally:
+        for s in servers.values():
+            s.stop()
+    results = {}
+    for k in KINDS:
+        o = out[k]
+        results[k] = {"turns": {t + 1: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v),
+                                        "cached_mean": statistics.mean(o["cached"][t])}
+                                for t, v in o["ttft"].items()},
+                      "after_restart": {"p50": pct(o["after"], 50), "p95": pct(o["after"], 95), "n": len(o["after"]),
+                                        "cached_mean": statistics.mean(o["after_cached"])},
+                      "turns_wall_s": float("nan"), "replies": []}
+    results["mlx-lm"]["replies"] = [same[0]]  # compared per request above
+    results["spec-cache"]["replies"] = [True]
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
@@ -201,6 +296,7 @@ def main() -> int:
     p.add_argument("--system-words", type=int, default=1500)
     p.add_argument("--user-words", type=int, default=150)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--paired", action="store_true", help="both servers at once, every request to both")
     p.add_argument("--json")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-mlx-lm-server-"))
@@ -210,7 +306,10 @@ def main() -> int:
 
         model = str(write_tiny_target(tmp / "tiny"))
     system = words(args.system_words, 999)
-    results = {kind: bench(kind, model, str(tmp / "store"), args, system, tmp) for kind in ("mlx-lm", "spec-cache")}
+    if args.paired:
+        results = bench_paired(model, str(tmp / "store"), args, system, tmp)
+    else:
+        results = {kind: bench(kind, model, str(tmp / "store"), args, system, tmp) for kind in KINDS}
     same = results["mlx-lm"].pop("replies") == results["spec-cache"].pop("replies")
     print(f"model {model}; {args.conversations} conversations x {args.turns} turns, {args.clients} clients, "
           f"system {args.system_words} words, user {args.user_words} words/turn, {args.max_tokens} tokens/reply")
@@ -223,8 +322,11 @@ def main() -> int:
         print(f"{name:<16}{a['p50'] * 1e3:>10.1f}ms{a['p95'] * 1e3:>7.1f}ms{b['p50'] * 1e3:>14.1f}ms"
               f"{b['p95'] * 1e3:>7.1f}ms{a['p50'] / b['p50']:>10.2f}x{a['p95'] / b['p95']:>7.2f}x"
               f"{a['cached_mean']:>15.0f}{b['cached_mean']:>12.0f}")
-    print(f"turns wall: mlx-lm {results['mlx-lm']['turns_wall_s']:.2f}s, "
-          f"spec-cache {results['spec-cache']['turns_wall_s']:.2f}s; identical replies: {same}")
+    if args.paired:
+        print(f"paired run (both servers up, each request to both); identical replies: {same}")
+    else:
+        print(f"turns wall: mlx-lm {results['mlx-lm']['turns_wall_s']:.2f}s, "
+              f"spec-cache {results['spec-cache']['turns_wall_s']:.2f}s; identical replies: {same}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "identical_replies": same, **results}, indent=1))
     return 0
