@@ -51,16 +51,21 @@ class Server:
         self.proc = subprocess.Popen(args + list(extra), cwd=ROOT, env=env, stdout=self.log.open("wb"),
                                      stderr=subprocess.STDOUT)
         self.key = keys[0] if keys else None
+        self.loading_answers = []  # what came back while the model loaded
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log.read_text()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=1)
+                if health.status_code == 200:
                     return
+                chat = httpx.post(self.url + "/v1/chat/completions", headers=self.headers(), timeout=1,
+                                  json={"model": "tiny", "messages": [{"role": "user", "content": "w5"}]})
+                self.loading_answers.append((health.status_code, health.json(), chat.status_code, chat.json()))
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"server did not come up:\n{self.log.read_text()}")
 
@@ -173,6 +178,14 @@ def words(start: int, count: int) -> str:
 
 
 # -- the API as a client sees it --------------------------------------------------------------------------------
+def test_it_listens_at_once_and_answers_503_while_loading(server):
+    assert server.loading_answers, "the model loaded before the first poll"
+    for health_status, health, chat_status, chat in server.loading_answers:
+        if chat_status == 503:  # the model may have come up between the two requests
+            assert chat["error"]["code"] == "model_loading"
+        assert health_status == 503 and health["status"] == "loading"
+
+
 def test_chat_and_completions_streaming_and_not_match_a_cold_run(server, reference):
     tokenizer, greedy = reference
     client = server.client()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -43,7 +44,7 @@ from .scheduler import Job, Scheduler, random_seed
 
 log = logging.getLogger("spec_cache.server")
 
-__all__ = ["ServerConfig", "ServerState", "create_app"]
+__all__ = ["ServerConfig", "ServerState", "create_app", "LoadingApp"]
 
 
 @dataclass
@@ -307,6 +308,69 @@ def _store_bytes(cache) -> int:
         return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     except Exception:  # closed meanwhile
         return 0
+
+
+class LoadingApp:
+    """The ASGI app ``spec-cache serve`` runs: it listens at once and answers 503 (``/health``: ``{"status":
+    "loading"}``) while ``load()`` (a ``ServerState`` factory) runs in a thread, then serves ``create_app(state)``.
+    Its lifespan shutdown waits for the load, drains the scheduler and closes the cache. ``on_failure(exc)`` is
+    called (from the loading thread) if the load fails; the app then answers 503 with the reason."""
+
+    def __init__(self, load, on_failure=None) -> None:
+        self._load = load
+        self._on_failure = on_failure
+        self._thread: threading.Thread | None = None
+        self.state: ServerState | None = None
+        self.app: Starlette | None = None
+        self.error: BaseException | None = None
+
+    def _run_load(self) -> None:
+        try:
+            state = self._load()
+            app = create_app(state)
+            state.scheduler.start()
+            self.state, self.app = state, app
+        except BaseException as exc:
+            self.error = exc
+            expected = isinstance(exc, (ValueError, OSError, NotImplementedError)) or type(exc).__name__ == "CliError"
+            log.error("spec-cache serve: loading failed: %s", exc, exc_info=not expected)
+            if self._on_failure is not None:
+                self._on_failure(exc)
+
+    def _shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        state = self.state
+        if state is not None:
+            state.scheduler.stop(state.config.drain_timeout_s)
+            if state.cache is not None:
+                state.cache.close()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    self._thread = threading.Thread(target=self._run_load, name="spec-cache-load", daemon=True)
+                    self._thread.start()
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await anyio.to_thread.run_sync(self._shutdown)
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        app = self.app
+        if app is not None:
+            await app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if self.error is None:
+            body = error_body("the model is loading; retry shortly", "server_error", code="model_loading")
+        else:
+            body = error_body(f"the model failed to load: {self.error}", "server_error", code="model_load_failed")
+        if scope.get("path") == "/health":
+            body = {"status": "loading" if self.error is None else "failed", **body}
+        await JSONResponse(body, status_code=503, headers={"Retry-After": "2"})(scope, receive, send)
 
 
 async def _disconnected(request: Request) -> None:

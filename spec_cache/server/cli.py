@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["add_arguments", "main", "register", "build_state", "run_module"]
+__all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module"]
 
 DRAFTER_METHODS = ("assistant", "draft-model", "ngram", "deepspec", "dflash")
 
@@ -133,12 +133,7 @@ def build_state(args):
     from .scheduler import Scheduler
 
     model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise _fail(f"model directory {model_dir} does not exist")
-    if args.drafter is not None and not Path(args.drafter).is_dir():
-        raise _fail(f"drafter directory {args.drafter} does not exist")
-    if args.method not in (None, "ngram") and args.drafter is None:
-        raise _fail(f"--method {args.method} needs --drafter DIR")
+    check_args(args)
     keys = list(args.api_key)
     if os.environ.get("SPEC_CACHE_API_KEY"):
         keys.append(os.environ["SPEC_CACHE_API_KEY"])
@@ -181,28 +176,43 @@ def build_state(args):
                        auth=Auth(keys), metrics=metrics, cache=cache)
 
 
+def check_args(args) -> None:
+    """The checks ``main`` makes before it listens (a missing directory, a method without its drafter):
+    ``CliError``."""
+    if not Path(args.model).is_dir():
+        raise _fail(f"model directory {args.model} does not exist")
+    if args.drafter is not None and not Path(args.drafter).is_dir():
+        raise _fail(f"drafter directory {args.drafter} does not exist")
+    if args.method not in (None, "ngram") and args.drafter is None:
+        raise _fail(f"--method {args.method} needs --drafter DIR")
+
+
 def main(args) -> int:
-    """Run the server for parsed ``args`` until SIGINT / SIGTERM; 0 after a clean shutdown."""
+    """Run the server for parsed ``args`` until SIGINT / SIGTERM. It listens at once and answers 503 while the
+    model loads. Returns 0 after a clean shutdown, 1 when loading failed or the address could not be bound."""
     import uvicorn
 
-    from .app import create_app
+    from .app import LoadingApp
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("spec_cache.server")
-    state = build_state(args)
-    app = create_app(state)
+    check_args(args)
+    server: uvicorn.Server | None = None
+
+    def failed(exc: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = LoadingApp(lambda: build_state(args), on_failure=failed)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=int(state.config.drain_timeout_s) + 5, lifespan="on")
+                            timeout_graceful_shutdown=35, lifespan="on")
     server = uvicorn.Server(config)
-    log.info("spec-cache serve: %s on http://%s:%d (max rows %d, queue %d, cache %s)", state.config.model_id,
-             args.host, args.port, args.max_rows, args.max_queue,
-             "off" if state.cache is None else state.cache.store.path if hasattr(state.cache.store, "path") else "on")
-    try:
-        server.run()
-    finally:
-        if state.cache is not None and not state.cache.closed:  # the lifespan did not run (e.g. bind failed)
-            state.scheduler.stop(0)
-            state.cache.close()
+    log.info("spec-cache serve: loading %s; listening on http://%s:%d (max rows %d, queue %d)", args.model,
+             args.host, args.port, args.max_rows, args.max_queue)
+    server.run()
+    if app.error is not None:
+        error = app.error
+        raise _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
     return 0 if server.started else 1
 
 
