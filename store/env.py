@@ -31,6 +31,10 @@ What made the put machine-sensitive was not LMDB but the allocator and the disk:
   encoding redone), so ``write`` grows the map ahead of time in big steps (doubling) once it is
   ``GROW_AHEAD_FRACTION`` used.
 
+Why one file of ~450 lines: ``Environment`` is one state machine over one ``lmdb.Environment`` (open, write with
+growth / full-disk / stale-reader recovery, reserve); directory checks live in ``directory.py``, glibc tuning
+in ``allocator.py``.
+
 ``Environment.last_write`` holds the last write's phases (seconds in ``fn``, in the commit, attempts) for
 benchmarks.
 """
@@ -38,11 +42,7 @@ benchmarks.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import platform
-import stat
-import threading
 import time
 from typing import Callable, TypeVar
 
@@ -54,6 +54,8 @@ try:
 except ImportError:  # pragma: no cover - Windows
     resource = None
 
+from .allocator import tune_allocator
+from .directory import RESERVE_NAME, check_data_file, first_unenterable, prepare_dir, secure
 from .errors import StoreError, StoreFormatError, StoreFullError, StoreOpenError
 
 STORE_FORMAT = "spec-cache-store"
@@ -64,108 +66,10 @@ DEFAULT_MAP_SIZE = 1 << 30
 MAX_MAP_SIZE = 1 << 44
 READER_CHECK_S = 5.0
 HEADROOM_BYTES = 4 << 20  # map growth and disk space (``reserve``) puts leave to unpin/evict/gc a full store
-RESERVE_NAME = "reserve"
 DISK_FULL_BYTES = 64 << 20  # an EIO/ENOSPC commit with less free than this (or 5% of the disk) is "disk full"
-TRIM_THRESHOLD_BYTES = 512 << 20  # freed heap glibc keeps mapped (see the module docstring)
-MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc's mallopt accepts on 64-bit
 GROW_AHEAD_FRACTION = 0.75  # grow the map before a write once this much of it is in use
 SUBDBS = ("meta", "nsinfo", "nodes", "chunks", "entries", "edata", "drafts", "lru", "memo")
 T = TypeVar("T")
-
-
-STORE_FILES = frozenset({"data.mdb", "lock.mdb", RESERVE_NAME})
-
-
-def _prepare_dir(path: str) -> bool:
-    """Make sure ``path`` may hold a store before anything is written; True if it holds one already.
-
-    Created: a new directory, and at most one missing parent. Accepted: an empty directory, or one holding only a
-    store's own files. Refused untouched (``StoreOpenError``): a file, a non-empty directory that is not a store,
-    a directory we may not enter, a deeper missing path.
-    """
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise StoreOpenError(f"store path {path} is not a directory")
-    if not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if not os.path.isdir(parent) and not os.path.isdir(os.path.dirname(parent)):
-            raise StoreOpenError(f"cannot create store directory {path}: its parent {parent} does not exist "
-                                 "(a store creates at most one missing parent)")
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise StoreOpenError(f"cannot create store directory {path}: {exc.strerror}") from None
-        return False
-    try:
-        names = set(os.listdir(path))
-    except PermissionError:
-        raise StoreOpenError(f"permission denied: cannot read store directory {path}") from None
-    except OSError as exc:
-        raise StoreOpenError(f"cannot read store directory {path}: {exc.strerror}") from None
-    if names - STORE_FILES:
-        shown = ", ".join(sorted(names - STORE_FILES)[:3])
-        raise StoreOpenError(f"{path} is not a spec-cache store and not empty ({shown}...): refusing to create a "
-                             "store there; choose a new or empty directory")
-    _check_data_file(path)
-    return "data.mdb" in names
-
-
-def _check_data_file(path: str) -> None:
-    data = os.path.join(path, "data.mdb")
-    try:
-        size = os.path.getsize(data)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise StoreOpenError(f"cannot open store at {path}: {exc.strerror}") from None
-    if size == 0:
-        raise StoreOpenError(f"store at {path} is damaged: data.mdb is empty (0 bytes); delete the directory or "
-                             "run 'spec-cache repair' on a copy that still has its data")
-    if not os.access(data, os.R_OK):
-        raise StoreOpenError(f"permission denied: cannot read {data}")
-
-
-def _secure(path: str) -> None:
-    """Owner-only modes on a store we own: directory 0700, files 0600 (only after every check passed)."""
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        return
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
-    for name in ("data.mdb", "lock.mdb"):
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.join(path, name), 0o600)
-
-
-_allocator_tuned: bool | None = None
-_allocator_lock = threading.Lock()
-
-
-def tune_allocator() -> bool:
-    """Keep glibc from handing LMDB's large transaction buffers out as fresh pages on every put (see the module
-    docstring). Once per process; a no-op off glibc, when the process chose its own malloc settings, or with
-    ``SPEC_CACHE_MALLOC_TUNE=0``. Returns whether the thresholds are set."""
-    global _allocator_tuned
-    with _allocator_lock:
-        if _allocator_tuned is not None:
-            return _allocator_tuned
-        _allocator_tuned = False
-        if os.environ.get("SPEC_CACHE_MALLOC_TUNE", "1") == "0" or platform.system() != "Linux":
-            return False
-        if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                                         "MALLOC_MMAP_MAX_")) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-            return False
-        try:
-            if platform.libc_ver()[0] != "glibc":
-                return False
-            libc = ctypes.CDLL(None)
-            mallopt = libc.mallopt
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-            _allocator_tuned = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)) and \
-                bool(mallopt(m_trim_threshold, TRIM_THRESHOLD_BYTES))
-        except (OSError, AttributeError, ValueError):
-            _allocator_tuned = False
-        return _allocator_tuned
 
 
 def _write_failed(exc: lmdb.Error) -> bool:
@@ -199,20 +103,6 @@ class ReadTxn:
         return getattr(self.txn, name)
 
 
-def _first_unenterable(path: str) -> str | None:
-    """The first ancestor of ``path`` this user may not search (why ``path`` looks absent), or None."""
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(2, len(parts)):
-        ancestor = os.sep.join(parts[:i]) or os.sep
-        try:
-            os.listdir(ancestor)
-        except PermissionError:
-            return ancestor
-        except OSError:
-            return None
-    return None
-
-
 def _reason(exc: lmdb.Error) -> str:
     """LMDB's error without the path it repeats (the message names the store once)."""
     text = str(exc)
@@ -235,7 +125,7 @@ class Environment:
             self._check_readable()
             lock = os.access(os.path.join(self.path, "lock.mdb"), os.W_OK)
         else:
-            if _prepare_dir(self.path):
+            if prepare_dir(self.path):
                 self._peek()  # a foreign or newer store is refused before LMDB's lock file is touched
             lock = True
         old_umask = os.umask(0o077)
@@ -263,7 +153,7 @@ class Environment:
                         raise
                     self.env.set_mapsize(0)
             if not readonly:  # every check passed: only now modes change and the reserve is made
-                _secure(self.path)
+                secure(self.path)
                 self._keep_reserve()
             self.meta = existing if existing is not None else self._create_format(chunk_tokens)
         except lmdb.Error as exc:
@@ -305,7 +195,7 @@ class Environment:
         if not os.path.isdir(self.path):
             if os.path.lexists(self.path):
                 raise StoreOpenError(f"store path {self.path} is not a directory")
-            blocked = _first_unenterable(self.path)
+            blocked = first_unenterable(self.path)
             if blocked is not None:
                 raise StoreOpenError(f"permission denied: cannot enter {blocked}")
             raise StoreOpenError(f"no spec-cache store at {self.path}")
@@ -313,7 +203,7 @@ class Environment:
             raise StoreOpenError(f"permission denied: cannot read store directory {self.path}")
         if not os.path.exists(os.path.join(self.path, "data.mdb")):
             raise StoreOpenError(f"no spec-cache store at {self.path}")
-        _check_data_file(self.path)
+        check_data_file(self.path)
 
     def _check_file_size(self) -> None:
         """Refuse a ``data.mdb`` shorter than its committed pages (truncated by a full disk, a bad copy, a

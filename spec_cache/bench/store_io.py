@@ -204,9 +204,9 @@ def bench_put_get(reps: int, tokens: int) -> dict:
     load(); get()
     t_load = median_time(load, reps)
     t_get = median_time(get, reps)
-    from spec_cache.store import env as store_env
+    from spec_cache.store.allocator import allocator_tuned
 
-    tuned = bool(store_env._allocator_tuned)
+    tuned = allocator_tuned()
     store.close()
     rates = _rates(nbytes, work, reps)
     shutil.rmtree(work, ignore_errors=True)
