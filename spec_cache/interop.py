@@ -56,9 +56,9 @@ def export_mlx_lm(cache: SpecCache, ns_key: bytes, tokens: Sequence[int], out_pa
     if exact and restored.length != len(tokens):
         raise InteropError(f"only {restored.length} of the {len(tokens)} tokens are stored")
     covered = list(tokens[: restored.length])
-    metadata = {"model": model or f"spec-cache:{info['target']}", "tokenizer_config": "{}",
+    metadata = {"model": model or f"spec-cache:{info.target}", "tokenizer_config": "{}",
                 "spec_cache_tokens": json.dumps(covered, separators=(",", ":")),
-                "spec_cache_target_identity": info["target"], "spec_cache_prefix_namespace": info["prefix"]}
+                "spec_cache_target_identity": info.target, "spec_cache_prefix_namespace": info.prefix_namespace}
     out_path = str(out_path)
     if not out_path.endswith(".safetensors"):
         raise InteropError("the output file name must end in .safetensors (mlx-lm's prompt-cache format)")
@@ -130,11 +130,8 @@ def _layer_states(caches):
     return capture_caches(caches)
 
 
-def _namespace_info(cache: SpecCache, ns_key: bytes) -> dict:
-    from spec_cache.store.index import Index
-
-    with cache.store.env.read() as txn:
-        info = Index(txn, cache.store.env.dbs).nsinfo(ns_key)
+def _namespace_info(cache: SpecCache, ns_key: bytes):
+    info = cache.store.namespace_info(ns_key)
     if info is None:
         raise InteropError("unknown namespace")
     return info
