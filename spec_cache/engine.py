@@ -75,6 +75,8 @@ class RowRequest:
     max_tokens: int = 32
     #: this row's temperature / top_p / seed (None: the run's); see ``spec_cache.sampling.RowSampler``
     sampling: RowSampling | None = None
+    #: False: generate ``max_tokens`` whatever the EOS ids (vLLM's ``ignore_eos``; benchmarks, tests)
+    stop_at_eos: bool = True
 
 
 @dataclass
@@ -488,8 +490,9 @@ class DecodeSession:
             while agree < len(draft) and draft[agree] == choice[agree]:
                 agree += 1
             emitted = (draft[:agree] + [choice[agree]])[:budget]
+            eos = self.eos if row.request.stop_at_eos else ()
             for position, token in enumerate(emitted):
-                if token in self.eos:
+                if token in eos:
                     emitted = emitted[: position + 1]
                     break
             row.generated += emitted
@@ -498,7 +501,7 @@ class DecodeSession:
             row.accepted += min(agree, len(emitted))
             if row.ttft_s is None:
                 row.ttft_s = clock - row.submitted
-            if emitted[-1] in self.eos:
+            if emitted[-1] in eos:
                 row.done, row.reason = True, "eos"
             elif len(row.generated) >= row.request.max_tokens:
                 row.done, row.reason = True, "length"

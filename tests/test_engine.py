@@ -454,3 +454,13 @@ def test_a_checkpoint_taken_mid_generation_resumes_exactly(tiny, provider_name):
     (resumed,) = run(tiny, provider_name, [RowRequest(PROMPTS[2] + want[:done], caches, len(tokens), draft,
                                                       max_tokens=MAX_TOKENS - done)])
     assert resumed.tokens == want[done:]
+
+
+def test_stop_at_eos_false_generates_the_whole_budget(tiny):
+    eos = plain_greedy(tiny.target, PROMPTS[0], MAX_TOKENS)[3]  # a token the row emits: call it EOS
+    stops, runs_on = run(tiny, "draft-model", [RowRequest(PROMPTS[0], max_tokens=MAX_TOKENS),
+                                               RowRequest(PROMPTS[0], max_tokens=MAX_TOKENS, stop_at_eos=False)],
+                         eos_token_ids=[eos])
+    want = plain_greedy(tiny.target, PROMPTS[0], MAX_TOKENS)
+    assert stops.tokens == want[: want.index(eos) + 1] and stops.reason == "eos"
+    assert runs_on.tokens == want and runs_on.reason == "length"

@@ -131,13 +131,13 @@ def reference(model):
     tokenizer = load_tokenizer(target_dir)
     memo = {}
 
-    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
+    def greedy(prompt: list[int], max_tokens: int, stop_at_eos: bool = True) -> list[int]:
+        key = (tuple(prompt), max_tokens, stop_at_eos)
         if key not in memo:
             out = []
             for token, _ in generate_step(mx.array(prompt), target.model, max_tokens=max_tokens):
                 out.append(int(token))
-                if out[-1] == EOS:
+                if out[-1] == EOS and stop_at_eos:
                     break
             memo[key] = out
         return list(memo[key])
@@ -309,7 +309,8 @@ def test_api_keys_and_cache_salts_never_share_a_prefix(server):
 
 
 def test_a_client_disconnecting_mid_stream_frees_its_row(server):
-    body = {"model": "tiny", "prompt": list(range(3, 20)), "max_tokens": 3000, "temperature": 0, "stream": True}
+    body = {"model": "tiny", "prompt": list(range(3, 20)), "max_tokens": 3000, "temperature": 0, "stream": True,
+            "ignore_eos": True}
     before = server.metric("spec_cache_generated_tokens_total")
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers(), timeout=30) as r:
         lines = r.iter_lines()
@@ -325,7 +326,8 @@ def test_a_client_disconnecting_mid_stream_frees_its_row(server):
 
 
 def test_a_client_disconnecting_before_a_plain_answer_frees_its_row(server):
-    body = json.dumps({"model": "tiny", "prompt": list(range(3, 20)), "max_tokens": 3000, "temperature": 0})
+    body = json.dumps({"model": "tiny", "prompt": list(range(3, 20)), "max_tokens": 3000, "temperature": 0,
+                       "ignore_eos": True})
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       f"Authorization: Bearer {KEY_A}\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
@@ -379,7 +381,7 @@ def test_bad_requests_get_openai_errors(server, case, status):
 
 
 # -- processes: overload, crash and restart ---------------------------------------------------------------------
-def test_overload_answers_429(model, tmp_path):
+def test_overload_answers_429_and_sigterm_drains(model, reference, tmp_path):
     _, target, _ = model
     srv = Server(target, tmp_path / "store", tmp_path, "--max-rows", "1", "--max-queue", "1", keys=())
     try:
@@ -399,6 +401,20 @@ def test_overload_answers_429(model, tmp_path):
             t.join(120)
         assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
         assert set(statuses) <= {200, 429}
+        # graceful shutdown: SIGTERM mid-stream lets the row finish (drain) before the process exits
+        body = {"model": "tiny", "prompt": list(range(3, 30)), "max_tokens": 120, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        events = [first] + rest
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+        tokenizer, greedy = reference
+        want = expected_text(tokenizer, greedy(body["prompt"], 120, stop_at_eos=False))
+        assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == want
     finally:
         stopped(srv)
 

@@ -68,6 +68,7 @@ MODELS = ("tiny",)
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": 3}, 400),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": True}, 400),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "ignore_eos": 1}, 400),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 422),
 ])
 def test_chat_requests_get_the_right_status(body, status):
@@ -83,10 +84,10 @@ def test_a_good_chat_request_parses():
                                       {"role": "user", "content": [{"type": "text", "text": "b"},
                                                                    {"type": "text", "text": "c"}]}],
         "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x", "stream": True,
-        "stream_options": {"include_usage": True}, "cache_salt": "s"}, MODELS)
+        "stream_options": {"include_usage": True}, "cache_salt": "s", "ignore_eos": True}, MODELS)
     assert messages == [{"role": "system", "content": "a"}, {"role": "user", "content": "bc"}]
     assert (params.max_tokens, params.temperature, params.top_p, params.seed, params.stop) == (7, 0.0, 0.5, 3, ["x"])
-    assert params.stream and params.include_usage and params.cache_salt == "s"
+    assert params.stream and params.include_usage and params.cache_salt == "s" and params.ignore_eos
     defaults, _ = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, MODELS)
     assert defaults.temperature is None and defaults.max_tokens is None and not defaults.stream
 

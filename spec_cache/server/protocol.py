@@ -64,6 +64,7 @@ class GenerationParams:
     include_usage: bool = False
     cache_salt: str | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the EOS ids
 
 
 def _malformed(message: str, param: str | None = None) -> APIError:
@@ -148,12 +149,15 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
         raise _malformed("'cache_salt' must be a non-empty string of at most 1024 characters", "cache_salt")
     user = body.get("user")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _malformed("'ignore_eos' must be a boolean", "ignore_eos")
     return GenerationParams(
         model=model, max_tokens=max_tokens,
         temperature=_number(body, "temperature", None, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         seed=seed, stop=stops, stream=stream, include_usage=include_usage, cache_salt=salt,
-        user=user if isinstance(user, str) else None,
+        user=user if isinstance(user, str) else None, ignore_eos=ignore_eos,
     )
 
 

@@ -52,6 +52,7 @@ class Job:
     sampling: RowSampling
     deliver: Callable[[tuple], None]  # thread-safe: called on the scheduler thread
     tenant: str | None = None  # namespace tenant (API key, cache salt); None: the open namespace
+    stop_at_eos: bool = True
     arrived: float = field(default_factory=time.perf_counter)
     # set by the scheduler thread
     row: int | None = None
@@ -234,6 +235,7 @@ class Scheduler:
         generator, ns_key = self.generator, self._ns_key(job.tenant)
         first = job.prepared is None
         job.prepared = generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling, ns_key=ns_key)
+        job.prepared.request.stop_at_eos = job.stop_at_eos
         if first:
             job.cached_tokens = job.prepared.cached_tokens  # what the cache held before this request
         job.phase_end = self._phase_end(job)
@@ -251,6 +253,7 @@ class Scheduler:
             job.phase_end = None
             job.prepared = generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling, ns_key=ns_key,
                                              lookup=False)
+            job.prepared.request.stop_at_eos = job.stop_at_eos
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
 
