@@ -28,8 +28,8 @@ from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, St
 from spec_cache.store.keys import pack_tokens
 from spec_cache.store.shared.queue import WriteBehind
 
-from .cache_state import (attachment_to_store, capture_caches, checkpoint_from_store, restore_caches,
-                          restore_concat)
+from .cache_state import (attachment_to_store, capture_caches, checkpoint_from_store, host_layers,
+                          restore_caches, restore_concat)
 from .kv_quant import converted_at
 from .memory_tier import MemoryHit, MemoryTier, default_budget
 from .namespace import namespace_key
@@ -176,6 +176,7 @@ class SpecCache:
             warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: the cache is closed",
                           CacheWarning, stacklevel=2)
             return None
+        behind = background and self._writer is not None
         try:
             drafter = None
             if draft_checkpoint is not None and drafter_namespace is not None:
@@ -183,7 +184,8 @@ class SpecCache:
                     raise InvalidInput(f"drafter checkpoint covers {draft_checkpoint.processed_tokens} tokens, "
                                        f"target state {len(tokens)}")
                 drafter = (drafter_namespace, attachment_to_store(draft_checkpoint))
-            layers = capture_caches(caches)
+            # behind the request, the device-to-host copy runs on the writer thread too (``host_layers``)
+            layers = capture_caches(caches, defer_copy=behind)
         except (StoreError, SchemaError, TypeError, ValueError) as exc:
             warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: {exc}", CacheWarning,
                           stacklevel=2)
@@ -194,7 +196,7 @@ class SpecCache:
         job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry)
         # behind the request only while the memory tier serves the checkpoint meanwhile (tier off, or the
         # checkpoint over its budget: written now, so the next request finds it)
-        if background and self._writer is not None and entry is not None:
+        if behind and entry is not None:
             self._writer.submit(job, job.nbytes)
             return None
         return self._write(job, stacklevel=3)
@@ -218,6 +220,7 @@ class SpecCache:
         return result
 
     def _put(self, job: "_WriteJob") -> PutResult:
+        job.layers = host_layers(job.layers)  # bytes still in MLX (deferred capture) come to the host here
         put = dict(drafter=job.drafter, minimum_reusable=job.minimum_reusable)
         try:
             return self.store.put(job.ns_key, job.tokens, job.layers, **put)

@@ -17,6 +17,7 @@ Restored arrays are owned copies, bit-identical to what was stored.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -45,8 +46,10 @@ def to_tensor(x: mx.array) -> Tensor:
     from . import device_copy
 
     name = dtype_of(x)
-    mx.eval(x)
     raw = x.view(mx.uint16) if name == "bfloat16" else x
+    if getattr(_DEFER, "on", False) and raw.size:
+        return Tensor(name, tuple(x.shape), raw)  # evaluated by capture_caches, copied out by host_layers
+    mx.eval(raw)
     if not raw.size:
         return Tensor(name, tuple(x.shape), np.zeros(raw.shape, dtype=numpy_dtype(name)))
     d2h = device_copy.device_to_host() if device_copy.is_gpu() else None
@@ -160,8 +163,51 @@ def from_layer_state(layer: LayerState) -> Any:
     raise ValueError(f"unknown stored layer kind {layer.kind!r}")
 
 
-def capture_caches(caches: Sequence[Any]) -> list[LayerState]:
-    return [layer_state(c) for c in caches]
+def capture_caches(caches: Sequence[Any], *, defer_copy: bool = False) -> list[LayerState]:
+    """Single-row mlx-lm caches as ``LayerState``s.
+
+    ``defer_copy``: leave each tensor's bytes in MLX (evaluated, contiguous, bfloat16 as uint16 words) for
+    ``host_layers`` to copy out later, on another thread: every MLX operation happens here, on the caller's
+    thread; the later copy only reads evaluated buffers (``cuMemcpy`` on CUDA, a numpy view elsewhere).
+    """
+    if not defer_copy:
+        return [layer_state(c) for c in caches]
+    from . import device_copy
+
+    contiguous = device_copy.is_gpu()
+    _DEFER.on = True
+    try:
+        layers = [layer_state(c) for c in caches]
+    finally:
+        _DEFER.on = False
+    raws = [t.data for layer in layers for t in layer.tensors if isinstance(t.data, mx.array)]
+    if contiguous:
+        raws = [mx.contiguous(r) for r in raws]
+        it = iter(raws)
+        layers = [LayerState(layer.kind, layer.meta,
+                             [Tensor(t.dtype, t.shape, next(it)) if isinstance(t.data, mx.array) else t
+                              for t in layer.tensors], layer.token_axis) for layer in layers]
+    mx.eval(raws)
+    return layers
+
+
+def host_layers(layers: Sequence[LayerState]) -> list[LayerState]:
+    """``capture_caches(..., defer_copy=True)``'s layers with their bytes copied to host memory (safe on a
+    background thread: no MLX graph is built)."""
+    return [LayerState(layer.kind, layer.meta, [_host_tensor(t) for t in layer.tensors], layer.token_axis)
+            for layer in layers]
+
+
+def _host_tensor(t: Tensor) -> Tensor:
+    if not isinstance(t.data, mx.array):
+        return t
+    from . import device_copy
+
+    d2h = device_copy.device_to_host() if device_copy.is_gpu() else None
+    return Tensor(t.dtype, t.shape, d2h(t.data) if d2h is not None else np.asarray(memoryview(t.data)))
+
+
+_DEFER = threading.local()  # ``on`` while ``capture_caches(defer_copy=True)`` runs: ``to_tensor`` keeps bytes in MLX
 
 
 def restore_caches(layers: Sequence[LayerState]) -> list[Any]:

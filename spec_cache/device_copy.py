@@ -532,9 +532,12 @@ class DeviceToHost:
 
     def __call__(self, x: mx.array) -> np.ndarray:
         t0 = time.perf_counter()
-        c = mx.contiguous(x)
-        mx.eval(c)
-        src_view = np.asarray(memoryview(c))  # only for the pointer and dtype: no byte is read here
+        mx.eval(x)
+        src_view = np.asarray(memoryview(x))  # only for the pointer and dtype: no byte is read here
+        if not src_view.flags.c_contiguous:  # (deferred captures arrive contiguous: no MLX op on the writer)
+            c = mx.contiguous(x)
+            mx.eval(c)
+            src_view = np.asarray(memoryview(c))
         out = np.empty(src_view.shape, dtype=src_view.dtype)
         n = out.nbytes
         if n:

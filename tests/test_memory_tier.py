@@ -301,3 +301,30 @@ def test_sigkill_during_write_behind_leaves_no_torn_checkpoint(tmp_path):
         with Store.open(store_dir) as store:
             report = maintenance.verify(store)
             assert not report.damaged and report.ok > 0, report.as_dict()
+
+
+def test_write_behind_copies_bytes_to_the_host_on_the_writer_thread(tmp_path, monkeypatch):
+    """Behind the request the caller's thread only evaluates MLX views; the device-to-host copy (and encode and
+    put) happen on the writer thread, and the stored bytes equal the arrays."""
+    import threading
+
+    from spec_cache import cache_state
+
+    seen, real = [], cache_state._host_tensor
+
+    def watched(t):
+        if isinstance(t.data, mx.array):
+            seen.append(threading.current_thread().name)
+        return real(t)
+    monkeypatch.setattr(cache_state, "_host_tensor", watched)
+    c = kv(12, seed=3)
+    with SpecCache.open(tmp_path / "s") as cache:
+        ns = cache.namespace("ab" * 32, "{}")
+        cache.save(ns, list(range(12)), [c], background=True)
+        assert cache.drain()
+        assert seen and set(seen) == {"spec-cache-write-behind"}
+        cache.memory.clear()
+        got = cache.restore(ns, list(range(12)))
+        assert got.tier == "local"
+        assert np.array_equal(np.array(got.caches[0].keys), np.array(c.keys))
+        assert np.array_equal(np.array(got.caches[0].values), np.array(c.values))
