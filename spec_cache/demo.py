@@ -60,9 +60,10 @@ def main(args) -> int:
     print(f"store: {cache_dir}\n")
 
     cold = _run(Generator.load(target_dir, drafter_dir, method=method), conversations, max_tokens)
-    with SpecCache.open(cache_dir) as cache:
+    memory = {} if getattr(args, "memory_bytes", None) is None else {"memory_bytes": args.memory_bytes}
+    with SpecCache.open(cache_dir, **memory) as cache:
         first = _run(Generator.load(target_dir, drafter_dir, method=method, cache=cache), conversations, max_tokens)
-    with SpecCache.open(cache_dir) as cache:  # reopened: what a restarted engine sees
+    with SpecCache.open(cache_dir, **memory) as cache:  # reopened: what a restarted engine sees
         generator = Generator.load(target_dir, drafter_dir, method=method, cache=cache)
         warm = _run(generator, conversations, max_tokens)
         stats = maintenance.stats(cache.store)

@@ -22,6 +22,7 @@ import sys
 
 from spec_cache.store import StoreError
 
+from .. import mlx_lm_server
 from . import inspect, repair, runtime, shared
 from .common import (
     EXIT_OK,
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     shared.register(sub, common)
     repair.register(sub, common)
     runtime.register(sub, common)
+    mlx_lm_server.register(sub, common)  # MLX-free until it runs
     return p
 
 

@@ -186,6 +186,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models")
     s.add_argument("--method", choices=DRAFTER_METHODS, default="assistant")
     s.add_argument("--max-tokens", type=positive_int, default=24)
+    _add_memory_option(s)
     s.set_defaults(fn=cmd_demo)
     s = sub.add_parser("bench", help="benchmarks as ratios against same-process baselines (see BENCHMARKS.md)",
                        add_help=False, prefix_chars="\0")
