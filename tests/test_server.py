@@ -238,11 +238,12 @@ def test_raw_sse_framing_and_stop_strings(server, reference):
 
 
 def test_concurrent_streaming_clients_each_get_their_cold_run(server, reference):
-    """6 clients with prompts of different lengths stream at once; each gets exactly its own cold greedy tokens
-    (rows join the running batch as they arrive); a seeded sampled row gets the same tokens as alone."""
+    """8 clients stream at once: 7 greedy ones with prompts of different lengths each get exactly their own cold
+    greedy tokens (rows join the running batch as they arrive), and a seeded sampled one gets the tokens it gets
+    alone."""
     tokenizer, greedy = reference
-    conversations = [[user(words(20 + 7 * i, 3 + 9 * i))] for i in range(6)]
-    budgets = [10 + 3 * i for i in range(6)]
+    conversations = [[user(words(20 + 7 * i, 3 + 9 * i))] for i in range(7)]
+    budgets = [10 + 3 * i for i in range(7)]
     wants = [expected_text(tokenizer, greedy(chat_ids(tokenizer, m), b)) for m, b in zip(conversations, budgets)]
     sampled = dict(model="tiny", messages=[user(words(70, 12))], max_tokens=14, temperature=0.9, top_p=0.95,
                    seed=4242)
