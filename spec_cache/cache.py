@@ -28,8 +28,14 @@ from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, St
 from spec_cache.store.keys import pack_tokens
 from spec_cache.store.shared.queue import WriteBehind
 
-from .cache_state import (attachment_to_store, capture_caches, checkpoint_from_store, host_layers,
-                          restore_caches, restore_concat)
+from .cache_state import (
+    attachment_to_store,
+    capture_caches,
+    checkpoint_from_store,
+    host_layers,
+    restore_caches,
+    restore_concat,
+)
 from .kv_quant import converted_at
 from .memory_tier import MemoryHit, MemoryTier, default_budget
 from .namespace import namespace_key

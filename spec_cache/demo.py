@@ -44,8 +44,8 @@ def main(args) -> int:
     from spec_cache.cache import SpecCache
     from spec_cache.cli import human_bytes, table
     from spec_cache.generator import Generator
-    from spec_cache.tiny import write_tiny_drafter, write_tiny_target
     from spec_cache.store import maintenance
+    from spec_cache.tiny import write_tiny_drafter, write_tiny_target
 
     method = getattr(args, "method", None) or "assistant"
     max_tokens = getattr(args, "max_tokens", None) or 24

@@ -5,11 +5,11 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, NGRAM_HISTORY_V1
 from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.cache_state import from_layer_state, layer_state
+from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
 
 TARGET = "ab" * 32
 

@@ -17,16 +17,26 @@ import blake3
 import msgpack
 import numpy as np
 import pytest
-import xxhash
 import safetensors
 import safetensors.numpy
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spec_cache.schemas import DTYPE_ITEMSIZE, DTYPE_NAMES, SAFETENSORS_DTYPE
 from spec_cache.store import CorruptRecord, InvalidInput, Tensor
-from spec_cache.store.codec import (ALIGN, FORMAT_MAJOR, KINDS, MAX_HEADER_BYTES, PREFIX_SIZE, copy_out, decode_record,
-                                    encode_record, payload_view, verify_checksum)
+from spec_cache.store.codec import (
+    ALIGN,
+    FORMAT_MAJOR,
+    KINDS,
+    MAX_HEADER_BYTES,
+    PREFIX_SIZE,
+    copy_out,
+    decode_record,
+    encode_record,
+    payload_view,
+    verify_checksum,
+)
 from spec_cache.store.tensors import numpy_dtype
 
 REPO = Path(__file__).resolve().parents[1]

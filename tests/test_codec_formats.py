@@ -19,10 +19,16 @@ import pytest
 import safetensors.numpy
 import xxhash
 
-from spec_cache.store import CorruptRecord, InvalidInput, LayerState, Store, Tensor
-from spec_cache.store import codec
-from spec_cache.store.codec import (FORMAT_MAJOR, PREFIX_SIZE, decode_record, encode_record, payload_view,
-                                    verify_checksum, wrap_safetensors)
+from spec_cache.store import CorruptRecord, InvalidInput, LayerState, Store, Tensor, codec
+from spec_cache.store.codec import (
+    FORMAT_MAJOR,
+    PREFIX_SIZE,
+    decode_record,
+    encode_record,
+    payload_view,
+    verify_checksum,
+    wrap_safetensors,
+)
 
 # Written by store/codec.py at format 1.0 (commit 9bb3edd, before format 2 existed) from:
 #   encode_record("chunk", [("tokens", "uint32", np.arange(4, dtype=np.uint32)),

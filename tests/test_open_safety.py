@@ -89,8 +89,7 @@ def test_as_another_user_permission_denied_is_named_and_readonly_inspection_work
     directory 0755) another user can inspect it read-only although lock.mdb is not theirs to write; and that
     user's write-open of a foreign non-empty directory changes nothing there."""
     d = tmp_path / "store"
-    with Store.open(d) as store:
-        from spec_cache.store import maintenance  # noqa: F401
+    Store.open(d).close()
     os.chmod(tmp_path, 0o755)
     code = ("import sys\nfrom spec_cache.store import Store, StoreError, maintenance\n"
             "try:\n    s = Store.open(sys.argv[1], readonly=True)\nexcept StoreError as e:\n    print('ERR', e)\n"

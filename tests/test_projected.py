@@ -12,13 +12,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, encode_cache_headers, validate_checkpoint
 from spec_cache.cache import SpecCache
 from spec_cache.drafters import detect_method, load_provider
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.generator import Generator
 from spec_cache.identity import model_identity
 from spec_cache.rows import RoundContext
+from spec_cache.schemas import (
+    CheckpointAttachment,
+    DraftRowCheckpoint,
+    SchemaError,
+    encode_cache_headers,
+    validate_checkpoint,
+)
 from spec_cache.target import TargetModel, TargetRows
 from spec_cache.tiny import write_tiny_drafter, write_tiny_target
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
 from spec_cache.drafters.ngram import lookup
 from spec_cache.rows import DraftGroup, DraftProvider, PreparedStateChange, RoundContext, apply_state_changes
+from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
 from spec_cache.target import TargetModel, TargetRows, check_kv_options
 from tests.runtime_fixtures import DRAFTERS, _identity_memo, tiny  # noqa: F401
 

@@ -140,10 +140,10 @@ def bench_put_get(reps: int, tokens: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from spec_cache.store import LayerState, Store, Tensor
-    from spec_cache.store.maintenance import evict
     from spec_cache.cache_state import restore_concat, to_mx
     from spec_cache.namespace import namespace_key
+    from spec_cache.store import LayerState, Store, Tensor
+    from spec_cache.store.maintenance import evict
 
     caches, arrays = kv_state(tokens=tokens)
     nbytes = sum(k.nbytes + v.nbytes for k, v in arrays)
@@ -228,8 +228,8 @@ def bench_put_get(reps: int, tokens: int) -> dict:
 
 
 def bench_lookup(counts: list[int], reps: int, prompt_tokens: int = 32768) -> dict:
-    from spec_cache.store import LayerState, Store, Tensor
     from spec_cache.namespace import namespace_key
+    from spec_cache.store import LayerState, Store, Tensor
 
     rng = np.random.default_rng(0)
     work = tempfile.mkdtemp(prefix="bench-lookup-")

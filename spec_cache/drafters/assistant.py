@@ -20,7 +20,13 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from spec_cache.schemas import GEMMA_ASSISTANT_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
+from spec_cache.schemas import (
+    GEMMA_ASSISTANT_V1,
+    CheckpointAttachment,
+    DraftRowCheckpoint,
+    SchemaError,
+    validate_checkpoint,
+)
 
 from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
 from ..target import DonorView, TargetModel

@@ -15,7 +15,13 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
+from spec_cache.schemas import (
+    NGRAM_HISTORY_V1,
+    CheckpointAttachment,
+    DraftRowCheckpoint,
+    SchemaError,
+    validate_checkpoint,
+)
 
 from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
 from ..sampling import Sampling

@@ -47,13 +47,13 @@ class LineReader:
 
     def wait_for(self, text: str, timeout: float) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self._done or any(l == text for l in self.lines), timeout) and \
-                any(l == text for l in self.lines)
+            return self._cond.wait_for(lambda: self._done or any(line == text for line in self.lines), timeout) and \
+                any(line == text for line in self.lines)
 
     def wait_count(self, prefix: str, count: int, timeout: float) -> bool:
         """Wait until ``count`` lines starting with ``prefix`` have arrived (False on timeout or EOF)."""
         def seen():
-            return sum(1 for l in self.lines if l.startswith(prefix)) >= count
+            return sum(1 for line in self.lines if line.startswith(prefix)) >= count
         with self._cond:
             return self._cond.wait_for(lambda: self._done or seen(), timeout) and seen()
 

@@ -233,10 +233,10 @@ def _hold_and_kill(path: str, rng, workers: list[_Proc], result: dict) -> None:
     holder.wait()
     result["holders_killed"] += 1
     writers = [w for w in workers if w.role in ("writer", "mixed") and w.proc.poll() is None]
-    before = sum(sum(1 for l in w.lines.lines if '"put"' in l) for w in writers)
+    before = sum(sum(1 for line in w.lines.lines if '"put"' in line) for w in writers)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if sum(sum(1 for l in w.lines.lines if '"put"' in l) for w in writers) > before:
+        if sum(sum(1 for line in w.lines.lines if '"put"' in line) for w in writers) > before:
             return
         time.sleep(0.1)
     if writers:
