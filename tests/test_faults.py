@@ -265,27 +265,12 @@ def test_repair_copies_everything_from_a_sound_store(filled, tmp_path):
 
 
 def _cli(*args) -> tuple[int, str, str]:
-    """``spec-cache`` with the repair command wired in as the lead will (``repair_cli.register``)."""
-    from spec_cache import cli, repair_cli
+    """``spec-cache`` in-process (repair is one of its commands)."""
+    from spec_cache import cli
 
-    original = cli.build_parser
-
-    def build():
-        parser = original()
-        sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-        if "repair" not in sub.choices:
-            common = cli.argparse.ArgumentParser(add_help=False)
-            common.add_argument("--cache", default=cli.argparse.SUPPRESS)
-            common.add_argument("--json", action="store_true", default=cli.argparse.SUPPRESS)
-            repair_cli.register(sub, common)
-        return parser
     out, err = io.StringIO(), io.StringIO()
-    cli.build_parser = build
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(list(map(str, args)))
-    finally:
-        cli.build_parser = original
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(map(str, args)))
     return code, out.getvalue(), err.getvalue()
 
 

@@ -20,7 +20,7 @@ import pytest
 import redis
 from mlx_lm.models.cache import KVCache
 
-from spec_cache import shared_cli
+from spec_cache.cli import shared as shared_cli
 from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
 from spec_cache.store import StoreError
@@ -642,7 +642,7 @@ def test_shared_cli_never_imports_mlx(server):
     import sys
     from pathlib import Path
 
-    code = ("import sys\nfrom spec_cache import shared_cli\n"
+    code = ("import sys\nfrom spec_cache.cli import shared as shared_cli\n"
             f"d = shared_cli.shared_health({server.url!r})\nassert d['reachable'], d\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,

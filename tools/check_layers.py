@@ -27,8 +27,7 @@ from pathlib import Path
 PACKAGES = {"spec_cache": "spec_cache", "store": "spec_cache.store", "schemas": "spec_cache.schemas"}
 MLX = ("mlx", "mlx_lm")
 INSPECTION = ("spec_cache", "spec_cache.identity", "spec_cache.namespace", "spec_cache.jsjson", "spec_cache.cli",
-              "spec_cache.cli.common", "spec_cache.cli.inspect", "spec_cache.cli.shared", "spec_cache.cli.repair",
-              "spec_cache.shared_cli", "spec_cache.repair_cli")
+              "spec_cache.cli.common", "spec_cache.cli.inspect", "spec_cache.cli.shared", "spec_cache.cli.repair")
 
 
 @dataclass(frozen=True)
