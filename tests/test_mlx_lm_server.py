@@ -202,7 +202,7 @@ def test_quantized_kv_matches_mlx_lm_own_cache(loaded, model_dir, open_cache):
 
 def test_shared_tier_serves_another_host(loaded, model_dir, tmp_path):
     """Two servers with their own LMDB stores and one Redis/Valkey: host B restores what host A served."""
-    from spec_cache.store.shared.server import ThrowawayServer, server_binaries
+    from tests.redis_servers import ThrowawayServer, server_binaries
 
     binaries = server_binaries()
     if not binaries:

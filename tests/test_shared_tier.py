@@ -20,14 +20,14 @@ import pytest
 import redis
 from mlx_lm.models.cache import KVCache
 
-from spec_cache.cli import shared as shared_cli
 from spec_cache.cache import CacheWarning, SpecCache
+from spec_cache.cli import shared as shared_cli
 from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
 from spec_cache.store import StoreError
 from spec_cache.store.shared import SharedConfig, SharedTier
 from spec_cache.store.shared.publish import PublishJob
 from spec_cache.store.shared.records import read_outgoing
-from spec_cache.store.shared.server import ThrowawayServer, free_port, server_binaries
+from tests.redis_servers import ThrowawayServer, free_port, server_binaries
 
 BINARIES = server_binaries()
 pytestmark = pytest.mark.skipif(not BINARIES, reason="no redis-server or valkey-server binary installed")

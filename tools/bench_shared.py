@@ -71,8 +71,8 @@ def main(argv=None) -> int:
     from spec_cache.cache import SpecCache
     from spec_cache.generator import Generator
     from spec_cache.store.keys import pack_tokens
-    from spec_cache.store.shared.server import ThrowawayServer, server_binaries
     from spec_cache.tiny import write_tiny_drafter, write_tiny_target
+    from tests.redis_servers import ThrowawayServer, server_binaries
 
     binary = args.server or next(iter(server_binaries().values()), None)
     if binary is None:

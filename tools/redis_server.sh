@@ -9,7 +9,7 @@
 #   tools/redis_server.sh stop PIDFILE         stop it and remove its directory
 #
 # The binary is $REDIS_SERVER if set, else redis-server, else valkey-server on the PATH. The tests start their own
-# servers (store/shared/server.py, same flags) on free ports and need only `install` to have run.
+# servers (tests/redis_servers.py, same flags) on free ports and need only `install` to have run.
 set -euo pipefail
 
 find_binary() {
