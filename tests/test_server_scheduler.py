@@ -36,9 +36,10 @@ class Events:
         return next(e[1] for e in self.items if e[0] == "start")
 
 
-def job(prompt, max_tokens, tenant=None) -> tuple[Job, Events]:
+def job(prompt, max_tokens, tenant=None, sampling=GREEDY, replayable=False) -> tuple[Job, Events]:
     events = Events()
-    return Job(prompt=list(prompt), max_tokens=max_tokens, sampling=GREEDY, deliver=events, tenant=tenant), events
+    return Job(prompt=list(prompt), max_tokens=max_tokens, sampling=sampling, deliver=events, tenant=tenant,
+               replayable=replayable), events
 
 
 @pytest.fixture(params=[None, 0], ids=["memory-tier", "lmdb-only"])
@@ -107,3 +108,40 @@ def test_rows_joining_and_cancelled_while_others_decode(tiny, scheduler):
         assert events.done.wait(60)
         assert events.tokens == plain_greedy(tiny.target, prompt, 24)
     assert sched.queue_depth == 0 and sched.active_rows == 0
+
+
+def test_a_retried_request_resumes_the_earlier_generation(tiny, scheduler):
+    """Greedy, or sampled with an explicit seed: a retry replays what the earlier request generated (also one
+    whose client went away) and continues from its checkpoint, token-identically."""
+    sched = scheduler(max_rows=4)
+    prompt = list(range(50, 70))
+    want = plain_greedy(tiny.target, prompt, 40)
+    first, events = job(prompt, 40, replayable=True)
+    sched.submit(first)
+    while len(events.tokens) < 5:
+        threading.Event().wait(0.005)
+    sched.cancel(first)  # the client went away: a replayable row is finished (checkpointed), not dropped
+    assert events.done.wait(30)
+    got = events.tokens
+    assert 5 <= len(got) < 40 and got == want[: len(got)]
+    retry, retry_events = job(prompt, 40, replayable=True)
+    sched.submit(retry)
+    assert retry_events.done.wait(30)
+    tokens = [e for e in retry_events.items if e[0] == "tokens"]
+    assert tokens[0][1] == got  # replayed at once, in one piece
+    assert retry_events.tokens == want and retry_events.items[-1][1] == "length"
+    shorter, shorter_events = job(prompt, 3, replayable=True)  # answered from the table alone
+    sched.submit(shorter)
+    assert shorter_events.done.wait(30) and shorter_events.tokens == want[:3]
+    # sampled with a seed: the retry with a larger budget continues exactly as a fresh run would
+    sampling = RowSampling(temperature=0.9, seed=5)
+    seeded, seeded_events = job(prompt, 12, sampling=sampling, replayable=True)
+    sched.submit(seeded)
+    assert seeded_events.done.wait(30)
+    again, again_events = job(prompt, 25, sampling=sampling, replayable=True)
+    fresh, fresh_events = job(prompt, 25, tenant="another", sampling=sampling, replayable=True)
+    sched.submit(again)
+    sched.submit(fresh)
+    assert again_events.done.wait(30) and fresh_events.done.wait(30)
+    assert again_events.tokens[:12] == seeded_events.tokens
+    assert again_events.tokens == fresh_events.tokens and len(fresh_events.tokens) == 25

@@ -192,7 +192,8 @@ def create_app(state: ServerState) -> Starlette:
         seed = params.seed if params.seed is not None else (0 if temperature == 0 else random_seed())
         sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed))
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
-                   tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos)
+                   tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
+                   replayable=temperature == 0 or params.seed is not None)
 
     async def run_job(request: Request, endpoint: str, params, prompt: list[int], tenant: str | None, chat: bool):
         loop = asyncio.get_running_loop()

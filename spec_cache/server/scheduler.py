@@ -15,6 +15,13 @@ decoding row is checkpointed every N generated tokens (``DecodeSession.checkpoin
 quantization (the conversion point depends on the whole prompt's length, so a phase's state would not be
 reusable).
 
+Retries (continuation checkpoints): a job whose tokens are a function of the request (greedy, or sampled with an
+explicit seed: ``RowSampler`` keys each position by the seed) that finishes, or whose client goes away (then its
+row is finished, checkpoint written, rather than cancelled), leaves its tokens in an in-process table (the last
+``CONTINUATIONS`` of them). The same request again (same tenant, prompt, sampling, seed, EOS rule) gets those
+tokens replayed at once and its row continues from the stored ``prompt + tokens`` state, token-identically. The
+table does not survive a restart (the checkpoints do, but nothing maps a prompt to its continuation yet).
+
 Back-pressure: at most ``max_rows`` jobs decode at once; up to ``max_queue`` more wait; beyond that ``submit``
 raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
 ``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason, generated)`` with reason
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import queue
 import secrets
@@ -39,6 +47,9 @@ from ..sampling import RowSampling
 from .protocol import APIError
 
 log = logging.getLogger("spec_cache.server")
+
+#: how many finished generations the retry table remembers
+CONTINUATIONS = 4096
 
 __all__ = ["Job", "Scheduler"]
 
@@ -65,6 +76,19 @@ class Job:
     phase_end: int | None = None  # the row decoding now is a prefill phase up to this many prompt tokens
     prefilled: int = 0  # prompt tokens covered by this job's own phase checkpoints
     checkpointed_at: int = 0  # generated tokens at the last mid-generation checkpoint
+    #: its tokens are a function of the request (greedy, or an explicit seed): a retry may resume it
+    replayable: bool = False
+    output: list[int] = field(default_factory=list)  # every token delivered (replayed ones included)
+    replayed: int = 0  # tokens replayed from an earlier identical request
+
+    @property
+    def sequence(self) -> list[int]:
+        """What the engine continues: the prompt and the replayed tokens."""
+        return self.prompt + self.output[: self.replayed]
+
+    def continuation_key(self) -> tuple:
+        digest = hashlib.blake2b(repr(self.prompt).encode(), digest_size=16).digest()
+        return (self.tenant, digest, self.sampling, self.stop_at_eos)
 
 
 def random_seed() -> int:
@@ -98,6 +122,7 @@ class Scheduler:
         self._saves: list[tuple] = []
         self._ns_keys: dict[str | None, bytes | None] = {}
         self._session = None
+        self._continuations: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
         self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
         self.error: BaseException | None = None
 
@@ -200,9 +225,9 @@ class Scheduler:
                     self._pending.remove(job)
                     self._done(job, "cancelled")
                 return
-            if kind == "cancel":
+            if kind == "cancel" and not (job.replayable and self.generator.cache is not None):
                 self._session.cancel(job.row)
-            else:
+            else:  # a replayable job keeps what it generated, for a retry
                 self._session.finish(job.row)
 
     def _ns_key(self, tenant: str | None) -> bytes | None:
@@ -215,7 +240,8 @@ class Scheduler:
         while self._pending and session.active_count + session.waiting_count < self.max_rows:
             job = self._pending.popleft()
             try:
-                self._submit(job)
+                if not self._submit(job):
+                    continue  # answered from the retry table alone
             except Exception as exc:  # a request the engine refuses: this job fails, the others go on
                 log.warning("spec-cache: request refused: %s", exc)
                 self._fail(job, APIError(400, f"the engine refused the request: {exc}"))
@@ -224,23 +250,35 @@ class Scheduler:
             with self._lock:
                 self._decoding += 1
             if job.phase_end is None and not job.started:
-                job.started = True
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(len(job.prompt))
-                    self.metrics.cached_tokens.inc(job.cached_tokens)
-                job.deliver(("start", job.cached_tokens))
+                self._start(job, job.cached_tokens)
 
-    def _submit(self, job: Job) -> None:
-        """Restore ``job`` (or its next prefill phase) from the cache and put its row into the session."""
+    def _start(self, job: Job, cached_tokens: int) -> None:
+        """Deliver ``start`` (and the replayed tokens, for a retry)."""
+        job.started, job.cached_tokens = True, cached_tokens
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+            self.metrics.cached_tokens.inc(cached_tokens)
+        job.deliver(("start", cached_tokens))
+        if job.replayed:
+            job.deliver(("tokens", job.output[: job.replayed]))
+
+    def _submit(self, job: Job) -> bool:
+        """Restore ``job`` (or its next prefill phase) from the cache and put its row into the session; False when
+        the retry table answered it whole (no row)."""
         generator, ns_key = self.generator, self._ns_key(job.tenant)
         first = job.prepared is None
-        job.prepared = generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling, ns_key=ns_key)
+        if first and job.replayable and self._replay(job):
+            return False
+        sequence, budget = job.sequence, job.max_tokens - job.replayed
+        job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key)
         job.prepared.request.stop_at_eos = job.stop_at_eos
-        if first:
-            job.cached_tokens = job.prepared.cached_tokens  # what the cache held before this request
+        if first:  # what the cache held of the prompt before this request
+            job.cached_tokens = min(job.prepared.cached_tokens, len(job.prompt) - 1)
+            if job.replayed:
+                self._start(job, job.cached_tokens)
         job.phase_end = self._phase_end(job)
         if job.phase_end is not None:  # the same restored state, a shorter prompt: prefill up to phase_end
-            job.prepared.request = dataclasses.replace(job.prepared.request, prompt=job.prompt[: job.phase_end + 1],
+            job.prepared.request = dataclasses.replace(job.prepared.request, prompt=sequence[: job.phase_end + 1],
                                                        max_tokens=1, sampling=None)
         try:
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
@@ -251,11 +289,31 @@ class Scheduler:
             # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
             log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
             job.phase_end = None
-            job.prepared = generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling, ns_key=ns_key,
-                                             lookup=False)
+            job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
             job.prepared.request.stop_at_eos = job.stop_at_eos
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
+        return True
+
+    def _replay(self, job: Job) -> bool:
+        """Deliver what an identical earlier request generated; True when that answers the job whole."""
+        previous = self._continuations.get(job.continuation_key())
+        if not previous:
+            return False
+        self._continuations.move_to_end(job.continuation_key())
+        replay = previous[: job.max_tokens]
+        ended = len(replay) == job.max_tokens or (job.stop_at_eos and replay[-1] in self.eos_token_ids)
+        # the row continues from prompt + replay: restored from the checkpoint the earlier request left (a miss
+        # only costs prefill: the tokens are the same either way)
+        job.replayed, job.output = len(replay), list(replay)
+        job.generated = job.checkpointed_at = len(replay)
+        job.last_token_at = time.perf_counter()
+        if ended:
+            self._start(job, len(job.prompt) - 1)  # nothing forwarded at all
+            reason = "length" if len(replay) == job.max_tokens and replay[-1] not in self.eos_token_ids else "eos"
+            self._done(job, reason if job.stop_at_eos else "length")
+            return True
+        return False
 
     def _phase_end(self, job: Job) -> int | None:
         """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now."""
@@ -264,7 +322,7 @@ class Scheduler:
             return None
         covered = max(job.prepared.cached_tokens, job.prefilled)
         end = (covered // every + 1) * every
-        return end if end < len(job.prompt) - 1 else None
+        return end if end < len(job.sequence) - 1 else None
 
     def _step(self) -> None:
         try:
@@ -298,6 +356,7 @@ class Scheduler:
             self.metrics.generated_tokens.inc(len(tokens))
         job.last_token_at = now
         job.generated += len(tokens)
+        job.output += tokens
         job.deliver(("tokens", list(tokens)))
         every = self.checkpoint_every
         if every is not None and job.generated - job.checkpointed_at >= every and job.generated < job.max_tokens:
@@ -314,6 +373,11 @@ class Scheduler:
             job.prefilled, job.phase_end, job.row = job.phase_end, None, None
             self._pending.appendleft(job)  # the next phase (or the job itself) restores from this one
             return
+        if job.replayable and not result.cancelled and job.output and self.generator.cache is not None:
+            self._continuations[job.continuation_key()] = list(job.output)
+            self._continuations.move_to_end(job.continuation_key())
+            while len(self._continuations) > CONTINUATIONS:
+                self._continuations.popitem(last=False)
         self._done(job, result.reason or ("cancelled" if result.cancelled else "length"))
 
     def _on_checkpoint(self, row: int, tokens: list, caches: list, draft) -> None:
