@@ -1,5 +1,8 @@
 """Host bytes into MLX arrays at the hardware's speed: the ``concat`` that ``Store.fetch`` uses on a restore.
 
+Why one file of ~600 lines: every route shares the CUDA driver bindings (memory advice, cuMemcpy, pinned
+buffers) and the run-time checks that decide whether a route may be used; split, they would import each other.
+
 ``Store.fetch(concat=...)`` hands over each token-sliceable tensor as pieces (numpy views into the LMDB map, valid
 only during the call) and keeps whatever ``concat(pieces, axis, dtype)`` returns. Three routes:
 

@@ -1,5 +1,8 @@
 """Content identity of model and drafter artifacts (the digest that enters cache namespaces).
 
+Why one file of ~460 lines: the framing is a public contract and is easiest to audit in one place (framing,
+mmap hashing, the memo that keys on file metadata); golden vectors in tests/golden/identity.json pin it.
+
 A cache entry is only valid for the exact weights and config that produced it, so every namespace
 carries a digest of those files. The digest is a **public contract**: it appears in stored
 namespaces, so the framing below must never change (a change needs a new domain string, ``v2``).

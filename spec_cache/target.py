@@ -1,5 +1,8 @@
 """The target model behind narrow ports, and the batched KV rows of a speculative group.
 
+Why one file of ~430 lines: ``TargetRows`` reaches into ``TargetModel``'s ports on every forward and the two
+change together (``quantized_rows.py`` holds the other ``rows.TargetRowGroup``).
+
 :class:`TargetModel` wraps an mlx-lm decoder. Drafters and the engine use only its ports (``embed``,
 ``logits``, ``forward`` with hidden taps, ``make_caches``, ``kv_geometry``, ``rope``, ``layer_window``); nothing
 else reaches into the mlx-lm module. The per-architecture code lives in ``spec_cache/ports.py``.
