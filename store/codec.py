@@ -122,6 +122,27 @@ def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema:
         format_major = WRITE_MAJOR
     if format_major not in READABLE_MAJORS:
         raise InvalidInput(f"record format major must be one of {READABLE_MAJORS}, got {format_major!r}")
+    arrays = _checked_arrays(tensors)
+    table, st_json, data_start, payload_len = _layout(kind, arrays)
+    header = msgpack.packb({"kind": kind, "schema": schema, "meta": meta or {}, "tensors": table,
+                            "payload": payload_len, "data": data_start}, use_bin_type=True)
+    if len(header) > MAX_HEADER_BYTES:
+        raise InvalidInput(f"record header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    payload_at = _align(PREFIX_SIZE + len(header))
+    out = np.empty(payload_at + payload_len, dtype=np.uint8)
+    out[:PREFIX_SIZE] = np.frombuffer(
+        PREFIX.pack(MAGIC, format_major, FORMAT_MINOR, 0, len(header), 0, bytes(32)), dtype=np.uint8)
+    out[PREFIX_SIZE:PREFIX_SIZE + len(header)] = np.frombuffer(header, dtype=np.uint8)
+    out[PREFIX_SIZE + len(header):payload_at] = 0
+    out[payload_at:payload_at + 8] = np.frombuffer(struct.pack("<Q", len(st_json)), dtype=np.uint8)
+    out[payload_at + 8:payload_at + data_start] = np.frombuffer(st_json, dtype=np.uint8)
+    digest = _copy_tensors(out, payload_at + data_start, arrays, table, format_major)
+    out[CHECKSUM_OFFSET:PREFIX_SIZE] = np.frombuffer(digest, dtype=np.uint8)
+    return out
+
+
+def _checked_arrays(tensors) -> list[tuple[str, str, np.ndarray]]:
+    """``(name, dtype, little-endian numpy array)`` per tensor, each name, dtype and shape checked."""
     arrays: list[tuple[str, str, np.ndarray]] = []
     names: set[str] = set()
     for name, dtype, data in tensors:
@@ -144,7 +165,12 @@ def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema:
         if not arr.dtype.isnative and arr.dtype.byteorder != "|":  # big-endian data: swap the values, not bits
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         arrays.append((name, dtype, arr))
+    return arrays
 
+
+def _layout(kind: str, arrays) -> tuple[list, bytes, int, int]:
+    """Our tensor table, the safetensors JSON header (padded to 64-byte alignment), where the tensor data
+    starts in the payload and the payload's length."""
     table, st_table, offset = [], {}, 0
     for name, dtype, arr in arrays:
         nbytes = arr.size * arr.dtype.itemsize
@@ -152,28 +178,19 @@ def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema:
         st_table[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(arr.shape),
                           "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    data_len = offset
     st_table["__metadata__"] = {"format": "spec-cache-record", "kind": kind}
     st_json = json.dumps(st_table, separators=(",", ":")).encode()
     st_json += b" " * ((-(8 + len(st_json))) % ALIGN)
     data_start = 8 + len(st_json)
-    payload_len = data_start + data_len
+    return table, st_json, data_start, data_start + offset
 
-    header = msgpack.packb({"kind": kind, "schema": schema, "meta": meta or {}, "tensors": table,
-                            "payload": payload_len, "data": data_start}, use_bin_type=True)
-    if len(header) > MAX_HEADER_BYTES:
-        raise InvalidInput(f"record header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
-    payload_at = _align(PREFIX_SIZE + len(header))
-    out = np.empty(payload_at + payload_len, dtype=np.uint8)
-    out[:PREFIX_SIZE] = np.frombuffer(
-        PREFIX.pack(MAGIC, format_major, FORMAT_MINOR, 0, len(header), 0, bytes(32)), dtype=np.uint8)
-    out[PREFIX_SIZE:PREFIX_SIZE + len(header)] = np.frombuffer(header, dtype=np.uint8)
-    out[PREFIX_SIZE + len(header):payload_at] = 0
-    out[payload_at:payload_at + 8] = np.frombuffer(struct.pack("<Q", len(st_json)), dtype=np.uint8)
-    out[payload_at + 8:payload_at + data_start] = np.frombuffer(st_json, dtype=np.uint8)
-    base = payload_at + data_start
-    # Format 2 hashes each tensor's bytes right after copying them, while they are still in cache: the
-    # same digest as one pass over the finished record (tests check it), without reading the record again.
+
+def _copy_tensors(out: np.ndarray, base: int, arrays, table, format_major: int) -> bytes:
+    """Copy every tensor into ``out`` from ``base`` on; returns the record's checksum field.
+
+    Format 2 hashes each tensor's bytes right after copying them, while they are still in cache: the same
+    digest as one pass over the finished record (tests check it), without reading the record again.
+    """
     h = xxhash.xxh3_128(out[:CHECKSUM_OFFSET]) if format_major == FORMAT_MAJOR else None
     if h is not None:
         h.update(out[PREFIX_SIZE:base])
@@ -185,9 +202,7 @@ def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema:
                       casting="no")
             if h is not None:
                 h.update(out[start:start + nbytes])
-    digest = h.digest() + _ZERO16 if h is not None else checksum(memoryview(out), format_major)
-    out[CHECKSUM_OFFSET:PREFIX_SIZE] = np.frombuffer(digest, dtype=np.uint8)
-    return out
+    return h.digest() + _ZERO16 if h is not None else checksum(memoryview(out), format_major)
 
 
 def wrap_safetensors(kind: str, blob, *, schema: str | None = None, meta: dict | None = None,

@@ -312,17 +312,7 @@ class Environment:
         self._grow_ahead()
         for attempt in range(64):
             try:
-                txn = self.env.begin(write=True, buffers=True)
-                t0 = time.perf_counter()
-                try:
-                    result = fn(txn)
-                except BaseException:
-                    txn.abort()
-                    raise
-                t1 = time.perf_counter()
-                txn.commit()  # durable: LMDB fdatasyncs the data pages, then the meta page
-                self.last_write = {"fn_s": t1 - t0, "commit_s": time.perf_counter() - t1, "attempts": attempt + 1}
-                return result
+                return self._transaction(fn, attempt)
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)
             except lmdb.MapFullError:
@@ -353,6 +343,20 @@ class Environment:
                     raise StoreFullError(f"store at {self.path}: {reason} and nothing more can be evicted; the "
                                          f"store is unchanged and still readable") from None
         raise StoreFullError(f"store at {self.path}: write did not fit after repeated map growth or eviction")
+
+    def _transaction(self, fn: Callable[[lmdb.Transaction], T], attempt: int) -> T:
+        """One attempt of ``write``: ``fn`` in a write transaction, committed (timed into ``last_write``)."""
+        txn = self.env.begin(write=True, buffers=True)
+        t0 = time.perf_counter()
+        try:
+            result = fn(txn)
+        except BaseException:
+            txn.abort()
+            raise
+        t1 = time.perf_counter()
+        txn.commit()  # durable: LMDB fdatasyncs the data pages, then the meta page
+        self.last_write = {"fn_s": t1 - t0, "commit_s": time.perf_counter() - t1, "attempts": attempt + 1}
+        return result
 
     def _grow_ahead(self) -> None:
         """Grow the map (doubling, within the disk's free space) before a write once ``GROW_AHEAD_FRACTION`` of
