@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Handlers never touch the engine: they
 tokenize (chat template), submit a ``scheduler.Job`` and read its events from an asyncio queue; the scheduler
 thread hops events onto the loop with ``call_soon_threadsafe``. A client that disconnects (streaming or not)
-cancels its row at once. Errors are OpenAI's error JSON with the right status (see ``protocol``).
+ends its row at once (cancelled; or finished with its checkpoint when a retry could resume it). Errors are
+OpenAI's error JSON with the right status (see ``protocol``).
 """
 
 from __future__ import annotations
