@@ -19,7 +19,8 @@ two-phase state changes, so a failure on either side leaves both as they were.
 
 Persistence hooks: ``on_checkpoint(row_index, tokens, target_caches, draft_checkpoint)`` is called
 
-* at the prompt boundary, after a row's prefill: ``tokens == prompt[:-1]``;
+* at the prompt boundary, after a row's prefill: ``tokens == prompt[:-1]`` (not for a row that restored exactly
+  that boundary, drafter row included: the checkpoint would repeat what it restored);
 * when a row finishes (length or EOS): ``tokens == prompt + generated[:-1]`` (the last generated token was never
   forwarded, so no state covers it).
 
@@ -459,11 +460,21 @@ class DecodeSession:
             self.active.extend(cohort)
             if self.on_checkpoint is not None:
                 for i, row in enumerate(cohort):
+                    if self._restored_whole(row):
+                        continue  # the boundary state is exactly what the row restored: no copy, no checkpoint
                     self.on_checkpoint(row.index, list(row.request.prompt[:-1]), joining.extract(i), captures[i])
         finally:
             if prefill_group is not None:
                 prefill_group.dispose()
             joining.dispose()
+
+    def _restored_whole(self, row) -> bool:
+        """Whether ``row`` restored its whole prompt boundary, drafter row included (when there is a drafter):
+        a boundary checkpoint would repeat it, and extracting one copies the whole state (2 GiB for an
+        8B-shaped model at 16k tokens)."""
+        request = row.request
+        return (row.target_start == request.restored_tokens == len(request.prompt) - 1
+                and (self.group is None or request.draft_checkpoint is not None))
 
     # -- one verify round -------------------------------------------------------------------------------
     def _round(self) -> None:

@@ -328,3 +328,21 @@ def test_write_behind_copies_bytes_to_the_host_on_the_writer_thread(tmp_path, mo
         assert got.tier == "local"
         assert np.array_equal(np.array(got.caches[0].keys), np.array(c.keys))
         assert np.array_equal(np.array(got.caches[0].values), np.array(c.values))
+
+
+def test_a_row_restored_to_its_whole_boundary_is_not_copied_for_a_boundary_checkpoint(tiny, tmp_path, monkeypatch):
+    """The boundary checkpoint of a row that restored exactly ``prompt[:-1]`` (drafter row included) would repeat
+    what it restored: the engine neither extracts (copies) nor offers it; the finish checkpoint still comes."""
+    from spec_cache.target import TargetRows
+
+    calls = []
+    real = TargetRows.extract
+    monkeypatch.setattr(TargetRows, "extract", lambda self, row, **k: calls.append(row) or real(self, row, **k))
+    with SpecCache.open(tmp_path / "store") as cache:
+        gen = load(tiny, cache, "assistant")
+        gen.generate([PROMPTS[0]], max_tokens=3)
+        cold_calls = len(calls)
+        calls.clear()
+        (warm,) = gen.generate([PROMPTS[0]], max_tokens=3)
+        assert warm.cached_tokens == len(PROMPTS[0]) - 1 and warm.restored_drafter
+        assert cold_calls == 2 and len(calls) == 1  # cold: boundary + finish; warm: finish only
