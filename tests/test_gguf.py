@@ -277,3 +277,17 @@ def test_real_logits_match_a_reference_dequantized_by_the_gguf_package(smollm2_g
     # negative control: permuted rows with half-split RoPE
     wrong = _gguf_reference_logits(smollm2_gguf, config, ids, traditional=False)
     assert mx.abs(wrong - reference).max().item() > 5.0
+
+
+def test_python_dash_m_runs_the_converter(synthetic, tmp_path):
+    import subprocess
+    import sys
+
+    path, _ = synthetic
+    run = subprocess.run([sys.executable, "-m", "spec_cache.gguf", str(path), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "out" / "config.json").is_file() and "wrote" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "spec_cache.gguf", str(tmp_path / "none.gguf"), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert bad.returncode == 2 and "no GGUF file" in bad.stderr
