@@ -107,8 +107,26 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     try:
         weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
     except Exception as error:  # mlx raises for tensor types it cannot read
-        raise UnsupportedGGUF(f"{path}: mlx cannot read this GGUF ({error})") from error
+        raise UnsupportedGGUF(f"{path}: mlx cannot read this GGUF ({error}){_describe(path)}") from error
     return weights, {key: _plain(value) for key, value in metadata.items()}
+
+
+#: tensor types mx.load reads (Q4_0/Q4_1/Q8_0 as packed MLX tensors, the float ones as they are)
+READABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+
+
+def _describe(path: Path) -> str:
+    """What the file holds, for a refusal: architecture and tensor types (needs the optional ``gguf`` package)."""
+    try:
+        import gguf as reader  # the gguf package (not this module)
+
+        file = reader.GGUFReader(str(path))
+        arch = file.fields["general.architecture"].contents() if "general.architecture" in file.fields else "?"
+        types = Counter(t.tensor_type.name for t in file.tensors)
+    except Exception:
+        return ""
+    other = ", ".join(f"{name} x{count}" for name, count in sorted(types.items()) if name not in READABLE_TYPES)
+    return f"; architecture {arch!r}, tensor types mx.load may not read: {other or 'none'}"
 
 
 def unpermute_rows(w: mx.array, heads: int) -> mx.array:
