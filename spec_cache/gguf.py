@@ -19,7 +19,13 @@ mlx-lm's default ``rope_traditional: false``: the directory is the Hugging Face 
 
 Supported: ``general.architecture`` ``llama`` (llama, SmolLM, Mistral-style dense llama), byte-level BPE
 tokenizers (``tokenizer.ggml.model == "gpt2"``) with a known pre-tokenizer (``PRE_TOKENIZERS``). Anything else is
-refused with :class:`UnsupportedGGUF`, naming what is unsupported.
+refused with :class:`UnsupportedGGUF`, naming what is unsupported. Not yet: ``gemma3`` (the registry's Gemma 3
+270M Q4_K_M file holds Q4_K / Q5_0 / Q6_K tensors that ``mx.load`` (mlx 0.32.4) fails to read, and a SentencePiece
+tokenizer, ``tokenizer.ggml.model == "llama"``, which needs merges rebuilt from scores).
+
+Speed on MLX's CPU backend: its quantized matmul handles rows one at a time (so a verify window of ``k`` tokens
+costs about ``k`` one-token steps, and batched and one-token logits are bit-identical), and it is far slower with
+float16 inputs; hence float32 scales by default, and ``dequantize=True`` for float weights.
 
 CLI: ``python -m spec_cache.gguf FILE OUT_DIR`` (``add_arguments`` / ``main`` for ``spec-cache convert-gguf``).
 """
