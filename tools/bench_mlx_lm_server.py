@@ -1,23 +1,31 @@
-"""Multi-turn chat TTFT: ``mlx_lm.server`` (its in-RAM LRUPromptCache) vs ``spec_cache.mlx_lm_server``.
+"""Multi-turn chat benchmark: ``mlx_lm.server`` (its in-RAM LRUPromptCache) vs ``spec_cache.mlx_lm_server`` (our
+launcher) and/or ``spec_cache.server`` (``spec-cache serve``).
 
-    .venv/bin/python tools/bench_mlx_lm_server.py [--model DIR] [--conversations 8] [--turns 3] [--clients 4]
-        [--system-words 1500] [--user-words 150] [--max-tokens 24] [--json OUT]
+    .venv/bin/python tools/bench_mlx_lm_server.py [--model DIR] [--servers mlx-lm,spec-cache] [--conversations 8]
+        [--turns 3] [--clients 4] [--system-words 1500] [--user-words 150] [--max-tokens 24] [--paired] [--json OUT]
+
+``tools/bench_serve.py`` is this tool with ``--servers mlx-lm,serve,spec-cache``. Server kinds: ``mlx-lm``
+(``mlx_lm.server``), ``spec-cache`` (``spec_cache.mlx_lm_server``: mlx-lm's server with our cache), ``serve``
+(``spec_cache.server``: our engine, continuous batching, the store); each of ours gets its own store.
 
 Without ``--model`` a tiny float32 llama is written to a temporary directory (``spec_cache.tiny``). Each server
 is started on 127.0.0.1, driven with streaming ``/v1/chat/completions`` (TTFT = time to the first content
 chunk), then stopped (SIGTERM) and started again on the same store:
 
 * ``turns``: every conversation's turns in order, ``--clients`` conversations at a time; all conversations share
-  one system prompt. TTFT p50/p95 per turn.
+  one system prompt. TTFT p50/p95 per turn; aggregate output tokens/s = completion tokens of the phase / its wall.
 * ``after restart``: each conversation's last turn (its whole history) sent to the restarted server. mlx-lm's
-  server lost its RAM cache; ours restores the history from the store.
+  server lost its RAM cache; ours restore the history from the store.
 
-Prints a table and the ratios (mlx-lm / spec-cache: > 1 means spec-cache is faster). Greedy, so both servers
-produce the same replies and the same histories.
+Prints a table and the ratios (mlx-lm / X: > 1 means X is faster). Greedy: the replies are compared turn by turn
+(each server builds its histories from its own replies, so one differing reply changes that conversation's later
+prompts; the count of identical replies and the first difference are printed).
 
-``--paired``: both servers run at once and every request goes to both, back to back, in alternating order, so
-both see the same host load (on a shared, busy machine the sequential figures drift by tens of percent between
-runs); they are restarted together.
+``--paired``: all servers run at once and every request goes to each, back to back, in rotating order, so all see
+the same host load (on a shared, busy machine the sequential figures drift by tens of percent between runs); the
+histories follow the first server's replies (so all see the same prompts); they are restarted together. No tokens/s
+there (the servers share the wall), and each server sees about ``clients / len(servers)`` requests at once, not
+``clients``: it hides the cost of concurrency, which the sequential mode measures.
 """
 
 from __future__ import annotations
@@ -35,8 +43,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
+BASELINE = "mlx-lm"
+KINDS = ("mlx-lm", "spec-cache", "serve")
+LABELS = {"mlx-lm": "mlx_lm.server", "spec-cache": "mlx-lm-server (ours)", "serve": "spec-cache serve"}
+# every request names "default_model": mlx_lm.server maps it to its --model, serve is started with that model id
+MODEL_NAME = "default_model"
 
 
 def free_port() -> int:
@@ -46,12 +60,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, argv: list[str], log: Path):
+    def __init__(self, argv: list[str], log: Path, env: dict | None = None):
         self.port = free_port()
         self.out = open(log, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", *argv, "--host", "127.0.0.1", "--port", str(self.port)],
                                      cwd=REPO, stdout=self.out, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     env=env or dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -62,7 +76,9 @@ class Server:
                 if c.getresponse().status == 200:
                     return
             except OSError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)  # refused, or 503 while the model loads (serve)
+        self.stop()
         raise SystemExit(f"server not ready; see {log}")
 
     def stop(self):
@@ -76,15 +92,25 @@ class Server:
         self.out.close()
 
 
-def chat(port: int, messages: list[dict], max_tokens: int) -> tuple[float, str, int | None]:
-    """One streaming chat request: (TTFT seconds, reply text, cached prompt tokens if reported)."""
-    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+class Reply(NamedTuple):
+    ttft: float          # seconds to the first content chunk
+    text: str
+    cached: int | None   # cached prompt tokens, if reported
+    tokens: int          # completion tokens (usage, else content chunks)
+    seconds: float       # the whole request
+
+
+def chat(port: int, messages: list[dict], max_tokens: int) -> Reply:
+    """One streaming, greedy chat request."""
+    body = json.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}})
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     t0 = time.perf_counter()
     c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     r = c.getresponse()
-    ttft, parts, cached = None, [], None
+    if r.status != 200:
+        raise SystemExit(f"port {port}: HTTP {r.status}: {r.read()[:300]!r}")
+    ttft, parts, cached, tokens = None, [], None, None
     for raw in r:
         line = raw.decode().strip()
         if not line.startswith("data:"):
@@ -95,73 +121,70 @@ def chat(port: int, messages: list[dict], max_tokens: int) -> tuple[float, str, 
         d = json.loads(data)
         if d.get("usage"):
             cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+            tokens = d["usage"].get("completion_tokens")
         for ch in d.get("choices", []):
             text = (ch.get("delta") or {}).get("content")
             if text:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 parts.append(text)
+    end = time.perf_counter() - t0
     c.close()
-    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(parts), cached
+    return Reply(ttft if ttft is not None else end, "".join(parts), cached,
+                 tokens if tokens is not None else len(parts), end)
 
 
 def words(n: int, salt: int) -> str:
     return " ".join(f"w{(i * 13 + salt * 31) % 240 + 3}" for i in range(n))
 
 
-def run_turns(port: int, args, system: str) -> tuple[dict[int, list[float]], list[list[dict]]]:
-    ttfts: dict[int, list[float]] = {t: [] for t in range(args.turns)}
-    cached: dict[int, list[int]] = {t: [] for t in range(args.turns)}
-    histories: list[list[dict]] = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
+def pool(n: int, clients: int, work) -> float:
+    """``work(i)`` for i in range(n), ``clients`` at a time; returns the wall seconds."""
     lock = threading.Lock()
-    todo = list(range(args.conversations))
+    todo = list(range(n))
 
     def client():
         while True:
             with lock:
                 if not todo:
                     return
-                conv = todo.pop(0)
-            for turn in range(args.turns):
-                histories[conv].append({"role": "user", "content": words(args.user_words, conv * 10 + turn)})
-                ttft, reply, hit = chat(port, histories[conv], args.max_tokens)
-                histories[conv].append({"role": "assistant", "content": reply})
-                with lock:
-                    ttfts[turn].append(ttft)
-                    cached[turn].append(hit or 0)
+                i = todo.pop(0)
+            work(i)
 
-    threads = [threading.Thread(target=client) for _ in range(args.clients)]
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return ttfts, cached, histories
+    return time.perf_counter() - t0
 
 
-def resume(port: int, args, histories) -> list[float]:
+def run_turns(port: int, args, system: str) -> dict:
+    """Every conversation's turns in order: {"replies": [conv][turn] Reply, "histories", "wall"}."""
+    replies: list[list[Reply]] = [[] for _ in range(args.conversations)]
+    histories = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
+
+    def conversation(conv):
+        for turn in range(args.turns):
+            histories[conv].append({"role": "user", "content": words(args.user_words, conv * 10 + turn)})
+            got = chat(port, histories[conv], args.max_tokens)
+            histories[conv].append({"role": "assistant", "content": got.text})
+            replies[conv].append(got)
+
+    wall = pool(args.conversations, args.clients, conversation)
+    return {"replies": replies, "histories": histories, "wall": wall}
+
+
+def resume(port: int, args, histories) -> dict:
     """Each conversation's last turn (history without its reply) against a restarted server."""
-    out: list[float] = []
-    cached: list[int] = []
-    lock = threading.Lock()
-    todo = list(range(len(histories)))
+    replies: list[Reply | None] = [None] * len(histories)
 
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                conv = todo.pop(0)
-            ttft, _, hit = chat(port, histories[conv][:-1], args.max_tokens)
-            with lock:
-                out.append(ttft)
-                cached.append(hit or 0)
+    def last(conv):
+        replies[conv] = chat(port, histories[conv][:-1], args.max_tokens)
 
-    threads = [threading.Thread(target=client) for _ in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out, cached
+    wall = pool(len(histories), args.clients, last)
+    return {"replies": replies, "wall": wall}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -172,133 +195,209 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def bench(kind: str, model: str, store: str, args, system: str, logdir: Path) -> dict:
-    argv = server_argv(kind, model, store)
-    s = Server(argv, logdir / f"{kind}-1.log")
-    try:
-        chat(s.port, [{"role": "user", "content": "w3 w4"}], 2)  # warm up the model load and kernels
-        t0 = time.perf_counter()
-        ttfts, cached, histories = run_turns(s.port, args, system)
-        wall = time.perf_counter() - t0
-    finally:
-        s.stop()
-    s = Server(argv, logdir / f"{kind}-2.log")
-    try:
-        chat(s.port, [{"role": "user", "content": "w5 w6"}], 2)
-        after, after_cached = resume(s.port, args, histories)
-    finally:
-        s.stop()
-    return {"turns": {t + 1: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v),
-                              "cached_mean": statistics.mean(cached[t]) if cached[t] else 0} for t, v in ttfts.items()},
-            "after_restart": {"p50": pct(after, 50), "p95": pct(after, 95), "n": len(after),
-                              "cached_mean": statistics.mean(after_cached) if after_cached else 0},
-            "turns_wall_s": wall, "replies": [h[-1]["content"] for h in histories]}
-
-
-KINDS = ("mlx-lm", "spec-cache")
+def summary(replies: list[Reply], wall: float | None) -> dict:
+    ttfts = [r.ttft for r in replies]
+    tokens = sum(r.tokens for r in replies)
+    return {"p50": pct(ttfts, 50), "p95": pct(ttfts, 95), "n": len(replies),
+            "cached_mean": statistics.mean(r.cached or 0 for r in replies) if replies else 0,
+            "tokens": tokens, "tokens_per_s": tokens / wall if wall else float("nan"),
+            "wall_s": wall if wall else float("nan")}
 
 
 def server_argv(kind: str, model: str, store: str) -> list[str]:
-    return ["mlx_lm.server", "--model", model] if kind == "mlx-lm" else \
-        ["spec_cache.mlx_lm_server", "--model", model, "--cache", store]
+    if kind == "mlx-lm":
+        return ["mlx_lm.server", "--model", model]
+    if kind == "spec-cache":
+        return ["spec_cache.mlx_lm_server", "--model", model, "--cache", store]
+    if kind == "serve":
+        return ["spec_cache.server", "--model", model, "--model-id", MODEL_NAME, "--cache", store,
+                "--log-level", "warning"]
+    raise ValueError(kind)
 
 
-def bench_paired(model: str, store: str, args, system: str, logdir: Path) -> dict:
-    """Both servers at once; each request to both, back to back, the order alternating."""
-    out = {k: {"ttft": {t: [] for t in range(args.turns)}, "cached": {t: [] for t in range(args.turns)},
-               "after": [], "after_cached": []} for k in KINDS}
+def server_env(tmp: Path) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPEC_CACHE_IDENTITY_DIR=str(tmp / "identity-memo"))
+    env.pop("SPEC_CACHE_API_KEY", None)  # serve would require it
+    return env
+
+
+def start(kind: str, model: str, tmp: Path, name: str) -> Server:
+    s = Server(server_argv(kind, model, str(tmp / f"store-{kind}")), tmp / f"{kind}-{name}.log", server_env(tmp))
+    try:
+        chat(s.port, [{"role": "user", "content": "w3 w4"}], 2)  # warm up the model load and kernels
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
+def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
+    s = start(kind, model, tmp, "1")
+    try:
+        turns = run_turns(s.port, args, system)
+    finally:
+        s.stop()
+    s = start(kind, model, tmp, "2")
+    try:
+        after = resume(s.port, args, turns["histories"])
+    finally:
+        s.stop()
+    per_turn = [[turns["replies"][c][t] for c in range(args.conversations)] for t in range(args.turns)]
+    return {"turns": {t + 1: summary(v, None) for t, v in enumerate(per_turn)},
+            "all_turns": summary([r for conv in turns["replies"] for r in conv], turns["wall"]),
+            "after_restart": summary(after["replies"], after["wall"]),
+            "texts": [[r.text for r in conv] for conv in turns["replies"]]}
+
+
+def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> dict:
+    """All servers at once; each request to each, back to back, the order rotating."""
+    got_turns = {k: [[None] * args.turns for _ in range(args.conversations)] for k in kinds}
+    got_after = {k: [None] * args.conversations for k in kinds}
     histories = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
-    same = [True]
-    lock = threading.Lock()
 
-    def both(ports, messages, n):
-        order = KINDS if n % 2 == 0 else KINDS[::-1]
-        got = {k: chat(ports[k], messages, args.max_tokens) for k in order}
-        if got["mlx-lm"][1] != got["spec-cache"][1]:
-            same[0] = False
-        return got
+    def each(ports, messages, n):
+        order = kinds[n % len(kinds):] + kinds[:n % len(kinds)]
+        return {k: chat(ports[k], messages, args.max_tokens) for k in order}
 
-    def pool(work):
-        todo = list(range(args.conversations))
-
-        def client():
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    conv = todo.pop(0)
-                work(conv)
-        threads = [threading.Thread(target=client) for _ in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    def start():
-        servers = {k: Server(server_argv(k, model, store), logdir / f"paired-{k}.log") for k in KINDS}
-        for k in KINDS:
-            chat(servers[k].port, [{"role": "user", "content": "w3 w4"}], 2)
+    def start_all(name):
+        servers = {}
+        try:
+            for k in kinds:
+                servers[k] = start(k, model, tmp, f"paired-{name}")
+        except BaseException:
+            for s in servers.values():
+                s.stop()
+            raise
         return servers
 
-    servers = start()
-    ports = {k: servers[k].port for k in KINDS}
+    servers = start_all("1")
+    ports = {k: servers[k].port for k in kinds}
 
     def turns(conv):
         for turn in range(args.turns):
             histories[conv].append({"role": "user", "content": words(args.user_words, conv * 10 + turn)})
-            got = both(ports, histories[conv], conv + turn)
-            histories[conv].append({"role": "assistant", "content": got["mlx-lm"][1]})
-            with lock:
-                for k in KINDS:
-                    out[k]["ttft"][turn].append(got[k][0])
-                    out[k]["cached"][turn].append(got[k][2] or 0)
+            got = each(ports, histories[conv], conv + turn)
+            histories[conv].append({"role": "assistant", "content": got[kinds[0]].text})
+            for k in kinds:
+                got_turns[k][conv][turn] = got[k]
 
     try:
-        pool(turns)
+        pool(args.conversations, args.clients, turns)
     finally:
         for s in servers.values():
             s.stop()
-    servers = start()
-    ports = {k: servers[k].port for k in KINDS}
+    servers = start_all("2")
+    ports = {k: servers[k].port for k in kinds}
 
     def after(conv):
-        got = both(ports, histories[conv][:-1], conv)
-        with lock:
-            for k in KINDS:
-                out[k]["after"].append(got[k][0])
-                out[k]["after_cached"].append(got[k][2] or 0)
+        got = each(ports, histories[conv][:-1], conv)
+        for k in kinds:
+            got_after[k][conv] = got[k]
 
     try:
-        pool(after)
+        pool(args.conversations, args.clients, after)
     finally:
         for s in servers.values():
             s.stop()
-    results = {}
-    for k in KINDS:
-        o = out[k]
-        results[k] = {"turns": {t + 1: {"p50": pct(v, 50), "p95": pct(v, 95), "n": len(v),
-                                        "cached_mean": statistics.mean(o["cached"][t])}
-                                for t, v in o["ttft"].items()},
-                      "after_restart": {"p50": pct(o["after"], 50), "p95": pct(o["after"], 95), "n": len(o["after"]),
-                                        "cached_mean": statistics.mean(o["after_cached"])},
-                      "turns_wall_s": float("nan"), "replies": []}
-    results["mlx-lm"]["replies"] = [same[0]]  # compared per request above
-    results["spec-cache"]["replies"] = [True]
-    return results
+    return {k: {"turns": {t + 1: summary([got_turns[k][c][t] for c in range(args.conversations)], None)
+                          for t in range(args.turns)},
+                "all_turns": summary([r for conv in got_turns[k] for r in conv], None),
+                "after_restart": summary(got_after[k], None),
+                "texts": [[r.text for r in conv] for conv in got_turns[k]]} for k in kinds}
 
 
-def main() -> int:
+def visible(text: str) -> str:
+    """``text`` without special-token words (``<s>``, ``</s>``): mlx_lm.server streams a generated special token's
+    text, serve decodes with ``skip_special_tokens=True``; the token ids are the same."""
+    return " ".join(w for w in text.split() if not (w.startswith("<") and w.endswith(">")))
+
+
+def compare_texts(a: list[list[str]], b: list[list[str]]) -> dict:
+    """Replies identical turn by turn (as sent, and without special-token text); the first difference of the
+    latter (conversation, turn, both texts' starts)."""
+    same = same_visible = total = 0
+    first = None
+    for c, (ca, cb) in enumerate(zip(a, b)):
+        for t, (ta, tb) in enumerate(zip(ca, cb)):
+            total += 1
+            same += ta == tb
+            if visible(ta) == visible(tb):
+                same_visible += 1
+            elif first is None:
+                first = {"conversation": c, "turn": t + 1, "a": ta[:80], "b": tb[:80]}
+    return {"identical": same, "identical_visible": same_visible, "total": total, "first_difference": first}
+
+
+def report(results: dict, kinds: list[str], args) -> dict:
+    print(f"model {args.model or 'tiny llama (spec_cache.tiny)'}; {args.conversations} conversations x {args.turns} "
+          f"turns, {args.clients} clients, system {args.system_words} words, user {args.user_words} words/turn, "
+          f"{args.max_tokens} tokens/reply{'; paired' if args.paired else ''}")
+    others = [k for k in kinds if k != BASELINE]
+    head = f"{'TTFT ms':<15}" + "".join(f"{LABELS[k] + ' p50/p95':>30}" for k in kinds) + \
+        "".join(f"{'ratio ' + k + ' p50/p95':>26}" for k in others)
+    print(head)
+    phases = [(f"turn {t}", lambda r, t=t: r["turns"][t]) for t in results[kinds[0]]["turns"]]
+    phases.append(("after restart", lambda r: r["after_restart"]))
+    ratios: dict = {k: {} for k in others}
+    for name, get in phases:
+        line = f"{name:<15}"
+        for k in kinds:
+            s = get(results[k])
+            line += f"{s['p50'] * 1e3:>14.1f} /{s['p95'] * 1e3:>7.1f} (c{s['cached_mean']:>5.0f})"
+        base = get(results[BASELINE]) if BASELINE in results else None
+        for k in others:
+            s = get(results[k])
+            r50 = base["p50"] / s["p50"] if base else float("nan")
+            r95 = base["p95"] / s["p95"] if base else float("nan")
+            ratios[k][name] = {"p50": r50, "p95": r95}
+            line += f"{r50:>17.2f}x /{r95:>5.2f}x"
+        print(line)
+    if not args.paired:
+        for phase, key in (("turns", "all_turns"), ("after restart", "after_restart")):
+            line = f"{'tok/s ' + phase:<15}"
+            for k in kinds:
+                s = results[k][key]
+                line += f"{s['tokens_per_s']:>14.1f} ({s['tokens']:>4d} tok, {s['wall_s']:>5.2f}s)"
+            base = results[BASELINE][key] if BASELINE in results else None
+            for k in others:
+                r = results[k][key]["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+                ratios[k][f"tok/s {phase}"] = r
+                line += f"{r:>17.2f}x (X / mlx-lm)"
+            print(line)
+    print("(c N: mean cached prompt tokens reported; TTFT ratio = mlx-lm / X, > 1: X faster; tok/s ratio = X / mlx-lm)")
+    same = {}
+    for k in others:
+        if BASELINE in results:
+            same[k] = compare_texts(results[BASELINE]["texts"], results[k]["texts"])
+            print(f"replies {k} vs mlx-lm: {same[k]['identical']}/{same[k]['total']} identical, "
+                  f"{same[k]['identical_visible']}/{same[k]['total']} without special-token text"
+                  + (f"; first difference {same[k]['first_difference']}" if same[k]["first_difference"] else ""))
+    return {"ratios": ratios, "identical_replies": same}
+
+
+def parse(argv=None, servers: str = "mlx-lm,spec-cache"):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
+    p.add_argument("--servers", default=servers, help=f"comma-separated, of {', '.join(KINDS)} (default {servers})")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--system-words", type=int, default=1500)
     p.add_argument("--user-words", type=int, default=150)
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--paired", action="store_true", help="both servers at once, every request to both")
+    p.add_argument("--paired", action="store_true", help="all servers at once, every request to each")
     p.add_argument("--json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
+    bad = [k for k in args.kinds if k not in KINDS]
+    if bad or not args.kinds:
+        p.error(f"--servers: unknown {bad}; known: {', '.join(KINDS)}")
+    return args
+
+
+def main(argv=None, servers: str = "mlx-lm,spec-cache") -> int:
+    args = parse(argv, servers)
+    kinds = args.kinds
     tmp = Path(tempfile.mkdtemp(prefix="bench-mlx-lm-server-"))
     model = args.model
     if model is None:
@@ -307,28 +406,15 @@ def main() -> int:
         model = str(write_tiny_target(tmp / "tiny"))
     system = words(args.system_words, 999)
     if args.paired:
-        results = bench_paired(model, str(tmp / "store"), args, system, tmp)
+        results = bench_paired(kinds, model, args, system, tmp)
     else:
-        results = {kind: bench(kind, model, str(tmp / "store"), args, system, tmp) for kind in KINDS}
-    same = results["mlx-lm"].pop("replies") == results["spec-cache"].pop("replies")
-    print(f"model {model}; {args.conversations} conversations x {args.turns} turns, {args.clients} clients, "
-          f"system {args.system_words} words, user {args.user_words} words/turn, {args.max_tokens} tokens/reply")
-    print(f"{'phase':<16}{'mlx-lm p50':>12}{'p95':>9}{'spec-cache p50':>16}{'p95':>9}{'ratio p50':>11}{'p95':>8}"
-          f"{'cached mlx-lm':>15}{'spec-cache':>12}")
-    rows = [(f"turn {t}", results["mlx-lm"]["turns"][t], results["spec-cache"]["turns"][t])
-            for t in results["mlx-lm"]["turns"]]
-    rows.append(("after restart", results["mlx-lm"]["after_restart"], results["spec-cache"]["after_restart"]))
-    for name, a, b in rows:
-        print(f"{name:<16}{a['p50'] * 1e3:>10.1f}ms{a['p95'] * 1e3:>7.1f}ms{b['p50'] * 1e3:>14.1f}ms"
-              f"{b['p95'] * 1e3:>7.1f}ms{a['p50'] / b['p50']:>10.2f}x{a['p95'] / b['p95']:>7.2f}x"
-              f"{a['cached_mean']:>15.0f}{b['cached_mean']:>12.0f}")
-    if args.paired:
-        print(f"paired run (both servers up, each request to both); identical replies: {same}")
-    else:
-        print(f"turns wall: mlx-lm {results['mlx-lm']['turns_wall_s']:.2f}s, "
-              f"spec-cache {results['spec-cache']['turns_wall_s']:.2f}s; identical replies: {same}")
+        results = {kind: bench(kind, model, args, system, tmp) for kind in kinds}
+    extra = report(results, kinds, args)
+    print(f"logs and stores: {tmp}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "identical_replies": same, **results}, indent=1))
+        out = {"args": {k: v for k, v in vars(args).items()}, **extra,
+               **{k: {key: v for key, v in results[k].items()} for k in kinds}}
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
