@@ -1,5 +1,9 @@
 """Batched speculative decoding over rows that join and leave between rounds.
 
+Why one file of ~570 lines: ``SpeculativeEngine`` (request checks) and ``DecodeSession`` (admit / round /
+retire / snapshots) share the row bookkeeping and the two-phase state changes; split, each half would reach into
+the other's rows.
+
 One target forward serves every active row. A round: each row's drafter proposes up to ``draft_depth`` tokens
 after its pending token; the target verifies ``[pending] + drafts`` for all rows in one forward (shorter
 proposals are padded); each row keeps its drafts up to the first disagreement plus the target's own token there,

@@ -14,12 +14,13 @@ import lmdb
 import pytest
 
 from spec_cache.cache import CacheWarning, SpecCache
+from spec_cache.drafters import METHODS as DRAFTER_METHODS
 from spec_cache.generator import Generator
 from spec_cache.namespace import KVOptions
 from spec_cache.tiny import write_tiny_adapter
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
-METHODS = ["assistant", "draft-model", "ngram", "deepspec", "dflash"]
+METHODS = list(DRAFTER_METHODS)
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 9, 10], list(range(60, 110))]
 MAX = 10
 

@@ -1,5 +1,8 @@
 """The ASGI app (Starlette): OpenAI-compatible routes over the scheduler.
 
+Why one file of ~450 lines: every route shares the request parsing, the error shapes and the streaming
+response; protocol types live in ``protocol.py``, auth in ``auth.py``, metrics in ``metrics.py``.
+
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true``: server-sent events ending in
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Handlers never touch the engine: they
 tokenize (chat template), submit a ``scheduler.Job`` and read its events from an asyncio queue; the scheduler

@@ -15,9 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module"]
+from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
 
-DRAFTER_METHODS = ("assistant", "draft-model", "ngram", "deepspec", "dflash")
+__all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module"]
 
 
 def _positive_int(text: str) -> int:

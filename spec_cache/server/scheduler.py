@@ -1,5 +1,8 @@
 """The scheduler: one thread owns the generator, its engine session and the cache; nothing else touches them.
 
+Why one file of ~440 lines: the scheduler is one thread's loop and the state only it touches (queue,
+admission, checkpoint phases, retries); splitting it would share that state across modules.
+
 HTTP handlers call ``submit`` / ``cancel`` / ``finish`` (thread-safe: they only enqueue) and read the events of
 their ``Job`` through its ``deliver`` callback (which must be thread-safe: the app passes one that hops onto its
 event loop). The thread loops: take every control message, admit waiting jobs while fewer than ``max_rows`` are
