@@ -23,9 +23,11 @@ refused with :class:`UnsupportedGGUF`, naming what is unsupported. Not yet: ``ge
 270M Q4_K_M file holds Q4_K / Q5_0 / Q6_K tensors that ``mx.load`` (mlx 0.32.4) fails to read, and a SentencePiece
 tokenizer, ``tokenizer.ggml.model == "llama"``, which needs merges rebuilt from scores).
 
-Speed on MLX's CPU backend: its quantized matmul handles rows one at a time (so a verify window of ``k`` tokens
-costs about ``k`` one-token steps, and batched and one-token logits are bit-identical), and it is far slower with
-float16 inputs; hence float32 scales by default, and ``dequantize=True`` for float weights.
+Speed on MLX's CPU backend (2 shared cores, SmolLM2-135M): a forward of 1 / 5 / 16 tokens takes 0.36 / 1.0 /
+5.0 s with 4-bit weights (0.22 / 0.85 / 2.3 s dequantized to float32), so a verify window of ``k`` tokens costs
+about ``k`` one-token steps; the quantized kernel computes each row on its own (batched, windowed and one-token
+logits are bit-identical) and is far slower with float16 inputs: hence float32 scales by default, and
+``dequantize=True`` for float weights.
 
 CLI: ``python -m spec_cache.gguf FILE OUT_DIR`` (``add_arguments`` / ``main`` for ``spec-cache convert-gguf``).
 """
