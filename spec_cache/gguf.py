@@ -43,6 +43,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .gguf_cli import add_arguments
+
 __all__ = [
     "ARCHITECTURES",
     "PRE_TOKENIZERS",
@@ -424,19 +426,6 @@ def convert(
         shutil.rmtree(out)
     staging.rename(out)
     return out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of ``convert-gguf FILE OUT_DIR``."""
-    parser.add_argument("file", metavar="FILE", help="a GGUF file (llama family; Q4_0/Q4_1/Q8_0 stay quantized)")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="the mlx-lm model directory to write")
-    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float32",
-                        help="float tensors and quantization scales/biases (default float32: exact values, and "
-                             "fast on MLX's CPU backend; float16 for Apple GPUs)")
-    parser.add_argument("--dequantize", action="store_true",
-                        help="write float weights (float32 unless --dtype): faster on MLX's CPU backend")
-    parser.add_argument("--force", action="store_true", help="overwrite a non-empty OUT_DIR")
-    return parser
 
 
 def main(args: argparse.Namespace) -> int:

@@ -129,7 +129,9 @@ class TargetModel:
 
     @property
     def dtype(self) -> mx.Dtype:
-        return self._port.inner.embed_tokens.weight.dtype
+        embed = self._port.inner.embed_tokens
+        scales = getattr(embed, "scales", None)  # a quantized embedding's weight is packed uint32
+        return embed.weight.dtype if scales is None else scales.dtype
 
     def kv_geometry(self, layer: int) -> tuple[int, int]:
         """``(kv_heads, head_dim)`` of ``layer``'s cache (negative indices count from the end)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from spec_cache import server  # imports only spec_cache.server.cli (its options); the server loads in serve
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
+from spec_cache.gguf_cli import add_arguments as gguf_add_arguments
 from spec_cache.namespace import KVOptions
 from spec_cache.store import maintenance
 
@@ -146,6 +147,12 @@ def cmd_import_mlx_lm(args) -> int:
     return EXIT_OK
 
 
+def cmd_convert_gguf(args) -> int:
+    from spec_cache import gguf  # loads MLX
+
+    return gguf.main(args)
+
+
 def cmd_serve(args) -> int:
     return server.main(args)
 
@@ -213,6 +220,9 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                        help="an OpenAI-compatible HTTP server on a local model, through the cache")
     server.add_arguments(s)  # --model, --port, --memory-bytes, ... (--cache and --shared come from common)
     s.set_defaults(fn=cmd_serve)
+    s = sub.add_parser("convert-gguf", help="a GGUF file (llama family) -> an mlx-lm model directory")
+    gguf_add_arguments(s)
+    s.set_defaults(fn=cmd_convert_gguf)
     s = sub.add_parser("export-mlx-lm", parents=[common],
                        help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)")
     s.add_argument("namespace", help="namespace key (hex or unique prefix)")
