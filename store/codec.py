@@ -116,12 +116,7 @@ def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema:
     The tests prove both directions against the library: it reads what we write and we read what it writes
     (``wrap_safetensors``).
     """
-    if kind not in KINDS:
-        raise InvalidInput(f"record kind must be one of {KINDS}, got {kind!r}")
-    if format_major is None:
-        format_major = WRITE_MAJOR
-    if format_major not in READABLE_MAJORS:
-        raise InvalidInput(f"record format major must be one of {READABLE_MAJORS}, got {format_major!r}")
+    format_major = _checked_kind_and_format(kind, format_major)
     arrays = _checked_arrays(tensors)
     table, st_json, data_start, payload_len = _layout(kind, arrays)
     header = msgpack.packb({"kind": kind, "schema": schema, "meta": meta or {}, "tensors": table,
@@ -139,6 +134,17 @@ def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema:
     digest = _copy_tensors(out, payload_at + data_start, arrays, table, format_major)
     out[CHECKSUM_OFFSET:PREFIX_SIZE] = np.frombuffer(digest, dtype=np.uint8)
     return out
+
+
+def _checked_kind_and_format(kind: str, format_major: int | None) -> int:
+    """The record format to write (``WRITE_MAJOR`` when None); ``InvalidInput`` for an unknown kind or format."""
+    if kind not in KINDS:
+        raise InvalidInput(f"record kind must be one of {KINDS}, got {kind!r}")
+    if format_major is None:
+        format_major = WRITE_MAJOR
+    if format_major not in READABLE_MAJORS:
+        raise InvalidInput(f"record format major must be one of {READABLE_MAJORS}, got {format_major!r}")
+    return format_major
 
 
 def _checked_arrays(tensors) -> list[tuple[str, str, np.ndarray]]:
@@ -213,12 +219,7 @@ def wrap_safetensors(kind: str, blob, *, schema: str | None = None, meta: dict |
     header lists its tensors in data order, as ``decode_record`` requires. Raises ``InvalidInput`` for a blob
     that is not a well-formed safetensors file.
     """
-    if kind not in KINDS:
-        raise InvalidInput(f"record kind must be one of {KINDS}, got {kind!r}")
-    if format_major is None:
-        format_major = WRITE_MAJOR
-    if format_major not in READABLE_MAJORS:
-        raise InvalidInput(f"record format major must be one of {READABLE_MAJORS}, got {format_major!r}")
+    format_major = _checked_kind_and_format(kind, format_major)
     blob = _bytes_view(blob)
     if len(blob) < 8:
         raise InvalidInput("safetensors blob shorter than its length prefix")

@@ -15,23 +15,10 @@ import os
 import sys
 from pathlib import Path
 
+from spec_cache.cli.common import non_negative_int, positive_int
 from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
 
 __all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive_int(text)
 
 
 def _size(text: str) -> int:
@@ -64,27 +51,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-bytes", type=_size, metavar="N", help="memory tier size, e.g. 2G (0: off)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
                         "only)")
-    parser.add_argument("--port", type=_non_negative_int, default=8080)
-    parser.add_argument("--max-rows", type=_positive_int, default=8, help="rows decoded at once (default 8)")
-    parser.add_argument("--max-queue", type=_non_negative_int, default=64,
+    parser.add_argument("--port", type=non_negative_int, default=8080)
+    parser.add_argument("--max-rows", type=positive_int, default=8, help="rows decoded at once (default 8)")
+    parser.add_argument("--max-queue", type=non_negative_int, default=64,
                         help="requests that may wait for a row; beyond it the answer is 429 (default 64)")
-    parser.add_argument("--draft-depth", type=_non_negative_int, default=4)
-    parser.add_argument("--prefill-step-size", type=_positive_int, default=512)
-    parser.add_argument("--kv-bits", type=_positive_int)
-    parser.add_argument("--kv-group-size", type=_positive_int)
-    parser.add_argument("--quantized-kv-start", type=_non_negative_int)
+    parser.add_argument("--draft-depth", type=non_negative_int, default=4)
+    parser.add_argument("--prefill-step-size", type=positive_int, default=512)
+    parser.add_argument("--kv-bits", type=positive_int)
+    parser.add_argument("--kv-group-size", type=positive_int)
+    parser.add_argument("--quantized-kv-start", type=non_negative_int)
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' (repeat for several keys; each key is its own "
                              "cache tenant); also $SPEC_CACHE_API_KEY")
     parser.add_argument("--api-keys-file", metavar="FILE", help="one API key per line")
-    parser.add_argument("--max-tokens", type=_positive_int, default=512, dest="default_max_tokens",
+    parser.add_argument("--max-tokens", type=positive_int, default=512, dest="default_max_tokens",
                         help="max_tokens when a request gives none (default 512)")
     parser.add_argument("--temperature", type=float, default=0.0, dest="default_temperature",
                         help="temperature when a request gives none (default 0: greedy, as mlx_lm.server)")
-    parser.add_argument("--max-prompt-tokens", type=_positive_int, help="refuse longer prompts (400)")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, help="refuse longer prompts (400)")
     parser.add_argument("--max-body-bytes", type=_size, default=4 << 20, help="refuse larger bodies (413; "
                         "default 4MiB)")
-    parser.add_argument("--checkpoint-every", type=_non_negative_int, default=4096, metavar="N",
+    parser.add_argument("--checkpoint-every", type=non_negative_int, default=4096, metavar="N",
                         help="checkpoint every N tokens of a long prefill and of a long generation, besides the "
                              "prompt boundary and the finish (default 4096; 0: only those two)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
