@@ -352,10 +352,7 @@ class StagingLoader:
 
     # the route ----------------------------------------------------------------------------------------------
     def __call__(self, pieces: list, axis: int, dtype: str) -> mx.array:
-        np_dtype = _np_dtype(dtype)
-        shape = list(np.asarray(pieces[0]).shape)
-        shape[axis] = sum(np.asarray(p).shape[axis] for p in pieces)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+        np_dtype, shape, nbytes = _joined(pieces, axis, dtype)
         if nbytes == 0:
             return mx.zeros(shape, dtype=_MX_DTYPES[dtype])
         with self._lock:
@@ -445,13 +442,18 @@ def status() -> str:
 
 
 # --- CPU ------------------------------------------------------------------------------------------------------
-def fresh_concat(pieces: list, axis: int, dtype: str) -> mx.array:
-    """One copy on a CPU build: a new MLX array made by a CPU op, filled through its numpy view before anyone
-    else holds it (the array is never written again)."""
+def _joined(pieces: list, axis: int, dtype: str) -> tuple[np.dtype, list[int], int]:
+    """(numpy dtype, shape, bytes) of ``pieces`` joined along ``axis``."""
     np_dtype = _np_dtype(dtype)
     shape = list(np.asarray(pieces[0]).shape)
     shape[axis] = sum(np.asarray(p).shape[axis] for p in pieces)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    return np_dtype, shape, int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+
+
+def fresh_concat(pieces: list, axis: int, dtype: str) -> mx.array:
+    """One copy on a CPU build: a new MLX array made by a CPU op, filled through its numpy view before anyone
+    else holds it (the array is never written again)."""
+    np_dtype, shape, nbytes = _joined(pieces, axis, dtype)
     if nbytes == 0:
         return mx.zeros(shape, dtype=_MX_DTYPES[dtype])
     out = mx.zeros(shape, dtype=mx.uint16 if dtype == "bfloat16" else _MX_DTYPES[dtype], stream=mx.cpu)
