@@ -368,7 +368,7 @@ class SpecCache:
         try:
             entry = self.memory.put(ns_key, list(tokens[:length]), caches, drafter_namespace=drafter_namespace,
                                     draft_checkpoint=cp, minimum_reusable=minimum_reusable,
-                                    durable=tier == "local")
+                                    durable=True)  # LMDB or the shared tier holds it already
         except (TypeError, ValueError):
             entry = None
         if entry is not None:  # hand out new objects over the held arrays, as a memory hit does
