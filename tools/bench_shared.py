@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             a = SpecCache.open(os.path.join(work, f"a-{n}"), shared=server.url, durable=False, shared_options=options)
             gen_a = Generator.load(target, drafter, cache=a)
             gen_a.generate([prompt], max_tokens=1)
-            assert a.shared.drain(60), "publish did not finish"
+            assert a.drain(60), "write-behind or publish did not finish"
             local = []
             for _ in range(args.reps):
                 seconds, wall, r = first_token(gen_a, prompt)
