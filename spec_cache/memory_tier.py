@@ -280,11 +280,12 @@ class MemoryTier:
         self.bytes -= entry.nbytes
 
     def _supersede(self, entry: _Entry) -> None:
-        """Drop trimmable, attachment-free ancestors that ``entry`` serves by trimming (same conversion point)."""
+        """Drop trimmable, attachment-free ancestors that ``entry`` serves by trimming (same conversion point);
+        like eviction, never one whose LMDB write is still pending, nor a pinned one."""
         for other in list(self._by_ns.get(entry.ns_key, {}).values()):
-            if (other is entry or other.pinned or not other.trimmable or other.drafters
+            if (other is entry or other.pinned or not other.durable or not other.trimmable or other.drafters
                     or other.length >= entry.length or other.minimum_reusable != entry.minimum_reusable
-                    or other.length < entry.minimum_reusable or not (other.durable or not entry.durable)):
+                    or other.length < entry.minimum_reusable):
                 continue
             if _lcp(other.tokens, entry.tokens) == other.length:
                 self._remove(other)

@@ -195,6 +195,9 @@ def test_replacement_and_supersession():
     tier.put(NS, list(range(16)), [kv(16)], durable=True)           # a trimmable descendant supersedes
     assert len(tier._entries) == 1 and tier.stats()["superseded"] == 1
     assert tier.lookup(NS, list(range(10)) + [77]).length == 10
+    pending = tier.put(NS, [9] * 8, [kv(8)], durable=False)          # an ancestor whose LMDB write is pending
+    tier.put(NS, [9] * 12, [kv(12)], durable=True)
+    assert pending.key in tier._entries and tier.stats()["superseded"] == 1  # kept, as eviction would keep it
 
 
 def test_memory_bytes_zero_turns_the_tier_off_and_bad_values_are_refused(tiny, tmp_path):
