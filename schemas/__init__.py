@@ -18,8 +18,10 @@ from .errors import SchemaError, UnknownSchemaError
 from .names import (
     CACHE_CODECS_V1,
     DEEPSPEC_CONTEXT_V1,
+    DFLASH2_CONTEXT_V1,
     DFLASH_CONTEXT_V1,
     GEMMA_ASSISTANT_V1,
+    GLM52_NATIVE_MTP_V1,
     NGRAM_HISTORY_V1,
     QWEN_MTP_V1,
     STANDALONE_DRAFT_V1,
@@ -57,7 +59,9 @@ __all__ = [
     "GEMMA_ASSISTANT_V1",
     "DEEPSPEC_CONTEXT_V1",
     "DFLASH_CONTEXT_V1",
+    "DFLASH2_CONTEXT_V1",
     "QWEN_MTP_V1",
+    "GLM52_NATIVE_MTP_V1",
     "STANDALONE_DRAFT_V1",
     "NGRAM_HISTORY_V1",
 ]

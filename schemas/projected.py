@@ -1,6 +1,6 @@
-"""``deepspec-context-v1`` and ``dflash-context-v1``: projected drafter context rows.
+"""``deepspec-context-v1``, ``dflash-context-v1`` and ``dflash2-context-v1``: projected drafter context rows.
 
-DeepSpec and DFlash/DSpark drafters project target hiddens into their own
+DeepSpec, DFlash/DSpark and DFlash 2 drafters project target hiddens into their own
 per-layer K/V context (post-norm, post-RoPE). Every drafter layer covers the
 same tokens, so each layer holds K and V of ``[1, kvHeads, processedTokens,
 headDim]``; before any token, every layer header is null and there are no
@@ -12,10 +12,10 @@ from __future__ import annotations
 from .attachment import CheckpointAttachment
 from .cache_headers import check_every_tensor_referenced, decode_cache_headers
 from .checks import expect_pair, expect_processed_tokens
-from .names import CACHE_CODECS_V1, DEEPSPEC_CONTEXT_V1, DFLASH_CONTEXT_V1
+from .names import CACHE_CODECS_V1, DEEPSPEC_CONTEXT_V1, DFLASH2_CONTEXT_V1, DFLASH_CONTEXT_V1
 from .spec import AttachmentSchema, MetadataKey
 
-__all__ = ["DEEPSPEC_CONTEXT", "DFLASH_CONTEXT", "check_codecs"]
+__all__ = ["DEEPSPEC_CONTEXT", "DFLASH_CONTEXT", "DFLASH2_CONTEXT", "check_codecs"]
 
 ALIGNMENT = "invalid projected context checkpoint alignment"
 
@@ -84,3 +84,5 @@ def _projected(name: str, producer: str) -> AttachmentSchema:
 
 DEEPSPEC_CONTEXT = _projected(DEEPSPEC_CONTEXT_V1, "DeepSpec projected drafter (Gemma 4 target taps)")
 DFLASH_CONTEXT = _projected(DFLASH_CONTEXT_V1, "DFlash / DSpark projected drafter (Gemma 4 target taps)")
+DFLASH2_CONTEXT = _projected(DFLASH2_CONTEXT_V1,
+                             "DFlash 2 projected block drafter (config.json; projections quantized at load)")

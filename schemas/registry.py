@@ -13,8 +13,9 @@ from typing import Mapping
 from .assistant import GEMMA_ASSISTANT
 from .attachment import CheckpointAttachment, DraftRowCheckpoint
 from .errors import SchemaError, UnknownSchemaError
+from .glm_mtp import GLM52_NATIVE_MTP
 from .ngram import NGRAM_HISTORY
-from .projected import DEEPSPEC_CONTEXT, DFLASH_CONTEXT
+from .projected import DEEPSPEC_CONTEXT, DFLASH2_CONTEXT, DFLASH_CONTEXT
 from .qwen_mtp import QWEN_MTP
 from .spec import AttachmentSchema
 from .standalone import STANDALONE_DRAFT
@@ -24,7 +25,8 @@ __all__ = ["SCHEMAS", "get_schema", "validate_checkpoint", "validate_attachment"
 #: Stored schema name -> its contract. Names never change; new layouts get new names.
 SCHEMAS: Mapping[str, AttachmentSchema] = MappingProxyType({
     schema.name: schema
-    for schema in (GEMMA_ASSISTANT, DEEPSPEC_CONTEXT, DFLASH_CONTEXT, QWEN_MTP, STANDALONE_DRAFT, NGRAM_HISTORY)
+    for schema in (GEMMA_ASSISTANT, DEEPSPEC_CONTEXT, DFLASH_CONTEXT, DFLASH2_CONTEXT, QWEN_MTP, GLM52_NATIVE_MTP,
+                   STANDALONE_DRAFT, NGRAM_HISTORY)
 })
 
 

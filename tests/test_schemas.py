@@ -21,11 +21,13 @@ from spec_cache import schemas
 from spec_cache.schemas import (
     CACHE_CODECS_V1,
     DEEPSPEC_CONTEXT_V1,
+    DFLASH2_CONTEXT_V1,
     DFLASH_CONTEXT_V1,
     DTYPE_FROM_SAFETENSORS,
     DTYPE_ITEMSIZE,
     DTYPE_NAMES,
     GEMMA_ASSISTANT_V1,
+    GLM52_NATIVE_MTP_V1,
     NGRAM_HISTORY_V1,
     QWEN_MTP_V1,
     SAFETENSORS_DTYPE,
@@ -83,6 +85,15 @@ def qwen(n: int = 4, kv_heads: int = 2, head_dim: int = 4, hidden: int = 8, dtyp
     return DraftRowCheckpoint(n, CheckpointAttachment(QWEN_MTP_V1, {"draftOffset": offset}, tensors))
 
 
+def glm(n: int = 5, offset: int = 3, rank: int = 16, rope: int = 4, hidden: int = 8,
+        dtype: Any = "bfloat16") -> DraftRowCheckpoint:
+    tensors = [T((1, 1, hidden), "float32")]
+    if offset > 0:
+        tensors = [T((1, 1, offset, rank), dtype), T((1, 1, offset, rope), dtype), T((1, 1, hidden), dtype)]
+    metadata = {"processedTokens": n, "draftOffset": offset}
+    return DraftRowCheckpoint(n, CheckpointAttachment(GLM52_NATIVE_MTP_V1, metadata, tensors))
+
+
 def standalone(n: int = 6, pending: int | bool = 17, kv_heads: int = 2, head_dim: int = 4) -> DraftRowCheckpoint:
     """Layer 0 kv (tensors 0,1), layer 1 null, layer 2 qkv, layer 3 rotating, layer 4 arrays."""
     tensors: list = []
@@ -112,7 +123,9 @@ BUILDERS: dict[str, Callable[..., DraftRowCheckpoint]] = {
     GEMMA_ASSISTANT_V1: gemma,
     DEEPSPEC_CONTEXT_V1: lambda **kw: projected(DEEPSPEC_CONTEXT_V1, **kw),
     DFLASH_CONTEXT_V1: lambda **kw: projected(DFLASH_CONTEXT_V1, **kw),
+    DFLASH2_CONTEXT_V1: lambda **kw: projected(DFLASH2_CONTEXT_V1, **kw),
     QWEN_MTP_V1: qwen,
+    GLM52_NATIVE_MTP_V1: glm,
     STANDALONE_DRAFT_V1: standalone,
     NGRAM_HISTORY_V1: ngram,
 }
@@ -122,7 +135,9 @@ ALIGNMENT_KEY = {
     GEMMA_ASSISTANT_V1: "processedTokens",
     DEEPSPEC_CONTEXT_V1: "processedTokens",
     DFLASH_CONTEXT_V1: "processedTokens",
+    DFLASH2_CONTEXT_V1: "processedTokens",
     QWEN_MTP_V1: "draftOffset",
+    GLM52_NATIVE_MTP_V1: "processedTokens",
     STANDALONE_DRAFT_V1: "processedTokens",
     NGRAM_HISTORY_V1: None,
 }
@@ -169,9 +184,11 @@ def refused(cp: DraftRowCheckpoint, field: str, *, contains: str = "") -> Schema
 
 def test_registered_schema_names_are_exactly_the_stored_set():
     assert set(SCHEMAS) == {
-        "gemma-assistant-v1", "deepspec-context-v1", "dflash-context-v1",
-        "qwen-mtp-v1", "standalone-draft-v1", "ngram-history-v1",
+        "gemma-assistant-v1", "deepspec-context-v1", "dflash-context-v1", "dflash2-context-v1",
+        "qwen-mtp-v1", "glm52-native-mtp-v1", "standalone-draft-v1", "ngram-history-v1",
     }
+    assert DFLASH2_CONTEXT_V1 == "dflash2-context-v1"
+    assert GLM52_NATIVE_MTP_V1 == "glm52-native-mtp-v1"
     assert GEMMA_ASSISTANT_V1 == "gemma-assistant-v1"
     assert DEEPSPEC_CONTEXT_V1 == "deepspec-context-v1"
     assert DFLASH_CONTEXT_V1 == "dflash-context-v1"
@@ -393,6 +410,8 @@ def test_expect_schema():
     projected(DEEPSPEC_CONTEXT_V1), projected(DFLASH_CONTEXT_V1, n=1, layers=5, dtype="bfloat16"),
     projected(DEEPSPEC_CONTEXT_V1, n=0), projected(DFLASH_CONTEXT_V1, n=0, layers=3),
     qwen(), qwen(n=1), qwen(n=2, dtype="float32"),
+    projected(DFLASH2_CONTEXT_V1), projected(DFLASH2_CONTEXT_V1, n=0, layers=1),
+    glm(), glm(offset=0), glm(n=0, offset=0), glm(n=4, offset=4, dtype="float32"),
     standalone(), standalone(n=0), standalone(pending=False), standalone(n=1, pending=0),
     ngram(), ngram(n=0), ngram(low=1, high=1),
 ], ids=lambda cp: f"{cp.attachment.schema}@{cp.processed_tokens}")
@@ -448,7 +467,7 @@ def test_gemma_violations():
     refused(with_tensor(cp, 0, T((1, 1, 8), "nope")), "tensors[0].dtype", contains="unknown dtype")
 
 
-@pytest.mark.parametrize("name", [DEEPSPEC_CONTEXT_V1, DFLASH_CONTEXT_V1])
+@pytest.mark.parametrize("name", [DEEPSPEC_CONTEXT_V1, DFLASH_CONTEXT_V1, DFLASH2_CONTEXT_V1])
 def test_projected_violations(name):
     cp = projected(name, n=4, layers=2)
     tensors = list(cp.attachment.tensors)
@@ -517,6 +536,25 @@ def test_qwen_violations():
     refused(with_tensor(cp, 2, T((1, 8), "bfloat16")), "tensors[2].shape", contains="rank 3")
     refused(with_tensor(cp, 2, T((1, 1, 8), "int32")), "tensors[2].dtype")
     refused(with_tensor(qwen(n=1), 0, T((1, 1, 8), "bool")), "tensors[0].dtype")
+
+
+def test_glm_violations():
+    cp = glm(n=5, offset=3)
+    latent, rope, hidden = cp.attachment.tensors
+    align = "invalid native GLM MTP checkpoint alignment"
+    refused(with_metadata(cp, processedTokens=4), "metadata.processedTokens", contains=align)
+    refused(DraftRowCheckpoint(6, cp.attachment), "metadata.processedTokens", contains=align)
+    refused(with_metadata(cp, draftOffset=-1), "metadata.draftOffset", contains=align)
+    refused(with_metadata(cp, draftOffset=6), "metadata.draftOffset", contains=align)
+    refused(with_metadata(cp, drop=("draftOffset",)), "metadata.draftOffset", contains="missing")
+    refused(with_tensors(cp, [hidden]), "tensors", contains=align)
+    refused(with_tensors(glm(offset=0), [latent, rope, hidden]), "tensors", contains=align)
+    refused(with_tensor(cp, 0, T((1, 1, 2, 16), "bfloat16")), "tensors[0].shape", contains=align)
+    refused(with_tensor(cp, 1, T((1, 2, 3, 4), "bfloat16")), "tensors[1].shape")
+    refused(with_tensor(cp, 1, T((1, 1, 3, 4), "float16")), "tensors[1].dtype", contains="differs from latent")
+    refused(with_tensor(cp, 0, T((1, 1, 3, 16), "int32")), "tensors[0].dtype")
+    refused(with_tensor(cp, 2, T((1, 2, 8), "bfloat16")), "tensors[2].shape")
+    refused(with_tensor(glm(offset=0), 0, T((1, 1, 8), "int8")), "tensors[0].dtype")
 
 
 def test_standalone_violations():
