@@ -10,6 +10,12 @@ On the caller's thread, every socket read bounded by ``timeout_s``:
    in hand, read as one consistent snapshot; a candidate that turns out stale, evicted or corrupt costs one more
    MULTI for the next (``max_attempts`` in all).
 
+Chunks the local store already holds (content-addressed: the same chain key is the same record) are read from
+LMDB instead of the server; only what the local store lacks crosses the network.
+
+On a cluster (format 2 key names, ``keys.py``) a prompt's prefixes may sit in several groups (one hash slot
+each); step 1 reads the node hashes of each, step 2's MULTI stays inside the candidate's group.
+
 Every record is verified (checksum, structure, kind, the key it names, its tokens against the prompt's)
 and the entry and drafter records must carry the checksums their manifest pins. A corrupt value is removed from
 the server if it still holds exactly what was read, and the lookup goes on with a shorter prefix. A key that
@@ -29,10 +35,10 @@ from spec_cache.schemas import CheckpointAttachment
 
 from .. import keys as K
 from ..candidates import Hit, Level, Usable, chain_candidates, longest_first
-from ..errors import CorruptRecord
+from ..errors import CorruptRecord, StoreError
 from ..index import draft_key
 from ..tensors import LayerState
-from .records import assemble, attachment_of, record_checksum
+from .records import assemble, attachment_of, local_chunks, record_checksum
 
 log = logging.getLogger("spec_cache.shared")
 
@@ -55,8 +61,10 @@ class _Seen:
     """What one lookup learned so far: manifests read, chunk records in hand, keys missing or corrupt."""
 
     manifests: dict = field(default_factory=dict)      # entry key -> parsed manifest, or None if unusable
-    chunks: dict = field(default_factory=dict)         # chunk key -> record bytes
+    chunks: dict = field(default_factory=dict)         # chunk key -> record bytes (from the server or LMDB)
     unusable: set = field(default_factory=set)         # record keys found missing or corrupt
+    local: set = field(default_factory=set)            # chunk keys whose record in ``chunks`` came from LMDB
+    local_bad: set = field(default_factory=set)        # chunk keys whose LMDB record failed verification
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class _Candidate:
     chain: tuple[bytes, ...]   # root .. the node the prefix ends in or hangs off
     entry_key: bytes | None
     minimum_reusable: int = 0  # a chunk boundary's (its node's ``m``); an entry's is in its manifest
+    group: bytes | None = None  # the cluster group (hash tag) holding it; None on one server
 
     def hit(self, manifests: dict, drafter: str | None) -> Hit | None:
         """The candidate as a ``Hit`` for the caller's ``usable``; None while its manifest is not read yet."""
@@ -123,7 +132,8 @@ class LookupMixin:
             if hit is not None and usable is not None and not usable(hit):
                 continue  # the caller cannot use it: no round trip
             attempts += 1
-            probe = [c.entry_key for c in candidates if c.entry_key is not None and c.entry_key not in seen.manifests]
+            probe = [c.entry_key for c in candidates if c.entry_key is not None and c.entry_key not in seen.manifests
+                     and c.group == cand.group]  # one MULTI stays in one hash slot
             got = self._attempt(ns_key, packed, C, drafter, cand, probe[:self.config.max_candidates], seen, warnings,
                                 usable)
             if got is not None:
@@ -138,55 +148,58 @@ class LookupMixin:
         chains = {sig: self._chain(ns_key, sig, packed, C) for sig in known}
         pipe = self._read.pipeline(transaction=False)
         pipe.smembers(self.keys.sigs(ns_key))
-        for sig in known:
-            for key in chains[sig]:
-                pipe.hgetall(self.keys.node(key))
+        wanted = [node for sig in known for node in self._nodes(chains[sig])]
+        for group, key in wanted:
+            pipe.hgetall(self.keys.node(key, group))
         res = pipe.execute(raise_on_error=False)
         sigs_now = res[0]
-        if isinstance(sigs_now, Exception) or not isinstance(sigs_now, (set, list)):
+        if _failed_reply(sigs_now) or not isinstance(sigs_now, (set, list)):
             self._corrupt_key(self.keys.sigs(ns_key), None, "signature set is not a set", warnings, "set")
             sigs_now = set()
         sigs_now = sorted(s for s in sigs_now if isinstance(s, bytes))[:MAX_SIGNATURES]
-        nodes: dict[bytes, dict] = {}
-        at = 1
-        for sig in known:
-            for key in chains[sig]:
-                nodes[key] = res[at]
-                at += 1
+        nodes: dict[tuple, dict] = dict(zip(wanted, res[1:]))
         new = [s for s in sigs_now if s not in chains]
         if new:
             pipe = self._read.pipeline(transaction=False)
+            wanted = []
             for sig in new:
                 chains[sig] = self._chain(ns_key, sig, packed, C)
-                for key in chains[sig]:
-                    pipe.hgetall(self.keys.node(key))
-            res = pipe.execute(raise_on_error=False)
-            at = 0
-            for sig in new:
-                for key in chains[sig]:
-                    nodes[key] = res[at]
-                    at += 1
+                wanted += self._nodes(chains[sig])
+            for group, key in wanted:
+                pipe.hgetall(self.keys.node(key, group))
+            nodes.update(zip(wanted, pipe.execute(raise_on_error=False)))
         self._sigs[ns_key] = sigs_now
-        chains_here = []
+        chains_here, group_of = [], {}
         for sig in sigs_now:
-            chain = chains[sig]
+            for group, depth in self.keys.groups(chains[sig]):
+                chain = chains[sig][:depth + 1]
 
-            def level(j: int, chain=chain) -> Level | None:
-                return self._level(chain[j], nodes.get(chain[j]), j * C, warnings)
-            chains_here.append(chain_candidates(chain, level, n, C, floor))
-        ranked = list(longest_first(chains_here))  # the store's one ranking: longest first, entries first
+                def level(j: int, chain=chain, group=group) -> Level | None:
+                    return self._level(chain[j], nodes.get((group, chain[j])), j * C, warnings, group)
+                found = list(chain_candidates(chain, level, n, C, floor))
+                group_of.update((id(c), group) for c in found)
+                chains_here.append(found)
+        ranked, seen = [], set()
+        for c in longest_first(chains_here):  # the store's one ranking: longest first, entries first
+            if (c.length, c.is_entry, c.chain) not in seen:  # a chunk boundary held by several groups: once
+                seen.add((c.length, c.is_entry, c.chain))
+                ranked.append(c)
         entries = [c for c in ranked if c.is_entry][:self.config.max_candidates]
         ranked = [c for c in ranked if not c.is_entry or c in entries]  # every chunk boundary stays: no hashing
         # entry keys only for the candidates kept (one blake3 over the tail tokens each)
         return [_Candidate(c.length, c.is_entry, c.chain,
                            K.entry_key(c.chain[-1], packed[c.tail_start(C):c.length]) if c.is_entry else None,
-                           c.minimum_reusable)
+                           c.minimum_reusable, group_of[id(c)])
                 for c in ranked]
 
-    def _level(self, key: bytes, node, base: int, warnings: list[str]) -> Level | None:
+    def _nodes(self, chain: list[bytes]) -> list[tuple[bytes | None, bytes]]:
+        """``(group, chain key)`` of every node hash to read for a prompt's chain (one group on one server)."""
+        return [(group, key) for group, depth in self.keys.groups(chain) for key in chain[:depth + 1]]
+
+    def _level(self, key: bytes, node, base: int, warnings: list[str], group: bytes | None = None) -> Level | None:
         """What a node hash says: its entries' tail lengths (``t:<n>`` fields), ``c`` (complete), ``m`` (minr)."""
-        if isinstance(node, Exception):
-            self._corrupt_key(self.keys.node(key), None, "node is not a hash", warnings, "hash")
+        if _failed_reply(node):
+            self._corrupt_key(self.keys.node(key, group), None, "node is not a hash", warnings, "hash")
             return None
         if not node:
             return None
@@ -212,6 +225,7 @@ class LookupMixin:
         then the candidate checked against its manifest, verified and assembled."""
         ek = cand.entry_key
         dkey = draft_key(ek, drafter) if (ek is not None and drafter) else None
+        g = cand.group
         entry_raw, draft_raw, nbytes = self._read_candidate(ns_key, cand, dkey, probe, seen, warnings)
         if any(key in seen.unusable for key in cand.chain[1:]):
             self.health.add("vanished")  # evicted between the index read and this one: try a shorter prefix
@@ -227,13 +241,21 @@ class LookupMixin:
             layers = assemble(packed=packed, length=cand.length, chunk_tokens=C, chain=cand.chain, records=records,
                               entry=ek)
         except CorruptRecord as exc:
-            name = self.keys.entry(ek) if exc.key == ek else self.keys.chunk(exc.key or b"")
+            seen.chunks.pop(exc.key, None)
+            if exc.key in seen.local:  # our own LMDB copy is bad: the next attempt fetches the server's
+                seen.local.discard(exc.key)
+                seen.local_bad.add(exc.key)
+                self.health.add("corrupt")
+                message = f"shared tier: local chunk {(exc.key or b'').hex()[:16]} failed verification: {exc}"
+                log.warning(message)
+                warnings.append(message)
+                return None
+            name = self.keys.entry(ek, g) if exc.key == ek else self.keys.chunk(exc.key or b"", g)
             self._corrupt_key(name, records.get(exc.key), str(exc), warnings)
             seen.unusable.add(exc.key)
-            seen.chunks.pop(exc.key, None)
             return None
         want = man["drafters"].get(drafter) if (man is not None and drafter) else None
-        attachment = self._attachment(dkey, draft_raw, want, cand.length, warnings) if want is not None else None
+        attachment = self._attachment(dkey, draft_raw, want, cand.length, warnings, g) if want is not None else None
         return Incoming(cand.length, layers, attachment, man["minr"] if man is not None else 0, nbytes)
 
     def _read_candidate(self, ns_key, cand: _Candidate, dkey: bytes | None, probe: list[bytes], seen: "_Seen",
@@ -243,19 +265,25 @@ class LookupMixin:
         ek = cand.entry_key
         if ek is not None and ek not in probe:
             probe = [ek] + probe
+        g = cand.group
+        self._local_chunks([key for key in cand.chain[1:] if key not in seen.chunks and key not in seen.local_bad],
+                           seen)
         fetch = [key for key in cand.chain[1:] if key not in seen.chunks]
         pipe = self._read.pipeline(transaction=True)
         for key in probe:
-            pipe.hgetall(self.keys.manifest(key))
+            pipe.hgetall(self.keys.manifest(key, g))
         for key in fetch:
-            pipe.get(self.keys.chunk(key))
+            pipe.get(self.keys.chunk(key, g))
         if ek is not None:
-            pipe.get(self.keys.entry(ek))
+            pipe.get(self.keys.entry(ek, g))
         if dkey is not None:
-            pipe.get(self.keys.draft(dkey))
+            pipe.get(self.keys.draft(dkey, g))
         res = pipe.execute(raise_on_error=False)
+        for raw in res:
+            if isinstance(raw, Exception) and not _wrong_type(raw):
+                raise raw  # the server failed (down, moved away, out of memory): the breaker handles it
         for key, raw in zip(probe, res):
-            seen.manifests[key] = self._manifest(ns_key, key, raw, warnings)
+            seen.manifests[key] = self._manifest(ns_key, key, raw, warnings, g)
         res = res[len(probe):]
         fetched, res = res[:len(fetch)], res[len(fetch):]
         entry_raw = res[0] if ek is not None else None
@@ -266,11 +294,25 @@ class LookupMixin:
             if raw is None:
                 seen.unusable.add(key)
             elif not isinstance(raw, bytes):
-                self._corrupt_key(self.keys.chunk(key), None, "chunk is not a string", warnings)
+                self._corrupt_key(self.keys.chunk(key, g), None, "chunk is not a string", warnings)
                 seen.unusable.add(key)
             else:
                 seen.chunks[key] = raw
         return entry_raw, draft_raw, nbytes
+
+    def _local_chunks(self, keys: list[bytes], seen: "_Seen") -> None:
+        """Chunk records of ``keys`` the local store holds, into ``seen.chunks`` (verified when assembled)."""
+        if self._store is None or not keys:
+            return
+        try:
+            found = local_chunks(self._store, keys)
+        except StoreError as exc:  # the local store cannot be read: fetch everything from the server
+            log.warning("shared tier: local chunks not readable, fetching them: %s", exc)
+            return
+        seen.chunks.update(found)
+        seen.local.update(found)
+        self.health.add("chunks_local", len(found))
+        self.health.add("bytes_local", sum(len(raw) for raw in found.values()))
 
     def _usable_manifest(self, cand: _Candidate, entry_raw, seen: "_Seen", drafter: str | None,
                          usable: Usable | None, warnings: list[str]) -> dict | None:
@@ -291,28 +333,29 @@ class LookupMixin:
             manifests[ek] = None
             return None
         if not isinstance(entry_raw, bytes) or record_checksum(entry_raw) != man["sum"]:
-            self._corrupt_key(self.keys.entry(ek), entry_raw, "entry record does not match its manifest", warnings)
+            self._corrupt_key(self.keys.entry(ek, cand.group), entry_raw, "entry record does not match its manifest",
+                              warnings)
             seen.unusable.add(ek)
             return None
         return man
 
-    def _attachment(self, dkey: bytes, draft_raw, checksum: bytes, length: int,
-                    warnings: list[str]) -> CheckpointAttachment | None:
+    def _attachment(self, dkey: bytes, draft_raw, checksum: bytes, length: int, warnings: list[str],
+                    group: bytes | None = None) -> CheckpointAttachment | None:
         """The drafter part if its record is there and carries the checksum its manifest pins; else None (the
         target part still serves)."""
         if draft_raw is None:
             self.health.add("vanished")
         elif not isinstance(draft_raw, bytes) or record_checksum(draft_raw) != checksum:
-            self._corrupt_key(self.keys.draft(dkey), draft_raw, "drafter record does not match its manifest",
+            self._corrupt_key(self.keys.draft(dkey, group), draft_raw, "drafter record does not match its manifest",
                               warnings)
         else:
             try:
                 return attachment_of(dkey, draft_raw, length, warnings)
             except CorruptRecord as exc:
-                self._corrupt_key(self.keys.draft(dkey), draft_raw, str(exc), warnings)
+                self._corrupt_key(self.keys.draft(dkey, group), draft_raw, str(exc), warnings)
         return None
 
-    def _manifest(self, ns_key: bytes, key: bytes, raw, warnings: list[str]) -> dict | None:
+    def _manifest(self, ns_key: bytes, key: bytes, raw, warnings: list[str], group: bytes | None = None) -> dict | None:
         """A parsed, checked manifest; None if missing or bad (a bad one is removed from the server)."""
         if isinstance(raw, dict) and not raw:
             return None
@@ -330,7 +373,7 @@ class LookupMixin:
                         raise ValueError("bad drafter checksum")
                     drafters[name[2:].decode("utf-8")] = value
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            self._corrupt_key(self.keys.manifest(key), None, f"manifest is unreadable ({exc})", warnings, "hash")
+            self._corrupt_key(self.keys.manifest(key, group), None, f"manifest is unreadable ({exc})", warnings, "hash")
             return None
         return {"len": length, "minr": minr, "sum": checksum, "drafters": drafters, "bytes": total}
 
@@ -346,6 +389,20 @@ class LookupMixin:
             self._delete_if_unchanged(keys=[name], args=[kind, digest])
         except (self._redis.RedisError, OSError) as exc:
             log.warning("shared tier: could not remove %s: %s", name[:60], exc)
+
+
+def _wrong_type(reply) -> bool:
+    """Whether a pipeline reply is the error of a key holding another type (a damaged value, not a failure)."""
+    return isinstance(reply, Exception) and "WRONGTYPE" in str(reply)
+
+
+def _failed_reply(reply) -> bool:
+    """True for a WRONGTYPE error reply (the caller treats the value as corrupt); any other error is raised."""
+    if isinstance(reply, Exception):
+        if _wrong_type(reply):
+            return True
+        raise reply
+    return False
 
 
 def _int(raw, default: int) -> int:

@@ -4,7 +4,8 @@ On the write-behind thread: the committed local checkpoint is read back from LMD
 server lacks are uploaded (``SET NX`` with an orphan TTL, batched), and one Lua script (``scripts.COMMIT``) checks
 that every chunk is there and commits the entry, drafter records, manifest, node hashes and signature atomically.
 A chunk evicted between upload and commit makes the script write nothing; it is uploaded once more, then the
-checkpoint is given up (counted).
+checkpoint is given up (counted). On a cluster all of this goes to the checkpoint's group (one hash slot, see
+``keys.py``); the namespace's signature set and the stats hash are updated after the commit.
 """
 
 from __future__ import annotations
@@ -71,12 +72,13 @@ class PublishMixin:
     def publish(self, out: Outgoing) -> bool:
         """Upload what the server lacks and commit the checkpoint atomically (worker thread; raises RedisError)."""
         chunk_keys = out.chain[1:]
+        group = self.keys.group_of(out.chain)
         for attempt in range(2):
             missing = chunk_keys
             if chunk_keys:
                 pipe = self._write.pipeline(transaction=False)
                 for key in chunk_keys:
-                    pipe.exists(self.keys.chunk(key))
+                    pipe.exists(self.keys.chunk(key, group))
                 missing = [key for key, there in zip(chunk_keys, pipe.execute()) if not there]
             self.health.add("chunks_present", len(chunk_keys) - len(missing))
             if missing:
@@ -89,9 +91,15 @@ class PublishMixin:
                 if records is None:
                     self.health.add("dropped_gone")
                     return False
-                self._upload(records)
-            result = self._commit(keys=self._commit_keys(out), args=self._commit_args(out))
+                self._upload(records, group)
+            result = self._commit(keys=self._commit_keys(out, group), args=self._commit_args(out))
             if result and int(result[0]) == 1:
+                if self.keys.cluster:  # outside the script: other slots (a reader needs the signature first)
+                    pipe = self._write.pipeline(transaction=False)
+                    pipe.sadd(self.keys.sigs(out.ns), out.sig)
+                    pipe.hincrby(self.keys.stats(), "checkpoints", 1)
+                    pipe.hincrby(self.keys.stats(), "bytes", out.nbytes)
+                    pipe.execute()
                 self.health.add("published")
                 self.health.add("bytes_published", out.nbytes)
                 self.health.ok()
@@ -100,10 +108,10 @@ class PublishMixin:
         self.health.add("publish_failed")
         return False
 
-    def _upload(self, records: dict[bytes, bytes]) -> None:
+    def _upload(self, records: dict[bytes, bytes], group: bytes | None = None) -> None:
         pipe, batch = self._write.pipeline(transaction=False), 0
         for key, raw in records.items():
-            pipe.set(self.keys.chunk(key), raw, nx=True, ex=self.config.orphan_ttl_s)
+            pipe.set(self.keys.chunk(key, group), raw, nx=True, ex=self.config.orphan_ttl_s)
             batch += len(raw)
             self.health.add("chunks_uploaded")
             self.health.add("bytes_published", len(raw))
@@ -113,17 +121,19 @@ class PublishMixin:
         if batch:
             pipe.execute()
 
-    def _commit_keys(self, out: Outgoing) -> list[bytes]:
+    def _commit_keys(self, out: Outgoing, group: bytes | None) -> list[bytes]:
         k = self.keys
-        return ([k.manifest(out.entry_key), k.entry(out.entry_key), k.sigs(out.ns), k.stats()]
-                + [k.draft(dkey) for _, dkey, _ in out.drafts]
-                + [k.chunk(key) for key in out.chain[1:]]
-                + [k.node(key) for key in out.chain])
+        man = k.manifest(out.entry_key, group)
+        index = [man, man] if k.cluster else [k.sigs(out.ns), k.stats()]  # a cluster's script stays in one slot
+        return ([man, k.entry(out.entry_key, group), *index]
+                + [k.draft(dkey, group) for _, dkey, _ in out.drafts]
+                + [k.chunk(key, group) for key in out.chain[1:]]
+                + [k.node(key, group) for key in out.chain])
 
     def _commit_args(self, out: Outgoing) -> list:
         args = [len(out.drafts), len(out.chain) - 1, out.entry_record, out.ns, out.length, out.minr,
                 record_checksum(out.entry_record), 1 if out.complete else 0, out.sig, out.tail, self.host_id,
-                time.time_ns() // 1_000_000, out.nbytes]
+                time.time_ns() // 1_000_000, out.nbytes, 0 if self.keys.cluster else 1]
         for dns, _dkey, record in out.drafts:
             args += [dns.encode("utf-8"), record_checksum(record), record]
         return args

@@ -102,6 +102,18 @@ def read_chunks(store: Store, keys: list[bytes]) -> dict[bytes, bytes] | None:
     return out
 
 
+def local_chunks(store: Store, keys: list[bytes]) -> dict[bytes, bytes]:
+    """The chunk records of ``keys`` the local store holds (unverified: ``assemble`` verifies every record), so a
+    fetch from the shared tier skips them. Raises ``StoreError`` if the store cannot be read."""
+    out = {}
+    with store.reading() as txn:
+        for key in keys:
+            raw = txn.get(key, db=store.env.dbs["chunks"])
+            if raw is not None:
+                out[key] = bytes(raw)
+    return out
+
+
 def assemble(*, packed: np.ndarray, length: int, chunk_tokens: int, chain: tuple[bytes, ...],
              records: dict[bytes, bytes], entry: bytes | None) -> list[LayerState]:
     """Verify fetched target records and rebuild the target layers of ``packed[:length]`` (``read.read_layers``).

@@ -4,15 +4,20 @@ Chunk records are uploaded ahead (``SET NX EX``: content-addressed, invisible un
 them, and expiring if their checkpoint is never committed). ``COMMIT`` then makes the checkpoint visible in one
 script, which Redis and Valkey run atomically: it checks that every chunk is still there (else it writes nothing
 and returns the missing ones), makes them persistent, writes the entry and drafter records and the manifest,
-and updates the chain's node hashes and the namespace's signature set. A reader therefore finds a checkpoint's
-manifest only when all of its records were present together.
+and updates the chain's node hashes and (on one server) the namespace's signature set. A reader therefore finds a
+checkpoint's manifest only when all of its records were present together.
+
+On a cluster every key the script touches must lie in one hash slot: the checkpoint's keys share its group's hash
+tag (``keys.py``), and the signature set and the stats hash, which live elsewhere, are left to the caller
+(``index`` 0): it adds the signature after the commit, so a reader still meets the checkpoint only whole.
 """
 
 from __future__ import annotations
 
 #: KEYS: manifest, entry record, sigs set, stats hash, then nd draft keys, nc chunk keys, nc + 1 node keys
+#:       (with index 0 the sigs and stats keys are not touched: pass the manifest key twice in their place)
 #: ARGV: nd, nc, entry record, ns, len, minr, entry checksum, complete (1/0), sig, tail, host, at, bytes,
-#:       then per drafter: namespace, checksum, record
+#:       index (1: also add the signature and count the stats), then per drafter: namespace, checksum, record
 COMMIT = """
 local nd = tonumber(ARGV[1])
 local nc = tonumber(ARGV[2])
@@ -24,7 +29,7 @@ end
 if #missing > 0 then return {0, missing} end
 for i = 1, nc do redis.call('PERSIST', KEYS[ck + i]) end
 redis.call('SET', KEYS[2], ARGV[3])
-local a = 14
+local a = 15
 for i = 1, nd do
   redis.call('SET', KEYS[dk + i], ARGV[a + 2])
   redis.call('HSET', KEYS[1], 'd:' .. ARGV[a], ARGV[a + 1])
@@ -41,9 +46,11 @@ for i = 1, nc + 1 do
   if c == false or minr > m then redis.call('HSET', k, 'm', ARGV[6]) end
 end
 redis.call('HSET', KEYS[nk + nc + 1], 't:' .. ARGV[10], '1')
-redis.call('SADD', KEYS[3], ARGV[9])
-redis.call('HINCRBY', KEYS[4], 'checkpoints', 1)
-redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[13])
+if ARGV[14] == '1' then
+  redis.call('SADD', KEYS[3], ARGV[9])
+  redis.call('HINCRBY', KEYS[4], 'checkpoints', 1)
+  redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[13])
+end
 return {1}
 """
 

@@ -1,8 +1,10 @@
 """``SharedTier``: prefixes shared by many hosts through Redis or Valkey, behind the local LMDB store.
 
 The tier owns two redis-py clients (lookups with the short ``timeout_s``, publishing with ``publish_timeout_s``;
-redis-py's own retries off), the write-behind queue, the health counters and breaker, and the server probe for
-the CLI. The read path is ``lookup.LookupMixin``, the write path ``publish.PublishMixin``.
+redis-py's own retries off; ``RedisCluster`` clients for a ``redis+cluster://`` URL, which follow ``MOVED`` /
+``ASK`` redirections and learn the new topology after a failover themselves), the write-behind queue, the
+health counters and breaker, and the server probe for the CLI. The read path is ``lookup.LookupMixin``, the
+write path ``publish.PublishMixin``.
 
 Failures open a breaker (``Health``): for the back-off period the tier is not asked at all. Nothing here raises
 to the caller on a server problem: lookups return None, publishes are counted and dropped.
@@ -39,20 +41,21 @@ class SharedTier(LookupMixin, PublishMixin):
 
         self._redis = redis
         self.config = SharedConfig.of(config)
-        self.keys = KeyNames(self.config.prefix)
+        self.keys = KeyNames(self.config.prefix, self.config.cluster, self.config.spread_chunks)
         self.health = Health(self.config.backoff_s, self.config.backoff_max_s)
         self.host_id = f"{socket.gethostname()}:{os.getpid()}"
 
         def client(timeout: float):
             # no retries: a failure is reported at once and handled by the breaker, never multiplied
-            return redis.Redis.from_url(self.config.url, socket_timeout=timeout,
-                                        socket_connect_timeout=self.config.connect_timeout_s,
-                                        retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                                        socket_read_size=1 << 20)  # records are megabytes: fewer, larger reads
+            options = dict(socket_timeout=timeout, socket_connect_timeout=self.config.connect_timeout_s,
+                           retry=Retry(NoBackoff(), 0), socket_read_size=1 << 20)  # records are MBs: large reads
+            if self.config.cluster:
+                return cluster_client(self.config, **options)
+            return redis.Redis.from_url(self.config.url, health_check_interval=0, **options)
         try:
             self._read = client(self.config.timeout_s)
             self._write = client(self.config.publish_timeout_s)
-        except (ValueError, redis.RedisError) as exc:
+        except (ValueError, redis.RedisError, OSError) as exc:
             raise StoreError(f"shared tier URL {self.config.safe_url} is not usable: {exc}") from None
         self._commit = self._write.register_script(COMMIT)
         self._delete_if_unchanged = self._read.register_script(DELETE_IF_UNCHANGED)
@@ -106,7 +109,12 @@ class SharedTier(LookupMixin, PublishMixin):
             start = time.perf_counter()
             self._write.ping()
             out["rtt_ms"] = round((time.perf_counter() - start) * 1e3, 3)
-            info = self._write.info()
+            if self.config.cluster:
+                infos = self._write.info(target_nodes=self._redis.RedisCluster.PRIMARIES)
+                out["cluster"] = cluster_summary(self._write.cluster_info(), infos)
+                info = merged_info(infos)
+            else:
+                info = self._write.info()
             stats = self._write.hgetall(self.keys.stats())
         except (self._redis.RedisError, OSError) as exc:
             out["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
@@ -117,7 +125,7 @@ class SharedTier(LookupMixin, PublishMixin):
         for name in ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys", "keyspace_hits",
                      "keyspace_misses", "connected_clients"):
             out[name] = info.get(name)
-        db = self._write.connection_pool.connection_kwargs.get("db", 0)
+        db = 0 if self.config.cluster else self._write.connection_pool.connection_kwargs.get("db", 0)
         out["keys"] = (info.get(f"db{db}") or {}).get("keys", 0)
         out["published_checkpoints"] = int(stats.get(b"checkpoints", 0))
         out["published_bytes"] = int(stats.get(b"bytes", 0))
@@ -129,3 +137,38 @@ class SharedTier(LookupMixin, PublishMixin):
             out["warnings"].append(f"maxmemory-policy {policy} does not evict spec-cache keys (they carry no "
                                    "TTL); use allkeys-lru")
         return out
+
+
+def cluster_client(config: SharedConfig, **options):
+    """A redis-py ``RedisCluster`` for a ``redis+cluster://`` URL: the startup nodes, credentials and TLS from
+    the URL. It follows ``MOVED``/``ASK`` itself and re-reads the slot map after a connection error (failover)."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    username, password = config.credentials
+    if config.url.startswith("rediss+"):
+        options["ssl"] = True
+    return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in config.cluster_nodes],
+                        username=username, password=password, require_full_coverage=False,
+                        **options)
+
+
+def merged_info(infos: dict) -> dict:
+    """One INFO view of a cluster's primaries (``{node: info}``): sums of the counters, the first node's
+    settings (version, policy), ``maxmemory`` 0 if any primary is unbounded."""
+    nodes = [i for i in infos.values() if isinstance(i, dict)] if isinstance(infos, dict) else []
+    if not nodes or not isinstance(next(iter(infos.values())), dict):
+        nodes = [infos] if isinstance(infos, dict) else []
+    out = dict(nodes[0]) if nodes else {}
+    for name in ("used_memory", "evicted_keys", "keyspace_hits", "keyspace_misses", "connected_clients"):
+        out[name] = sum(int(i.get(name) or 0) for i in nodes)
+    out["maxmemory"] = 0 if any(not i.get("maxmemory") for i in nodes) else sum(int(i["maxmemory"]) for i in nodes)
+    out["db0"] = {"keys": sum(int((i.get("db0") or {}).get("keys", 0)) for i in nodes)}
+    return out
+
+
+def cluster_summary(cluster_info, infos) -> dict:
+    """State, slots covered and primaries of a cluster (for ``shared-stats``)."""
+    info = cluster_info if isinstance(cluster_info, dict) else {}
+    return {"state": info.get("cluster_state"), "slots_ok": info.get("cluster_slots_ok"),
+            "known_nodes": info.get("cluster_known_nodes"), "size": info.get("cluster_size"),
+            "primaries": sorted(infos) if isinstance(infos, dict) else []}
