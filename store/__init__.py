@@ -25,6 +25,7 @@ from .errors import (
     CorruptRecord,
     InvalidInput,
     NamespaceNotRegistered,
+    StoreDamaged,
     StoreError,
     StoreFormatError,
     StoreFullError,
@@ -36,7 +37,7 @@ from .values import Entry, NamespaceInfo, Node, Totals
 
 __all__ = [
     "Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "LayerState", "Tensor", "Record",
-    "encode_record", "decode_record", "StoreError", "StoreFormatError", "StoreOpenError", "StoreFullError",
-    "CorruptRecord", "CorruptIndex", "InvalidInput", "NamespaceNotRegistered", "STORE_FORMAT", "STORE_MAJOR",
-    "STORE_MINOR", "RECORD_FORMAT_MAJOR", "Node", "Entry", "NamespaceInfo", "Totals",
+    "encode_record", "decode_record", "StoreError", "StoreFormatError", "StoreOpenError", "StoreDamaged",
+    "StoreFullError", "CorruptRecord", "CorruptIndex", "InvalidInput", "NamespaceNotRegistered", "STORE_FORMAT",
+    "STORE_MAJOR", "STORE_MINOR", "RECORD_FORMAT_MAJOR", "Node", "Entry", "NamespaceInfo", "Totals",
 ]

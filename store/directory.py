@@ -12,7 +12,7 @@ import contextlib
 import os
 import stat
 
-from .errors import StoreOpenError
+from .errors import StoreDamaged, StoreOpenError
 
 RESERVE_NAME = "reserve"
 STORE_FILES = frozenset({"data.mdb", "lock.mdb", RESERVE_NAME})
@@ -60,7 +60,7 @@ def check_data_file(path: str) -> None:
     except OSError as exc:
         raise StoreOpenError(f"cannot open store at {path}: {exc.strerror}") from None
     if size == 0:
-        raise StoreOpenError(f"store at {path} is damaged: data.mdb is empty (0 bytes); delete the directory or "
+        raise StoreDamaged(f"store at {path} is damaged: data.mdb is empty (0 bytes); delete the directory or "
                              "run 'spec-cache repair' on a copy that still has its data")
     if not os.access(data, os.R_OK):
         raise StoreOpenError(f"permission denied: cannot read {data}")

@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover - Windows
 
 from .allocator import tune_allocator
 from .directory import RESERVE_NAME, check_data_file, first_unenterable, prepare_dir, secure
-from .errors import StoreError, StoreFormatError, StoreFullError, StoreOpenError
+from .errors import StoreDamaged, StoreError, StoreFormatError, StoreFullError, StoreOpenError
 
 STORE_FORMAT = "spec-cache-store"
 STORE_MAJOR = 1
@@ -68,6 +68,7 @@ READER_CHECK_S = 5.0
 HEADROOM_BYTES = 4 << 20  # map growth and disk space (``reserve``) puts leave to unpin/evict/gc a full store
 DISK_FULL_BYTES = 64 << 20  # an EIO/ENOSPC commit with less free than this (or 5% of the disk) is "disk full"
 GROW_AHEAD_FRACTION = 0.75  # grow the map before a write once this much of it is in use
+BUDGET_KEY = b"budget"  # meta: the byte budget the store was last opened with (informational; see ``budget``)
 SUBDBS = ("meta", "nsinfo", "nodes", "chunks", "entries", "edata", "drafts", "lru", "memo")
 T = TypeVar("T")
 
@@ -214,7 +215,7 @@ class Environment:
         except OSError as exc:
             raise StoreOpenError(f"cannot open store at {self.path}: {exc.strerror}") from None
         if size < needed:
-            raise StoreOpenError(
+            raise StoreDamaged(
                 f"store at {self.path} is damaged: data.mdb holds {size} bytes but its committed pages need "
                 f"{needed} (the file was truncated); run 'spec-cache repair' to copy out what is left")
 
@@ -273,6 +274,25 @@ class Environment:
                 return meta
             return msgpack.unpackb(existing, raw=False)
         return self.write(init)
+
+    def budget(self) -> int | None:
+        """The byte budget recorded with the store (``meta`` key ``budget``: msgpack ``{max_bytes, set_ns}``,
+        written by the last writer opened with ``max_bytes``), or None when none was recorded or it is unreadable."""
+        with self.read() as txn:
+            raw = txn.get(BUDGET_KEY, db=self.dbs["meta"])
+            raw = None if raw is None else bytes(raw)
+        try:
+            value = msgpack.unpackb(raw, raw=False)["max_bytes"] if raw is not None else None
+        except Exception:
+            return None
+        return value if type(value) is int and value > 0 else None
+
+    def record_budget(self, max_bytes: int) -> None:
+        """Record ``max_bytes`` as the store's budget (what ``stats`` shows); one small write when it changed."""
+        if self.readonly or self.budget() == max_bytes:
+            return
+        value = msgpack.packb({"max_bytes": int(max_bytes), "set_ns": time.time_ns()})
+        self.write(lambda txn: txn.put(BUDGET_KEY, value, db=self.dbs["meta"]))
 
     def read(self) -> "ReadTxn":
         """A read-only transaction (use as a context manager); adopts a map grown by another process.

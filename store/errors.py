@@ -17,6 +17,11 @@ class StoreOpenError(StoreError):
     """The store directory cannot be opened or created (permissions, not a directory, locked map)."""
 
 
+class StoreDamaged(StoreOpenError):
+    """The directory holds a store whose file is damaged beyond opening (truncated, empty): ``verify`` reports
+    it as damage (exit 1), ``repair --to`` salvages what is left."""
+
+
 class StoreFullError(StoreError):
     """A write does not fit: the record alone is over the byte budget, or the map cannot grow (disk full)."""
 

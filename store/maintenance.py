@@ -12,15 +12,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import StoreFullError
+from .errors import CorruptIndex, StoreFullError
 from .gc import GcReport, gc
 from .index import Index
 from .store import Store
 from .values import Entry, decode_typed
 from .verify import RECORD_DBS, Progress, VerifyReport, index_problems, verify
 
-__all__ = ["namespaces", "resolve_namespace", "entries", "stats", "evict", "EvictReport", "verify", "VerifyReport",
-           "index_problems", "gc", "GcReport", "RECORD_DBS", "Progress"]
+__all__ = ["namespaces", "resolve_namespace", "resolve_entries", "set_pinned", "drafter_namespaces", "entries", "stats",
+           "evict", "EvictReport", "verify", "VerifyReport", "index_problems", "gc", "GcReport", "RECORD_DBS",
+           "Progress"]
 
 
 def _hex(b: bytes) -> str:
@@ -40,15 +41,72 @@ def namespaces(store: Store) -> list[dict]:
     return out
 
 
+def _check_key_prefix(prefix: str, what: str) -> str:
+    """``prefix`` lowercased, or ``KeyError`` naming what is wrong with it (not hex, too short, too long)."""
+    text = prefix.strip().lower()
+    if not text or any(c not in "0123456789abcdef" for c in text):
+        raise KeyError(f"{what} {prefix!r} is not hexadecimal (a key, or a prefix of >= 4 hex digits, as 'ls' and "
+                       "'show' print it)")
+    if len(text) < 4:
+        raise KeyError(f"{what} prefix {prefix!r} is too short: give at least 4 hex digits")
+    if len(text) > 64:
+        raise KeyError(f"{what} {prefix!r} is longer than a key (64 hex digits)")
+    return text
+
+
 def resolve_namespace(store: Store, prefix: str) -> bytes:
-    """A namespace key from its hex (or a unique hex prefix of at least 4 characters)."""
-    prefix = prefix.lower()
-    matches = [bytes.fromhex(n["key"]) for n in namespaces(store) if n["key"].startswith(prefix)]
-    if len(prefix) < 4 or not matches:
-        raise KeyError(f"no namespace matches {prefix!r}")
+    """A namespace key from its hex (or a unique hex prefix of at least 4 characters); ``KeyError`` naming the
+    prefix and what is wrong with it otherwise."""
+    text = _check_key_prefix(prefix, "namespace")
+    matches = [bytes.fromhex(n["key"]) for n in namespaces(store) if n["key"].startswith(text)]
+    if not matches:
+        raise KeyError(f"no namespace key starts with {text!r} (see 'spec-cache ls')")
     if len(matches) > 1:
-        raise KeyError(f"namespace prefix {prefix!r} is ambiguous ({len(matches)} matches)")
+        raise KeyError(f"namespace prefix {text!r} is ambiguous ({len(matches)} matches)")
     return matches[0]
+
+
+def resolve_entries(store: Store, prefix: str) -> list[bytes]:
+    """Entry keys for ``prefix``: the entry whose key starts with it (``show``'s ENTRY column), or every entry
+    of the namespace it names; ``KeyError`` naming the prefix when it matches neither or is ambiguous."""
+    text = _check_key_prefix(prefix, "entry or namespace")
+    rows = entries(store)
+    by_entry = [bytes.fromhex(r["key"]) for r in rows if r["key"].startswith(text)]
+    by_ns = sorted({r["namespace"] for r in rows if r["namespace"].startswith(text)})
+    if len(by_entry) == 1 and not by_ns:
+        return by_entry
+    if len(by_ns) == 1 and not by_entry:
+        return [bytes.fromhex(r["key"]) for r in rows if r["namespace"] == by_ns[0]]
+    if not by_entry and not by_ns:
+        raise KeyError(f"no entry or namespace key starts with {text!r} (see 'spec-cache ls' and 'show')")
+    raise KeyError(f"prefix {text!r} is ambiguous ({len(by_entry)} entries, {len(by_ns)} namespaces match)")
+
+
+def set_pinned(store: Store, keys: list[bytes], pinned: bool) -> int:
+    """Pin (or unpin) entries by key in one transaction; returns how many changed. A pinned entry is never
+    evicted by the byte budget, ``evict --to-size`` or ``--older-than`` (only ``evict --all`` / ``--namespace``)."""
+    store.flush_best_effort()
+
+    def fn(txn) -> int:
+        index, changed = Index(txn, store.env.dbs), 0
+        for key in keys:
+            entry = index.entry(key)
+            if entry is not None and entry.pinned != pinned:
+                changed += index.set_pinned(key, pinned)
+        return changed
+    return store.env.write(fn, making_room=not pinned)
+
+
+def drafter_namespaces(store: Store) -> set[str]:
+    """Every drafter namespace that has a part stored with some entry."""
+    found = set()
+    with store.reading() as txn:
+        for key, raw in txn.cursor(db=store.env.dbs["entries"]):
+            try:
+                found.update(decode_typed("entries", raw, bytes(key)).drafters)
+            except CorruptIndex:  # a damaged entry is gc's to remove
+                continue
+    return found
 
 
 def entries(store: Store, ns_key: bytes | None = None) -> list[dict]:
@@ -79,7 +137,8 @@ def stats(store: Store) -> dict:
             "chunk_tokens": store.chunk_tokens, "bytes": totals.bytes, "entries": totals.entries,
             "chunks": counts["chunks"], "drafter_parts": counts["drafts"], "namespaces": len(ns),
             "hits": sum(n["hits"] for n in ns), "misses": sum(n["misses"] for n in ns),
-            "max_bytes": store.max_bytes, "map_size": info["map_size"],
+            "max_bytes": store.max_bytes if store.max_bytes is not None else store.env.budget(),
+            "map_size": info["map_size"],
             "file_bytes": os.path.getsize(data_file) if os.path.exists(data_file) else 0}
 
 
@@ -155,7 +214,8 @@ def _evict_step(index: Index, selected: Callable[[Entry], bool] | None, drafter:
             if drafter is not None:
                 index.drop_drafter(key, e, drafter)
                 counts.drafter_parts += 1
-            else:
+            else:  # the entry's drafter parts go with it, and are counted
+                counts.drafter_parts += len(e.drafters)
                 index.remove_entry(key, e)
                 counts.entries += 1
             done += 1
@@ -165,8 +225,11 @@ def _evict_step(index: Index, selected: Callable[[Entry], bool] | None, drafter:
             if limit is not None and done >= limit:
                 finished = False
                 break
-            if not index.evict_one():
+            victim = next(index.lru_victims(set()), None)
+            if victim is None:
                 break
+            counts.drafter_parts += len(victim[1].drafters)
+            index.remove_entry(*victim)
             counts.entries += 1
             done += 1
     counts.bytes = before - index.totals().bytes

@@ -104,14 +104,24 @@ def repair(src: str, dst: str, progress: Progress | None = None, on_copied: Call
     report = RepairReport(src, dst)
     with tempfile.TemporaryDirectory(prefix="spec-cache-repair-", dir=os.path.dirname(dst) or None) as work:
         copy = _private_copy(src, work, report)
-        report.structure_problems = check_structure(copy) or []
-        source = Store.open(copy, readonly=True)
         try:
-            with Store.open(dst, chunk_tokens=source.chunk_tokens) as target:
-                _copy_entries(source, target, report, progress, on_copied)
-        finally:
-            source.close()
+            report.structure_problems = check_structure(copy) or []
+            source = Store.open(copy, readonly=True)
+            try:
+                with Store.open(dst, chunk_tokens=source.chunk_tokens) as target:
+                    _copy_entries(source, target, report, progress, on_copied)
+            finally:
+                source.close()
+        except StoreError as exc:  # messages name the source, never the private copy they came from
+            raise type(exc)(_unmask(str(exc), copy, src)) from None
+        report.structure_problems = [_unmask(p, copy, src) for p in report.structure_problems]
+        report.errors = [_unmask(e, copy, src) for e in report.errors]
     return report
+
+
+def _unmask(message: str, copy: str, src: str) -> str:
+    """``message`` with the private copy's path (an internal temporary directory) replaced by the source's."""
+    return message.replace(os.path.join(copy, "data.mdb"), os.path.join(src, "data.mdb")).replace(copy, src)
 
 
 def _copy_entries(source: Store, target: Store, report: RepairReport, progress, on_copied) -> None:

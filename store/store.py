@@ -90,12 +90,19 @@ class Store:
              chunk_tokens: int | None = None, map_size: int | None = None) -> "Store":
         """Open (creating if needed) the store in directory ``path``.
 
-        ``max_bytes`` caps stored bytes (LRU eviction on put); ``durable=False`` skips fsync per commit.
+        ``max_bytes`` caps stored bytes (LRU eviction on put) and is recorded in the store's ``meta`` (``budget``)
+        so ``spec-cache stats`` shows it; ``durable=False`` skips fsync per commit.
         Raises ``StoreOpenError``/``StoreFormatError`` with a message naming the directory.
         """
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
             raise InvalidInput("max_bytes must be a positive int or None")
         env = Environment(path, readonly=readonly, durable=durable, map_size=map_size, chunk_tokens=chunk_tokens)
+        if max_bytes is not None and not readonly:
+            try:
+                env.record_budget(max_bytes)  # stored with the store, so ``stats`` can show it later
+            except BaseException:
+                env.close()
+                raise
         return cls(env, max_bytes)
 
     @property

@@ -3,7 +3,7 @@
 One module per kind of command, each with a ``register(subparsers, common)`` that adds its subcommands:
 
 - ``common``  the one-line error (``CliError``), exit codes, argument types, output helpers, opening a store;
-- ``inspect`` ls, show, stats, verify, evict, gc, identity (``spec_cache.store.maintenance``, ``identity``);
+- ``inspect`` ls, show, stats, verify, evict, pin, unpin, gc, compact, identity (``spec_cache.store.maintenance``, ``identity``);
 - ``shared``  the ``--shared URL`` option, shared-stats, the shared section of stats;
 - ``repair``  repair --to DIR, the salvage run in a child process;
 - ``runtime`` demo, bench, generate, serve, export-mlx-lm, import-mlx-lm (these load MLX when they run).
@@ -22,7 +22,7 @@ import sys
 
 from spec_cache.store import StoreError
 
-from .. import mlx_lm_server
+from .. import __version__, mlx_lm_server
 from . import inspect, repair, runtime, shared
 from .common import (
     EXIT_OK,
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     shared.add_shared_option(common)
     p = _Parser(prog="spec-cache", description="Prefix cache for MLX speculative decoding: inspect, evict, verify.",
                 parents=[common])
+    p.add_argument("--version", action="version", version=f"spec-cache {__version__}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     inspect.register(sub, common)

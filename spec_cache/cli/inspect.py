@@ -1,4 +1,4 @@
-"""Inspection and maintenance commands: ls, show, stats, verify, evict, gc, identity.
+"""Inspection and maintenance commands: ls, show, stats, verify, evict, pin, unpin, gc, compact, identity.
 
 Each is a few lines over ``spec_cache.store.maintenance`` and ``spec_cache.identity``; none imports MLX (a test
 runs every one in a fresh process and fails if ``mlx`` or ``mlx_lm`` got imported).
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from spec_cache.identity import ModelDirError, model_identity
-from spec_cache.store import Store, StoreError, maintenance
+from spec_cache.store import Store, StoreDamaged, StoreError, maintenance
 
 from . import shared
 from .common import (
@@ -27,6 +27,7 @@ from .common import (
     parse_duration,
     parse_size,
     progress_bar,
+    require_store,
     short,
     table,
 )
@@ -53,6 +54,8 @@ def _ls_row(r: dict, wide: bool) -> list:
 def cmd_ls(args) -> int:
     with open_store(args) as store:
         rows = maintenance.namespaces(store)
+    if not args.all:  # a namespace emptied by eviction keeps its row (counters) but is not listed
+        rows = [r for r in rows if r["entries"] > 0]
     human = table([_ls_row(r, args.wide) for r in rows],
                   ["NAMESPACE", "TARGET", "PREFIX NAMESPACE", "ENTRIES", "BYTES", "HITS", "MISSES", "LAST USE"])
     emit(args, {"namespaces": rows}, human if rows else "no namespaces")
@@ -84,8 +87,23 @@ def cmd_stats(args) -> int:
     return EXIT_OK
 
 
+def _damaged_store(args, exc: StoreDamaged) -> int:
+    """``verify`` of a store too damaged to open: the damage is the finding (exit 1), in JSON under ``--json``."""
+    d = {"records": 0, "ok": 0, "corrupt": 0, "unknown_schema": 0, "index_problems": 0, "opened": False,
+         "damaged": True, "error": " ".join(str(exc).split())}
+    emit(args, d, f"store cannot be opened: {d['error']}")
+    return EXIT_PROBLEMS
+
+
 def cmd_verify(args) -> int:
-    with open_store(args) as store:
+    require_store(args.cache)
+    try:
+        store = Store.open(args.cache, readonly=True)
+    except StoreDamaged as exc:
+        return _damaged_store(args, exc)
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+    with store:
         update, close = progress_bar(not args.json and sys.stderr.isatty(), "verify", "rec")
         try:
             report = maintenance.verify(store, update)
@@ -112,11 +130,48 @@ def cmd_evict(args) -> int:
         raise CliError("evict needs at least one of --namespace, --drafter, --older-than, --to-size, --all")
     with open_store(args, write=True) as store:
         ns = _resolve(store, args.namespace) if args.namespace else None
+        if args.drafter is not None and args.drafter not in maintenance.drafter_namespaces(store):
+            known = sorted(maintenance.drafter_namespaces(store))
+            raise CliError(f"no drafter part of namespace {args.drafter!r} is stored"
+                           + (f" (stored: {', '.join(short(k, 40) for k in known[:4])})" if known else ""))
         report = maintenance.evict(store, namespace=ns, drafter=args.drafter, older_than_s=args.older_than,
                                    to_size=args.to_size, everything=args.all)
     d = {"entries": report.entries, "drafter_parts": report.drafter_parts, "bytes": report.bytes}
     emit(args, d, f"evicted {report.entries} entries, {report.drafter_parts} drafter parts, "
                   f"{human_bytes(report.bytes)}")
+    return EXIT_OK
+
+
+def _cmd_pin(args, pinned: bool) -> int:
+    with open_store(args, write=True) as store:
+        try:
+            keys = [k for prefix in args.keys for k in maintenance.resolve_entries(store, prefix)]
+        except KeyError as exc:
+            raise CliError(exc.args[0]) from None
+        changed = maintenance.set_pinned(store, keys, pinned)
+    word = "pinned" if pinned else "unpinned"
+    emit(args, {word: changed, "entries": len(keys)},
+         f"{word} {changed} of {len(keys)} entries" + (f" ({len(keys) - changed} already {word})"
+                                                      if changed < len(keys) else ""))
+    return EXIT_OK
+
+
+def cmd_pin(args) -> int:
+    return _cmd_pin(args, True)
+
+
+def cmd_unpin(args) -> int:
+    return _cmd_pin(args, False)
+
+
+def cmd_compact(args) -> int:
+    from spec_cache.store.compact import compact
+
+    open_store(args).close()  # the usual checks and one-line errors before anything is written
+    report = compact(args.cache)
+    d = report.as_dict()
+    emit(args, d, f"compacted {args.cache}: data.mdb {human_bytes(d['file_bytes_before'])} -> "
+                  f"{human_bytes(d['file_bytes_after'])} ({human_bytes(d['bytes_freed'])} freed)")
     return EXIT_OK
 
 
@@ -166,31 +221,57 @@ def cmd_identity(args) -> int:
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
-    """Add ls, show, stats, verify, evict, gc and identity."""
-    s = sub.add_parser("ls", parents=[common], help="list namespaces with their counters")
+    """Add ls, show, stats, verify, evict, pin, unpin, gc, compact and identity."""
+    s = sub.add_parser("ls", parents=[common], help="list namespaces with their counters",
+                       description="List the store's namespaces with entries, bytes, hits, misses and last use.")
     s.add_argument("--wide", action="store_true",
                    help="full namespace key, target and prefix namespace (uncut; --json always has them)")
+    s.add_argument("--all", action="store_true", help="also namespaces that hold no entries (emptied by eviction)")
     s.set_defaults(fn=cmd_ls)
-    s = sub.add_parser("show", parents=[common], help="one namespace and its entries")
+    s = sub.add_parser("show", parents=[common], help="one namespace and its entries",
+                       description="One namespace: its full key, target, prefix namespace and every entry.")
     s.add_argument("namespace", help="namespace key (hex, or a unique prefix of >= 4 hex digits)")
     s.set_defaults(fn=cmd_show)
-    s = sub.add_parser("stats", parents=[common], help="store-wide figures")
+    s = sub.add_parser("stats", parents=[common], help="store-wide figures",
+                       description="Store-wide figures: bytes, entries, chunks, map and file size, format, budget.")
     s.set_defaults(fn=cmd_stats)
     s = sub.add_parser("verify", parents=[common],
-                       help="check page structure, index and every record checksum (exit 1 on damage)")
+                       help="check page structure, index and every record checksum (exit 1 on damage)",
+                       description="Check LMDB's page structure, the index bookkeeping and every record's "
+                                   "checksum; exit 1 on any damage.")
     s.set_defaults(fn=cmd_verify)
-    s = sub.add_parser("evict", parents=[common], help="remove entries")
+    s = sub.add_parser("evict", parents=[common], help="remove entries",
+                       description="Remove entries (with their drafter parts) or one drafter's parts. Filters "
+                                   "combine; --to-size runs last.")
     s.add_argument("--namespace", help="every entry of this namespace (hex key or prefix)")
-    s.add_argument("--drafter", help="this drafter namespace's parts only (target state stays)")
-    s.add_argument("--older-than", type=parse_duration, help="unpinned entries unused for this long (90s, 12h, 7d)")
-    s.add_argument("--to-size", type=parse_size, help="evict unpinned LRU entries down to this size (e.g. 2GiB)")
+    s.add_argument("--drafter", metavar="DNS",
+                   help="this drafter namespace's parts only (target state stays); exit 2 if none is stored")
+    s.add_argument("--older-than", type=parse_duration, metavar="AGE",
+                   help="unpinned entries unused for this long (90s, 12h, 7d)")
+    s.add_argument("--to-size", type=parse_size, metavar="SIZE",
+                   help="evict unpinned LRU entries down to this size (e.g. 2GiB)")
     s.add_argument("--all", action="store_true", help="every entry, pinned ones too")
     s.set_defaults(fn=cmd_evict)
+    for name, fn, what in (("pin", cmd_pin, "keep entries through eviction (budget, --to-size, --older-than)"),
+                           ("unpin", cmd_unpin, "make pinned entries evictable again")):
+        s = sub.add_parser(name, parents=[common], help=what, description=f"{what[0].upper()}{what[1:]}.")
+        s.add_argument("keys", nargs="+", metavar="KEY",
+                       help="an entry key (show's ENTRY column) or a namespace key (every entry of it): hex or a "
+                            "unique prefix of >= 4 hex digits")
+        s.set_defaults(fn=fn)
     s = sub.add_parser("gc", parents=[common],
-                       help="drop corrupt records, broken chunks and orphans; rebuild the bookkeeping")
+                       help="drop corrupt records, broken chunks and orphans; rebuild the bookkeeping",
+                       description="Drop corrupt records, broken chunk subtrees and orphans; rebuild the "
+                                   "bookkeeping.")
     s.set_defaults(fn=cmd_gc)
-    s = sub.add_parser("identity", parents=[common], help="artifact identity (blake3) of a model or drafter directory")
-    s.add_argument("dir")
+    s = sub.add_parser("compact", parents=[common], help="shrink data.mdb in place (free pages dropped)",
+                       description="Rewrite data.mdb without its free pages and swap it in atomically "
+                                   "(crash-safe; refused while another process has the store open).")
+    s.set_defaults(fn=cmd_compact)
+    s = sub.add_parser("identity", parents=[common], help="artifact identity (blake3) of a model or drafter directory",
+                       description="Artifact identity (blake3 over config and weights) of a model or drafter "
+                                   "directory.")
+    s.add_argument("dir", help="model or drafter directory")
     s.add_argument("--config-name", default=None, help="config file to hash (default config.json, else dspark.json)")
     s.add_argument("--no-store-memo", dest="cache_memo", action="store_false",
                    help="do not use the store's identity memo (the per-user memo is still used)")
