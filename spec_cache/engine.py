@@ -39,6 +39,12 @@ KV quantization (``kv``: ``kv_bits``/``kv_group_size``/``quantized_kv_start`` or
 reproduces mlx-lm's ``generate_step``: each row converts at the offset a cold ``generate_step`` run of its prompt
 with ``prefill_step_size`` would (``spec_cache.kv_quant``), its rows run through ``QuantizedTargetRows``, and a
 restored quantized state is accepted only when it was converted at that same point.
+
+Adaptive draft depth (``adaptive=True``, the default): ``draft_depth`` is the most a row proposes; each round the
+engine's ``DepthController`` (``spec_cache.depth``) picks the batch depth in ``0..draft_depth`` with the most
+expected tokens per second, from each row's measured acceptance and the measured seconds of the draft call and
+of the verify at each window width (timed with ``clock``), probing now and then while plain decoding wins. The
+depth changes acceptance only, never the tokens. ``adaptive=False``: always ``draft_depth``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 
+from .depth import DepthController, RowAcceptance
 from .kv_quant import converted_at, plan_kv, reusable
 from .quantized_rows import QuantizedTargetRows
 from .rows import RoundContext, TargetRowGroup, apply_state_changes
@@ -117,6 +124,7 @@ class _Row:
     on_tokens: Callable[[int, list], None] | None = None
     on_finish: Callable[[int, RowResult], None] | None = None
     submitted: float = 0.0
+    acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # what the depth controller knows of it
 
     def result(self, cancelled: bool = False, reason: str | None = None) -> RowResult:
         return RowResult(list(self.generated), self.target_start, self.drafted, self.accepted,
@@ -127,7 +135,10 @@ class _Row:
 class SpeculativeEngine:
     """Greedy-exact batched speculative decoding with one target and an optional draft provider.
 
-    ``draft_depth``: proposals per row per round (0: plain decoding through the same path). ``kv``: KV
+    ``draft_depth``: the most proposals per row per round (0: plain decoding through the same path).
+    ``adaptive``: pick each round's depth in ``0..draft_depth`` from measured acceptance and cost (module doc;
+    ``self.depth`` is the ``DepthController``, None when off or without a provider); False: always
+    ``draft_depth``. ``clock``: seconds for the controller's cost measurements (tests inject one). ``kv``: KV
     quantization options (``KVOptions``, see module doc; ``turbo_quant`` raises NotImplementedError, it has no
     codec). ``max_rows``: most rows decoded at once (None: all); waiting rows join as others finish.
     ``prefill_step_size``: prompt tokens per prefill forward; with KV quantization it also decides, as in
@@ -143,6 +154,8 @@ class SpeculativeEngine:
         *,
         max_rows: int | None = None,
         prefill_step_size: int = 512,
+        adaptive: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         check_kv_options(kv)
         head_dims = [target.kv_geometry(layer)[1] for layer in range(target.num_layers)]
@@ -153,6 +166,10 @@ class SpeculativeEngine:
             raise ValueError(f"max_rows must be None or an int >= 1, got {max_rows!r}")
         if isinstance(prefill_step_size, bool) or not isinstance(prefill_step_size, int) or prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be an int >= 1, got {prefill_step_size!r}")
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
+        if not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
         if provider is not None and hasattr(provider, "bind"):
             provider.bind(target)
         self.target = target
@@ -161,6 +178,9 @@ class SpeculativeEngine:
         self.kv = kv
         self.max_rows = max_rows
         self.prefill_step_size = prefill_step_size
+        self.clock = clock
+        #: the adaptive depth controller (costs persist across sessions of this engine); None: fixed depth
+        self.depth = DepthController(draft_depth) if adaptive and provider is not None and draft_depth else None
 
     def conversion_point(self, prompt_tokens: int) -> int | None:
         """Where a row with a prompt of ``prompt_tokens`` converts its KV (None: no KV quantization)."""
@@ -488,18 +508,24 @@ class DecodeSession:
         # a row proposes at most its remaining budget minus one, and no further than its window limit (a
         # quantized row stops at its conversion point)
         caps = [min(budget - 1, (limit or budget) - 1) for budget, limit in zip(budgets, self.rows.window_limits())]
-        depth = min(self.engine.draft_depth, max(caps))
+        controller = self.engine.depth
         if any(row.ttft_s is None for row in active):
             depth = 0  # first token first: a row's first token needs one target step, not a drafting round too
+        elif controller is not None:
+            depth = controller.choose([row.acceptance for row in active], caps)
+        else:
+            depth = min(self.engine.draft_depth, max(caps))
+        started = self.engine.clock()
         proposals = [[] for _ in active] if self.group is None else self.group.draft(pending, depth)
         drafts = [list(p[: min(depth, cap)]) for p, cap in zip(proposals, caps)]
+        drafted_at = self.engine.clock()
         width = 1 + max(len(d) for d in drafts)
         window = [[p] + d + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts)]
         taps = () if self.group is None else tuple(self.group.tap_layers)
         out = self.rows.verify(window, tap_layers=taps)
         sampled = self.sampler(out.logits, [(row.sampling, len(row.tokens)) for row in active])
         clock = time.perf_counter()
-        kept = []
+        kept, agreed = [], []
         for row, draft, choice, budget in zip(active, drafts, sampled, budgets):
             agree = 0
             while agree < len(draft) and draft[agree] == choice[agree]:
@@ -514,6 +540,7 @@ class DecodeSession:
             row.tokens += emitted
             row.drafted += len(draft)
             row.accepted += min(agree, len(emitted))
+            agreed.append(agree)
             if row.ttft_s is None:
                 row.ttft_s = clock - row.submitted
             if emitted[-1] in eos:
@@ -524,6 +551,12 @@ class DecodeSession:
         self.rows.rollback([width - 1 - k for k in kept])
         if self.group is not None:
             self.group.commit(kept, RoundContext(window, out.hidden, out.taps))
+        if controller is not None:
+            controller.observe_round(len(active), depth, drafted_at - started, width, self.engine.clock() - drafted_at)
+            if depth > 0:
+                for row, draft, agree, cap in zip(active, drafts, agreed, caps):
+                    if min(depth, cap) > 0:  # a row its budget kept from drafting says nothing of its drafter
+                        controller.observe_row(row.acceptance, len(draft), agree)
         for row, count in zip(active, kept):  # after the round is committed: a callback may end any row
             if row.on_tokens is not None:
                 row.on_tokens(row.index, row.generated[len(row.generated) - count - 1:])

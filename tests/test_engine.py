@@ -37,8 +37,10 @@ class Recorder:
 
 
 def run(tiny, provider_name, requests, depth=4, **kwargs):
+    """Fixed depth by default (``adaptive=False``): these tests exercise drafting, rollback and restore
+    whatever drafting would cost (tests/test_adaptive_depth.py tests the adaptive depth)."""
     engine = SpeculativeEngine(tiny.target, tiny.provider(provider_name), draft_depth=depth,
-                               max_rows=kwargs.pop("max_rows", None))
+                               max_rows=kwargs.pop("max_rows", None), adaptive=kwargs.pop("adaptive", False))
     return engine.run(requests, **kwargs)
 
 
@@ -251,6 +253,10 @@ def test_request_checks(tiny):
         engine.run([RowRequest(PROMPTS[0], draft_checkpoint=recorder.boundary(0)[3])])
     with pytest.raises(ValueError, match="draft_depth"):
         SpeculativeEngine(tiny.target, None, draft_depth=-1)
+    with pytest.raises(ValueError, match="adaptive"):
+        SpeculativeEngine(tiny.target, None, adaptive="yes")
+    with pytest.raises(ValueError, match="clock"):
+        SpeculativeEngine(tiny.target, None, clock=0.0)
 
 
 def test_kv_options_select_the_rows_that_run_them(tiny):
@@ -321,7 +327,8 @@ def test_rows_joining_a_running_batch_equal_plain_greedy(tiny, provider_name):
     recorder = Recorder(tiny.target)
     run(tiny, provider_name, [RowRequest(PROMPTS[2], max_tokens=1)], on_checkpoint=recorder)
     _, tokens, caches, draft = recorder.boundary(0)  # a restored row joins too
-    engine = SpeculativeEngine(tiny.target, tiny.provider(provider_name), draft_depth=3, max_rows=2)
+    engine = SpeculativeEngine(tiny.target, tiny.provider(provider_name), draft_depth=3, max_rows=2,
+                               adaptive=False)
     stream = Stream()
     session = engine.session(on_checkpoint=Recorder(tiny.target))
     first = session.submit(RowRequest(PROMPTS[0], max_tokens=MAX_TOKENS), on_tokens=stream.on_tokens,
@@ -372,7 +379,7 @@ def test_a_seeded_row_is_the_same_when_it_joins_late_or_restored(tiny):
     recorder = Recorder(tiny.target)
     run(tiny, "assistant", [RowRequest(PROMPTS[2], max_tokens=1)], on_checkpoint=recorder)
     _, tokens, caches, draft = recorder.boundary(0)
-    engine = SpeculativeEngine(tiny.target, tiny.provider("assistant"))
+    engine = SpeculativeEngine(tiny.target, tiny.provider("assistant"), adaptive=False)
     stream = Stream()
     session = engine.session()
     session.submit(RowRequest(PROMPTS[0], max_tokens=20, sampling=RowSampling(0.7, 0.9, 3)), on_finish=stream.on_finish)
