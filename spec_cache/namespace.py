@@ -46,9 +46,11 @@ __all__ = [
     "KVLayerConfig",
     "KVOptions",
     "adapter_namespace",
+    "GLM52_NATIVE_MTP_NAMESPACE",
     "cached_drafter_namespace",
     "capture_options",
     "check_runnable",
+    "dflash2_namespace",
     "drafter_namespace",
     "js_json_dumps",
     "js_number_to_string",
@@ -380,6 +382,22 @@ def drafter_namespace(schema: str, artifact_identity: str) -> str:
     if not _SCHEMA_NAME.fullmatch(schema):
         raise ValueError(f"schema must look like 'name-v1' ([a-z0-9-]+-v<digits>), got {schema!r}")
     return f"{schema}:{_check_hex64('artifact_identity', artifact_identity)}"
+
+
+def dflash2_namespace(artifact_identity: str, bits: int) -> str:
+    """``dflash2-context-v1:<artifact identity>:b<bits>`` (mlx-bun's ``Dflash2Provider``): the context a DFlash 2
+    drafter projects depends on the width its projections were quantized to (``bits``, 0 for unquantized), so
+    the width is part of the namespace. Raises TypeError/ValueError for a bad identity or bits outside [0, 16].
+    """
+    bits = _check_int("bits", bits, 0)
+    if bits > 16:
+        raise ValueError(f"bits must be in [0, 16], got {bits}")
+    return f"{drafter_namespace('dflash2-context-v1', artifact_identity)}:b{bits}"
+
+
+#: GLM's native MTP namespace (mlx-bun): a constant, no artifact hash; the MTP layer is part of the target, whose
+#: identity already scopes every stored entry.
+GLM52_NATIVE_MTP_NAMESPACE = "glm52-native-mtp-v1"
 
 
 def ngram_namespace(max_n: int = 3, min_n: int = 1) -> str:

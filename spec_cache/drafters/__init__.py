@@ -7,6 +7,11 @@
 | ``ngram``       | NgramProvider        | ``ngram-history-v1``      | ``ngram-history-v1:<max>:<min>``             |
 | ``deepspec``    | DeepSpecProvider     | ``deepspec-context-v1``   | ``deepspec-context-v1:<model identity>``     |
 | ``dflash``      | DFlashProvider       | ``dflash-context-v1``     | ``dflash-context-v1:<identity over dspark.json>`` |
+| ``qwen-mtp``    | QwenMTPProvider      | ``qwen-mtp-v1``           | ``qwen-mtp-v1:<model identity>``             |
+| ``dflash2``     | DFlash2Provider      | ``dflash2-context-v1``    | ``dflash2-context-v1:<model identity>:b<bits>`` |
+
+GLM native MTP (``glm52-native-mtp-v1``) has a schema but no provider: mlx-lm 0.32's ``glm4_moe_lite`` drops
+its MTP layers at load and there is no GLM target port.
 
 Architectures and config keys: docs/DRAFTERS.md.
 """
@@ -27,6 +32,8 @@ _PROVIDERS = {
     "ngram": ("ngram", "NgramProvider"),
     "deepspec": ("deepspec", "DeepSpecProvider"),
     "dflash": ("dflash", "DFlashProvider"),
+    "qwen-mtp": ("qwen_mtp", "QwenMTPProvider"),
+    "dflash2": ("dflash2", "DFlash2Provider"),
 }
 #: the drafter methods, in the order the docs list them
 METHODS: tuple[str, ...] = tuple(_PROVIDERS)

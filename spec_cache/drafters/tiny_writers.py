@@ -1,0 +1,103 @@
+"""Tiny random-weight drafter directories for the methods this package adds (``qwen-mtp``, ``dflash2``),
+derived from a tiny target directory as ``spec_cache.tiny`` derives the others (``tiny.write_tiny_drafter``
+dispatches these methods here).
+
+* ``qwen-mtp``: the MTP head's layer copies the target's first layer and ``fc`` passes the normed embedding of
+  the pair's token through (plus ``hidden_mix`` of the target hidden), so the head behaves like a one-layer
+  truncation of the target shifted by one position: drafts agree with the target part of the time.
+* ``dflash2``: a tiny DFlash drafter (``tiny.write_tiny_drafter(..., "dflash")``) rewritten as a DFlash 2
+  ``config.json`` with ``draft_bits`` (default 4: projections quantized at load).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+__all__ = ["write_tiny_drafter_extra", "EXTRA_METHODS"]
+
+#: the methods :func:`write_tiny_drafter_extra` writes
+EXTRA_METHODS = ("qwen-mtp", "dflash2")
+
+
+def write_tiny_drafter_extra(path: str | Path, method: str, target_dir: str | Path, seed: int = 0,
+                             **options: Any) -> Path:
+    """Write a ``method`` drafter directory derived from the target in ``target_dir``; returns the path.
+
+    Options: ``qwen-mtp``: ``hidden_mix`` (0.1; weight of the target hidden in ``fc``), ``vocab_size`` /
+    ``hidden_size`` (override what the config claims, for pairing tests); ``dflash2``: ``draft_bits`` (4),
+    ``draft_group_size`` (64) and the ``dflash`` options of ``tiny.write_tiny_drafter`` (``gamma``, ``layers``,
+    ``taps``, ``noise``, ``num_target_layers``).
+    """
+    path = Path(path)
+    if method == "qwen-mtp":
+        _write_qwen_mtp(path, Path(target_dir), seed, **options)
+    elif method == "dflash2":
+        _write_dflash2(path, Path(target_dir), seed, **options)
+    else:
+        raise ValueError(f"unknown drafter method {method!r} for write_tiny_drafter_extra; known: "
+                         f"{', '.join(EXTRA_METHODS)}")
+    return path
+
+
+def _plain_norm(target_config: dict, weight: mx.array) -> mx.array:
+    return weight + 1.0 if target_config["model_type"].startswith("gemma") else weight
+
+
+def _write_qwen_mtp(path: Path, target_dir: Path, seed: int, hidden_mix: float = 0.1,
+                    vocab_size: int | None = None, hidden_size: int | None = None) -> None:
+    from .qwen_mtp import QwenMTPConfig, QwenMTPNetwork
+
+    target_config = json.loads((target_dir / "config.json").read_text())
+    weights = mx.load(str(target_dir / "model.safetensors"))
+    hidden = target_config["hidden_size"]
+    heads = target_config["num_attention_heads"]
+    config = QwenMTPConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=target_config["num_key_value_heads"],
+        head_dim=target_config.get("head_dim") or hidden // heads,
+        intermediate_size=target_config["intermediate_size"],
+        vocab_size=target_config["vocab_size"],
+        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
+        rope_theta=target_config.get("rope_theta", 10000.0),
+        qk_norm=False,
+    )
+    network = QwenMTPNetwork(config)
+    noise = mx.random.normal((hidden, hidden), key=mx.random.key(seed)) * (hidden_mix / hidden**0.5)
+    drawn = {
+        "pre_fc_norm_embedding.weight": mx.ones((hidden,)),
+        "pre_fc_norm_hidden.weight": mx.ones((hidden,)),
+        "fc.weight": mx.concatenate([mx.eye(hidden), noise], axis=1),
+        "norm.weight": _plain_norm(target_config, weights["model.norm.weight"]),
+    }
+    copied = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+              "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+    for name in copied:
+        weight = weights[f"model.layers.0.{name}"]
+        drawn[f"layers.0.{name}"] = _plain_norm(target_config, weight) if name.endswith("norm.weight") else weight
+    network.load_weights(list(drawn.items()), strict=True)
+    stored = config.to_dict()
+    stored.update({key: value for key, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size))
+                   if value is not None})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(network.parameters())),
+                        metadata={"format": "mlx"})
+
+
+def _write_dflash2(path: Path, target_dir: Path, seed: int, draft_bits: int = 4, draft_group_size: int = 64,
+                   **dflash_options: Any) -> None:
+    from ..tiny import write_tiny_drafter
+
+    write_tiny_drafter(path, "dflash", target_dir, seed=seed, **dflash_options)
+    dspark = path / "dspark.json"
+    config = json.loads(dspark.read_text())
+    config.update(method="dflash2", draft_bits=draft_bits, draft_group_size=draft_group_size)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    dspark.unlink()
