@@ -8,6 +8,16 @@ condition on target hiddens). Supporting another architecture means adding one p
   layers sharing one mask, final norm, head (tied or not).
 * :class:`Gemma3Port`: ``gemma3_text``: scaled embeddings, interleaved sliding-window and global layers with
   one mask per kind, ``(1 + w)`` norms inside the layers, final norm, head.
+* :class:`Gemma4Port`: ``gemma4_text``: scaled embeddings plus per-layer inputs (a second embedding of the ids
+  and a projection of the first, one slice per layer), sliding/global layers, and *KV-shared* layers at the end
+  that hold no cache and attend over the K/V of the last earlier layer of their kind; soft-capped logits.
+* :class:`Qwen3NextPort`: ``qwen3_next``: a hybrid of gated-delta (recurrent, ``ArraysCache``: conv state +
+  recurrent state) and full-attention layers.
+
+Caches are per *cache layer*: ``make_caches()`` is mlx-lm's ``make_cache()`` (Gemma 4's KV-shared layers have
+none, so a port's ``layers()`` are the layers that hold a cache, and ``depth`` counts every decoder layer; taps
+index decoder layers). ``layer_kind(i)`` says what cache layer ``i`` holds: ``"attention"`` (K/V, sliding or
+not) or ``"recurrent"`` (``ArraysCache``, never trimmable).
 
 Every port answers ``layer_window(i)``: the sliding window of layer ``i`` (None for full attention). The
 batched rows keep sliding layers as plain KV plus a window mask (exact rollback, see ``target.py``); a single
@@ -19,10 +29,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache, KVCache
 
-__all__ = ["DecoderPort", "Gemma3Port", "PORTS", "SUPPORTED_ARCHITECTURES", "out_features"]
+__all__ = ["DecoderPort", "Gemma3Port", "Gemma4Port", "Qwen3NextPort", "PORTS", "SUPPORTED_ARCHITECTURES",
+           "out_features"]
 
 
 def out_features(linear: Any) -> int:
@@ -59,13 +70,20 @@ class DecoderPort:
     def layers(self) -> list:
         return list(self.inner.layers)
 
+    @property
+    def depth(self) -> int:
+        return len(self.inner.layers)
+
     def layer_window(self, layer: int) -> int | None:
         return None
+
+    def layer_kind(self, layer: int) -> str:
+        return "attention"
 
     def make_caches(self) -> list:
         return [KVCache() for _ in self.inner.layers]
 
-    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int]) -> tuple[mx.array, dict]:
+    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], **_: Any) -> tuple[mx.array, dict]:
         mask = create_attention_mask(h, caches[0] if caches else None)
         tapped: dict[int, mx.array] = {}
         for index, (layer, cache) in enumerate(zip(self.inner.layers, caches)):
@@ -104,13 +122,20 @@ class Gemma3Port:
     def layers(self) -> list:
         return list(self.inner.layers)
 
+    @property
+    def depth(self) -> int:
+        return len(self.inner.layers)
+
     def layer_window(self, layer: int) -> int | None:
         return None if self._is_global(layer) else self.window
+
+    def layer_kind(self, layer: int) -> str:
+        return "attention"
 
     def make_caches(self) -> list:
         return self.model.make_cache()
 
-    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int]) -> tuple[mx.array, dict]:
+    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], **_: Any) -> tuple[mx.array, dict]:
         layers = self.inner.layers
         globals_ = [i for i in range(len(layers)) if self._is_global(i)]
         slidings = [i for i in range(len(layers)) if not self._is_global(i)]
@@ -126,6 +151,151 @@ class Gemma3Port:
         return self.inner.norm(h), tapped
 
 
-PORTS = {"llama": DecoderPort, "mistral": DecoderPort, "qwen2": DecoderPort, "gemma3_text": Gemma3Port}
+class Gemma4Port:
+    """``gemma4_text``: Gemma3-like layers plus per-layer inputs and KV-shared trailing layers.
+
+    The first ``num_hidden_layers - num_kv_shared_layers`` layers hold caches (mlx-lm's ``make_cache``); each
+    later layer reuses the K/V (and RoPE offset) the last cache-holding layer of its kind produced in the same
+    forward, exactly as ``Gemma4TextModel.__call__`` wires them (``previous_kvs``).
+    """
+
+    def __init__(self, model: Any, config: dict) -> None:
+        inner = getattr(model, "model", None)
+        for part in ("embed_tokens", "layers", "norm", "window_size", "previous_kvs", "_make_masks"):
+            if inner is None or not hasattr(inner, part):
+                raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
+        self.model = model
+        self.inner = inner
+        self.window = int(inner.window_size)
+        self.cached = len(model.make_cache())  # layers 0..cached-1 hold caches; the rest share their K/V
+        if any(inner.previous_kvs[i] != i for i in range(self.cached)):
+            raise NotImplementedError("gemma4_text: a cache-holding layer that borrows another layer's K/V")
+        from mlx_lm.models.gemma4_text import logit_softcap
+
+        self._softcap = logit_softcap
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.inner.embed_tokens(ids) * self.inner.embed_scale
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.model.tie_word_embeddings:
+            out = self.inner.embed_tokens.as_linear(hidden)
+        else:
+            out = self.model.lm_head(hidden)
+        cap = self.model.final_logit_softcapping
+        return out if cap is None else self._softcap(cap, out)
+
+    def layers(self) -> list:
+        return list(self.inner.layers[: self.cached])
+
+    @property
+    def depth(self) -> int:
+        return len(self.inner.layers)
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.window if self.inner.layers[layer].layer_type == "sliding_attention" else None
+
+    def layer_kind(self, layer: int) -> str:
+        return "attention"
+
+    def make_caches(self) -> list:
+        return self.model.make_cache()
+
+    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], *, ids: mx.array | None = None,
+                   **_: Any) -> tuple[mx.array, dict]:
+        inner = self.inner
+        layers = inner.layers
+        per_layer: list = [None] * len(layers)
+        if inner.hidden_size_per_layer_input:
+            if ids is None:
+                raise ValueError("gemma4_text per-layer inputs need the token ids")
+            projected = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids))
+            per_layer = [projected[:, :, i, :] for i in range(len(layers))]
+        full = list(caches) + [None] * (len(layers) - len(caches))
+        masks = inner._make_masks(h, full)
+        intermediates: list = [(None, None)] * len(layers)
+        tapped: dict[int, mx.array] = {}
+        for index, (layer, cache, mask, source) in enumerate(zip(layers, full, masks, inner.previous_kvs)):
+            shared, offset = intermediates[source]
+            h, shared, offset = layer(h, mask, cache, per_layer_input=per_layer[index], shared_kv=shared,
+                                      offset=offset)
+            intermediates[index] = (shared, offset)
+            if index in taps:
+                tapped[index] = h
+        return inner.norm(h), tapped
+
+
+class Qwen3NextPort:
+    """``qwen3_next``: gated-delta recurrent layers (``ArraysCache(2)``: conv state, recurrent state) every
+    ``full_attention_interval - 1`` of ``full_attention_interval`` layers, full attention in the others.
+
+    ``run_layers(..., record=dict)`` also hands out each recurrent layer's normalized input (what its mixer
+    read): the rows replay a prefix of a verify window through the mixer alone to roll the state back.
+    """
+
+    def __init__(self, model: Any, config: dict) -> None:
+        inner = getattr(model, "model", None)
+        for part in ("embed_tokens", "layers", "norm"):
+            if inner is None or not hasattr(inner, part):
+                raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
+        self.model = model
+        self.inner = inner
+        self.linear = [bool(layer.is_linear) for layer in inner.layers]
+        if all(self.linear):
+            raise NotImplementedError("qwen3_next without a full-attention layer has no way to tell a row's length "
+                                      "from its caches; full_attention_interval must be <= num_hidden_layers")
+        self.tied = bool(model.args.tie_word_embeddings)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.inner.embed_tokens(ids)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.tied:
+            return self.inner.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    def layers(self) -> list:
+        return list(self.inner.layers)
+
+    @property
+    def depth(self) -> int:
+        return len(self.inner.layers)
+
+    def layer_window(self, layer: int) -> int | None:
+        return None
+
+    def layer_kind(self, layer: int) -> str:
+        return "recurrent" if self.linear[layer] else "attention"
+
+    def make_caches(self) -> list:
+        return [ArraysCache(size=2) if linear else KVCache() for linear in self.linear]
+
+    def mixer(self, layer: int) -> Any:
+        """Recurrent layer ``layer``'s token mixer: ``mixer(normed_inputs, mask, cache)``."""
+        return self.inner.layers[layer].linear_attn
+
+    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], *, record: dict | None = None,
+                   **_: Any) -> tuple[mx.array, dict]:
+        attention = self.linear.index(False)
+        fa_mask = create_attention_mask(h, caches[attention])
+        ssm_mask = create_ssm_mask(h, caches[self.linear.index(True)]) if any(self.linear) else None
+        tapped: dict[int, mx.array] = {}
+        for index, (layer, cache) in enumerate(zip(self.inner.layers, caches)):
+            if layer.is_linear:  # Qwen3NextDecoderLayer.__call__, with the mixer's input kept
+                normed = layer.input_layernorm(h)
+                if record is not None:
+                    record[index] = normed
+                r = layer.linear_attn(normed, ssm_mask, cache)
+            else:
+                r = layer.self_attn(layer.input_layernorm(h), fa_mask, cache)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if index in taps:
+                tapped[index] = h
+        return self.inner.norm(h), tapped
+
+
+PORTS = {"llama": DecoderPort, "mistral": DecoderPort, "qwen2": DecoderPort, "gemma3_text": Gemma3Port,
+         "gemma4_text": Gemma4Port, "qwen3_next": Qwen3NextPort}
 #: model_type values with a target port
 SUPPORTED_ARCHITECTURES = tuple(PORTS)

@@ -11,14 +11,17 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 __all__ = ["row_position", "row_content", "merge_rows", "rotating_snapshot", "prefix_caches"]
 
 
 def row_position(layers: Sequence[Any], row: int = 0) -> int:
-    """The token count of one row's restored caches (every layer must agree), else ValueError."""
-    positions = {int(cache.offset) for cache in layers}
+    """The token count of one row's restored caches (every K/V layer must agree; a recurrent ``ArraysCache``
+    carries no count), else ValueError."""
+    positions = {int(cache.offset) for cache in layers if not isinstance(cache, ArraysCache)}
+    if not positions:
+        raise ValueError(f"row {row}: restored caches have no K/V layer to tell their length")
     if len(positions) != 1:
         raise ValueError(f"row {row}: restored caches disagree on their length: {sorted(positions)}")
     return positions.pop()
@@ -101,15 +104,23 @@ def prefix_caches(caches: Sequence[Any], tokens: int, windows: Sequence[int | No
 
     Full-precision KV slices exactly. A sliding-window snapshot loses its oldest key with every token it is
     cut by, so it serves ``tokens`` only while the keys it keeps still cover that position's window. A quantized
-    layer serves no prefix below its conversion point (a cold run holds full precision there).
+    layer serves no prefix below its conversion point (a cold run holds full precision there). A recurrent
+    state (``ArraysCache``) serves only its own length.
     """
     out = []
+    whole = row_position(caches)
     for cache, window in zip(caches, windows):
-        position = int(cache.offset)
+        position = whole if isinstance(cache, ArraysCache) else int(cache.offset)
         cut = position - tokens
         if cut < 0:
             raise ValueError(f"cannot take {tokens} tokens of caches holding {position}")
-        if isinstance(cache, RotatingKVCache):
+        if isinstance(cache, ArraysCache):
+            if cut:
+                return None
+            copy = ArraysCache(len(cache.cache))
+            copy.cache = list(cache.cache)
+            out.append(copy)
+        elif isinstance(cache, RotatingKVCache):
             if cache.keys is None:
                 out.append(RotatingKVCache(max_size=cache.max_size, keep=cache.keep))
                 continue

@@ -24,6 +24,12 @@ temporal order), an exact-boundary snapshot the store never trims (``spec_cache.
 single-row caches and batch rows).
 
 **KV quantization** runs per row (``spec_cache.quantized_rows``): mlx-lm has no batched quantized cache.
+
+**Recurrent layers** (hybrid targets such as ``qwen3_next``) hold an ``ArraysCache`` per layer instead of K/V;
+``TargetRows.from_row_caches`` hands such a model ``spec_cache.recurrent_rows.HybridTargetRows``, which rolls a
+rejected draft back by replaying the kept tokens through the recurrent mixers (recurrent state is never
+trimmable). **Cache layers**: ``num_layers`` counts the layers that hold a cache (mlx-lm's ``make_cache``; Gemma
+4's KV-shared layers hold none), ``depth`` every decoder layer; taps index decoder layers.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from .ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
 from .row_caches import merge_rows, prefix_caches, rotating_snapshot, row_content, row_position
@@ -117,7 +123,22 @@ class TargetModel:
     # -- geometry ---------------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
+        """Layers that hold a cache (one single-row cache each in a checkpoint)."""
         return len(self._layers)
+
+    @property
+    def depth(self) -> int:
+        """Decoder layers, cache-holding or not (tap layers index these)."""
+        return int(self._port.depth)
+
+    def layer_kind(self, layer: int) -> str:
+        """What cache layer ``layer`` holds: ``"attention"`` (K/V) or ``"recurrent"`` (an ``ArraysCache``)."""
+        return self._port.layer_kind(layer % self.num_layers)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Cache layers holding recurrent state (never trimmable; empty for attention-only targets)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "recurrent")
 
     @property
     def hidden_size(self) -> int:
@@ -134,9 +155,12 @@ class TargetModel:
         return embed.weight.dtype if scales is None else scales.dtype
 
     def kv_geometry(self, layer: int) -> tuple[int, int]:
-        """``(kv_heads, head_dim)`` of ``layer``'s cache (negative indices count from the end)."""
+        """``(kv_heads, head_dim)`` of ``layer``'s cache (negative indices count from the end); ``(0, 0)`` for a
+        recurrent layer, which holds no K/V."""
+        if self.layer_kind(layer) == "recurrent":
+            return 0, 0
         attention = self._layers[layer].self_attn
-        heads = int(attention.n_kv_heads)
+        heads = int(getattr(attention, "n_kv_heads", None) or attention.num_key_value_heads)
         head_dim = getattr(attention, "head_dim", None)
         return heads, int(head_dim) if head_dim else out_features(attention.k_proj) // heads
 
@@ -151,6 +175,8 @@ class TargetModel:
     def rope(self, layer: int) -> Any:
         """``layer``'s rotary embedding, ``rope(x, offset)`` (offset an int or a ``[B]`` array): a drafter that
         attends over that layer's keys must rotate its queries the same way."""
+        if self.layer_kind(layer) == "recurrent":
+            raise ValueError(f"layer {layer} is recurrent: it has no keys and no rotary embedding")
         return self._layers[layer].self_attn.rope
 
     # -- ports ------------------------------------------------------------------------------------------
@@ -170,24 +196,64 @@ class TargetModel:
         *,
         tap_layers: Sequence[int] = (),
         with_logits: bool = True,
+        recurrent_inputs: dict | None = None,
     ) -> ForwardOutput:
-        """One forward over ``ids`` ``[B, L]``, appending to ``caches`` (one per layer).
+        """One forward over ``ids`` ``[B, L]``, appending to ``caches`` (one per cache layer).
 
         Same operations in the same order as the mlx-lm model's ``__call__``, so the logits are bit-identical.
+        ``recurrent_inputs``: a dict that receives each recurrent layer's mixer input ``[B, L, H]`` (hybrid
+        targets; the rows replay it to roll the state back).
         """
         if len(caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} caches (one per layer), got {len(caches)}")
-        taps = tuple(layer % self.num_layers for layer in tap_layers)
-        hidden, tapped = self._port.run_layers(self.embed(ids), caches, taps)
-        tapped = {layer: tapped[layer % self.num_layers] for layer in tap_layers}
+            raise ValueError(f"expected {self.num_layers} caches (one per cache layer), got {len(caches)}")
+        taps = tuple(layer % self.depth for layer in tap_layers)
+        hidden, tapped = self._port.run_layers(self.embed(ids), caches, taps, ids=ids, record=recurrent_inputs)
+        tapped = {layer: tapped[layer % self.depth] for layer in tap_layers}
         return ForwardOutput(self.logits(hidden) if with_logits else None, hidden, tapped)
 
+    def recurrent_mixer(self, layer: int) -> Any:
+        """Recurrent layer ``layer``'s token mixer, ``mixer(normed_inputs, mask, cache)`` (what its decoder layer
+        runs on its normalized input); ValueError for an attention layer."""
+        if self.layer_kind(layer) != "recurrent":
+            raise ValueError(f"layer {layer} is not recurrent")
+        return self._port.mixer(layer % self.num_layers)
+
     def make_caches(self, batch: int | None = None) -> list:
-        """Fresh caches: the model's own single-row caches (``batch=None``: ``KVCache``, or ``RotatingKVCache``
-        for sliding layers, as mlx-lm's ``make_prompt_cache``), else one ``BatchKVCache`` per layer."""
+        """Fresh caches: the model's own single-row caches (``batch=None``: ``KVCache``, ``RotatingKVCache`` for
+        sliding layers, ``ArraysCache`` for recurrent ones, as mlx-lm's ``make_prompt_cache``), else one
+        ``BatchKVCache`` per attention layer and an (empty) batched ``ArraysCache`` per recurrent layer."""
         if batch is None:
             return self._port.make_caches()
-        return [BatchKVCache([0] * batch) for _ in range(self.num_layers)]
+        single = self._port.make_caches()
+        return [ArraysCache(len(c.cache)) if isinstance(c, ArraysCache) else BatchKVCache([0] * batch)
+                for c in single]
+
+    def check_restored(self, where: str, caches: Sequence[Any], restored: int, *, quantized: bool = False) -> None:
+        """Refuse restored single-row caches this target cannot continue from (ValueError naming ``where`` and
+        the layer): one per cache layer; ``KVCache`` for attention (``RotatingKVCache`` too for a sliding
+        layer, ``QuantizedKVCache`` for a full one when ``quantized``); ``ArraysCache`` for a recurrent layer;
+        every K/V layer holding ``restored`` tokens."""
+        if len(caches) != self.num_layers:
+            raise ValueError(f"{where}: expected {self.num_layers} restored layer caches, got {len(caches)}")
+        for layer, cache in enumerate(caches):
+            if self.layer_kind(layer) == "recurrent":
+                kinds: tuple = (ArraysCache,)
+            elif self.layer_window(layer) is not None:
+                kinds = (KVCache, RotatingKVCache)
+            else:
+                kinds = (KVCache, QuantizedKVCache)
+            if type(cache) not in kinds:
+                raise ValueError(f"{where}: restored layer {layer} is a {type(cache).__name__}; expected "
+                                 f"{' or '.join(kind.__name__ for kind in kinds)}")
+            if isinstance(cache, QuantizedKVCache) and not quantized:
+                raise ValueError(f"{where}: restored layer {layer} is quantized, but this engine runs without "
+                                 "KV quantization")
+            if isinstance(cache, ArraysCache):
+                if restored and any(a is None for a in cache.cache):
+                    raise ValueError(f"{where}: restored recurrent layer {layer} is empty, restored_tokens={restored}")
+            elif int(cache.offset) != restored:
+                raise ValueError(f"{where}: restored layer {layer} holds {cache.offset} tokens, "
+                                 f"restored_tokens={restored}")
 
 
 @dataclass
@@ -217,9 +283,21 @@ def clone_batch_cache(cache: BatchKVCache) -> BatchKVCache:
     return clone
 
 
-def _cache_arrays(caches: Sequence[BatchKVCache]) -> list[mx.array]:
+def _clone(cache: Any) -> Any:
+    """A batched cache with its own array objects (K/V: ``clone_batch_cache``; recurrent: a new list)."""
+    if isinstance(cache, ArraysCache):
+        from .recurrent_rows import clone_states
+
+        return clone_states(cache)
+    return clone_batch_cache(cache)
+
+
+def _cache_arrays(caches: Sequence[Any]) -> list[mx.array]:
     arrays: list[mx.array] = []
     for cache in caches:
+        if isinstance(cache, ArraysCache):
+            arrays += [a for a in cache.cache if a is not None]
+            continue
         arrays += [cache.offset, cache.left_padding]
         if cache.keys is not None:
             arrays += [cache.keys, cache.values]
@@ -233,7 +311,12 @@ class TargetRows:
     (:meth:`prepare_append`); :meth:`filter_rows` and the round operations act in place between rounds.
     """
 
+    _holds_recurrent_state = False  # HybridTargetRows: True
+
     def __init__(self, model: TargetModel) -> None:
+        if model.recurrent_layers and not self._holds_recurrent_state:
+            raise NotImplementedError("a target with recurrent layers needs HybridTargetRows "
+                                      "(TargetRows.from_row_caches picks it)")
         self.model = model
         self._windows = model.layer_windows
         self._caches: list[BatchKVCache] | None = None
@@ -243,10 +326,18 @@ class TargetRows:
     @classmethod
     def from_row_caches(cls, model: TargetModel, rows: Sequence[Sequence[Any] | None]) -> "TargetRows":
         """Rows built from single-row caches (per layer a ``KVCache``, or a ``RotatingKVCache`` for a
-        sliding-window layer; None for an empty row). The caller's caches are only read (copied into a batch)."""
+        sliding-window layer, an ``ArraysCache`` for a recurrent one; None for an empty row). The caller's caches
+        are only read (copied into a batch). A model with recurrent layers gets ``HybridTargetRows``."""
+        if model.recurrent_layers and not cls._holds_recurrent_state:
+            from .recurrent_rows import HybridTargetRows
+
+            return HybridTargetRows.from_row_caches(model, rows)
         built = cls(model)
         if not rows:
             return built
+        recurrent = set(model.recurrent_layers)
+        if recurrent:
+            from .recurrent_rows import merge_states, state_content
         lengths: list[int] = []
         contents: list[list] = [[] for _ in range(model.num_layers)]
         for row, layers in enumerate(rows):
@@ -260,8 +351,13 @@ class TargetRows:
                 raise ValueError(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
             lengths.append(row_position(layers, row))
             for layer, cache in enumerate(layers):
-                contents[layer].append(row_content(cache, built._windows[layer], layer, row))
-        built._caches = [merge_rows(per_layer, lengths) for per_layer in contents]
+                if layer in recurrent:
+                    contents[layer].append(state_content(cache, layer, row))
+                else:
+                    contents[layer].append(row_content(cache, built._windows[layer], layer, row))
+        sizes = [len(c.cache) if isinstance(c, ArraysCache) else 0 for c in model.make_caches()]
+        built._caches = [merge_states(per_layer, sizes[layer]) if layer in recurrent else merge_rows(per_layer, lengths)
+                         for layer, per_layer in enumerate(contents)]
         built._lengths = lengths
         return built
 
@@ -306,7 +402,10 @@ class TargetRows:
         ids = mx.array([list(t) + [0] * (longest - len(t)) for t in tokens_per_row], dtype=mx.uint32)
         padding = [longest - n for n in lengths]
         for cache in caches:
-            cache.prepare(right_padding=padding)
+            if isinstance(cache, ArraysCache):
+                cache.prepare(lengths=lengths)  # the recurrent state stops at each row's last token
+            else:
+                cache.prepare(right_padding=padding)
         last_index = mx.array([max(n - 1, 0) for n in lengths])
         has_tokens = mx.array([n > 0 for n in lengths])[:, None, None]
         last_hidden = mx.zeros((len(lengths), 1, self.model.hidden_size), dtype=self.model.dtype)
@@ -348,6 +447,8 @@ class TargetRows:
         if not any(rejected):
             return
         for cache in self._caches or ():
+            if isinstance(cache, ArraysCache):
+                continue  # HybridTargetRows rolls recurrent state back by replay
             cache.prepare(right_padding=rejected)
             cache.finalize()
         self._lengths = [n - r for n, r in zip(self._lengths, rejected)]
@@ -356,13 +457,19 @@ class TargetRows:
     def extract(self, row: int, *, rotating: bool = True) -> list:
         """Owned single-row caches holding exactly the row's tokens (``offset`` == its length): a ``KVCache``
         per full-attention layer; per sliding layer mlx-lm's ``RotatingKVCache`` snapshot (``rotating=False``:
-        a ``KVCache`` of the whole history, which the row must hold)."""
+        a ``KVCache`` of the whole history, which the row must hold); per recurrent layer an ``ArraysCache``."""
         check_row(row, self.row_count)
         position = self._lengths[row]
         if position == 0 or self._caches is None:
-            return [KVCache() for _ in range(self.model.num_layers)]
+            return [ArraysCache(len(c.cache)) if isinstance(c, ArraysCache) else KVCache()
+                    for c in self.model.make_caches()]
         out = []
         for layer, (cache, window) in enumerate(zip(self._caches, self._windows)):
+            if isinstance(cache, ArraysCache):
+                from .recurrent_rows import split_state
+
+                out.append(split_state(cache, row))
+                continue
             left = int(cache.left_padding[row].item())
             keys = cache.keys[row : row + 1, :, left : cache._idx]
             values = cache.values[row : row + 1, :, left : cache._idx]
@@ -375,7 +482,8 @@ class TargetRows:
             single.keys, single.values = mx.contiguous(keys), mx.contiguous(values)
             single.offset = position
             out.append(single)
-        mx.eval([a for cache in out for a in (cache.keys, cache.values) if a is not None])
+        held = [cache.cache if isinstance(cache, ArraysCache) else (cache.keys, cache.values) for cache in out]
+        mx.eval([a for arrays in held for a in arrays if a is not None])
         return out
 
     def prepare_append(self, other: "TargetRows") -> PreparedStateChange:
@@ -385,11 +493,18 @@ class TargetRows:
         if other.row_count == 0:
             return PreparedStateChange(lambda: None, lambda: None)
         if self.row_count == 0 or self._caches is None:
-            caches = [clone_batch_cache(c) for c in other._ensure_caches()]
+            caches = [_clone(c) for c in other._ensure_caches()]
         else:
-            caches = [clone_batch_cache(c) for c in self._caches]
-            for mine, theirs in zip(caches, other._ensure_caches()):
+            caches = []
+            for mine, theirs in zip(self._caches, other._ensure_caches()):
+                if isinstance(mine, ArraysCache):
+                    from .recurrent_rows import join_states
+
+                    caches.append(join_states(mine, self.row_count, theirs, other.row_count))
+                    continue
+                mine = clone_batch_cache(mine)
                 mine.extend(clone_batch_cache(theirs))
+                caches.append(mine)
         lengths = self._lengths + other._lengths
 
         def put(state: tuple) -> None:
@@ -414,6 +529,8 @@ class TargetRows:
         """Read-only K/V of ``layer`` for every row, with the mask of the keys each row may attend to."""
         positions = mx.array(self._lengths, dtype=mx.int32)
         cache = None if self._caches is None else self._caches[layer]
+        if isinstance(cache, ArraysCache):
+            raise ValueError(f"layer {layer} is recurrent: it holds no K/V to donate")
         if cache is None or cache.keys is None or cache._idx == 0:
             return DonorView(None, None, None, positions)
         keys, values = cache.keys_and_values()
@@ -425,7 +542,7 @@ class TargetRows:
         return DonorView(keys, values, valid[:, None, None, :], positions)
 
     # -- helpers ----------------------------------------------------------------------------------------
-    def _ensure_caches(self) -> list[BatchKVCache]:
+    def _ensure_caches(self) -> list:
         if self._caches is None:
             self._caches = self.model.make_caches(self.row_count)
         return self._caches

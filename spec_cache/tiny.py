@@ -17,7 +17,10 @@ with these defaults greedy outputs vary (20-40 distinct tokens in 48), derived d
 and the top-two logit gap along greedy paths stays above 1e-4, far above float32 noise. Adding an architecture means adding
 an entry to ``_ARCHITECTURES``. ``gemma3_text`` targets interleave sliding-window layers (window
 ``sliding_window``, every ``sliding_window_pattern``-th layer global); keep the window smaller than the test
-prompts so the rotating caches wrap. ``write_tiny_adapter`` writes an mlx-lm LoRA adapter for a target.
+prompts so the rotating caches wrap. ``gemma4_text`` targets add per-layer inputs (``per_layer_input_size``) and
+``kv_shared_layers`` trailing layers that reuse earlier layers' K/V. ``qwen3_next`` targets are hybrids: a
+full-attention layer every ``full_attention_interval`` layers, gated-delta recurrent layers between.
+``write_tiny_adapter`` writes an mlx-lm LoRA adapter for a target.
 """
 
 from __future__ import annotations
@@ -37,11 +40,14 @@ _ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "gemma3_text": ("Gemma3ForCausalLM", True),
+    "gemma4_text": ("Gemma4ForCausalLM", True),
+    "qwen3_next": ("Qwen3NextForCausalLM", True),
 }
 ARCHITECTURES = tuple(_ARCHITECTURES)
 
 _NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
-_RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight")
+_RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
+_ONE_SUFFIXES = ("layer_scalar",)  # gemma4's per-layer output scale: random values would shrink the residual
 
 
 def _model_classes(config: dict) -> tuple[Any, Any]:
@@ -65,6 +71,10 @@ def _random_parameters(
         key, sub = mx.random.split(key)
         if name.endswith(_NORM_SUFFIXES):
             new = mx.full(value.shape, norm_value, dtype=value.dtype)
+        elif name.endswith(_ONE_SUFFIXES):
+            new = mx.ones(value.shape, dtype=value.dtype)
+        elif name.endswith("conv1d.weight"):  # depthwise [channels, kernel, 1]: the fan-in is the kernel
+            new = mx.random.normal(value.shape, key=sub) * (init_scale / value.shape[1] ** 0.5)
         elif name.endswith("embed_tokens.weight"):
             new = mx.random.normal(value.shape, key=sub) * embed_scale
         elif value.ndim >= 2:
@@ -134,11 +144,18 @@ def write_tiny_target(
     tokenizer: bool = True,
     sliding_window: int = 6,
     sliding_window_pattern: int = 2,
+    kv_shared_layers: int = 0,
+    per_layer_input_size: int = 16,
+    full_attention_interval: int = 2,
 ) -> Path:
-    """Write a tiny float32 model of ``arch`` (llama, mistral, qwen2, gemma3_text) to ``path``; returns the path.
+    """Write a tiny float32 model of ``arch`` (llama, mistral, qwen2, gemma3_text, gemma4_text, qwen3_next) to
+    ``path``; returns the path.
 
     The default geometry (hidden 128, 2 query heads and 1 KV head of 64) keeps head_dim a multiple of the KV
-    quantization group size 64. Raises ValueError for an unknown arch or an inconsistent geometry.
+    quantization group size 64. gemma4_text: ``kv_shared_layers`` trailing layers share K/V (the layers before
+    them must include one of each kind), ``per_layer_input_size`` (0: none). qwen3_next: every
+    ``full_attention_interval``-th layer is full attention (at least one must be). Raises ValueError for an
+    unknown arch or an inconsistent geometry.
     """
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
@@ -171,19 +188,48 @@ def write_tiny_target(
     if arch == "gemma3_text":
         config.update(sliding_window=sliding_window, sliding_window_pattern=sliding_window_pattern,
                       query_pre_attn_scalar=head_dim, rope_local_base_freq=10000.0, rms_norm_eps=1e-6)
+    if arch == "gemma4_text":
+        _gemma4_config(config, num_layers, kv_shared_layers, sliding_window, sliding_window_pattern,
+                       per_layer_input_size, head_dim)
+    if arch == "qwen3_next":
+        _qwen3_next_config(config, num_layers, full_attention_interval, num_heads, head_dim)
     model_class, args_class = _model_classes(config)
     model = model_class(args_class.from_dict(config))
-    # gemma scales its embeddings by sqrt(hidden_size) and its norms by (1 + w): unit-size inputs and zero norm
-    # weights make it behave like the other tiny targets (varied greedy output)
-    gemma = arch == "gemma3_text"
+    # gemma scales its embeddings by sqrt(hidden_size) (and gemma3 its norms by (1 + w)): unit-size inputs and
+    # zero norm weights make it behave like the other tiny targets (varied greedy output)
     if embed_scale is None:
-        embed_scale = hidden_size**-0.5 if gemma else 1.0
-    _random_parameters(model, seed, init_scale, residual_scale, embed_scale, 0.0 if gemma else 1.0)
+        embed_scale = hidden_size**-0.5 if arch.startswith("gemma") else 1.0
+    _random_parameters(model, seed, init_scale, residual_scale, embed_scale, 0.0 if arch == "gemma3_text" else 1.0)
     path = Path(path)
     _save(path, config, dict(tree_flatten(model.parameters())))
     if tokenizer:
         write_tiny_tokenizer(path, vocab_size)
     return path
+
+
+def _gemma4_config(config: dict, layers: int, shared: int, window: int, pattern: int, per_layer: int,
+                   head_dim: int) -> None:
+    kinds = (["sliding_attention"] * (pattern - 1) + ["full_attention"]) * layers
+    owners = set(kinds[: layers - shared])
+    if not 0 <= shared < layers or owners != set(kinds[:layers]):
+        raise ValueError(f"gemma4_text: kv_shared_layers={shared} of {layers} leaves no earlier layer of every kind "
+                         "to share K/V from")
+    config.update(
+        sliding_window=window, sliding_window_pattern=pattern, num_kv_shared_layers=shared, global_head_dim=head_dim,
+        hidden_size_per_layer_input=per_layer, vocab_size_per_layer_input=config["vocab_size"], rms_norm_eps=1e-6,
+        final_logit_softcapping=30.0, tie_word_embeddings=config["tie_word_embeddings"],
+    )
+
+
+def _qwen3_next_config(config: dict, layers: int, interval: int, heads: int, head_dim: int) -> None:
+    if not 1 <= interval <= layers:
+        raise ValueError(f"qwen3_next: full_attention_interval must be in 1..{layers} (one full-attention layer)")
+    config.update(
+        full_attention_interval=interval, linear_num_value_heads=2 * heads, linear_num_key_heads=heads,
+        linear_key_head_dim=head_dim // 2, linear_value_head_dim=head_dim // 2, linear_conv_kernel_dim=4,
+        num_experts=0, num_experts_per_tok=0, decoder_sparse_step=1, shared_expert_intermediate_size=0,
+        mlp_only_layers=[], moe_intermediate_size=0, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+    )
 
 
 def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, seed: int = 0, **options: Any) -> Path:
@@ -195,9 +241,14 @@ def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, se
     ``deepspec`` / ``dflash``: ``layers`` (drafter layers, copies of the target's last ones, default 1), ``taps``
     (tap layers, default the input of the first copied layer), ``noise`` (random part of the tap projection,
     default 0.05), ``num_target_layers`` (the depth it claims to be trained for, default the target's);
-    ``dflash``: ``gamma`` (block width, default 4; written to ``dspark.json``).
+    ``dflash``: ``gamma`` (block width, default 4; written to ``dspark.json``); ``qwen-mtp`` / ``dflash2``:
+    written by ``spec_cache.drafters.tiny_writers``.
     """
     path = Path(path)
+    if method in ("qwen-mtp", "dflash2"):
+        from .drafters.tiny_writers import write_tiny_drafter_extra
+
+        return write_tiny_drafter_extra(path, method, target_dir, seed, **options)
     if method == "ngram":
         path.mkdir(parents=True, exist_ok=True)
         config = {"method": "ngram", "max": options.pop("max", 3), "min": options.pop("min", 1)}
@@ -216,7 +267,8 @@ def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, se
                          options.pop("taps", None), options.pop("gamma", 4), options.pop("noise", 0.05),
                          options.pop("num_target_layers", None))
     else:
-        raise ValueError(f"unknown drafter method {method!r}; known: assistant, draft-model, ngram, deepspec, dflash")
+        raise ValueError(f"unknown drafter method {method!r}; known: assistant, draft-model, ngram, deepspec, dflash, "
+                         "qwen-mtp, dflash2")
     _no_options_left(method, options)
     return path
 
@@ -236,7 +288,15 @@ def _no_options_left(method: str, options: dict) -> None:
 
 
 def _write_draft_model(path: Path, target_config: dict, weights: dict, layers: int) -> None:
-    total = target_config["num_hidden_layers"]
+    """The target's first ``layers`` layers as a standalone model. gemma4_text: without KV sharing, its per-layer
+    input tables cut to those layers (the draft computes exactly the target's first layers). qwen3_next: the
+    target's first ``layers`` *full-attention* layers, all full attention (the draft-model drafter keeps plain
+    K/V), so it approximates the target."""
+    arch = target_config["model_type"]
+    if arch == "qwen3_next":
+        _write_attention_draft(path, target_config, weights, layers)
+        return
+    total = target_config["num_hidden_layers"] - target_config.get("num_kv_shared_layers", 0)
     if not 1 <= layers <= total:
         raise ValueError(f"draft-model layers must be in 1..{total}, got {layers}")
     config = dict(target_config, num_hidden_layers=layers)
@@ -245,6 +305,31 @@ def _write_draft_model(path: Path, target_config: dict, weights: dict, layers: i
         if name.startswith("model.layers."):
             if int(name.split(".")[2]) >= layers:
                 continue
+        kept[name] = value
+    if arch == "gemma4_text":
+        config["num_kv_shared_layers"] = 0
+        width = layers * target_config["hidden_size_per_layer_input"]
+        if width:  # layer i reads columns [i * P, (i + 1) * P) of both per-layer tables
+            kept["model.embed_tokens_per_layer.weight"] = kept["model.embed_tokens_per_layer.weight"][:, :width]
+            kept["model.per_layer_model_projection.weight"] = kept["model.per_layer_model_projection.weight"][:width]
+    _save(path, config, kept)
+
+
+def _write_attention_draft(path: Path, target_config: dict, weights: dict, layers: int) -> None:
+    interval = target_config["full_attention_interval"]
+    sources = [i for i in range(target_config["num_hidden_layers"]) if (i + 1) % interval == 0]
+    if not 1 <= layers <= len(sources):
+        raise ValueError(f"draft-model layers must be in 1..{len(sources)} (the target's full-attention layers), "
+                         f"got {layers}")
+    config = dict(target_config, num_hidden_layers=layers, full_attention_interval=1)
+    renumber = {source: index for index, source in enumerate(sources[:layers])}
+    kept = {}
+    for name, value in weights.items():
+        if name.startswith("model.layers."):
+            parts = name.split(".")
+            if int(parts[2]) not in renumber:
+                continue
+            name = ".".join(parts[:2] + [str(renumber[int(parts[2])])] + parts[3:])
         kept[name] = value
     _save(path, config, kept)
 

@@ -29,7 +29,9 @@ def gemma(tmp_path_factory):
 
 
 def run(gemma, name, requests, depth=4, **kwargs):
-    return SpeculativeEngine(gemma.target, gemma.provider(name), draft_depth=depth).run(requests, **kwargs)
+    """Fixed draft depth: the acceptance assertions need every round to draft."""
+    engine = SpeculativeEngine(gemma.target, gemma.provider(name), draft_depth=depth, adaptive=False)
+    return engine.run(requests, **kwargs)
 
 
 def test_the_target_mixes_rotating_and_full_caches(gemma):
