@@ -877,3 +877,46 @@ def test_module_does_not_import_mlx():
     done = subprocess.run([sys.executable, "-c", code, str(REPO_ROOT)], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drafter namespaces added for issue 15 (DFlash 2, Qwen MTP, GLM native MTP): golden vectors written from
+# mlx-bun's formulas by tests/golden/make_drafter_namespaces.py (prefix namespaces by node).
+
+DRAFTER_GOLDEN = Path(__file__).parent / "golden" / "drafter_namespaces.json"
+
+
+def _drafter_cases() -> list[dict[str, Any]]:
+    return json.loads(DRAFTER_GOLDEN.read_text(encoding="ascii"))
+
+
+@pytest.mark.parametrize("case", _drafter_cases(), ids=lambda case: case["name"])
+def test_drafter_namespace_golden_vector(case):
+    from spec_cache.namespace import GLM52_NATIVE_MTP_NAMESPACE, dflash2_namespace
+
+    kind = case["kind"]
+    if kind == "dflash2":
+        text = dflash2_namespace(case["identity"], case["bits"])
+    elif kind == "qwen-mtp":
+        text = drafter_namespace("qwen-mtp-v1", case["identity"])
+    else:
+        text = GLM52_NATIVE_MTP_NAMESPACE
+    assert text == case["drafter_namespace"]
+    prefix = prefix_namespace(text, "", case["options"])
+    assert prefix == case["prefix_namespace"]
+    assert namespace_key_hex(case["target_identity"], prefix) == case["namespace_key"]
+
+
+def test_drafter_golden_cases_cover_each_family():
+    assert {case["kind"] for case in _drafter_cases()} == {"dflash2", "qwen-mtp", "glm52"}
+    assert {case["bits"] for case in _drafter_cases() if case["kind"] == "dflash2"} >= {0, 4}
+
+
+@pytest.mark.parametrize("bits", [-1, 17, True, 4.0, "4"])
+def test_dflash2_namespace_refuses_bad_bits(bits):
+    from spec_cache.namespace import dflash2_namespace
+
+    with pytest.raises((TypeError, ValueError), match="bits"):
+        dflash2_namespace("ab" * 32, bits)
+    with pytest.raises(ValueError, match="64 lowercase hex"):
+        dflash2_namespace("AB" * 32, 4)
