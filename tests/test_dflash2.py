@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -135,3 +136,68 @@ def test_drafter_for_another_target_depth_is_refused(d2, tmp_path):
     message = "DFlash 2 drafter was trained for a 3-layer target; this model has 2 layers - wrong"
     with pytest.raises(ValueError, match=message):
         SpeculativeEngine(d2.target, load_provider(tmp_path / "drafter"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The drafter-side codec (spec-cache-kv-v1) round-trips quantized and recurrent caches bit for bit, as
+# mlx-bun's drafter codecs do; a drafter that reads plain K/V refuses them by name.
+
+def _quantized(tokens: int, converted_at: int | None) -> Any:
+    from mlx_lm.models.cache import KVCache
+
+    cache = KVCache()
+    keys = mx.random.normal((1, 2, tokens, 64), key=mx.random.key(1))
+    cache.update_and_fetch(keys, keys * 2)
+    quantized = cache.to_quantized(group_size=32, bits=4)
+    if converted_at is not None:
+        quantized.converted_at = converted_at
+    return quantized
+
+
+def _recurrent() -> Any:
+    from mlx_lm.models.cache import ArraysCache
+
+    cache = ArraysCache(3)
+    cache.cache = [mx.arange(12, dtype=mx.float32).reshape(1, 3, 4), None, mx.ones((1, 2, 2), dtype=mx.bfloat16)]
+    return cache
+
+
+def test_codec_round_trips_quantized_and_recurrent_layers_bit_for_bit():
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
+    from spec_cache.schemas import validate_checkpoint
+
+    plain = KVCache()
+    plain.update_and_fetch(mx.ones((1, 2, 5, 8)), mx.zeros((1, 2, 5, 8)))
+    caches = [plain, _quantized(5, 3), KVCache(), _recurrent(), _quantized(5, None)]
+    metadata = {"processedTokens": 5, "pendingLast": False}
+    attachment = capture_kv_attachment("standalone-draft-v1", caches, metadata)
+    validate_checkpoint(DraftRowCheckpoint(5, attachment))
+    headers = json.loads(attachment.metadata["cacheHeaders"])
+    assert [h and h["kind"] for h in headers] == ["kv", "qkv", None, "arrays", "qkv"]
+    assert headers[1]["minimumReusableOffset"] == 3 and "minimumReusableOffset" not in headers[4]
+    assert (headers[1]["groupSize"], headers[1]["bits"]) == (32, 4) and headers[3]["present"] == "101"
+    restored = restore_kv_caches(attachment)
+    assert [type(c).__name__ for c in restored] == ["KVCache", "QuantizedKVCache", "KVCache", "ArraysCache",
+                                                   "QuantizedKVCache"]
+    again = capture_kv_attachment("standalone-draft-v1", restored, metadata)
+    assert dict(again.metadata) == dict(attachment.metadata)
+    for a, b in zip(attachment.tensors, again.tensors):
+        assert a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+    quantized = restored[1]
+    assert isinstance(quantized, QuantizedKVCache) and quantized.offset == 5 and quantized.converted_at == 3
+    assert mx.array_equal(mx.dequantize(*quantized.keys, group_size=32, bits=4),
+                          mx.dequantize(*[p[..., :5, :] for p in caches[1].keys], group_size=32, bits=4)).item()
+    assert restored[3].cache[1] is None and mx.array_equal(restored[3].cache[0], caches[3].cache[0]).item()
+
+
+def test_plain_kv_drafters_refuse_other_layer_kinds(d2):
+    from spec_cache.drafters.cache_codec import capture_kv_attachment
+
+    provider = load_provider(d2.float_dir)
+    attachment = capture_kv_attachment("dflash2-context-v1", [_quantized(4, None)], {"processedTokens": 4})
+    with pytest.raises(SchemaError, match="kind"):
+        provider.validate_checkpoint(DraftRowCheckpoint(4, attachment))
+    with pytest.raises(NotImplementedError, match="spec-cache-kv-v1 writes kv, qkv, arrays"):
+        capture_kv_attachment("dflash2-context-v1", [object()], {"processedTokens": 0})

@@ -1,9 +1,9 @@
 """Classic two-model speculative decoding: a small standalone mlx-lm model with the target's vocabulary.
 
 The draft model keeps its own KV (batched exactly like the target's, through :class:`TargetRows`). Its row
-checkpoint is those caches, schema ``standalone-draft-v1``, written through the ``spec-cache-kv-v1`` cache codec:
-one header per draft layer ``{"kind": "kv", "offset": N, "tensors": [k, v]}`` (null for an empty layer) and
-K/V sliced to the offset.
+checkpoint is those caches, schema ``standalone-draft-v1``, written through the ``spec-cache-kv-v1`` cache codec
+(``cache_codec.py``): one header per draft layer ``{"kind": "kv", "offset": N, "tensors": [k, v]}`` (null for an
+empty layer) and K/V sliced to the offset.
 
 Coverage: the draft KV holds the row's tokens up to the target's coverage, or one fewer when every draft of
 the last round was accepted; that last accepted draft is then ``pendingLast`` and is fed first next round (as
@@ -17,58 +17,18 @@ from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
-from spec_cache.schemas import (
-    CACHE_CODECS_V1,
-    STANDALONE_DRAFT_V1,
-    CheckpointAttachment,
-    DraftRowCheckpoint,
-    SchemaError,
-    encode_cache_headers,
-    validate_checkpoint,
-)
+from spec_cache.schemas import STANDALONE_DRAFT_V1, DraftRowCheckpoint, SchemaError, validate_checkpoint
 
-from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
+from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row
 from ..target import TargetModel, TargetRows
 from .base import BoundDraftRows, OpensRows, directory_namespace
+from .cache_codec import capture_kv_attachment, restore_kv_caches
 
 __all__ = ["DraftModelProvider", "DraftModelRows", "METHOD", "capture_kv_attachment", "restore_kv_caches"]
 
 METHOD = "draft-model"
 ALIGNMENT = "invalid standalone draft checkpoint alignment"
-
-
-def capture_kv_attachment(schema: str, caches: Sequence[KVCache], metadata: dict) -> CheckpointAttachment:
-    """An attachment holding plain KV caches through the ``spec-cache-kv-v1`` codec (K/V sliced to offset)."""
-    tensors: list[mx.array] = []
-    headers: list[dict | None] = []
-    for cache in caches:
-        if type(cache) is not KVCache:
-            raise NotImplementedError(f"cache codec spec-cache-kv-v1 writes plain KVCache layers, got {type(cache).__name__}")
-        offset = int(cache.offset)
-        if offset == 0:
-            headers.append(None)
-            continue
-        headers.append({"kind": "kv", "offset": offset, "tensors": [len(tensors), len(tensors) + 1]})
-        tensors += [cache.keys[..., :offset, :], cache.values[..., :offset, :]]
-    mx.eval(tensors)
-    full = dict(metadata, cacheCodecs=CACHE_CODECS_V1, cacheHeaders=encode_cache_headers(headers))
-    return CheckpointAttachment(schema, full, tuple(tensors))
-
-
-def restore_kv_caches(attachment: CheckpointAttachment) -> list[KVCache]:
-    """Plain ``KVCache`` layers from a validated ``spec-cache-kv-v1`` attachment (null header: empty layer)."""
-    caches = []
-    for header in json.loads(attachment.metadata["cacheHeaders"]):
-        cache = KVCache()
-        if header is not None:
-            k, v = header["tensors"]
-            cache.keys = to_mx(attachment.tensors[k])
-            cache.values = to_mx(attachment.tensors[v])
-            cache.offset = int(header["offset"])
-        caches.append(cache)
-    return caches
 
 
 class DraftModelRows(BoundDraftRows):

@@ -14,7 +14,7 @@ from spec_cache.schemas import DraftRowCheckpoint, SchemaError, validate_checkpo
 from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row
 from ..target import TargetModel, clone_batch_cache
 from .base import PAIRING, BoundDraftRows, NetworkProvider, check_sizes
-from .draft_model import capture_kv_attachment, restore_kv_caches
+from .cache_codec import capture_kv_attachment, restore_kv_caches
 from .projected import ContextKV, ProjectedNetwork
 
 __all__ = ["ProjectedProvider", "ProjectedRows"]
