@@ -136,14 +136,16 @@ class HybridTargetRows(TargetRows):
         replaying the kept part of the last verify window from the state before it."""
         rejected = [int(r) for r in rejected]
         check_per_row(rejected, self.row_count, "rollback count")
-        replay, self._replay = self._replay, None
+        replay = self._replay
         if not any(rejected):
+            self._replay = None
             return
         if replay is None or any(r > replay.width for r in rejected):
             width = 0 if replay is None else replay.width
             raise ValueError(f"recurrent state is never trimmable: a rollback reaches only into the last verify "
                              f"window ({width} tokens), asked for {rejected}")
         super().rollback(rejected)
+        self._replay = None
         kept = [replay.width - r for r in rejected]
         span = max(kept)
         changed = mx.array([r > 0 for r in rejected])
