@@ -253,3 +253,34 @@ def test_a_row_before_its_first_token_has_no_checkpoint(mtp):
     assert one.attachment.metadata["draftOffset"] == 0 and len(one.attachment.tensors) == 1
     assert two.attachment.metadata["draftOffset"] == 1 and len(two.attachment.tensors) == 3
     assert group.draft([9, 9], 2) and all(len(d) == 2 for d in group.draft([9, 9], 2))
+
+
+def test_prefill_mode_and_consume_across_providers(mtp, tmp_path):
+    from spec_cache.drafters.ngram import NgramProvider
+    from spec_cache.tiny import write_tiny_drafter
+
+    provider, rows, group = _one_row(mtp, [5, 6, 7])
+    assert group.prefill_mode == "full" and group.supports_external_tokens
+    # a projected drafter consumes like it prefills
+    write_tiny_drafter(tmp_path / "deepspec", "deepspec", mtp.target_dir)
+    deepspec = load_provider(tmp_path / "deepspec")
+    whole_rows = TargetRows.from_row_caches(mtp.target, [None])
+    whole = deepspec.open(whole_rows, [None])
+    whole.prefill([[5, 6, 7, 8, 9]], whole_rows.prefill([[5, 6, 7, 8, 9]], tap_layers=whole.tap_layers))
+    part_rows = TargetRows.from_row_caches(mtp.target, [None])
+    part = deepspec.open(part_rows, [None])
+    assert part.prefill_mode == "tail-split" and part.supports_external_tokens
+    part.prefill([[5, 6, 7]], part_rows.prefill([[5, 6, 7]], tap_layers=part.tap_layers))
+    part.consume([[8, 9]], part_rows.prefill([[8, 9]], tap_layers=part.tap_layers), [2])
+    assert part.processed == whole.processed == (5,)
+    for a, b in zip(part.capture(0).attachment.tensors, whole.capture(0).attachment.tensors):
+        assert mx.allclose(a, b, atol=1e-5).item()
+    ngram = NgramProvider().open(rows, [None])
+    ngram.consume([[4, 5, 6]], None, [2])
+    assert ngram.processed == (2,)
+    # a drafter that reads the target's own attention cannot take tokens it did not see verified
+    write_tiny_drafter(tmp_path / "assistant", "assistant", mtp.target_dir)
+    assistant = load_provider(tmp_path / "assistant").open(rows, [None])
+    assert not assistant.supports_external_tokens
+    with pytest.raises(NotImplementedError, match="cannot consume"):
+        assistant.consume([[1]], None, [1])

@@ -6,6 +6,8 @@
 * :class:`BoundDraftRows`: rows that read a target group (bound to it by ``provider.bind``) and sample drafts.
 * :class:`OpensRows`: a provider's ``open``/``open_prefill`` over its ``rows_class``; :class:`NetworkProvider`
   adds the fields of a provider around a trained network (assistant, DeepSpec, DFlash).
+* ``consume(tokens, context, lengths)``: externally supplied tokens (``supports_external_tokens``), and
+  ``prefill_mode`` (``"tail-split"`` or the MTP heads' ``"full"``), as in the seed's ``DraftRowGroup``.
 * :func:`directory_namespace`: the ``<schema>:<model identity>`` namespace of a drafter directory;
   :func:`check_sizes`: the "expects X; target has Y" checks of ``bind``.
 """
@@ -57,6 +59,12 @@ class DraftRows:
     prefill_needs_target_hidden = False
     prefill_needs_target_taps = False
     tap_layers: tuple = ()
+    #: how the seed admits this drafter's rows: ``"tail-split"`` (the target forwards ``prompt[:-1]``, the last
+    #: prompt token is the first pending token) or ``"full"`` (the whole prompt; MTP heads). This engine admits
+    #: every row tail-split; rows declaring ``"full"`` follow the target's coverage and are exact either way.
+    prefill_mode = "tail-split"
+    #: whether :meth:`consume` takes externally supplied tokens (the seed's ``supportsExternalTokens``)
+    supports_external_tokens = False
 
     def __init__(self, provider: Any, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
         self.provider = provider
@@ -82,6 +90,12 @@ class DraftRows:
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
         raise NotImplementedError  # pragma: no cover - abstract
+
+    def consume(self, tokens_per_row: Sequence[Sequence[int]], context: Any, lengths: Sequence[int]) -> None:
+        """Add externally supplied tokens (forced or replayed, not drafted): ``lengths[row]`` leading tokens of
+        each row's list, with the target forward that appended them as ``context`` (its ``taps``/``hidden``).
+        Rows that cannot (``supports_external_tokens`` false) raise NotImplementedError."""
+        raise NotImplementedError(f"{self.schema} draft rows cannot consume externally supplied tokens")
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` in that order; ``[]`` releases everything."""

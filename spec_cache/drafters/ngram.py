@@ -89,6 +89,7 @@ class NgramRows(DraftRows):
     target state and never sample, so they take neither the target rows nor a sampling."""
 
     provider: NgramProvider
+    supports_external_tokens = True
 
     def _init_state(self) -> None:
         self._history: list[list[int]] = []
@@ -113,6 +114,15 @@ class NgramRows(DraftRows):
     def prefill(self, tokens_per_row: Sequence[Sequence[int]], context: PrefillContext | None) -> None:
         check_per_row(tokens_per_row, self.row_count, "token list")
         self._history = [history + [int(t) for t in tokens] for history, tokens in zip(self._history, tokens_per_row)]
+
+    def consume(self, tokens_per_row: Sequence[Sequence[int]], context, lengths: Sequence[int]) -> None:
+        """Append ``lengths[row]`` externally supplied tokens to each row's history (no target state needed)."""
+        check_per_row(lengths, self.row_count, "length")
+        for row, (tokens, count) in enumerate(zip(tokens_per_row, lengths)):
+            if not 0 <= count <= len(tokens):
+                raise ValueError(f"row {row}: consume length {count} for {len(tokens)} tokens")
+        self._history = [history + [int(t) for t in tokens[:count]]
+                         for history, tokens, count in zip(self._history, tokens_per_row, lengths)]
 
     def materialize(self) -> None:
         return None

@@ -81,6 +81,7 @@ class ProjectedRows(BoundDraftRows):
     """
 
     prefill_needs_target_taps = True
+    supports_external_tokens = True
     provider: ProjectedProvider
 
     # -- membership -------------------------------------------------------------------------------------
@@ -152,6 +153,19 @@ class ProjectedRows(BoundDraftRows):
             raise ValueError(f"{self.provider.family} rows need the target's taps at every token they cover; "
                              f"got {None if context is None else context.lengths} for {counts}")
         self._grow(context.taps, counts)
+
+    def consume(self, tokens_per_row: Sequence[Sequence[int]], context: Any, lengths: Sequence[int]) -> None:
+        """Project the target's taps at ``lengths[row]`` externally supplied tokens of each row (``context``:
+        the ``PrefillContext`` or ``RoundContext`` of the forward that appended them)."""
+        check_per_row(lengths, self.row_count, "length")
+        for row, (tokens, count) in enumerate(zip(tokens_per_row, lengths)):
+            if not 0 <= count <= len(tokens):
+                raise ValueError(f"row {row}: consume length {count} for {len(tokens)} tokens")
+        if not any(lengths):
+            return
+        if context is None or not context.taps or any(layer not in context.taps for layer in self.tap_layers):
+            raise ValueError(f"{self.provider.family} rows need the target's taps at every consumed token")
+        self._grow(context.taps, list(lengths))
 
     def commit(self, accepted: Sequence[int], context: RoundContext) -> None:
         """Grow each row's context by the pending token and its kept drafts (``accepted + 1`` rows)."""

@@ -134,6 +134,7 @@ class QwenMTPRows(BoundDraftRows):
     prefill_needs_target_taps = True
     #: the seed's mode for MTP rows; these rows are exact under tail-split admission too (see module doc)
     prefill_mode = "full"
+    supports_external_tokens = True
     provider: "QwenMTPProvider"
 
     # -- membership -------------------------------------------------------------------------------------
