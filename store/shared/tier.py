@@ -40,6 +40,9 @@ class SharedTier(LookupMixin, PublishMixin):
         from redis.retry import Retry
 
         self._redis = redis
+        #: what a server problem raises: redis-py errors, socket errors, and the cluster client's own exceptions
+        #: (a slot no primary serves yet, the topology not readable) which do not derive from RedisError
+        self._failures = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
         self.config = SharedConfig.of(config)
         self.keys = KeyNames(self.config.prefix, self.config.cluster, self.config.spread_chunks)
         self.health = Health(self.config.backoff_s, self.config.backoff_max_s)
@@ -49,8 +52,8 @@ class SharedTier(LookupMixin, PublishMixin):
             # no retries: a failure is reported at once and handled by the breaker, never multiplied
             options = dict(socket_timeout=timeout, socket_connect_timeout=self.config.connect_timeout_s,
                            retry=Retry(NoBackoff(), 0), socket_read_size=1 << 20)  # records are MBs: large reads
-            if self.config.cluster:
-                return cluster_client(self.config, **options)
+            if self.config.cluster:  # connects when first used: a cluster down at start is a miss, not a crash
+                return LazyClient(lambda: cluster_client(self.config, **options), self._failures)
             return redis.Redis.from_url(self.config.url, health_check_interval=0, **options)
         try:
             self._read = client(self.config.timeout_s)
@@ -116,7 +119,7 @@ class SharedTier(LookupMixin, PublishMixin):
             else:
                 info = self._write.info()
             stats = self._write.hgetall(self.keys.stats())
-        except (self._redis.RedisError, OSError) as exc:
+        except self._failures as exc:
             out["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
             return out
         out["reachable"] = True
@@ -172,3 +175,51 @@ def cluster_summary(cluster_info, infos) -> dict:
     return {"state": info.get("cluster_state"), "slots_ok": info.get("cluster_slots_ok"),
             "known_nodes": info.get("cluster_known_nodes"), "size": info.get("cluster_size"),
             "primaries": sorted(infos) if isinstance(infos, dict) else []}
+
+
+class LazyClient:
+    """A client built on first use (``RedisCluster`` reads the topology when constructed, and fails if the node
+    it asks first is down). A failure to build it raises ``ConnectionError`` to the caller, whose breaker backs
+    off; the next use tries again. Scripts registered on it are registered on the real client when first run."""
+
+    def __init__(self, factory, failures: tuple):
+        import threading
+
+        self._factory = factory
+        self._failures = failures
+        self._client = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._client is None:
+                import redis
+                try:
+                    self._client = self._factory()
+                except self._failures as exc:
+                    raise redis.ConnectionError(f"cluster not reachable: {type(exc).__name__}: {exc}") from exc
+            return self._client
+
+    def __getattr__(self, name):
+        return getattr(self.get(), name)
+
+    def register_script(self, source: str) -> "LazyScript":
+        return LazyScript(self, source)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+class LazyScript:
+    """A Lua script of a ``LazyClient``, called like redis-py's ``Script`` (``script(keys=..., args=...)``)."""
+
+    def __init__(self, client: LazyClient, source: str):
+        self._client = client
+        self._source = source
+        self._script = None
+
+    def __call__(self, keys=(), args=()):
+        if self._script is None:
+            self._script = self._client.get().register_script(self._source)
+        return self._script(keys=keys, args=args)

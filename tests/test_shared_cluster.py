@@ -1,0 +1,303 @@
+"""The shared tier on a real Redis Cluster: three primaries with a replica each, started once for the module from
+Debian's ``redis-server --cluster-enabled yes`` and joined with ``redis-cli --cluster create`` on free ports,
+torn down at the end. Skipped only when no server binary or no ``redis-cli`` exists at all.
+
+Hosts are ``SpecCache`` instances opened with ``shared="redis+cluster://..."`` and separate LMDB directories; one
+runs in a separate process. Every restored prefix is compared with the state it must hold (``kv_value``), also
+while a primary dies and while a slot migrates under the readers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import redis
+from redis.cluster import RedisCluster, key_slot
+
+from spec_cache.cache import CacheWarning, SpecCache
+from spec_cache.store.shared import SharedConfig, SharedTier
+from spec_cache.store.shared.keys import KeyNames
+from spec_cache.store.shared.records import read_outgoing
+from tests.redis_servers import ThrowawayCluster, cli_for, server_binaries
+from tests.test_shared_tier import DRAFTER, PREFIX_NS, TARGET, C, assert_holds, prompt, save
+
+BINARIES = server_binaries()
+BINARY = BINARIES.get("redis") or next(iter(BINARIES.values()), None)
+pytestmark = pytest.mark.skipif(BINARY is None or cli_for(BINARY) is None,
+                                reason="no redis-server / redis-cli installed (tools/redis_server.sh install)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ThrowawayCluster(BINARY, masters=3, replicas=1) as c:
+        yield c
+
+
+@pytest.fixture
+def flushed(cluster):
+    """The module's cluster, emptied and healthy (a killed node restarted as a replica)."""
+    for node in cluster.nodes:
+        if node.proc is None or node.proc.poll() is not None:
+            node.start()
+    cluster.wait_ok()
+    for node in cluster.primaries():
+        redis.Redis(port=node.port).flushall()
+    return cluster
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    opened = []
+
+    def host(name, url, **options):
+        options.setdefault("timeout_s", 2.0)
+        options.setdefault("connect_timeout_s", 2.0)
+        options.setdefault("backoff_s", 0.05)
+        cache = SpecCache.open(tmp_path / name, shared=url, shared_options=options, chunk_tokens=C, durable=False)
+        opened.append(cache)
+        return cache
+    yield host
+    for cache in opened:
+        cache.close()
+
+
+def client(cluster) -> RedisCluster:
+    return RedisCluster(host="127.0.0.1", port=cluster.primaries()[0].port)
+
+
+def gets(cluster) -> int:
+    """GET commands served by the cluster's primaries so far (``INFO commandstats``)."""
+    return sum(redis.Redis(port=n.port).info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+               for n in cluster.primaries())
+
+
+def restore_checked(cache, ns, tokens, **kwargs):
+    """A restore that may miss (with a warning) but never returns a wrong prefix."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hit = cache.restore(ns, tokens, **kwargs)
+    if hit is not None:
+        assert_holds(hit, tokens)
+    return hit, [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+
+
+# --- configuration and layout ----------------------------------------------------------------------------
+def test_cluster_urls_are_parsed_and_bad_ones_named():
+    config = SharedConfig("redis+cluster://u:pw@10.0.0.1:7000,[::1]:7001,node-3:7002")
+    assert config.cluster and config.prefix == "sc:2:"
+    assert config.cluster_nodes == [("10.0.0.1", 7000), ("::1", 7001), ("node-3", 7002)]
+    assert config.credentials == ("u", "pw") and "pw" not in config.safe_url
+    assert SharedConfig("redis://h:1/0").prefix == "sc:1:" and not SharedConfig("redis://h:1/0").cluster
+    for bad, says in [("redis+cluster://h", "is not host:port"), ("redis+cluster://h:1,", "is not host:port"),
+                      ("redis+cluster://h:1/2", "no database"), ("redis+cluster://h:99999", "is not host:port"),
+                      ("cluster://h:1", "must start with")]:
+        with pytest.raises(ValueError, match=says):
+            SharedConfig(bad)
+    with pytest.raises(ValueError, match="without { or }"):
+        SharedConfig("redis+cluster://h:1", prefix="a{b}:")
+    with pytest.raises(ValueError, match="spread_chunks"):
+        SharedConfig("redis+cluster://h:1", spread_chunks=0)
+
+
+def test_key_groups_follow_the_spread():
+    chain = [bytes([i]) * 32 for i in range(5)]  # root, chunk 1..4
+    one, flat = KeyNames("sc:2:", cluster=True, spread=1), KeyNames("sc:1:")
+    assert one.groups(chain) == [(chain[0], 0), (chain[1], 4)]
+    assert one.group_of(chain[:1]) == chain[0] and one.group_of(chain[:4]) == chain[1]
+    three = KeyNames("sc:2:", cluster=True, spread=3)
+    assert three.groups(chain) == [(chain[0], 0), (chain[1], 1), (chain[2], 2), (chain[3], 4)]
+    assert three.group_of(chain[:3]) == chain[2] and three.group_of(chain) == chain[3]
+    assert flat.groups(chain) == [(None, 4)] and flat.chunk(chain[2]) == b"sc:1:chunk:" + chain[2].hex().encode()
+    assert one.chunk(chain[2], chain[1]) == b"sc:2:{" + chain[1].hex()[:16].encode() + b"}chunk:" + \
+        chain[2].hex().encode()
+    with pytest.raises(ValueError, match="needs its group"):
+        one.chunk(chain[2])
+
+
+def test_a_checkpoint_lives_in_one_slot_and_conversations_spread(flushed, hosts):
+    a = hosts("a", flushed.url)
+    ns = a.namespace(TARGET, PREFIX_NS)
+    prompts = [prompt(200 + i, 100) for i in range(12)]
+    results = [save(a, ns, p) for p in prompts]
+    assert a.drain(20)
+    assert a.shared_status()["published"] == 12 and a.shared_status()["errors"] == 0
+    r = client(flushed)
+    names = list(r.scan_iter(match="sc:2:*", target_nodes=RedisCluster.PRIMARIES))
+    slots_of_checkpoint = []
+    for result in results:
+        out = read_outgoing(a.store, result.entry, [DRAFTER])
+        group = a.shared.keys.group_of(out.chain)
+        mine = [n for n in names if n.startswith(b"sc:2:{" + group.hex()[:16].encode() + b"}")]
+        assert len(mine) == 2 * len(out.chain) + 2  # chunks, nodes (with the root), entry, manifest, draft
+        slots_of_checkpoint.append({key_slot(n) for n in mine})
+    assert all(len(s) == 1 for s in slots_of_checkpoint)
+    slots = {next(iter(s)) for s in slots_of_checkpoint}
+    assert len(slots) == 12  # 12 conversations (different first chunks): 12 slots
+    owners = {flushed.node_of_slot(s).port for s in slots}
+    assert len(owners) >= 2  # ... over several primaries (12 random slots on 3 nodes: all on one has p < 1e-5)
+    tier = SharedTier(flushed.url)
+    stats = tier.probe()
+    tier.close()
+    assert stats["reachable"] and stats["cluster"]["state"] == "ok" and len(stats["cluster"]["primaries"]) == 3
+    assert stats["published_checkpoints"] == 12 and stats["keys"] == len(names)  # the stats hash included
+
+
+# --- two hosts -------------------------------------------------------------------------------------------
+HOST_SCRIPT = """
+import json, sys
+from spec_cache.cache import SpecCache
+from tests.test_shared_tier import TARGET, PREFIX_NS, C, prompt, save
+url, path, seeds = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
+cache = SpecCache.open(path, shared=url, shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0},
+                       chunk_tokens=C, durable=False)
+ns = cache.namespace(TARGET, PREFIX_NS)
+for seed in seeds:
+    save(cache, ns, prompt(seed, 100))
+ok = cache.drain(30)
+print(json.dumps({"drained": ok, **cache.shared_status()}))
+cache.close()
+"""
+
+
+def test_two_host_processes_share_prefixes_over_the_cluster(flushed, hosts, tmp_path, store_invariants):
+    done = subprocess.run([sys.executable, "-c", HOST_SCRIPT, flushed.url, str(tmp_path / "host-a"), "1,2,3"],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    status = json.loads(done.stdout.strip().splitlines()[-1])
+    assert status["drained"] and status["published"] == 3 and status["errors"] == 0
+
+    b = hosts("b", flushed.url)
+    ns = b.namespace(TARGET, PREFIX_NS)
+    for seed in (1, 2, 3):
+        p = prompt(seed, 100)
+        hit, said = restore_checked(b, ns, p + [7], drafter_namespace=DRAFTER)
+        assert hit is not None and hit.length == 100 and hit.draft_checkpoint is not None, said
+    q = prompt(2, 100)[:70] + prompt(9, 30)  # shares 70 tokens with seed 2: the 64-token chunk boundary
+    d = hosts("d", flushed.url)  # a host that holds nothing yet (B's memory tier would serve 70 tokens)
+    hit, _ = restore_checked(d, d.namespace(TARGET, PREFIX_NS), q)
+    assert hit.length == 64 and hit.tier == "shared"
+    assert b.drain(10) and b.shared_status()["promoted"] == 3
+    store_invariants(b.store)
+    # B publishes a longer conversation; a third host finds it with A's chunks
+    longer = prompt(1, 100) + prompt(10, 40)
+    save(b, ns, longer)
+    assert b.drain(10)
+    assert b.shared_status()["chunks_present"] >= 100 // C  # A's chunks were on the cluster already
+    c = hosts("c", flushed.url)
+    hit, _ = restore_checked(c, c.namespace(TARGET, PREFIX_NS), longer, drafter_namespace=DRAFTER)
+    assert hit.length == 140
+
+
+def test_fetch_skips_chunks_the_local_store_holds(flushed, hosts):
+    a, b = hosts("a", flushed.url), hosts("b", flushed.url)
+    ns = a.namespace(TARGET, PREFIX_NS)
+    assert b.namespace(TARGET, PREFIX_NS) == ns
+    p = prompt(30, 100)
+    save(a, ns, p)
+    assert a.drain(10)
+    save(b, ns, p[:50], drafter=False)  # B holds chunks 1..3 (48 tokens) of the same conversation
+    assert b.drain(10)
+    before = gets(flushed)
+    hit, said = restore_checked(b, ns, p + [1], drafter_namespace=DRAFTER)
+    assert hit is not None and hit.length == 100, said
+    s = b.shared_status()
+    out = read_outgoing(a.store, a.store.lookup(ns, p).entry, [DRAFTER])
+    sizes = read_chunk_sizes(a, out.chain[1:])
+    assert len(sizes) == 6 and s["chunks_local"] == 3 and s["bytes_local"] == sum(sizes[k] for k in out.chain[1:4])
+    # only chunks 4..6, the entry record and the drafter record crossed the network
+    assert s["bytes_fetched"] == sum(sizes[k] for k in out.chain[4:]) + len(out.entry_record) + len(out.drafts[0][2])
+    assert gets(flushed) - before == 3 + 2
+
+
+def read_chunk_sizes(cache, keys):
+    with cache.store.reading() as txn:
+        return {k: len(txn.get(k, db=cache.store.env.dbs["chunks"])) for k in keys}
+
+
+# --- failures ----------------------------------------------------------------------------------------------
+def test_a_primary_killed_mid_run_gives_misses_then_its_replica_serves(flushed, hosts):
+    a = hosts("a", flushed.url)
+    ns = a.namespace(TARGET, PREFIX_NS)
+    prompts = [prompt(300 + i, 100) for i in range(6)]
+    for p in prompts:
+        save(a, ns, p)
+    assert a.drain(20)
+    r = client(flushed)
+    for node in flushed.primaries():  # every write reached its replica before the crash
+        redis.Redis(port=node.port).wait(1, 2000)
+    out = read_outgoing(a.store, a.store.lookup(ns, prompts[0]).entry, [])
+    victim = flushed.node_of_slot(key_slot(a.shared.keys.manifest(out.entry_key, a.shared.keys.group_of(out.chain))))
+    victim.kill()
+
+    b = hosts("b", flushed.url, timeout_s=0.5, connect_timeout_s=0.2)
+    nsb = b.namespace(TARGET, PREFIX_NS)
+    served, missed, messages = 0, 0, []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        hit, said = restore_checked(b, nsb, prompts[0] + [5], drafter_namespace=DRAFTER)  # never wrong
+        messages += said
+        if hit is None:
+            missed += 1
+            time.sleep(0.1)
+            continue
+        served += 1
+        if hit.length == 100:
+            break
+    assert missed >= 1 and any("shared tier" in m for m in messages)  # the dead primary: misses with warnings
+    assert served >= 1 and hit.length == 100  # then the promoted replica serves the same checkpoint
+    for p in prompts[1:]:
+        hit, _ = restore_checked(b, nsb, p + [5])
+        assert hit is not None and hit.length == 100
+    r.close()
+
+
+def test_reads_during_a_slot_migration_are_right_or_misses(flushed, hosts):
+    a = hosts("a", flushed.url)
+    ns = a.namespace(TARGET, PREFIX_NS)
+    p = prompt(400, 100)
+    save(a, ns, p)
+    assert a.drain(10)
+    keys = a.shared.keys
+    out = read_outgoing(a.store, a.store.lookup(ns, p).entry, [DRAFTER])
+    slot = key_slot(keys.manifest(out.entry_key, keys.group_of(out.chain)))
+    src = flushed.node_of_slot(slot)
+    dst = next(n for n in flushed.primaries() if n is not src)
+    src_id, dst_id = flushed.node_id(src), flushed.node_id(dst)
+    rs, rd = redis.Redis(port=src.port), redis.Redis(port=dst.port)
+    names = rs.cluster("getkeysinslot", slot, 1000)
+    assert len(names) == 2 * len(out.chain) + 2
+
+    b = hosts("b", flushed.url, backoff_s=0.01)
+    nsb = b.namespace(TARGET, PREFIX_NS)
+    assert restore_checked(b, nsb, p + [1])[0].length == 100  # B knows the old owner of the slot
+    rd.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    rs.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    lengths, migrating = [], 0
+    for i, name in enumerate(names):  # one key at a time, a read after each: ASK redirections, split records
+        rs.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", name)
+        fresh = hosts(f"b{i}", flushed.url, backoff_s=0.01)  # an empty local store: everything from the cluster
+        hit, _ = restore_checked(fresh, fresh.namespace(TARGET, PREFIX_NS), p + [1], drafter_namespace=DRAFTER)
+        lengths.append(0 if hit is None else hit.length)
+        migrating += fresh.shared_status()["migrating"]
+    for node in flushed.primaries():
+        redis.Redis(port=node.port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    assert flushed.node_of_slot(slot) is dst
+    c = hosts("c", flushed.url)
+    hit, said = restore_checked(c, c.namespace(TARGET, PREFIX_NS), p + [1], drafter_namespace=DRAFTER)
+    assert hit is not None and hit.length == 100 and hit.draft_checkpoint is not None, said
+    # B's client still maps the slot to the old owner: MOVED, followed by the client, no error
+    b.shared.health.retry_at = 0.0
+    hit, said = restore_checked(b, nsb, p[:96] + [2, 3])
+    assert hit is not None and hit.length == 96, said
+    assert b.shared_status()["corrupt"] == 0 and c.shared_status()["corrupt"] == 0
+    # while the records were split over two nodes every read served the whole checkpoint: ASK followed
+    assert lengths == [100] * len(names), lengths
+    assert migrating >= 1
