@@ -148,3 +148,46 @@ def test_adapter_directory_loads_with_mlx_lm_and_changes_the_output(tmp_path, ta
     assert plain_greedy(adapted, prompt, 12) != plain_greedy(target, prompt, 12)
     assert (path / "adapters.safetensors").read_bytes() == write_tiny_adapter(
         tmp_path / "again", target_dir, seed=3).joinpath("adapters.safetensors").read_bytes()
+
+
+def test_bad_gemma4_and_hybrid_geometry(tmp_path):
+    with pytest.raises(ValueError, match="kv_shared_layers"):
+        write_tiny_target(tmp_path / "x", "gemma4_text", num_layers=2, kv_shared_layers=1)  # no global left
+    with pytest.raises(ValueError, match="full_attention_interval"):
+        write_tiny_target(tmp_path / "x", "qwen3_next", num_layers=2, full_attention_interval=3)
+
+
+def test_gemma4_draft_model_is_the_targets_first_layers(tmp_path):
+    target_dir = write_tiny_target(tmp_path / "t", "gemma4_text", num_layers=4, kv_shared_layers=2, tokenizer=False)
+    path = write_tiny_drafter(tmp_path / "draft", "draft-model", target_dir)
+    config = json.loads((path / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_kv_shared_layers"]) == (1, 0)
+    draft, target = TargetModel.load(path), TargetModel.load(target_dir)
+    ids = mx.array([[5, 6, 7, 8, 9]])
+    first_layer = target.forward(ids, target.make_caches(), tap_layers=[0], with_logits=False).taps[0]
+    expected = target.model.model.norm(first_layer)
+    assert mx.allclose(draft.forward(ids, draft.make_caches(), with_logits=False).hidden, expected, atol=1e-5).item()
+    with pytest.raises(ValueError, match="layers must be in 1..2"):
+        write_tiny_drafter(tmp_path / "x", "draft-model", target_dir, layers=3)  # a KV-shared layer has no K/V
+
+
+def test_hybrid_draft_model_keeps_the_attention_layers(tmp_path):
+    target_dir = write_tiny_target(tmp_path / "t", "qwen3_next", num_layers=4, tokenizer=False)
+    path = write_tiny_drafter(tmp_path / "draft", "draft-model", target_dir, layers=2)
+    draft = TargetModel.load(path)
+    assert draft.recurrent_layers == () and draft.num_layers == 2  # plain K/V: the draft-model codec holds it
+    weights, target_weights = mx.load(str(path / "model.safetensors")), mx.load(str(target_dir / "model.safetensors"))
+    assert mx.array_equal(weights["model.layers.1.self_attn.q_proj.weight"],
+                          target_weights["model.layers.3.self_attn.q_proj.weight"])
+
+
+def test_mtp_and_dflash2_methods_go_to_the_drafter_writers(tmp_path, target_dir, monkeypatch):
+    import spec_cache.drafters.tiny_writers as writers
+
+    calls = []
+    monkeypatch.setattr(writers, "write_tiny_drafter_extra", lambda *args, **kw: calls.append((args, kw)) or args[0])
+    for method in ("qwen-mtp", "dflash2"):
+        assert write_tiny_drafter(tmp_path / method, method, target_dir, 3, bits=4) == tmp_path / method
+    assert calls == [((tmp_path / m, m, target_dir, 3), {"bits": 4}) for m in ("qwen-mtp", "dflash2")]
+    with pytest.raises(ValueError, match="qwen-mtp, dflash2"):
+        write_tiny_drafter(tmp_path / "x", "medusa", target_dir)
