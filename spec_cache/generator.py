@@ -96,11 +96,19 @@ class Generator:
 
         options = check_runnable(kv)
         target_dir = Path(target_dir)
+        _check_model_dir(target_dir, "target")
+        if drafter_dir is not None:
+            _check_model_dir(Path(drafter_dir), "drafter")
         memo = cache.memo() if cache is not None else None
         stack = resolve_adapters(adapters, memo)
         target = TargetModel.load(target_dir, adapters=stack)
         identity = model_identity(target_dir, memo=memo)
-        provider = open_provider(drafter_dir, method)
+        try:
+            provider = open_provider(drafter_dir, method)
+        except KeyError as exc:  # a config without a key this method reads: the wrong kind of drafter
+            kind = f"a {method!r}" if method else "a recognisable"
+            raise ValueError(f"drafter directory {drafter_dir} is not {kind} drafter: its config has no "
+                             f"{exc.args[0]!r} (check the method)") from None
         drafter_ns = cached_drafter_namespace(provider, stack)
         prefix_ns = resolve_prefix_namespace(provider, stack, options)
         engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options,
@@ -149,8 +157,8 @@ class Generator:
         """Store an engine checkpoint (``on_checkpoint``'s ``tokens, target_caches, draft_checkpoint``) under
         ``ns_key`` (default this generator's): the memory tier at once, LMDB behind the request when
         ``background`` (default ``write_behind``). No cache: nothing. Failures are ``CacheWarning``s."""
-        if self.cache is None:
-            return
+        if self.cache is None or len(tokens) == 0:
+            return  # no cache; or the boundary of a 1-token prompt (an empty prefix: nothing to resume from)
         self.cache.save(self.ns_key if ns_key is None else ns_key, list(tokens), caches,
                         drafter_namespace=self.drafter_namespace,
                         draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
@@ -158,18 +166,23 @@ class Generator:
                         background=self.write_behind if background is None else background)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32, temperature: float = 0.0,
-                 seed: int = 0) -> list[Result]:
-        """Decode every prompt (one batch); rows resume from the cache where they can."""
+                 seed: int = 0, top_p: float = 1.0) -> list[Result]:
+        """Decode every prompt (one batch); rows resume from the cache where they can.
+
+        ``prompts`` is a list of prompts, each a non-empty list of token ids (ints in ``[0, vocab_size)``);
+        anything else raises ``ValueError`` naming the prompt and position before any lookup. ``temperature``
+        0 is greedy; ``top_p`` < 1 samples from the nucleus; ``seed`` makes sampled rows reproducible (a row's
+        tokens depend only on its own prompt, parameters and seed)."""
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError("max_tokens must be a positive int")
-        rows = []
-        for i, prompt in enumerate(prompts):
-            prompt = [int(t) for t in prompt]
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            rows.append(prompt)
+        rows = check_prompts(prompts, self.engine.target.vocab_size)
+        sampling = None
+        if top_p != 1.0:
+            from .sampling import RowSampling
+
+            sampling = RowSampling(temperature, top_p, seed)  # raises on values out of range
         started = time.perf_counter()  # TTFT counts the lookups and restores too, not only the engine
-        prepared = [self.prepare(prompt, max_tokens) for prompt in rows]
+        prepared = [self.prepare(prompt, max_tokens, sampling=sampling) for prompt in rows]
         saves = []
 
         def on_checkpoint(row, tokens, caches, draft_checkpoint):
@@ -236,6 +249,69 @@ class Generator:
                 return False
             return conversion is None or reusable(candidate.length, candidate.minimum_reusable or None, conversion)
         return usable
+
+
+def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
+    """``prompts`` as lists of ints, or ``ValueError`` naming the prompt index and position of the first problem:
+    a string where token ids belong, a flat list (one prompt not wrapped in a list), floats, booleans, negative
+    or out-of-vocabulary ids, an empty prompt. Numpy integer ids are accepted; nothing is coerced silently."""
+    import numbers
+
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not _is_array(prompts):
+        raise ValueError(f"prompts must be a list of prompts (each a list of token ids), got "
+                         f"{type(prompts).__name__}")
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, numbers.Integral) and not isinstance(prompt, bool):
+            raise ValueError(f"prompt {i} is the token id {prompt!r}, not a list: prompts is a list of prompts; "
+                             "wrap one prompt as [[1, 2, 3]]")
+        if isinstance(prompt, (str, bytes)):
+            raise ValueError(f"prompt {i} is a {type(prompt).__name__} ({_shown(prompt)}): give token ids "
+                             "(encode text with the model's tokenizer first)")
+        if not isinstance(prompt, Sequence) and not _is_array(prompt):
+            raise ValueError(f"prompt {i} is a {type(prompt).__name__}, not a list of token ids")
+        row = []
+        for j, token in enumerate(prompt):
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                raise ValueError(f"prompt {i}, position {j}: {_shown(token)} ({type(token).__name__}) is not a "
+                                 "token id (an int)")
+            token = int(token)
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"prompt {i}, position {j}: token id {token} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+            row.append(token)
+        if not row:
+            raise ValueError(f"prompt {i} is empty")
+        rows.append(row)
+    return rows
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "__array__") and getattr(x, "ndim", None) is not None and hasattr(x, "__len__")
+
+
+def _shown(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _check_model_dir(path: Path, what: str) -> None:
+    """A missing directory or an unreadable ``config.json`` named by its path (mlx-lm's errors do not name it)."""
+    import json
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} directory {path} does not exist")
+    config = path / "config.json"
+    if not config.is_file():
+        return  # dspark.json drafters, ngram: their loaders say what is missing
+    try:
+        value = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {config}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{config} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{config} is not a JSON object")
 
 
 def _eos_ids(target_dir: Path) -> tuple[int, ...]:

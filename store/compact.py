@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import lmdb
 
+from .directory import COMPACT_WORK_NAME as WORK_NAME  # inside the store: same filesystem, the swap is a rename
 from .errors import StoreError, StoreOpenError
 from .store import Store
-
-WORK_NAME = "compact.tmp"  # inside the store directory: same filesystem, so the swap is one rename
 
 
 @dataclass

@@ -15,7 +15,8 @@ import stat
 from .errors import StoreDamaged, StoreOpenError
 
 RESERVE_NAME = "reserve"
-STORE_FILES = frozenset({"data.mdb", "lock.mdb", RESERVE_NAME})
+COMPACT_WORK_NAME = "compact.tmp"  # ``spec-cache compact``'s work directory (left behind only by a crash)
+STORE_FILES = frozenset({"data.mdb", "lock.mdb", RESERVE_NAME, COMPACT_WORK_NAME})
 
 
 def prepare_dir(path: str) -> bool:

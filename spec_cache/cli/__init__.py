@@ -3,7 +3,8 @@
 One module per kind of command, each with a ``register(subparsers, common)`` that adds its subcommands:
 
 - ``common``  the one-line error (``CliError``), exit codes, argument types, output helpers, opening a store;
-- ``inspect`` ls, show, stats, verify, evict, pin, unpin, gc, compact, identity (``spec_cache.store.maintenance``, ``identity``);
+- ``inspect`` ls, show, stats, verify, evict, pin, unpin, gc, compact, identity (``spec_cache.store.maintenance``,
+  ``store.compact``, ``identity``);
 - ``shared``  the ``--shared URL`` option, shared-stats, the shared section of stats;
 - ``repair``  repair --to DIR, the salvage run in a child process;
 - ``runtime`` demo, bench, generate, serve, export-mlx-lm, import-mlx-lm (these load MLX when they run).
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     repair.register(sub, common)
     runtime.register(sub, common)
     mlx_lm_server.register(sub, common)  # MLX-free until it runs
+    for action in sub._choices_actions:  # every subcommand's --help opens with a description
+        parser = sub.choices[action.dest]
+        if not parser.description and action.help:
+            parser.description = action.help[0].upper() + action.help[1:] + "."
     return p
 
 

@@ -85,7 +85,9 @@ def cmd_repair(args) -> int:
 def register(sub, common: argparse.ArgumentParser) -> None:
     """Add ``repair --to DIR`` (the damaged store is ``--cache``)."""
     s = sub.add_parser("repair", parents=[common],
-                       help="copy every checkpoint that still reads back whole into a new store")
+                       help="copy every checkpoint that still reads back whole into a new store",
+                       description="Salvage a damaged store (--cache): copy every checkpoint that still reads back "
+                                   "whole into a new store; exit 1 if some were lost.")
     s.add_argument("--to", dest="repair_to", required=True, metavar="DIR",
                    help="the new store directory (must not exist or be empty)")
     s.set_defaults(fn=cmd_repair)

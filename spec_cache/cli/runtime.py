@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
+import time
 from pathlib import Path
 
 from spec_cache import server  # imports only spec_cache.server.cli (its options); the server loads in serve
@@ -54,39 +56,89 @@ def _load_tokenizer(model: str):
         raise CliError(f"cannot load a tokenizer from {model} ({type(exc).__name__}); use --tokens") from None
 
 
-def cmd_generate(args) -> int:
-    kv = _kv_options(args)
+def _prompt_file(path: str) -> list[str]:
+    """``--prompt-file``: one prompt per non-empty line (UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except FileNotFoundError:
+        raise CliError(f"--prompt-file: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--prompt-file: cannot read {path}: {exc}") from None
+    if not prompts:
+        raise CliError(f"--prompt-file: {path} holds no prompt (one prompt per non-empty line)")
+    return prompts
+
+
+def _check_generate_args(args) -> None:
     for path, what in ((args.model, "model"), (args.drafter, "drafter")):
         if path is not None and not os.path.isdir(path):
             raise CliError(f"{what} directory {path} does not exist")
+    for path in args.adapter:
+        if not os.path.isdir(path):
+            raise CliError(f"adapter directory {path} does not exist")
     if args.method not in (None, "ngram") and args.drafter is None:
         raise CliError(f"--method {args.method} needs --drafter DIR")
+    if not (args.prompt or args.prompt_file or args.tokens):
+        raise CliError("generate needs a prompt: --prompt TEXT, --prompt-file FILE or --tokens IDS|FILE")
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """``text`` up to the first of ``stops`` (the stop string itself not included), and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+def cmd_generate(args) -> int:
+    kv = _kv_options(args)
+    _check_generate_args(args)
+    texts = list(args.prompt or []) + [p for path in args.prompt_file or [] for p in _prompt_file(path)]
+    token_prompts = [_tokens_arg(t) for t in args.tokens or []]
     from spec_cache.generator import Generator  # loads MLX
 
-    tokenizer = None if args.prompt is None else _load_tokenizer(args.model)
-    prompt = args.tokens if tokenizer is None else tokenizer.encode(args.prompt)
-    cache = None if args.no_cache else open_cache(args, shared=shared.shared_url(args))
+    tokenizer = _load_tokenizer(args.model) if texts or args.stop else None
+    prompts = [tokenizer.encode(t) for t in texts] + token_prompts
+    cache = None if args.no_cache else open_cache(args, shared=shared.shared_url(args), max_bytes=args.max_bytes)
     try:
         try:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
                                        draft_depth=args.draft_depth, adapters=args.adapter or "",
                                        prefill_step_size=args.prefill_step_size)
-            (result,) = generator.generate([prompt], max_tokens=args.max_tokens)
-        except (NotImplementedError, ValueError, FileNotFoundError) as exc:
+            started = time.perf_counter()
+            results = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+                                         seed=args.seed, top_p=args.top_p)
+            seconds = time.perf_counter() - started
+        except (NotImplementedError, ValueError, TypeError, FileNotFoundError) as exc:
             raise CliError(_one_line(exc)) from None
     finally:
         if cache is not None:
             cache.close()
-    text = tokenizer.decode(result.tokens) if tokenizer is not None else None
-    d = {"tokens": result.tokens, "text": text, "prompt_tokens": len(prompt), "cached_tokens": result.cached_tokens,
-         "drafted": result.drafted, "accepted": result.accepted, "ttft_s": result.ttft_s,
-         "restored_drafter": result.restored_drafter, "prefix_namespace": generator.prefix_namespace,
-         "cache": None if cache is None else args.cache}
-    human = (text if text is not None else ",".join(map(str, result.tokens))) + (
-        f"\n[prompt {len(prompt)} tokens, {result.cached_tokens} from the cache"
-        f"{' (with the drafter row)' if result.restored_drafter else ''}; TTFT {result.ttft_s * 1e3:.1f} ms; "
-        f"drafted {result.drafted}, accepted {result.accepted}]")
-    emit(args, d, human)
+    rows = []
+    for prompt, result in zip(prompts, results):
+        text, stopped = None, False
+        if tokenizer is not None:
+            text, stopped = _cut_at_stop(tokenizer.decode(result.tokens), args.stop or [])
+        rows.append({"tokens": result.tokens, "text": text, "stopped": stopped, "prompt_tokens": len(prompt),
+                     "cached_tokens": result.cached_tokens, "drafted": result.drafted, "accepted": result.accepted,
+                     "ttft_s": result.ttft_s, "restored_drafter": result.restored_drafter})
+    generated = sum(len(r["tokens"]) for r in rows)
+    run = {"seconds": round(seconds, 6), "generated_tokens": generated,
+           "tokens_per_s": round(generated / seconds, 3) if seconds > 0 else None,
+           "prefix_namespace": generator.prefix_namespace, "cache": None if cache is None else args.cache}
+    if args.json:  # the first prompt's fields at the top level (one prompt: all of it), every prompt in results
+        emit(args, {**rows[0], **run, "results": rows}, "")
+        return EXIT_OK
+    for i, r in enumerate(rows):
+        if len(rows) > 1:
+            print(f"--- prompt {i + 1} ---")
+        print(r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])))
+        print(f"[prompt {i + 1}: {r['prompt_tokens']} tokens, {r['cached_tokens']} from the cache"
+              f"{' (with the drafter row)' if r['restored_drafter'] else ''}; TTFT {r['ttft_s'] * 1e3:.1f} ms; "
+              f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]",
+              file=sys.stderr)
+    rate = f"{run['tokens_per_s']:.1f} tok/s" if run["tokens_per_s"] is not None else "-"
+    print(f"[{generated} tokens in {seconds:.2f} s: {rate}, prefill and lookups included; "
+          f"{len(rows)} prompt{'s' if len(rows) > 1 else ''} in one batch]", file=sys.stderr)
     return EXIT_OK
 
 
@@ -158,6 +210,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    # room for ``demo --real`` (spec_cache.demo_real: add_arguments(parser), run(args) -> int), wired by the lead
     from spec_cache import demo  # loads MLX
 
     return demo.main(args)
@@ -183,48 +236,133 @@ def _add_memory_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_kv_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-bits", type=positive_int)
-    parser.add_argument("--kv-group-size", type=positive_int)
-    parser.add_argument("--quantized-kv-start", type=non_negative_int)
+    parser.add_argument("--kv-bits", type=positive_int, metavar="B",
+                        help="quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)")
+    parser.add_argument("--kv-group-size", type=positive_int, metavar="G",
+                        help="KV quantization group size (default 64)")
+    parser.add_argument("--quantized-kv-start", type=non_negative_int, metavar="S",
+                        help="token position where KV quantization starts (default 5000 with --kv-bits)")
 
 
-def register(sub, common: argparse.ArgumentParser) -> None:
-    """Add demo, bench, generate, serve, export-mlx-lm and import-mlx-lm."""
-    s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models")
-    s.add_argument("--method", choices=DRAFTER_METHODS, default="assistant")
-    s.add_argument("--max-tokens", type=positive_int, default=24)
-    _add_memory_option(s)
-    s.set_defaults(fn=cmd_demo)
-    s = sub.add_parser("bench", help="benchmarks as ratios against same-process baselines (see BENCHMARKS.md)",
-                       add_help=False, prefix_chars="\0")
-    s.add_argument("bench_args", nargs=argparse.REMAINDER)
-    s.set_defaults(fn=cmd_bench)
-    s = sub.add_parser("generate", parents=[common], help="decode prompts with a local model through the cache")
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0: {text!r}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+#: help for the server options ``spec_cache.server.add_arguments`` leaves without any (used only where it has none)
+SERVE_HELP = {
+    "--port": "TCP port (default 8080; 0: any free port)",
+    "--draft-depth": "tokens the drafter proposes per round (default 4; 0: no drafting)",
+    "--prefill-step-size": "prefill chunk in tokens (default 512, as mlx-lm's)",
+    "--kv-bits": "quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)",
+    "--kv-group-size": "KV quantization group size (default 64)",
+    "--quantized-kv-start": "token position where KV quantization starts (default 5000 with --kv-bits)",
+    "--log-level": "uvicorn's log level (default info)",
+}
+
+
+def _fill_help(parser: argparse.ArgumentParser, texts: dict[str, str]) -> None:
+    """Give options that came without help text the one in ``texts``."""
+    for action in parser._actions:
+        if not action.help:
+            action.help = next((texts[o] for o in action.option_strings if o in texts), None)
+
+
+def _add_generate(sub, common) -> None:
+    s = sub.add_parser("generate", parents=[common], help="decode prompts with a local model through the cache",
+                       description="Decode one or more prompts (one batch) with a local model through the cache: "
+                                   "the text (or token ids) on stdout, what the cache did and tokens/s on stderr.")
     s.add_argument("--model", required=True, help="target model directory (config.json + safetensors)")
     s.add_argument("--drafter", help="drafter directory")
     s.add_argument("--method", choices=DRAFTER_METHODS,
                    help="drafter method (default: read from the drafter's config; 'ngram' needs no directory)")
     s.add_argument("--adapter", action="append", default=[], metavar="DIR",
                    help="mlx-lm LoRA adapter directory (repeat to stack, applied in order)")
-    s.add_argument("--prefill-step-size", type=positive_int, default=512)
-    group = s.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="prompt text (needs the model's tokenizer files)")
-    group.add_argument("--tokens", type=token_list, help="prompt token ids, e.g. 1,2,3")
-    s.add_argument("--max-tokens", type=positive_int, default=32)
-    s.add_argument("--draft-depth", type=non_negative_int, default=4)
+    s.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="prompt text (needs the model's tokenizer files); repeat for several prompts")
+    s.add_argument("--prompt-file", action="append", metavar="FILE",
+                   help="a UTF-8 file with one prompt per non-empty line (repeatable)")
+    s.add_argument("--tokens", action="append", metavar="IDS|FILE",
+                   help="prompt token ids, e.g. 1,2,3, or a token file (JSON list or integers); repeatable")
+    s.add_argument("--max-tokens", type=positive_int, default=32, metavar="N",
+                   help="tokens to generate per prompt (default 32)")
+    s.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+                   help="sampling temperature (default 0: greedy, exactly the model's argmax tokens)")
+    s.add_argument("--top-p", type=_top_p, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the smallest set of tokens with probability >= P (default 1)")
+    s.add_argument("--seed", type=_int, default=0, metavar="N",
+                   help="sampling seed (default 0); a prompt's tokens depend only on it, its prompt and options")
+    s.add_argument("--stop", action="append", metavar="TEXT",
+                   help="cut the text at this string (repeatable; needs the tokenizer; decoding still runs to "
+                        "--max-tokens or end of sequence)")
+    s.add_argument("--draft-depth", type=non_negative_int, default=4, metavar="D",
+                   help="tokens the drafter proposes per round (default 4; 0: no drafting)")
+    s.add_argument("--prefill-step-size", type=positive_int, default=512, metavar="N",
+                   help="prefill chunk in tokens (default 512, as mlx-lm's)")
     _add_kv_options(s)
     s.add_argument("--no-cache", action="store_true", help="run without the store")
+    s.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
+                   help="byte budget of the store (LRU eviction beyond it; recorded with the store), e.g. 8GiB")
     _add_memory_option(s)
     s.set_defaults(fn=cmd_generate)
+
+
+def register(sub, common: argparse.ArgumentParser) -> None:
+    """Add demo, bench, generate, serve, convert-gguf, export-mlx-lm and import-mlx-lm."""
+    s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models",
+                       description="The main job on tiny local models (random weights, nothing downloaded): "
+                                   "multi-turn conversations cold, through the cache, and warm after a reopen.")
+    s.add_argument("--method", choices=DRAFTER_METHODS, default="assistant",
+                   help="drafter method of the tiny drafter (default assistant)")
+    s.add_argument("--max-tokens", type=positive_int, default=24, metavar="N",
+                   help="tokens generated per turn (default 24)")
+    s.add_argument("--keep", action="store_true",
+                   help="keep the work directory (tiny models and, without --cache, the store) for inspection")
+    _add_memory_option(s)
+    s.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("bench", help="benchmarks as ratios against same-process baselines (see BENCHMARKS.md)",
+                       add_help=False, prefix_chars="\0",
+                       description="Benchmarks, each a ratio against a baseline run in the same process "
+                                   "('spec-cache bench --help' lists its options).")
+    s.add_argument("bench_args", nargs=argparse.REMAINDER,
+                   help="bench's own options: --quick, --json, --only SECTION..., --plot PNG")
+    s.set_defaults(fn=cmd_bench)
+    _add_generate(sub, common)
     s = sub.add_parser("serve", parents=[common],
-                       help="an OpenAI-compatible HTTP server on a local model, through the cache")
+                       help="an OpenAI-compatible HTTP server on a local model, through the cache",
+                       description="An OpenAI-compatible HTTP server on a local model, through the cache.")
     server.add_arguments(s)  # --model, --port, --memory-bytes, ... (--cache and --shared come from common)
+    _fill_help(s, SERVE_HELP)
     s.set_defaults(fn=cmd_serve)
-    s = sub.add_parser("convert-gguf", help="a GGUF file (llama family) -> an mlx-lm model directory")
+    s = sub.add_parser("convert-gguf", help="a GGUF file (llama family) -> an mlx-lm model directory",
+                       description="Write an mlx-lm model directory from a llama-family GGUF file.")
     gguf_add_arguments(s)
     s.set_defaults(fn=cmd_convert_gguf)
     s = sub.add_parser("export-mlx-lm", parents=[common],
-                       help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)")
+                       help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)",
+                       description="Write a stored prefix as a file mlx_lm.generate --prompt-cache-file reads.")
     s.add_argument("namespace", help="namespace key (hex or unique prefix)")
     s.add_argument("tokens_file", help="token ids (JSON list, or integers separated by commas/spaces)")
     s.add_argument("out", help="output .safetensors file")
@@ -232,12 +370,14 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     s.add_argument("--exact", action="store_true", help="fail unless every token of the file is stored")
     _add_memory_option(s)
     s.set_defaults(fn=cmd_export_mlx_lm)
-    s = sub.add_parser("import-mlx-lm", parents=[common], help="store an mlx-lm prompt-cache file")
-    s.add_argument("file")
+    s = sub.add_parser("import-mlx-lm", parents=[common], help="store an mlx-lm prompt-cache file",
+                       description="Store an mlx-lm prompt-cache file under the namespace Generator.load would "
+                                   "use for the same model, drafter, adapters and KV options.")
+    s.add_argument("file", help="the mlx-lm prompt-cache .safetensors file")
     s.add_argument("--model", required=True, help="the target model directory the file was made with")
     s.add_argument("--tokens", required=True, help="the token ids the file covers: 1,2,3 or a token file")
     s.add_argument("--drafter", help="drafter directory whose namespace the entry belongs to")
-    s.add_argument("--method", choices=DRAFTER_METHODS)
+    s.add_argument("--method", choices=DRAFTER_METHODS, help="drafter method (default: read from its config)")
     s.add_argument("--adapter", action="append", default=[], metavar="DIR",
                    help="mlx-lm LoRA adapter directory the file was made with (repeat to stack)")
     _add_kv_options(s)
