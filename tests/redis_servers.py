@@ -157,6 +157,7 @@ class ThrowawayCluster:
                                    "--cluster-yes"], capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {(done.stdout + done.stderr)[-500:]}")
+            self.replicas = replicas
             self.wait_ok(timeout)
         except BaseException:
             self.stop()
@@ -174,14 +175,19 @@ class ThrowawayCluster:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Wait until every live node reports ``cluster_state:ok`` and agrees on the slot map."""
+        """Wait until every live node reports ``cluster_state:ok`` with all slots served, and every primary has
+        its replicas attached and in sync (so a primary killed next has a replica to take over)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             states = [self.command(n, "cluster", "info") for n in self.alive()]
             if states and all("cluster_state:ok" in s and "cluster_slots_ok:16384" in s for s in states):
-                return
+                roles = [self.command(n, "info", "replication") for n in self.alive()]
+                primaries = [r for r in roles if "role:master" in r]
+                synced = [r for r in roles if "role:slave" in r and "master_link_status:up" in r]
+                if len(primaries) * getattr(self, "replicas", 0) <= len(synced):
+                    return
             time.sleep(0.1)
-        raise RuntimeError("cluster did not reach cluster_state:ok in time")
+        raise RuntimeError("cluster did not reach cluster_state:ok (with its replicas in sync) in time")
 
     def primaries(self) -> list[ThrowawayServer]:
         return [n for n in self.alive() if "role:master" in self.command(n, "info", "replication")]
