@@ -193,15 +193,31 @@ def _readme_cli_block() -> str:
     return section[: section.index("```", section.index("```") + 3)]
 
 
+def _segments(block: str) -> dict[str, str]:
+    """The README CLI block cut per command: a command's line (two spaces, its name) and the lines under it."""
+    out, name = {"": ""}, ""
+    for line in block.splitlines():
+        m = re.match(r"^  ([a-z][a-z-]*)\b", line)
+        if m:
+            name = m.group(1)
+        elif line.startswith("spec-cache "):
+            name = ""
+        out[name] = out.get(name, "") + line + "\n"
+    return out
+
+
 def test_the_readme_cli_reference_lists_every_command_and_option():
-    block = _readme_cli_block()
+    segments = _segments(_readme_cli_block())
+    shared_options = {o for a in _subcommands()[""]._actions for o in a.option_strings}
     missing = []
     for name, parser in _subcommands().items():
-        if name and not re.search(rf"^\s+{re.escape(name)}\b", block, re.M):
+        if name not in segments:
             missing.append(f"command {name}")
+            continue
         for action in parser._actions:
             for option in action.option_strings:
-                if option.startswith("--") and option != "--help" and option not in block:
+                where = segments[""] if option in shared_options else segments[name]
+                if option.startswith("--") and option != "--help" and not re.search(rf"{option}\b", where):
                     missing.append(f"{name or 'spec-cache'} {option}")
     assert not missing, missing
 
