@@ -20,7 +20,7 @@ from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.generator import Generator
 from spec_cache.kv_quant import KVPlan, LayerQuant, converted_at, plan_kv, reusable
 from spec_cache.namespace import KVLayerConfig, KVOptions
-from spec_cache.quantized_rows import QuantizedTargetRows
+from spec_cache.quantized_rows import PerRowQuantizedTargetRows, QuantizedTargetRows
 from tests.runtime_fixtures import (  # noqa: F401
     CheckpointRecorder,
     _identity_memo,
@@ -262,10 +262,12 @@ def test_stored_quantized_state_is_bit_identical(qtiny, tmp_path):
 
 
 # -- quantized rows -----------------------------------------------------------------------------------------
-def test_quantized_rows_convert_exactly_at_the_point(qtiny):
+@pytest.mark.parametrize("rows_class", [QuantizedTargetRows, PerRowQuantizedTargetRows])
+def test_quantized_rows_convert_exactly_at_the_point(qtiny, rows_class):
+    """Batched rows (tests/test_quantized_batch.py) and the per-row reference path alike."""
     target = qtiny.target
     plan = plan_kv(KVOptions(kv_bits=4, quantized_kv_start=5), target.num_layers, [64, 64])
-    rows = QuantizedTargetRows.from_row_caches(target, plan, [None, None], [5, 9])
+    rows = rows_class.from_row_caches(target, plan, [None, None], [5, 9])
     rows.prefill([[1, 2, 3, 4, 5, 6, 7], [1, 2]], step=512)
     assert rows.offsets == (7, 2) and rows.window_limits() == [None, 7]
     rows.verify([[8, 9, 10], [3, 4, 5]])
@@ -278,7 +280,7 @@ def test_quantized_rows_convert_exactly_at_the_point(qtiny):
     with pytest.raises(ValueError, match="conversion point"):
         rows.rollback([6, 0])  # would cut into the converted part of row 0
     with pytest.raises(ValueError, match="not what a cold run"):
-        QuantizedTargetRows.from_row_caches(target, plan, [first], [7])
+        rows_class.from_row_caches(target, plan, [first], [7])
 
 
 def test_reusable_rule():
