@@ -17,11 +17,20 @@ here (a permutation of whole rows, so exact for packed weights, scales and biase
 mlx-lm's default ``rope_traditional: false``: the directory is the Hugging Face layout mlx-lm expects.
 ``tests/test_gguf.py`` proves it against the GGUF's own layout run with ``rope_traditional=True``.
 
-Supported: ``general.architecture`` ``llama`` (llama, SmolLM, Mistral-style dense llama), byte-level BPE
-tokenizers (``tokenizer.ggml.model == "gpt2"``) with a known pre-tokenizer (``PRE_TOKENIZERS``). Anything else is
-refused with :class:`UnsupportedGGUF`, naming what is unsupported. Not yet: ``gemma3`` (the registry's Gemma 3
-270M Q4_K_M file holds Q4_K / Q5_0 / Q6_K tensors that ``mx.load`` (mlx 0.32.4) fails to read, and a SentencePiece
-tokenizer, ``tokenizer.ggml.model == "llama"``, which needs merges rebuilt from scores).
+Files ``mx.load`` cannot read (K-quants, Q5_0/Q5_1: e.g. Gemma 3 270M Q4_K_M) are read with the ``gguf``
+package instead (``pip install gguf``): block types that are affine in groups of 32 (Q4_0/1, Q5_0/1, Q8_0, Q4_K,
+Q5_K: ``value = scale * q + bias`` per 32 values) are re-packed into MLX's affine layout *exactly* (the integers
+are recovered from the package's dequantized values and the block headers and checked against them), so the
+model stays 4/5/8-bit with llama.cpp's values; Q6_K (groups of 16, MLX's smallest is 32) and the other types are
+written as float weights (dequantized, the same values). Re-quantizing with ``mx.quantize`` instead would round
+every weight a second time. Reading the 262144-token vocabulary through the ``gguf`` package is slow (~40 s).
+
+Supported: ``general.architecture`` ``llama`` (llama, SmolLM, Mistral-style dense llama) and ``gemma3`` (text;
+mlx-lm's ``gemma3_text``: norms stored by llama.cpp as ``w + 1`` shifted back, no Q/K permutation, llama.cpp's
+hard-coded sliding-window pattern 6, local RoPE base 10000 and ``query_pre_attn_scalar``, tied embeddings);
+byte-level BPE tokenizers (``tokenizer.ggml.model == "gpt2"``) with a known pre-tokenizer (``PRE_TOKENIZERS``) and
+SentencePiece BPE (``"llama"``: merges rebuilt from the scores, byte fallback). Anything else is refused with
+:class:`UnsupportedGGUF`, naming what is unsupported.
 
 Speed on MLX's CPU backend (2 shared cores, SmolLM2-135M): a forward of 1 / 5 / 16 tokens takes 0.36 / 1.0 /
 5.0 s with 4-bit weights (0.22 / 0.85 / 2.3 s dequantized to float32), so a verify window of ``k`` tokens costs
@@ -35,6 +44,7 @@ CLI: ``python -m spec_cache.gguf FILE OUT_DIR`` (``add_arguments`` / ``main`` fo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 from collections import Counter
@@ -57,7 +67,7 @@ __all__ = [
 ]
 
 #: GGUF general.architecture values this converter handles
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "gemma3")
 
 _DIGITS = {"type": "Digits", "individual_digits": True}
 _BYTE_LEVEL_REGEX = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
@@ -93,6 +103,23 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: gemma3's block tensors (llama.cpp's GEMMA3 names) -> mlx-lm gemma3_text paths
+_GEMMA3_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCKS = {"llama": _BLOCK, "gemma3": _GEMMA3_BLOCK}
 _SUFFIXES = ("weight", "scales", "biases", "bias")
 _TOKEN_CONTROL = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _TOKEN_USER_DEFINED = 4
@@ -116,8 +143,13 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
         weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
-    except Exception as error:  # mlx raises for tensor types it cannot read
-        raise UnsupportedGGUF(f"{path}: mlx cannot read this GGUF ({error}){_describe(path)}") from error
+    except Exception as error:  # mlx raises for tensor types it cannot read (Q4_K, Q5_0, Q6_K, ...)
+        if importlib.util.find_spec("gguf") is None:
+            raise UnsupportedGGUF(
+                f"{path}: mlx cannot read this GGUF ({error}) and the 'gguf' package is not installed "
+                "(pip install gguf: it reads K-quant and Q5 tensors)"
+            ) from error
+        return _read_with_gguf_package(path)
     return weights, {key: _plain(value) for key, value in metadata.items()}
 
 
@@ -137,6 +169,105 @@ def _describe(path: Path) -> str:
         return ""
     other = ", ".join(f"{name} x{count}" for name, count in sorted(types.items()) if name not in READABLE_TYPES)
     return f"; architecture {arch!r}, tensor types mx.load may not read: {other or 'none'}"
+
+
+#: GGUF block types whose every 32-value group is affine (``scale * q + bias``, q unsigned): type -> (bits,
+#: a function from the raw blocks (n_blocks, type_size) uint8 to per-group (scales, biases), float32)
+def _affine_groups() -> dict[str, tuple[int, Any]]:
+    import numpy as np
+
+    def f16(blocks, start):
+        return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+
+    def k_scales(blocks):  # Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit (scale, min) pairs for 8 groups of 32
+        from gguf.quants import Q4_K
+
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        return f16(blocks, 0) * sc.astype(np.float32), -(f16(blocks, 2) * m.astype(np.float32))
+
+    return {
+        "Q4_0": (4, lambda b: (f16(b, 0), -8 * f16(b, 0))),
+        "Q4_1": (4, lambda b: (f16(b, 0), f16(b, 2))),
+        "Q5_0": (5, lambda b: (f16(b, 0), -16 * f16(b, 0))),
+        "Q5_1": (5, lambda b: (f16(b, 0), f16(b, 2))),
+        "Q8_0": (8, lambda b: (f16(b, 0), -128 * f16(b, 0))),
+        "Q4_K": (4, k_scales),
+        "Q5_K": (5, k_scales),
+    }
+
+
+def _pack_affine(data, tensor_type, rows: int, columns: int) -> tuple[mx.array, mx.array, mx.array] | None:
+    """A GGUF block tensor as MLX's affine layout (packed uint32 weight, scales, biases; group size 32), exact:
+    the integers ``q = (value - bias) / scale`` are recovered from the ``gguf`` package's dequantized values and
+    the block headers, and checked against them. None when the type is not affine in groups of 32 (Q6_K's groups
+    are 16 wide, MLX's smallest is 32) or a check fails: the caller keeps the tensor as floats."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    kind = _affine_groups().get(tensor_type.name)
+    if kind is None or columns % 32:
+        return None
+    bits, groups_of = kind
+    block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+    raw = np.asarray(data).reshape(rows, -1)
+    packed_rows, scale_rows, bias_rows = [], [], []
+    for start in range(0, rows, 8192):  # bounded memory for a 262144-row embedding
+        chunk = raw[start:start + 8192]
+        n = chunk.shape[0]
+        values = dequantize(chunk, tensor_type).astype(np.float32).reshape(n, columns // 32, 32)
+        scales, biases = groups_of(chunk.reshape(-1, type_size))
+        scales, biases = scales.reshape(n, columns // 32, 1), biases.reshape(n, columns // 32, 1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(scales == 0, 0, np.rint((values - biases) / scales))
+        if q.min() < 0 or q.max() > 2**bits - 1:
+            return None
+        q = q.astype(np.uint8)
+        if np.abs(scales * q + biases - values).max() > 1e-5 * max(1.0, float(np.abs(values).max())):
+            return None
+        q = q.reshape(n, columns)
+        if bits == 8:
+            packed = q.view(np.uint32)
+        elif bits == 4:
+            packed = (q[:, 0::2] | (q[:, 1::2] << np.uint8(4))).view(np.uint32)
+        else:  # MLX packs 3/5/6-bit values as one little-endian bit stream per row
+            stream = np.unpackbits(q[..., None], axis=-1, bitorder="little")[..., :bits]
+            packed = np.packbits(stream.reshape(n, -1), axis=-1, bitorder="little").view(np.uint32)
+        packed_rows.append(np.ascontiguousarray(packed))
+        scale_rows.append(scales.reshape(n, -1))
+        bias_rows.append(biases.reshape(n, -1))
+    return (mx.array(np.concatenate(packed_rows)), mx.array(np.concatenate(scale_rows)),
+            mx.array(np.concatenate(bias_rows)))
+
+
+def _read_with_gguf_package(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """What ``read_gguf`` gives, for files ``mx.load`` cannot read, through the ``gguf`` package: block types that
+    are affine in groups of 32 (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K) in MLX's packed layout, exactly; every other
+    type (Q6_K, Q2_K, Q3_K, IQ*) dequantized to float32 (the same values, unquantized)."""
+    import gguf as reader
+    import numpy as np
+
+    file = reader.GGUFReader(str(path))
+    metadata: dict[str, Any] = {}
+    for key, field in file.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        metadata[key] = value
+    tensors: dict[str, mx.array] = {}
+    float_types = (reader.GGMLQuantizationType.F32, reader.GGMLQuantizationType.F16,
+                   reader.GGMLQuantizationType.BF16)
+    for tensor in file.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost dimension first
+        stem = tensor.name[: -len(".weight")] if tensor.name.endswith(".weight") else None
+        if tensor.tensor_type not in float_types and stem is not None and len(shape) == 2:
+            affine = _pack_affine(tensor.data, tensor.tensor_type, shape[0], shape[1])
+            if affine is not None:
+                tensors[tensor.name], tensors[f"{stem}.scales"], tensors[f"{stem}.biases"] = affine
+                continue
+        values = reader.quants.dequantize(tensor.data, tensor.tensor_type)
+        tensors[tensor.name] = mx.array(np.asarray(values, dtype=np.float32).reshape(shape))
+    return tensors, metadata
 
 
 def unpermute_rows(w: mx.array, heads: int) -> mx.array:
@@ -161,16 +292,17 @@ def _meta(metadata: dict, key: str, default: Any = None, *, required: bool = Fal
     return default
 
 
-def _mlx_name(name: str) -> str:
+def _mlx_name(name: str, arch: str = "llama") -> str:
     parts = name.split(".")
+    block = _BLOCKS[arch]
     if parts[-1] not in _SUFFIXES:
         raise UnsupportedGGUF(f"tensor {name!r}: unknown suffix")
     stem, suffix = ".".join(parts[:-1]), parts[-1]
     if stem in _TOP:
         return f"{_TOP[stem]}.{suffix}"
-    if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{suffix}"
-    raise UnsupportedGGUF(f"tensor {name!r} has no place in an mlx-lm llama model (unsupported tensor)")
+    if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[2] in block:
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{suffix}"
+    raise UnsupportedGGUF(f"tensor {name!r} has no place in an mlx-lm {arch} model (unsupported tensor)")
 
 
 def _llama_config(metadata: dict, weights: dict) -> dict:
@@ -221,6 +353,62 @@ def _llama_config(metadata: dict, weights: dict) -> dict:
     return config
 
 
+#: llama.cpp's gemma3 constants the GGUF does not carry (src/llama-model.cpp): every 6th layer attends globally,
+#: the sliding-window layers rotate with base 10000
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_ROPE_LOCAL_BASE = 10_000.0
+
+
+def _gemma3_config(metadata: dict, weights: dict) -> dict:
+    """mlx-lm ``gemma3_text`` config from llama.cpp's gemma3 keys. Not in the file, as llama.cpp hard-codes them:
+    the sliding-window pattern (6), the local RoPE base (10000) and ``query_pre_attn_scalar`` (head_dim; the
+    27B model, hidden 5376 over 32 heads, uses hidden / heads). RoPE is the Hugging Face half-split layout (llama.cpp
+    runs gemma3 with NEOX rotation; its converter does not permute Q/K), embeddings are tied."""
+    arch = "gemma3"
+    heads = int(_meta(metadata, f"{arch}.attention.head_count", required=True))
+    hidden = int(_meta(metadata, f"{arch}.embedding_length", required=True))
+    head_dim = int(_meta(metadata, f"{arch}.attention.key_length", 256))
+    if int(_meta(metadata, f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedGGUF("gemma3 with key_length != value_length is not supported")
+    if _meta(metadata, f"{arch}.final_logit_softcapping") or _meta(metadata, f"{arch}.attn_logit_softcapping"):
+        raise UnsupportedGGUF("gemma3 logit soft-capping is not supported (mlx-lm's gemma3_text has none)")
+    if "output.weight" in weights:
+        raise UnsupportedGGUF("gemma3 with an untied output head is not supported (mlx-lm's gemma3_text ties it)")
+    layers = int(_meta(metadata, f"{arch}.block_count", required=True))
+    tokens = _meta(metadata, "tokenizer.ggml.tokens", required=True)
+    config: dict[str, Any] = {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": int(_meta(metadata, f"{arch}.feed_forward_length", required=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_meta(metadata, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(f"{float(_meta(metadata, f'{arch}.attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),
+        "vocab_size": int(_meta(metadata, f"{arch}.vocab_size", len(tokens))),
+        "rope_theta": float(_meta(metadata, f"{arch}.rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": GEMMA3_ROPE_LOCAL_BASE,
+        "query_pre_attn_scalar": hidden // heads if (hidden, heads) == (5376, 32) else head_dim,
+        "sliding_window": int(_meta(metadata, f"{arch}.attention.sliding_window", 512)),
+        "sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
+        "max_position_embeddings": int(_meta(metadata, f"{arch}.context_length", 32768)),
+        "tie_word_embeddings": True,
+    }
+    scaling = _meta(metadata, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise UnsupportedGGUF(f"RoPE scaling type {scaling!r} is not supported (only linear)")
+        config["rope_scaling"] = {"rope_type": "linear",
+                                  "factor": float(_meta(metadata, f"{arch}.rope.scaling.factor"))}
+    for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("pad_token_id", "padding_token_id")):
+        value = _meta(metadata, f"tokenizer.ggml.{meta_key}")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
 def _in_features(mlx_name: str, config: dict) -> int:
     """The input size of a linear / embedding module (needed to read bits and group size off packed shapes)."""
     if mlx_name.endswith("o_proj"):
@@ -230,16 +418,20 @@ def _in_features(mlx_name: str, config: dict) -> int:
     return config["hidden_size"]
 
 
-def _llama_weights(
-    raw: dict[str, mx.array], config: dict, dtype: mx.Dtype | None, dequantize: bool = False
+def _model_weights(
+    raw: dict[str, mx.array], config: dict, dtype: mx.Dtype | None, dequantize: bool = False, arch: str = "llama"
 ) -> tuple[dict, dict]:
-    """mlx-lm weights (Q/K rows un-permuted) and the ``quantization`` block ({} when nothing stays quantized)."""
+    """mlx-lm weights and the ``quantization`` block ({} when nothing stays quantized). llama: Q/K rows
+    un-permuted. gemma3: llama.cpp stores every RMSNorm weight as ``w + 1`` (its converter adds Gemma's ``1 +``);
+    mlx-lm's gemma3_text adds it at run time, so 1 is subtracted here."""
     weights: dict[str, mx.array] = {}
     for name, value in raw.items():
-        target = _mlx_name(name)
-        if name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
+        target = _mlx_name(name, arch)
+        if arch == "llama" and name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
             heads = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
             value = unpermute_rows(value, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            value = value.astype(mx.float32) - 1.0
         if dtype is not None and value.dtype in (mx.float16, mx.bfloat16, mx.float32):
             value = value.astype(dtype)
         weights[target] = value
@@ -296,9 +488,11 @@ def _dequantized(weights: dict[str, mx.array], config: dict, dtype: mx.Dtype) ->
 def _tokenizer_files(metadata: dict) -> tuple[dict, dict]:
     """``tokenizer.json`` and ``tokenizer_config.json`` contents from the GGUF tokenizer metadata."""
     model = _meta(metadata, "tokenizer.ggml.model", required=True)
+    if model == "llama":
+        return _sentencepiece_tokenizer_files(metadata)
     if model != "gpt2":
         raise UnsupportedGGUF(
-            f"tokenizer model {model!r} is not supported (only byte-level BPE, tokenizer.ggml.model == 'gpt2')"
+            f"tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and SentencePiece BPE 'llama')"
         )
     pre = _meta(metadata, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
@@ -371,6 +565,104 @@ def _tokenizer_files(metadata: dict) -> tuple[dict, dict]:
     return tokenizer, config
 
 
+_TOKEN_NORMAL, _TOKEN_BYTE = 1, 6
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges rebuilt from a SentencePiece BPE vocabulary (GGUF keeps tokens and scores, not merges): every
+    split of a normal token into two normal tokens is a merge, ranked by the merged token's score (SentencePiece
+    merges the highest-scoring pair first), ties by the parts' ids (the rule of Hugging Face's
+    ``SentencePieceExtractor``)."""
+    ids = {t: i for i, t in enumerate(tokens) if types[i] == _TOKEN_NORMAL}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, index in ids.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[index], ids[left], ids[right], left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _sentencepiece_tokenizer_files(metadata: dict) -> tuple[dict, dict]:
+    """``tokenizer.json`` / ``tokenizer_config.json`` for a SentencePiece BPE vocabulary (``tokenizer.ggml.model
+    == "llama"``, e.g. Gemma 3): spaces as ``▁``, byte fallback through the ``<0xNN>`` tokens, control tokens
+    special, user-defined tokens (Gemma's newline and tab runs, image markers) matched whole before BPE, as
+    SentencePiece does."""
+    tokens = list(_meta(metadata, "tokenizer.ggml.tokens", required=True))
+    scores = [float(x) for x in _meta(metadata, "tokenizer.ggml.scores", required=True)]
+    types = [int(x) for x in _meta(metadata, "tokenizer.ggml.token_type", [1] * len(tokens))]
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise UnsupportedGGUF("tokenizer.ggml.scores / token_type do not match tokenizer.ggml.tokens in length")
+    if _meta(metadata, "tokenizer.ggml.add_space_prefix", False):
+        raise UnsupportedGGUF("SentencePiece add_space_prefix is not supported (Gemma 3 files have it off)")
+    added = [
+        {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": types[i] == _TOKEN_CONTROL}
+        for i, token in enumerate(tokens) if types[i] in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    ]
+
+    def token(key: str) -> str | None:
+        index = _meta(metadata, f"tokenizer.ggml.{key}")
+        return None if index is None or not 0 <= int(index) < len(tokens) else tokens[int(index)]
+
+    bos, eos, unk, pad = (token(k) for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"))
+    add_bos = bool(_meta(metadata, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+    post = None
+    if add_bos:
+        post = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [tokens.index(bos)], "tokens": [bos]}},
+        }
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        "pre_tokenizer": None,
+        "post_processor": post,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+        ]},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": unk,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": [list(m) for m in sentencepiece_merges(tokens, scores, types)],
+        },
+    }
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": bool(_meta(metadata, "tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_meta(metadata, f"{_meta(metadata, 'general.architecture')}.context_length", 4096)),
+        "added_tokens_decoder": {
+            str(a["id"]): {k: a[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+            for a in added
+        },
+    }
+    for key, value in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
+        if value is not None:
+            config[key] = value
+    template = _meta(metadata, "tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    return tokenizer, config
+
+
 def convert(
     gguf_path: str | Path, out_dir: str | Path, *, dtype: str | None = "float32", dequantize: bool = False,
     force: bool = False,
@@ -398,9 +690,9 @@ def convert(
         raise UnsupportedGGUF(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
-    config = _llama_config(metadata, raw)
+    config = _llama_config(metadata, raw) if arch == "llama" else _gemma3_config(metadata, raw)
     tokenizer, tokenizer_config = _tokenizer_files(metadata)
-    weights, quantization = _llama_weights(raw, config, cast, dequantize)
+    weights, quantization = _model_weights(raw, config, cast, dequantize, arch)
     if quantization:
         config["quantization"] = quantization
         config["quantization_config"] = quantization
