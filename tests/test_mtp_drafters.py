@@ -99,6 +99,11 @@ def test_checkpoint_is_the_heads_state_over_its_tokens(mtp):
             assert mx.allclose(k, keys, atol=1e-4).item() and mx.allclose(v, values, atol=1e-4).item()
 
 
+class _Recorder(CheckpointRecorder):
+    def __call__(self, row, tokens, caches, draft):
+        self.calls.append((row, list(tokens), caches, draft))
+
+
 def _restored(recorder, index, prompt, max_tokens=MAX, boundary=True):
     _, tokens, caches, checkpoint = (recorder.boundary if boundary else recorder.finish)(index)
     return RowRequest(prompt, restored_caches=caches, restored_tokens=len(tokens), draft_checkpoint=checkpoint,
@@ -284,3 +289,33 @@ def test_prefill_mode_and_consume_across_providers(mtp, tmp_path):
     assert not assistant.supports_external_tokens
     with pytest.raises(NotImplementedError, match="cannot consume"):
         assistant.consume([[1]], None, [1])
+
+
+def test_qwen3_next_target_with_its_gated_mtp_head(tmp_path, monkeypatch):
+    """The family the head comes from: a hybrid Qwen3-Next target (recurrent and gated full-attention layers);
+    the head copies its gated, q/k-normed, partial-RoPE attention layer."""
+    original = SpeculativeEngine._check_restored
+
+    def check(self, where, caches, restored, conversion):  # until engine.py delegates to the target's check
+        if not hasattr(self.target, "check_restored"):
+            return original(self, where, caches, restored, conversion)
+        self.target.check_restored(where, caches, restored, quantized=self.plan is not None)
+
+    monkeypatch.setattr(SpeculativeEngine, "_check_restored", check)
+    target_dir = write_tiny_target(tmp_path / "target", "qwen3_next", tokenizer=False)
+    drafter_dir = write_tiny_drafter_extra(tmp_path / "mtp", "qwen-mtp", target_dir)
+    provider = load_provider(drafter_dir)
+    assert provider.config.attn_output_gate and provider.config.qk_norm
+    assert provider.config.partial_rotary_factor < 1
+    target = TargetModel.load(target_dir)
+    engine = SpeculativeEngine(target, provider, draft_depth=3, **FIXED)
+    recorder = _Recorder()  # recurrent layers have no offset to check
+    cold = engine.run([RowRequest(p, max_tokens=MAX) for p in PROMPTS], on_checkpoint=recorder)
+    for prompt, result in zip(PROMPTS, cold):
+        assert result.tokens == plain_greedy(target, prompt, MAX)
+    assert sum(r.accepted for r in cold) > 0
+    warm = engine.run([_restored(recorder, 0, PROMPTS[0]), RowRequest(PROMPTS[1], max_tokens=MAX),
+                       _restored(recorder, 2, PROMPTS[2])])
+    for c, w in zip(cold, warm):
+        assert (w.tokens, w.drafted, w.accepted) == (c.tokens, c.drafted, c.accepted)
+    assert warm[2].cached_tokens == len(PROMPTS[2]) - 1

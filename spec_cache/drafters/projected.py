@@ -109,7 +109,9 @@ class _Attention(nn.Module):
         self.config = config
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=False)
+        #: Qwen3-Next style: q_proj also yields a per-head output gate (``o_proj(out * sigmoid(gate))``)
+        self.gated = bool(getattr(config, "attn_output_gate", False))
+        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim * (2 if self.gated else 1), bias=False)
         self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
@@ -130,7 +132,12 @@ class _Attention(nn.Module):
 
     def __call__(self, h: mx.array, rope: Any, positions: mx.array, context: ContextKV, causal: bool) -> tuple:
         B, L, _ = h.shape
-        queries = self._heads(self.q_proj(h), self.config.num_attention_heads)
+        gate = None
+        if self.gated:
+            queries, gate = mx.split(self.q_proj(h).reshape(B, L, self.config.num_attention_heads, -1), 2, axis=-1)
+            queries, gate = queries.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
+        else:
+            queries = self._heads(self.q_proj(h), self.config.num_attention_heads)
         if self.config.qk_norm:
             queries = self.q_norm(queries)
         queries = rope(queries, offset=positions)
@@ -145,7 +152,8 @@ class _Attention(nn.Module):
         else:
             all_keys, all_values = keys, values
         out = mx.fast.scaled_dot_product_attention(queries, all_keys, all_values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), keys, values
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out if gate is None else out * mx.sigmoid(gate)), keys, values
 
 
 class _Layer(nn.Module):

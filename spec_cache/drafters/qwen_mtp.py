@@ -22,11 +22,14 @@ The row checkpoint is ``qwen-mtp-v1``: ``[k, v, hidden]`` (``[hidden]`` while ``
 
 Config keys (``config.json``, ``"method": "qwen-mtp"``): ``hidden_size`` (= the target's), ``num_attention_heads``,
 ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` (= the target's), ``rms_norm_eps``
-(1e-6), ``rope_theta`` (10000), ``qk_norm`` (true), ``num_hidden_layers`` (must be 1: the schema stores one K/V
-pair). Weights: ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc`` ``[H, 2H]``, ``layers.0.*`` (one
-decoder layer: ``input_layernorm``, ``self_attn.{q,k,v,o}_proj`` (+ ``q_norm``/``k_norm``),
-``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``), ``norm``; an ``mtp.`` prefix (as in Qwen3-Next
-checkpoints) is stripped. Qwen3-Next's gated attention output is not modelled.
+(1e-6), ``rope_theta`` (10000), ``qk_norm`` (true), ``attn_output_gate`` (false; Qwen3-Next's gated attention:
+``q_proj`` yields queries and a per-head gate, ``o_proj(out * sigmoid(gate))``), ``partial_rotary_factor`` (1.0;
+RoPE over that share of each head), ``num_hidden_layers`` (must be 1: the schema stores one K/V pair).
+Weights: ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc`` ``[H, 2H]``, ``layers.0.*`` (one decoder
+layer: ``input_layernorm``, ``self_attn.{q,k,v,o}_proj`` (+ ``q_norm``/``k_norm``), ``post_attention_layernorm``,
+``mlp.{gate,up,down}_proj``), ``norm``; an ``mtp.`` prefix (as in Qwen3-Next checkpoints) is stripped; weights
+are taken as mlx-lm stores them (Hugging Face Qwen3-Next norms are ``1 + w``: convert them as mlx-lm's
+``qwen3_next.sanitize`` does). A dense MLP only (the 80B model's MTP MoE is not modelled).
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class QwenMTPConfig:
     rope_theta: float = 10000.0
     qk_norm: bool = True
     num_hidden_layers: int = 1
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also yields a per-head output gate
+    partial_rotary_factor: float = 1.0  # RoPE over the first head_dim * factor dims of each head
 
     @classmethod
     def from_dict(cls, config: dict) -> "QwenMTPConfig":
@@ -81,6 +86,9 @@ class QwenMTPConfig:
             value = config[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{METHOD} {key} must be an int >= 1, got {value!r}")
+        factor = config.get("partial_rotary_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ValueError(f"{METHOD} partial_rotary_factor must be in (0, 1], got {factor!r}")
         if config.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"{METHOD} heads have exactly one layer (qwen-mtp-v1 stores one K/V pair), got "
                              f"num_hidden_layers={config['num_hidden_layers']!r}")
@@ -103,7 +111,8 @@ class QwenMTPNetwork(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = [_Layer(config)]
         self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
-        self._rope = nn.RoPE(config.head_dim, traditional=False, base=config.rope_theta)
+        rotary = int(config.head_dim * config.partial_rotary_factor)
+        self._rope = nn.RoPE(rotary, traditional=False, base=config.rope_theta)
 
     def __call__(self, embeddings: mx.array, hiddens: mx.array, positions: mx.array, context: ContextKV) -> tuple:
         """The pairs ``(hiddens[:, j], embeddings[:, j])`` ``[B, L, H]`` at ``positions + j``, causal among

@@ -2,9 +2,11 @@
 derived from a tiny target directory as ``spec_cache.tiny`` derives the others (``tiny.write_tiny_drafter``
 dispatches these methods here).
 
-* ``qwen-mtp``: the MTP head's layer copies the target's first layer and ``fc`` passes the normed embedding of
-  the pair's token through (plus ``hidden_mix`` of the target hidden), so the head behaves like a one-layer
-  truncation of the target shifted by one position: drafts agree with the target part of the time.
+* ``qwen-mtp``: the MTP head's layer copies the target's first full-attention layer (for a ``qwen3_next``
+  target: gated attention, q/k norms, partial RoPE, as Qwen3-Next's MTP layer) and ``fc`` passes the normed
+  embedding of the pair's token through (plus ``hidden_mix`` of the target hidden), so on a llama-layout target
+  the head behaves like a one-layer truncation of the target shifted by one position: drafts agree with the
+  target part of the time.
 * ``dflash2``: a tiny DFlash drafter (``tiny.write_tiny_drafter(..., "dflash")``) rewritten as a DFlash 2
   ``config.json`` with ``draft_bits`` (default 4: projections quantized at load).
 """
@@ -54,18 +56,25 @@ def _write_qwen_mtp(path: Path, target_dir: Path, seed: int, hidden_mix: float =
 
     target_config = json.loads((target_dir / "config.json").read_text())
     weights = mx.load(str(target_dir / "model.safetensors"))
+    # the head copies the target's first full-attention layer (Qwen3-Next: gated, q/k-normed, partial RoPE)
+    donor = min(int(name.split(".")[2]) for name in weights if name.endswith(".self_attn.q_proj.weight"))
+    prefix = f"model.layers.{donor}."
     hidden = target_config["hidden_size"]
     heads = target_config["num_attention_heads"]
+    head_dim = target_config.get("head_dim") or hidden // heads
+    qk_norm = prefix + "self_attn.q_norm.weight" in weights
     config = QwenMTPConfig(
         hidden_size=hidden,
         num_attention_heads=heads,
         num_key_value_heads=target_config["num_key_value_heads"],
-        head_dim=target_config.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
         intermediate_size=target_config["intermediate_size"],
         vocab_size=target_config["vocab_size"],
         rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
         rope_theta=target_config.get("rope_theta", 10000.0),
-        qk_norm=False,
+        qk_norm=qk_norm,
+        attn_output_gate=weights[prefix + "self_attn.q_proj.weight"].shape[0] == 2 * heads * head_dim,
+        partial_rotary_factor=target_config.get("partial_rotary_factor", 1.0),
     )
     network = QwenMTPNetwork(config)
     noise = mx.random.normal((hidden, hidden), key=mx.random.key(seed)) * (hidden_mix / hidden**0.5)
@@ -75,11 +84,12 @@ def _write_qwen_mtp(path: Path, target_dir: Path, seed: int, hidden_mix: float =
         "fc.weight": mx.concatenate([mx.eye(hidden), noise], axis=1),
         "norm.weight": _plain_norm(target_config, weights["model.norm.weight"]),
     }
-    copied = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    copied = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
               "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    copied += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if qk_norm else []
     for name in copied:
-        weight = weights[f"model.layers.0.{name}"]
+        weight = weights[prefix + name]
         drawn[f"layers.0.{name}"] = _plain_norm(target_config, weight) if name.endswith("norm.weight") else weight
     network.load_weights(list(drawn.items()), strict=True)
     stored = config.to_dict()
