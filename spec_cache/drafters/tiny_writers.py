@@ -47,7 +47,7 @@ def write_tiny_drafter_extra(path: str | Path, method: str, target_dir: str | Pa
 
 
 def _plain_norm(target_config: dict, weight: mx.array) -> mx.array:
-    return weight + 1.0 if target_config["model_type"].startswith("gemma") else weight
+    return weight + 1.0 if target_config["model_type"] == "gemma3_text" else weight  # gemma3 norms are 1 + w
 
 
 def _write_qwen_mtp(path: Path, target_dir: Path, seed: int, hidden_mix: float = 0.1,
