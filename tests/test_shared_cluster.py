@@ -9,6 +9,7 @@ while a primary dies and while a slot migrates under the readers.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -21,7 +22,8 @@ import redis
 from redis.cluster import RedisCluster, key_slot
 
 from spec_cache.cache import CacheWarning, SpecCache
-from spec_cache.store.shared import SharedConfig, SharedTier
+from spec_cache.cli import shared as shared_cli
+from spec_cache.store.shared import SharedConfig
 from spec_cache.store.shared.keys import KeyNames
 from spec_cache.store.shared.records import read_outgoing
 from tests.redis_servers import ThrowawayCluster, cli_for, server_binaries
@@ -121,7 +123,7 @@ def test_key_groups_follow_the_spread():
         one.chunk(chain[2])
 
 
-def test_a_checkpoint_lives_in_one_slot_and_conversations_spread(flushed, hosts):
+def test_a_checkpoint_lives_in_one_slot_and_conversations_spread(flushed, hosts, monkeypatch, capsys):
     a = hosts("a", flushed.url)
     ns = a.namespace(TARGET, PREFIX_NS)
     prompts = [prompt(200 + i, 100) for i in range(12)]
@@ -142,11 +144,14 @@ def test_a_checkpoint_lives_in_one_slot_and_conversations_spread(flushed, hosts)
     assert len(slots) == 12  # 12 conversations (different first chunks): 12 slots
     owners = {flushed.node_of_slot(s).port for s in slots}
     assert len(owners) >= 2  # ... over several primaries (12 random slots on 3 nodes: all on one has p < 1e-5)
-    tier = SharedTier(flushed.url)
-    stats = tier.probe()
-    tier.close()
+    stats = shared_cli.shared_health(flushed.url)  # what `spec-cache --shared redis+cluster://... shared-stats` shows
     assert stats["reachable"] and stats["cluster"]["state"] == "ok" and len(stats["cluster"]["primaries"]) == 3
     assert stats["published_checkpoints"] == 12 and stats["keys"] == len(names)  # the stats hash included
+    assert "16384 of 16384 slots served, 3 primaries" in shared_cli.format_health(stats)
+    monkeypatch.setenv(shared_cli.ENV, flushed.url)  # $SPEC_CACHE_SHARED names the cluster as --shared does
+    capsys.readouterr()
+    assert shared_cli.cmd_shared_stats(argparse.Namespace(json=True)) == 0
+    assert json.loads(capsys.readouterr().out)["published_checkpoints"] == 12
 
 
 # --- two hosts -------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The CLI side of the shared tier: the ``--shared URL`` option, ``spec-cache shared-stats``, and the shared
 section of ``spec-cache stats``. Nothing here imports MLX.
 
-``shared-stats`` asks the server how it is (reachable, round trip, version, memory, eviction policy, keys,
-checkpoints published) and exits 0 when it answers, 1 when it does not, 2 on a usage error (no URL, bad URL).
+``shared-stats`` asks the server (or every primary of a ``redis+cluster://`` cluster) how it is (reachable, round
+trip, version, memory, eviction policy, keys, checkpoints published; a cluster's state and slots) and exits 0
+when it answers, 1 when it does not, 2 on a usage error (no URL, bad URL).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def add_shared_option(parser: argparse.ArgumentParser) -> None:
     if any("--shared" in action.option_strings for action in parser._actions):
         return
     parser.add_argument("--shared", default=argparse.SUPPRESS, metavar="URL",
-                        help="shared tier, a Redis/Valkey URL such as redis://host:6379/0 "
+                        help="shared tier, a Redis/Valkey URL such as redis://host:6379/0, or a cluster: "
+                             "redis+cluster://host:port[,host:port...] "
                              f"(default: ${ENV}; none: local store only)")
 
 
@@ -52,12 +54,16 @@ def format_health(d: dict) -> str:
     if not d.get("reachable"):
         return f"shared        {d['url']}: unreachable ({d.get('error', 'no answer')})"
     limit = human_bytes(d["maxmemory"]) if d["maxmemory"] else "unlimited"
-    lines = [f"shared        {d['url']} (prefix {d['prefix']})",
-             f"  server      {d['server']}, round trip {d['rtt_ms']:.2f} ms, {d['connected_clients']} clients",
-             f"  memory      {human_bytes(d['used_memory'])} of {limit}"
-             f", policy {d['maxmemory_policy']}, {d['evicted_keys']} keys evicted",
-             f"  keys        {d['keys']} in the database; {d['published_checkpoints']} checkpoints "
-             f"({human_bytes(d['published_bytes'])}) published so far"]
+    lines = [f"shared        {d['url']} (prefix {d['prefix']})"]
+    if d.get("cluster"):
+        c = d["cluster"]
+        lines.append(f"  cluster     state {c['state']}, {c['slots_ok']} of 16384 slots served, "
+                     f"{len(c['primaries'])} primaries, {c['known_nodes']} nodes known")
+    lines += [f"  server      {d['server']}, round trip {d['rtt_ms']:.2f} ms, {d['connected_clients']} clients",
+              f"  memory      {human_bytes(d['used_memory'])} of {limit}"
+              f", policy {d['maxmemory_policy']}, {d['evicted_keys']} keys evicted",
+              f"  keys        {d['keys']} in the database; {d['published_checkpoints']} checkpoints "
+              f"({human_bytes(d['published_bytes'])}) published so far"]
     lines += [f"  warning     {w}" for w in d.get("warnings", [])]
     return "\n".join(lines)
 

@@ -109,6 +109,8 @@ class SharedTier(LookupMixin, PublishMixin):
         """
         out: dict = {"url": self.config.safe_url, "prefix": self.config.prefix, "reachable": False}
         try:
+            if self.config.cluster:
+                self._write.ping()  # builds the client (reads the slot map): not part of the round trip
             start = time.perf_counter()
             self._write.ping()
             out["rtt_ms"] = round((time.perf_counter() - start) * 1e3, 3)
