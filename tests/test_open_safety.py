@@ -80,14 +80,26 @@ def test_a_zero_byte_data_file_is_named_and_not_replaced(tmp_path):
     assert (d / "data.mdb").stat().st_size == 0 and not (d / "reserve").exists()
 
 
-@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root to switch users")
-def test_as_another_user_permission_denied_is_named_and_readonly_inspection_works(tmp_path):
+@pytest.fixture
+def world_tmp():
+    """A fresh directory under /tmp (pytest's own folders are 0700: another user could not reach a store in
+    them), removed afterwards whether the test passed or not."""
     import tempfile
+    from pathlib import Path
 
-    tmp_path = __import__("pathlib").Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's own folders are 0700
+    path = Path(tempfile.mkdtemp(prefix="spec-cache-test-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root to switch users")
+def test_as_another_user_permission_denied_is_named_and_readonly_inspection_works(world_tmp):
     """A store owned by root, 0700: another user gets "permission denied"; made world-readable (files 0644,
     directory 0755) another user can inspect it read-only although lock.mdb is not theirs to write; and that
     user's write-open of a foreign non-empty directory changes nothing there."""
+    tmp_path = world_tmp
     d = tmp_path / "store"
     Store.open(d).close()
     os.chmod(tmp_path, 0o755)
@@ -113,7 +125,6 @@ def test_as_another_user_permission_denied_is_named_and_readonly_inspection_work
     out = subprocess.run(takeover, capture_output=True, text=True, timeout=120)
     assert "not a spec-cache store" in out.stdout, out.stdout + out.stderr
     assert snapshot(foreign) == before
-    shutil.rmtree(tmp_path)
 
 
 def test_a_closed_cache_is_a_clear_error_or_a_warned_miss(tmp_path):
