@@ -306,3 +306,37 @@ def test_reads_during_a_slot_migration_are_right_or_misses(flushed, hosts):
     # while the records were split over two nodes every read served the whole checkpoint: ASK followed
     assert lengths == [100] * len(names), lengths
     assert migrating >= 1
+
+
+# --- the fleet benchmark's arithmetic (the tool itself is run by hand: tools/bench_fleet.py) -----------------
+def test_fleet_summary_and_projection():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_fleet
+
+    args = argparse.Namespace(hosts=2, conversations=2, turns=3, system=512, user=64, reply=8, spread=1,
+                              chunk_tokens=128, hidden=64, layers=2)
+    mib = 1 << 20
+    records = [
+        {"source": "cold", "ttft_s": 0.0, "cached": 0, "fetched": 0, "skipped": 0, "cold_ttft_s": 2.0,
+         "same_first_token": True},
+        {"source": "local", "ttft_s": 0.2, "cached": 512, "fetched": 0, "skipped": 0},
+        {"source": "shared", "ttft_s": 0.4, "cached": 640, "fetched": mib // 4, "skipped": 3 * mib // 4,
+         "cold_ttft_s": 1.0, "same_first_token": False},
+        {"source": "shared", "ttft_s": 0.6, "cached": 640, "fetched": mib // 4, "skipped": 3 * mib // 4},
+    ]
+    statuses = {0: {"published": 3, "dropped_full": 1, "dropped_down": 2}, 1: {"published": 1, "dropped_close": 1}}
+    out = bench_fleet.summarize(args, records, statuses, [10, 1, 0])
+    assert out["hit_ratio"] == 0.75 and out["shared_share"] == 0.5
+    assert out["bytes_moved_per_shared_hit"] == mib // 4 and out["bytes_skipped_per_shared_hit"] == 3 * mib // 4
+    assert out["bytes_per_token"] == 2 * mib / 1280
+    assert out["publish_queue_drops"] == 4 and out["published"] == 4 and out["first_token_mismatches"] == 1
+    assert out["ttft_cold_p50_ms"] == 1500 and out["ttft_shared_p50_ms"] == 500
+    rows = {row["hosts"]: row for row in out["projection"]}
+    assert rows[1]["shared_share"] == 0 and rows[1]["bytes_per_request"] == 0
+    assert rows[2]["turn_hit_ratio_local_only"] == 0.5 and rows[100]["turn_hit_ratio_local_only"] == 0.01
+    assert rows[100]["shared_share"] == pytest.approx(2 / 3 * 0.99)
+    # turns 2 and 3 reuse 584 and 656 tokens, 72 and 144 of them past the system prompt, half of them fetched at H=2
+    b = out["bytes_per_token"]
+    assert rows[2]["bytes_per_request"] == pytest.approx(0.5 * b * (72 + 144) / 3)
+    assert rows[2]["bytes_per_request_no_skip"] == pytest.approx(0.5 * b * (584 + 656) / 3)
+    assert "paper projection" in bench_fleet.report(out)
