@@ -15,7 +15,7 @@ from tests.runtime_fixtures import _identity_memo, tiny  # noqa: F401
 
 
 def test_methods_are_the_provider_table():
-    assert METHODS == ("assistant", "draft-model", "ngram", "deepspec", "dflash")
+    assert METHODS == ("assistant", "draft-model", "ngram", "deepspec", "dflash", "qwen-mtp", "dflash2")
     for method in METHODS:
         module, name = drafters._PROVIDERS[method]
         loaded = importlib.import_module(f"spec_cache.drafters.{module}")
