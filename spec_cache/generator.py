@@ -97,7 +97,7 @@ class Generator:
         options = check_runnable(kv)
         target_dir = Path(target_dir)
         _check_model_dir(target_dir, "target")
-        if drafter_dir is not None:
+        if drafter_dir is not None and Path(drafter_dir).is_dir():  # some providers take other paths: theirs to check
             _check_model_dir(Path(drafter_dir), "drafter")
         memo = cache.memo() if cache is not None else None
         stack = resolve_adapters(adapters, memo)
