@@ -227,7 +227,7 @@ class LookupMixin:
         ek = cand.entry_key
         dkey = draft_key(ek, drafter) if (ek is not None and drafter) else None
         g = cand.group
-        entry_raw, draft_raw, nbytes = self._read_candidate(ns_key, cand, dkey, probe, seen, warnings)
+        entry_raw, draft_raw, _fetched = self._read_candidate(ns_key, cand, dkey, probe, seen, warnings)
         if any(key in seen.unusable for key in cand.chain[1:]):
             self.health.add("vanished")  # evicted between the index read and this one: try a shorter prefix
             return None
@@ -259,6 +259,8 @@ class LookupMixin:
         if seen.loose and isinstance(draft_raw, bytes) and record_checksum(draft_raw) != want:
             want = None  # not one snapshot: the drafter record may have been replaced meanwhile (target part only)
         attachment = self._attachment(dkey, draft_raw, want, cand.length, warnings, g) if want is not None else None
+        # the restored records' size (fetched or read locally): what promoting them into LMDB writes
+        nbytes = sum(len(raw) for raw in records.values()) + (len(draft_raw) if attachment is not None else 0)
         return Incoming(cand.length, layers, attachment, man["minr"] if man is not None else 0, nbytes)
 
     def _read_candidate(self, ns_key, cand: _Candidate, dkey: bytes | None, probe: list[bytes], seen: "_Seen",
