@@ -26,7 +26,7 @@ from spec_cache.cli import shared as shared_cli
 from spec_cache.store.shared import SharedConfig
 from spec_cache.store.shared.keys import KeyNames
 from spec_cache.store.shared.records import read_outgoing
-from tests.redis_servers import ThrowawayCluster, cli_for, server_binaries
+from tests.redis_servers import ThrowawayCluster, cli_for, free_port, server_binaries
 from tests.test_shared_tier import DRAFTER, PREFIX_NS, TARGET, C, assert_holds, prompt, save
 
 BINARIES = server_binaries()
@@ -152,6 +152,25 @@ def test_a_checkpoint_lives_in_one_slot_and_conversations_spread(flushed, hosts,
     capsys.readouterr()
     assert shared_cli.cmd_shared_stats(argparse.Namespace(json=True)) == 0
     assert json.loads(capsys.readouterr().out)["published_checkpoints"] == 12
+
+
+def test_a_cluster_down_at_start_is_a_miss_not_a_crash(tmp_path):
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    cache = SpecCache.open(tmp_path / "a", shared=url, chunk_tokens=C, durable=False,
+                           shared_options={"timeout_s": 0.2, "connect_timeout_s": 0.2, "backoff_s": 60})
+    try:
+        ns = cache.namespace(TARGET, PREFIX_NS)
+        p = prompt(50, 40)
+        with pytest.warns(CacheWarning, match="cluster not reachable"):
+            assert cache.restore(ns, p) is None
+        save(cache, ns, p)  # saved locally; the publish is dropped while the tier backs off
+        assert cache.drain(10)
+        hit, _ = restore_checked(cache, ns, p + [1])
+        assert hit.length == 40 and hit.tier != "shared"
+        s = cache.shared_status()
+        assert s["state"] == "down" and s["errors"] == 1 and s["dropped_down"] == 1
+    finally:
+        cache.close()
 
 
 # --- two hosts -------------------------------------------------------------------------------------------

@@ -30,6 +30,17 @@ __all__ = ["SharedTier", "Incoming", "PublishJob"]
 
 log = logging.getLogger("spec_cache.shared")
 
+#: the first redis-py whose RedisCluster runs MULTI/EXEC pipelines (keys of one slot), which lookups use
+CLUSTER_REDIS_PY = (6, 1)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
 
 class SharedTier(LookupMixin, PublishMixin):
     """A client of one shared server. ``store`` (a local ``Store``) is needed to publish; lookups work without."""
@@ -47,6 +58,11 @@ class SharedTier(LookupMixin, PublishMixin):
         self.keys = KeyNames(self.config.prefix, self.config.cluster, self.config.spread_chunks)
         self.health = Health(self.config.backoff_s, self.config.backoff_max_s)
         self.host_id = f"{socket.gethostname()}:{os.getpid()}"
+
+        if self.config.cluster and _version(redis.__version__) < CLUSTER_REDIS_PY:
+            raise StoreError(f"shared tier {self.config.safe_url}: a cluster needs redis-py >= "
+                             f"{'.'.join(map(str, CLUSTER_REDIS_PY))} (transactions in cluster pipelines), "
+                             f"installed: {redis.__version__}")
 
         def client(timeout: float):
             # no retries: a failure is reported at once and handled by the breaker, never multiplied
