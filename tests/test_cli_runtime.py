@@ -203,3 +203,22 @@ def test_generate_names_what_is_wrong_with_a_model_or_drafter(models, tmp_path, 
         assert cli_main(base + args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_a_failing_generate_leaves_a_good_store_as_it_was(models, tmp_path, capsys):
+    import hashlib
+
+    target, drafter = models
+    store = tmp_path / "store"
+    base = ["--cache", str(store), "generate", "--model", str(target), "--tokens", "5,6,7", "--max-tokens", "2"]
+    assert cli_main(base + ["--drafter", str(drafter)]) == 0
+    before = hashlib.sha256((store / "data.mdb").read_bytes()).hexdigest()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("[1, 2")
+    for args in (["--drafter", str(drafter), "--method", "draft-model"], ["--adapter", str(tmp_path / "nodir")],
+                 ["--temperature", "-3"], ["--top-p", "2"], ["--drafter", str(tmp_path / "nodir")],
+                 ["--model", str(bad)]):
+        assert cli_main(base + args) == 2, args
+    capsys.readouterr()
+    assert hashlib.sha256((store / "data.mdb").read_bytes()).hexdigest() == before
