@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--cache", metavar="PATH",
                             help="store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
     if not _has(parser, "--shared"):
-        parser.add_argument("--shared", metavar="URL", help="shared tier, a Redis/Valkey URL (default: "
-                            "$SPEC_CACHE_SHARED)")
+        parser.add_argument("--shared", metavar="URL", help="shared tier, a Redis/Valkey URL or a cluster, "
+                            "redis+cluster://host:port[,host:port...] (default: $SPEC_CACHE_SHARED)")
     parser.add_argument("--no-cache", action="store_true", help="serve without the store")
     parser.add_argument("--memory-bytes", type=_size, metavar="N", help="memory tier size, e.g. 2G (0: off)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
