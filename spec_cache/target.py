@@ -1,6 +1,6 @@
 """The target model behind narrow ports, and the batched KV rows of a speculative group.
 
-Why one file of ~430 lines: ``TargetRows`` reaches into ``TargetModel``'s ports on every forward and the two
+Why one file of ~550 lines: ``TargetRows`` reaches into ``TargetModel``'s ports on every forward and the two
 change together (``quantized_rows.py`` holds the other ``rows.TargetRowGroup``).
 
 :class:`TargetModel` wraps an mlx-lm decoder. Drafters and the engine use only its ports (``embed``,
