@@ -38,10 +38,10 @@ class ProjectedProvider(NetworkProvider):
     def bind(self, target: TargetModel) -> None:
         """Check that this drafter fits ``target``: the depth it was trained for, hidden size, vocabulary."""
         config = self.config
-        if config.num_target_layers != target.num_layers:
+        if config.num_target_layers != target.depth:
             raise ValueError(
                 f"{self.family} drafter was trained for a {config.num_target_layers}-layer target; this model has "
-                f"{target.num_layers} layers - {PAIRING}"
+                f"{target.depth} layers - {PAIRING}"
             )
         check_sizes(self.family, (("hidden size", config.hidden_size, target.hidden_size),
                                   ("tapped hidden size", config.target_hidden_size, target.hidden_size),

@@ -149,7 +149,7 @@ class QwenMTPRows(BoundDraftRows):
     # -- membership -------------------------------------------------------------------------------------
     def _init_state(self) -> None:
         self.network = self.provider.network
-        self.tap_layers = (self.target.model.num_layers - 1,)
+        self.tap_layers = (self.target.model.depth - 1,)
         self._cache: BatchKVCache | None = None
         self._hidden: mx.array | None = None
 
