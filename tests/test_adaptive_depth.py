@@ -227,3 +227,16 @@ def test_engine_without_a_drafter_or_with_adaptation_off_has_no_controller(tiny)
     assert SpeculativeEngine(tiny.target, tiny.provider("ngram"), adaptive=False).depth is None
     assert SpeculativeEngine(tiny.target, tiny.provider("ngram"), draft_depth=0).depth is None
     assert SpeculativeEngine(tiny.target, tiny.provider("ngram"), draft_depth=6).depth.max_depth == 6
+
+
+def test_drafting_bench_reports_every_drafter_with_and_without_adaptation():
+    from spec_cache.bench import drafting
+
+    figures = drafting.run(rows=2, new_tokens=6, tiny=True)  # raises if any run changes plain decoding's tokens
+    assert figures["model"].startswith("tiny")
+    for name in ("ngram", "draft-model"):
+        row = figures["tiny"][name]
+        assert row["adaptive_tok_s"] > 0 and row["fixed_tok_s"] > 0
+        accepted, drafted = map(int, row["fixed_acceptance"].split("/"))
+        assert 0 <= accepted <= drafted
+    assert figures["drafting_vs_plain_best"] >= figures["drafting_vs_plain_ngram"] > 0
