@@ -190,3 +190,27 @@ def test_gc_removes_corrupt_records_and_orphans(filled, store_invariants):
     assert filled.lookup(NS_A, a[2]) is None and filled.lookup(NS_A, a[1]).length == 10
     again = maintenance.gc(filled)
     assert (again.corrupt_removed, again.broken_subtrees, again.orphans_removed, again.bytes) == (0, 0, 0, 0)
+
+
+def test_resolve_entries_and_set_pinned(filled):
+    rows = maintenance.entries(filled, NS_A)
+    key = rows[0]["key"]
+    assert maintenance.resolve_entries(filled, key[:12]) == [bytes.fromhex(key)]
+    assert sorted(maintenance.resolve_entries(filled, NS_A.hex())) == sorted(bytes.fromhex(r["key"]) for r in rows)
+    with pytest.raises(KeyError, match="no entry or namespace key starts with 'ffffffff'"):
+        maintenance.resolve_entries(filled, "ffffffff")
+    keys = [bytes.fromhex(r["key"]) for r in rows]
+    assert maintenance.set_pinned(filled, keys, True) == 2  # one of the three was pinned already
+    assert all(e["pinned"] for e in maintenance.entries(filled, NS_A))
+    assert maintenance.evict(filled, to_size=0).entries == 2  # only B's entries could go
+    assert maintenance.set_pinned(filled, keys, False) == 3
+    assert maintenance.evict(filled, to_size=0).entries == 3
+
+
+def test_drafter_namespaces_and_the_recorded_budget(filled, open_store, tmp_path):
+    assert maintenance.drafter_namespaces(filled) == {DRAFTER, OTHER}
+    assert maintenance.stats(filled)["max_bytes"] is None
+    budgeted = open_store(tmp_path / "budgeted", max_bytes=5 << 20)
+    budgeted.close()
+    reader = open_store(tmp_path / "budgeted", readonly=True)
+    assert reader.max_bytes is None and maintenance.stats(reader)["max_bytes"] == 5 << 20

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     shared.add_shared_option(common)
-    p = _Parser(prog="spec-cache", description="Prefix cache for MLX speculative decoding: inspect, evict, verify.",
-                parents=[common])
+    p = _Parser(prog="spec-cache", parents=[common],
+                description="Prefix cache for MLX speculative decoding: run and serve models through it; inspect, "
+                            "verify, evict, pin and compact its store.")
     p.add_argument("--version", action="version", version=f"spec-cache {__version__}",
                    help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
