@@ -9,7 +9,8 @@ Crash safety: before the rename the old ``data.mdb`` is untouched (a leftover wo
 next ``compact``); after it the new file is whole (it was fsynced first). Exclusive use: compaction refuses a
 store another process has open (LMDB keeps a shared ``fcntl`` lock on byte 0 of ``lock.mdb`` while a process
 has the environment open; compaction takes it exclusively and holds it until the swap is done, so a process
-that opens the store meanwhile waits in LMDB's open).
+that opens the store meanwhile waits in LMDB's open). ``fcntl`` locks are per process, so a caller must not hold
+another handle on the same store in its own process while compacting (the CLI holds none).
 """
 
 from __future__ import annotations
