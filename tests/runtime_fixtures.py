@@ -26,6 +26,8 @@ DRAFTERS = {
     "ngram": ("ngram", {}),
     "deepspec": ("deepspec", {}),  # projected context, token-by-token drafting
     "dflash": ("dflash", {"gamma": 4}),  # projected context, one block forward (untrained: drafts rarely agree)
+    "qwen-mtp": ("qwen-mtp", {}),  # one-layer MTP head over the target's last hidden
+    "dflash2": ("dflash2", {"gamma": 4}),  # DFlash with projections quantized at load (b4)
 }
 
 PROMPTS = [

@@ -272,24 +272,6 @@ def _int(text: str) -> int:
 
 
 #: help for the server options ``spec_cache.server.add_arguments`` leaves without any (used only where it has none)
-SERVE_HELP = {
-    "--port": "TCP port (default 8080; 0: any free port)",
-    "--draft-depth": "tokens the drafter proposes per round (default 4; 0: no drafting)",
-    "--prefill-step-size": "prefill chunk in tokens (default 512, as mlx-lm's)",
-    "--kv-bits": "quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)",
-    "--kv-group-size": "KV quantization group size (default 64)",
-    "--quantized-kv-start": "token position where KV quantization starts (default 5000 with --kv-bits)",
-    "--log-level": "uvicorn's log level (default info)",
-}
-
-
-def _fill_help(parser: argparse.ArgumentParser, texts: dict[str, str]) -> None:
-    """Give options that came without help text the one in ``texts``."""
-    for action in parser._actions:
-        if not action.help:
-            action.help = next((texts[o] for o in action.option_strings if o in texts), None)
-
-
 def _add_generate(sub, common) -> None:
     s = sub.add_parser("generate", parents=[common], help="decode prompts with a local model through the cache",
                        description="Decode one or more prompts (one batch) with a local model through the cache: "
@@ -354,7 +336,6 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                        help="an OpenAI-compatible HTTP server on a local model, through the cache",
                        description="An OpenAI-compatible HTTP server on a local model, through the cache.")
     server.add_arguments(s)  # --model, --port, --memory-bytes, ... (--cache and --shared come from common)
-    _fill_help(s, SERVE_HELP)
     s.set_defaults(fn=cmd_serve)
     s = sub.add_parser("convert-gguf", help="a GGUF file (llama family) -> an mlx-lm model directory",
                        description="Write an mlx-lm model directory from a llama-family GGUF file.")

@@ -89,6 +89,9 @@ def cmd_shared_stats(args) -> int:
 def register(subparsers, common: argparse.ArgumentParser) -> None:
     """Add the ``shared-stats`` command (its ``--shared`` comes from ``common`` when that has it)."""
     s = subparsers.add_parser("shared-stats", parents=[common],
-                              help="health of the shared tier (exit 1 if the server does not answer)")
+                              help="health of the shared tier (exit 1 if the server does not answer)",
+                              description="Ask the shared tier (one Redis/Valkey server, or every primary of a "
+                              "redis+cluster:// cluster) how it is: reachable, round trip, memory, keys and this "
+                              "tier's figures. Exit 1 if it does not answer.")
     add_shared_option(s)
     s.set_defaults(fn=cmd_shared_stats)

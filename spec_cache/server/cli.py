@@ -51,15 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-bytes", type=_size, metavar="N", help="memory tier size, e.g. 2G (0: off)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
                         "only)")
-    parser.add_argument("--port", type=non_negative_int, default=8080)
+    parser.add_argument("--port", type=non_negative_int, default=8080, help="TCP port (default 8080; 0: any free port)")
     parser.add_argument("--max-rows", type=positive_int, default=8, help="rows decoded at once (default 8)")
     parser.add_argument("--max-queue", type=non_negative_int, default=64,
                         help="requests that may wait for a row; beyond it the answer is 429 (default 64)")
-    parser.add_argument("--draft-depth", type=non_negative_int, default=4)
-    parser.add_argument("--prefill-step-size", type=positive_int, default=512)
-    parser.add_argument("--kv-bits", type=positive_int)
-    parser.add_argument("--kv-group-size", type=positive_int)
-    parser.add_argument("--quantized-kv-start", type=non_negative_int)
+    parser.add_argument("--draft-depth", type=non_negative_int, default=4,
+                        help="most tokens the drafter proposes per round (default 4; 0: no drafting)")
+    parser.add_argument("--prefill-step-size", type=positive_int, default=512,
+                        help="prefill chunk in tokens (default 512, as mlx-lm's)")
+    parser.add_argument("--kv-bits", type=positive_int,
+                        help="quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)")
+    parser.add_argument("--kv-group-size", type=positive_int, help="KV quantization group size (default 64)")
+    parser.add_argument("--quantized-kv-start", type=non_negative_int,
+                        help="token position where KV quantization starts (default 5000 with --kv-bits)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' (repeat for several keys; each key is its own "
                              "cache tenant); also $SPEC_CACHE_API_KEY")
@@ -74,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=non_negative_int, default=4096, metavar="N",
                         help="checkpoint every N tokens of a long prefill and of a long generation, besides the "
                              "prompt boundary and the finish (default 4096; 0: only those two)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level (default info)")
 
 
 def register(sub, common: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
