@@ -46,7 +46,7 @@ def test_speculative_equals_plain_greedy(gemma, name):
     results = run(gemma, name, [RowRequest(p, max_tokens=MAX) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
         assert result.tokens == plain_greedy(gemma.target, prompt, MAX)
-    if name not in (None, "dflash", "ngram"):  # ngram: these prompts have no repeats to look up
+    if name not in (None, "dflash", "dflash2", "ngram"):  # ngram: no repeats to look up; dflash: untrained
         assert sum(r.accepted for r in results) > 0
 
 
@@ -92,7 +92,7 @@ def test_restore_equals_cold(gemma, name):
         assert result.tokens == plain_greedy(gemma.target, request.prompt, MAX)
         if name == "assistant":  # the ring snapshot is cut back by one token to re-forward it
             assert result.cached_tokens == request.restored_tokens
-        elif name in ("deepspec", "dflash"):
+        elif name in ("deepspec", "dflash", "dflash2", "qwen-mtp"):  # cold rows need the target's taps
             assert result.cached_tokens == 0
 
 
