@@ -512,7 +512,8 @@ class DecodeSession:
         if any(row.ttft_s is None for row in active):
             depth = 0  # first token first: a row's first token needs one target step, not a drafting round too
         elif controller is not None:
-            depth = controller.choose([row.acceptance for row in active], caps)
+            # with nobody waiting for a place, the run lasts as long as its slowest row (see spec_cache.depth)
+            depth = controller.choose([row.acceptance for row in active], caps, None if self.waiting else budgets)
         else:
             depth = min(self.engine.draft_depth, max(caps))
         started = self.engine.clock()

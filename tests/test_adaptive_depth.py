@@ -39,7 +39,7 @@ def test_cost_table_interpolates_extrapolates_and_borrows_batch_sizes():
     table.observe(2, 3, 2.0)
     assert table.estimate(2, 2) == pytest.approx(1.5)  # between measured widths
     assert table.estimate(2, 5) == pytest.approx(3.0)  # beyond: the measured slope
-    assert table.estimate(4, 1) == pytest.approx(2.0)  # batch size 4 borrows size 2, scaled
+    assert table.estimate(4, 1) == pytest.approx(1.0)  # batch size 4 borrows size 2's table
     table.observe(2, 1, 3.0)
     assert table.estimate(2, 1) == 3.0  # smoothing 1: the newest measurement
     with pytest.raises(ValueError):
@@ -106,6 +106,18 @@ def test_a_batch_drafts_for_the_rows_that_gain_and_others_ride_along():
     assert controller.best_depth([rejecting_row(), rejecting_row()], [10, 10]) == 0
     assert controller.best_depth([rejecting_row(), accepting_row()], [10, 10]) > 0
     assert controller.best_depth([accepting_row(), accepting_row()], [0, 0]) == 0  # no budget left to draft
+
+
+def test_without_waiting_requests_the_slowest_row_decides():
+    controller = DepthController(4)
+    measured(controller, 2, lambda width: 1.0 + 0.2 * (width - 1))
+    rows = [accepting_row(), rejecting_row()]
+    assert controller.best_depth(rows, [10, 10]) > 0  # per round, the accepting row's tokens pay
+    assert controller.best_depth(rows, [10, 10], remaining=[50, 50]) == 0  # the rejecting row sets the run's length
+    assert controller.best_depth(rows, [10, 10], remaining=[50, 5]) == 4  # the accepting row sets it
+    assert controller.choose(rows, [10, 10], remaining=[50, 50]) == 0
+    with pytest.raises(ValueError, match="remaining"):
+        controller.choose(rows, [10, 10], remaining=[50])
 
 
 def test_probes_back_off_and_a_row_that_turns_repetitive_gets_drafting_back():
