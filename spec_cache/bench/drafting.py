@@ -86,23 +86,26 @@ def chat_prompts(model_dir: Path, rows: int) -> list[list[int]]:
                                                tokenize=True)) for i in range(rows)]
 
 
-def prefilled(target, prompts) -> list:
-    """Each prompt's boundary state (target caches over ``prompt[:-1]``), computed once: every timed run restores
-    it, so the runs time decoding only (MLX's 4-bit CPU kernels prefill at ~0.5 s per token on 2 busy cores)."""
+def prefilled(target, provider, prompts, restored=None) -> list:
+    """Each prompt's boundary state ``(target caches over prompt[:-1], drafter checkpoint or None)``, computed
+    once: every timed run restores it, as a cached conversation turn would, so the runs time decoding only (MLX's
+    4-bit CPU kernels prefill at ~0.5 s per token on 2 busy cores). ``restored``: target states to start from."""
     from spec_cache.engine import RowRequest, SpeculativeEngine
 
-    boundaries: dict[int, list] = {}
+    boundaries: dict[int, tuple] = {}
 
     def keep(row, tokens, caches, draft) -> None:
-        boundaries.setdefault(row, caches)
+        boundaries.setdefault(row, (caches, draft))
 
-    SpeculativeEngine(target, None, draft_depth=0).run([RowRequest(p, max_tokens=1) for p in prompts],
-                                                       on_checkpoint=keep)
+    restored = restored or [(None, None)] * len(prompts)
+    requests = [RowRequest(p, caches, 0 if caches is None else len(p) - 1, max_tokens=1)
+                for p, (caches, _) in zip(prompts, restored)]
+    SpeculativeEngine(target, provider, draft_depth=0).run(requests, on_checkpoint=keep)
     return [boundaries[i] for i in range(len(prompts))]
 
 
 def decode(target, provider, prompts, new_tokens: int, depth: int, adaptive: bool, restored, cpu_clock: bool) -> dict:
-    """One fresh engine's run over restored prompts (the drafter rows start cold beside them): tokens per wall
+    """One fresh engine's run over restored prompts (target and drafter rows; ``prefilled``): tokens per wall
     second and per process CPU second, tokens, acceptance, chosen depths. ``cpu_clock``: the controller times
     rounds in process CPU seconds (a CPU backend on a shared machine: other processes' load is not this
     decoder's cost)."""
@@ -111,8 +114,8 @@ def decode(target, provider, prompts, new_tokens: int, depth: int, adaptive: boo
     clock = time.process_time if cpu_clock else time.perf_counter
     engine = SpeculativeEngine(target, provider, draft_depth=depth if provider is not None else 0,
                                adaptive=adaptive, clock=clock)
-    requests = [RowRequest(p, caches, len(p) - 1, max_tokens=new_tokens, stop_at_eos=False)
-                for p, caches in zip(prompts, restored)]
+    requests = [RowRequest(p, caches, len(p) - 1, draft, max_tokens=new_tokens, stop_at_eos=False)
+                for p, (caches, draft) in zip(prompts, restored)]
     wall, cpu = time.perf_counter(), time.process_time()
     results = engine.run(requests)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -143,12 +146,14 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
 
     target = TargetModel.load(model_dir)
     providers = _providers(model_dir, work, drafters, draft_layers)
-    restored = prefilled(target, prompts)
+    restored = prefilled(target, None, prompts)
     plain_runs = [decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock)]
     runs = {}
     for name, provider in providers.items():
+        with_drafter = prefilled(target, provider, prompts, restored)
         for label, adaptive in (("adaptive", True), ("fixed", False)):
-            runs[name, label] = decode(target, provider, prompts, new_tokens, depth, adaptive, restored, cpu_clock)
+            runs[name, label] = decode(target, provider, prompts, new_tokens, depth, adaptive, with_drafter,
+                                       cpu_clock)
     plain_runs.append(decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock))
     plain = {key: sum(run[key] for run in plain_runs) / 2 for key in ("tok_s", "tok_cpu_s")}
     out = {"plain_tok_s": plain["tok_s"], "plain_tok_cpu_s": plain["tok_cpu_s"],
