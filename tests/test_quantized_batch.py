@@ -321,3 +321,12 @@ def test_engine_restored_and_cold_rows_equal_generate_step(qtiny, name, bits, gr
         assert result.tokens == reference(qtiny.target, plan, prompt)
     if name == "draft-model":
         assert sum(r.drafted for r in results) > sum(r.accepted for r in results) > 0
+
+
+def test_bench_runs_and_asserts_identical_tokens():
+    from spec_cache.bench.quantized import run
+
+    figures = run(hidden=128, layers=2, vocab=256, prompt_tokens=12, new_tokens=4, rows=3, bits=(4,),
+                  drafted=False, reps=1)
+    assert figures["quantized_batch_speedup"] > 0 and figures["rows"] == 3
+    assert set(figures) >= {"q4_batch_tok_s", "q4_per_row_tok_s", "fp32_batch_tok_s", "blas"}
