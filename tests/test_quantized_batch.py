@@ -303,7 +303,8 @@ def test_refusals(qtiny):
 def test_engine_restored_and_cold_rows_equal_generate_step(qtiny, name, bits, group):
     """Four rows, two restored (one converted, one below its point), one joining later (max_rows 3)."""
     options = KVOptions(kv_bits=bits, kv_group_size=group, quantized_kv_start=START)
-    run = SpeculativeEngine(qtiny.target, qtiny.provider(name), draft_depth=3, kv=options, prefill_step_size=STEP)
+    run = SpeculativeEngine(qtiny.target, qtiny.provider(name), draft_depth=3, kv=options, prefill_step_size=STEP,
+                            adaptive=False)
     plan = run.plan
     requests = []
     for prompt, restored in ROWS:

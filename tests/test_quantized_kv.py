@@ -49,7 +49,8 @@ def reference(target, prompt, bits, start, step=512, max_tokens=MAX):
 
 def engine(tiny, name, bits=None, start=None, step=512, depth=4, **kv):
     options = KVOptions(kv_bits=bits, quantized_kv_start=start, **kv)
-    return SpeculativeEngine(tiny.target, tiny.provider(name), draft_depth=depth, kv=options, prefill_step_size=step)
+    return SpeculativeEngine(tiny.target, tiny.provider(name), draft_depth=depth, kv=options, prefill_step_size=step,
+                             adaptive=False)  # fixed depth: the tests below count drafts
 
 
 # -- where conversion happens ------------------------------------------------------------------------------

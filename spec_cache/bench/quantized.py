@@ -11,7 +11,6 @@ preloaded (README) the batched rows run at the float32 batch's speed (2.08x per-
 
 from __future__ import annotations
 
-import inspect
 import os
 import statistics
 import tempfile
@@ -55,10 +54,9 @@ def run(*, hidden: int = 512, layers: int = 4, vocab: int = 4096, prompt_tokens:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, vocab, prompt_tokens + 8 * i).tolist() for i in range(rows)]  # different lengths
     batched_cls, per_row_cls = _engine_classes()
-    fixed = {"adaptive": False} if "adaptive" in inspect.signature(batched_cls).parameters else {}
 
     def engine(cls, kv, provider, draft_depth):
-        built = cls(target, provider, draft_depth=draft_depth, kv=kv, **fixed)
+        built = cls(target, provider, draft_depth=draft_depth, kv=kv, adaptive=False)  # fixed work
         built.run([RowRequest(prompts[0][:16], max_tokens=2, stop_at_eos=False)])  # warm-up
         return built
 
