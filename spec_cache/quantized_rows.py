@@ -15,7 +15,10 @@ the rest in the second, and :meth:`~QuantizedTargetRows.window_limits` stops a r
 The batched forward gives bit-identical logits to one forward per row (tested against
 :class:`PerRowQuantizedTargetRows`, the previous one-forward-per-row implementation through mlx-lm's single-row
 ``KVCache`` / ``QuantizedKVCache``, kept as reference and benchmark baseline, and against ``generate_step``):
-padding runs along the sequence axis, never inside a quantization group, and padded keys are masked out.
+padding runs along the sequence axis, never inside a quantization group, and padded keys are masked out. That is
+established on MLX's CPU kernels (the tests' float32 models). On MLX's CUDA backend (0.32.4, H200) quantized KV does
+not run at all with float32 activations, one row or four: ``quantized_matmul`` has "no implementation for problem
+shape 1x16x64x8, transpose: true, activation: float32, bits: 4, group size: 64" inside mlx-lm's quantized attention.
 """
 
 from __future__ import annotations
