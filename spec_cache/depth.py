@@ -14,7 +14,8 @@ Model (one round, batch-wide: the target verifies one window width for every row
   running estimates per batch size and width measured on the rounds the engine actually runs
   (:class:`CostTable`; an unmeasured width is interpolated, or extrapolated from the measured slope);
 * expected tokens of a row: ``1 + p * (a + a^2 + ... + a^min(D, cap))``;
-* the depth is the ``D`` in ``0..max_depth`` with the most expected tokens per second over all rows. Rows do not
+* the depth is the ``D`` in ``0..max_depth`` with the most expected tokens per second over all rows (drafting
+  must beat plain decoding by ``min_gain``, 5%: the cost estimates are noisy on a shared CPU). Rows do not
   get depths of their own: once the window width is paid, every row's drafts up to it are verified for free.
   When no request waits for a place, the rate is the batch's remaining tokens over the expected seconds until
   its *last* row finishes (rows leave as they finish): a fast row finishing early frees nothing, so drafting
@@ -151,18 +152,21 @@ class DepthController:
 
     def __init__(self, max_depth: int, *, decay: float = 0.9, prior_acceptance: float = 0.5,
                  prior_weight: float = 2.0, prior_slope: float = 0.25, probe_every: int = 16,
-                 probe_limit: int = 128, probe_acceptance: float = 0.8) -> None:
+                 probe_limit: int = 128, probe_acceptance: float = 0.8, min_gain: float = 0.05) -> None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
             raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
         for name, value in (("decay", decay), ("prior_acceptance", prior_acceptance),
                             ("probe_acceptance", probe_acceptance)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
         if prior_weight <= 0.0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         if not 1 <= probe_every <= probe_limit:
             raise ValueError(f"need 1 <= probe_every <= probe_limit, got {probe_every}, {probe_limit}")
         self.max_depth = max_depth
+        self.min_gain = min_gain
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
         self.probe_every, self.probe_limit, self.probe_acceptance = probe_every, probe_limit, probe_acceptance
         self.verify_costs = CostTable(prior_slope=prior_slope)  # key: window width
@@ -219,11 +223,13 @@ class DepthController:
 
     def best_depth(self, rows: Sequence[RowAcceptance], caps: Sequence[int], acceptance: float | None = None,
                    remaining: Sequence[int] | None = None) -> int:
-        """The depth with the most expected tokens per second (ties: the shallower)."""
+        """The depth with the most expected tokens per second (ties: the shallower); drafting must beat plain
+        decoding by ``min_gain`` (a predicted gain within the noise of the measured costs is a likely loss)."""
         limit = min(self.max_depth, max(caps, default=0))
-        best, best_rate = 0, self.expected_rate(rows, caps, 0, acceptance, remaining)
-        if best_rate is None:
+        plain = self.expected_rate(rows, caps, 0, acceptance, remaining)
+        if plain is None:
             return limit  # nothing measured yet: the engine's first rounds are plain anyway
+        best, best_rate = 0, plain * (1.0 + self.min_gain)
         for depth in range(1, limit + 1):
             rate = self.expected_rate(rows, caps, depth, acceptance, remaining)
             if rate > best_rate * (1.0 + 1e-9):

@@ -108,6 +108,17 @@ def test_a_batch_drafts_for_the_rows_that_gain_and_others_ride_along():
     assert controller.best_depth([accepting_row(), accepting_row()], [0, 0]) == 0  # no budget left to draft
 
 
+def test_a_gain_within_the_noise_margin_is_not_taken():
+    cost = lambda width: 1.0 + 0.918 * (width - 1)  # noqa: E731 - an accepting row gains ~3% per round
+    strict, eager = DepthController(4), DepthController(4, min_gain=0.0)
+    measured(strict, 1, cost)
+    measured(eager, 1, cost)
+    assert strict.best_depth([accepting_row()], [10]) == 0
+    assert eager.best_depth([accepting_row()], [10]) > 0
+    with pytest.raises(ValueError, match="min_gain"):
+        DepthController(4, min_gain=1.0)
+
+
 def test_without_waiting_requests_the_slowest_row_decides():
     controller = DepthController(4)
     measured(controller, 2, lambda width: 1.0 + 0.2 * (width - 1))
