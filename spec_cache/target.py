@@ -23,7 +23,8 @@ holds. At a checkpoint a sliding layer is written back as mlx-lm's ``RotatingKVC
 temporal order), an exact-boundary snapshot the store never trims (``spec_cache.row_caches`` converts between
 single-row caches and batch rows).
 
-**KV quantization** runs per row (``spec_cache.quantized_rows``): mlx-lm has no batched quantized cache.
+**KV quantization** is batched by phase in ``spec_cache.quantized_rows`` over
+``spec_cache.quantized_batch.BatchQuantizedKVCache`` (mlx-lm has no batched quantized cache).
 
 **Recurrent layers** (hybrid targets such as ``qwen3_next``) hold an ``ArraysCache`` per layer instead of K/V;
 ``TargetRows.from_row_caches`` hands such a model ``spec_cache.recurrent_rows.HybridTargetRows``, which rolls a

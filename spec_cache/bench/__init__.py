@@ -4,7 +4,7 @@ Sections: artifact identity vs raw blake3; store put/get of a KV state vs mlx-lm
 load_prompt_cache; longest-prefix lookup cost vs number of stored entries; bytes stored for prompts sharing a prefix
 vs one mlx-lm file per prompt; TTFT cold prefill vs restore; batched vs one-by-one speculative decoding; a
 memory-tier restore vs mlx-lm's load of the same state (``tiers``); request latency with checkpoint writing on vs
-off (``writes``). ``--quick``
+off (``writes``); batched vs per-row quantized KV rows (``quantized``). ``--quick``
 shrinks every size so the whole run takes under two minutes (a CI smoke test checks it runs and prints valid
 JSON); the full run gives the figures in BENCHMARKS.md.
 """
@@ -33,6 +33,7 @@ GOALS = {  # figure -> (comparison, goal)
     "identity_memo_ms": ("<=", 5.0),
     "spec_batch_speedup": (">=", 1.0),
     "restored_vs_cold_decode": (">=", 0.9),
+    "quantized_batch_speedup": (">=", 1.8),  # issue 13: batched vs per-row quantized KV rows, 4 rows
 }
 
 FULL = {
@@ -44,6 +45,7 @@ FULL = {
     "batch": {},
     "tiers": {"tokens": 4096, "reps": 5},
     "writes": {"prompts": 4, "prompt_tokens": 1024, "new_tokens": 16, "rounds": 2},
+    "quantized": {},
 }
 QUICK = {
     "identity": {"size_mib": 64, "repeat": 3},
@@ -55,6 +57,8 @@ QUICK = {
     "tiers": {"tokens": 512, "reps": 3},
     "writes": {"prompts": 3, "prompt_tokens": 128, "new_tokens": 4, "rounds": 1, "hidden": 256, "layers": 2,
                "vocab": 4096},
+    "quantized": {"hidden": 256, "layers": 2, "vocab": 1024, "prompt_tokens": 64, "new_tokens": 12, "reps": 1,
+                  "bits": (4,), "drafted": False},
 }
 
 
@@ -74,7 +78,7 @@ def machine() -> dict:
 
 
 def run(quick: bool, sections: list[str] | None = None, log=print) -> dict:
-    from . import batch, dedup, identity, store_io, ttft
+    from . import batch, dedup, identity, quantized, store_io, ttft
 
     cfg = QUICK if quick else FULL
     wanted = sections or list(cfg)
@@ -124,6 +128,11 @@ def run(quick: bool, sections: list[str] | None = None, log=print) -> dict:
         r = ttft.write_overhead(**cfg["writes"], progress=log)
         details["writes"] = r
         figures["checkpoint_write_overhead"] = r["checkpoint_write_overhead"]
+    if "quantized" in wanted:
+        log("batched vs per-row quantized KV ...")
+        r = quantized.run(**cfg["quantized"])
+        details["quantized"] = r
+        figures["quantized_batch_speedup"] = r["quantized_batch_speedup"]
     goals = {}
     for name, value in figures.items():
         if name in GOALS:
