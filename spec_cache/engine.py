@@ -553,6 +553,11 @@ class DecodeSession:
         if self.group is not None:
             self.group.commit(kept, RoundContext(window, out.hidden, out.taps))
         if controller is not None:
+            # the rollback and the drafter's commit are lazy: evaluate them now, so their cost is this round's
+            # (it would otherwise land in the next round's measurement, whatever its width)
+            self.rows.materialize()
+            if self.group is not None:
+                self.group.materialize()
             controller.observe_round(len(active), depth, drafted_at - started, width, self.engine.clock() - drafted_at)
             if depth > 0:
                 for row, draft, agree, cap in zip(active, drafts, agreed, caps):
