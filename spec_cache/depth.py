@@ -28,6 +28,11 @@ depth that would win if every row's acceptance were ``probe_acceptance``; when e
 decoding at the measured costs (a compute-bound CPU), it does not probe at all. The seed (mlx-bun) stops a
 DFlash block at a per-position confidence threshold (``sts.thresholds``/``minConf``); this is the batch-level
 counterpart, driven by measured acceptance and measured cost instead of the drafter's own confidence.
+
+What adaptation cannot remove: a stateful drafter (draft-model, assistant, the projected ones) still runs at
+depth 0 to keep its rows level with the target (draft-model: one forward of the draft model per round), so on
+SmolLM2 float32 a 4-layer draft-model stays at ~0.83x plain; a drafter that caught up lazily (one batched feed
+when drafting resumes or a checkpoint is taken) would close that gap.
 """
 
 from __future__ import annotations
