@@ -53,8 +53,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
-
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 
 from .depth import DepthController, RowAcceptance
@@ -160,6 +158,9 @@ class SpeculativeEngine:
         check_kv_options(kv)
         head_dims = [target.kv_geometry(layer)[1] for layer in range(target.num_layers)]
         self.plan = plan_kv(kv, target.num_layers, head_dims, target.layer_windows)
+        if self.plan is not None and target.recurrent_layers:
+            raise NotImplementedError(f"KV quantization of a target with recurrent layers "
+                                      f"{list(target.recurrent_layers)} is not supported")
         if isinstance(draft_depth, bool) or not isinstance(draft_depth, int) or draft_depth < 0:
             raise ValueError(f"draft_depth must be an int >= 0, got {draft_depth!r}")
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
@@ -279,19 +280,7 @@ class SpeculativeEngine:
         return _Row(index, request, list(prompt), conversion=conversion)
 
     def _check_restored(self, where: str, caches, restored: int, conversion: int | None) -> None:
-        if len(caches) != self.target.num_layers:
-            raise ValueError(f"{where}: expected {self.target.num_layers} restored layer caches, got {len(caches)}")
-        for layer, cache in enumerate(caches):
-            window = self.target.layer_window(layer)
-            kinds = (KVCache, RotatingKVCache) if window is not None else (KVCache, QuantizedKVCache)
-            if type(cache) not in kinds:
-                raise ValueError(f"{where}: restored layer {layer} is a {type(cache).__name__}; expected "
-                                 f"{' or '.join(kind.__name__ for kind in kinds)}")
-            if isinstance(cache, QuantizedKVCache) and self.plan is None:
-                raise ValueError(f"{where}: restored layer {layer} is quantized, but this engine runs without "
-                                 "KV quantization")
-            if int(cache.offset) != restored:
-                raise ValueError(f"{where}: restored layer {layer} holds {cache.offset} tokens, restored_tokens={restored}")
+        self.target.check_restored(where, caches, restored, quantized=self.plan is not None)
         if conversion is not None:
             point = converted_at(caches)
             if not reusable(restored, point, conversion):

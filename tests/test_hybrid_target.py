@@ -31,20 +31,6 @@ def hybrid(tmp_path_factory):
     return build_tiny(tmp_path_factory.mktemp("tiny-qwen3-next"), "qwen3_next", num_layers=3, drafters=DRAFTERS)
 
 
-@pytest.fixture(autouse=True)
-def engine_checks_restored_through_the_target(monkeypatch):
-    """engine.py still checks restored caches itself and knows no ArraysCache; the change asked of its owner:
-    ``_check_restored`` delegates to ``TargetModel.check_restored`` (which this applies for hybrid targets)."""
-    original = SpeculativeEngine._check_restored
-
-    def check(self, where, caches, restored, conversion):
-        if not self.target.recurrent_layers:
-            return original(self, where, caches, restored, conversion)
-        self.target.check_restored(where, caches, restored, quantized=self.plan is not None)
-
-    monkeypatch.setattr(SpeculativeEngine, "_check_restored", check)
-
-
 class Recorder:
     def __init__(self):
         self.calls = []
@@ -187,3 +173,11 @@ def test_generator_restored_equals_cold_also_after_reopen(hybrid, tmp_path, name
         diverged = list(range(3, 38)) + [250, 251]
         (r,) = gen.generate([diverged], max_tokens=MAX)
         assert r.cached_tokens == 0 and r.tokens == plain_greedy(hybrid.target, diverged, MAX)
+
+
+def test_kv_quantization_of_a_hybrid_target_is_refused_up_front(hybrid):
+    """Recurrent state has no quantized form: the engine says so at construction, not deep inside mlx-lm."""
+    from spec_cache import KVOptions
+
+    with pytest.raises(NotImplementedError, match=r"recurrent layers \[0, 2\]"):
+        SpeculativeEngine(hybrid.target, None, kv=KVOptions(kv_bits=4))
