@@ -136,14 +136,15 @@ def test_restored_target_with_cold_drafter_row(tiny, provider_name):
     for index, (prompt, result) in enumerate(zip(PROMPTS, results)):
         assert result.tokens == plain_greedy(tiny.target, prompt, MAX_TOKENS)
         # The assistant needs the target hidden of the last prompt token: that one token is forwarded again;
-        # a projected-context drafter needs the target's taps at every token: the whole prefix is.
-        expected = {"assistant": len(prompt) - 2, "deepspec": 0, "dflash": 0}.get(provider_name, len(prompt) - 1)
+        # a projected-context or MTP drafter needs the target's taps at every token: the whole prefix is.
+        expected = {"assistant": len(prompt) - 2, "deepspec": 0, "dflash": 0, "dflash2": 0,
+                    "qwen-mtp": 0}.get(provider_name, len(prompt) - 1)
         assert result.cached_tokens == expected
         rebuilt = drafting.boundary(index)[3]
         assert rebuilt.processed_tokens == len(prompt) - 1
         if provider_name == "ngram":
             assert rebuilt.attachment.tensors[0].tolist() == prompt[:-1]
-    if provider_name not in ("ngram", "dflash"):  # the rebuilt drafter rows propose tokens the target accepts
+    if provider_name not in ("ngram", "dflash", "dflash2"):  # rebuilt drafter rows propose tokens the target accepts
         assert sum(r.accepted for r in results) > 0
 
 
