@@ -80,13 +80,15 @@ class Generator:
     @classmethod
     def load(cls, target_dir, drafter_dir=None, method: str | None = None, cache: SpecCache | None = None,
              kv: KVOptions = KVOptions(), adapters: Any = "", draft_depth: int = 4,
-             tenant: str | bytes | None = None, prefill_step_size: int = 512) -> "Generator":
+             tenant: str | bytes | None = None, prefill_step_size: int = 512, adaptive: bool = True) -> "Generator":
         """Load a target directory (mlx-lm: config.json + safetensors) and a drafter (directory or ``ngram``).
 
         ``adapters``: ``""`` for the base model, or mlx-lm LoRA adapter directories (one, or a sequence of
         directories / ``(id, directory)`` pairs, applied in order; see ``spec_cache.adapters``).
         ``prefill_step_size`` is the engine's prefill chunk; with KV quantization it also fixes where rows
-        convert, as ``generate_step``'s does. Refused options (``turbo_quant``, an unsupported ``kv_config``)
+        convert, as ``generate_step``'s does. ``adaptive``: draft only as deep as measured acceptance and costs pay
+        (``draft_depth`` is the most; False: always ``draft_depth``; see ``spec_cache.depth``).
+        Refused options (``turbo_quant``, an unsupported ``kv_config``)
         raise before anything is registered in the cache.
         """
         from .adapters import resolve_adapters
@@ -112,7 +114,7 @@ class Generator:
         drafter_ns = cached_drafter_namespace(provider, stack)
         prefix_ns = resolve_prefix_namespace(provider, stack, options)
         engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options,
-                                   prefill_step_size=prefill_step_size)  # refuses bad options
+                                   prefill_step_size=prefill_step_size, adaptive=adaptive)  # refuses bad options
         ns_key = cache.namespace(identity, prefix_ns, tenant) if cache is not None else None
         eos = _eos_ids(target_dir)
         return cls(engine, cache=cache, target_identity=identity, drafter_namespace=drafter_ns, prefix_ns=prefix_ns,

@@ -103,7 +103,7 @@ def cmd_generate(args) -> int:
         try:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
                                        draft_depth=args.draft_depth, adapters=args.adapter or "",
-                                       prefill_step_size=args.prefill_step_size)
+                                       prefill_step_size=args.prefill_step_size, adaptive=not args.fixed_depth)
             started = time.perf_counter()
             results = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
                                          seed=args.seed, top_p=args.top_p)
@@ -300,7 +300,10 @@ def _add_generate(sub, common) -> None:
                    help="cut the text at this string (repeatable; needs the tokenizer; decoding still runs to "
                         "--max-tokens or end of sequence)")
     s.add_argument("--draft-depth", type=non_negative_int, default=4, metavar="D",
-                   help="tokens the drafter proposes per round (default 4; 0: no drafting)")
+                   help="most tokens the drafter proposes per round (default 4; 0: no drafting)")
+    s.add_argument("--fixed-depth", action="store_true",
+                   help="always draft --draft-depth tokens (default: only as deep as measured acceptance and "
+                        "verify cost pay, down to plain decoding)")
     s.add_argument("--prefill-step-size", type=positive_int, default=512, metavar="N",
                    help="prefill chunk in tokens (default 512, as mlx-lm's)")
     _add_kv_options(s)

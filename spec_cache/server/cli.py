@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a row; beyond it the answer is 429 (default 64)")
     parser.add_argument("--draft-depth", type=non_negative_int, default=4,
                         help="most tokens the drafter proposes per round (default 4; 0: no drafting)")
+    parser.add_argument("--fixed-depth", action="store_true",
+                        help="always draft --draft-depth tokens (default: only as deep as measured acceptance and "
+                             "verify cost pay)")
     parser.add_argument("--prefill-step-size", type=positive_int, default=512,
                         help="prefill chunk in tokens (default 512, as mlx-lm's)")
     parser.add_argument("--kv-bits", type=positive_int,
@@ -147,7 +150,7 @@ def build_state(args):
     try:
         generator = Generator.load(model_dir, args.drafter, method=args.method, cache=cache, kv=kv,
                                    adapters=args.adapter or "", draft_depth=args.draft_depth,
-                                   prefill_step_size=args.prefill_step_size)
+                                   prefill_step_size=args.prefill_step_size, adaptive=not args.fixed_depth)
         tokenizer = load_tokenizer(model_dir)
     except (NotImplementedError, ValueError, FileNotFoundError) as exc:
         if cache is not None:
