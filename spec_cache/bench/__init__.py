@@ -4,7 +4,8 @@ Sections: artifact identity vs raw blake3; store put/get of a KV state vs mlx-lm
 load_prompt_cache; longest-prefix lookup cost vs number of stored entries; bytes stored for prompts sharing a prefix
 vs one mlx-lm file per prompt; TTFT cold prefill vs restore; batched vs one-by-one speculative decoding; a
 memory-tier restore vs mlx-lm's load of the same state (``tiers``); request latency with checkpoint writing on vs
-off (``writes``); batched vs per-row quantized KV rows (``quantized``). ``--quick``
+off (``writes``); batched vs per-row quantized KV rows (``quantized``);
+tokens/s with each drafter (adaptive depth) vs plain decoding on real multi-turn chat (``drafting``). ``--quick``
 shrinks every size so the whole run takes under two minutes (a CI smoke test checks it runs and prints valid
 JSON); the full run gives the figures in BENCHMARKS.md.
 """
@@ -34,6 +35,8 @@ GOALS = {  # figure -> (comparison, goal)
     "spec_batch_speedup": (">=", 1.0),
     "restored_vs_cold_decode": (">=", 0.9),
     "quantized_batch_speedup": (">=", 1.8),  # issue 13: batched vs per-row quantized KV rows, 4 rows
+    "drafting_vs_plain_ngram": (">=", 0.95),  # issue 13: drafting never makes decoding slower (real chat, CPU)
+    "drafting_vs_plain_best": (">=", 1.0),
 }
 
 FULL = {
@@ -46,6 +49,7 @@ FULL = {
     "tiers": {"tokens": 4096, "reps": 5},
     "writes": {"prompts": 4, "prompt_tokens": 1024, "new_tokens": 16, "rounds": 2},
     "quantized": {},
+    "drafting": {"rows": 3, "new_tokens": 96, "variants": ["float32", "q4"]},
 }
 QUICK = {
     "identity": {"size_mib": 64, "repeat": 3},
@@ -59,6 +63,7 @@ QUICK = {
                "vocab": 4096},
     "quantized": {"hidden": 256, "layers": 2, "vocab": 1024, "prompt_tokens": 64, "new_tokens": 12, "reps": 1,
                   "bits": (4,), "drafted": False},
+    "drafting": {"rows": 2, "new_tokens": 6, "tiny": True},
 }
 
 
@@ -78,7 +83,7 @@ def machine() -> dict:
 
 
 def run(quick: bool, sections: list[str] | None = None, log=print) -> dict:
-    from . import batch, dedup, identity, quantized, store_io, ttft
+    from . import batch, dedup, drafting, identity, quantized, store_io, ttft
 
     cfg = QUICK if quick else FULL
     wanted = sections or list(cfg)
@@ -133,6 +138,11 @@ def run(quick: bool, sections: list[str] | None = None, log=print) -> dict:
         r = quantized.run(**cfg["quantized"])
         details["quantized"] = r
         figures["quantized_batch_speedup"] = r["quantized_batch_speedup"]
+    if "drafting" in wanted:
+        log("drafting vs plain decoding (adaptive depth; SmolLM2 chats when installed) ...")
+        r = drafting.run(**cfg["drafting"])
+        details["drafting"] = r
+        figures.update({k: v for k, v in r.items() if k.startswith("drafting_vs_plain_")})
     goals = {}
     for name, value in figures.items():
         if name in GOALS:
