@@ -337,23 +337,39 @@ def _write_attention_draft(path: Path, target_config: dict, weights: dict, layer
 def _write_assistant(
     path: Path, target_config: dict, weights: dict, seed: int, donor_layers: list | None, hidden_mix: float
 ) -> None:
+    """One drafter block per donor, each a copy of a target layer. gemma4_text: Gemma 4 blocks (``block_style``
+    ``gemma4``); by default one block per *decoder* layer, each reading the cache layer that decoder layer reads
+    (a KV-shared layer borrows an earlier layer's K/V), so the drafter mirrors the whole target stack."""
     from .drafters.assistant import AssistantConfig, AssistantNetwork
 
-    total = target_config["num_hidden_layers"]
-    donors = list(range(total)) if donor_layers is None else [int(layer) % total for layer in donor_layers]
+    gemma4 = target_config["model_type"] == "gemma4_text"
+    # donors index the target's cache layers (gemma4_text's trailing KV-shared layers hold none)
+    total = target_config["num_hidden_layers"] - target_config.get("num_kv_shared_layers", 0)
+    if donor_layers is not None:
+        donors = [int(layer) % total for layer in donor_layers]
+        copies = list(donors)
+    elif gemma4:
+        donors = _gemma4_kv_sources(target_config)
+        copies = list(range(len(donors)))
+    else:
+        donors = copies = list(range(total))
     heads = target_config["num_attention_heads"]
     head_dim = target_config.get("head_dim") or target_config["hidden_size"] // heads
     attention_bias = any(name.endswith("self_attn.q_proj.bias") for name in weights)
+    intermediate = target_config["intermediate_size"]
+    widths = [int(weights[f"model.layers.{layer}.mlp.gate_proj.weight"].shape[0]) for layer in copies]
     config = AssistantConfig(
         hidden_size=target_config["hidden_size"],
         num_attention_heads=heads,
         num_key_value_heads=target_config["num_key_value_heads"],
         head_dim=head_dim,
-        intermediate_size=target_config["intermediate_size"],
+        intermediate_size=intermediate,
         donor_layers=tuple(donors),
         vocab_size=target_config["vocab_size"],
         rms_norm_eps=target_config.get("rms_norm_eps", 1e-5),
         attention_bias=attention_bias,
+        block_style="gemma4" if gemma4 else "llama",
+        intermediate_sizes=None if set(widths) <= {intermediate} else tuple(widths),
     )
     network = AssistantNetwork(config)
     hidden = config.hidden_size
@@ -367,11 +383,19 @@ def _write_assistant(
               "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
     if attention_bias:
         copied += ("self_attn.q_proj.bias",)
-    for index, donor in enumerate(donors):
+    if gemma4:
+        copied += ("self_attn.q_norm.weight", "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+    for index, layer in enumerate(copies):
         for name in copied:
-            drawn[f"layers.{index}.{name}"] = _copied(target_config, name, weights[f"model.layers.{donor}.{name}"])
+            drawn[f"layers.{index}.{name}"] = _copied(target_config, name, weights[f"model.layers.{layer}.{name}"])
     network.load_weights(list(drawn.items()), strict=True)
     _save(path, config.to_dict(), dict(tree_flatten(network.parameters())))
+
+
+def _gemma4_kv_sources(target_config: dict) -> list[int]:
+    """For each gemma4_text decoder layer, the cache layer whose K/V it attends to (mlx-lm's ``previous_kvs``)."""
+    model_class, args_class = _model_classes(target_config)
+    return list(model_class(args_class.from_dict(target_config)).model.previous_kvs)
 
 
 def write_tiny_adapter(

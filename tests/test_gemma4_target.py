@@ -14,10 +14,12 @@ from spec_cache.cache import SpecCache
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.generator import Generator
 from spec_cache.namespace import KVOptions
+from spec_cache.target import DonorView
 from tests.runtime_fixtures import CheckpointRecorder, _identity_memo, build_tiny, plain_greedy  # noqa: F401
 
 WINDOW = 6
-DRAFTERS = {"ngram": ("ngram", {}), "draft-model": ("draft-model", {}), "draft-model-2": ("draft-model", {"layers": 2})}
+DRAFTERS = {"ngram": ("ngram", {}), "draft-model": ("draft-model", {}), "draft-model-2": ("draft-model", {"layers": 2}),
+            "assistant": ("assistant", {})}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 44)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9]]
 MAX = 12
 
@@ -54,7 +56,7 @@ def test_speculative_equals_plain_greedy(gemma4, name):
         assert result.tokens == plain_greedy(gemma4.target, prompt, MAX)
     if name is not None:
         assert sum(r.drafted for r in results) > sum(r.accepted for r in results)  # rejected drafts rolled back
-    if name == "draft-model-2":
+    if name in ("draft-model-2", "assistant"):
         assert sum(r.accepted for r in results) > 0
 
 
@@ -93,7 +95,7 @@ def test_restore_equals_cold(gemma4, name):
         assert result.cached_tokens == request.restored_tokens
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft-model"])
+@pytest.mark.parametrize("name", ["ngram", "draft-model", "assistant"])
 def test_generator_restored_equals_cold_also_after_reopen(gemma4, tmp_path, name):
     prompts = [list(range(3, 40)), [5, 6, 7, 8, 9, 10]]
     expected = [plain_greedy(gemma4.target, p, MAX) for p in prompts]
@@ -111,6 +113,40 @@ def test_generator_restored_equals_cold_also_after_reopen(gemma4, tmp_path, name
         for prompt, r in zip(mixed, gen.generate(mixed, max_tokens=MAX)):
             assert r.tokens == plain_greedy(gemma4.target, prompt, MAX)
             assert r.cached_tokens == (len(prompt) - 3 if prompt in follow else 0)
+
+
+def test_assistant_blocks_are_the_target_layers_over_their_kv_sources(tmp_path):
+    """The tiny assistant mirrors every decoder layer (Gemma 4 blocks; the KV-shared layers read the K/V of the
+    layer they borrow from): given the target's layer input and K/V that include the token itself, each block
+    computes exactly that layer's output (per-layer inputs off, which the assistant does not take)."""
+    tiny = build_tiny(tmp_path, "gemma4_text", num_layers=4, kv_shared_layers=2, sliding_window=WINDOW,
+                      per_layer_input_size=0, drafters={"assistant": ("assistant", {})})
+    target, network = tiny.target, tiny.provider("assistant").network
+    assert (network.config.block_style, network.config.donor_layers) == ("gemma4", (0, 1, 0, 1))
+    assert network.config.intermediate_sizes == (256, 256, 512, 512)  # the KV-shared layers' double-wide MLPs
+    ids = mx.array([[5, 9, 30, 31, 7]])
+    caches = target.make_caches()
+    out = target.forward(ids, caches, tap_layers=range(4))
+    inputs = [target.embed(ids), *(out.taps[layer] for layer in range(3))]
+    for block, (layer, donor) in enumerate(zip(network.layers, network.config.donor_layers)):
+        view = DonorView(caches[donor].keys[..., :5, :], caches[donor].values[..., :5, :],
+                         mx.ones((1, 1, 1, 5), dtype=mx.bool_), mx.array([5]))
+        got = layer(inputs[block][:, -1:], view, target.rope(donor), mx.array([4]))
+        assert mx.allclose(got, out.taps[block][:, -1:], atol=1e-5).item(), block
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"block_style": "gemma3"}, "block_style must be one of llama, gemma4"),
+    ({"intermediate_sizes": [256]}, "intermediate_sizes must list one positive int per donor layer"),
+    ({"intermediate_sizes": [256, 256, 0, 512]}, "intermediate_sizes must list one positive int per donor layer"),
+])
+def test_bad_assistant_block_config_is_refused(gemma4, change, message):
+    from spec_cache.drafters.assistant import AssistantConfig
+
+    config = gemma4.provider("assistant").config.to_dict()
+    assert AssistantConfig.from_dict(config) == gemma4.provider("assistant").config  # round trip
+    with pytest.raises(ValueError, match=message):
+        AssistantConfig.from_dict({**config, **change})
 
 
 def test_kv_quantization_of_gemma4_is_refused(gemma4):

@@ -36,6 +36,9 @@ from .layers import MLP, load_weights
 __all__ = ["AssistantConfig", "AssistantNetwork", "AssistantProvider", "AssistantRows", "METHOD"]
 
 METHOD = "assistant"
+#: ``llama``: pre-norm blocks, SwiGLU, queries scaled by ``head_dim ** -0.5``. ``gemma4``: Gemma 4's block (queries
+#: RMS-normed per head and unscaled, like the target's keys; sandwich norms around attention and MLP; GeGLU).
+BLOCK_STYLES = ("llama", "gemma4")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,12 @@ class AssistantConfig:
     vocab_size: int
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False
+    block_style: str = "llama"
+    intermediate_sizes: tuple[int, ...] | None = None
+
+    def block_intermediate_size(self, block: int) -> int:
+        """The MLP width of drafter block ``block`` (Gemma 4's KV-shared layers have double-wide MLPs)."""
+        return self.intermediate_size if self.intermediate_sizes is None else self.intermediate_sizes[block]
 
     @classmethod
     def from_dict(cls, config: dict) -> "AssistantConfig":
@@ -64,6 +73,14 @@ class AssistantConfig:
         donors = config["donor_layers"]
         if not isinstance(donors, list) or not donors or not all(isinstance(d, int) for d in donors):
             raise ValueError(f"assistant config donor_layers must be a non-empty list of ints, got {donors!r}")
+        style = config.get("block_style", "llama")
+        if style not in BLOCK_STYLES:
+            raise ValueError(f"assistant config block_style must be one of {', '.join(BLOCK_STYLES)}, got {style!r}")
+        sizes = config.get("intermediate_sizes")
+        if sizes is not None and (not isinstance(sizes, list) or len(sizes) != len(donors)
+                                  or not all(isinstance(n, int) and n > 0 for n in sizes)):
+            raise ValueError(f"assistant config intermediate_sizes must list one positive int per donor layer "
+                             f"({len(donors)}), got {sizes!r}")
         return cls(
             hidden_size=int(config["hidden_size"]),
             num_attention_heads=int(config["num_attention_heads"]),
@@ -74,6 +91,8 @@ class AssistantConfig:
             vocab_size=int(config["vocab_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             attention_bias=bool(config.get("attention_bias", False)),
+            block_style=style,
+            intermediate_sizes=None if sizes is None else tuple(sizes),
         )
 
     def to_dict(self) -> dict:
@@ -88,6 +107,9 @@ class AssistantConfig:
             "vocab_size": self.vocab_size,
             "rms_norm_eps": self.rms_norm_eps,
             "attention_bias": self.attention_bias,
+            # the defaults stay unwritten: a llama-style drafter's config.json (and so its identity) is unchanged
+            **({} if self.block_style == "llama" else {"block_style": self.block_style}),
+            **({} if self.intermediate_sizes is None else {"intermediate_sizes": list(self.intermediate_sizes)}),
         }
 
 
@@ -98,15 +120,21 @@ class _DonorAttention(nn.Module):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        gemma = config.block_style == "gemma4"
+        self.scale = 1.0 if gemma else config.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=config.attention_bias)
+        if gemma:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
 
     def __call__(self, x: mx.array, donor: DonorView, rope: Any, positions: mx.array) -> mx.array:
         B, L, _ = x.shape
         if donor.keys is None:  # no row holds any token yet: nothing to attend to
             return mx.zeros_like(x)
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        if "q_norm" in self:
+            queries = self.q_norm(queries)
+        queries = queries.transpose(0, 2, 1, 3)
         queries = rope(queries, offset=positions)
         out = mx.fast.scaled_dot_product_attention(
             queries, donor.keys, donor.values, scale=self.scale, mask=donor.valid
@@ -116,17 +144,42 @@ class _DonorAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+class _GeGLU(MLP):
+    """Gemma's MLP: ``down_proj(gelu_approx(gate_proj(x)) * up_proj(x))``."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+
 class _AssistantLayer(nn.Module):
-    def __init__(self, config: AssistantConfig) -> None:
+    def __init__(self, config: AssistantConfig, block: int) -> None:
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.gemma = config.block_style == "gemma4"
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=eps)
         self.self_attn = _DonorAttention(config)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=eps)
+        width = _Width(config.hidden_size, config.block_intermediate_size(block))
+        self.mlp = _GeGLU(width) if self.gemma else MLP(width)
+        if self.gemma:
+            self.pre_feedforward_layernorm = nn.RMSNorm(config.hidden_size, eps=eps)
+            self.post_feedforward_layernorm = nn.RMSNorm(config.hidden_size, eps=eps)
 
     def __call__(self, x: mx.array, donor: DonorView, rope: Any, positions: mx.array) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), donor, rope, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attended = self.self_attn(self.input_layernorm(x), donor, rope, positions)
+        if not self.gemma:
+            h = x + attended
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(attended)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+@dataclass(frozen=True)
+class _Width:
+    """What :class:`MLP` reads from a config: one block's sizes."""
+
+    hidden_size: int
+    intermediate_size: int
 
 
 class AssistantNetwork(nn.Module):
@@ -137,7 +190,7 @@ class AssistantNetwork(nn.Module):
         self.config = config
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.input_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.layers = [_AssistantLayer(config) for _ in config.donor_layers]
+        self.layers = [_AssistantLayer(config, block) for block in range(len(config.donor_layers))]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(
