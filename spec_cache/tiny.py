@@ -236,7 +236,8 @@ def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, se
     """Write a drafter directory for ``method`` derived from the target in ``target_dir``; returns the path.
 
     Options: ``draft-model``: ``layers`` (how many leading target layers to keep, default 1);
-    ``assistant``: ``donor_layers`` (target layers to borrow and copy, default all), ``hidden_mix`` (scale of
+    ``assistant``: ``donor_layers`` (target cache layers to borrow and copy; default all, and on gemma4_text one Gemma 4 block per decoder
+    layer over the cache layer it reads), ``hidden_mix`` (scale of
     the random carried-hidden projection, default 0.1); ``ngram``: ``max`` (3), ``min`` (1);
     ``deepspec`` / ``dflash``: ``layers`` (drafter layers, copies of the target's last ones, default 1), ``taps``
     (tap layers, default the input of the first copied layer), ``noise`` (random part of the tap projection,
