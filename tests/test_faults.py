@@ -440,7 +440,10 @@ def test_cli_on_broken_stores_gives_one_line_and_no_traceback(filled, broken):
         assert "Traceback" not in out.stderr, (broken, command, out.stderr)
         if out.returncode == 2:
             assert len(out.stderr.strip().splitlines()) == 1, (broken, command, out.stderr)
-        if broken in ("truncated", "data file is a directory", "damaged format record"):
+        if broken == "truncated" and command == ["verify"]:  # damage is verify's finding: exit 1, a one-line report
+            assert out.returncode == 1 and len((out.stdout + out.stderr).strip().splitlines()) == 1, out.stdout
+            assert "truncated" in out.stdout and "spec-cache repair" in out.stdout
+        elif broken in ("truncated", "data file is a directory", "damaged format record"):
             assert out.returncode == 2, (broken, command, out.stdout, out.stderr)
 
 
