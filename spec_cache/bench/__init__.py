@@ -16,7 +16,9 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 
 GOALS = {  # figure -> (comparison, goal)
@@ -83,6 +85,19 @@ def machine() -> dict:
 
 
 def run(quick: bool, sections: list[str] | None = None, log=print) -> dict:
+    """Run the sections (all by default) and return figures, goals and details. Every scratch directory the
+    sections make (``tempfile.mkdtemp``) lands in one per-run folder that is removed at the end, even on error."""
+    previous = tempfile.tempdir
+    scratch = tempfile.mkdtemp(prefix="spec-cache-bench-")
+    tempfile.tempdir = scratch
+    try:
+        return _run(quick, sections, log)
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(quick: bool, sections: list[str] | None, log) -> dict:
     from . import batch, dedup, drafting, identity, quantized, store_io, ttft
 
     cfg = QUICK if quick else FULL
