@@ -8,6 +8,13 @@ empty layer) and K/V sliced to the offset.
 Coverage: the draft KV holds the row's tokens up to the target's coverage, or one fewer when every draft of
 the last round was accepted; that last accepted draft is then ``pendingLast`` and is fed first next round (as
 mlx-lm's ``speculative_generate_step`` does).
+
+Deferred feeding: a round at depth 0 (``draft(pending, 0)``: plain decoding) feeds nothing. Its committed
+tokens wait in a per-row backlog and are fed in one batched prefill when the draft KV is next needed: the next
+``draft`` at depth > 0 (together with that round's pending token), ``prefill``, ``capture``, ``filter_rows`` and
+``prepare_append``. Otherwise the draft model would run its layers on every token the target decodes alone,
+which costs a cheap drafter most of what adaptive depth saves. The caught-up KV is the one that feeding token by
+token gives (the rows' prefill is exact across chunkings), so checkpoints do not change.
 """
 
 from __future__ import annotations
@@ -40,20 +47,27 @@ class DraftModelRows(BoundDraftRows):
         self._rows = TargetRows(self.provider.model)
         self._pending_last: list[int | None] = []
         self._fed = 0  # tokens per row the last draft() appended to the draft KV
+        #: per row, committed tokens not yet fed to the draft KV (rounds at depth 0), oldest first
+        self._backlog: list[list[int]] = []
+        self._deferred = False  # the last draft() was at depth 0 and fed nothing
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
         check_checkpoints(checkpoints, self.provider.validate_checkpoint)
+        self.catch_up()
         joining = TargetRows.from_row_caches(
             self.provider.model, [None if cp is None else restore_kv_caches(cp.attachment) for cp in checkpoints]
         )
         rows_change = self._rows.prepare_append(joining)
         processed = self._processed + [0 if cp is None else cp.processed_tokens for cp in checkpoints]
         pending = self._pending_last + [_pending_of(cp) for cp in checkpoints]
+        backlog = self._backlog + [[] for _ in checkpoints]
 
         def put(state: tuple) -> None:
-            self._processed, self._pending_last = state
+            self._processed, self._pending_last, self._backlog = state
 
-        counts = PreparedStateChange.swap(lambda: (self._processed, self._pending_last), put, (processed, pending))
+        counts = PreparedStateChange.swap(
+            lambda: (self._processed, self._pending_last, self._backlog), put, (processed, pending, backlog)
+        )
 
         def commit() -> None:
             rows_change.commit()
@@ -66,15 +80,17 @@ class DraftModelRows(BoundDraftRows):
         return PreparedStateChange(commit, dispose)
 
     def prefill(self, tokens_per_row: Sequence[Sequence[int]], context: PrefillContext | None) -> None:
-        """Forward the draft model over each row's missing tokens (after its ``pendingLast``, if any)."""
+        """Forward the draft model over each row's missing tokens (its backlog, then its ``pendingLast``, if
+        any, then ``tokens``)."""
         check_per_row(tokens_per_row, self.row_count, "token list")
         feed = []
         for row, tokens in enumerate(tokens_per_row):
             last = self._pending_last[row]
-            feed.append(([] if last is None or not tokens else [last]) + list(tokens))
+            feed.append(self._backlog[row] + ([] if last is None or not tokens else [last]) + list(tokens))
         if not any(feed):
             return
         self._rows.prefill(feed)
+        self._backlog = [[] for _ in feed]
         for row, tokens in enumerate(tokens_per_row):
             if tokens:
                 self._processed[row] += len(tokens)
@@ -83,13 +99,22 @@ class DraftModelRows(BoundDraftRows):
     def materialize(self) -> None:
         self._rows.materialize()
 
+    def catch_up(self) -> None:
+        """Feed every row's backlog (the tokens of rounds at depth 0) in one batched prefill."""
+        if any(self._backlog):
+            self._rows.prefill(self._backlog)
+            self._backlog = [[] for _ in self._backlog]
+
     def _keep_rows(self, keep: list[int]) -> None:
+        self.catch_up()
         self._rows.filter_rows(keep)
         self._processed = [self._processed[row] for row in keep]
         self._pending_last = [self._pending_last[row] for row in keep]
+        self._backlog = [self._backlog[row] for row in keep]
 
     def capture(self, row: int) -> DraftRowCheckpoint:
         check_row(row, self.row_count)
+        self.catch_up()
         processed, pending = self._processed[row], self._pending_last[row]
         metadata = {"processedTokens": processed, "pendingLast": False if pending is None else pending}
         # sliding-window layers of the draft model keep their whole history here (plain KV), never a ring
@@ -97,20 +122,24 @@ class DraftModelRows(BoundDraftRows):
         return DraftRowCheckpoint(processed, attachment)
 
     def draft(self, pending: Sequence[int], depth: int) -> list[list[int]]:
-        """Feed ``pendingLast`` + pending, then chain ``depth`` greedy/sampled steps of the draft model.
+        """Feed the backlog + ``pendingLast`` + pending, then chain ``depth`` greedy/sampled steps of the draft model.
 
-        At depth 0 the pending token is still fed so the draft KV keeps up with the target.
+        At depth 0 nothing is fed: ``pendingLast`` and the pending token join the row's backlog (see the module
+        docstring) and the round's ``commit`` must keep no draft.
         """
         check_per_row(pending, self.row_count, "pending token")
         if not pending:
             return []
         model = self.provider.model
-        feed = [([] if last is None else [last]) + [token] for last, token in zip(self._pending_last, pending)]
-        context = self._rows.prefill(feed)
+        feed = [([] if last is None else [last]) + [int(token)] for last, token in zip(self._pending_last, pending)]
         self._pending_last = [None] * self.row_count
-        self._fed = 1
         if depth <= 0:
+            self._backlog = [held + fed for held, fed in zip(self._backlog, feed)]
+            self._fed, self._deferred = 0, True
             return [[] for _ in pending]
+        context = self._rows.prefill([held + fed for held, fed in zip(self._backlog, feed)])
+        self._backlog = [[] for _ in feed]
+        self._fed, self._deferred = 1, False
         ids = self._sampler(model.logits(context.last_hidden)[:, -1, :]).astype(mx.uint32)
         steps = [ids]
         for _ in range(depth - 1):
@@ -123,6 +152,13 @@ class DraftModelRows(BoundDraftRows):
     def commit(self, accepted: Sequence[int], context: RoundContext) -> None:
         """Keep the fed tokens the target kept; if every fed draft was kept, the last kept one becomes pending."""
         check_per_row(accepted, self.row_count, "accepted count")
+        if self._deferred:  # a round at depth 0: its pending token is already in the backlog
+            for row, kept in enumerate(accepted):
+                if kept != 0:
+                    raise ValueError(f"row {row}: {kept} accepted but nothing was drafted (depth 0)")
+            self._processed = [p + 1 for p in self._processed]
+            self._deferred = False
+            return
         trims, pending = [], []
         for row, kept in enumerate(accepted):
             if kept < self._fed:
@@ -142,6 +178,8 @@ class DraftModelRows(BoundDraftRows):
         self._rows.dispose()
         self._processed = []
         self._pending_last = []
+        self._backlog = []
+        self._deferred = False
 
 
 class DraftModelProvider(OpensRows):
