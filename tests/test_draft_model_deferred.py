@@ -1,5 +1,7 @@
 """Deferred feeding of the draft-model rows: rounds at depth 0 feed nothing, the backlog is fed in one batched
-prefill when the draft KV is next needed, and checkpoints and tokens are exactly those of feeding every round."""
+prefill when the draft KV is next needed. Tokens are exactly those of feeding every round; checkpoints carry the
+same coverage, metadata and shapes and the same values up to float rounding (MLX's CPU matmul may round differently
+for a different number of tokens per forward: bit-identical on this tiny model here, ~1e-6 on SmolLM2 float32)."""
 
 from __future__ import annotations
 
@@ -19,14 +21,15 @@ SCHEDULE = [2, 0, 0, 3, 1, 0, 2, 0, 0, 0]
 
 
 def same_checkpoint(a, b) -> None:
-    """Bit for bit: coverage, metadata and every tensor (dtype, shape, bytes)."""
+    """Coverage, metadata, dtype and shape exactly; values up to float rounding (a wrong or missing token in the
+    catch-up changes K/V by far more)."""
     assert a.processed_tokens == b.processed_tokens
     assert a.attachment.schema == b.attachment.schema
     assert a.attachment.metadata == b.attachment.metadata
     assert len(a.attachment.tensors) == len(b.attachment.tensors)
     for x, y in zip(a.attachment.tensors, b.attachment.tensors):
         assert x.dtype == y.dtype and x.shape == y.shape
-        assert np.array(x).tobytes() == np.array(y).tobytes()
+        np.testing.assert_allclose(np.array(x), np.array(y), rtol=0, atol=1e-5)
 
 
 class CountingForwards:
