@@ -104,6 +104,14 @@ class ReadTxn:
         return getattr(self.txn, name)
 
 
+def _file_size(path: str) -> int:
+    """Bytes in ``path`` (0 when it cannot be read)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def _reason(exc: lmdb.Error) -> str:
     """LMDB's error without the path it repeats (the message names the store once)."""
     text = str(exc)
@@ -133,9 +141,19 @@ class Environment:
         try:
             # read-only on a store whose lock file we may not write (another user's): lock-free reads (see
             # ``_check_readable``); everything else takes LMDB's lock table
-            self.env = lmdb.open(self.path, map_size=map_size or DEFAULT_MAP_SIZE, max_dbs=len(SUBDBS) + 2,
-                                 subdir=True, readonly=readonly, sync=durable, metasync=durable,
-                                 max_readers=256, lock=lock, writemap=False, readahead=False, mode=0o600)
+            size = map_size or DEFAULT_MAP_SIZE
+            for attempt in range(8):
+                try:
+                    self.env = lmdb.open(self.path, map_size=size, max_dbs=len(SUBDBS) + 2, subdir=True,
+                                         readonly=readonly, sync=durable, metasync=durable, max_readers=256,
+                                         lock=lock, writemap=False, readahead=False, mode=0o600)
+                    break
+                except lmdb.MapResizedError:
+                    # the open's own first transaction found pages past the map asked for: another process grew
+                    # the store meanwhile; ask for a map that covers the file as it is now (plus headroom)
+                    if attempt == 7:
+                        raise
+                    size = max(size, 2 * _file_size(os.path.join(self.path, "data.mdb")))
         except lmdb.Error as exc:
             raise StoreOpenError(f"cannot open store at {self.path}: {_reason(exc)}") from None
         finally:
