@@ -225,7 +225,7 @@ class Gemma4Port:
         return inner.norm(h), tapped
 
 
-class Qwen3NextPort:
+class Qwen3NextPort(DecoderPort):
     """``qwen3_next``: gated-delta recurrent layers (``ArraysCache(2)``: conv state, recurrent state) every
     ``full_attention_interval - 1`` of ``full_attention_interval`` layers, full attention in the others.
 
@@ -233,7 +233,7 @@ class Qwen3NextPort:
     read): the rows replay a prefix of a verify window through the mixer alone to roll the state back.
     """
 
-    def __init__(self, model: Any, config: dict) -> None:
+    def __init__(self, model: Any, config: dict) -> None:  # not DecoderPort's: no llama-only checks
         inner = getattr(model, "model", None)
         for part in ("embed_tokens", "layers", "norm"):
             if inner is None or not hasattr(inner, part):
@@ -246,23 +246,7 @@ class Qwen3NextPort:
                                       "from its caches; full_attention_interval must be <= num_hidden_layers")
         self.tied = bool(model.args.tie_word_embeddings)
 
-    def embed(self, ids: mx.array) -> mx.array:
-        return self.inner.embed_tokens(ids)
-
-    def logits(self, hidden: mx.array) -> mx.array:
-        if self.tied:
-            return self.inner.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
-
-    def layers(self) -> list:
-        return list(self.inner.layers)
-
-    @property
-    def depth(self) -> int:
-        return len(self.inner.layers)
-
-    def layer_window(self, layer: int) -> int | None:
-        return None
+    # embed, logits, layers, depth and layer_window (no sliding layers) are DecoderPort's
 
     def layer_kind(self, layer: int) -> str:
         return "recurrent" if self.linear[layer] else "attention"
