@@ -18,16 +18,19 @@ shared tier for a longer prefix, verifies it, uses it at once and promotes it in
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, Store, StoreError
-from spec_cache.store.keys import pack_tokens
+from spec_cache.store.keys import pack_tokens, tenant_id
 from spec_cache.store.shared.queue import WriteBehind
 
+from . import exit_drain
 from .cache_state import (
     attachment_to_store,
     capture_caches,
@@ -39,9 +42,12 @@ from .cache_state import (
 from .kv_quant import converted_at
 from .memory_tier import MemoryHit, MemoryTier, default_budget
 from .namespace import namespace_key
-from .write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter
+from .write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter, WriterLeft
 
 log = logging.getLogger("spec_cache")
+
+#: ``durability`` modes: LMDB writes behind the request (default), or before ``save`` returns
+DURABILITY = ("write-behind", "sync")
 
 
 class CacheWarning(UserWarning):
@@ -63,63 +69,129 @@ class RestoredPrefix:
     tier: str = "local"  # where it came from: "memory", "local" (LMDB) or "shared"
 
 
+_SAME = object()  # ``namespace``'s account default: the tenant itself
+_SALTED = "|salt:"  # ``server.auth.salted_tenant``: "<tenant or 'open'>|salt:<digest of the cache_salt>"
+
+
+def _tenant_label(account: str | bytes | None, from_tenant: bool) -> bytes | None:
+    """The store's tenant label for ``account`` (None: the default tenant); a salted server tenant counts
+    against the tenant before its salt."""
+    if from_tenant and isinstance(account, str) and _SALTED in account:
+        account = account.split(_SALTED, 1)[0]
+        if account == "open":  # no API key: unauthenticated salts share the default tenant
+            return None
+    return None if account is None else tenant_id(account)
+
+
 class SpecCache:
     """A store opened for inference: the memory tier above the local LMDB store (and, optionally, a shared tier).
 
-    ``SpecCache.open(path, max_bytes=None, memory_bytes=<default>, shared=None)``; ``close()`` or ``with``.
+    ``SpecCache.open(path, max_bytes=None, memory_bytes=<default>, shared=None, durability="write-behind")``;
+    ``close()`` or ``with``. What ``save`` accepted is never lost by a process that ends without ``close()``:
+    normally or by an uncaught exception, queued checkpoints are written at interpreter exit (``exit_timeout_s``).
     """
 
     def __init__(self, store: Store, shared=None, *, memory_bytes: int | None = None,
-                 write_queue_bytes: int = DEFAULT_QUEUE_BYTES):
+                 write_queue_bytes: int = DEFAULT_QUEUE_BYTES, durability: str = "write-behind",
+                 exit_timeout_s: float = exit_drain.DEFAULT_EXIT_TIMEOUT_S):
+        if durability not in DURABILITY:
+            raise InvalidInput(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+        if isinstance(exit_timeout_s, bool) or not isinstance(exit_timeout_s, (int, float)) or not \
+                0 <= exit_timeout_s < float("inf"):
+            raise InvalidInput(f"exit_timeout_s must be a number of seconds >= 0, got {exit_timeout_s!r}")
         self.store = store
         self.shared = shared  # a store.shared.SharedTier, or None
-        self.memory = MemoryTier(default_budget() if memory_bytes is None else memory_bytes)
+        self.memory = MemoryTier(default_budget() if memory_bytes is None else memory_bytes,
+                                 tenant_share=getattr(getattr(store, "tenants", None), "share", None))
+        self.durability = durability
+        self.exit_timeout_s = float(exit_timeout_s)
         self._registered: dict[bytes, tuple[str, str, bool]] = {}  # key -> what register_namespace was told
+        self._tenant_ids: dict[bytes, bytes | None] = {}  # key -> its tenant label (quotas; None: default tenant)
         self._closed = False
-        self._writer = None if store.env.readonly else CheckpointWriter(self._write, write_queue_bytes)
+        self._close_lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child must not close its parent's cache at its exit
+        # no writer thread when every save writes before it returns (sync) or nothing can be written (read-only)
+        behind = not store.env.readonly and durability == "write-behind"
+        self._writer = CheckpointWriter(self._write, write_queue_bytes) if behind else None
         self._promoter = None
         if shared is not None:  # promotion off the request's path: the restored state is used at once
             self._promoter = WriteBehind(shared.config.queue_bytes, self._promote, name="spec-cache-promote")
+        exit_drain.track(self)
 
     @classmethod
     def open(cls, path, max_bytes: int | None = None, *, memory_bytes: int | None = None, shared=None,
              shared_options: dict | None = None, write_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+             durability: str = "write-behind", exit_timeout_s: float = exit_drain.DEFAULT_EXIT_TIMEOUT_S,
              **kwargs) -> "SpecCache":
         """Open the local store at ``path``; ``shared`` is a Redis/Valkey URL (or a ``SharedConfig``).
 
         ``memory_bytes``: the memory tier's budget (None: ``memory_tier.default_budget()``, 1/8 of the device's
-        memory; 0: off). ``write_queue_bytes`` caps checkpoint bytes waiting for their LMDB write.
-        ``shared_options`` overrides ``SharedConfig`` fields (``timeout_s``, ``queue_bytes``, ``prefix``, ...).
+        memory; 0: off). ``write_queue_bytes`` caps checkpoint bytes waiting for their LMDB write: the most a
+        SIGKILL can lose. ``durability``: ``"write-behind"`` (default) lets ``save(..., background=True)`` queue
+        the LMDB write; ``"sync"`` makes every ``save`` commit to LMDB before it returns (``background`` is
+        ignored), so a checkpoint survives a SIGKILL right after its request, at the cost of the write on the
+        request's path. ``exit_timeout_s`` bounds how long interpreter exit waits for queued writes of a cache that
+        was never closed (0: not at all; what is left is logged). ``shared_options`` overrides ``SharedConfig``
+        fields (``timeout_s``, ``queue_bytes``, ``prefix``, ...). Other keywords go to ``Store.open``
+        (``durable=False``: no fsync per commit; a commit then survives a crash of the process, not of the machine).
         A bad URL raises ``StoreError`` here; a server that is down is not an error (lookups miss until it is up).
         """
         if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
                                          or memory_bytes < 0):
             raise InvalidInput("memory_bytes must be an int >= 0 (0 turns the memory tier off) or None")
+        if durability not in DURABILITY:  # before anything is opened
+            raise InvalidInput(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+        options = dict(memory_bytes=memory_bytes, write_queue_bytes=write_queue_bytes, durability=durability,
+                       exit_timeout_s=exit_timeout_s)
         store = Store.open(path, max_bytes=max_bytes, **kwargs)
-        if shared is None:
-            return cls(store, memory_bytes=memory_bytes, write_queue_bytes=write_queue_bytes)
         try:
+            if shared is None:
+                return cls(store, **options)
             from spec_cache.store.shared import SharedConfig, SharedTier
 
             tier = SharedTier(SharedConfig.of(shared, **(shared_options or {})), store)
         except BaseException:
             store.close()
             raise
-        return cls(store, tier, memory_bytes=memory_bytes, write_queue_bytes=write_queue_bytes)
+        try:
+            return cls(store, tier, **options)
+        except BaseException:
+            tier.close()
+            store.close()
+            raise
 
     def close(self) -> None:
         """Write every queued checkpoint, stop the background threads, close the store. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._writer is not None:
-            self._writer.close()
+        self._shutdown(None)
+
+    def _shutdown(self, timeout: float | None) -> WriterLeft | None:
+        """Close, waiting at most ``timeout`` (None: for every queued write); None if already closed.
+
+        Order: the LMDB writer (a written checkpoint is queued for publishing), the promoter, the shared tier's
+        publisher, then the store. A write still in progress when ``timeout`` ends keeps the store open: closing
+        an LMDB environment under a running transaction is not safe, and the process is ending anyway.
+        """
+        with self._close_lock:
+            if self._closed:
+                return None
+            self._closed = True
+        exit_drain.untrack(self)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left_s() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        left = WriterLeft(0, 0, 0, False) if self._writer is None else self._writer.stop(left_s())
+        busy = left.in_flight
         if self.shared is not None:
-            self._promoter.close(self.shared.config.close_timeout_s)
+            bound = self.shared.config.close_timeout_s
+            wait = bound if deadline is None else min(bound, left_s())
+            busy |= self._promoter.stop(wait, bounded=deadline is not None)[2]
             self.shared.close()  # publishes what is queued first (bounded by close_timeout_s)
         self.memory.clear()
-        self.store.close()
-
+        if not busy:
+            self.store.close()
+        return left
     @property
     def closed(self) -> bool:
         return self._closed
@@ -154,14 +226,25 @@ class SpecCache:
         """The shared tier's state and counters as this process sees them (None without a shared tier)."""
         return None if self.shared is None else self.shared.status()
 
-    def namespace(self, target_identity: str, prefix_namespace: str, tenant: str | bytes | None = None) -> bytes:
-        """The store key for (target, prefix namespace, tenant), registered for ``ls``/``show``."""
+    def namespace(self, target_identity: str, prefix_namespace: str, tenant: str | bytes | None = None, *,
+                  account: str | bytes | None = _SAME) -> bytes:
+        """The store key for (target, prefix namespace, tenant), registered for ``ls``/``show``.
+
+        ``account`` is whom the namespace's bytes count against for per-tenant quotas and fair-share eviction
+        (stored as a one-way label, ``store.keys.tenant_id``; None: the default tenant). By default it is
+        ``tenant`` itself, except for the server's salted form ``"<tenant>|salt:<digest>"``
+        (``server.auth.salted_tenant``), which counts against ``<tenant>`` (``open``, no API key: the default
+        tenant), so a ``cache_salt`` splits a tenant's prefixes but not its quota.
+        """
         self._check_open()
         key = namespace_key(target_identity, prefix_namespace, tenant)
         if key not in self._registered:
+            label = _tenant_label(tenant if account is _SAME else account, account is _SAME)
             self.store.register_namespace(key, target=target_identity, prefix_namespace=prefix_namespace,
-                                          tenant=tenant is not None)
+                                          tenant=tenant is not None, tenant_id=label)
+            self.memory.set_tenant(key, label)
             self._registered[key] = (target_identity, prefix_namespace, tenant is not None)
+            self._tenant_ids[key] = label
         return key
 
     def _check_open(self) -> None:
@@ -174,9 +257,13 @@ class SpecCache:
              minimum_reusable: int = 0, background: bool = False) -> PutResult | None:
         """Store a checkpoint: held in the memory tier at once, written to LMDB (and queued for the shared tier).
 
-        ``background=False`` writes LMDB now and returns its ``PutResult``; ``background=True`` queues the write
-        (write-behind; ``drain()`` waits for it) and returns None, when the memory tier holds the checkpoint
-        meanwhile (otherwise it is written now). On any failure: a ``CacheWarning``, None.
+        ``background=False`` writes LMDB now and returns its ``PutResult``: the checkpoint is committed (and, with
+        the store's default ``durable=True``, fsynced) when this returns, so it survives even a SIGKILL right
+        after. ``background=True`` queues the write (write-behind; ``drain()`` waits for it) and returns None, when
+        the memory tier holds the checkpoint meanwhile (otherwise it is written now); a queued write survives the
+        process ending normally or by an exception (the exit drain), not a SIGKILL before it is committed. Under
+        ``durability="sync"`` every save writes now, whatever ``background`` says. On any failure: a
+        ``CacheWarning``, None.
         """
         if self._closed:
             warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: the cache is closed",
@@ -235,7 +322,8 @@ class SpecCache:
                 raise
             # gc (or another process's repair) dropped the namespace row since we registered it
             target, prefix, tenant = self._registered[job.ns_key]
-            self.store.register_namespace(job.ns_key, target=target, prefix_namespace=prefix, tenant=tenant)
+            self.store.register_namespace(job.ns_key, target=target, prefix_namespace=prefix, tenant=tenant,
+                                          tenant_id=self._tenant_ids.get(job.ns_key))
             return self.store.put(job.ns_key, job.tokens, job.layers, **put)
 
     def _flush_counters(self) -> None:

@@ -9,15 +9,17 @@ Bounds: the queue holds at most ``cap_bytes`` of checkpoint state; a checkpoint 
 the caller's thread instead (back-pressure, counted as ``inline``), so nothing is ever dropped. Under light load a
 checkpoint is durable within the time of one ``Store.put`` of its size after its request returns (milliseconds
 for small states; ~0.1-1 s for hundreds of MiB): the thread starts on it at once. ``drain()`` waits for the
-queue; ``close()`` drains, then stops. A crash (SIGKILL) loses only what was still queued: every put is one LMDB
-transaction, so a committed checkpoint survives whole and an interrupted one leaves nothing.
+queue; ``close()`` drains, then stops. A cache that is never closed is drained at interpreter exit
+(``spec_cache.exit_drain``; bounded by ``exit_timeout_s``, then ``stop`` drops and reports what is left). A crash
+(SIGKILL) loses only what was still queued (at most ``cap_bytes``): every put is one LMDB transaction, so a
+committed checkpoint survives whole and an interrupted one leaves nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from spec_cache.store.shared.queue import WriteBehind
 
@@ -25,6 +27,16 @@ log = logging.getLogger("spec_cache")
 
 #: default cap on queued checkpoint bytes
 DEFAULT_QUEUE_BYTES = 1 << 30
+
+
+class WriterLeft(NamedTuple):
+    """What ``CheckpointWriter.stop`` did: checkpoints written while it waited, queued ones dropped (and their
+    bytes), and whether one was still being written when it gave up."""
+
+    written: int
+    dropped: int
+    dropped_bytes: int
+    in_flight: bool
 
 
 class CheckpointWriter:
@@ -69,6 +81,19 @@ class CheckpointWriter:
     def close(self, timeout: float | None = None) -> int:
         """Drain (up to ``timeout``; None waits for all), stop the thread; returns checkpoints left unwritten."""
         return self._queue.close(1e9 if timeout is None else timeout)
+
+    def stop(self, timeout: float | None = None) -> "WriterLeft":
+        """Drain for at most ``timeout`` (None: all of it), then stop: what is still queued is dropped, and a write
+        still in progress is not waited for past ``timeout`` (its thread keeps it; do not close the store then)."""
+        with self._lock:
+            before = self.counters["written"]
+        if timeout is None:
+            jobs, nbytes, in_flight = self._queue.stop(1e9)
+        else:
+            jobs, nbytes, in_flight = self._queue.stop(timeout, bounded=True)
+        with self._lock:
+            written = self.counters["written"] - before
+        return WriterLeft(written, jobs, nbytes, in_flight)
 
     def stats(self) -> dict:
         jobs, nbytes = self.pending

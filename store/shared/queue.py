@@ -64,15 +64,26 @@ class WriteBehind:
         The job in flight is always waited for (the handler's own timeouts bound it): it may be reading the local
         store, which the caller closes next. Returns how many queued jobs were dropped.
         """
+        return self.stop(timeout)[0]
+
+    def stop(self, timeout: float, *, bounded: bool = False) -> tuple[int, int, bool]:
+        """``close``, telling what was left: (jobs dropped, their bytes, whether a job is still in flight).
+
+        ``bounded``: the whole call takes at most ``timeout``, the job in flight included (at interpreter exit
+        nothing may hang); a job still in flight then stays with its thread, and the caller must not close what
+        that job uses.
+        """
+        deadline = time.monotonic() + timeout
         self.drain(timeout)
         with self._cond:
             self._closed = True
             left = len(self._jobs)
-            self._bytes -= sum(nbytes for _, nbytes in self._jobs)
+            left_bytes = sum(nbytes for _, nbytes in self._jobs)
+            self._bytes -= left_bytes
             self._jobs.clear()
             self._cond.notify_all()
-        self._thread.join()
-        return left
+        self._thread.join(max(0.0, deadline - time.monotonic()) if bounded else None)
+        return left, left_bytes, self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

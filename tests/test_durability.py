@@ -1,0 +1,116 @@
+"""What ``save()`` accepted survives the end of the process: a script that never closes its ``SpecCache`` and
+ends normally or by an uncaught exception (the exit drain), a SIGKILL right after a save in ``durability="sync"``
+mode, and an exit drain that cannot finish (bounded, and it says what was left). Real child processes; the parent
+is the second process that restores."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from spec_cache.cache import SpecCache
+from spec_cache.generator import Generator
+from tests.runtime_fixtures import _identity_memo, build_tiny  # noqa: F401  (fixtures)
+
+PROMPTS = [list(range(3, 3 + n)) for n in (12, 20, 31, 45)]
+HANG_GUARD_S = 240  # generous: a child that takes longer is hung, not slow
+
+# The child: generate through a cache it never closes. ``store.put`` is slowed down (a slow disk) so that the
+# writes are still queued when the script ends, whatever the machine's speed.
+CHILD = """
+import os, sys, time
+from spec_cache.cache import SpecCache
+from spec_cache.generator import Generator
+store_dir, target_dir, how = sys.argv[1:4]
+prompts = [list(range(3, 3 + n)) for n in (12, 20, 31, 45)]
+options = {"durability": "sync"} if how == "sync" else {}
+cache = SpecCache.open(store_dir, **options)
+real_put = cache.store.put
+def slow_put(*args, **kwargs):
+    time.sleep(0.15)
+    return real_put(*args, **kwargs)
+cache.store.put = slow_put
+gen = Generator.load(target_dir, None, method="ngram", cache=cache)
+gen.generate(prompts, max_tokens=4)
+print("answered", flush=True)
+if how == "raise":
+    raise RuntimeError("the script fails after its requests")
+if how in ("sync", "kill"):
+    os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny-durability"), drafters={}).root / "target"
+
+
+def run_child(script: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+
+
+def restored_tokens(store_dir, target_dir) -> list[int]:
+    """Prompt tokens each of ``PROMPTS`` restores from LMDB, in this (second) process."""
+    with SpecCache.open(store_dir, memory_bytes=0) as cache:
+        gen = Generator.load(target_dir, None, method="ngram", cache=cache)
+        return [r.cached_tokens for r in gen.generate(PROMPTS, max_tokens=4)]
+
+
+def test_a_script_that_never_closes_its_cache_keeps_every_checkpoint(target_dir, tmp_path):
+    done = run_child(CHILD, tmp_path / "store", target_dir, "exit")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "answered"
+    assert "Traceback" not in done.stderr, done.stderr
+    assert restored_tokens(tmp_path / "store", target_dir) == [len(p) - 1 for p in PROMPTS]
+
+
+def test_a_script_ended_by_an_uncaught_exception_keeps_every_checkpoint(target_dir, tmp_path):
+    done = run_child(CHILD, tmp_path / "store", target_dir, "raise")
+    assert done.returncode == 1
+    assert "RuntimeError: the script fails after its requests" in done.stderr
+    assert restored_tokens(tmp_path / "store", target_dir) == [len(p) - 1 for p in PROMPTS]
+
+
+def test_sync_durability_survives_a_sigkill_right_after_the_request(target_dir, tmp_path):
+    """``durability="sync"``: every checkpoint is in LMDB when ``generate`` returns; the process then kills itself
+    (no exit hook runs) and the next process restores every prompt. The same kill in the default write-behind mode
+    loses what was still queued: the window ``durability="sync"`` closes."""
+    done = run_child(CHILD, tmp_path / "sync", target_dir, "sync")
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert done.stdout.strip() == "answered"
+    assert restored_tokens(tmp_path / "sync", target_dir) == [len(p) - 1 for p in PROMPTS]
+
+    done = run_child(CHILD, tmp_path / "behind", target_dir, "kill")
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert restored_tokens(tmp_path / "behind", target_dir) != [len(p) - 1 for p in PROMPTS]
+
+
+# The child: the first LMDB put never returns (a hung disk); three more checkpoints are queued behind it.
+BLOCKED = """
+import sys, threading
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from spec_cache.cache import SpecCache
+cache = SpecCache.open(sys.argv[1], exit_timeout_s=1.0)
+ns = cache.namespace("ab" * 32, "{}")
+cache.store.put = lambda *a, **k: threading.Event().wait()
+for i in range(4):
+    c = KVCache(); c.keys = mx.ones((1, 2, 16, 8)) * i; c.values = c.keys + 1; c.offset = 16
+    mx.eval(c.keys, c.values)
+    cache.save(ns, [i] * 16, [c], background=True)
+print("queued", flush=True)
+"""
+
+
+def test_the_exit_wait_is_bounded_and_says_what_was_left(tmp_path):
+    done = run_child(BLOCKED, tmp_path / "store")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "queued"
+    # one checkpoint stuck in its write, three queued behind it: none written, every one accounted for
+    assert "0 written" in done.stderr, done.stderr
+    assert "1 still being written" in done.stderr, done.stderr
+    assert "3 queued checkpoints (6144 bytes) not written" in done.stderr, done.stderr
