@@ -94,7 +94,31 @@ def world_tmp():
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root to switch users")
+#: the child imports everything as root (and runs the calls under test once on its own store, for lazy imports),
+#: then becomes nobody (uid/gid 65534, no groups) for the part under test:
+#: the interpreter and the venv may sit in a private (0700) clone that another user could not even import from
+AS_NOBODY = """
+import os, sys, tempfile
+from spec_cache.store import Store, StoreError, maintenance
+with tempfile.TemporaryDirectory() as warm:  # the same calls once as root: lazy imports (lmdb's) happen now
+    Store.open(warm + "/s").close()
+    with Store.open(warm + "/s", readonly=True) as s:
+        maintenance.verify(s)
+os.chdir("/")
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+assert os.getuid() == os.geteuid() == 65534 and os.getgid() == 65534
+"""
+
+
+def as_nobody(code: str, *args) -> subprocess.CompletedProcess:
+    """Run ``code`` as uid 65534 after AS_NOBODY's imports (works from any clone location)."""
+    return subprocess.run([sys.executable, "-c", AS_NOBODY + code, *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch users")
 def test_as_another_user_permission_denied_is_named_and_readonly_inspection_works(world_tmp):
     """A store owned by root, 0700: another user gets "permission denied"; made world-readable (files 0644,
     directory 0755) another user can inspect it read-only although lock.mdb is not theirs to write; and that
@@ -103,26 +127,21 @@ def test_as_another_user_permission_denied_is_named_and_readonly_inspection_work
     d = tmp_path / "store"
     Store.open(d).close()
     os.chmod(tmp_path, 0o755)
-    code = ("import sys\nfrom spec_cache.store import Store, StoreError, maintenance\n"
-            "try:\n    s = Store.open(sys.argv[1], readonly=True)\nexcept StoreError as e:\n    print('ERR', e)\n"
+    code = ("try:\n    s = Store.open(sys.argv[1], readonly=True)\nexcept StoreError as e:\n    print('ERR', e)\n"
             "else:\n    print('OK', not maintenance.verify(s).damaged); s.close()\n")
-    user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code, str(d)]
-    out = subprocess.run(user, capture_output=True, text=True, timeout=120)
+    out = as_nobody(code, d)
     assert "permission denied" in out.stdout, out.stdout + out.stderr
     os.chmod(d, 0o755)
     for name in ("data.mdb", "lock.mdb"):
         os.chmod(d / name, 0o644)
-    out = subprocess.run(user, capture_output=True, text=True, timeout=120)
+    out = as_nobody(code, d)
     assert out.stdout.strip() == "OK True", out.stdout + out.stderr
     foreign = tmp_path / "theirs"
     foreign.mkdir(mode=0o777)
     os.chmod(foreign, 0o777)
     (foreign / "f").write_text("x")
     before = snapshot(foreign)
-    takeover = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-                "import sys\nfrom spec_cache.store import Store, StoreError\ntry:\n    Store.open(sys.argv[1])\n"
-                "except StoreError as e:\n    print('ERR', e)\n", str(foreign)]
-    out = subprocess.run(takeover, capture_output=True, text=True, timeout=120)
+    out = as_nobody("try:\n    Store.open(sys.argv[1])\nexcept StoreError as e:\n    print('ERR', e)\n", foreign)
     assert "not a spec-cache store" in out.stdout, out.stdout + out.stderr
     assert snapshot(foreign) == before
 

@@ -23,6 +23,7 @@ from redis.cluster import RedisCluster, key_slot
 
 from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.cli import shared as shared_cli
+from spec_cache.store import StoreError
 from spec_cache.store.shared import SharedConfig
 from spec_cache.store.shared.keys import KeyNames
 from spec_cache.store.shared.records import read_outgoing
@@ -97,11 +98,15 @@ def test_cluster_urls_are_parsed_and_bad_ones_named():
     assert config.cluster_nodes == [("10.0.0.1", 7000), ("::1", 7001), ("node-3", 7002)]
     assert config.credentials == ("u", "pw") and "pw" not in config.safe_url
     assert SharedConfig("redis://h:1/0").prefix == "sc:1:" and not SharedConfig("redis://h:1/0").cluster
+    # an IPv6 node among others parses on every Python (Debian's 3.11.2 urllib calls it "Invalid IPv6 URL")
+    assert SharedConfig("redis+cluster://[::1]:7001,h:2").cluster_nodes == [("::1", 7001), ("h", 2)]
     for bad, says in [("redis+cluster://h", "is not host:port"), ("redis+cluster://h:1,", "is not host:port"),
                       ("redis+cluster://h:1/2", "no database"), ("redis+cluster://h:99999", "is not host:port"),
-                      ("cluster://h:1", "must start with")]:
-        with pytest.raises(ValueError, match=says):
+                      ("cluster://h:1", "must start with"), ("redis+cluster://[::1:7000", "is not host:port"),
+                      ("redis://[::1:6379/0", "cannot be parsed"), ("redis://u:pw@[zz]:1/0", "cannot be parsed")]:
+        with pytest.raises(StoreError, match=says) as caught:  # named, never urllib's bare ValueError
             SharedConfig(bad)
+        assert "pw" not in str(caught.value)
     with pytest.raises(ValueError, match="without { or }"):
         SharedConfig("redis+cluster://h:1", prefix="a{b}:")
     with pytest.raises(ValueError, match="spread_chunks"):
