@@ -16,6 +16,11 @@ Rules (from the seed's RAM tier, seed-design.md section 3.1):
   ``has_drafter``, ``minimum_reusable``; the same one ``Store.fetch`` takes) picks among candidates.
 * ``put`` of the same tokens replaces the entry (drafter parts are merged); a trimmable entry supersedes the
   trimmable, attachment-free ancestors it can serve by trimming.
+* Tenants: ``set_tenant(ns_key, label)`` (``SpecCache.namespace`` calls it with the store's tenant label) puts a
+  namespace's bytes on its tenant's account. A tenant over its quota (``tenant_quota_bytes``, or ``tenant_share``
+  of the budget) evicts its own entries first; over the budget, the tenant holding most bytes (most over its
+  fair share, budget / tenants) loses its least recently used entry first, so one tenant's flood never evicts
+  a tenant within its share. Without labels (one tenant) eviction is the plain LRU below.
 * LRU by bytes under ``budget_bytes``; pinned entries and entries whose LMDB write has not committed yet
   (``durable`` false) are never evicted: a checkpoint leaves RAM only once the cold tier holds it (or its write
   failed for good). ``reclaim`` evicts under memory pressure (MLX's active memory against a fraction of the
@@ -129,10 +134,22 @@ class MemoryTier:
     """
 
     def __init__(self, budget_bytes: int, *, idle_seconds: float | None = 600.0,
-                 memory_probe: Callable[[], tuple[int, int]] | None = None):
+                 memory_probe: Callable[[], tuple[int, int]] | None = None, tenant_quota_bytes: int | None = None,
+                 tenant_share: float | None = None):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError("memory_bytes must be an int >= 0")
+        if tenant_quota_bytes is not None and (isinstance(tenant_quota_bytes, bool)
+                                               or not isinstance(tenant_quota_bytes, int) or tenant_quota_bytes <= 0):
+            raise ValueError("tenant_quota_bytes must be a positive int or None")
+        if tenant_share is not None and (isinstance(tenant_share, bool) or not isinstance(tenant_share, (int, float))
+                                         or not 0 < tenant_share <= 1):
+            raise ValueError("tenant_share must be a number in (0, 1] or None")
         self.budget_bytes = budget_bytes
+        quotas = [q for q in (tenant_quota_bytes, None if tenant_share is None else int(budget_bytes * tenant_share))
+                  if q is not None]
+        self.tenant_quota = min(quotas) if quotas else None  # bytes one tenant may hold (None: no quota)
+        self._tenant_of: dict[bytes, bytes] = {}   # namespace key -> tenant label (absent: the default tenant)
+        self.tenant_bytes: dict[bytes, int] = {}   # tenant label (b"": default) -> bytes held
         self.idle_seconds = idle_seconds
         self._probe = memory_probe or _mlx_memory
         self._lock = threading.RLock()
@@ -160,7 +177,7 @@ class MemoryTier:
             drafters[drafter_namespace] = draft_checkpoint
         nbytes = sum(held_bytes(layer.arrays) for layer in layers)
         nbytes += sum(held_bytes(cp.attachment.tensors) for cp in drafters.values())
-        if nbytes > self.budget_bytes:
+        if nbytes > self.budget_bytes or (self.tenant_quota is not None and nbytes > self.tenant_quota):
             self.counters["refused"] += 1
             return None
         trimmable = bool(layers) and all(layer.kind in ("kv", "qkv") for layer in layers)
@@ -200,6 +217,21 @@ class MemoryTier:
             if not pinned:
                 self._evict_to(self.budget_bytes)
             return True
+
+    def set_tenant(self, ns_key: bytes, label: bytes | None) -> None:
+        """Count namespace ``ns_key``'s bytes on tenant ``label`` (None or b"": the default tenant)."""
+        label = bytes(label or b"")
+        with self._lock:
+            held = list(self._by_ns.get(ns_key, {}).values())
+            for entry in held:
+                self._account(entry, -1)
+            if label:
+                self._tenant_of[ns_key] = label
+            else:
+                self._tenant_of.pop(ns_key, None)
+            for entry in held:
+                self._account(entry, +1)
+            self._evict_to(self.budget_bytes)
 
     # --- lookup / take ---------------------------------------------------------------------------
     def lookup(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
@@ -260,15 +292,26 @@ class MemoryTier:
 
     def stats(self) -> dict:
         with self._lock:
+            tenants = {(label.hex() if label else "default"): n for label, n in sorted(self.tenant_bytes.items())}
             return {"budget": self.budget_bytes, "bytes": self.bytes, "entries": len(self._entries),
                     "pinned": sum(e.pinned for e in self._entries.values()),
-                    "not_durable": sum(not e.durable for e in self._entries.values()), **self.counters}
+                    "not_durable": sum(not e.durable for e in self._entries.values()), "tenants": tenants,
+                    "tenant_quota": self.tenant_quota, **self.counters}
 
     # --- internals -------------------------------------------------------------------------------
     def _add(self, entry: _Entry) -> None:
         self._entries[entry.key] = entry
         self._by_ns.setdefault(entry.ns_key, {})[entry.key[1]] = entry
         self.bytes += entry.nbytes
+        self._account(entry, +1)
+
+    def _account(self, entry: _Entry, sign: int) -> None:
+        label = self._tenant_of.get(entry.ns_key, b"")
+        left = self.tenant_bytes.get(label, 0) + sign * entry.nbytes
+        if left:
+            self.tenant_bytes[label] = left
+        else:
+            self.tenant_bytes.pop(label, None)
 
     def _remove(self, entry: _Entry) -> None:
         self._entries.pop(entry.key, None)
@@ -278,6 +321,7 @@ class MemoryTier:
             if not ns:
                 del self._by_ns[entry.ns_key]
         self.bytes -= entry.nbytes
+        self._account(entry, -1)
 
     def _supersede(self, entry: _Entry) -> None:
         """Drop trimmable, attachment-free ancestors that ``entry`` serves by trimming (same conversion point);
@@ -292,7 +336,11 @@ class MemoryTier:
                 self.counters["superseded"] += 1
 
     def _evict_to(self, limit: int) -> None:
-        if self.bytes <= limit:
+        over_quota = self.tenant_quota is not None and any(n > self.tenant_quota for n in self.tenant_bytes.values())
+        if self.bytes <= limit and not over_quota:
+            return
+        if len(self.tenant_bytes) > 1 or over_quota:
+            self._evict_fair(limit)
             return
         for entry in list(self._entries.values()):  # least recently used first
             if self.bytes <= limit:
@@ -301,6 +349,36 @@ class MemoryTier:
                 continue
             self._remove(entry)
             self.counters["evicted"] += 1
+
+    def _evict_fair(self, limit: int) -> None:
+        """Tenants over their quota evict their own least recently used entries; then, while over ``limit``,
+        the tenant holding most bytes (most over its fair share) loses its least recently used entry."""
+        queues: dict[bytes, list[_Entry]] = {}
+        for entry in self._entries.values():  # least recently used first
+            if not entry.pinned and entry.durable:
+                queues.setdefault(self._tenant_of.get(entry.ns_key, b""), []).append(entry)
+        heads = dict.fromkeys(queues, 0)
+
+        def evict_one(label: bytes) -> bool:
+            queue = queues.get(label, ())
+            if heads.get(label, 0) >= len(queue):
+                return False
+            self._remove(queue[heads[label]])
+            heads[label] += 1
+            self.counters["evicted"] += 1
+            return True
+        if self.tenant_quota is not None:
+            for label in list(self.tenant_bytes):
+                while self.tenant_bytes.get(label, 0) > self.tenant_quota and evict_one(label):
+                    pass
+        exhausted: set[bytes] = set()
+        while self.bytes > limit:
+            live = [(n, label) for label, n in self.tenant_bytes.items() if label not in exhausted]
+            if not live:
+                return
+            label = max(live)[1]
+            if not evict_one(label):
+                exhausted.add(label)
 
     def _demote_idle(self) -> None:
         if self.idle_seconds is None:

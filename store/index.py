@@ -12,13 +12,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
 import blake3
+import msgpack
 
-from .errors import CorruptIndex, NamespaceNotRegistered
+from .errors import CorruptIndex, InvalidInput, NamespaceNotRegistered
 from .keys import lru_key
-from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode, pack, unpack
+from .values import TENANT_ID_BYTES, TENANT_MINOR, TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode, pack, unpack
 
 __all__ = ["Index", "ChainWrite", "Bookkeeping", "expected_bookkeeping", "TOTALS_KEY", "decode", "draft_key",
            "now_ns", "pack", "unpack"]
+
+
+FORMAT_KEY = b"format"  # meta: the store's format record (``env.Environment``), whose minor 1.1 marks tenant labels
 
 
 def draft_key(entry: bytes, drafter_namespace: str) -> bytes:
@@ -122,16 +126,45 @@ class Index:
         self.add_totals(d_bytes, d_entries)
 
     # --- namespaces --------------------------------------------------------------------------------
-    def register_namespace(self, ns: bytes, *, target: str, prefix_namespace: str, tenant: bool) -> None:
-        """Create the namespace row; a row ``gc`` rebuilt learns again what it stands for. Idempotent."""
+    def register_namespace(self, ns: bytes, *, target: str, prefix_namespace: str, tenant: bool,
+                           tenant_id: bytes | None = None) -> None:
+        """Create the namespace row; a row ``gc`` rebuilt learns again what it stands for. Idempotent.
+
+        ``tenant_id`` (``keys.tenant_id``; None: the default tenant) labels the row for per-tenant accounting; a
+        row written without one (a 1.0 store) takes the label at its next registration. The first label
+        written marks the store format 1.1 (``TENANT_MINOR``).
+        """
+        if tenant_id is not None and (type(tenant_id) is not bytes or len(tenant_id) != TENANT_ID_BYTES):
+            raise InvalidInput(f"tenant_id must be {TENANT_ID_BYTES} bytes (keys.tenant_id) or None")
         info = self.namespace(ns)
         if info is None:
             self.put("nsinfo", ns, NamespaceInfo(target, prefix_namespace, bool(tenant), now_ns(), 0, 0, 0, 0,
-                                                 None, []))
-        elif info.rebuilt:
-            info.target, info.prefix_namespace, info.tenant = target, prefix_namespace, bool(tenant)
-            info.rebuilt = False
+                                                 None, [], tenant_id=tenant_id))
+        elif info.rebuilt or (tenant_id is not None and info.tenant_id != tenant_id):
+            if info.rebuilt:
+                info.target, info.prefix_namespace, info.tenant = target, prefix_namespace, bool(tenant)
+                info.rebuilt = False
+            info.tenant_id = tenant_id if tenant_id is not None else info.tenant_id
             self.put("nsinfo", ns, info)
+        if tenant_id is not None:
+            self.mark_format_minor(TENANT_MINOR)
+
+    def format_minor(self) -> int:
+        """The minor store format the ``format`` row states (0 when it is missing or unreadable)."""
+        try:
+            meta = unpack(self.txn.get(FORMAT_KEY, db=self.dbs["meta"]), "meta", FORMAT_KEY)
+        except CorruptIndex:
+            return 0
+        minor = meta.get("minor", 0) if isinstance(meta, dict) else 0
+        return minor if type(minor) is int else 0
+
+    def mark_format_minor(self, minor: int) -> None:
+        """Raise the ``format`` row's minor to ``minor`` (never lower it): the store now uses what it adds."""
+        raw = self.txn.get(FORMAT_KEY, db=self.dbs["meta"])
+        meta = unpack(raw, "meta", FORMAT_KEY) if raw is not None else None
+        if isinstance(meta, dict) and self.format_minor() < minor:
+            meta["minor"] = minor
+            self.txn.put(FORMAT_KEY, msgpack.packb(meta), db=self.dbs["meta"])
 
     def require_namespace(self, ns: bytes) -> NamespaceInfo:
         """The namespace row; raises ``NamespaceNotRegistered`` if there is none."""

@@ -10,6 +10,11 @@ parent's hash; an entry (an exact boundary) hangs off the deepest full chunk at 
     chunk_k = blake3("spec-cache/chunk/v1\\0" || chunk_{k-1} || u32le tokens of chunk k)
     entry   = blake3("spec-cache/entry/v1\\0" || chunk_j || u32 t || u32le the t tail tokens)
 
+A namespace's *tenant label* (``tenant_id``, store format 1.1) is what per-tenant byte accounting and quotas
+group namespaces by: ``blake3.derive_key("spec-cache 2026 tenant-id v1", tenant)[:16]``. It is a one-way
+digest, never the tenant string (an API key's digest or a ``cache_salt``); it reveals no more than the
+namespace key, which already hashes the same tenant with public inputs.
+
 Tokens are packed as unsigned 32-bit little-endian words, so hashing a 32k-token prompt is one pass over
 128 KiB. Keys are 32 bytes; LRU keys are ``u64be(last_use_ns) || entry key``.
 """
@@ -79,6 +84,21 @@ def chain(root: bytes, tokens: np.ndarray, chunk_tokens: int, max_chunks: int | 
     for k in range(count):
         keys.append(blake3.blake3(_CHUNK + keys[-1] + data[k * step:(k + 1) * step]).digest())
     return keys
+
+
+TENANT_ID_CONTEXT = "spec-cache 2026 tenant-id v1"
+TENANT_ID_BYTES = 16
+
+
+def tenant_id(tenant: str | bytes) -> bytes:
+    """The 16-byte tenant label of ``tenant`` (a str is its UTF-8 bytes, as in ``namespace_key``)."""
+    if isinstance(tenant, str):
+        tenant = tenant.encode("utf-8")
+    elif isinstance(tenant, (bytearray, memoryview)):
+        tenant = bytes(tenant)
+    if not isinstance(tenant, bytes):
+        raise InvalidInput(f"tenant must be a str or bytes, not {type(tenant).__name__}")
+    return blake3.blake3(tenant, derive_key_context=TENANT_ID_CONTEXT).digest()[:TENANT_ID_BYTES]
 
 
 def lru_key(last_use_ns: int, key: bytes) -> bytes:

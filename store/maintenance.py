@@ -16,12 +16,14 @@ from .errors import CorruptIndex, StoreFullError
 from .gc import GcReport, gc
 from .index import Index
 from .store import Store
+from .tenants import DEFAULT_TENANT
+from .tenants import usage as tenant_usage
 from .values import Entry, decode_typed
 from .verify import RECORD_DBS, Progress, VerifyReport, index_problems, verify
 
-__all__ = ["namespaces", "resolve_namespace", "resolve_entries", "set_pinned", "drafter_namespaces", "entries", "stats",
-           "evict", "EvictReport", "verify", "VerifyReport", "index_problems", "gc", "GcReport", "RECORD_DBS",
-           "Progress"]
+__all__ = ["namespaces", "tenants", "resolve_namespace", "resolve_entries", "set_pinned", "drafter_namespaces",
+           "entries", "stats", "evict", "EvictReport", "verify", "VerifyReport", "index_problems", "gc", "GcReport",
+           "RECORD_DBS", "Progress"]
 
 
 def _hex(b: bytes) -> str:
@@ -35,7 +37,8 @@ def namespaces(store: Store) -> list[dict]:
         for key, raw in txn.cursor(db=store.env.dbs["nsinfo"]):
             info = decode_typed("nsinfo", raw, bytes(key))
             out.append({"key": _hex(key), "target": info.target, "prefix_namespace": info.prefix_namespace,
-                        "tenant": info.tenant, "entries": info.entries, "bytes": info.bytes, "hits": info.hits,
+                        "tenant": info.tenant, "tenant_id": _tenant_hex(info.tenant_id or DEFAULT_TENANT),
+                        "entries": info.entries, "bytes": info.bytes, "hits": info.hits,
                         "misses": info.misses, "last_use_ns": info.last_use, "created_ns": info.created})
     out.sort(key=lambda d: d["last_use_ns"] or 0, reverse=True)
     return out
@@ -124,22 +127,42 @@ def entries(store: Store, ns_key: bytes | None = None) -> list[dict]:
     return out
 
 
-def stats(store: Store) -> dict:
-    """Store-wide figures: bytes, entries, chunks, map and file sizes, format, budget."""
+def _tenant_hex(label: bytes) -> str:
+    """How listings name a tenant label: its hex, or ``default`` for namespaces without one."""
+    return bytes(label).hex() if label else "default"
+
+
+def tenants(store: Store) -> list[dict]:
+    """Bytes, entries and namespaces per tenant label (``default``: namespaces registered without a tenant
+    label, every namespace of a 1.0 store), most bytes first; with the quota each tenant is held to."""
     with store.reading() as txn:
-        totals = Index(txn, store.env.dbs).totals()
+        use = tenant_usage(Index(txn, store.env.dbs))
+    quota = store.tenants.quota(store.max_bytes)
+    rows = [{"tenant": _tenant_hex(t), "bytes": n, "entries": use.entries[t], "namespaces": use.namespaces[t],
+             "quota_bytes": quota} for t, n in use.bytes.items()]
+    rows.sort(key=lambda r: (-r["bytes"], r["tenant"]))
+    return rows
+
+
+def stats(store: Store) -> dict:
+    """Store-wide figures: bytes, entries, chunks, map and file sizes, format, budget, bytes per tenant."""
+    with store.reading() as txn:
+        index = Index(txn, store.env.dbs)
+        totals = index.totals()
+        minor = max(index.format_minor(), int(store.env.meta.get("minor", 0) or 0))
         counts = {name: txn.stat(store.env.dbs[name])["entries"] for name in ("chunks", "nodes", "drafts")}
     info = store.env.env.info()
     data_file = os.path.join(store.path, "data.mdb")
     ns = namespaces(store)
     meta = store.env.meta
-    return {"path": store.path, "format": f"{meta['format']} {meta['major']}.{meta['minor']}",
+    return {"path": store.path, "format": f"{meta['format']} {meta['major']}.{minor}",
             "chunk_tokens": store.chunk_tokens, "bytes": totals.bytes, "entries": totals.entries,
             "chunks": counts["chunks"], "drafter_parts": counts["drafts"], "namespaces": len(ns),
             "hits": sum(n["hits"] for n in ns), "misses": sum(n["misses"] for n in ns),
             "max_bytes": store.max_bytes if store.max_bytes is not None else store.env.budget(),
             "map_size": info["map_size"],
-            "file_bytes": os.path.getsize(data_file) if os.path.exists(data_file) else 0}
+            "file_bytes": os.path.getsize(data_file) if os.path.exists(data_file) else 0,
+            "tenants": tenants(store)}
 
 
 @dataclass

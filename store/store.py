@@ -35,6 +35,7 @@ from .errors import CorruptIndex, InvalidInput, StoreError, StoreFullError
 from .index import Index, draft_key, now_ns
 from .lookup import lookup
 from .read import ASYNC_VERIFY_BYTES, BackgroundVerifier, Concat, read_attachment, read_layers
+from .tenants import TenantPolicy, enforce
 from .tensors import LayerState
 from .values import Entry, NamespaceInfo
 from .write import Checkpoint, prepare_checkpoint
@@ -83,19 +84,24 @@ class Store:
         self._last_flush = time.monotonic()
         self._bad: set[bytes] = set()  # corrupt keys this process could not drop (read-only store): hidden
         self._verifier = BackgroundVerifier()  # checksums large records while fetch copies them out
+        self.tenants = TenantPolicy()  # per-tenant quota (``open``'s tenant_quota_bytes / tenant_share)
 
     # --- open / close ------------------------------------------------------------------------------
     @classmethod
     def open(cls, path, *, max_bytes: int | None = None, readonly: bool = False, durable: bool = True,
-             chunk_tokens: int | None = None, map_size: int | None = None) -> "Store":
+             chunk_tokens: int | None = None, map_size: int | None = None, tenant_quota_bytes: int | None = None,
+             tenant_share: float | None = None) -> "Store":
         """Open (creating if needed) the store in directory ``path``.
 
         ``max_bytes`` caps stored bytes (LRU eviction on put) and is recorded in the store's ``meta`` (``budget``)
-        so ``spec-cache stats`` shows it; ``durable=False`` skips fsync per commit.
+        so ``spec-cache stats`` shows it; ``durable=False`` skips fsync per commit. ``tenant_quota_bytes`` /
+        ``tenant_share`` (a fraction of ``max_bytes``) cap each tenant's bytes (``tenants.py``: over its quota a
+        tenant evicts its own entries; over ``max_bytes`` the tenant most over its fair share goes first).
         Raises ``StoreOpenError``/``StoreFormatError`` with a message naming the directory.
         """
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
             raise InvalidInput("max_bytes must be a positive int or None")
+        policy = TenantPolicy.of(tenant_quota_bytes, tenant_share, max_bytes)
         env = Environment(path, readonly=readonly, durable=durable, map_size=map_size, chunk_tokens=chunk_tokens)
         if max_bytes is not None and not readonly:
             try:
@@ -103,7 +109,9 @@ class Store:
             except BaseException:
                 env.close()
                 raise
-        return cls(env, max_bytes)
+        store = cls(env, max_bytes)
+        store.tenants = policy
+        return store
 
     @property
     def path(self) -> str:
@@ -128,10 +136,12 @@ class Store:
         self.close()
 
     # --- namespaces --------------------------------------------------------------------------------
-    def register_namespace(self, ns_key: bytes, *, target: str, prefix_namespace: str, tenant: bool = False) -> None:
-        """Record what a namespace key stands for (shown by ``ls``/``show``); idempotent."""
+    def register_namespace(self, ns_key: bytes, *, target: str, prefix_namespace: str, tenant: bool = False,
+                           tenant_id: bytes | None = None) -> None:
+        """Record what a namespace key stands for (shown by ``ls``/``show``); idempotent. ``tenant_id``
+        (``keys.tenant_id``) is the label its bytes are counted under for quotas (None: the default tenant)."""
         self.env.write(lambda txn: Index(txn, self.env.dbs).register_namespace(
-            ns_key, target=target, prefix_namespace=prefix_namespace, tenant=tenant))
+            ns_key, target=target, prefix_namespace=prefix_namespace, tenant=tenant, tenant_id=tenant_id))
 
     def namespace_info(self, ns_key: bytes) -> NamespaceInfo | None:
         """The namespace row of ``ns_key`` (what it stands for, its counters), or None if not registered."""
@@ -180,13 +190,9 @@ class Store:
                       checkpoint.minimum_reusable)
         draft = (checkpoint.drafter, checkpoint.draft_record) if checkpoint.draft_record is not None else None
         written = index.add_entry(checkpoint.entry_key, entry, checkpoint.entry_record, draft)
-        evicted = 0
-        if self.max_bytes is not None:
-            evicted = index.evict_to(self.max_bytes, {checkpoint.entry_key})
-            if index.totals().bytes > self.max_bytes:  # pinned entries hold the rest: refuse, change nothing
-                raise StoreFullError(
-                    f"checkpoint of {checkpoint.own_bytes + chain.chain_bytes} bytes does not fit next to the "
-                    f"pinned entries within the store's max_bytes {self.max_bytes}")
+        # the writer's tenant quota, then the budget by fair share (plain LRU without tenants); refusals abort
+        evicted = enforce(index, checkpoint.ns_key, checkpoint.entry_key, max_bytes=self.max_bytes,
+                          policy=self.tenants, new_bytes=checkpoint.own_bytes + chain.chain_bytes)
         return PutResult(checkpoint.entry_key, chain.written + written, chain.new_chunks, evicted)
 
     def _check_budget(self, nbytes: int, what: str = "") -> None:

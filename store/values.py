@@ -19,10 +19,12 @@ import msgpack
 
 from .errors import CorruptIndex
 
-__all__ = ["Node", "Entry", "NamespaceInfo", "Totals", "TOTALS_KEY", "pack", "unpack", "decode",
-           "node_ok", "entry_ok", "nsinfo_ok", "totals_ok"]
+__all__ = ["Node", "Entry", "NamespaceInfo", "Totals", "TOTALS_KEY", "TENANT_MINOR", "TENANT_ID_BYTES", "pack",
+           "unpack", "decode", "node_ok", "entry_ok", "nsinfo_ok", "totals_ok"]
 
 TOTALS_KEY = b"totals"  # key of the store-wide ``Totals`` in the ``meta`` sub-database
+TENANT_MINOR = 1  # store format 1.1: namespace rows may carry a tenant label (``tid``); 1.0 stores have none
+TENANT_ID_BYTES = 16  # a tenant label: blake3 derive-key of the tenant (``keys.tenant_id``)
 
 
 def pack(obj) -> bytes:
@@ -115,7 +117,9 @@ _ENTRY_KEYS = frozenset(("ns", "len", "node", "tail", "last_use", "created", "pi
 class NamespaceInfo:
     """What a namespace key stands for, its counters and the layer signatures its chains start from.
 
-    On disk: ``{target, prefix, tenant, created, entries, bytes, hits, misses, last_use, sigs[, rebuilt]}``.
+    On disk: ``{target, prefix, tenant, created, entries, bytes, hits, misses, last_use, sigs[, tid][, rebuilt]}``.
+    ``tid`` (format 1.1, ``TENANT_MINOR``): the tenant label, 16 bytes (``keys.tenant_id`` of the tenant, never
+    the tenant string itself); absent = the default tenant (every namespace of a 1.0 store).
     """
 
     target: str                # target: the target identity the key was made from
@@ -129,18 +133,21 @@ class NamespaceInfo:
     last_use: int | None       # last_use: ns since the epoch of the last hit or put; None before the first
     signatures: list[bytes]    # sigs: layer signatures of the chains (one root node each); lookups walk these
     rebuilt: bool = False      # rebuilt: gc rebuilt a damaged row; the next register_namespace fills it in again
+    tenant_id: bytes | None = None  # tid: the tenant label (16 bytes) quotas count bytes by; None = default tenant
     extra: dict = field(default_factory=dict)  # fields of a newer minor format, written back as they were
 
     @classmethod
     def from_dict(cls, v: dict) -> "NamespaceInfo":
-        extra = {k: x for k, x in v.items() if k not in _NSINFO_KEYS} if len(v) > len(_NSINFO_KEYS) - 1 else {}
+        extra = {k: x for k, x in v.items() if k not in _NSINFO_KEYS} if len(v) > _NSINFO_REQUIRED else {}
         return cls(v["target"], v["prefix"], v["tenant"], v["created"], v["entries"], v["bytes"], v["hits"],
-                   v["misses"], v.get("last_use"), v["sigs"], bool(v.get("rebuilt", False)), extra)
+                   v["misses"], v.get("last_use"), v["sigs"], bool(v.get("rebuilt", False)), v.get("tid"), extra)
 
     def to_dict(self) -> dict:
         d = {"target": self.target, "prefix": self.prefix_namespace, "tenant": self.tenant, "created": self.created,
              "entries": self.entries, "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
              "last_use": self.last_use, "sigs": self.signatures}
+        if self.tenant_id is not None:
+            d["tid"] = self.tenant_id
         if self.rebuilt:
             d["rebuilt"] = True
         d.update(self.extra)
@@ -148,7 +155,8 @@ class NamespaceInfo:
 
 
 _NSINFO_KEYS = frozenset(("target", "prefix", "tenant", "created", "entries", "bytes", "hits", "misses",
-                          "last_use", "sigs", "rebuilt"))
+                          "last_use", "sigs", "rebuilt", "tid"))
+_NSINFO_REQUIRED = 10  # keys every namespace row has (``rebuilt`` and ``tid`` are optional)
 
 
 @dataclass(slots=True)
@@ -244,7 +252,8 @@ def nsinfo_ok(v) -> bool:
             and type(v.get("tenant")) is bool and _int(v.get("created")) and _int(v.get("entries"))
             and _int(v.get("bytes")) and _int(v.get("hits")) and _int(v.get("misses"))
             and (v.get("last_use") is None or _int(v.get("last_use")))
-            and type(v.get("sigs")) is list and all(type(s) is bytes for s in v["sigs"]))
+            and type(v.get("sigs")) is list and all(type(s) is bytes for s in v["sigs"])
+            and (v.get("tid") is None or (type(v["tid"]) is bytes and len(v["tid"]) == TENANT_ID_BYTES)))
 
 
 def totals_ok(v) -> bool:
