@@ -53,6 +53,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import mlx.core as mx
+
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 
 from .depth import DepthController, RowAcceptance
@@ -141,6 +143,9 @@ class SpeculativeEngine:
     codec). ``max_rows``: most rows decoded at once (None: all); waiting rows join as others finish.
     ``prefill_step_size``: prompt tokens per prefill forward; with KV quantization it also decides, as in
     ``generate_step``, where a row converts.
+    ``pipeline``: overlap plain rounds (no drafter, float KV, attention-only target) as mlx-lm's
+    ``generate_step`` does: the next round is queued on the device before the host reads this one's tokens (see
+    ``DecodeSession``); False: one synchronous round at a time (same tokens, same checkpoints).
     """
 
     def __init__(
@@ -154,6 +159,7 @@ class SpeculativeEngine:
         prefill_step_size: int = 512,
         adaptive: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        pipeline: bool = True,
     ) -> None:
         check_kv_options(kv)
         head_dims = [target.kv_geometry(layer)[1] for layer in range(target.num_layers)]
@@ -171,6 +177,8 @@ class SpeculativeEngine:
             raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+        if not isinstance(pipeline, bool):
+            raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
         if provider is not None and hasattr(provider, "bind"):
             provider.bind(target)
         self.target = target
@@ -180,6 +188,7 @@ class SpeculativeEngine:
         self.max_rows = max_rows
         self.prefill_step_size = prefill_step_size
         self.clock = clock
+        self.pipeline = pipeline
         #: the adaptive depth controller (costs persist across sessions of this engine); None: fixed depth
         self.depth = DepthController(draft_depth) if adaptive and provider is not None and draft_depth else None
 
@@ -304,6 +313,14 @@ class DecodeSession:
     Exactness: a row's tokens depend only on its own prompt, ``max_tokens``, sampling and seed (greedy: the
     target's own greedy tokens), never on which rows share its rounds (``spec_cache.sampling.RowSampler``).
     Threading: one owner thread calls every method. If ``step`` raises, the session is unusable: ``close`` it.
+
+    Pipelined plain rounds (``SpeculativeEngine(pipeline=True)``, no drafter, float KV, no recurrent layer): a
+    round samples on the device and queues the next round's forward over those still unread tokens
+    (``mx.async_eval``) before the host reads them, one host read per round, as ``generate_step`` does. The queued
+    round is kept only while the batch stays as it is: when a row finishes (EOS: ``max_tokens`` is seen coming
+    and nothing is queued), leaves, joins or is checkpointed, it is discarded (``TargetRows.discard_last``,
+    which restores the exact KV layout) and the next round runs as it would have unpipelined. So every forward
+    the rows keep is one the unpipelined session runs too, on the same batch: same tokens, same checkpoints.
     """
 
     def __init__(self, engine: "SpeculativeEngine", *, eos_token_ids: Sequence[int] = (),
@@ -327,6 +344,10 @@ class DecodeSession:
         self._leaving: dict[int, bool] = {}  # row id -> write its finish checkpoint (finish) or not (cancel)
         self._snapshots: set[int] = set()  # row ids whose checkpoint is asked for at the end of this step
         self._closed = False
+        self._pipelined = (engine.pipeline and self.group is None and engine.plan is None
+                           and not self.target.recurrent_layers)
+        #: the queued round's lazy tokens ``[B, 1]``: the KV of every active row already holds its pending token
+        self._ahead: mx.array | None = None
 
     # -- the owner's API ----------------------------------------------------------------------------------
     def submit(self, request: RowRequest, *, on_tokens: Callable[[int, list], None] | None = None,
@@ -383,10 +404,11 @@ class DecodeSession:
         try:
             free = len(self.waiting) if self.engine.max_rows is None else self.engine.max_rows - len(self.active)
             if self.waiting and free > 0:
+                self._drop_ahead()  # the batch changes: the queued round is not the one to run
                 cohort, self.waiting = self.waiting[:free], self.waiting[free:]
                 self._admit(cohort)
             if self.active:
-                self._round()
+                self._plain_round() if self._pipelined else self._round()
             self._retire()
             self._take_snapshots()
         finally:
@@ -398,6 +420,7 @@ class DecodeSession:
         if self._closed:
             return
         self._closed = True
+        self._ahead = None
         try:
             if self.group is not None:
                 self.group.dispose()
@@ -408,6 +431,7 @@ class DecodeSession:
         wanted, self._snapshots = self._snapshots, set()
         if self.on_checkpoint is None or not wanted:
             return
+        self._drop_ahead()  # a checkpoint holds prompt + generated[:-1]: not the queued round's token
         for i, row in enumerate(self.active):
             if row.index in wanted:
                 draft = None if self.group is None else self.group.capture(i)
@@ -517,27 +541,9 @@ class DecodeSession:
         clock = time.perf_counter()
         kept, agreed = [], []
         for row, draft, choice, budget in zip(active, drafts, sampled, budgets):
-            agree = 0
-            while agree < len(draft) and draft[agree] == choice[agree]:
-                agree += 1
-            emitted = (draft[:agree] + [choice[agree]])[:budget]
-            eos = self.eos if row.request.stop_at_eos else ()
-            for position, token in enumerate(emitted):
-                if token in eos:
-                    emitted = emitted[: position + 1]
-                    break
-            row.generated += emitted
-            row.tokens += emitted
-            row.drafted += len(draft)
-            row.accepted += min(agree, len(emitted))
+            count, agree = self._emit(row, draft, choice, budget, clock)
+            kept.append(count)
             agreed.append(agree)
-            if row.ttft_s is None:
-                row.ttft_s = clock - row.submitted
-            if emitted[-1] in eos:
-                row.done, row.reason = True, "eos"
-            elif len(row.generated) >= row.request.max_tokens:
-                row.done, row.reason = True, "length"
-            kept.append(len(emitted) - 1)
         self.rows.rollback([width - 1 - k for k in kept])
         if self.group is not None:
             self.group.commit(kept, RoundContext(window, out.hidden, out.taps))
@@ -556,6 +562,68 @@ class DecodeSession:
             if row.on_tokens is not None:
                 row.on_tokens(row.index, row.generated[len(row.generated) - count - 1:])
 
+    def _emit(self, row: _Row, draft: list, choice: list, budget: int, clock: float) -> tuple[int, int]:
+        """Append what row ``row`` emits this round (its drafts up to the first disagreement with the target's
+        ``choice``, then the target's token; cut at its budget and at EOS); returns (kept drafts, agreed)."""
+        agree = 0
+        while agree < len(draft) and draft[agree] == choice[agree]:
+            agree += 1
+        emitted = (draft[:agree] + [choice[agree]])[:budget]
+        eos = self.eos if row.request.stop_at_eos else ()
+        for position, token in enumerate(emitted):
+            if token in eos:
+                emitted = emitted[: position + 1]
+                break
+        row.generated += emitted
+        row.tokens += emitted
+        row.drafted += len(draft)
+        row.accepted += min(agree, len(emitted))
+        if row.ttft_s is None:
+            row.ttft_s = clock - row.submitted
+        if emitted[-1] in eos:
+            row.done, row.reason = True, "eos"
+        elif len(row.generated) >= row.request.max_tokens:
+            row.done, row.reason = True, "length"
+        return len(emitted) - 1, agree
+
+    # -- pipelined plain rounds (class doc) -------------------------------------------------------------
+    def _plain_round(self) -> None:
+        """One plain round with the next one queued behind it: at most one host read (this round's tokens)."""
+        active = self.active
+        budgets = [row.request.max_tokens - len(row.generated) for row in active]
+        current, self._ahead = self._ahead, None
+        if current is None:  # nothing queued: this round's window is the pending tokens the host holds
+            current = self._queue(mx.array([[row.tokens[-1]] for row in active], dtype=mx.uint32), 0)
+            mx.async_eval(current)
+        if min(budgets) > 1 and not self._batch_changes():
+            self._ahead = self._queue(current, 1)  # fed this round's unread tokens; discarded if the batch changes
+            mx.async_eval(self._ahead)
+        chosen = current.tolist()
+        clock = time.perf_counter()
+        for row, choice, budget in zip(active, chosen, budgets):
+            self._emit(row, [], choice, budget, clock)
+        for row in active:  # after the round is committed: a callback may end any row
+            if row.on_tokens is not None:
+                row.on_tokens(row.index, row.generated[-1:])
+
+    def _queue(self, ids: mx.array, lead: int) -> mx.array:
+        """Forward ``ids [B, 1]`` for every active row and sample its next tokens on the device (lazy);
+        ``lead``: rounds between the host's view of the rows and this one (the sampling position moves with it)."""
+        out = self.rows.append_ids(ids)
+        return self.sampler.sample(out.logits, [(row.sampling, len(row.tokens) + lead) for row in self.active])
+
+    def _batch_changes(self) -> bool:
+        """Whether the next step will not run the same rows as this one (rows leave, join, or are captured)."""
+        max_rows = self.engine.max_rows
+        joins = bool(self.waiting) and (max_rows is None or len(self.active) < max_rows)
+        return joins or bool(self._leaving) or bool(self._snapshots)
+
+    def _drop_ahead(self) -> None:
+        """Discard the queued round: the KV is exactly as if it had never been computed."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.rows.discard_last(1)
+
     # -- retirement -------------------------------------------------------------------------------------
     def _retire(self) -> None:
         """Remove every row that is done or asked to leave: done / finished rows write their finish checkpoint."""
@@ -572,6 +640,7 @@ class DecodeSession:
         self._leaving.clear()
         if not checkpointed:
             return
+        self._drop_ahead()  # the batch changes: the queued round is not the one to run
         leaving = sorted(checkpointed)
         finished = []
         for i in leaving:

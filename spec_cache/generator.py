@@ -195,7 +195,8 @@ class Generator:
         engine_started = time.perf_counter()
         try:
             out = self.engine.run([p.request for p in prepared], temperature=temperature, seed=seed,
-                                  eos_token_ids=self.eos_token_ids, on_checkpoint=on_checkpoint)
+                                  eos_token_ids=self.eos_token_ids,
+                                  on_checkpoint=None if self.cache is None else on_checkpoint)  # no copies for none
         finally:
             for tokens, caches, draft_checkpoint in saves:  # memory tier now, LMDB behind the request
                 self.save_checkpoint(tokens, caches, draft_checkpoint)

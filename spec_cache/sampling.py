@@ -112,13 +112,18 @@ class RowSampler:
     def __call__(self, logits: mx.array, rows: Sequence[tuple[RowSampling | None, int]]) -> list[list[int]]:
         """``rows[b] = (sampling, position)``: row ``b``'s sampling (None: greedy) and the absolute position of
         the token its window's first logits choose. Returns ``[B][W]`` token ids."""
+        return self.sample(logits, rows).tolist()
+
+    def sample(self, logits: mx.array, rows: Sequence[tuple[RowSampling | None, int]]) -> mx.array:
+        """``__call__`` left on the device: the ``[B, W]`` token ids as a lazy array (same operations, same
+        tokens), so a pipelined round can feed them to the next forward before the host reads them."""
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = mx.argmax(logprobs, axis=-1)
         sampled = [b for b, (sampling, _) in enumerate(rows) if sampling is not None and not sampling.greedy]
         if not sampled:
-            return chosen.tolist()
+            return chosen
         width, vocab = logprobs.shape[1], logprobs.shape[2]
-        replaced = {}
+        per_row = [chosen[b] for b in range(len(rows))]
         for b in sampled:
             sampling, position = rows[b]
             scaled = logprobs[b] * (1.0 / sampling.temperature)
@@ -126,8 +131,5 @@ class RowSampler:
                 scaled = _nucleus(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), sampling.top_p)
             noise = mx.stack([mx.random.gumbel((vocab,), key=position_key(sampling.seed, position + j))
                               for j in range(width)])
-            replaced[b] = mx.argmax(scaled + noise, axis=-1)
-        out = chosen.tolist()
-        for b, tokens in replaced.items():
-            out[b] = tokens.tolist()
-        return out
+            per_row[b] = mx.argmax(scaled + noise, axis=-1)
+        return mx.stack(per_row)

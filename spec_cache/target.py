@@ -438,6 +438,26 @@ class TargetRows:
         self._lengths = [n + lengths[0] for n in self._lengths]
         return out
 
+    def append_ids(self, ids: mx.array) -> ForwardOutput:
+        """``verify`` for a window already on the device (``ids [B, L]``, e.g. the lazily sampled tokens of the
+        round before): no host read, so the engine can queue a round before reading the last one."""
+        if ids.ndim != 2 or ids.shape[0] != self.row_count or ids.shape[1] == 0:
+            raise ValueError(f"ids must be [{self.row_count}, L>0], got shape {tuple(ids.shape)}")
+        out = self.model.forward(ids.astype(mx.uint32), self._ensure_caches())
+        self._lengths = [n + ids.shape[1] for n in self._lengths]
+        return out
+
+    def discard_last(self, count: int) -> None:
+        """Undo the last ``count`` tokens appended to *every* row (a queued round the engine will not use). Unlike
+        ``rollback`` it adds no left padding: the layout is exactly what it was before they were appended."""
+        if not 0 <= count <= min(self._lengths, default=0):
+            raise ValueError(f"cannot discard {count} tokens of rows holding {self._lengths}")
+        if any(isinstance(cache, ArraysCache) for cache in self._caches or ()):
+            raise NotImplementedError("recurrent state cannot discard tokens")
+        for cache in self._caches or ():
+            cache.trim(count)
+        self._lengths = [n - count for n in self._lengths]
+
     def rollback(self, rejected: Sequence[int]) -> None:
         """Drop the last ``rejected[row]`` tokens of each row (exact; they become left padding)."""
         rejected = [int(r) for r in rejected]
