@@ -36,6 +36,7 @@ TARGET = "ab" * 32
 PREFIX_NS = '{"adapters":""}'
 DRAFTER = "ngram-history-v1:3:1"
 C = 16  # chunk tokens of every host in these tests
+SECRET = "test fleet secret 0123456789abcdef"  # every host of these tests' fleet holds it
 
 
 # --- servers and hosts -----------------------------------------------------------------------------------
@@ -80,6 +81,8 @@ def hosts(tmp_path):
         options.setdefault("timeout_s", 2.0)
         options.setdefault("connect_timeout_s", 2.0)
         options.setdefault("backoff_s", 0.05)
+        if not options.get("trusted_network"):
+            options.setdefault("secret", SECRET)
         cache = SpecCache.open(tmp_path / name, shared=url, shared_options=options, chunk_tokens=chunk_tokens,
                                durable=False)
         opened.append(cache)
@@ -136,8 +139,8 @@ def prompt(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 30000, n).tolist()
 
 
-def server_keys(url: str, kind: str) -> list[bytes]:
-    return sorted(redis.Redis.from_url(url).scan_iter(match=f"sc:1:{kind}:*"))
+def server_keys(url: str, kind: str, prefix: str = "sc:3:") -> list[bytes]:
+    return sorted(redis.Redis.from_url(url).scan_iter(match=f"{prefix}{kind}:*"))
 
 
 def quiet_restore(cache, ns, tokens, **kwargs):
@@ -215,7 +218,7 @@ def test_shared_restore_takes_the_callers_usability_rule(server, hosts):
     save(a, ns, p[:70], drafter=False)
     save(a, ns, p[:100], drafter=False)
     assert a.shared.drain(10)
-    tier = SharedTier(server.url)
+    tier = SharedTier(SharedConfig(server.url, secret=SECRET))
     try:
         def restore(usable=None):
             return tier.restore(ns, p + [5], chunk_tokens=C, drafter=DRAFTER, usable=usable)
@@ -410,7 +413,7 @@ def test_hung_server_times_out_and_never_blocks_decoding(own_server, hosts):
 
 
 CORRUPTIONS = ["entry-bitflip", "entry-other-record", "entry-other-record-pinned", "chunk-garbage",
-               "chunks-swapped", "manifest-string", "manifest-other-ns", "node-garbage-fields", "node-string",
+               "chunks-swapped", "manifest-string", "manifest-field-changed", "node-garbage-fields", "node-string",
                "sigs-string", "draft-bitflip"]
 
 
@@ -442,8 +445,8 @@ def test_corrupt_values_on_the_server_are_dropped_never_served(server, hosts, ho
         other_out = read_outgoing(a.store, a.store.lookup(ns, other).entry, [])
         foreign = r.get(tier.keys.entry(other_out.entry_key))
         r.set(entry_name, foreign)
-        r.hset(man_name, "sum", foreign[16:48])
-        removed = entry_name
+        r.hset(man_name, "sum", r.hget(tier.keys.manifest(other_out.entry_key), "sum"))
+        removed = man_name
     elif how == "chunk-garbage":
         r.set(chunk_names[3], b"SPCR" + bytes(200))
         removed = chunk_names[3]
@@ -455,8 +458,8 @@ def test_corrupt_values_on_the_server_are_dropped_never_served(server, hosts, ho
         r.delete(man_name)
         r.set(man_name, b"not a hash")
         removed = man_name
-    elif how == "manifest-other-ns":
-        r.hset(man_name, "ns", bytes(32))
+    elif how == "manifest-field-changed":  # a reader trusts len and minr: the manifest's MAC covers them
+        r.hset(man_name, "len", 64)
         removed = man_name
     elif how == "node-garbage-fields":
         node = tier.keys.node(out.chain[-1])
@@ -485,14 +488,14 @@ def test_corrupt_values_on_the_server_are_dropped_never_served(server, hosts, ho
     messages = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
     if hit is not None:
         assert_holds(hit, p)  # whatever is served is right
-    if expect_warning:
-        assert messages and b.shared_status()["corrupt"] >= 1
+    if expect_warning:  # a damaged value, or (most of these, under a fleet secret) one failing authentication
+        assert messages and b.shared_status()["corrupt"] + b.shared_status()["unauthenticated"] >= 1
     else:
         assert hit.length == 100 and not messages
     if how == "draft-bitflip":
         assert hit.length == 100 and hit.draft_checkpoint is None  # target part still served
     if how in ("entry-bitflip", "entry-other-record", "entry-other-record-pinned", "manifest-string",
-               "manifest-other-ns"):
+               "manifest-field-changed"):
         assert hit.length == 96  # the chunk-boundary prefix below the broken entry
     if how in ("chunk-garbage", "chunks-swapped"):
         assert hit is None or hit.length < 4 * C
@@ -589,6 +592,7 @@ def run_cli(argv, capsys):
 
 def test_shared_stats_command(server, hosts, capsys, monkeypatch):
     monkeypatch.delenv(shared_cli.ENV, raising=False)
+    monkeypatch.setenv("SPEC_CACHE_SHARED_SECRET", SECRET)  # the fleet's prefix (sc:3:) holds its stats
     a = hosts("a", server.url)
     save(a, a.namespace(TARGET, PREFIX_NS), prompt(16, 40))
     assert a.shared.drain(10)

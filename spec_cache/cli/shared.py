@@ -40,7 +40,7 @@ def shared_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
     """Probe the server at ``url`` (see ``SharedTier.probe``); a bad URL raises ``CliError``."""
     try:
         tier = SharedTier(SharedConfig(url, timeout_s=timeout_s, connect_timeout_s=timeout_s,
-                                       publish_timeout_s=timeout_s))
+                                       publish_timeout_s=timeout_s), probe_only=True)
     except StoreError as exc:
         raise CliError(str(exc)) from None
     try:

@@ -12,6 +12,7 @@ import time
 
 COUNTERS = (
     "lookups", "hits", "misses", "skipped", "timeouts", "errors", "corrupt", "vanished", "bytes_fetched",
+    "unauthenticated", "over_budget", "prefetches", "prefetch_hits", "prefetch_used",
     "chunks_local", "bytes_local", "migrating",
     "promoted", "promote_failed", "promote_dropped",
     "queued", "published", "publish_failed", "publish_retried", "bytes_published", "chunks_uploaded",

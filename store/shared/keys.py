@@ -1,4 +1,4 @@
-"""Key names on the shared server: the LMDB store's 32-byte keys under a fleet prefix, in one of two formats.
+"""Key names on the shared server: the LMDB store's 32-byte keys under a fleet prefix, in one of four formats.
 
 Format 1 (one server, default prefix ``sc:1:``): every name is ``<prefix><kind>:<hex>``. Format 2 (a Redis /
 Valkey Cluster, default prefix ``sc:2:``): ``<prefix>{<tag>}<kind>:<hex>``, where the hash tag ``<tag>`` (16 hex
@@ -7,6 +7,12 @@ stays one atomic script. The hex is the same key LMDB uses (chain keys for chunk
 entries and manifests, ``entry key + blake3(drafter namespace)[:16]`` for drafter parts), so a key is
 namespace-scoped exactly as locally: chain keys hash the namespace key, which hashes the target identity, the
 prefix namespace and the tenant salt. Hosts of another tenant or namespace compute other keys and never see these.
+
+Formats 3 (one server, default prefix ``sc:3:``) and 4 (a cluster, ``sc:4:``) are formats 1 and 2 keyed by the
+fleet secret (``auth.py``): the hex of every name is ``keyed_blake3(kind || key)[:16]`` (32 hex digits) and a
+hash tag ``keyed_blake3("group" || group key)[:8]`` (16 hex digits), so names reveal no namespace key, chain key or
+token hash; records are sealed and manifests carry a MAC (``v`` 3, no ``ns`` field: ``mac`` covers it). Without a
+secret only formats 1 and 2 are written or read, and only on a trusted network.
 
     <p>sigs:<ns>        SET   layer signatures stored under the namespace (roots of its chains)
     <p>node:<chain>     HASH  t:<tail> = 1 per entry tail hanging off the node; c = 1/0 every checkpoint through
@@ -32,16 +38,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .auth import PlainAuth
+
 TAG_HEX = 16  # hex digits of a group key in a hash tag (a collision only puts two groups in one slot)
 
 
 class KeyNames:
     """Builds server key names (bytes) under one prefix, format 1 (``cluster=False``) or 2 (hash-tagged)."""
 
-    def __init__(self, prefix: str, cluster: bool = False, spread: int = 1):
+    def __init__(self, prefix: str, cluster: bool = False, spread: int = 1, auth: PlainAuth | None = None):
         self.prefix = prefix.encode("ascii")
         self.cluster = cluster
         self.spread = spread
+        self.auth = PlainAuth() if auth is None else auth
 
     def groups(self, chain: Sequence[bytes]) -> list[tuple[bytes | None, int]]:
         """For a prompt's chain (root, chunk 1 .. chunk K): ``(group, depth)`` of every group that may hold a
@@ -58,11 +67,11 @@ class KeyNames:
 
     def _name(self, kind: bytes, key: bytes, group: bytes | None) -> bytes:
         if not self.cluster:
-            return self.prefix + kind + b":" + key.hex().encode("ascii")
+            return self.prefix + kind + b":" + self.auth.name_hex(kind, key)
         if group is None:
             raise ValueError(f"a cluster key name needs its group ({kind.decode()})")
-        tag = group.hex()[:TAG_HEX].encode("ascii")
-        return self.prefix + b"{" + tag + b"}" + kind + b":" + key.hex().encode("ascii")
+        tag = self.auth.tag_hex(group)[:TAG_HEX]
+        return self.prefix + b"{" + tag + b"}" + kind + b":" + self.auth.name_hex(kind, key)
 
     def sigs(self, ns_key: bytes) -> bytes:
         return self._name(b"sigs", ns_key, ns_key)

@@ -1,6 +1,7 @@
 """The read path of ``SharedTier``: find the longest usable prefix on the server in bounded round trips.
 
-On the caller's thread, every socket read bounded by ``timeout_s``:
+On the caller's thread, every socket read bounded by ``timeout_s`` and all of them together by the lookup's
+budget (``lookup_budget_s``, or the caller's earlier deadline: ``deadline.py``):
 
 1. one pipeline: the namespace's layer signatures and, for the signatures this process already knows, the node
    hash of every full chunk of the prompt (chain keys are computed locally, so nothing is scanned); a signature
@@ -16,8 +17,11 @@ LMDB instead of the server; only what the local store lacks crosses the network.
 On a cluster (format 2 key names, ``keys.py``) a prompt's prefixes may sit in several groups (one hash slot
 each); step 1 reads the node hashes of each, step 2's MULTI stays inside the candidate's group.
 
-Every record is verified (checksum, structure, kind, the key it names, its tokens against the prompt's)
-and the entry and drafter records must carry the checksums their manifest pins. A corrupt value is removed from
+With a fleet secret every record is opened (authenticated and decrypted, ``auth.py``) and every manifest's MAC
+checked before anything else looks at it; a value that fails is a miss, counted ``unauthenticated``, warned about
+once per cause, and removed from the server if unchanged. Every record is then verified (checksum, structure,
+kind, the key it names, its tokens against the prompt's) and the entry and drafter records must carry the
+checksums their manifest pins. A corrupt value is removed from
 the server if it still holds exactly what was read, and the lookup goes on with a shorter prefix. A key that
 vanished between the two steps (server eviction) is a miss, not an error.
 """
@@ -38,6 +42,7 @@ from ..candidates import Hit, Level, Usable, chain_candidates, longest_first
 from ..errors import CorruptRecord, StoreError
 from ..index import draft_key
 from ..tensors import LayerState
+from .auth import Unauthentic
 from .records import assemble, attachment_of, local_chunks, record_checksum
 
 log = logging.getLogger("spec_cache.shared")
@@ -65,6 +70,8 @@ class _Seen:
     unusable: set = field(default_factory=set)         # record keys found missing or corrupt
     local: set = field(default_factory=set)            # chunk keys whose record in ``chunks`` came from LMDB
     local_bad: set = field(default_factory=set)        # chunk keys whose LMDB record failed verification
+    wire: dict = field(default_factory=dict)           # key name -> the value as stored (sealed), for removal
+    unauthentic: set = field(default_factory=set)      # key names whose value failed authentication
     loose: bool = False  # a read was not one snapshot (its slot was migrating): a mismatch is a miss, not corrupt
 
 
@@ -78,7 +85,8 @@ class _Candidate:
     group: bytes | None = None  # the cluster group (hash tag) holding it; None on one server
 
     def hit(self, manifests: dict, drafter: str | None) -> Hit | None:
-        """The candidate as a ``Hit`` for the caller's ``usable``; None while its manifest is not read yet."""
+        """The candidate as a ``Hit`` for the caller's ``usable``; None while its manifest is not read yet.
+        ``drafter``: the drafter's id in manifests (``auth.drafter_id``)."""
         if not self.is_entry:
             return Hit(self.length, False, None, self.chain, self.minimum_reusable)
         man = manifests.get(self.entry_key)
@@ -93,12 +101,15 @@ class LookupMixin:
     ``_sigs``, ``_redis`` and ``_failed`` from the tier)."""
 
     def restore(self, ns_key: bytes, tokens, *, chunk_tokens: int, drafter: str | None = None, floor: int = 0,
-                warnings: list[str] | None = None, usable: Usable | None = None) -> Incoming | None:
+                warnings: list[str] | None = None, usable: Usable | None = None,
+                deadline: float | None = None) -> Incoming | None:
         """The longest prefix of ``tokens`` longer than ``floor`` tokens that ``usable(hit)`` accepts (any when
         None; the same predicate as ``Store.fetch``), fetched and verified; or None. A candidate the predicate
         rejects is skipped without fetching when its manifest is already in hand.
 
-        Never raises for a server problem (down, slow, garbage): that is a miss, noted in ``warnings``.
+        All of it ends by ``lookup_budget_s`` from now, or by ``deadline`` (``time.monotonic()``) if earlier: past
+        it, the lookup is a miss (counted ``over_budget``). Never raises for a server problem (down, slow,
+        garbage, unauthenticated): that is a miss, noted in ``warnings``.
         """
         warnings = [] if warnings is None else warnings
         if not self.health.available():
@@ -106,20 +117,31 @@ class LookupMixin:
             return None
         packed = K.pack_tokens(tokens)
         start = time.perf_counter()
+        until = time.monotonic() + self.config.lookup_budget_s
+        if deadline is not None:
+            until = min(until, deadline)
         self.health.add("lookups")
+        outer, self._budget.deadline = self._budget.deadline, until
         try:
+            if until <= time.monotonic():
+                raise self._redis.TimeoutError("the lookup's deadline passed before it started")
             got = self._restore(ns_key, packed, chunk_tokens, drafter, floor, warnings, usable)
         except self._failures as exc:
+            if time.monotonic() >= until:
+                self.health.add("over_budget")
             self._failed(exc, "a lookup", warnings)
             got = None
         else:
             self.health.ok()
+        finally:
+            self._budget.deadline = outer
         self.health.timed(time.perf_counter() - start)
         self.health.add("hits" if got is not None else "misses")
         return got
 
     def _restore(self, ns_key, packed, C, drafter, floor, warnings, usable) -> Incoming | None:
         candidates = self._candidates(ns_key, packed, C, floor, warnings)
+        did = self.keys.auth.drafter_id(drafter) if drafter else None
         seen = _Seen()
         attempts = 0
         for cand in candidates:
@@ -129,7 +151,7 @@ class LookupMixin:
                 continue  # known to have no usable manifest
             if cand.entry_key in seen.unusable or any(k in seen.unusable for k in cand.chain[1:]):
                 continue  # needs a record known to be missing or corrupt
-            hit = cand.hit(seen.manifests, drafter)
+            hit = cand.hit(seen.manifests, did)
             if hit is not None and usable is not None and not usable(hit):
                 continue  # the caller cannot use it: no round trip
             attempts += 1
@@ -227,14 +249,17 @@ class LookupMixin:
         ek = cand.entry_key
         dkey = draft_key(ek, drafter) if (ek is not None and drafter) else None
         g = cand.group
+        did = self.keys.auth.drafter_id(drafter) if drafter else None
         entry_raw, draft_raw, _fetched = self._read_candidate(ns_key, cand, dkey, probe, seen, warnings)
         if any(key in seen.unusable for key in cand.chain[1:]):
             self.health.add("vanished")  # evicted between the index read and this one: try a shorter prefix
             return None
+        if ek is not None and ek in seen.unusable:
+            return None  # the entry record failed authentication
         records = {key: seen.chunks[key] for key in cand.chain[1:]}
         man = None
         if ek is not None:
-            man = self._usable_manifest(cand, entry_raw, seen, drafter, usable, warnings)
+            man = self._usable_manifest(cand, entry_raw, seen, did, usable, warnings)
             if man is None:
                 return None
             records[ek] = entry_raw
@@ -252,13 +277,18 @@ class LookupMixin:
                 warnings.append(message)
                 return None
             name = self.keys.entry(ek, g) if exc.key == ek else self.keys.chunk(exc.key or b"", g)
-            self._corrupt_key(name, records.get(exc.key), str(exc), warnings)
+            self._corrupt_key(name, seen.wire.get(name), str(exc), warnings)
             seen.unusable.add(exc.key)
             return None
-        want = man["drafters"].get(drafter) if (man is not None and drafter) else None
-        if seen.loose and isinstance(draft_raw, bytes) and record_checksum(draft_raw) != want:
+        want = man["drafters"].get(did) if (man is not None and did) else None
+        man_name = self.keys.manifest(ek, g) if ek is not None else b""
+        field = b"d:" + did.encode("utf-8") if did else b""
+        if seen.loose and isinstance(draft_raw, bytes) and self._pin(man_name, field, draft_raw) != want:
             want = None  # not one snapshot: the drafter record may have been replaced meanwhile (target part only)
-        attachment = self._attachment(dkey, draft_raw, want, cand.length, warnings, g) if want is not None else None
+        if dkey is not None and self.keys.draft(dkey, g) in seen.unauthentic:
+            want = None  # the drafter record failed authentication: the target part still serves
+        attachment = (self._attachment(dkey, draft_raw, want, cand.length, warnings, g, man_name, field, seen)
+                      if want is not None else None)
         # the restored records' size (fetched or read locally): what promoting them into LMDB writes
         nbytes = sum(len(raw) for raw in records.values()) + (len(draft_raw) if attachment is not None else 0)
         return Incoming(cand.length, layers, attachment, man["minr"] if man is not None else 0, nbytes)
@@ -312,8 +342,49 @@ class LookupMixin:
                 self._corrupt_key(self.keys.chunk(key, g), None, "chunk is not a string", warnings)
                 seen.unusable.add(key)
             else:
-                seen.chunks[key] = raw
+                plain = self._open(self.keys.chunk(key, g), raw, "chunk", seen, warnings)
+                if plain is None:
+                    seen.unusable.add(key)
+                else:
+                    seen.chunks[key] = plain
+        if ek is not None and isinstance(entry_raw, bytes):
+            entry_raw = self._open(self.keys.entry(ek, g), entry_raw, "entry", seen, warnings)
+            if entry_raw is None:
+                seen.unusable.add(ek)
+        if dkey is not None and isinstance(draft_raw, bytes):
+            draft_raw = self._open(self.keys.draft(dkey, g), draft_raw, "drafter", seen, warnings)
         return entry_raw, draft_raw, nbytes
+
+    def _open(self, name: bytes, raw: bytes, what: str, seen: "_Seen", warnings: list[str]):
+        """The record in a server value (``keys.auth.open``); None, counted, warned about once per cause and
+        removed from the server if unchanged, when it fails authentication."""
+        try:
+            plain = self.keys.auth.open(name, raw)
+        except Unauthentic as exc:
+            seen.unauthentic.add(name)
+            self._unauthentic(name, raw, f"{what} record", str(exc), warnings)
+            return None
+        seen.wire[name] = raw
+        return bytes(plain) if not isinstance(plain, bytes) else plain
+
+    def _unauthentic(self, name: bytes, raw, what: str, reason: str, warnings: list[str] | None,
+                     kind: str = "string") -> None:
+        """A value that failed the fleet secret's check: a miss, never used or promoted. Removed (if unchanged)
+        so that the fleet republishes it: only a writer holding this secret computes this key name."""
+        self.health.add("unauthenticated")
+        self._warn_once(f"unauthentic {what}",
+                        f"shared tier {self.config.safe_url}: {what} failed authentication ({reason}): tampered "
+                        f"with, or written without this fleet's secret; treated as a miss and removed (warned once "
+                        f"per cause; see the 'unauthenticated' counter)", warnings)
+        digest = hashlib.sha1(raw).hexdigest() if isinstance(raw, bytes) else ""
+        try:
+            self._delete_if_unchanged(keys=[name], args=[kind, digest])
+        except self._failures as exc:
+            log.warning("shared tier: could not remove %s: %s", name[:60], exc)
+
+    def _pin(self, man_name: bytes, field: bytes, record) -> bytes | None:
+        """What a manifest pins for ``record`` under ``field`` (``sum`` or ``d:<id>``)."""
+        return self.keys.auth.pin(man_name, field, record_checksum(record)) if isinstance(record, bytes) else None
 
     def _local_chunks(self, keys: list[bytes], seen: "_Seen") -> None:
         """Chunk records of ``keys`` the local store holds, into ``seen.chunks`` (verified when assembled)."""
@@ -331,6 +402,7 @@ class LookupMixin:
 
     def _usable_manifest(self, cand: _Candidate, entry_raw, seen: "_Seen", drafter: str | None,
                          usable: Usable | None, warnings: list[str]) -> dict | None:
+        # ``drafter``: the drafter's id in manifests; ``entry_raw``: the entry record, opened
         """The candidate entry's manifest if it serves at this length, the caller can use it and the entry record
         carries the checksum it pins; else None (a mismatching record is dropped from the server)."""
         ek, manifests = cand.entry_key, seen.manifests
@@ -347,40 +419,45 @@ class LookupMixin:
             self.health.add("vanished")
             manifests[ek] = None
             return None
-        if seen.loose and isinstance(entry_raw, bytes) and record_checksum(entry_raw) != man["sum"]:
+        man_name = self.keys.manifest(ek, cand.group)
+        if seen.loose and isinstance(entry_raw, bytes) and self._pin(man_name, b"sum", entry_raw) != man["sum"]:
             self.health.add("vanished")  # not one snapshot: the record may have been replaced meanwhile
             manifests[ek] = None
             return None
-        if not isinstance(entry_raw, bytes) or record_checksum(entry_raw) != man["sum"]:
-            self._corrupt_key(self.keys.entry(ek, cand.group), entry_raw, "entry record does not match its manifest",
+        if not isinstance(entry_raw, bytes) or self._pin(man_name, b"sum", entry_raw) != man["sum"]:
+            name = self.keys.entry(ek, cand.group)
+            self._corrupt_key(name, seen.wire.get(name, entry_raw), "entry record does not match its manifest",
                               warnings)
             seen.unusable.add(ek)
             return None
         return man
 
-    def _attachment(self, dkey: bytes, draft_raw, checksum: bytes, length: int, warnings: list[str],
-                    group: bytes | None = None) -> CheckpointAttachment | None:
+    def _attachment(self, dkey: bytes, draft_raw, pinned: bytes, length: int, warnings: list[str],
+                    group: bytes | None, man_name: bytes, field: bytes, seen: "_Seen") -> CheckpointAttachment | None:
         """The drafter part if its record is there and carries the checksum its manifest pins; else None (the
         target part still serves)."""
+        name = self.keys.draft(dkey, group)
+        wire = seen.wire.get(name, draft_raw)
         if draft_raw is None:
             self.health.add("vanished")
-        elif not isinstance(draft_raw, bytes) or record_checksum(draft_raw) != checksum:
-            self._corrupt_key(self.keys.draft(dkey, group), draft_raw, "drafter record does not match its manifest",
-                              warnings)
+        elif not isinstance(draft_raw, bytes) or self._pin(man_name, field, draft_raw) != pinned:
+            self._corrupt_key(name, wire, "drafter record does not match its manifest", warnings)
         else:
             try:
                 return attachment_of(dkey, draft_raw, length, warnings)
             except CorruptRecord as exc:
-                self._corrupt_key(self.keys.draft(dkey, group), draft_raw, str(exc), warnings)
+                self._corrupt_key(name, wire, str(exc), warnings)
         return None
 
     def _manifest(self, ns_key: bytes, key: bytes, raw, warnings: list[str], group: bytes | None = None) -> dict | None:
         """A parsed, checked manifest; None if missing or bad (a bad one is removed from the server)."""
         if isinstance(raw, dict) and not raw:
             return None
+        name = self.keys.manifest(key, group)
         try:
-            if not isinstance(raw, dict) or raw.get(b"v") != b"1" or raw.get(b"ns") != ns_key:
-                raise ValueError("unknown version or another namespace")
+            if not isinstance(raw, dict):
+                raise ValueError("not a hash")
+            self.keys.auth.check_manifest(name, ns_key, raw)
             length, minr, total = int(raw[b"len"]), int(raw[b"minr"]), int(raw[b"bytes"])
             checksum = raw[b"sum"]
             if len(checksum) != 32 or length < 1 or not 0 <= minr <= length or total < 0:
@@ -391,8 +468,11 @@ class LookupMixin:
                     if len(value) != 32:
                         raise ValueError("bad drafter checksum")
                     drafters[name[2:].decode("utf-8")] = value
+        except Unauthentic as exc:
+            self._unauthentic(name, None, "manifest", str(exc), warnings, "hash")
+            return None
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            self._corrupt_key(self.keys.manifest(key, group), None, f"manifest is unreadable ({exc})", warnings, "hash")
+            self._corrupt_key(name, None, f"manifest is unreadable ({exc})", warnings, "hash")
             return None
         return {"len": length, "minr": minr, "sum": checksum, "drafters": drafters, "bytes": total}
 

@@ -31,7 +31,7 @@ class PublishJob:
 
 class PublishMixin:
     """``SharedTier``'s publishing (needs ``config``, ``keys``, ``health``, ``_write``, ``_commit``, ``_queue``,
-    ``_store``, ``host_id``, ``_redis`` and ``_failed`` from the tier)."""
+    ``_store``, ``host_id``, ``_redis`` and ``_failed`` from the tier). Records leave sealed by ``keys.auth``."""
 
     def enqueue(self, entry_key: bytes, drafters: Iterable[str], nbytes: int) -> bool:
         """Queue a committed local checkpoint for publishing; never blocks. False if dropped."""
@@ -92,7 +92,7 @@ class PublishMixin:
                     self.health.add("dropped_gone")
                     return False
                 self._upload(records, group)
-            result = self._commit(keys=self._commit_keys(out, group), args=self._commit_args(out))
+            result = self._commit(keys=self._commit_keys(out, group), args=self._commit_args(out, group))
             if result and int(result[0]) == 1:
                 if self.keys.cluster:  # outside the script: other slots (a reader needs the signature first)
                     pipe = self._write.pipeline(transaction=False)
@@ -111,7 +111,8 @@ class PublishMixin:
     def _upload(self, records: dict[bytes, bytes], group: bytes | None = None) -> None:
         pipe, batch = self._write.pipeline(transaction=False), 0
         for key, raw in records.items():
-            pipe.set(self.keys.chunk(key, group), raw, nx=True, ex=self.config.orphan_ttl_s)
+            name = self.keys.chunk(key, group)
+            pipe.set(name, self.keys.auth.seal(name, raw), nx=True, ex=self.config.orphan_ttl_s)
             batch += len(raw)
             self.health.add("chunks_uploaded")
             self.health.add("bytes_published", len(raw))
@@ -130,10 +131,15 @@ class PublishMixin:
                 + [k.chunk(key, group) for key in out.chain[1:]]
                 + [k.node(key, group) for key in out.chain])
 
-    def _commit_args(self, out: Outgoing) -> list:
-        args = [len(out.drafts), len(out.chain) - 1, out.entry_record, out.ns, out.length, out.minr,
-                record_checksum(out.entry_record), 1 if out.complete else 0, out.sig, out.tail, self.host_id,
-                time.time_ns() // 1_000_000, out.nbytes, 0 if self.keys.cluster else 1]
-        for dns, _dkey, record in out.drafts:
-            args += [dns.encode("utf-8"), record_checksum(record), record]
+    def _commit_args(self, out: Outgoing, group: bytes | None) -> list:
+        k, auth = self.keys, self.keys.auth
+        man = k.manifest(out.entry_key, group)
+        pinned = auth.pin(man, b"sum", record_checksum(out.entry_record))
+        fields = auth.manifest_fields(man, out.ns, out.length, out.minr, pinned, out.nbytes)
+        args = [len(out.drafts), len(out.chain) - 1, auth.seal(k.entry(out.entry_key, group), out.entry_record),
+                len(fields) // 2, out.minr, 1 if out.complete else 0, out.sig, out.tail, self.host_id,
+                time.time_ns() // 1_000_000, out.nbytes, 0 if k.cluster else 1, *fields]
+        for dns, dkey, record in out.drafts:
+            field = b"d:" + auth.drafter_id(dns).encode("utf-8")
+            args += [field, auth.pin(man, field, record_checksum(record)), auth.seal(k.draft(dkey, group), record)]
         return args

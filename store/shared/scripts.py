@@ -16,11 +16,13 @@ from __future__ import annotations
 
 #: KEYS: manifest, entry record, sigs set, stats hash, then nd draft keys, nc chunk keys, nc + 1 node keys
 #:       (with index 0 the sigs and stats keys are not touched: pass the manifest key twice in their place)
-#: ARGV: nd, nc, entry record, ns, len, minr, entry checksum, complete (1/0), sig, tail, host, at, bytes,
-#:       index (1: also add the signature and count the stats), then per drafter: namespace, checksum, record
+#: ARGV: nd, nc, entry record, nm, minr, complete (1/0), sig, tail, host, at, bytes, index (1: also add the
+#:       signature and count the stats), then nm manifest field/value pairs (``auth.manifest_fields``: the format's
+#:       own), then per drafter: manifest field name, its value, record. Records arrive as stored (sealed or not).
 COMMIT = """
 local nd = tonumber(ARGV[1])
 local nc = tonumber(ARGV[2])
+local nm = tonumber(ARGV[4])
 local dk, ck, nk = 4, 4 + nd, 4 + nd + nc
 local missing = {}
 for i = 1, nc do
@@ -29,27 +31,28 @@ end
 if #missing > 0 then return {0, missing} end
 for i = 1, nc do redis.call('PERSIST', KEYS[ck + i]) end
 redis.call('SET', KEYS[2], ARGV[3])
-local a = 15
+local a = 13 + 2 * nm
 for i = 1, nd do
   redis.call('SET', KEYS[dk + i], ARGV[a + 2])
-  redis.call('HSET', KEYS[1], 'd:' .. ARGV[a], ARGV[a + 1])
+  redis.call('HSET', KEYS[1], ARGV[a], ARGV[a + 1])
   a = a + 3
 end
-redis.call('HSET', KEYS[1], 'v', '1', 'ns', ARGV[4], 'len', ARGV[5], 'minr', ARGV[6], 'sum', ARGV[7],
-           'host', ARGV[11], 'at', ARGV[12], 'bytes', ARGV[13])
-local minr = tonumber(ARGV[6])
+local fields = {}
+for i = 13, 12 + 2 * nm do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], 'host', ARGV[9], 'at', ARGV[10], unpack(fields))
+local minr = tonumber(ARGV[5])
 for i = 1, nc + 1 do
   local k = KEYS[nk + i]
   local c = redis.call('HGET', k, 'c')
-  if c ~= '0' then redis.call('HSET', k, 'c', ARGV[8]) end
+  if c ~= '0' then redis.call('HSET', k, 'c', ARGV[6]) end
   local m = tonumber(redis.call('HGET', k, 'm') or '0') or 0
-  if c == false or minr > m then redis.call('HSET', k, 'm', ARGV[6]) end
+  if c == false or minr > m then redis.call('HSET', k, 'm', ARGV[5]) end
 end
-redis.call('HSET', KEYS[nk + nc + 1], 't:' .. ARGV[10], '1')
-if ARGV[14] == '1' then
-  redis.call('SADD', KEYS[3], ARGV[9])
+redis.call('HSET', KEYS[nk + nc + 1], 't:' .. ARGV[8], '1')
+if ARGV[12] == '1' then
+  redis.call('SADD', KEYS[3], ARGV[7])
   redis.call('HINCRBY', KEYS[4], 'checkpoints', 1)
-  redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[13])
+  redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[11])
 end
 return {1}
 """

@@ -1,13 +1,17 @@
 """``SharedTier``: prefixes shared by many hosts through Redis or Valkey, behind the local LMDB store.
 
-The tier owns two redis-py clients (lookups with the short ``timeout_s``, publishing with ``publish_timeout_s``;
-redis-py's own retries off; ``RedisCluster`` clients for a ``redis+cluster://`` URL, which follow ``MOVED`` /
+The tier owns two redis-py clients (lookups with the short ``timeout_s`` and every lookup's total
+``lookup_budget_s`` enforced on its sockets, ``deadline.py``; publishing with ``publish_timeout_s``; redis-py's
+own retries off; ``RedisCluster`` clients for a ``redis+cluster://`` URL, which follow ``MOVED`` /
 ``ASK`` redirections and learn the new topology after a failover themselves), the write-behind queue, the
 health counters and breaker, and the server probe for the CLI. The read path is ``lookup.LookupMixin``, the
 write path ``publish.PublishMixin``.
 
 Failures open a breaker (``Health``): for the back-off period the tier is not asked at all. Nothing here raises
 to the caller on a server problem: lookups return None, publishes are counted and dropped.
+
+The fleet secret (``auth.py``) keys names and seals what is written; without one the tier refuses to start unless
+the config says the network is trusted (then it logs a warning at every start and uses the unkeyed formats).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import socket
 import time
 
 from ..errors import StoreError
-from .config import SharedConfig
+from .auth import auth_for
+from .config import SECRET_ENV, TRUSTED_ENV, SharedConfig
+from .deadline import Budget, cluster_hook, single_server_hook
 from .health import Health
 from .keys import KeyNames
 from .lookup import Incoming, LookupMixin
@@ -32,6 +38,8 @@ log = logging.getLogger("spec_cache.shared")
 
 #: the first redis-py whose RedisCluster runs MULTI/EXEC pipelines (keys of one slot), which lookups use
 CLUSTER_REDIS_PY = (6, 1)
+#: an unauthenticated value's warning is repeated at most this often per cause (it is counted every time)
+WARN_EVERY_S = 600.0
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -43,9 +51,13 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 class SharedTier(LookupMixin, PublishMixin):
-    """A client of one shared server. ``store`` (a local ``Store``) is needed to publish; lookups work without."""
+    """A client of one shared server. ``store`` (a local ``Store``) is needed to publish; lookups work without.
 
-    def __init__(self, config: SharedConfig | str, store=None):
+    Raises ``StoreError`` without a fleet secret unless ``config.trusted`` (``probe_only``: a tier that only
+    ``probe``s the server, for ``shared-stats``, needs neither).
+    """
+
+    def __init__(self, config: SharedConfig | str, store=None, *, probe_only: bool = False):
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -55,25 +67,42 @@ class SharedTier(LookupMixin, PublishMixin):
         #: (a slot no primary serves yet, the topology not readable) which do not derive from RedisError
         self._failures = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
         self.config = SharedConfig.of(config)
-        self.keys = KeyNames(self.config.prefix, self.config.cluster, self.config.spread_chunks)
+        if not self.config.keyed and not probe_only:
+            if not self.config.trusted:
+                raise StoreError(
+                    f"shared tier {self.config.safe_url}: no fleet secret. Anyone who can write to the server could "
+                    f"poison this host's cache and anyone who can read it sees every tenant's tokens. Give every "
+                    f"host of the fleet the same secret (${SECRET_ENV}, secret_file / --shared-secret-file, or "
+                    f"shared_options={{'secret': ...}}), or, on a network you trust, set trusted_network=True "
+                    f"(${TRUSTED_ENV}=1) to run unkeyed")
+            log.warning("shared tier %s runs WITHOUT a fleet secret (trusted_network): entries are unauthenticated "
+                        "and readable by anyone who can reach the server", self.config.safe_url)
+        self.keys = KeyNames(self.config.prefix, self.config.cluster, self.config.spread_chunks,
+                             auth_for(self.config.key_material))
         self.health = Health(self.config.backoff_s, self.config.backoff_max_s)
         self.host_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._budget = Budget()  # the running lookup's deadline, per thread (lookups may run on several)
+        self._warned: dict[str, float] = {}
 
         if self.config.cluster and _version(redis.__version__) < CLUSTER_REDIS_PY:
             raise StoreError(f"shared tier {self.config.safe_url}: a cluster needs redis-py >= "
                              f"{'.'.join(map(str, CLUSTER_REDIS_PY))} (transactions in cluster pipelines), "
                              f"installed: {redis.__version__}")
 
-        def client(timeout: float):
+        def client(timeout: float, budgeted: bool):
             # no retries: a failure is reported at once and handled by the breaker, never multiplied
             options = dict(socket_timeout=timeout, socket_connect_timeout=self.config.connect_timeout_s,
                            retry=Retry(NoBackoff(), 0), socket_read_size=1 << 20)  # records are MBs: large reads
             if self.config.cluster:  # connects when first used: a cluster down at start is a miss, not a crash
+                if budgeted:
+                    options["redis_connect_func"] = cluster_hook(self._budget)
                 return LazyClient(lambda: cluster_client(self.config, **options), self._failures)
+            if budgeted:
+                options["redis_connect_func"] = single_server_hook(self._budget)
             return redis.Redis.from_url(self.config.url, health_check_interval=0, **options)
         try:
-            self._read = client(self.config.timeout_s)
-            self._write = client(self.config.publish_timeout_s)
+            self._read = client(self.config.timeout_s, True)
+            self._write = client(self.config.publish_timeout_s, False)
         except (ValueError, redis.RedisError, OSError) as exc:
             raise StoreError(f"shared tier URL {self.config.safe_url} is not usable: {exc}") from None
         self._commit = self._write.register_script(COMMIT)
@@ -104,7 +133,8 @@ class SharedTier(LookupMixin, PublishMixin):
         """This process's view of the tier: state, counters, queue (no request is sent)."""
         jobs, nbytes = self._queue.queued if self._queue is not None else (0, 0)
         return {"url": self.config.safe_url, "prefix": self.config.prefix, "timeout_s": self.config.timeout_s,
-                "queue_jobs": jobs, "queue_bytes": nbytes, "queue_cap_bytes": self.config.queue_bytes,
+                "lookup_budget_s": self.config.lookup_budget_s, "keyed": self.config.keyed, "queue_jobs": jobs,
+                "queue_bytes": nbytes, "queue_cap_bytes": self.config.queue_bytes,
                 **self.health.snapshot()}
 
     def _failed(self, exc: BaseException, what: str, warnings: list[str] | None) -> None:
@@ -113,6 +143,19 @@ class SharedTier(LookupMixin, PublishMixin):
         message = (f"shared tier {self.config.safe_url} {'timed out' if timeout else 'failed'} during {what} "
                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); not asked again for "
                    f"{self.health.snapshot()['retry_in_s']:.1f} s")
+        log.warning(message)
+        if warnings is not None:
+            warnings.append(message)
+
+    def _warn_once(self, cause: str, message: str, warnings: list[str] | None) -> None:
+        """Log (and hand the caller) ``message`` the first time ``cause`` happens, then at most every
+        ``WARN_EVERY_S``: a poisoned entry met by every lookup must not flood the log."""
+        now = time.monotonic()
+        last = self._warned.get(cause)
+        if last is not None and now - last < WARN_EVERY_S:
+            log.debug(message)
+            return
+        self._warned[cause] = now
         log.warning(message)
         if warnings is not None:
             warnings.append(message)
