@@ -51,20 +51,19 @@ def untrack(cache) -> None:
 
 
 def _at_exit() -> None:
+    started = time.monotonic()  # every cache's bound counts from here: their writer threads drain in parallel
     with _lock:
         caches = [c for c in _open if getattr(c, "_pid", None) == os.getpid()]
     for cache in caches:
         try:
-            close_at_exit(cache)
+            close_at_exit(cache, started)
         except Exception:  # one cache's failure must not stop the others' drain, nor the exit
             log.exception("spec-cache: closing a cache at exit failed")
 
 
-def close_at_exit(cache) -> None:
-    """Close ``cache`` within its ``exit_timeout_s``, logging what was written and what was left."""
-    started = time.monotonic()
-    queued = cache.memory_stats()["writes"].get("pending", 0) if not cache.closed else 0
-    left = cache._shutdown(cache.exit_timeout_s)
+def close_at_exit(cache, started: float) -> None:
+    """Close ``cache`` by ``started + cache.exit_timeout_s``, logging what was written and what was left."""
+    left = cache._shutdown(max(0.0, started + cache.exit_timeout_s - time.monotonic()))
     if left is None:
         return
     waited = time.monotonic() - started
@@ -75,7 +74,7 @@ def close_at_exit(cache) -> None:
         _report(logging.WARNING, "spec-cache: at exit, gave up on %s after %.1f s (exit_timeout_s): %d written,%s "
                 "%d queued checkpoints (%d bytes) not written", where, waited, left.written, stuck, left.dropped,
                 left.dropped_bytes)
-    elif queued:
+    elif left.written:
         _report(logging.INFO, "spec-cache: at exit, wrote %d queued checkpoints to %s in %.2f s", left.written,
                 where, waited)
 

@@ -45,14 +45,21 @@ class CheckpointWriter:
     def __init__(self, write: Callable[[object], None], cap_bytes: int = DEFAULT_QUEUE_BYTES):
         self._write = write
         self._lock = threading.Lock()
-        self.counters = {"queued": 0, "inline": 0, "written": 0, "failed": 0}
+        self.counters = {"queued": 0, "inline": 0, "written": 0, "failed": 0, "refused": 0}
         self._queue = WriteBehind(cap_bytes, self._handle, name="spec-cache-write-behind")
 
     def submit(self, job, nbytes: int) -> bool:
-        """Queue ``job``; when the queue is full, write it now on this thread. True if it was queued."""
+        """Queue ``job``; when the queue is full, write it now on this thread. True if it was queued.
+
+        After ``close``/``stop`` (the cache is closing, perhaps at interpreter exit while another thread still
+        saves) nothing is written: the store may be closing under it. Counted as ``refused``."""
         if self._queue.offer(job, nbytes):
             self._count("queued")
             return True
+        if self._queue.closed:
+            self._count("refused")
+            log.warning("spec-cache: checkpoint not stored: the cache is closing")
+            return False
         self._count("inline")
         self._handle(job)
         return False

@@ -156,3 +156,23 @@ def test_the_exit_drain_publishes_to_the_shared_tier(tmp_path, monkeypatch):
                 hit = other.restore(ns, [3 + i] * 32 + [1])
                 assert hit is not None and (hit.tier, hit.length) == ("shared", 32)
                 assert np.array_equal(np.asarray(hit.caches[0].keys), np.full((1, 2, 32, 8), i, np.float32))
+
+
+def test_the_exit_registry_holds_caches_weakly_and_close_leaves_it(tmp_path):
+    """Registering for the exit drain keeps no cache alive, and a closed cache is not closed again at exit."""
+    import gc
+    import weakref
+
+    from spec_cache import exit_drain
+
+    cache = SpecCache.open(tmp_path / "a")
+    assert cache in exit_drain._open
+    cache.close()
+    assert cache not in exit_drain._open
+    sync = SpecCache.open(tmp_path / "b", durability="sync")  # no writer thread: nothing else holds it
+    ref = weakref.ref(sync)
+    assert sync in exit_drain._open
+    sync.store.close()
+    del sync
+    gc.collect()
+    assert ref() is None

@@ -37,6 +37,12 @@ class WriteBehind:
         with self._cond:
             return len(self._jobs), self._bytes
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close``/``stop`` was called (every ``offer`` is refused from then on)."""
+        with self._cond:
+            return self._closed
+
     def offer(self, job: Any, nbytes: int) -> bool:
         """Queue ``job`` (about ``nbytes`` to send); False (dropped) if it does not fit under the cap."""
         with self._cond:
