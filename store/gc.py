@@ -2,9 +2,9 @@
 
 Corrupt records and damaged index values go with everything that depends on them (broken chunk subtrees,
 entries without their record), orphan records go, and references, tail counts, byte and entry counters,
-namespace signatures and LRU rows are recomputed — all in one write transaction. A namespace whose own row
-was damaged keeps its entries: the row is rebuilt and learns again what it stands for at the next
-``register_namespace``.
+namespace signatures, LRU rows and per-tenant counters are recomputed — all in one write transaction. A
+namespace whose own row was damaged keeps its entries: the row is rebuilt and learns again what it stands for at
+the next ``register_namespace``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .codec import CorruptRecord, check_key, decode_record
 from .errors import StoreError
 from .index import draft_key, expected_bookkeeping
 from .store import Store
+from .tenants import rebuild_tenants
 from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, pack
 from .verify import RECORD_DBS, IndexRows, Progress, read_index, verify
 
@@ -174,14 +175,17 @@ class _Rebuild:
         for key in expected.lru - rows.lru:
             self.txn.put(key, b"", db=self.dbs["lru"])
             self.report.counters_fixed += 1
+        fixed_nsinfo = {}
         for ns, info in rows.nsinfo.items():
             roots = expected.ns_signatures.get(ns, [])
             signatures = [s for s in info.signatures if s in roots]
             signatures += [s for s in roots if s not in signatures]
-            fixed = dataclasses.replace(info, bytes=expected.ns_bytes.get(ns, 0),
-                                        entries=expected.ns_entries.get(ns, 0), signatures=signatures)
+            fixed = fixed_nsinfo[ns] = dataclasses.replace(info, bytes=expected.ns_bytes.get(ns, 0),
+                                                           entries=expected.ns_entries.get(ns, 0),
+                                                           signatures=signatures)
             if fixed != info or ns in self.rebuilt:
                 self._put("nsinfo", ns, fixed)
+        self.report.counters_fixed += rebuild_tenants(self.txn, self.dbs, fixed_nsinfo)  # per-tenant sums (1.1)
         if expected.totals != rows.totals:
             self.txn.put(TOTALS_KEY, pack(expected.totals), db=self.dbs["meta"])
         return expected.totals

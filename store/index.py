@@ -16,7 +16,20 @@ import msgpack
 
 from .errors import CorruptIndex, InvalidInput, NamespaceNotRegistered
 from .keys import lru_key
-from .values import TENANT_ID_BYTES, TENANT_MINOR, TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode, pack, unpack
+from .values import (
+    TENANT_ID_BYTES,
+    TENANT_KEY_PREFIX,
+    TENANT_MINOR,
+    TOTALS_KEY,
+    Entry,
+    NamespaceInfo,
+    Node,
+    Totals,
+    decode,
+    pack,
+    tenant_key,
+    unpack,
+)
 
 __all__ = ["Index", "ChainWrite", "Bookkeeping", "expected_bookkeeping", "TOTALS_KEY", "decode", "draft_key",
            "now_ns", "pack", "unpack"]
@@ -59,6 +72,9 @@ class Index:
     4. ``NamespaceInfo.bytes``/``entries`` = the sums over its nodes and entries, ``Totals`` = the sums over
        every namespace; ``NamespaceInfo.signatures`` = the signatures of its chain roots.
     5. One LRU row ``lru_key(entry.last_use, key)`` per entry and no other.
+    6. (format 1.1) ``tenant_totals(t)`` = the sums of ``bytes``/``entries`` over the namespaces labelled ``t``,
+       one ``meta`` row per labelled tenant holding something; unlabelled namespaces (the default tenant)
+       have no row (``tenants.expected_tenants`` is the pure form; ``verify`` checks it, ``gc`` rebuilds it).
 
     The raw accessors (``get``, ``put``, ``delete``, ``nsinfo``) read and write plain dict rows; they exist
     for fault-injection tests and tools that must write what the store never would.
@@ -108,11 +124,11 @@ class Index:
         totals.entries += d_entries
         self.put("meta", TOTALS_KEY, totals)
 
-    def add_ns(self, ns: bytes, *, d_bytes=0, d_entries=0, hits=0, misses=0, last_use=None) -> None:
-        """Add to a namespace's counters (nothing if the row is gone)."""
+    def add_ns(self, ns: bytes, *, d_bytes=0, d_entries=0, hits=0, misses=0, last_use=None) -> NamespaceInfo | None:
+        """Add to a namespace's counters (nothing if the row is gone); returns the row as written."""
         info = self.namespace(ns)
         if info is None:
-            return
+            return None
         info.bytes += d_bytes
         info.entries += d_entries
         info.hits += hits
@@ -120,10 +136,49 @@ class Index:
         if last_use is not None:
             info.last_use = max(info.last_use or 0, last_use)
         self.put("nsinfo", ns, info)
+        return info
 
     def _count(self, ns: bytes, d_bytes: int, d_entries: int, last_use: int | None = None) -> None:
-        self.add_ns(ns, d_bytes=d_bytes, d_entries=d_entries, last_use=last_use)
+        info = self.add_ns(ns, d_bytes=d_bytes, d_entries=d_entries, last_use=last_use)
+        if info is not None and info.tenant_id is not None:
+            self.add_tenant(info.tenant_id, d_bytes, d_entries)
         self.add_totals(d_bytes, d_entries)
+
+    # --- tenants (format 1.1) ----------------------------------------------------------------------
+    def tenant_totals(self, tenant_id: bytes) -> Totals:
+        """A labelled tenant's counters (the sums over its namespaces); zero when it holds nothing."""
+        value = self.get("meta", tenant_key(tenant_id))
+        return Totals() if value is None else Totals.from_dict(value)
+
+    def add_tenant(self, tenant_id: bytes, d_bytes: int, d_entries: int) -> None:
+        """Add to a labelled tenant's counters; the row goes when they reach zero (invariant 6)."""
+        totals = self.tenant_totals(tenant_id)
+        totals.bytes += d_bytes
+        totals.entries += d_entries
+        if totals.bytes or totals.entries:
+            self.put("meta", tenant_key(tenant_id), totals)
+        else:
+            self.delete("meta", tenant_key(tenant_id))
+
+    def tenant_table(self) -> dict[bytes, Totals]:
+        """Counters of every tenant holding something: labelled ones from their rows, the default tenant
+        (``b""``: namespaces without a label) as what the store-wide totals leave. One row per tenant."""
+        out: dict[bytes, Totals] = {}
+        cursor = self.txn.cursor(db=self.dbs["meta"])
+        more = cursor.set_range(TENANT_KEY_PREFIX)
+        while more and bytes(cursor.key()).startswith(TENANT_KEY_PREFIX):
+            key = bytes(cursor.key())
+            try:
+                out[key[len(TENANT_KEY_PREFIX):]] = Totals.from_dict(decode("meta", cursor.value(), key))
+            except CorruptIndex:  # a damaged row: its bytes count as the default tenant's until gc rebuilds it
+                pass
+            more = cursor.next()
+        totals = self.totals()
+        rest = Totals(totals.bytes - sum(t.bytes for t in out.values()),
+                      totals.entries - sum(t.entries for t in out.values()))
+        if rest.bytes > 0 or rest.entries > 0:
+            out[b""] = rest
+        return out
 
     # --- namespaces --------------------------------------------------------------------------------
     def register_namespace(self, ns: bytes, *, target: str, prefix_namespace: str, tenant: bool,
@@ -144,7 +199,11 @@ class Index:
             if info.rebuilt:
                 info.target, info.prefix_namespace, info.tenant = target, prefix_namespace, bool(tenant)
                 info.rebuilt = False
-            info.tenant_id = tenant_id if tenant_id is not None else info.tenant_id
+            if tenant_id is not None and info.tenant_id != tenant_id:  # its bytes move to the new label
+                if info.tenant_id is not None:
+                    self.add_tenant(info.tenant_id, -info.bytes, -info.entries)
+                self.add_tenant(tenant_id, info.bytes, info.entries)
+                info.tenant_id = tenant_id
             self.put("nsinfo", ns, info)
         if tenant_id is not None:
             self.mark_format_minor(TENANT_MINOR)

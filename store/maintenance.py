@@ -137,8 +137,12 @@ def tenants(store: Store) -> list[dict]:
     label, every namespace of a 1.0 store), most bytes first; with the quota each tenant is held to."""
     with store.reading() as txn:
         use = tenant_usage(Index(txn, store.env.dbs))
+    counted: dict[bytes, int] = {}
+    for n in namespaces(store):
+        label = bytes.fromhex(n["tenant_id"]) if n["tenant_id"] != "default" else DEFAULT_TENANT
+        counted[label] = counted.get(label, 0) + 1
     quota = store.tenants.quota(store.max_bytes)
-    rows = [{"tenant": _tenant_hex(t), "bytes": n, "entries": use.entries[t], "namespaces": use.namespaces[t],
+    rows = [{"tenant": _tenant_hex(t), "bytes": n, "entries": use.entries[t], "namespaces": counted.get(t, 0),
              "quota_bytes": quota} for t, n in use.bytes.items()]
     rows.sort(key=lambda r: (-r["bytes"], r["tenant"]))
     return rows

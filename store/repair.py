@@ -156,7 +156,7 @@ def _copy_entries(source: Store, target: Store, report: RepairReport, progress, 
                 if info is None:
                     raise CorruptIndex("its namespace record is lost")
                 target.register_namespace(ns, target=info.target, prefix_namespace=info.prefix_namespace,
-                                          tenant=info.tenant)
+                                          tenant=info.tenant, tenant_id=info.tenant_id)
                 registered.add(ns)
             copied_parts = _copy_one(source, target, ns, tokens, entry, report)
             report.entries_copied += 1

@@ -2,8 +2,9 @@
 
 Without this, one tenant that floods the store evicts everyone else (the budget is one LRU). A namespace row
 carries its tenant's label (``NamespaceInfo.tenant_id``, store format 1.1; rows without one are the *default*
-tenant), so a tenant's bytes are the sum over its namespaces' byte counters: no counter of its own, nothing a
-1.0 writer could leave stale, nothing ``gc`` must rebuild.
+tenant) and ``Index`` keeps one counter row per labelled tenant in ``meta`` (``tenant/<label>``: the sums over
+its namespaces; the default tenant's share is what the store-wide totals leave). ``verify`` checks these rows
+against the namespace rows and ``gc`` rebuilds them (``expected_tenants``), as for every other counter.
 
 Rules, applied after a put added its entry (``enforce``):
 
@@ -14,9 +15,10 @@ Rules, applied after a put added its entry (``enforce``):
    its fair share loses nothing while another is over. With one tenant this is the store's plain LRU, and a
    store with no tenant label at all (format 1.0) takes exactly the old path (``Index.evict_to``).
 
-Cost: one read of every namespace row per put that must evict or check a quota (~2 µs a row); victims are
-found by walking the LRU rows from where the last search for that tenant stopped (each row read at most
-once per tenant and put).
+Cost: a put that must evict or check a quota reads one counter row per tenant holding bytes, then walks the
+LRU rows for victims, resuming each tenant's walk where it stopped (each row read at most once per tenant and
+put; a namespace row read once per namespace met). A put within budget and without a quota reads nothing
+more than before.
 """
 
 from __future__ import annotations
@@ -25,9 +27,20 @@ from dataclasses import dataclass, field
 
 from .errors import CorruptIndex, InvalidInput, StoreFullError
 from .index import Index
-from .values import TENANT_MINOR, Entry, decode_typed
+from .values import (
+    TENANT_KEY_PREFIX,
+    TENANT_MINOR,
+    Entry,
+    NamespaceInfo,
+    Totals,
+    decode_typed,
+    is_tenant_key,
+    pack,
+    tenant_key,
+)
 
-__all__ = ["DEFAULT_TENANT", "TenantPolicy", "TenantUsage", "usage", "enforce", "fair_victim_tenant"]
+__all__ = ["DEFAULT_TENANT", "TenantPolicy", "TenantUsage", "usage", "enforce", "fair_victim_tenant",
+           "expected_tenants", "tenant_problems", "rebuild_tenants"]
 
 DEFAULT_TENANT = b""  # the tenant of namespaces without a label (every namespace of a 1.0 store)
 
@@ -67,33 +80,85 @@ class TenantPolicy:
 
 @dataclass
 class TenantUsage:
-    """Bytes and entries per tenant label, and each namespace's tenant (read in one transaction)."""
+    """Bytes and entries per tenant label (``DEFAULT_TENANT`` for unlabelled namespaces), and the tenant of
+    each namespace met (read lazily from its row, in the same transaction)."""
 
+    index: Index
     bytes: dict[bytes, int] = field(default_factory=dict)
     entries: dict[bytes, int] = field(default_factory=dict)
-    namespaces: dict[bytes, int] = field(default_factory=dict)
     tenant_of: dict[bytes, bytes] = field(default_factory=dict)   # namespace key -> tenant label
 
     def tenant(self, ns: bytes) -> bytes:
-        return self.tenant_of.get(ns, DEFAULT_TENANT)
+        tid = self.tenant_of.get(ns)
+        if tid is None:
+            try:
+                info = self.index.namespace(ns)
+            except CorruptIndex:  # counted as the default tenant's until gc rebuilds it
+                info = None
+            tid = self.tenant_of[ns] = (info.tenant_id if info is not None else None) or DEFAULT_TENANT
+        return tid
 
 
 def usage(index: Index) -> TenantUsage:
-    """Per-tenant bytes from the namespace rows (a damaged row counts its namespace as the default tenant's,
-    with no bytes: ``gc`` rebuilds it)."""
-    out = TenantUsage()
-    for raw_key, raw in index.txn.cursor(db=index.dbs["nsinfo"]):
-        ns = bytes(raw_key)
+    """Per-tenant bytes and entries from the tenant counter rows (one read per tenant)."""
+    table = index.tenant_table()
+    return TenantUsage(index, {t: v.bytes for t, v in table.items()}, {t: v.entries for t, v in table.items()})
+
+
+def expected_tenants(nsinfo: dict[bytes, NamespaceInfo]) -> dict[bytes, Totals]:
+    """The counter rows invariant 6 demands: per labelled tenant, the sums over its namespace rows' counters
+    (tenants holding nothing have no row)."""
+    out: dict[bytes, Totals] = {}
+    for info in nsinfo.values():
+        if info.tenant_id is not None and (info.bytes or info.entries):
+            t = out.setdefault(info.tenant_id, Totals())
+            t.bytes += info.bytes
+            t.entries += info.entries
+    return {tid: t for tid, t in out.items() if t.bytes or t.entries}
+
+
+def _stored_tenants(txn, dbs) -> dict[bytes, Totals | None]:
+    """The tenant counter rows as stored (None: a damaged value)."""
+    out: dict[bytes, Totals | None] = {}
+    cursor = txn.cursor(db=dbs["meta"])
+    more = cursor.set_range(TENANT_KEY_PREFIX)
+    while more and bytes(cursor.key()).startswith(TENANT_KEY_PREFIX):
+        key = bytes(cursor.key())
         try:
-            info = decode_typed("nsinfo", raw, ns)
+            out[key[len(TENANT_KEY_PREFIX):]] = (decode_typed("meta", cursor.value(), key)
+                                                 if is_tenant_key(key) else None)
         except CorruptIndex:
-            continue
-        tid = info.tenant_id or DEFAULT_TENANT
-        out.tenant_of[ns] = tid
-        out.bytes[tid] = out.bytes.get(tid, 0) + info.bytes
-        out.entries[tid] = out.entries.get(tid, 0) + info.entries
-        out.namespaces[tid] = out.namespaces.get(tid, 0) + 1
+            out[key[len(TENANT_KEY_PREFIX):]] = None
+        more = cursor.next()
     return out
+
+
+def tenant_problems(txn, dbs, nsinfo: dict[bytes, NamespaceInfo]) -> list[str]:
+    """Tenant counter rows that disagree with the namespace rows (``verify``; ``gc`` rebuilds them). An older
+    spec-cache (format 1.0) writing a 1.1 store updates the namespace rows but not these."""
+    stored, expected = _stored_tenants(txn, dbs), expected_tenants(nsinfo)
+    return [f"tenant {tid.hex()[:16]}: counters say {_say(stored.get(tid))}, its namespaces hold "
+            f"{_say(expected.get(tid))} (run 'spec-cache gc')"
+            for tid in sorted(stored.keys() | expected.keys()) if stored.get(tid) != expected.get(tid)]
+
+
+def _say(t: Totals | None) -> str:
+    return "nothing" if t is None else f"{t.entries} entries / {t.bytes} bytes"
+
+
+def rebuild_tenants(txn, dbs, nsinfo: dict[bytes, NamespaceInfo]) -> int:
+    """Write the tenant counter rows ``expected_tenants`` demands, delete the others (``gc``); returns the
+    rows changed."""
+    stored, expected = _stored_tenants(txn, dbs), expected_tenants(nsinfo)
+    changed = 0
+    for tid in stored.keys() - expected.keys():
+        txn.delete(tenant_key(tid), db=dbs["meta"])
+        changed += 1
+    for tid, totals in expected.items():
+        if stored.get(tid) != totals:
+            txn.put(tenant_key(tid), pack(totals), db=dbs["meta"])
+            changed += 1
+    return changed
 
 
 def fair_victim_tenant(tenant_bytes: dict[bytes, int], exhausted: set[bytes]) -> bytes | None:
@@ -136,8 +201,8 @@ class _Victims:
             return False
         key, entry = victim
         freed = self.index.remove_entry(key, entry)
-        self.use.bytes[tid] -= freed
-        self.use.entries[tid] -= 1
+        self.use.bytes[tid] = self.use.bytes.get(tid, 0) - freed
+        self.use.entries[tid] = self.use.entries.get(tid, 0) - 1
         return True
 
 
@@ -154,6 +219,8 @@ def enforce(index: Index, ns_key: bytes, new_entry: bytes, *, max_bytes: int | N
         evicted = index.evict_to(max_bytes, {new_entry})
         _check_budget(index, max_bytes, new_bytes)
         return evicted
+    if quota is None and (max_bytes is None or index.totals().bytes <= max_bytes):
+        return 0  # within budget and no quota to check: nothing to read
     use = usage(index)
     victims = _Victims(index, use, {new_entry})
     evicted = 0

@@ -19,12 +19,23 @@ import msgpack
 
 from .errors import CorruptIndex
 
-__all__ = ["Node", "Entry", "NamespaceInfo", "Totals", "TOTALS_KEY", "TENANT_MINOR", "TENANT_ID_BYTES", "pack",
-           "unpack", "decode", "node_ok", "entry_ok", "nsinfo_ok", "totals_ok"]
+__all__ = ["Node", "Entry", "NamespaceInfo", "Totals", "TOTALS_KEY", "TENANT_MINOR", "TENANT_ID_BYTES", "tenant_key",
+           "pack", "unpack", "decode", "node_ok", "entry_ok", "nsinfo_ok", "totals_ok"]
 
 TOTALS_KEY = b"totals"  # key of the store-wide ``Totals`` in the ``meta`` sub-database
 TENANT_MINOR = 1  # store format 1.1: namespace rows may carry a tenant label (``tid``); 1.0 stores have none
 TENANT_ID_BYTES = 16  # a tenant label: blake3 derive-key of the tenant (``keys.tenant_id``)
+TENANT_KEY_PREFIX = b"tenant/"  # meta: ``Totals`` of one labelled tenant under ``tenant/`` + its 16-byte label
+
+
+def tenant_key(tenant_id: bytes) -> bytes:
+    """Key of a labelled tenant's ``Totals`` in ``meta`` (format 1.1; the default tenant has no row)."""
+    return TENANT_KEY_PREFIX + tenant_id
+
+
+def is_tenant_key(key) -> bool:
+    return key is not None and len(key) == len(TENANT_KEY_PREFIX) + TENANT_ID_BYTES \
+        and bytes(key).startswith(TENANT_KEY_PREFIX)
 
 
 def pack(obj) -> bytes:
@@ -161,7 +172,8 @@ _NSINFO_REQUIRED = 10  # keys every namespace row has (``rebuilt`` and ``tid`` a
 
 @dataclass(slots=True)
 class Totals:
-    """Store-wide counters under ``TOTALS_KEY`` in ``meta``: what the byte budget is checked against."""
+    """Store-wide counters under ``TOTALS_KEY`` in ``meta``: what the byte budget is checked against. The same
+    shape, under ``tenant_key(label)``, counts one labelled tenant's namespaces (format 1.1)."""
 
     bytes: int = 0             # bytes: every stored record (chunks, entries, drafter parts)
     entries: int = 0           # entries: entries in the store
@@ -193,7 +205,7 @@ def decode(db: str, raw, key: bytes | None = None):
     if value is None:
         return None
     check = _CHECKS.get(db)
-    if db == "meta" and key != TOTALS_KEY:
+    if db == "meta" and key != TOTALS_KEY and not is_tenant_key(key):
         check = None
     if check is not None and not check(value):
         raise CorruptIndex(f"{db} value{_at(key)} is malformed; the store is damaged: run 'spec-cache gc'",

@@ -18,6 +18,7 @@ from .errors import CorruptIndex
 from .index import Bookkeeping, draft_key, expected_bookkeeping
 from .store import Store
 from .structure import check_structure
+from .tenants import tenant_problems
 from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode_typed
 
 Progress = Callable[[int, int], None]
@@ -176,8 +177,11 @@ def index_problems(store: Store, limit: int = 100) -> list[str]:
 
     with store.reading() as txn:
         rows = read_index(txn, store.env.dbs)
+        tenants = tenant_problems(txn, store.env.dbs, rows.nsinfo)  # per-tenant counters (format 1.1)
     for _db, _key, exc in rows.damaged:
         bad(str(exc))
+    for message in tenants:
+        bad(message)
     expected = expected_bookkeeping(rows.nodes, rows.entries)
     _node_problems(rows, expected, bad)
     _entry_problems(rows, bad)
