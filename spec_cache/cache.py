@@ -17,6 +17,7 @@ shared tier for a longer prefix, verifies it, uses it at once and promotes it in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -42,9 +43,13 @@ from .cache_state import (
 from .kv_quant import converted_at
 from .memory_tier import MemoryHit, MemoryTier, default_budget
 from .namespace import namespace_key
+from .shared_prefetch import Handoff
 from .write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter, WriterLeft
 
 log = logging.getLogger("spec_cache")
+#: per thread: the caches whose restores take shared prefixes only from ``prefetch_shared`` (``shared_via_prefetch``)
+_via_prefetch = threading.local()
+_HANDOFF_LOCK = threading.Lock()
 
 #: ``durability`` modes: LMDB writes behind the request (default), or before ``save`` returns
 DURABILITY = ("write-behind", "sync")
@@ -397,21 +402,26 @@ class SpecCache:
 
     def _restore_shared(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None, floor: int,
                         usable) -> RestoredPrefix | None:
-        """A prefix longer than ``floor`` from the shared tier, promoted into the local store; None otherwise."""
+        """A prefix longer than ``floor`` from the shared tier, promoted into the local store; None otherwise.
+
+        A prefix ``prefetch_shared`` fetched for these tokens is taken first; inside ``shared_via_prefetch()``
+        that is the only source (this thread never waits on the network)."""
         notes: list[str] = []
         try:
             packed = pack_tokens(tokens)
         except StoreError as exc:
             warnings.warn(f"spec-cache: lookup failed, treated as a miss: {exc}", CacheWarning, stacklevel=3)
             return None
-        try:
-            got = self.shared.restore(ns_key, packed, chunk_tokens=self.store.chunk_tokens,
-                                      drafter=drafter_namespace, floor=floor, warnings=notes, usable=usable)
-        except Exception as exc:  # the last line of defence: a value from the network must never stop a request
-            log.exception("spec-cache: shared tier lookup failed unexpectedly")
-            self.shared.health.add("errors")
-            notes.append(f"shared tier lookup failed unexpectedly ({type(exc).__name__}: {exc}), treated as a miss")
-            got = None
+        handoff = self.__dict__.get("_shared_handoff")
+        got = None if handoff is None else handoff.take(
+            ns_key, drafter_namespace, packed, lambda hit: (hit.length, hit.has_drafter) > (floor, False)
+            and (usable is None or usable(hit)))
+        if got is not None:
+            self.shared.health.add("prefetch_used")
+        elif id(self) in getattr(_via_prefetch, "caches", ()):
+            return None  # fetched ahead (or not at all) by ``prefetch_shared``: never on this thread
+        else:
+            got = self._fetch_shared(ns_key, packed, drafter_namespace, floor, usable, notes, None)
         for message in notes:
             warnings.warn(f"spec-cache: {message}", CacheWarning, stacklevel=3)
         if got is None:
@@ -423,6 +433,72 @@ class SpecCache:
             if not self._promoter.offer(job, got.nbytes):
                 self.shared.health.add("promote_dropped")
         return restored
+
+    def _fetch_shared(self, ns_key: bytes, packed, drafter_namespace: str | None, floor: int, usable,
+                      notes: list[str], deadline: float | None):
+        """``SharedTier.restore``, never raising: an unexpected failure is a miss noted in ``notes``."""
+        try:
+            return self.shared.restore(ns_key, packed, chunk_tokens=self.store.chunk_tokens,
+                                       drafter=drafter_namespace, floor=floor, warnings=notes, usable=usable,
+                                       deadline=deadline)
+        except Exception as exc:  # the last line of defence: a value from the network must never stop a request
+            log.exception("spec-cache: shared tier lookup failed unexpectedly")
+            self.shared.health.add("errors")
+            notes.append(f"shared tier lookup failed unexpectedly ({type(exc).__name__}: {exc}), treated as a miss")
+            return None
+
+    def prefetch_shared(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None = None,
+                        deadline: float | None = None, *, usable: Callable[[Any], bool] | None = None) -> bool:
+        """Fetch from the shared tier, on the calling thread, a prefix of ``tokens`` longer than LMDB holds, and
+        hold it (verified host arrays, ``shared_prefetch.Handoff``) for the next ``restore`` of these tokens. For
+        a caller whose restores must not wait on the network (the server's scheduler: its prefetch pool calls
+        this before a job is admitted, its own restores run inside ``shared_via_prefetch()``).
+
+        ``deadline`` (``time.monotonic()``) ends the lookup early if it comes before ``lookup_budget_s``;
+        ``usable`` is the restore's rule (``Generator.usable_rule``). True if a prefix is held. Thread-safe; never
+        raises (failures are misses, logged).
+        """
+        if self.shared is None or self._closed:
+            return False
+        try:
+            packed = pack_tokens(tokens)
+            hit = self.store.lookup(ns_key, packed, drafter=drafter_namespace, usable=usable)
+        except (StoreError, ValueError) as exc:
+            log.warning("spec-cache: shared prefetch skipped, the local lookup failed: %s", exc)
+            return False
+        floor = 0 if hit is None else hit.length
+        if floor >= len(packed):
+            return False  # LMDB covers every token: the shared tier cannot add anything
+        self.shared.health.add("prefetches")
+        notes: list[str] = []
+        got = self._fetch_shared(ns_key, packed, drafter_namespace, floor, usable, notes, deadline)
+        for message in notes:
+            log.warning("spec-cache: %s", message)
+        if got is None:
+            return False
+        handoff = self.__dict__.get("_shared_handoff")
+        if handoff is None:
+            with _HANDOFF_LOCK:
+                handoff = self.__dict__.setdefault("_shared_handoff", Handoff(self.shared.config.queue_bytes))
+        if not handoff.put(ns_key, drafter_namespace, packed[:got.length], got):
+            return False
+        self.shared.health.add("prefetch_hits")
+        return True
+
+    @contextlib.contextmanager
+    def shared_via_prefetch(self):
+        """Within this block, restores on this thread take shared-tier prefixes only from ``prefetch_shared``
+        and never send a request to the shared tier themselves."""
+        caches = getattr(_via_prefetch, "caches", None)
+        if caches is None:
+            caches = _via_prefetch.caches = set()
+        added = id(self) not in caches
+        caches.add(id(self))
+        try:
+            yield self
+        finally:
+            if added:
+                caches.discard(id(self))
 
     def _promote(self, job) -> None:
         """Background: store a prefix restored from the shared tier through the store's own write path."""

@@ -1,6 +1,6 @@
 """The scheduler: one thread owns the generator, its engine session and the cache; nothing else touches them.
 
-Why one file of ~440 lines: the scheduler is one thread's loop and the state only it touches (queue,
+Why one file of ~500 lines: the scheduler is one thread's loop and the state only it touches (queue,
 admission, checkpoint phases, retries); splitting it would share that state across modules.
 
 HTTP handlers call ``submit`` / ``cancel`` / ``finish`` (thread-safe: they only enqueue) and read the events of
@@ -25,6 +25,12 @@ row is finished, checkpoint written, rather than cancelled), leaves its tokens i
 tokens replayed at once and its row continues from the stored ``prompt + tokens`` state, token-identically. The
 table does not survive a restart (the checkpoints do, but nothing maps a prompt to its continuation yet).
 
+Shared tier (a fleet's Redis/Valkey): its lookups never run on this thread. When a job arrives, a small prefetch
+pool asks the cache for a shared prefix of its prompt (``SpecCache.prefetch_shared``, bounded by the tier's lookup
+budget); the job waits in the queue meanwhile while the batch goes on decoding, and is admitted once its prefetch
+is done. The scheduler's own restore (inside ``SpecCache.shared_via_prefetch()``) takes the prefetched prefix and
+never asks the network, so a slow or hung server delays only the job that needs it, never a stream in the batch.
+
 Back-pressure: at most ``max_rows`` jobs decode at once; up to ``max_queue`` more wait; beyond that ``submit``
 raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
 ``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason, generated)`` with reason
@@ -34,6 +40,8 @@ raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -53,6 +61,10 @@ log = logging.getLogger("spec_cache.server")
 
 #: how many finished generations the retry table remembers
 CONTINUATIONS = 4096
+#: threads of the shared-tier prefetch pool (each lookup is bounded by the tier's budget)
+PREFETCH_WORKERS = 4
+#: a job's prefetch ends by this many lookup budgets after it arrived (time waiting for a pool thread included)
+PREFETCH_BUDGETS = 2.0
 
 __all__ = ["Job", "Scheduler"]
 
@@ -83,6 +95,7 @@ class Job:
     replayable: bool = False
     output: list[int] = field(default_factory=list)  # every token delivered (replayed ones included)
     replayed: int = 0  # tokens replayed from an earlier identical request
+    prefetch: Any = None  # the shared-tier prefetch of its prompt (a Future) while one runs
 
     @property
     def sequence(self) -> list[int]:
@@ -128,6 +141,11 @@ class Scheduler:
         self._continuations: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
         self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
         self.error: BaseException | None = None
+        cache = generator.cache
+        self._prefetcher = None  # shared-tier lookups happen here, never on the scheduler thread
+        if cache is not None and getattr(cache, "shared", None) is not None:
+            self._prefetcher = concurrent.futures.ThreadPoolExecutor(PREFETCH_WORKERS,
+                                                                     thread_name_prefix="spec-cache-prefetch")
 
     # -- any thread ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -183,16 +201,11 @@ class Scheduler:
 
     # -- the scheduler thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
+        cache = self.generator.cache
+        shared_off_thread = cache.shared_via_prefetch() if self._prefetcher is not None else contextlib.nullcontext()
         try:
-            self._session = self._new_session()
-            while True:
-                self._take_messages(block=not (self._pending or self._session.busy))
-                if self._stop.is_set():
-                    break
-                self._admit()
-                if self._session.busy:
-                    self._step()
-                self._write_checkpoints()
+            with shared_off_thread:
+                self._run()
         except BaseException as exc:  # pragma: no cover - a bug: fail every job rather than hang its client
             log.exception("spec-cache: the scheduler thread failed")
             self.error = exc
@@ -200,6 +213,17 @@ class Scheduler:
                 self._accepting = False
         finally:
             self._shutdown()
+
+    def _run(self) -> None:
+        self._session = self._new_session()
+        while True:
+            self._take_messages(block=not (self._ready() or self._session.busy))
+            if self._stop.is_set():
+                break
+            self._admit()
+            if self._session.busy:
+                self._step()
+            self._write_checkpoints()
 
     def _new_session(self):
         generator = self.generator
@@ -220,6 +244,7 @@ class Scheduler:
     def _handle(self, kind: str, job: Job | None) -> None:
         if kind == "submit":
             self._pending.append(job)
+            self._prefetch(job)
         elif kind in ("cancel", "finish"):
             if job.finished:
                 return
@@ -238,10 +263,50 @@ class Scheduler:
             self._ns_keys[tenant] = self.generator.namespace_key(tenant)
         return self._ns_keys[tenant]
 
+    def _prefetch(self, job: Job) -> None:
+        """Start the shared-tier lookup of a new job's prompt on the prefetch pool (none without a shared tier,
+        for a prompt nothing stored can help, or one LMDB already covers: ``prefetch_shared`` returns at once)."""
+        if self._prefetcher is None or len(job.prompt) < 2:
+            return
+        generator = self.generator
+        usable = generator.usable_rule(len(job.prompt))
+        if usable is None:
+            return
+        ns_key = self._ns_key(job.tenant)
+        budget = generator.cache.shared.config.lookup_budget_s
+        deadline = time.monotonic() + PREFETCH_BUDGETS * budget
+        tokens = job.prompt[:-1]
+
+        def run() -> None:
+            try:
+                generator.cache.prefetch_shared(ns_key, tokens, generator.drafter_namespace, deadline, usable=usable)
+            except Exception:  # never: prefetch_shared turns failures into misses; a job must not wait on a bug
+                log.exception("spec-cache: shared prefetch failed")
+        try:
+            job.prefetch = self._prefetcher.submit(run)
+        except RuntimeError:  # the pool is shut down (stopping): restore without it
+            return
+        job.prefetch.add_done_callback(lambda _future: self._inbox.put(("wake", None)))
+
+    def _ready(self) -> bool:
+        """Whether a waiting job can be admitted now (its prefetch, if any, is done)."""
+        return any(job.prefetch is None or job.prefetch.done() for job in self._pending)
+
+    def _next_ready(self) -> Job | None:
+        """The first waiting job whose prefetch is done (taken off the queue), or None."""
+        for job in self._pending:
+            if job.prefetch is None or job.prefetch.done():
+                self._pending.remove(job)
+                job.prefetch = None
+                return job
+        return None
+
     def _admit(self) -> None:
         session = self._session
         while self._pending and session.active_count + session.waiting_count < self.max_rows:
-            job = self._pending.popleft()
+            job = self._next_ready()
+            if job is None:
+                break  # the rest wait for their shared-tier prefetch (the batch decodes meanwhile)
             try:
                 if not self._submit(job):
                     continue  # answered from the retry table alone
@@ -439,5 +504,7 @@ class Scheduler:
             if kind == "submit":
                 self._done(job, "cancelled")
         self._write_checkpoints()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False, cancel_futures=True)
         if session is not None:
             session.close()
