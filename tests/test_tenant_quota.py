@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spec_cache.store import InvalidInput, LayerState, Store, StoreFullError, Tensor, maintenance
+from spec_cache.store import CorruptIndex, InvalidInput, LayerState, Store, StoreFullError, Tensor, maintenance
 from spec_cache.store.index import Index
 from spec_cache.store.keys import tenant_id
 from spec_cache.store.values import tenant_key
@@ -287,3 +287,38 @@ def test_memory_tier_fair_share_and_quota():
         quota.put(nb, [100 + s] * 10, [_kv(10, s)], durable=True)  # the default tenant has a quota too
     assert sorted(e.tokens[0] for e in quota._entries.values()) == [3, 4, 5, 103, 104, 105]
     assert quota.put(na, [9] * 40, [_kv(40, 9)]) is None    # alone over the quota: not held
+
+
+# --- format 1.1 bytes, and labels through repair ----------------------------------------------------------
+NSINFO_1_1 = ("8ba6746172676574a5743a616263a6707265666978a9617373697374616e74a674656e616e74c3a763726561746564cf1877"
+              "6f28c3038000a7656e747269657302a56279746573cd3328a46869747305a66d697373657301a86c6173745f757365c0a473"
+              "69677391c403919500a3746964c4106c019d6f63153cf31b860ecbd601429b")
+
+
+def test_a_labelled_namespace_row_is_a_1_0_row_plus_tid_and_packs_back_to_its_bytes():
+    from spec_cache.store.values import NamespaceInfo, decode_typed, pack
+
+    raw = bytes.fromhex(NSINFO_1_1)
+    info = decode_typed("nsinfo", raw, None)
+    assert info.tenant_id == A and pack(info) == raw and info.extra == {}
+    as_dict = msgpack.unpackb(raw)
+    assert list(as_dict)[-1] == "tid"     # appended after the 1.0 keys: a 1.0 reader keeps it in ``extra``
+    old = dict(as_dict)
+    del old["tid"]
+    assert pack(NamespaceInfo.from_dict(old)) == msgpack.packb(old, use_bin_type=True)  # 1.0 rows unchanged
+    with pytest.raises(CorruptIndex, match="malformed"):
+        decode_typed("nsinfo", msgpack.packb(dict(as_dict, tid=b"short"), use_bin_type=True), b"k" * 32)
+
+
+def test_repair_keeps_tenant_labels(tmp_path, open_store):
+    from spec_cache.store.repair import repair
+
+    one = entry_size(open_store, tmp_path)
+    store = open_tenants(open_store, A, None)
+    for s in range(3):
+        store.put(ns_of("t0"), tokens(s), layers(s))
+        store.put(ns_of("t1"), tokens(100 + s), layers(100 + s))
+    store.close()
+    repair(str(tmp_path / "store"), str(tmp_path / "fixed"))
+    with Store.open(tmp_path / "fixed", readonly=True) as fixed:
+        assert by_tenant(fixed) == {A.hex(): 3 * one, "default": 3 * one}
