@@ -25,10 +25,11 @@ from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.cli import shared as shared_cli
 from spec_cache.store import StoreError
 from spec_cache.store.shared import SharedConfig
+from spec_cache.store.shared.auth import SALT_BYTES, TAG_BYTES
 from spec_cache.store.shared.keys import KeyNames
 from spec_cache.store.shared.records import read_outgoing
 from tests.redis_servers import ThrowawayCluster, cli_for, free_port, server_binaries
-from tests.test_shared_tier import DRAFTER, PREFIX_NS, TARGET, C, assert_holds, prompt, save
+from tests.test_shared_tier import DRAFTER, PREFIX_NS, SECRET, TARGET, C, assert_holds, prompt, save
 
 BINARIES = server_binaries()
 BINARY = BINARIES.get("redis") or next(iter(BINARIES.values()), None)
@@ -63,6 +64,8 @@ def hosts(tmp_path):
         options.setdefault("timeout_s", 2.0)
         options.setdefault("connect_timeout_s", 2.0)
         options.setdefault("backoff_s", 0.05)
+        if not options.get("trusted_network"):
+            options.setdefault("secret", SECRET)
         cache = SpecCache.open(tmp_path / name, shared=url, shared_options=options, chunk_tokens=C, durable=False)
         opened.append(cache)
         return cache
@@ -129,6 +132,7 @@ def test_key_groups_follow_the_spread():
 
 
 def test_a_checkpoint_lives_in_one_slot_and_conversations_spread(flushed, hosts, monkeypatch, capsys):
+    monkeypatch.setenv("SPEC_CACHE_SHARED_SECRET", SECRET)  # shared-stats reads the fleet's prefix (sc:4:)
     a = hosts("a", flushed.url)
     ns = a.namespace(TARGET, PREFIX_NS)
     prompts = [prompt(200 + i, 100) for i in range(12)]
@@ -136,12 +140,14 @@ def test_a_checkpoint_lives_in_one_slot_and_conversations_spread(flushed, hosts,
     assert a.drain(20)
     assert a.shared_status()["published"] == 12 and a.shared_status()["errors"] == 0
     r = client(flushed)
-    names = list(r.scan_iter(match="sc:2:*", target_nodes=RedisCluster.PRIMARIES))
+    names = list(r.scan_iter(match="sc:4:*", target_nodes=RedisCluster.PRIMARIES))  # format 4: keyed names
+    assert not any(ns.hex().encode() in n for n in names)
     slots_of_checkpoint = []
     for result in results:
         out = read_outgoing(a.store, result.entry, [DRAFTER])
         group = a.shared.keys.group_of(out.chain)
-        mine = [n for n in names if n.startswith(b"sc:2:{" + group.hex()[:16].encode() + b"}")]
+        assert not any(group.hex()[:16].encode() in n for n in names)  # hash tags are keyed too
+        mine = [n for n in names if n.startswith(b"sc:4:{" + a.shared.keys.auth.tag_hex(group) + b"}")]
         assert len(mine) == 2 * len(out.chain) + 2  # chunks, nodes (with the root), entry, manifest, draft
         slots_of_checkpoint.append({key_slot(n) for n in mine})
     assert all(len(s) == 1 for s in slots_of_checkpoint)
@@ -162,7 +168,8 @@ def test_a_checkpoint_lives_in_one_slot_and_conversations_spread(flushed, hosts,
 def test_a_cluster_down_at_start_is_a_miss_not_a_crash(tmp_path):
     url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     cache = SpecCache.open(tmp_path / "a", shared=url, chunk_tokens=C, durable=False,
-                           shared_options={"timeout_s": 0.2, "connect_timeout_s": 0.2, "backoff_s": 60})
+                           shared_options={"timeout_s": 0.2, "connect_timeout_s": 0.2, "backoff_s": 60,
+                                           "secret": SECRET})
     try:
         ns = cache.namespace(TARGET, PREFIX_NS)
         p = prompt(50, 40)
@@ -182,9 +189,9 @@ def test_a_cluster_down_at_start_is_a_miss_not_a_crash(tmp_path):
 HOST_SCRIPT = """
 import json, sys
 from spec_cache.cache import SpecCache
-from tests.test_shared_tier import TARGET, PREFIX_NS, C, prompt, save
+from tests.test_shared_tier import TARGET, PREFIX_NS, SECRET, C, prompt, save
 url, path, seeds = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
-cache = SpecCache.open(path, shared=url, shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0},
+cache = SpecCache.open(path, shared=url, shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0, "secret": SECRET},
                        chunk_tokens=C, durable=False)
 ns = cache.namespace(TARGET, PREFIX_NS)
 for seed in seeds:
@@ -241,8 +248,10 @@ def test_fetch_skips_chunks_the_local_store_holds(flushed, hosts):
     out = read_outgoing(a.store, a.store.lookup(ns, p).entry, [DRAFTER])
     sizes = read_chunk_sizes(a, out.chain[1:])
     assert len(sizes) == 6 and s["chunks_local"] == 3 and s["bytes_local"] == sum(sizes[k] for k in out.chain[1:4])
-    # only chunks 4..6, the entry record and the drafter record crossed the network
-    assert s["bytes_fetched"] == sum(sizes[k] for k in out.chain[4:]) + len(out.entry_record) + len(out.drafts[0][2])
+    # only chunks 4..6, the entry record and the drafter record crossed the network (each sealed: salt and tag)
+    sealed = 1 + SALT_BYTES + TAG_BYTES
+    assert s["bytes_fetched"] == (sum(sizes[k] for k in out.chain[4:]) + len(out.entry_record) + len(out.drafts[0][2])
+                                  + 5 * sealed)
     assert gets(flushed) - before == 3 + 2
 
 
