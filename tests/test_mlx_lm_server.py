@@ -211,9 +211,11 @@ def test_shared_tier_serves_another_host(loaded, model_dir, tmp_path):
     key = (str(model_dir), None, None)
     prompt = tok.encode(_prompt_text(100))
     with ThrowawayServer(next(iter(binaries.values()))) as server:
-        a = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "a", shared=server.url), owns_cache=True)
-        b = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "b", shared=server.url, memory_bytes=0),
+        fleet = {"secret": "test fleet secret 0123456789abcdef"}  # both hosts of the fleet hold it
+        a = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "a", shared=server.url, shared_options=fleet),
                                  owns_cache=True)
+        b = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "b", shared=server.url, memory_bytes=0,
+                                                      shared_options=fleet), owns_cache=True)
         try:
             first, _ = _serve(a, loaded, key, prompt)
             assert a.drain(20)

@@ -26,6 +26,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -38,6 +39,17 @@ sys.path.insert(0, ROOT)
 
 VOCAB = 32000
 
+
+
+#: one random fleet secret per run (every host of the run gets it; spawned hosts receive it in their options)
+BENCH_SECRET = secrets.token_hex(32)
+
+
+def fleet_auth(args) -> dict:
+    """The hosts' fleet secret options: one secret for every host of the run (or none with ``--trusted``)."""
+    if args.trusted:
+        return {"trusted_network": True}
+    return {"secret": os.environ.get("SPEC_CACHE_SHARED_SECRET") or BENCH_SECRET}
 
 def host_main(conn, index: int, url: str, work: str, target: str, drafter: str, options: dict,
               chunk_tokens: int) -> None:
@@ -129,7 +141,8 @@ def run(args) -> dict:
                                    tokenizer=False)
         drafter = write_tiny_drafter(os.path.join(work, "ngram"), "ngram", target)
         options = {"timeout_s": args.timeout, "connect_timeout_s": max(args.timeout, 0.5),
-                   "spread_chunks": args.spread, "queue_bytes": args.queue_bytes, "backoff_s": 0.2}
+                   "spread_chunks": args.spread, "queue_bytes": args.queue_bytes, "backoff_s": 0.2,
+                   "lookup_budget_s": args.budget, **fleet_auth(args)}
         ctx = multiprocessing.get_context("spawn")  # MLX in forked children is not safe
         for i in range(args.hosts):
             parent, child = ctx.Pipe()
@@ -272,6 +285,10 @@ def main(argv=None) -> int:
     p.add_argument("--shared", help="an existing shared tier URL (default: a throwaway local cluster)")
     p.add_argument("--server", help="redis-server binary for the throwaway cluster")
     p.add_argument("--timeout", type=float, default=0.5, help="SharedConfig.timeout_s")
+    p.add_argument("--budget", type=float, default=0.5, help="SharedConfig.lookup_budget_s (default 0.5)")
+    p.add_argument("--trusted", action="store_true",
+                   help="no fleet secret: the unkeyed formats 1/2 (default: a secret, $SPEC_CACHE_SHARED_SECRET or "
+                        "a random one per run: keyed names, sealed records)")
     p.add_argument("--queue-bytes", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -38,6 +39,16 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from spec_cache.bench.ttft import blas_in_use  # noqa: E402  (one answer for every bench, GPU included)
+
+#: one random fleet secret per run (every host of the run gets it; spawned hosts receive it in their options)
+BENCH_SECRET = secrets.token_hex(32)
+
+
+def fleet_auth(args) -> dict:
+    """The hosts' fleet secret options: one secret for every host of the run (or none with ``--trusted``)."""
+    if args.trusted:
+        return {"trusted_network": True}
+    return {"secret": os.environ.get("SPEC_CACHE_SHARED_SECRET") or BENCH_SECRET}
 
 
 def timed(fn):
@@ -65,6 +76,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--server", help="redis-server or valkey-server binary (default: the first one found)")
     p.add_argument("--timeout", type=float, default=0.05, help="SharedConfig.timeout_s (default 0.05, the default)")
+    p.add_argument("--budget", type=float, default=0.5, help="SharedConfig.lookup_budget_s (default 0.5)")
+    p.add_argument("--trusted", action="store_true",
+                   help="no fleet secret: the unkeyed formats 1/2 (default: a secret, $SPEC_CACHE_SHARED_SECRET or "
+                        "a random one per run: keyed names, sealed records)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -99,7 +114,7 @@ def main(argv=None) -> int:
                 visit["cold"].append(wall)
             expect = r.tokens
 
-            options = {"timeout_s": args.timeout}
+            options = {"timeout_s": args.timeout, "lookup_budget_s": args.budget, **fleet_auth(args)}
             a = SpecCache.open(os.path.join(work, f"a-{n}"), shared=server.url, durable=False, shared_options=options)
             gen_a = Generator.load(target, drafter, cache=a)
             gen_a.generate([prompt], max_tokens=1)
