@@ -62,23 +62,23 @@ class Handoff:
 
     def take(self, ns_key: bytes, drafter: str | None, packed: np.ndarray,
              accept: Callable[[HeldHit], bool]):
-        """The longest held prefix of ``packed`` under ``ns_key``/``drafter`` that ``accept`` takes (removed from
-        here), or None."""
+        """The longest held prefix of ``packed`` under ``ns_key``/``drafter`` that ``accept`` takes, or None. Every
+        held prefix of ``packed`` leaves (this restore was the one they were fetched for: one a faster tier
+        already covered is of no more use)."""
         with self._lock:
             self._expire()
-            best = None
+            best, mine = None, []
             for held in self._held:
                 n = len(held.tokens)
                 if (held.ns_key != ns_key or held.drafter != drafter or n > len(packed)
                         or not np.array_equal(held.tokens, packed[:n])):
                     continue
+                mine.append(held)
                 hit = HeldHit(n, held.got.attachment is not None, held.got.minimum_reusable)
                 if (best is None or n > len(best.tokens)) and accept(hit):
                     best = held
-            if best is None:
-                return None
-            self._held.remove(best)
-            return best.got
+            self._held = [h for h in self._held if not any(h is m for m in mine)]
+            return None if best is None else best.got
 
     def __len__(self) -> int:
         with self._lock:

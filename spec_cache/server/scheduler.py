@@ -505,6 +505,7 @@ class Scheduler:
                 self._done(job, "cancelled")
         self._write_checkpoints()
         if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=False, cancel_futures=True)
+            # a lookup under way ends within its budget; the cache (closed after this thread) outlives it
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
         if session is not None:
             session.close()

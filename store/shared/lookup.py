@@ -119,12 +119,13 @@ class LookupMixin:
         start = time.perf_counter()
         until = time.monotonic() + self.config.lookup_budget_s
         if deadline is not None:
+            if deadline <= time.monotonic():  # the caller waited too long already: a miss, not the server's fault
+                self.health.add("over_budget")
+                return None
             until = min(until, deadline)
         self.health.add("lookups")
         outer, self._budget.deadline = self._budget.deadline, until
         try:
-            if until <= time.monotonic():
-                raise self._redis.TimeoutError("the lookup's deadline passed before it started")
             got = self._restore(ns_key, packed, chunk_tokens, drafter, floor, warnings, usable)
         except self._failures as exc:
             if time.monotonic() >= until:
