@@ -24,6 +24,7 @@ openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY_A, KEY_B = "test-key-a", "test-key-b"
+OPERATOR = "test-operator-key"
 EOS = 2
 
 
@@ -36,20 +37,27 @@ def free_port() -> int:
 class Server:
     """``python -m spec_cache.server`` in a subprocess on a free port."""
 
-    def __init__(self, model: Path, store: Path, tmp: Path, *extra: str, keys=(KEY_A, KEY_B), drafter=None):
+    def __init__(self, model: Path, store: Path, tmp: Path, *extra: str, keys=(KEY_A, KEY_B), drafter=None,
+                 operator=OPERATOR, preexec_fn=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
         args = [sys.executable, "-m", "spec_cache.server", "--model", str(model), "--model-id", "tiny",
-                "--cache", str(store), "--port", str(self.port), "--memory-bytes", "64M", "--log-level", "info"]
+                "--cache", str(store), "--port", str(self.port), "--memory-bytes", "64M", "--log-level", "info",
+                "--cached-tokens-granularity", "1"]  # exact counts: what these tests check (tests that need
+        # the default pass their own, later on the command line)
         if drafter is not None:
             args += ["--drafter", str(drafter), "--method", "assistant"]
         for key in keys:
             args += ["--api-key", key]
+        if operator is not None:
+            args += ["--operator-key", operator]
+        self.operator = operator
         env = dict(os.environ, SPEC_CACHE_IDENTITY_DIR=str(tmp / "identity-memo"), PYTHONUNBUFFERED="1")
         env.pop("SPEC_CACHE_API_KEY", None)
+        env.pop("SPEC_CACHE_OPERATOR_KEY", None)
         self.proc = subprocess.Popen(args + list(extra), cwd=ROOT, env=env, stdout=self.log.open("wb"),
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         self.key = keys[0] if keys else None
         self.loading_answers = []  # what came back while the model loaded
         deadline = time.monotonic() + 90
@@ -77,8 +85,11 @@ class Server:
         key = key or self.key
         return {} if key is None else {"Authorization": f"Bearer {key}"}
 
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=5).json()
+    def health(self, key: str | None = None) -> dict:
+        """``/health``'s details (they need a key when keys are configured: the operator's by default)."""
+        key = key or self.operator or self.key
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        return httpx.get(self.url + "/health", headers=headers, timeout=5).json()
 
     def wait_durable(self, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
@@ -89,8 +100,8 @@ class Server:
             time.sleep(0.05)
         raise AssertionError(f"checkpoints not durable in time: {self.health()}")
 
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", headers=self.headers(), timeout=5).text
+    def metric(self, name: str, key: str | None = None) -> float:
+        text = httpx.get(self.url + "/metrics", headers=self.headers(key or self.operator), timeout=5).text
         for line in text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])

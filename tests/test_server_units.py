@@ -137,3 +137,165 @@ def test_serve_registers_under_the_main_cli_without_loading_mlx():
     out = subprocess.run([sys.executable, "-m", "spec_cache.server", "--model", "/does/not/exist"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+# -- hardening: logs, descriptor limits, viewers, tokenizing off the event loop ----------------------------------
+def test_rate_limited_logs_pass_one_record_per_cause_per_interval(monkeypatch):
+    import logging
+
+    from spec_cache.server import logs
+
+    clock = [100.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: clock[0])
+    limiter = logs.RateLimitFilter(interval_s=10)
+
+    def record(msg, level=logging.ERROR, exc=None, name="asyncio"):
+        info = (exc, exc("x"), None) if exc else None
+        return logging.LogRecord(name, level, __file__, 1, msg, (), info)
+
+    passed = [limiter.filter(record("socket.accept() out of system resource\nsocket: fd=6", exc=OSError))
+              for _ in range(2000)]
+    assert passed.count(True) == 1 and limiter.suppressed == 1999
+    assert limiter.filter(record("another cause"))  # a different cause has its own budget
+    assert limiter.filter(record("info passes", level=logging.INFO))
+    clock[0] += 10
+    again = record("socket.accept() out of system resource\nsocket: fd=6", exc=OSError)
+    assert limiter.filter(again) and "1999 more like this suppressed" in again.getMessage()
+
+
+def test_a_storm_that_stops_is_still_counted(monkeypatch, caplog):
+    import logging
+
+    from spec_cache.server import logs
+
+    clock = [0.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: clock[0])
+    limiter = logs.RateLimitFilter(interval_s=5)
+    for _ in range(50):
+        limiter.filter(logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, "Invalid HTTP request", (),
+                                         None))
+    clock[0] += 6
+    with caplog.at_level(logging.WARNING):
+        limiter.flush()
+    assert "49 more like this suppressed in the last 5s: Invalid HTTP request" in caplog.text
+
+
+def test_the_connection_budget_fits_the_descriptor_limit():
+    from spec_cache.server.limits import connection_budget
+
+    for soft in (256, 1024, 2048, 4096, 65536, 1 << 20):
+        cap, backlog = connection_budget(soft)
+        assert 8 <= cap <= 8192 and cap + 3 * backlog + 64 + soft // 16 <= soft
+    assert connection_budget(1024, 100) == (100, connection_budget(1024)[1])
+    assert connection_budget(1024, 5000)[0] == connection_budget(1024)[0]  # lowered to what fits
+    with pytest.raises(ValueError):
+        connection_budget(64)
+
+
+def test_mlx_lm_setrlimit_neither_fails_nor_lowers_the_limit(monkeypatch):
+    import resource
+
+    from spec_cache.server import limits
+
+    state = {"limit": (1024, 1024)}
+
+    def real(which, value):  # a container: the hard limit may not be raised
+        if value[1] > state["limit"][1]:
+            raise ValueError("not allowed to raise maximum limit")
+        state["limit"] = tuple(value)
+
+    monkeypatch.setattr(limits.resource, "getrlimit", lambda which: state["limit"])
+    tolerant = limits._tolerant_setrlimit(real)
+    tolerant(resource.RLIMIT_NOFILE, (2048, 4096))  # what mlx_lm.utils does at import
+    assert state["limit"] == (1024, 1024)
+    state["limit"] = (1024, 8192)
+    tolerant(resource.RLIMIT_NOFILE, (2048, 4096))
+    assert state["limit"] == (2048, 8192)  # raised to what mlx-lm wants, hard limit kept
+    state["limit"] = (20000, 20000)
+    tolerant(resource.RLIMIT_NOFILE, (2048, 4096))
+    assert state["limit"] == (20000, 20000)  # never lowered
+
+
+def test_viewers_of_health_and_metrics():
+    from spec_cache.server.auth import tenant_label
+
+    open_server = Auth()
+    assert open_server.viewer(None).operator  # no key configured: open (documented)
+    auth = Auth(["key-a", "key-b"], operator_keys=["op"])
+    assert auth.viewer("Bearer op").operator and not auth.viewer(None).known
+    assert not auth.viewer("Bearer nope").known
+    a = auth.viewer("Bearer key-a")
+    assert not a.operator and a.tenant == tenant_label(auth.check("Bearer key-a")) != auth.viewer("Bearer key-b").tenant
+    only_operator = Auth([], operator_keys=["op"])
+    assert only_operator.check(None) is None and not only_operator.viewer(None).known
+    assert tenant_label(None) == "open" and tenant_label(salted_tenant(auth.check("Bearer key-a"), "s")) == a.tenant
+
+
+def test_metrics_render_only_the_viewers_tenant():
+    from spec_cache.server.auth import Viewer
+    from spec_cache.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.account("aaaa1111", 10, 0, 5)
+    metrics.account("bbbb2222", 20, 256, 7)
+    mine = metrics.render(Viewer(tenant="aaaa1111")).decode()
+    assert 'tenant="aaaa1111"' in mine and "bbbb2222" not in mine and "spec_cache_queue" not in mine
+    assert "spec_cache_requests_total" not in mine
+    everything = metrics.render(Viewer(operator=True)).decode()
+    assert "aaaa1111" in everything and "bbbb2222" in everything and "spec_cache_prompt_cache_hit_ratio" in everything
+    assert metrics.render(Viewer()) == b""
+
+
+def test_tokenizing_runs_off_the_event_loop_and_big_bodies_get_413():
+    import threading
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from spec_cache.server.app import ServerConfig, ServerState, create_app, default_max_body_bytes
+
+    threads = {}
+
+    class Tokenizer:
+        def encode(self, text):
+            threads["encode"] = threading.get_ident()
+            return [5] * len(text.split())
+
+        def apply_chat_template(self, messages, **kw):
+            threads["chat"] = threading.get_ident()
+            return [5, 6]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    class Scheduler:
+        error, queue_depth, active_rows = None, 0, 0
+
+        def start(self):
+            pass
+
+        def stop(self, timeout):
+            pass
+
+        def cancel(self, job):
+            pass
+
+        def submit(self, job):
+            threads["loop"] = threading.get_ident()  # handlers submit from the event loop
+            job.deliver(("start", 300))
+            job.deliver(("done", "length", 0))
+
+    generator = SimpleNamespace(engine=SimpleNamespace(target=SimpleNamespace(vocab_size=256)), cache=None)
+    config = ServerConfig("tiny", context_tokens=1024, cached_tokens_granularity=256)
+    assert config.max_body_bytes == default_max_body_bytes(1024) == 1024 * 16 + (64 << 10)
+    state = ServerState(generator=generator, tokenizer=Tokenizer(), scheduler=Scheduler(), config=config)
+    with TestClient(create_app(state)) as client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+        assert client.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+            {"role": "user", "content": "hi"}], "max_tokens": 3}).status_code == 200
+        assert threads["encode"] != threads["loop"] and threads["chat"] != threads["loop"]
+        big = client.post("/v1/completions", json={"model": "tiny", "prompt": "w5 " * 40000})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        assert client.get("/health").json() == {"status": "ok", "model": "tiny", "active_rows": 0,
+                                                "queue_depth": 0}  # no key configured: open

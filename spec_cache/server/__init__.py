@@ -7,7 +7,11 @@ Modules, one concern each:
 - ``scheduler``   the thread that owns the generator / engine session / cache (continuous batching);
 - ``app``         the Starlette app: routes, SSE, disconnects, lifespan (drain, then ``cache.close()``);
 - ``auth``        API keys (constant-time) and the tenant each key / ``cache_salt`` maps to;
-- ``metrics``     the Prometheus registry behind ``/metrics``;
+- ``metrics``     the Prometheus registry behind ``/metrics`` (per-tenant series shown only to their tenant);
+- ``guard``       header / body deadlines and the connection cap, in uvicorn's h11 protocol;
+- ``limits``      the descriptor limit (mlx-lm's import-time setrlimit made harmless), the connection budget,
+                  the store's default byte budget;
+- ``logs``        rate-limited logging (one line per cause per interval);
 - ``cli``         ``add_arguments(parser)`` / ``main(args)``: ``spec-cache serve``, ``python -m spec_cache.server``.
 
 Only ``cli`` is imported here (MLX-free); the rest loads when the server starts.

@@ -6,7 +6,10 @@ response; protocol types live in ``protocol.py``, auth in ``auth.py``, metrics i
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true``: server-sent events ending in
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Handlers never touch the engine: they
 tokenize (chat template), submit a ``scheduler.Job`` and read its events from an asyncio queue; the scheduler
-thread hops events onto the loop with ``call_soon_threadsafe``. A client that disconnects (streaming or not)
+thread hops events onto the loop with ``call_soon_threadsafe``. A request body larger than ``max_body_bytes``
+(derived from the context length) is answered 413 from its Content-Length, or as soon as that many bytes arrived,
+before anything is tokenized; tokenizing (and decoding a large body) runs in a worker thread, never on the event
+loop, so one big prompt does not stall every other client's stream. A client that disconnects (streaming or not)
 ends its row at once (cancelled; or finished with its checkpoint when a retry could resume it). Errors are
 OpenAI's error JSON with the right status (see ``protocol``).
 """
@@ -24,12 +27,12 @@ from typing import Any, AsyncIterator
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..sampling import RowSampling
-from .auth import Auth, salted_tenant
+from .auth import Auth, salted_tenant, tenant_label
 from .detokenizer import StopMatcher, StreamingDetokenizer
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .protocol import (
@@ -55,15 +58,30 @@ __all__ = ["ServerConfig", "ServerState", "create_app", "LoadingApp"]
 class ServerConfig:
     """Limits and defaults. ``context_tokens``: prompt + completion must fit (the model's
     ``max_position_embeddings``); ``max_prompt_tokens``: a prompt longer than this is refused (400) even when it
-    fits; ``max_body_bytes``: larger request bodies get 413."""
+    fits; ``max_body_bytes``: larger request bodies get 413 (None: ``default_max_body_bytes(context_tokens)``);
+    ``cached_tokens_granularity``: ``cached_tokens`` is reported rounded down to a multiple of it."""
 
     model_id: str
     context_tokens: int = 4096
     max_prompt_tokens: int | None = None
     default_max_tokens: int = 512
     default_temperature: float = 0.0
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int | None = None
     drain_timeout_s: float = 30.0
+    cached_tokens_granularity: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes is None:
+            self.max_body_bytes = default_max_body_bytes(self.context_tokens)
+
+
+def default_max_body_bytes(context_tokens: int) -> int:
+    """16 bytes per token of context plus 64 KiB of JSON framing: a body larger than this cannot hold a prompt
+    that fits the context (a token is a few bytes of text; JSON escapes at most ~6 bytes a character)."""
+    return context_tokens * 16 + (64 << 10)
+
+
+_JSON_IN_THREAD = 256 << 10  # decode bodies larger than this in a worker thread
 
 
 @dataclass
@@ -142,8 +160,10 @@ def create_app(state: ServerState) -> Starlette:
                       lambda: cache.memory_stats().get("writes", {}).get("pending_bytes", 0))
         metrics.gauge("spec_cache_store_bytes", "bytes in use in the LMDB store file", lambda: _store_bytes(cache))
 
-    def count(endpoint: str, status: int) -> None:
+    def count(endpoint: str, status: int, tenant: str | None = None, known: bool = True) -> None:
         metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        if known:  # a request whose key was refused has no tenant to count it under
+            metrics.tenant_requests.labels(tenant=tenant_label(tenant), status=str(status)).inc()
 
     async def read_json(request: Request) -> Any:
         declared = request.headers.get("content-length")
@@ -151,18 +171,32 @@ def create_app(state: ServerState) -> Starlette:
             raise APIError(413, f"the request body is larger than {config.max_body_bytes} bytes",
                            code="request_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > config.max_body_bytes:
-                raise APIError(413, f"the request body is larger than {config.max_body_bytes} bytes",
-                               code="request_too_large")
         try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > config.max_body_bytes:
+                    raise APIError(413, f"the request body is larger than {config.max_body_bytes} bytes",
+                                   code="request_too_large")
+        except ClientDisconnect:
+            raise APIError(499, "the client went away while sending its request") from None
+        try:
+            if len(body) > _JSON_IN_THREAD:
+                return await anyio.to_thread.run_sync(json.loads, bytes(body), limiter=tokenize_limiter)
             return json.loads(body)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
     def tenant_of(request: Request) -> str | None:
         return state.auth.check(request.headers.get("authorization"))
+
+    tokenize_limiter = anyio.CapacityLimiter(1)  # one tokenizer call at a time (HF fast tokenizers are not re-entrant
+    # for every setting), in a worker thread: the event loop never waits on one
+
+    async def tokenize(fn, *args) -> list[int]:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=tokenize_limiter)
+
+    def encode_text(text: str) -> list[int]:
+        return [int(t) for t in tokenizer.encode(text)]
 
     def encode_chat(messages: list[dict]) -> list[int]:
         try:
@@ -199,6 +233,8 @@ def create_app(state: ServerState) -> Starlette:
                    tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
                    replayable=temperature == 0 or params.seed is not None)
 
+    granularity = max(1, int(config.cached_tokens_granularity))
+
     async def run_job(request: Request, endpoint: str, params, prompt: list[int], tenant: str | None, chat: bool):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -211,10 +247,15 @@ def create_app(state: ServerState) -> Starlette:
         scheduler.submit(job)
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = int(time.time())
-        pieces = _pieces(job, events, tokenizer, params.stop, scheduler)
+        pieces = _pieces(job, events, tokenizer, params.stop, scheduler, granularity)
+        label = tenant_label(tenant)
+
+        def account(generated: int, cached: int) -> None:
+            metrics.account(label, len(prompt), cached, generated)
+
         if params.stream:
-            count(endpoint, 200)
-            return _EventStream(_sse(pieces, rid, params, created, chat, len(prompt)),
+            count(endpoint, 200, tenant)
+            return _EventStream(_sse(pieces, rid, params, created, chat, len(prompt), account),
                                 on_disconnect=lambda: scheduler.cancel(job))
         collect = asyncio.ensure_future(_collect(pieces))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -225,47 +266,53 @@ def create_app(state: ServerState) -> Starlette:
         if collect not in done:
             collect.cancel()
             scheduler.cancel(job)
-            count(endpoint, 499)
+            count(endpoint, 499, tenant)
             return Response(status_code=499)
         text, reason, generated, cached = collect.result()
+        account(generated, cached)
         use = usage(len(prompt), generated, cached)
         model = params.model
         body = (chat_response(rid, model, text, reason, use) if chat
                 else completion_response(rid, model, text, reason, use))
-        count(endpoint, 200)
+        count(endpoint, 200, tenant)
         return JSONResponse(body)
 
     def endpoint(name: str, chat: bool):
         async def handle(request: Request) -> Response:
+            tenant, known = None, False
             try:
                 tenant = tenant_of(request)
+                known = True
                 body = await read_json(request)
                 if chat:
                     params, messages = parse_chat(body, state.models)
-                    prompt = encode_chat(messages)
+                    prompt = await tokenize(encode_chat, messages)
                 else:
                     params, text = parse_completion(body, state.models, vocab)
-                    prompt = text if isinstance(text, list) else [int(t) for t in tokenizer.encode(text)]
+                    prompt = text if isinstance(text, list) else await tokenize(encode_text, text)
                 return await run_job(request, name, params, prompt, tenant, chat)
             except APIError as error:
-                count(name, error.status)
+                count(name, error.status, tenant, known)
                 return _error_response(error)
         return handle
 
     async def models_route(request: Request) -> Response:
         try:
-            tenant_of(request)
+            tenant = tenant_of(request)
         except APIError as error:
-            count("models", error.status)
+            count("models", error.status, known=False)
             return _error_response(error)
-        count("models", 200)
+        count("models", 200, tenant)
         return JSONResponse({"object": "list", "data": [
             {"id": config.model_id, "object": "model", "created": 0, "owned_by": "spec-cache"}]})
 
     async def health(request: Request) -> Response:
         ok = scheduler.error is None
-        body = {"status": "ok" if ok else "failed", "model": config.model_id,
-                "active_rows": scheduler.active_rows, "queue_depth": scheduler.queue_depth}
+        body = {"status": "ok" if ok else "failed"}
+        if not state.auth.viewer(request.headers.get("authorization")).known:  # liveness only, without a key
+            return JSONResponse(body, status_code=200 if ok else 503)
+        body.update({"model": config.model_id, "active_rows": scheduler.active_rows,
+                     "queue_depth": scheduler.queue_depth})
         if cache is not None:
             stats = cache.memory_stats()
             body["checkpoints_not_durable"] = stats.get("not_durable", 0)
@@ -273,11 +320,13 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics_route(request: Request) -> Response:
-        try:
-            tenant_of(request)
-        except APIError as error:
-            return _error_response(error)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        viewer = state.auth.viewer(request.headers.get("authorization"))
+        if not viewer.known:
+            return _error_response(APIError(401, "/metrics needs 'Authorization: Bearer <key>': an operator key "
+                                            "(--operator-key) for every series, an API key for its own tenant's",
+                                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+        body = await anyio.to_thread.run_sync(metrics.render, viewer)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def not_found(request: Request, exc) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -386,9 +435,10 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler
-                  ) -> AsyncIterator[tuple]:
-    """Text pieces of a job as ``("text", str)``, then ``("end", finish_reason, completion_tokens, cached)``."""
+async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler,
+                  granularity: int = 1) -> AsyncIterator[tuple]:
+    """Text pieces of a job as ``("text", str)``, then ``("end", finish_reason, completion_tokens, cached)``;
+    ``cached`` rounded down to a multiple of ``granularity`` (what clients may learn about stored prefixes)."""
     detokenizer = StreamingDetokenizer(tokenizer)
     matcher = StopMatcher(stops)
     generated = cached = 0
@@ -396,7 +446,7 @@ async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], 
         event = await events.get()
         kind = event[0]
         if kind == "start":
-            cached = event[1]
+            cached = event[1] - event[1] % granularity
         elif kind == "tokens":
             generated += len(event[1])
             text, stopped = matcher.feed(detokenizer.add(event[1]))
@@ -434,7 +484,8 @@ def _event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, chat: bool, prompt_tokens: int):
+async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, chat: bool, prompt_tokens: int,
+               account=None):
     model = params.model
     try:
         if chat:
@@ -445,6 +496,8 @@ async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, cha
                              else completion_chunk(rid, model, created, piece[1]))
                 continue
             _, reason, generated, cached = piece
+            if account is not None:
+                account(generated, cached)
             yield _event(chat_chunk(rid, model, created, {}, reason) if chat
                          else completion_chunk(rid, model, created, "", reason))
             if params.include_usage:

@@ -27,6 +27,28 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+def _granularity(text: str):
+    if text == "chunk":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a granularity: {text!r} (a number of tokens >= 1, or 'chunk')")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"not a number of seconds > 0: {text!r}")
+    return value
+
+
 def _has(parser: argparse.ArgumentParser, option: str) -> bool:
     return any(option in action.option_strings for action in parser._actions)
 
@@ -76,8 +98,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, dest="default_temperature",
                         help="temperature when a request gives none (default 0: greedy, as mlx_lm.server)")
     parser.add_argument("--max-prompt-tokens", type=positive_int, help="refuse longer prompts (400)")
-    parser.add_argument("--max-body-bytes", type=_size, default=4 << 20, help="refuse larger bodies (413; "
-                        "default 4MiB)")
+    parser.add_argument("--max-body-bytes", type=_size, help="refuse larger request bodies (413, before anything "
+                        "is tokenized; default: 16 bytes per token of the model's context + 64KiB)")
+    parser.add_argument("--max-bytes", type=_size, metavar="SIZE",
+                        help="byte budget of the store (LRU eviction beyond it), e.g. 8GiB (default: what the store "
+                             "holds + half the disk's free space at start, printed at start)")
+    if not _has(parser, "--shared-secret-file"):
+        parser.add_argument("--shared-secret-file", metavar="FILE",
+                            help="the shared tier's fleet secret, in a file (default: $SPEC_CACHE_SHARED_SECRET)")
+    parser.add_argument("--operator-key", action="append", default=[], metavar="KEY",
+                        help="a key for /metrics (every tenant's series and the server-wide ones) and /health's "
+                             "details; also $SPEC_CACHE_OPERATOR_KEY")
+    parser.add_argument("--operator-key-file", metavar="FILE", help="operator keys, one per line")
+    parser.add_argument("--cached-tokens-granularity", type=_granularity, default="chunk", metavar="N|chunk",
+                        help="report usage.prompt_tokens_details.cached_tokens rounded down to a multiple of N "
+                             "tokens, so a client cannot learn token by token whether a stored prompt starts with "
+                             "what it sends (default 'chunk': the store's chunk size, 256 unless the store was "
+                             "made otherwise; 1: exact)")
+    parser.add_argument("--max-connections", type=positive_int, metavar="N",
+                        help="open connections at most; beyond it the client that waited longest on itself is "
+                             "dropped, else the newcomer gets 503 (default: sized from the descriptor limit)")
+    parser.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
+                        help="drop a connection whose request line and headers are not complete S seconds after "
+                             "it opened (or after its previous response; default 10)")
+    parser.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
+                        help="drop a connection whose request body is not complete S seconds after its headers "
+                             "(default 30)")
     parser.add_argument("--checkpoint-every", type=non_negative_int, default=4096, metavar="N",
                         help="checkpoint every N tokens of a long prefill and of a long generation, besides the "
                              "prompt boundary and the finish (default 4096; 0: only those two)")
@@ -116,6 +162,9 @@ def _context_tokens(model_dir: Path) -> int:
 
 def build_state(args):
     """Open the cache, load the model, tokenizer and scheduler from parsed ``args``; returns a ``ServerState``."""
+    from .limits import import_mlx_lm
+
+    import_mlx_lm()  # first: its setrlimit at import must neither fail (a 1024:1024 container) nor lower the limit
     from mlx_lm.utils import load_tokenizer
 
     from spec_cache.cache import SpecCache
@@ -124,16 +173,23 @@ def build_state(args):
 
     from .app import ServerConfig, ServerState
     from .auth import Auth, read_keys_file
+    from .limits import default_store_budget
     from .metrics import Metrics
     from .scheduler import Scheduler
 
     model_dir = Path(args.model)
     check_args(args)
+    log = logging.getLogger("spec_cache.server")
     keys = list(args.api_key)
     if os.environ.get("SPEC_CACHE_API_KEY"):
         keys.append(os.environ["SPEC_CACHE_API_KEY"])
     if args.api_keys_file:
         keys += read_keys_file(args.api_keys_file)
+    operator_keys = list(args.operator_key)
+    if os.environ.get("SPEC_CACHE_OPERATOR_KEY"):
+        operator_keys.append(os.environ["SPEC_CACHE_OPERATOR_KEY"])
+    if args.operator_key_file:
+        operator_keys += read_keys_file(args.operator_key_file)
     try:
         kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                        quantized_kv_start=args.quantized_kv_start)
@@ -146,7 +202,16 @@ def build_state(args):
         path = getattr(args, "cache", None) or default_cache_dir()
         shared = getattr(args, "shared", None) or os.environ.get("SPEC_CACHE_SHARED") or None
         options = {} if args.memory_bytes is None else {"memory_bytes": args.memory_bytes}
-        cache = SpecCache.open(path, shared=shared, **options)
+        secret_file = getattr(args, "shared_secret_file", None)
+        if shared and secret_file:
+            options["shared_options"] = {"secret_file": secret_file}
+        max_bytes = args.max_bytes
+        if max_bytes is None:
+            max_bytes, how = default_store_budget(path)
+            log.info("spec-cache serve: store budget %s (--max-bytes default: %s)", _human(max_bytes), how)
+        else:
+            log.info("spec-cache serve: store budget %s (--max-bytes)", _human(max_bytes))
+        cache = SpecCache.open(path, max_bytes=max_bytes, shared=shared, **options)
     try:
         generator = Generator.load(model_dir, args.drafter, method=args.method, cache=cache, kv=kv,
                                    adapters=args.adapter or "", draft_depth=args.draft_depth,
@@ -164,11 +229,32 @@ def build_state(args):
     scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics,
                           checkpoint_every=args.checkpoint_every or None,
                           eos_token_ids=getattr(tokenizer, "eos_token_ids", None) or ())
+    granularity = args.cached_tokens_granularity
+    if granularity == "chunk":
+        granularity = cache.store.chunk_tokens if cache is not None else 1
     config = ServerConfig(model_id=args.model_id or model_dir.resolve().name, context_tokens=_context_tokens(model_dir),
                           max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
-                          default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes)
+                          default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes,
+                          cached_tokens_granularity=granularity)
+    log.info("spec-cache serve: bodies up to %s; cached_tokens reported in multiples of %d; %s", _human(
+        config.max_body_bytes), granularity, _access(keys, operator_keys))
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
-                       auth=Auth(keys), metrics=metrics, cache=cache)
+                       auth=Auth(keys, operator_keys), metrics=metrics, cache=cache)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+def _access(keys: list, operator_keys: list) -> str:
+    if not keys and not operator_keys:
+        return "no keys: open to anyone who reaches the port (/metrics and /health details included)"
+    api = f"{len(keys)} API key(s)" if keys else "no API key (/v1 open)"
+    ops = f"{len(operator_keys)} operator key(s)" if operator_keys else "no operator key (server-wide metrics hidden)"
+    return f"{api}, {ops}"
 
 
 def check_args(args) -> None:
@@ -187,11 +273,22 @@ def main(args) -> int:
     model loads. Returns 0 after a clean shutdown, 1 when loading failed or the address could not be bound."""
     import uvicorn
 
+    from . import logs
     from .app import LoadingApp
+    from .guard import ConnectionGuard, guarded_protocol
+    from .limits import connection_budget, raise_nofile_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.install()
     log = logging.getLogger("spec_cache.server")
     check_args(args)
+    soft, _ = raise_nofile_limit()  # mlx-lm's own attempt (at import, in build_state) is made harmless there
+    try:
+        max_connections, backlog = connection_budget(soft, args.max_connections)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    guard = ConnectionGuard(max_connections, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                            max_lingering=backlog)
     server: uvicorn.Server | None = None
 
     def failed(exc: BaseException) -> None:
@@ -200,10 +297,12 @@ def main(args) -> int:
 
     app = LoadingApp(lambda: build_state(args), on_failure=failed)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=35, lifespan="on")
+                            timeout_graceful_shutdown=35, lifespan="on", http=guarded_protocol(guard),
+                            backlog=backlog, log_config=None)
     server = uvicorn.Server(config)
-    log.info("spec-cache serve: loading %s; listening on http://%s:%d (max rows %d, queue %d)", args.model,
-             args.host, args.port, args.max_rows, args.max_queue)
+    log.info("spec-cache serve: loading %s; listening on http://%s:%d (max rows %d, queue %d; connections %d, "
+             "descriptor limit %d; header/body timeouts %gs/%gs)", args.model, args.host, args.port, args.max_rows,
+             args.max_queue, max_connections, soft, args.header_timeout, args.body_timeout)
     server.run()
     if app.error is not None:
         error = app.error

@@ -5,6 +5,13 @@ Counters: requests (by endpoint and status), prompt tokens, cached prompt tokens
 memory-tier bytes and entries, checkpoints not yet durable in LMDB, write-behind bytes pending. Histograms: time
 to first token (from the request's arrival to its first generated token) and per-token latency (the time
 between token deliveries divided by the tokens delivered).
+
+Per tenant (label ``tenant``: 8 hex digits of the key's digest, or ``open``): ``spec_cache_tenant_requests``
+(by status), ``spec_cache_tenant_prompt_tokens``, ``spec_cache_tenant_cached_prompt_tokens`` (at the granularity
+clients see, so the series cannot be used to probe stored prompts token by token) and
+``spec_cache_tenant_generated_tokens``. ``render(viewer)``: an operator gets everything; a tenant gets only the
+series labelled with its own tenant (not the server-wide ones: totals of cached tokens would tell one tenant about
+another's traffic).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 __all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
 
@@ -39,6 +47,16 @@ class Metrics:
         ratio = Gauge("spec_cache_prompt_cache_hit_ratio", "cached prompt tokens / prompt tokens since start",
                       registry=registry)
         ratio.set_function(self._hit_ratio)
+        self.tenant_registry = tenants = CollectorRegistry(auto_describe=True)
+        self.tenant_requests = Counter("spec_cache_tenant_requests", "requests answered, by tenant and status",
+                                       ["tenant", "status"], registry=tenants)
+        self.tenant_prompt_tokens = Counter("spec_cache_tenant_prompt_tokens", "prompt tokens of admitted requests",
+                                            ["tenant"], registry=tenants)
+        self.tenant_cached_tokens = Counter("spec_cache_tenant_cached_prompt_tokens", "cached prompt tokens as "
+                                            "reported to the tenant (rounded down to the reporting granularity)",
+                                            ["tenant"], registry=tenants)
+        self.tenant_generated_tokens = Counter("spec_cache_tenant_generated_tokens", "tokens generated",
+                                               ["tenant"], registry=tenants)
 
     def _hit_ratio(self) -> float:
         total = self.prompt_tokens._value.get()
@@ -50,5 +68,29 @@ class Metrics:
         gauge.set_function(read)
         self._gauges.append(gauge)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def account(self, tenant: str, prompt_tokens: int, cached_tokens: int, generated_tokens: int) -> None:
+        """A finished request's tokens, under its tenant's label."""
+        self.tenant_prompt_tokens.labels(tenant=tenant).inc(prompt_tokens)
+        self.tenant_cached_tokens.labels(tenant=tenant).inc(cached_tokens)
+        self.tenant_generated_tokens.labels(tenant=tenant).inc(generated_tokens)
+
+    def render(self, viewer=None) -> bytes:
+        """The scrape body for ``viewer`` (an ``auth.Viewer``; None: an operator)."""
+        if viewer is None or viewer.operator:
+            return generate_latest(self.registry) + generate_latest(self.tenant_registry)
+        if viewer.tenant is None:
+            return b""
+        return generate_latest(_OnlyTenant(self.tenant_registry, viewer.tenant))
+
+
+class _OnlyTenant:
+    """A collector showing only the samples of one tenant label (what ``generate_latest`` needs: ``collect``)."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self.registry, self.tenant = registry, tenant
+
+    def collect(self):
+        for family in self.registry.collect():
+            only = Metric(family.name, family.documentation, family.type, family.unit)
+            only.samples = [sample for sample in family.samples if sample.labels.get("tenant") == self.tenant]
+            yield only
