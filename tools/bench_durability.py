@@ -9,8 +9,10 @@ a new prefix, into a store with the default ``durable=True`` (LMDB fsyncs each c
   next save waits for the previous commit (an idle writer: the best case, what one request at a time sees).
 * lag (burst): ``--burst`` saves back to back, then the same ``t1 - t0`` for each: queueing behind earlier writes.
 * sync: how long ``save`` itself takes under ``durability="sync"`` (the cost moved onto the request).
+* exit (``--exit N``): a child process queues N ``large`` checkpoints and ends without ``close()``; how long the
+  exit drain took (from the script's last line to the process's end) and how many checkpoints LMDB then holds.
 
-Usage: python tools/bench_durability.py [--reps 30] [--burst 8] [--json]
+Usage: python tools/bench_durability.py [--reps 30] [--burst 8] [--exit 20] [--json]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,21 +114,62 @@ def run(size: str, reps: int, burst: int, root: str) -> dict:
     return result
 
 
+EXIT_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from tools.bench_durability import SIZES, state
+from spec_cache.cache import SpecCache
+cache = SpecCache.open(sys.argv[1])
+ns = cache.namespace("ab" * 32, "{}")
+tokens, layers = SIZES["large"]
+states = [state(tokens, layers, s) for s in range(4)]
+for i in range(int(sys.argv[2])):
+    cache.save(ns, [i + 3] + [1] * (tokens - 1), states[i % 4], background=True)
+print(cache.memory_stats()["writes"]["pending_bytes"], time.perf_counter(), flush=True)
+"""
+
+
+def run_exit(n: int, root: str) -> dict:
+    """A child queues ``n`` large checkpoints and ends without ``close()``: the exit drain's duration and result."""
+    path = os.path.join(root, "exit")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.Popen([sys.executable, "-c", EXIT_CHILD, path, str(n), repo], stdout=subprocess.PIPE,
+                             text=True)
+    queued, _ = child.stdout.readline().split()
+    t0 = time.perf_counter()  # perf_counter is system-wide on Linux (CLOCK_MONOTONIC): the child's line ~ now
+    child.wait(600)
+    took = time.perf_counter() - t0
+    tokens, _ = SIZES["large"]
+    with SpecCache.open(path, memory_bytes=0) as cache:
+        ns = cache.namespace("ab" * 32, "{}")
+        held = sum(cache.store.lookup(ns, [i + 3] + [1] * (tokens - 1)) is not None for i in range(n))
+    return {"queued_bytes_at_end": int(queued), "checkpoints": n, "in_lmdb_after_exit": held,
+            "exit_s": round(took, 2), "returncode": child.returncode}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--burst", type=int, default=8)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--exit", type=int, default=0, metavar="N",
+                        help="also time the exit drain of N queued 50 MiB checkpoints (20: a full default queue)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench-durability-")
     try:
         out = {size: run(size, args.reps, args.burst, root) for size in args.sizes}
+        if args.exit:
+            out["exit"] = run_exit(args.exit, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(out, indent=1))
         return
+    exit_run = out.pop("exit", None)
+    if exit_run is not None:
+        print(f"exit drain: {exit_run['checkpoints']} queued ({exit_run['queued_bytes_at_end'] / 2**20:.0f} MiB) "
+              f"-> {exit_run['in_lmdb_after_exit']} in LMDB after exit, which took {exit_run['exit_s']} s")
     for size, r in out.items():
         print(f"{size} ({r['bytes'] / 2**20:.2f} MiB): durable after return, idle writer p50 "
               f"{r['lag_idle']['p50_ms']} ms p99 {r['lag_idle']['p99_ms']} ms; burst of {r['burst']} p50 "
