@@ -55,6 +55,16 @@ def run_child(script: str, *args) -> subprocess.CompletedProcess:
                           timeout=HANG_GUARD_S)
 
 
+def assert_clean(store_dir, records: int | None = None) -> None:
+    """``verify`` finds nothing damaged (and ``records`` records, when given)."""
+    from spec_cache.store import Store, maintenance
+
+    with Store.open(store_dir) as store:
+        report = maintenance.verify(store)
+    assert not report.damaged, report.as_dict()
+    assert records is None or report.records == records, report.as_dict()
+
+
 def restored_tokens(store_dir, target_dir) -> list[int]:
     """Prompt tokens each of ``PROMPTS`` restores from LMDB, in this (second) process."""
     with SpecCache.open(store_dir, memory_bytes=0) as cache:
@@ -67,6 +77,7 @@ def test_a_script_that_never_closes_its_cache_keeps_every_checkpoint(target_dir,
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "answered"
     assert "Traceback" not in done.stderr, done.stderr
+    assert_clean(tmp_path / "store")
     assert restored_tokens(tmp_path / "store", target_dir) == [len(p) - 1 for p in PROMPTS]
 
 
@@ -116,6 +127,7 @@ def test_the_exit_wait_is_bounded_and_says_what_was_left(tmp_path):
     assert "0 written" in done.stderr, done.stderr
     assert "1 still being written" in done.stderr, done.stderr
     assert "3 queued checkpoints (6144 bytes) not written" in done.stderr, done.stderr
+    assert_clean(tmp_path / "store", records=0)  # the store left open at exit opens and verifies clean
 
 
 # The child: a host of a shared tier whose checkpoints are still queued (for LMDB, then for publishing) at exit.
