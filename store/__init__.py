@@ -30,6 +30,8 @@ from .errors import (
     StoreFormatError,
     StoreFullError,
     StoreOpenError,
+    StoreUnavailable,
+    StoreUnsafe,
 )
 from .store import PutResult, Restored, Store, StoreMemo
 from .tensors import LayerState, Tensor
@@ -38,6 +40,7 @@ from .values import Entry, NamespaceInfo, Node, Totals
 __all__ = [
     "Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "LayerState", "Tensor", "Record",
     "encode_record", "decode_record", "StoreError", "StoreFormatError", "StoreOpenError", "StoreDamaged",
-    "StoreFullError", "CorruptRecord", "CorruptIndex", "InvalidInput", "NamespaceNotRegistered", "STORE_FORMAT",
+    "StoreUnavailable", "StoreUnsafe", "StoreFullError", "CorruptRecord", "CorruptIndex", "InvalidInput",
+    "NamespaceNotRegistered", "STORE_FORMAT",
     "STORE_MAJOR", "STORE_MINOR", "RECORD_FORMAT_MAJOR", "Node", "Entry", "NamespaceInfo", "Totals",
 ]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import time
 
-from .errors import StoreDamaged, StoreOpenError
+from .errors import StoreDamaged, StoreOpenError, StoreUnsafe
 
 RESERVE_NAME = "reserve"
 COMPACT_WORK_NAME = "compact.tmp"  # ``spec-cache compact``'s work directory (left behind only by a crash)
@@ -37,6 +38,7 @@ def prepare_dir(path: str) -> bool:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise StoreOpenError(f"cannot create store directory {path}: {exc.strerror}") from None
+        check_safe(path)  # ours, unless another process created it in the meantime
         return False
     try:
         names = set(os.listdir(path))
@@ -48,6 +50,7 @@ def prepare_dir(path: str) -> bool:
         shown = ", ".join(sorted(names - STORE_FILES)[:3])
         raise StoreOpenError(f"{path} is not a spec-cache store and not empty ({shown}...): refusing to create a "
                              "store there; choose a new or empty directory")
+    check_safe(path)
     check_data_file(path)
     return "data.mdb" in names
 
@@ -65,6 +68,53 @@ def check_data_file(path: str) -> None:
                              "run 'spec-cache repair' on a copy that still has its data")
     if not os.access(data, os.R_OK):
         raise StoreOpenError(f"permission denied: cannot read {data}")
+
+
+def check_safe(path: str) -> None:
+    """Refuse (``StoreUnsafe``) a read-write open of a directory another user owns or group/other may write:
+    they could swap ``data.mdb`` or ``lock.mdb`` under us, and a store we wrote into would be left with files
+    its owner cannot use. Read-only opens never come here (inspection of another user's store stays allowed)."""
+    st = os.stat(path)
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise StoreUnsafe(
+            f"refusing to open store {path} read-write: it belongs to {_user(st.st_uid)}, not to this user "
+            f"({_user(me)}); run as its owner, open it read-only to inspect it (spec-cache ls/show/verify), or "
+            f"take it over with 'chown -R {me} {path}'")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if mode & bit)
+        raise StoreUnsafe(
+            f"refusing to open store {path} read-write: its directory is writable by {who} (mode {mode:04o}), "
+            f"so another user could replace its files; fix with 'chmod 700 {path}' (read-only inspection works "
+            "as it is)")
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def move_aside(path: str) -> str:
+    """Rename a damaged store directory to ``<path>.damaged-<UTC time>`` (``-N`` added if taken); its path."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for n in range(100):
+        aside = f"{path}.damaged-{stamp}" + (f"-{n}" if n else "")
+        if os.path.lexists(aside):
+            continue
+        try:
+            os.rename(path, aside)
+        except OSError as exc:
+            if os.path.lexists(aside):
+                continue
+            raise StoreOpenError(f"store at {path} is damaged and cannot be moved aside to {aside}: "
+                                 f"{exc.strerror}") from None
+        return aside
+    raise StoreOpenError(f"store at {path} is damaged and no free name {path}.damaged-{stamp}-N is left")
 
 
 def secure(path: str) -> None:

@@ -42,6 +42,7 @@ benchmarks.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from typing import Callable, TypeVar
@@ -55,7 +56,8 @@ except ImportError:  # pragma: no cover - Windows
     resource = None
 
 from .allocator import tune_allocator
-from .directory import RESERVE_NAME, check_data_file, first_unenterable, prepare_dir, secure
+from .datafile import DataFile, reaches_every_page
+from .directory import RESERVE_NAME, check_data_file, first_unenterable, move_aside, prepare_dir, secure
 from .errors import StoreDamaged, StoreError, StoreFormatError, StoreFullError, StoreOpenError
 
 STORE_FORMAT = "spec-cache-store"
@@ -70,7 +72,33 @@ DISK_FULL_BYTES = 64 << 20  # an EIO/ENOSPC commit with less free than this (or 
 GROW_AHEAD_FRACTION = 0.75  # grow the map before a write once this much of it is in use
 BUDGET_KEY = b"budget"  # meta: the byte budget the store was last opened with (informational; see ``budget``)
 SUBDBS = ("meta", "nsinfo", "nodes", "chunks", "entries", "edata", "drafts", "lru", "memo")
+ON_DAMAGE = ("refuse", "move-aside")
 T = TypeVar("T")
+log = logging.getLogger("spec_cache.store")
+
+
+def open_environment(path, *, on_damage: str = "refuse", readonly: bool = False, **options) -> "Environment":
+    """``Environment(path, ...)``; a store too damaged to open (``StoreDamaged``: ``data.mdb`` truncated or empty)
+    is refused (``on_damage="refuse"``) or, for a read-write open with ``on_damage="move-aside"``, renamed to
+    ``<path>.damaged-<UTC time>`` (logged with both paths, nothing deleted: ``spec-cache repair`` can still salvage
+    it) and a fresh empty store opened in its place. A read-only open always refuses (it writes nothing)."""
+    if on_damage not in ON_DAMAGE:
+        raise StoreError(f"on_damage must be one of {', '.join(ON_DAMAGE)}, got {on_damage!r}")
+    path = os.path.abspath(os.fspath(path))
+    for attempt in range(3):
+        seen = _ident(path)
+        try:
+            return Environment(path, readonly=readonly, **options)
+        except StoreDamaged as exc:
+            if readonly or on_damage == "refuse" or attempt == 2:
+                raise
+            if _ident(path) == seen:  # else another process set it aside already: open what is there now
+                aside = move_aside(path)
+                log.warning("spec-cache: store at %s was damaged (%s); moved it aside to %s and opened a fresh "
+                            "empty store (on_damage='move-aside')", path, " ".join(str(exc).split()), aside)
+    raise AssertionError("unreachable")
+
+
 
 
 def _write_failed(exc: lmdb.Error) -> bool:
@@ -112,6 +140,15 @@ def _file_size(path: str) -> int:
         return 0
 
 
+def _ident(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ``path``, None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _reason(exc: lmdb.Error) -> str:
     """LMDB's error without the path it repeats (the message names the store once)."""
     text = str(exc)
@@ -128,6 +165,8 @@ class Environment:
         self.readonly = readonly
         self._reader_checked = time.monotonic()
         self.last_write: dict = {}
+        self.data: DataFile | None = None  # the data.mdb LMDB maps, checked before every transaction
+        self._whole: tuple[int, int] | None = None  # (size, needed) a page walk found whole (``_check_file_size``)
         if not readonly:
             tune_allocator()
         if readonly:
@@ -142,6 +181,7 @@ class Environment:
             # read-only on a store whose lock file we may not write (another user's): lock-free reads (see
             # ``_check_readable``); everything else takes LMDB's lock table
             size = map_size or DEFAULT_MAP_SIZE
+            expected = _ident(os.path.join(self.path, "data.mdb"))
             for attempt in range(8):
                 try:
                     self.env = lmdb.open(self.path, map_size=size, max_dbs=len(SUBDBS) + 2, subdir=True,
@@ -159,6 +199,7 @@ class Environment:
         finally:
             os.umask(old_umask)
         try:
+            self.data = DataFile(self.path, expected)
             self._check_file_size()
             if lock:
                 self.env.reader_check()  # clear reader slots left by killed processes
@@ -176,10 +217,10 @@ class Environment:
                 self._keep_reserve()
             self.meta = existing if existing is not None else self._create_format(chunk_tokens)
         except lmdb.Error as exc:
-            self.env.close()
+            self.close()
             raise StoreOpenError(f"cannot open store at {self.path}: {_reason(exc)}") from None
         except BaseException:
-            self.env.close()
+            self.close()
             raise
 
     def _peek(self) -> None:
@@ -226,16 +267,27 @@ class Environment:
 
     def _check_file_size(self) -> None:
         """Refuse a ``data.mdb`` shorter than its committed pages (truncated by a full disk, a bad copy, a
-        filesystem error): LMDB maps the file and would die with SIGBUS on the first page past its end."""
+        filesystem error): LMDB maps the file and would die with SIGBUS on the first page past its end.
+
+        A file shorter than ``last_pgno`` says may still be whole (pages freed in the transaction that allocated
+        them are counted but never written): then a child process touches every referenced page
+        (``datafile.reaches_every_page``) and only a child killed by SIGBUS, or a walk that could not finish,
+        makes it damaged. Rare (a few commits in a thousand end so), cost one walk of the store's pages."""
         needed = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
         try:
-            size = os.path.getsize(os.path.join(self.path, "data.mdb"))
+            size = self.data.size() if self.data is not None else os.path.getsize(os.path.join(self.path, "data.mdb"))
         except OSError as exc:
             raise StoreOpenError(f"cannot open store at {self.path}: {exc.strerror}") from None
-        if size < needed:
-            raise StoreDamaged(
-                f"store at {self.path} is damaged: data.mdb holds {size} bytes but its committed pages need "
-                f"{needed} (the file was truncated); run 'spec-cache repair' to copy out what is left")
+        if size >= needed or self._whole == (size, needed):
+            return
+        reached = reaches_every_page(self.path, max(self.env.info()["map_size"], 2 * needed))
+        if reached:
+            self._whole = (size, needed)
+            return
+        how = "a page past its end is referenced" if reached is False else "a walk of its pages could not finish"
+        raise StoreDamaged(
+            f"store at {self.path} is damaged: data.mdb holds {size} bytes but its committed pages need "
+            f"{needed} and {how} (the file was truncated); run 'spec-cache repair' to copy out what is left")
 
     def _existing_format(self) -> dict | None:
         """The format record of an existing store (checked), or None for an empty environment.
@@ -316,8 +368,11 @@ class Environment:
         """A read-only transaction (use as a context manager); adopts a map grown by another process.
 
         An LMDB error inside it (a damaged page: ``MDB_CORRUPTED``, ``MDB_PAGE_NOTFOUND``...) leaves the
-        ``with`` block as a ``StoreError``, never as a bare ``lmdb.Error``.
+        ``with`` block as a ``StoreError``, never as a bare ``lmdb.Error``. Before it begins, ``data.mdb`` is
+        checked (``datafile.py``): shrunk, removed or replaced, it raises ``StoreUnavailable`` instead of LMDB
+        reading past the file's end (SIGBUS).
         """
+        self.check_data()
         try:
             txn = self.env.begin(buffers=True)
         except lmdb.MapResizedError:
@@ -343,6 +398,7 @@ class Environment:
         """
         if self.readonly:
             raise StoreError("store was opened read-only")
+        self.check_data()
         if time.monotonic() - self._reader_checked > READER_CHECK_S:
             self._clear_stale_readers()
             self._keep_reserve()
@@ -488,5 +544,13 @@ class Environment:
             return False
         return True
 
+    def check_data(self) -> None:
+        """``StoreUnavailable`` if ``data.mdb`` was shrunk, removed or replaced under this handle (``datafile.py``);
+        cost: an ``fstat`` and a ``stat``."""
+        if self.data is not None:
+            self.data.check()
+
     def close(self) -> None:
         self.env.close()
+        if self.data is not None:
+            self.data.close()

@@ -22,6 +22,17 @@ class StoreDamaged(StoreOpenError):
     it as damage (exit 1), ``repair --to`` salvages what is left."""
 
 
+class StoreUnsafe(StoreOpenError):
+    """A read-write open refused because someone else could change the store under us: the directory belongs to
+    another user, or group/other may write it. Read-only inspection stays allowed; the message names the fix."""
+
+
+class StoreUnavailable(StoreError):
+    """The open store's ``data.mdb`` was shrunk, removed or replaced underneath this process (found before LMDB
+    read a page past its end: that would be SIGBUS). Sticky: every later read and write of this handle raises it
+    at once (a miss to the runtime); reopening picks up whatever store is at the path then."""
+
+
 class StoreFullError(StoreError):
     """A write does not fit: the record alone is over the byte budget, or the map cannot grow (disk full)."""
 

@@ -30,8 +30,8 @@ from spec_cache.schemas import CheckpointAttachment
 from . import keys as K
 from .candidates import Hit, Usable
 from .codec import CorruptRecord
-from .env import Environment
-from .errors import CorruptIndex, InvalidInput, StoreError, StoreFullError
+from .env import Environment, open_environment
+from .errors import CorruptIndex, InvalidInput, StoreError, StoreFullError, StoreUnavailable
 from .index import Index, draft_key, now_ns
 from .lookup import lookup
 from .read import ASYNC_VERIFY_BYTES, BackgroundVerifier, Concat, read_attachment, read_layers
@@ -90,19 +90,25 @@ class Store:
     @classmethod
     def open(cls, path, *, max_bytes: int | None = None, readonly: bool = False, durable: bool = True,
              chunk_tokens: int | None = None, map_size: int | None = None, tenant_quota_bytes: int | None = None,
-             tenant_share: float | None = None) -> "Store":
+             tenant_share: float | None = None, on_damage: str = "refuse") -> "Store":
         """Open (creating if needed) the store in directory ``path``.
 
         ``max_bytes`` caps stored bytes (LRU eviction on put) and is recorded in the store's ``meta`` (``budget``)
         so ``spec-cache stats`` shows it; ``durable=False`` skips fsync per commit. ``tenant_quota_bytes`` /
         ``tenant_share`` (a fraction of ``max_bytes``) cap each tenant's bytes (``tenants.py``: over its quota a
         tenant evicts its own entries; over ``max_bytes`` the tenant most over its fair share goes first).
-        Raises ``StoreOpenError``/``StoreFormatError`` with a message naming the directory.
+        Raises ``StoreOpenError``/``StoreFormatError`` with a message naming the directory; ``StoreUnsafe`` for a
+        read-write open of a directory another user owns or group/other may write (read-only opens are allowed).
+        ``on_damage``: a store too damaged to open (``data.mdb`` truncated or empty) is refused (``"refuse"``, the
+        default: ``StoreDamaged``, ``spec-cache repair`` salvages it) or moved aside to ``<path>.damaged-<time>``
+        with a fresh empty store opened in its place (``"move-aside"``: a server starts cold instead of not at
+        all). A store damaged while open raises ``StoreUnavailable`` (a miss to the runtime), never SIGBUS.
         """
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
             raise InvalidInput("max_bytes must be a positive int or None")
         policy = TenantPolicy.of(tenant_quota_bytes, tenant_share, max_bytes)
-        env = Environment(path, readonly=readonly, durable=durable, map_size=map_size, chunk_tokens=chunk_tokens)
+        env = open_environment(path, on_damage=on_damage, readonly=readonly, durable=durable, map_size=map_size,
+                               chunk_tokens=chunk_tokens)
         if max_bytes is not None and not readonly:
             try:
                 env.record_budget(max_bytes)  # stored with the store, so ``stats`` can show it later
@@ -335,6 +341,8 @@ class Store:
         dropped with a log line instead."""
         try:
             self.flush()
+        except StoreUnavailable:  # logged once where it was found; not again on every flush
+            self.discard_pending()
         except StoreError as exc:
             log.warning("access times and hit/miss counters not written: %s", exc)
 
