@@ -188,3 +188,34 @@ def test_the_exit_registry_holds_caches_weakly_and_close_leaves_it(tmp_path):
     del sync
     gc.collect()
     assert ref() is None
+
+
+# The child: the main script ends at once; a (non-daemon) worker thread saves its checkpoints after that.
+LATE_WORKER = """
+import sys, threading, time
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from spec_cache.cache import SpecCache
+cache = SpecCache.open(sys.argv[1])
+ns = cache.namespace("ab" * 32, "{}")
+def worker():
+    time.sleep(0.5)  # the main thread has finished its script by now
+    for i in range(3):
+        c = KVCache(); c.keys = mx.ones((1, 2, 16, 8)) * i; c.values = c.keys + 1; c.offset = 16
+        mx.eval(c.keys, c.values)
+        cache.save(ns, [3 + i] * 16, [c], background=True)
+threading.Thread(target=worker).start()
+print("main done", flush=True)
+"""
+
+
+def test_the_exit_drain_runs_after_worker_threads_finished(tmp_path):
+    """The hook is an ``atexit`` one: it runs after CPython joined the non-daemon threads, so a worker's saves
+    made after the main script ended are written too (a ``threading._register_atexit`` hook would have run first
+    and closed the cache under the worker)."""
+    done = run_child(LATE_WORKER, tmp_path / "store")
+    assert done.returncode == 0, done.stderr
+    assert "not stored" not in done.stderr and "gave up" not in done.stderr, done.stderr
+    with SpecCache.open(tmp_path / "store", memory_bytes=0) as cache:
+        ns = cache.namespace("ab" * 32, "{}")
+        assert [cache.store.lookup(ns, [3 + i] * 16) is not None for i in range(3)] == [True] * 3
