@@ -236,6 +236,10 @@ def test_another_secret_is_a_miss_and_names_hide_namespaces_and_tokens(server, h
     plain = [k for k in all_keys(server.url) if k.startswith(b"sc:1:")]
     assert any(ns.hex().encode() in k for k in plain)
     assert pack_tokens(p)[:C].tobytes() in b"".join(r.get(k) for k in plain if r.type(k) == b"string")
+    t2 = hosts("t2", server.url, trusted_network=True)  # trusted hosts share the unkeyed format as before
+    hit = t2.restore(t2.namespace(TARGET, PREFIX_NS, tenant="acme"), p + [1])
+    assert hit.length == 100 and hit.tier == "shared"
+    assert_holds(hit, p)
 
 
 def test_no_secret_is_refused_unless_the_network_is_trusted(server, tmp_path, monkeypatch, caplog):
