@@ -42,6 +42,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
+        self.store = store
         args = [sys.executable, "-m", "spec_cache.server", "--model", str(model), "--model-id", "tiny",
                 "--cache", str(store), "--port", str(self.port), "--memory-bytes", "64M", "--log-level", "info",
                 "--cached-tokens-granularity", "1"]  # exact counts: what these tests check (tests that need

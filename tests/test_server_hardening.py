@@ -83,6 +83,31 @@ def test_serve_starts_under_a_descriptor_limit_it_cannot_raise(guarded):
     assert completion(guarded).status_code == 200
     text = guarded.log.read_text()
     assert "cannot be raised" in text and "connections" in text
+    # a byte budget for the store, from the free disk space, recorded with the store (spec-cache stats shows it)
+    from spec_cache.store import Store
+
+    assert "store budget" in text
+    store = Store.open(guarded.store, readonly=True)
+    try:
+        assert store.env.budget() and store.env.budget() > 1 << 20
+    finally:
+        store.close()
+
+
+def test_serve_starts_cold_beside_a_damaged_store(model, tmp_path):
+    """A store whose data.mdb is empty (a truncated copy, a full disk at creation) is moved aside; serve starts
+    with a fresh store instead of not at all."""
+    _, target, _ = model
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    (store / "data.mdb").write_bytes(b"")
+    srv = Server(target, store, tmp_path, keys=(), operator=None)
+    try:
+        assert completion(srv).status_code == 200
+        assert "moved it aside" in srv.log.read_text()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("store.damaged-")]
+    finally:
+        srv.stop()
 
 
 # -- what a client without the right key learns ----------------------------------------------------------------

@@ -103,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=_size, metavar="SIZE",
                         help="byte budget of the store (LRU eviction beyond it), e.g. 8GiB (default: what the store "
                              "holds + half the disk's free space at start, printed at start)")
+    parser.add_argument("--on-damaged-store", choices=["move-aside", "refuse"], default="move-aside",
+                        help="a store too damaged to open (data.mdb truncated or empty): move it aside to "
+                             "<dir>.damaged-<time> (kept for 'spec-cache repair') and start cold with a fresh one "
+                             "(default), or refuse to start")
     if not _has(parser, "--shared-secret-file"):
         parser.add_argument("--shared-secret-file", metavar="FILE",
                             help="the shared tier's fleet secret, in a file (default: $SPEC_CACHE_SHARED_SECRET)")
@@ -211,6 +215,8 @@ def build_state(args):
             log.info("spec-cache serve: store budget %s (--max-bytes default: %s)", _human(max_bytes), how)
         else:
             log.info("spec-cache serve: store budget %s (--max-bytes)", _human(max_bytes))
+        if _store_takes("on_damage"):  # the store's damage policy (absent from older stores' APIs)
+            options["on_damage"] = args.on_damaged_store
         cache = SpecCache.open(path, max_bytes=max_bytes, shared=shared, **options)
     try:
         generator = Generator.load(model_dir, args.drafter, method=args.method, cache=cache, kv=kv,
@@ -240,6 +246,14 @@ def build_state(args):
         config.max_body_bytes), granularity, _access(keys, operator_keys))
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
                        auth=Auth(keys, operator_keys), metrics=metrics, cache=cache)
+
+
+def _store_takes(option: str) -> bool:
+    import inspect
+
+    from spec_cache.store import Store
+
+    return option in inspect.signature(Store.open).parameters
 
 
 def _human(n: int) -> str:
