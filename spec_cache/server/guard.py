@@ -164,8 +164,13 @@ def guarded_protocol(guard: ConnectionGuard) -> type:
             guard.closing += 1
             if why == _HEADERS and self.conn.our_state is h11.IDLE:
                 self.transport.write(_TIMEOUT_408)
-            log.warning("connection dropped: %s", "evicted at the connection cap (it was waiting on its client)"
-                        if why == "evicted" else f"no complete request {why} within the deadline")
+            if why == "evicted":
+                log.warning("connection dropped: evicted at the connection cap (it was the one waiting longest on "
+                            "its client)")
+            elif why == _HEADERS:
+                log.warning("connection dropped: no complete request headers within --header-timeout")
+            else:
+                log.warning("connection dropped: no complete request body within --body-timeout")
             self.transport.close()
 
         def data_received(self, data: bytes) -> None:

@@ -25,7 +25,7 @@ class RateLimitFilter(logging.Filter):
         super().__init__()
         self.interval_s = interval_s
         self._lock = threading.Lock()
-        self._causes: dict[tuple, list] = {}  # cause -> [interval start, suppressed count]
+        self._causes: dict[tuple, list] = {}  # cause -> [interval start, suppressed count, first line logged]
         self.suppressed = 0
 
     def _cause(self, record: logging.LogRecord) -> tuple:
@@ -51,7 +51,14 @@ class RateLimitFilter(logging.Filter):
                 self.suppressed += 1
                 return False
             suppressed = seen[1] if seen is not None else 0
-            self._causes[cause] = [now, 0]
+            self._causes[cause] = [now, 0, None]
+        try:
+            text = record.getMessage().split("\n", 1)[0][:200]
+        except Exception:  # a record whose arguments do not fit its format: logging reports that itself
+            text = cause[1]
+        with self._lock:
+            if cause in self._causes:
+                self._causes[cause][2] = text
         if suppressed:  # the suffix has no '%': safe whether or not the record has arguments
             record.msg = f"{record.msg} [{suppressed} more like this suppressed in the last {self.interval_s:g}s]"
         return True
@@ -62,13 +69,13 @@ class RateLimitFilter(logging.Filter):
         is still counted), and forget it."""
         now = time.monotonic()
         with self._lock:
-            due = [(cause, seen[1]) for cause, seen in self._causes.items()
+            due = [(cause, seen[1], seen[2]) for cause, seen in self._causes.items()
                    if seen[1] and now - seen[0] >= self.interval_s]
-            for cause, _ in due:
+            for cause, _, _ in due:
                 del self._causes[cause]
-        for (name, first, exc), count in due:
+        for (name, first, exc), count, text in due:
             logging.getLogger(name if name != "*" else "spec_cache.server").warning(
-                "%d more like this suppressed in the last %gs: %s%s", count, self.interval_s, first,
+                "%d more like this suppressed in the last %gs: %s%s", count, self.interval_s, text or first,
                 f" ({exc})" if exc else "", extra={"rate_limit_summary": True})
 
 
