@@ -98,8 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, dest="default_temperature",
                         help="temperature when a request gives none (default 0: greedy, as mlx_lm.server)")
     parser.add_argument("--max-prompt-tokens", type=positive_int, help="refuse longer prompts (400)")
-    parser.add_argument("--max-body-bytes", type=_size, help="refuse larger request bodies (413, before anything "
-                        "is tokenized; default: 16 bytes per token of the model's context + 64KiB)")
+    parser.add_argument("--max-body-bytes", type=_size, metavar="SIZE", help="refuse larger request bodies (413, "
+                        "before anything is tokenized; default: 16 bytes per token of the model's context + 64KiB)")
     parser.add_argument("--max-bytes", type=_size, metavar="SIZE",
                         help="byte budget of the store (LRU eviction beyond it), e.g. 8GiB (default: what the store "
                              "holds + half the disk's free space at start, printed at start)")
