@@ -30,7 +30,7 @@ def nofile_limit() -> tuple[int, int]:
     return (big if soft == resource.RLIM_INFINITY else soft), (big if hard == resource.RLIM_INFINITY else hard)
 
 
-def _tolerant_setrlimit(real):
+def _tolerant_setrlimit(real, warn: bool = True):
     def setrlimit(which, limits):
         if which != resource.RLIMIT_NOFILE:
             return real(which, limits)
@@ -45,7 +45,7 @@ def _tolerant_setrlimit(real):
                 soft = target
             except (ValueError, OSError):
                 pass
-        if soft < want:
+        if soft < want and warn:
             log.warning("the descriptor limit is %d (hard %s) and cannot be raised to the %d mlx-lm asks for; "
                         "serving with %d (connections are capped to fit)", soft,
                         "unlimited" if hard == resource.RLIM_INFINITY else hard, want, soft)
@@ -65,7 +65,7 @@ def import_mlx_lm() -> tuple[int, int]:
     afterwards. A no-op (but for the return) when it was imported already."""
     if "mlx_lm.utils" not in sys.modules:
         real = resource.setrlimit
-        resource.setrlimit = _tolerant_setrlimit(real)
+        resource.setrlimit = _tolerant_setrlimit(real, warn=False)  # raise_nofile_limit warned already
         try:
             import mlx_lm.utils  # noqa: F401
         finally:
