@@ -198,17 +198,20 @@ class TargetModel:
         tap_layers: Sequence[int] = (),
         with_logits: bool = True,
         recurrent_inputs: dict | None = None,
+        unpadded: bool = False,
     ) -> ForwardOutput:
         """One forward over ``ids`` ``[B, L]``, appending to ``caches`` (one per cache layer).
 
         Same operations in the same order as the mlx-lm model's ``__call__``, so the logits are bit-identical.
         ``recurrent_inputs``: a dict that receives each recurrent layer's mixer input ``[B, L, H]`` (hybrid
-        targets; the rows replay it to roll the state back).
+        targets; the rows replay it to roll the state back). ``unpadded``: no row of ``caches`` has left padding
+        (a one-token step then needs no attention mask; ports that cannot use it ignore it).
         """
         if len(caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} caches (one per cache layer), got {len(caches)}")
         taps = tuple(layer % self.depth for layer in tap_layers)
-        hidden, tapped = self._port.run_layers(self.embed(ids), caches, taps, ids=ids, record=recurrent_inputs)
+        hidden, tapped = self._port.run_layers(self.embed(ids), caches, taps, ids=ids, record=recurrent_inputs,
+                                               unpadded=unpadded)
         tapped = {layer: tapped[layer % self.depth] for layer in tap_layers}
         return ForwardOutput(self.logits(hidden) if with_logits else None, hidden, tapped)
 
@@ -434,7 +437,8 @@ class TargetRows:
         if len(set(lengths)) != 1 or lengths[0] == 0:
             raise ValueError(f"verify windows must be non-empty and of equal length, got lengths {lengths}")
         caches = self._ensure_caches()
-        out = self.model.forward(mx.array([list(w) for w in window], dtype=mx.uint32), caches, tap_layers=tap_layers)
+        out = self.model.forward(mx.array([list(w) for w in window], dtype=mx.uint32), caches, tap_layers=tap_layers,
+                                 unpadded=self._unpadded())
         self._lengths = [n + lengths[0] for n in self._lengths]
         return out
 
@@ -443,7 +447,8 @@ class TargetRows:
         round before): no host read, so the engine can queue a round before reading the last one."""
         if ids.ndim != 2 or ids.shape[0] != self.row_count or ids.shape[1] == 0:
             raise ValueError(f"ids must be [{self.row_count}, L>0], got shape {tuple(ids.shape)}")
-        out = self.model.forward(ids.astype(mx.uint32), self._ensure_caches())
+        caches = self._ensure_caches()
+        out = self.model.forward(ids.astype(mx.uint32), caches, unpadded=self._unpadded())
         self._lengths = [n + ids.shape[1] for n in self._lengths]
         return out
 
@@ -563,6 +568,12 @@ class TargetRows:
         return DonorView(keys, values, valid[:, None, None, :], positions)
 
     # -- helpers ----------------------------------------------------------------------------------------
+    def _unpadded(self) -> bool:
+        """No row has left padding, read off host-side counts (no device read): a full-attention layer's row holds
+        ``_idx - left_padding`` keys, which is its length. Only ports of full-attention models use the answer."""
+        first = next((c for c in self._caches or () if isinstance(c, BatchKVCache)), None)
+        return first is not None and all(n == first._idx for n in self._lengths)
+
     def _ensure_caches(self) -> list:
         if self._caches is None:
             self._caches = self.model.make_caches(self.row_count)

@@ -205,3 +205,22 @@ def test_sliding_window_target_pipelined_equals_synchronous(tmp_path):
 def test_pipeline_option_is_checked(tiny):
     with pytest.raises(ValueError, match="pipeline"):
         SpeculativeEngine(tiny.target, None, pipeline="yes")
+
+
+def test_one_token_step_without_left_padding_needs_no_mask(tiny):
+    """Rows with no left padding take a one-token step unmasked (as mlx-lm's own decode step, and faster on the
+    GPU): the logits are bit-identical to the masked step; with left padding the mask stays."""
+    rows = TargetRows.from_row_caches(tiny.target, [None, None])
+    rows.prefill([PROMPTS[0], PROMPTS[0][::-1]])
+    assert rows._unpadded()
+    caches = rows._caches
+    ids = mx.array([[3], [4]], dtype=mx.uint32)
+    masked = tiny.target.forward(ids, caches).logits
+    mx.eval(masked)
+    for cache in caches:
+        cache.trim(1)
+    unmasked = tiny.target.forward(ids, caches, unpadded=True).logits
+    assert mx.array_equal(masked, unmasked).item()
+    uneven = TargetRows.from_row_caches(tiny.target, [None, None])
+    uneven.prefill([PROMPTS[0], PROMPTS[1]])
+    assert not uneven._unpadded()  # the shorter row is left-padded: it must not see the padding

@@ -27,6 +27,7 @@ On the CPU preload OpenBLAS where it exists (README's Linux speed note); on a GP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -84,6 +85,15 @@ def stream_run(model, tokenizer, prompt: list[int], max_tokens: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+def generate_step_run(model, prompt: list[int], max_tokens: int) -> float:
+    """Decode tokens/s of mlx-lm's bare ``generate_step`` (no detokenizer), for reference."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    stamps = [time.perf_counter() for _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
 def stage_costs(target, prompt: list[int], reps: int = 30) -> dict:
     """Per-round host build time and synchronous build + evaluate time, on rows of the engine (B=1)."""
     import mlx.core as mx
@@ -134,6 +144,7 @@ def bench_model(name: str, model_dir: Path, max_tokens: int, reps: int) -> dict:
         "engine": lambda: engine_run(piped, prompt, max_tokens),
         "engine_synchronous": lambda: engine_run(synchronous, prompt, max_tokens),
         "stream_generate": lambda: stream_run(model, tokenizer, prompt, max_tokens),
+        "generate_step": lambda: generate_step_run(model, prompt, max_tokens),
     }
     for run in runs.values():  # warm up: allocations, kernels
         run()
@@ -151,6 +162,7 @@ def bench_model(name: str, model_dir: Path, max_tokens: int, reps: int) -> dict:
     out[f"decode_vs_stream_generate_{name}"] = tok_s["engine"] / tok_s["stream_generate"]
     out[f"synchronous_vs_stream_generate_{name}"] = tok_s["engine_synchronous"] / tok_s["stream_generate"]
     out[f"pipelined_vs_synchronous_{name}"] = tok_s["engine"] / tok_s["engine_synchronous"]
+    out[f"decode_vs_generate_step_{name}"] = tok_s["engine"] / tok_s["generate_step"]
     return out
 
 
@@ -166,8 +178,9 @@ def synthetic_smollm2(work: Path) -> Path:
                                num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
                                tie_word_embeddings=True)
     model, config = load_model(source)
-    model, config = quantize_model(model, config, 32, 4, quant_predicate=lambda path, module: (
-        {"group_size": 32, "bits": 8} if path.endswith("embed_tokens") else True))
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints an [INFO] line: keep stdout JSON only
+        model, config = quantize_model(model, config, 32, 4, quant_predicate=lambda path, module: (
+            {"group_size": 32, "bits": 8} if path.endswith("embed_tokens") else True))
     out = work / "smollm2-shaped-4bit"
     save_model(out, model)
     save_config(config, out / "config.json")
@@ -227,7 +240,8 @@ def main(argv=None) -> int:
         for name, model_dir in models.items():
             tokens = args.max_tokens or (256 if gpu else 128 if name == "tiny" else 24)
             details[name] = bench_model(name, model_dir, tokens, args.reps)
-            for key in ("decode_vs_stream_generate", "synchronous_vs_stream_generate", "pipelined_vs_synchronous"):
+            for key in ("decode_vs_stream_generate", "synchronous_vs_stream_generate", "pipelined_vs_synchronous",
+                        "decode_vs_generate_step"):
                 figures[f"{key}_{name}"] = details[name][f"{key}_{name}"]
         figures["models"] = details
     if args.json:
