@@ -2,7 +2,10 @@
 
 One environment per directory (``data.mdb`` + ``lock.mdb`` + ``reserve``, files 0600, directory 0700). The
 meta record carries the store format; a store of a newer major format is refused, never rewritten, and so is a
-``data.mdb`` shorter than its committed pages (LMDB would die of SIGBUS on it). Write transactions go through
+``data.mdb`` shorter than its committed pages (LMDB would die of SIGBUS on it; ``open_environment`` with
+``on_damage="move-aside"`` renames such a store aside and starts a fresh one). Every read and write transaction
+first checks that ``data.mdb`` was not shrunk, removed or replaced under the open handle (``datafile.py``: an
+``fstat`` and a ``stat``, ~1 + ~4 µs; ``StoreUnavailable`` instead of SIGBUS). Write transactions go through
 ``write()``, which grows the map and retries when LMDB reports it full, adopts a map that another process
 grew, evicts (through its caller) when the disk is full, and clears reader slots of killed processes. Read
 transactions (``read()``) turn LMDB's own errors into ``StoreError``.
