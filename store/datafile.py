@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 
-from .errors import StoreOpenError, StoreUnavailable
+from .errors import StoreError, StoreOpenError, StoreUnavailable
 
 log = logging.getLogger("spec_cache.store")
 DATA_NAME = "data.mdb"
@@ -70,6 +70,8 @@ class DataFile:
         """Raise ``StoreUnavailable`` unless the mapped file is still the store's and has not shrunk."""
         if self.fault is not None:
             raise StoreUnavailable(self.fault)
+        if self.fd < 0:
+            raise StoreError(f"store at {self.store} is closed")
         size = os.fstat(self.fd).st_size
         if size < self.seen:
             self._fail(f"{DATA_NAME} shrank from {self.seen} to {size} bytes while open (truncated)")
