@@ -209,7 +209,8 @@ def test_pipeline_option_is_checked(tiny):
 
 def test_one_token_step_without_left_padding_needs_no_mask(tiny):
     """Rows with no left padding take a one-token step unmasked (as mlx-lm's own decode step, and faster on the
-    GPU): the logits are bit-identical to the masked step; with left padding the mask stays."""
+    GPU): on the CPU the logits are bit-identical to the masked step (on a GPU the masked step runs another
+    attention kernel, the unmasked one mlx-lm's); with left padding the mask stays."""
     rows = TargetRows.from_row_caches(tiny.target, [None, None])
     rows.prefill([PROMPTS[0], PROMPTS[0][::-1]])
     assert rows._unpadded()
@@ -220,7 +221,10 @@ def test_one_token_step_without_left_padding_needs_no_mask(tiny):
     for cache in caches:
         cache.trim(1)
     unmasked = tiny.target.forward(ids, caches, unpadded=True).logits
-    assert mx.array_equal(masked, unmasked).item()
+    if mx.default_device() == mx.cpu:
+        assert mx.array_equal(masked, unmasked).item()
+    else:
+        assert mx.allclose(masked, unmasked, atol=1e-2).item()
     uneven = TargetRows.from_row_caches(tiny.target, [None, None])
     uneven.prefill([PROMPTS[0], PROMPTS[1]])
     assert not uneven._unpadded()  # the shorter row is left-padded: it must not see the padding
