@@ -317,10 +317,11 @@ class DecodeSession:
     Pipelined plain rounds (``SpeculativeEngine(pipeline=True)``, no drafter, float KV, no recurrent layer): a
     round samples on the device and queues the next round's forward over those still unread tokens
     (``mx.async_eval``) before the host reads them, one host read per round, as ``generate_step`` does. The queued
-    round is kept only while the batch stays as it is: when a row finishes (EOS: ``max_tokens`` is seen coming
-    and nothing is queued), leaves, joins or is checkpointed, it is discarded (``TargetRows.discard_last``,
-    which restores the exact KV layout) and the next round runs as it would have unpipelined. So every forward
-    the rows keep is one the unpipelined session runs too, on the same batch: same tokens, same checkpoints.
+    round is kept only while the batch stays as it is: when a row finishes at EOS, leaves, joins or is
+    checkpointed, it is discarded (``TargetRows.discard_last``, which restores the exact KV layout) and the next
+    round runs as it would have unpipelined (a row's last round under ``max_tokens`` is seen coming: nothing is
+    queued behind it). So every forward the rows keep is one the unpipelined session runs too, on the same batch:
+    same tokens, same checkpoints.
     """
 
     def __init__(self, engine: "SpeculativeEngine", *, eos_token_ids: Sequence[int] = (),
