@@ -436,19 +436,18 @@ class TargetRows:
         lengths = self._check_rows(window)
         if len(set(lengths)) != 1 or lengths[0] == 0:
             raise ValueError(f"verify windows must be non-empty and of equal length, got lengths {lengths}")
-        caches = self._ensure_caches()
-        out = self.model.forward(mx.array([list(w) for w in window], dtype=mx.uint32), caches, tap_layers=tap_layers,
-                                 unpadded=self._unpadded())
-        self._lengths = [n + lengths[0] for n in self._lengths]
-        return out
+        return self.append_ids(mx.array([list(w) for w in window], dtype=mx.uint32), tap_layers=tap_layers)
 
-    def append_ids(self, ids: mx.array) -> ForwardOutput:
+    def append_ids(self, ids: mx.array, *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
         """``verify`` for a window already on the device (``ids [B, L]``, e.g. the lazily sampled tokens of the
         round before): no host read, so the engine can queue a round before reading the last one."""
+        if self._holds_recurrent_state:
+            raise NotImplementedError("recurrent rows verify through HybridTargetRows.verify (they record a replay)")
         if ids.ndim != 2 or ids.shape[0] != self.row_count or ids.shape[1] == 0:
             raise ValueError(f"ids must be [{self.row_count}, L>0], got shape {tuple(ids.shape)}")
         caches = self._ensure_caches()
-        out = self.model.forward(ids.astype(mx.uint32), caches, unpadded=self._unpadded())
+        ids = ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)
+        out = self.model.forward(ids, caches, tap_layers=tap_layers, unpadded=self._unpadded())
         self._lengths = [n + ids.shape[1] for n in self._lengths]
         return out
 
