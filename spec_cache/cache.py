@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
-from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, Store, StoreError
+from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
 from spec_cache.store.keys import pack_tokens, tenant_id
 from spec_cache.store.shared.queue import WriteBehind
 
@@ -303,6 +303,8 @@ class SpecCache:
         """Put one checkpoint into LMDB (the write-behind thread, or the caller's); mark its memory entry durable."""
         try:
             result = self._put(job)
+        except StoreUnavailable:  # the data file went away under us: the store logged it once; go on without it
+            result = None
         except (StoreError, SchemaError, TypeError, ValueError) as exc:
             message = f"spec-cache: checkpoint of {len(job.tokens)} tokens not stored: {exc}"
             if threading.current_thread() is threading.main_thread() or stacklevel > 2:
@@ -507,6 +509,8 @@ class SpecCache:
         try:
             self.store.put(ns_key, packed, got.layers, drafter=drafter, minimum_reusable=got.minimum_reusable)
             self.shared.health.add("promoted")
+        except StoreUnavailable:  # logged once by the store
+            self.shared.health.add("promote_failed")
         except (StoreError, SchemaError, TypeError, ValueError) as exc:
             self.shared.health.add("promote_failed")
             log.warning("spec-cache: prefix from the shared tier used but not stored locally: %s", exc)

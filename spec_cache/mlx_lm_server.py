@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.prefix_chars = "+"
     parser.set_defaults(fn=_cli_main)  # main(args, hard_exit=True): the process ends when the server does
     parser.add_argument("mlx_lm_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                        help="mlx_lm.server arguments and --cache PATH --shared URL --memory-bytes N --tenant SALT")
+                        help="mlx_lm.server arguments and --cache PATH --shared URL --shared-secret-file FILE "
+                             "--shared-trusted-network --memory-bytes N --tenant SALT")
     return parser
 
 
@@ -214,6 +215,8 @@ def _split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ours.add_argument("--shared", default=None)
     ours.add_argument("--memory-bytes", type=parse_size, default=None)
     ours.add_argument("--tenant", default=None)
+    ours.add_argument("--shared-secret-file", default=None)
+    ours.add_argument("--shared-trusted-network", action="store_true", default=None)
     return ours.parse_known_args(list(argv))
 
 
@@ -242,7 +245,7 @@ def _cli_main(args: argparse.Namespace) -> int:
 
 def _main(argv_or_args) -> int:
     from .cli.common import default_cache_dir
-    from .cli.shared import shared_url
+    from .cli.shared import shared_options, shared_url
 
     given = argv_or_args if isinstance(argv_or_args, argparse.Namespace) else None
     mlx_argv = None
@@ -257,13 +260,15 @@ def _main(argv_or_args) -> int:
             full_parser().print_help()
             return 0
         args, mlx_argv = _split(argv)
-        for name in ("cache", "shared"):  # given before the command
+        for name in ("cache", "shared", "shared_secret_file", "shared_trusted_network"):  # given before the command
             if getattr(args, name, None) is None and given is not None:
                 setattr(args, name, getattr(given, name, None))
     else:
         args = given
     path = getattr(args, "cache", None) or default_cache_dir()
     options: dict[str, Any] = {"shared": shared_url(args)}
+    if options["shared"]:
+        options["shared_options"] = shared_options(args)
     if getattr(args, "memory_bytes", None) is not None:
         options["memory_bytes"] = args.memory_bytes
     os.makedirs(path, exist_ok=True)

@@ -98,7 +98,8 @@ def cmd_generate(args) -> int:
 
     tokenizer = _load_tokenizer(args.model) if texts or args.stop else None
     prompts = [tokenizer.encode(t) for t in texts] + token_prompts
-    cache = None if args.no_cache else open_cache(args, shared=shared.shared_url(args), max_bytes=args.max_bytes)
+    cache = None if args.no_cache else open_cache(args, shared=shared.shared_url(args), max_bytes=args.max_bytes,
+                                                   shared_options=shared.shared_options(args))
     try:
         try:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,

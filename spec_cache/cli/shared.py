@@ -29,6 +29,31 @@ def add_shared_option(parser: argparse.ArgumentParser) -> None:
                         help="shared tier, a Redis/Valkey URL such as redis://host:6379/0, or a cluster: "
                              "redis+cluster://host:port[,host:port...] "
                              f"(default: ${ENV}; none: local store only)")
+    add_shared_secret_options(parser)
+
+
+def add_shared_secret_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--shared-secret-file FILE`` and ``--shared-trusted-network`` (unless the parser has them)."""
+    if any("--shared-secret-file" in action.option_strings for action in parser._actions):
+        return
+    parser.add_argument("--shared-secret-file", default=argparse.SUPPRESS, metavar="FILE",
+                        help="the shared tier's fleet secret, in a file (default: $SPEC_CACHE_SHARED_SECRET); "
+                             "every host of a fleet holds the same one")
+    parser.add_argument("--shared-trusted-network", action="store_true", default=argparse.SUPPRESS,
+                        help="run the shared tier without a fleet secret (unkeyed, unauthenticated entries: only "
+                             "where every Redis writer and reader is trusted; also $SPEC_CACHE_SHARED_TRUSTED=1)")
+
+
+def shared_options(args) -> dict:
+    """``SharedConfig`` fields from the shared-tier flags (``SharedConfig`` itself reads the environment)."""
+    options: dict = {}
+    if getattr(args, "shared_secret_file", None):
+        options["secret_file"] = args.shared_secret_file
+    if getattr(args, "shared_trusted_network", False):
+        options["trusted_network"] = True
+    if getattr(args, "shared_budget", None) is not None:
+        options["lookup_budget_s"] = args.shared_budget
+    return options
 
 
 def shared_url(args) -> str | None:

@@ -355,10 +355,14 @@ def create_app(state: ServerState) -> Starlette:
 
 def _store_bytes(cache) -> int:
     """Pages in use in the LMDB file, times the page size (cheap: LMDB's own counters); 0 when closed."""
-    env = getattr(getattr(cache.store, "env", None), "env", None)
+    store_env = getattr(cache.store, "env", None)
+    env = getattr(store_env, "env", None)
     if env is None:
         return 0
     try:
+        check = getattr(store_env, "check_data", None)
+        if check is not None:
+            check()  # LMDB's counters live in the map: a data file shrunk under us must not SIGBUS a scrape
         return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     except Exception:  # closed meanwhile
         return 0

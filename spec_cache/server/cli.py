@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from spec_cache.cli.common import non_negative_int, positive_int
+from spec_cache.cli.shared import add_shared_secret_options, shared_options
 from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
 
 __all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module"]
@@ -36,6 +37,16 @@ def _granularity(text: str):
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"not a granularity: {text!r} (a number of tokens >= 1, or 'chunk')")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"not a fraction in (0, 1]: {text!r}")
     return value
 
 
@@ -107,9 +118,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a store too damaged to open (data.mdb truncated or empty): move it aside to "
                              "<dir>.damaged-<time> (kept for 'spec-cache repair') and start cold with a fresh one "
                              "(default), or refuse to start")
-    if not _has(parser, "--shared-secret-file"):
-        parser.add_argument("--shared-secret-file", metavar="FILE",
-                            help="the shared tier's fleet secret, in a file (default: $SPEC_CACHE_SHARED_SECRET)")
+    parser.add_argument("--tenant-share", type=_fraction, metavar="F",
+                        help="each tenant (API key) may hold at most this fraction of --max-bytes and of the memory "
+                             "tier; beyond it the tenant evicts its own oldest entries (default: no quota; over "
+                             "budget the tenant holding the most bytes is evicted first either way)")
+    parser.add_argument("--tenant-quota", type=_size, metavar="SIZE",
+                        help="each tenant may hold at most SIZE bytes of the store (the smaller of this and "
+                             "--tenant-share holds)")
+    parser.add_argument("--durability", choices=["write-behind", "sync"], default="write-behind",
+                        help="write-behind (default): a checkpoint is written to LMDB after its request answers "
+                             "(a SIGKILL can lose the queued ones); sync: every checkpoint is committed before "
+                             "the row goes on (slower, nothing queued)")
+    if not _has(parser, "--shared-budget"):
+        parser.add_argument("--shared-budget", type=_seconds, metavar="S",
+                            help="total time one shared-tier lookup may take, all reads together (default 0.5)")
+    add_shared_secret_options(parser)
     parser.add_argument("--operator-key", action="append", default=[], metavar="KEY",
                         help="a key for /metrics (every tenant's series and the server-wide ones) and /health's "
                              "details; also $SPEC_CACHE_OPERATOR_KEY")
@@ -206,17 +229,16 @@ def build_state(args):
         path = getattr(args, "cache", None) or default_cache_dir()
         shared = getattr(args, "shared", None) or os.environ.get("SPEC_CACHE_SHARED") or None
         options = {} if args.memory_bytes is None else {"memory_bytes": args.memory_bytes}
-        secret_file = getattr(args, "shared_secret_file", None)
-        if shared and secret_file:
-            options["shared_options"] = {"secret_file": secret_file}
+        if shared:
+            options["shared_options"] = shared_options(args)
         max_bytes = args.max_bytes
         if max_bytes is None:
             max_bytes, how = default_store_budget(path)
             log.info("spec-cache serve: store budget %s (--max-bytes default: %s)", _human(max_bytes), how)
         else:
             log.info("spec-cache serve: store budget %s (--max-bytes)", _human(max_bytes))
-        if _store_takes("on_damage"):  # the store's damage policy (absent from older stores' APIs)
-            options["on_damage"] = args.on_damaged_store
+        options.update(on_damage=args.on_damaged_store, durability=args.durability,
+                       tenant_share=args.tenant_share, tenant_quota_bytes=args.tenant_quota)
         cache = SpecCache.open(path, max_bytes=max_bytes, shared=shared, **options)
     try:
         generator = Generator.load(model_dir, args.drafter, method=args.method, cache=cache, kv=kv,
@@ -246,14 +268,6 @@ def build_state(args):
         config.max_body_bytes), granularity, _access(keys, operator_keys))
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
                        auth=Auth(keys, operator_keys), metrics=metrics, cache=cache)
-
-
-def _store_takes(option: str) -> bool:
-    import inspect
-
-    from spec_cache.store import Store
-
-    return option in inspect.signature(Store.open).parameters
 
 
 def _human(n: int) -> str:
