@@ -299,3 +299,46 @@ def test_tokenizing_runs_off_the_event_loop_and_big_bodies_get_413():
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
         assert client.get("/health").json() == {"status": "ok", "model": "tiny", "active_rows": 0,
                                                 "queue_depth": 0}  # no key configured: open
+
+
+def test_serve_passes_the_store_and_shared_tier_options_to_the_cache(monkeypatch, tmp_path):
+    """--tenant-share/--tenant-quota/--durability/--on-damaged-store and the shared-tier flags reach SpecCache.open;
+    out-of-range values are usage errors, not tracebacks."""
+    import subprocess
+    import sys
+
+    from spec_cache.cache import SpecCache
+    from spec_cache.cli import build_parser
+    from spec_cache.server.cli import build_state
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    secret = tmp_path / "fleet.key"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    seen = {}
+
+    class Opened(Exception):
+        pass
+
+    def fake_open(path, **kwargs):
+        seen.update(kwargs, path=path)
+        raise Opened
+
+    monkeypatch.setattr(SpecCache, "open", staticmethod(fake_open))
+    args = build_parser().parse_args([
+        "--cache", str(tmp_path / "store"), "--shared", "redis://127.0.0.1:1/0", "--shared-secret-file", str(secret),
+        "serve", "--model", str(model), "--max-bytes", "1GiB", "--tenant-share", "0.25", "--tenant-quota", "64MiB",
+        "--durability", "sync", "--on-damaged-store", "refuse", "--shared-budget", "0.2"])
+    with pytest.raises(Opened):
+        build_state(args)
+    assert seen["max_bytes"] == 1 << 30 and seen["tenant_share"] == 0.25 and seen["tenant_quota_bytes"] == 64 << 20
+    assert seen["durability"] == "sync" and seen["on_damage"] == "refuse" and seen["shared"] == "redis://127.0.0.1:1/0"
+    assert seen["shared_options"] == {"secret_file": str(secret), "lookup_budget_s": 0.2}
+    trusted = build_parser().parse_args(["--shared-trusted-network", "serve", "--model", str(model)])
+    assert trusted.shared_trusted_network is True
+    for bad in (["--tenant-share", "1.5"], ["--tenant-share", "x"], ["--shared-budget", "0"],
+                ["--durability", "maybe"]):
+        out = subprocess.run([sys.executable, "-m", "spec_cache", "serve", "--model", str(model), *bad],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (bad, out.stderr)

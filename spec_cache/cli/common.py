@@ -69,6 +69,29 @@ def non_negative_int(text: str) -> int:
     return 0 if text.strip() == "0" else positive_int(text)
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1] (``--top-p``, ``--tenant-share``)."""
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (timeouts, budgets)."""
+    value = _number(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0: {text!r}")
+    return value
+
+
 def token_list(text: str) -> list[int]:
     """``1,2,3`` (spaces allowed) as a non-empty list of non-negative token ids."""
     try:

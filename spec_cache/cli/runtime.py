@@ -22,7 +22,17 @@ from spec_cache.namespace import KVOptions
 from spec_cache.store import maintenance
 
 from . import shared
-from .common import EXIT_OK, CliError, emit, non_negative_int, open_store, parse_size, positive_int, token_list
+from .common import (
+    EXIT_OK,
+    CliError,
+    emit,
+    fraction,
+    non_negative_int,
+    open_store,
+    parse_size,
+    positive_int,
+    token_list,
+)
 
 
 def open_cache(args, **kwargs):
@@ -258,16 +268,6 @@ def _temperature(text: str) -> float:
     return value
 
 
-def _top_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
-    return value
-
-
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -296,7 +296,7 @@ def _add_generate(sub, common) -> None:
                    help="tokens to generate per prompt (default 32)")
     s.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
                    help="sampling temperature (default 0: greedy, exactly the model's argmax tokens)")
-    s.add_argument("--top-p", type=_top_p, default=1.0, metavar="P",
+    s.add_argument("--top-p", type=fraction, default=1.0, metavar="P",
                    help="nucleus sampling: keep the smallest set of tokens with probability >= P (default 1)")
     s.add_argument("--seed", type=_int, default=0, metavar="N",
                    help="sampling seed (default 0); a prompt's tokens depend only on it, its prompt and options")

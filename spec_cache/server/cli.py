@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from spec_cache.cli.common import non_negative_int, positive_int
+from spec_cache.cli.common import fraction, non_negative_int, positive_int, positive_seconds
 from spec_cache.cli.shared import add_shared_secret_options, shared_options
 from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
 
@@ -37,26 +37,6 @@ def _granularity(text: str):
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"not a granularity: {text!r} (a number of tokens >= 1, or 'chunk')")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"not a fraction in (0, 1]: {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"not a number of seconds > 0: {text!r}")
     return value
 
 
@@ -118,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a store too damaged to open (data.mdb truncated or empty): move it aside to "
                              "<dir>.damaged-<time> (kept for 'spec-cache repair') and start cold with a fresh one "
                              "(default), or refuse to start")
-    parser.add_argument("--tenant-share", type=_fraction, metavar="F",
+    parser.add_argument("--tenant-share", type=fraction, metavar="F",
                         help="each tenant (API key) may hold at most this fraction of --max-bytes and of the memory "
                              "tier; beyond it the tenant evicts its own oldest entries (default: no quota; over "
                              "budget the tenant holding the most bytes is evicted first either way)")
@@ -130,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a SIGKILL can lose the queued ones); sync: every checkpoint is committed before "
                              "the row goes on (slower, nothing queued)")
     if not _has(parser, "--shared-budget"):
-        parser.add_argument("--shared-budget", type=_seconds, metavar="S",
+        parser.add_argument("--shared-budget", type=positive_seconds, metavar="S",
                             help="total time one shared-tier lookup may take, all reads together (default 0.5)")
     add_shared_secret_options(parser)
     parser.add_argument("--operator-key", action="append", default=[], metavar="KEY",
@@ -145,10 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=positive_int, metavar="N",
                         help="open connections at most; beyond it the client that waited longest on itself is "
                              "dropped, else the newcomer gets 503 (default: sized from the descriptor limit)")
-    parser.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
+    parser.add_argument("--header-timeout", type=positive_seconds, default=10.0, metavar="S",
                         help="drop a connection whose request line and headers are not complete S seconds after "
                              "it opened (or after its previous response; default 10)")
-    parser.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
+    parser.add_argument("--body-timeout", type=positive_seconds, default=30.0, metavar="S",
                         help="drop a connection whose request body is not complete S seconds after its headers "
                              "(default 30)")
     parser.add_argument("--checkpoint-every", type=non_negative_int, default=4096, metavar="N",
