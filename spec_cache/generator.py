@@ -49,7 +49,11 @@ class PreparedRow:
 
 @dataclass
 class Result:
-    """One row's outcome. ``cached_tokens``: prompt tokens restored instead of prefilled."""
+    """One row's outcome. ``cached_tokens``: prompt tokens restored instead of prefilled.
+
+    ``tokens`` are the generated ids as the engine emitted them: a row that ended at an end-of-sequence id keeps
+    that id as its last token (as mlx-lm's ``generate_step`` yields it; ``len(tokens)`` is what was generated).
+    ``Generator.decode(result.tokens)`` gives the text without it."""
 
     tokens: list[int]
     cached_tokens: int
@@ -64,8 +68,11 @@ class Generator:
     """A loaded target (+ optional drafter) bound to a cache, adapters and captured KV options."""
 
     def __init__(self, engine, *, cache: SpecCache | None, target_identity: str, drafter_namespace: str | None,
-                 prefix_ns: str, ns_key: bytes | None, eos_token_ids: Sequence[int] = (), adapters: tuple = ()):
+                 prefix_ns: str, ns_key: bytes | None, eos_token_ids: Sequence[int] = (), adapters: tuple = (),
+                 target_dir: str | Path | None = None):
         self.engine = engine
+        self.target_dir = None if target_dir is None else Path(target_dir)
+        self._tokenizer = None
         self.cache = cache
         self.target_identity = target_identity
         self.drafter_namespace = drafter_namespace
@@ -83,6 +90,9 @@ class Generator:
              tenant: str | bytes | None = None, prefill_step_size: int = 512, adaptive: bool = True) -> "Generator":
         """Load a target directory (mlx-lm: config.json + safetensors) and a drafter (directory or ``ngram``).
 
+        ``drafter_dir``: a drafter directory, None (no drafter), or the string ``"ngram"`` (prompt lookup, no
+        directory; same as ``method="ngram"``) unless a directory of that name exists.
+
         ``adapters``: ``""`` for the base model, or mlx-lm LoRA adapter directories (one, or a sequence of
         directories / ``(id, directory)`` pairs, applied in order; see ``spec_cache.adapters``).
         ``prefill_step_size`` is the engine's prefill chunk; with KV quantization it also fixes where rows
@@ -97,6 +107,11 @@ class Generator:
         from .target import TargetModel
 
         options = check_runnable(kv)
+        if isinstance(drafter_dir, str) and drafter_dir == "ngram" and not Path(drafter_dir).is_dir():
+            if method not in (None, "ngram"):
+                raise ValueError(f"drafter 'ngram' with method {method!r}: 'ngram' names the n-gram drafter, "
+                                 "which takes no directory")
+            drafter_dir, method = None, "ngram"
         target_dir = Path(target_dir)
         _check_model_dir(target_dir, "target")
         if drafter_dir is not None and Path(drafter_dir).is_dir():  # some providers take other paths: theirs to check
@@ -118,7 +133,46 @@ class Generator:
         ns_key = cache.namespace(identity, prefix_ns, tenant) if cache is not None else None
         eos = _eos_ids(target_dir)
         return cls(engine, cache=cache, target_identity=identity, drafter_namespace=drafter_ns, prefix_ns=prefix_ns,
-                   ns_key=ns_key, eos_token_ids=eos, adapters=stack)
+                   ns_key=ns_key, eos_token_ids=eos, adapters=stack, target_dir=target_dir)
+
+    # -- text: the target's tokenizer ----------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The target directory's tokenizer (mlx-lm's ``TokenizerWrapper``), loaded on first use: ``encode`` /
+        ``decode`` / ``apply_chat_template``. ``ValueError`` when the directory has no tokenizer files."""
+        if self._tokenizer is None:
+            if self.target_dir is None:
+                raise ValueError("this generator was built without its target directory: no tokenizer")
+            from mlx_lm.utils import load_tokenizer
+
+            try:
+                self._tokenizer = load_tokenizer(self.target_dir)
+            except Exception as exc:
+                raise ValueError(f"cannot load a tokenizer from {self.target_dir} ({type(exc).__name__}); "
+                                 "pass token ids instead") from None
+        return self._tokenizer
+
+    def encode(self, text: str, *, chat: bool = True) -> list[int]:
+        """``text`` as prompt token ids: as one user message through the model's chat template when it has one
+        and ``chat`` (what ``mlx_lm.generate`` does by default), else the plain encoding."""
+        return encode_prompt(self.tokenizer, text, chat=chat)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Generated ``tokens`` as text: an end-of-sequence id and other special tokens are not shown."""
+        eos = set(self.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", None) or ())
+        ids = [int(t) for t in tokens]
+        while ids and ids[-1] in eos:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate_text(self, prompts: Sequence[str], max_tokens: int = 32, *, chat: bool = True,
+                      **options) -> list[str]:
+        """Text in, text out: ``encode`` each prompt, ``generate`` (``options``: temperature, seed, top_p), and
+        ``decode`` each result."""
+        if isinstance(prompts, str):
+            raise ValueError("generate_text takes a list of prompts: wrap one prompt as [text]")
+        results = self.generate([self.encode(p, chat=chat) for p in prompts], max_tokens=max_tokens, **options)
+        return [self.decode(r.tokens) for r in results]
 
     # -- seams for servers and other schedulers ------------------------------------------------------------
     def namespace_key(self, tenant: str | bytes | None = None) -> bytes | None:
@@ -252,6 +306,23 @@ class Generator:
                 return False
             return conversion is None or reusable(candidate.length, candidate.minimum_reusable or None, conversion)
         return usable
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether ``tokenizer`` (mlx-lm wrapper or Hugging Face tokenizer) carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "has_chat_template", False))
+
+
+def encode_prompt(tokenizer, text: str, *, chat: bool = True) -> list[int]:
+    """``text`` as token ids: one user message through the chat template when ``chat`` and the tokenizer has one,
+    else ``tokenizer.encode(text)``."""
+    if chat and has_chat_template(tokenizer):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(text)]
 
 
 def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:

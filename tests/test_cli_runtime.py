@@ -142,7 +142,8 @@ def test_generate_several_prompts_in_one_batch(models, tmp_path, capsys):
     tokens_file.write_text("[9, 10, 11, 12]")
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("w5 w6 w7\n\nw8 w9\n")
-    base = ["--cache", str(tmp_path / "store"), "generate", "--model", str(target), "--max-tokens", "3", "--json"]
+    base = ["--cache", str(tmp_path / "store"), "generate", "--model", str(target), "--max-tokens", "3", "--json",
+            "--raw"]  # the token counts below are of the bare text (no chat template)
     assert cli_main(base + ["--tokens", "5,6,7", "--tokens", str(tokens_file), "--prompt", "w20 w21",
                             "--prompt-file", str(prompts_file)]) == 0
     d = json.loads(capsys.readouterr().out)

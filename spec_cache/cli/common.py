@@ -15,6 +15,7 @@ from tqdm import tqdm
 from spec_cache.store import Store, StoreError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 class CliError(Exception):
@@ -181,3 +182,31 @@ def open_store(args, *, write: bool = False) -> Store:
         return Store.open(args.cache, readonly=not write)
     except StoreError as exc:
         raise CliError(str(exc)) from None
+
+
+# --- model directories ----------------------------------------------------------------------------------------
+def model_dir_problem(path: str, what: str = "model") -> str | None:
+    """Why ``path`` cannot be a model directory (one line), or None: a GGUF file is pointed at ``convert-gguf``."""
+    if os.path.isdir(path):
+        return None
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            return (f"{what} {path} is a GGUF file; convert it once into an mlx-lm directory: "
+                    f"spec-cache convert-gguf {path} DIR, then pass --{what} DIR")
+        return f"{what} {path} is a file; --{what} takes an mlx-lm model directory (config.json + safetensors)"
+    return f"{what} directory {path} does not exist"
+
+
+def context_tokens(model_dir: str, default: int = 4096) -> int:
+    """The model's context length from its ``config.json`` (``max_position_embeddings`` and its aliases)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return default
+    if isinstance(config, dict):
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return default

@@ -23,10 +23,13 @@ from spec_cache.store import maintenance
 
 from . import shared
 from .common import (
+    EXIT_INTERRUPTED,
     EXIT_OK,
     CliError,
+    context_tokens,
     emit,
     fraction,
+    model_dir_problem,
     non_negative_int,
     open_store,
     parse_size,
@@ -81,9 +84,11 @@ def _prompt_file(path: str) -> list[str]:
 
 
 def _check_generate_args(args) -> None:
-    for path, what in ((args.model, "model"), (args.drafter, "drafter")):
-        if path is not None and not os.path.isdir(path):
-            raise CliError(f"{what} directory {path} does not exist")
+    problem = model_dir_problem(args.model, "model")
+    if problem is None and args.drafter is not None and args.drafter != "ngram":
+        problem = model_dir_problem(args.drafter, "drafter")
+    if problem is not None:
+        raise CliError(problem)
     for path in args.adapter:
         if not os.path.isdir(path):
             raise CliError(f"adapter directory {path} does not exist")
@@ -93,10 +98,35 @@ def _check_generate_args(args) -> None:
         raise CliError("generate needs a prompt: --prompt TEXT, --prompt-file FILE or --tokens IDS|FILE")
 
 
+def _check_context(model: str, prompts: list[list[int]], max_tokens: int) -> None:
+    """Every prompt + ``--max-tokens`` must fit the model's context: refused before any model work, as serve does."""
+    context = context_tokens(model)
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_tokens > context:
+            room = context - len(prompt)
+            fix = f"use --max-tokens {room} or less" if room >= 1 else "shorten the prompt"
+            raise CliError(f"prompt {i + 1} ({len(prompt)} tokens) + --max-tokens {max_tokens} exceeds the model's "
+                           f"context of {context} tokens; {fix}")
+
+
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """``text`` up to the first of ``stops`` (the stop string itself not included), and whether one was found."""
     cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+def _decode(tokenizer, tokens: list[int], eos: tuple) -> str:
+    """Generated tokens as text, the end-of-sequence id and other special tokens not shown."""
+    ids = list(tokens)
+    while ids and ids[-1] in eos:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _row_line(i: int, r: dict) -> str:
+    return (f"[prompt {i + 1}: {r['prompt_tokens']} tokens, {r['cached_tokens']} from the cache"
+            f"{' (with the drafter row)' if r['restored_drafter'] else ''}; TTFT {r['ttft_s'] * 1e3:.1f} ms; "
+            f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]")
 
 
 def cmd_generate(args) -> int:
@@ -104,20 +134,41 @@ def cmd_generate(args) -> int:
     _check_generate_args(args)
     texts = list(args.prompt or []) + [p for path in args.prompt_file or [] for p in _prompt_file(path)]
     token_prompts = [_tokens_arg(t) for t in args.tokens or []]
+    tokenizer = _load_tokenizer(args.model) if texts or args.stop else None
+    if texts:
+        from spec_cache.generator import encode_prompt, has_chat_template
+
+        chat = not args.raw and has_chat_template(tokenizer)
+        try:
+            prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts] + token_prompts
+        except Exception as exc:
+            raise CliError(f"the chat template refused the prompt ({_one_line(exc)}); try --raw") from None
+    else:
+        chat, prompts = False, token_prompts
+    _check_context(args.model, prompts, args.max_tokens)
     from spec_cache.generator import Generator  # loads MLX
 
-    tokenizer = _load_tokenizer(args.model) if texts or args.stop else None
-    prompts = [tokenizer.encode(t) for t in texts] + token_prompts
+    stream = len(prompts) == 1 and tokenizer is not None and not args.json
     cache = None if args.no_cache else open_cache(args, shared=shared.shared_url(args), max_bytes=args.max_bytes,
                                                    shared_options=shared.shared_options(args))
+    streamed = None
     try:
         try:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
                                        draft_depth=args.draft_depth, adapters=args.adapter or "",
                                        prefill_step_size=args.prefill_step_size, adaptive=not args.fixed_depth)
+            eos = tuple(generator.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", None) or ())
             started = time.perf_counter()
-            results = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-                                         seed=args.seed, top_p=args.top_p)
+            if stream:
+                from .stream import stream_one
+
+                streamed = stream_one(generator, prompts[0], tokenizer, max_tokens=args.max_tokens,
+                                      temperature=args.temperature, seed=args.seed, top_p=args.top_p,
+                                      stops=args.stop or [])
+                results = [streamed]
+            else:
+                results = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+                                             seed=args.seed, top_p=args.top_p)
             seconds = time.perf_counter() - started
         except (NotImplementedError, ValueError, TypeError, FileNotFoundError) as exc:
             raise CliError(_one_line(exc)) from None
@@ -127,11 +178,14 @@ def cmd_generate(args) -> int:
     rows = []
     for prompt, result in zip(prompts, results):
         text, stopped = None, False
-        if tokenizer is not None:
-            text, stopped = _cut_at_stop(tokenizer.decode(result.tokens), args.stop or [])
+        if streamed is not None:
+            text, stopped = streamed.text, streamed.stopped
+        elif tokenizer is not None:
+            text, stopped = _cut_at_stop(_decode(tokenizer, result.tokens, eos), args.stop or [])
         rows.append({"tokens": result.tokens, "text": text, "stopped": stopped, "prompt_tokens": len(prompt),
                      "cached_tokens": result.cached_tokens, "drafted": result.drafted, "accepted": result.accepted,
-                     "ttft_s": result.ttft_s, "restored_drafter": result.restored_drafter})
+                     "ttft_s": result.ttft_s, "restored_drafter": result.restored_drafter,
+                     "chat_template": chat and len(rows) < len(texts)})  # text prompts come first
     generated = sum(len(r["tokens"]) for r in rows)
     run = {"seconds": round(seconds, 6), "generated_tokens": generated,
            "tokens_per_s": round(generated / seconds, 3) if seconds > 0 else None,
@@ -140,16 +194,18 @@ def cmd_generate(args) -> int:
         emit(args, {**rows[0], **run, "results": rows}, "")
         return EXIT_OK
     for i, r in enumerate(rows):
-        if len(rows) > 1:
-            print(f"--- prompt {i + 1} ---")
-        print(r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])))
-        print(f"[prompt {i + 1}: {r['prompt_tokens']} tokens, {r['cached_tokens']} from the cache"
-              f"{' (with the drafter row)' if r['restored_drafter'] else ''}; TTFT {r['ttft_s'] * 1e3:.1f} ms; "
-              f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]",
-              file=sys.stderr)
+        if streamed is None:
+            if len(rows) > 1:
+                print(f"--- prompt {i + 1} ---")
+            print(r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])))
+        print(_row_line(i, r), file=sys.stderr)
     rate = f"{run['tokens_per_s']:.1f} tok/s" if run["tokens_per_s"] is not None else "-"
     print(f"[{generated} tokens in {seconds:.2f} s: {rate}, prefill and lookups included; "
-          f"{len(rows)} prompt{'s' if len(rows) > 1 else ''} in one batch]", file=sys.stderr)
+          f"{len(rows)} prompt{'s' if len(rows) > 1 else ''} in one batch"
+          f"{'; chat template applied (--raw: off)' if chat else ''}]", file=sys.stderr)
+    if streamed is not None and streamed.interrupted:
+        print(f"spec-cache: interrupted after {generated} tokens (the text so far is above)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK
 
 
@@ -292,8 +348,11 @@ def _add_generate(sub, common) -> None:
                    help="a UTF-8 file with one prompt per non-empty line (repeatable)")
     s.add_argument("--tokens", action="append", metavar="IDS|FILE",
                    help="prompt token ids, e.g. 1,2,3, or a token file (JSON list or integers); repeatable")
+    s.add_argument("--raw", "--no-chat", dest="raw", action="store_true",
+                   help="encode --prompt text as it is (default: as one user message through the model's chat "
+                        "template when it has one, as mlx_lm.generate does)")
     s.add_argument("--max-tokens", type=positive_int, default=32, metavar="N",
-                   help="tokens to generate per prompt (default 32)")
+                   help="tokens to generate per prompt (default 32; prompt + N must fit the model's context)")
     s.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
                    help="sampling temperature (default 0: greedy, exactly the model's argmax tokens)")
     s.add_argument("--top-p", type=fraction, default=1.0, metavar="P",
