@@ -204,6 +204,9 @@ class MemoryTier:
         """The cold tier holds ``entry`` now (or never will): it may be evicted from here."""
         with self._lock:
             entry.durable = True
+            for other in list(self._by_ns.get(entry.ns_key, {}).values()):  # longer ones put while it was pending
+                if other.trimmable and other.length > entry.length and other.key in self._entries:
+                    self._supersede(other)
             self._evict_to(self.budget_bytes)
 
     def pin(self, ns_key: bytes, tokens: Sequence[int], pinned: bool = True) -> bool:
@@ -297,6 +300,21 @@ class MemoryTier:
                     "pinned": sum(e.pinned for e in self._entries.values()),
                     "not_durable": sum(not e.durable for e in self._entries.values()), "tenants": tenants,
                     "tenant_quota": self.tenant_quota, **self.counters}
+
+    def sequences(self) -> tuple[int, int]:
+        """``(entries, bytes)`` without the entries a longer one supersedes once their LMDB write is done (what
+        mlx-lm's ``LRUPromptCache`` counts: it drops a trimmable entry's prefixes at once)."""
+        with self._lock:
+            n, nbytes = 0, 0
+            for ns in self._by_ns.values():
+                held = list(ns.values())
+                for e in held:
+                    if not (e.trimmable and not e.pinned and not e.drafters and any(
+                            o.trimmable and o.length > e.length and o.minimum_reusable == e.minimum_reusable
+                            and e.length >= o.minimum_reusable and _lcp(o.tokens, e.tokens) == e.length
+                            for o in held)):
+                        n, nbytes = n + 1, nbytes + e.nbytes
+            return n, nbytes
 
     # --- internals -------------------------------------------------------------------------------
     def _add(self, entry: _Entry) -> None:

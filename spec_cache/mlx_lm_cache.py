@@ -30,6 +30,7 @@ in-RAM behaviour of ``LRUPromptCache`` with a one-time warning.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import warnings
@@ -185,28 +186,29 @@ class SpecCachePromptCache(LRUPromptCache):
         if ns is None:
             self.counters["fallback_inserts"] += 1
             return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        covered = _covered(prompt_cache)
-        if covered is None or covered <= 0 or covered > len(tokens):
-            # the key does not say which tokens the state covers: storing it could serve a wrong prefix
-            self.counters["skipped_inserts"] += 1
-            self._warn_once("coverage", f"spec-cache: a prompt cache covering {covered} tokens came with a key of "
-                                        f"{len(tokens)} tokens; not stored")
-            return None
+        coverage = _coverage(prompt_cache, len(tokens))
+        if coverage is None:
+            # the key does not say which tokens the state covers: kept in RAM as mlx-lm keeps it, never stored
+            self.counters["fallback_inserts"] += 1
+            self._warn_once("coverage", f"spec-cache: a prompt cache whose layers cover different token counts "
+                                        f"came with a key of {len(tokens)} tokens; kept in RAM, not stored")
+            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        covered, caches = coverage
         self.counters["inserts"] += 1
-        self.cache.save(ns, list(tokens[:covered]), prompt_cache, background=True)
+        self.cache.save(ns, list(tokens[:covered]), caches, background=True)
         return None
 
     def __len__(self):
-        return len(self._lru) + int(self.cache.memory.stats().get("entries", 0))
+        return len(self._lru) + self.cache.memory.sequences()[0]
 
     @property
     def nbytes(self):
-        return self._n_bytes + int(self.cache.memory.stats().get("bytes", 0))
+        return self._n_bytes + self.cache.memory.sequences()[1]
 
     def stats_by_type(self):
         result = super().stats_by_type()
-        mem = self.cache.memory.stats()
-        result["spec-cache"] = {"n_sequences": int(mem.get("entries", 0)), "n_bytes": int(mem.get("bytes", 0))}
+        n, nbytes = self.cache.memory.sequences()
+        result["spec-cache"] = {"n_sequences": n, "n_bytes": nbytes}
         return result
 
     # --- lifetime ----------------------------------------------------------------------------------
@@ -230,10 +232,40 @@ def _token_ids(tokens: Sequence[Any]) -> bool:
         return False
 
 
-def _covered(prompt_cache: Sequence[Any]) -> Optional[int]:
-    """How many tokens a cache list holds state for: the layers' common ``offset`` (None when they disagree or
-    no layer says; a recurrent ``ArraysCache`` has no offset and follows its model's attention layers)."""
-    offsets = {int(c.offset) for c in prompt_cache if hasattr(c, "offset") and c.offset is not None}
-    if len(offsets) != 1:
+def _coverage(prompt_cache: Sequence[Any], n_tokens: int) -> Optional[tuple[int, list]]:
+    """``(covered, caches)``: how many tokens of the key a cache list holds state for, and the layers to store,
+    each covering exactly that many; None when that cannot be told (the caller keeps the list in RAM).
+
+    * Attention layers say it (``offset``). With ``--draft-model`` the list is the target's layers then the draft
+      model's, and speculative decoding leaves them at different offsets (the draft model one token behind when
+      it accepted every drafted token; both behind the key, whose last token neither model has processed): every
+      layer is trimmed to the smallest offset (new cache objects over the same arrays; the server's are left as
+      they are), so target and draft parts resume from the same token.
+    * Recurrent layers (``ArraysCache``) have no offset: in a list of only those the key is all there is to go by.
+      ``mlx_lm.server`` hands its cache with exactly the tokens the model has processed when it decodes without a
+      draft model (``generate_step`` processes each token before yielding it; the batch path's ``all_tokens`` are
+      the processed ones), and a recurrent cache cannot be speculated on (mlx-lm refuses a non-trimmable cache).
+    * Layers at different offsets that cannot be trimmed (a hybrid model's recurrent layers, a full rotating
+      window), or an offset past the key: None.
+    """
+    offsets = [int(c.offset) if getattr(c, "offset", None) is not None else None for c in prompt_cache]
+    known = [o for o in offsets if o is not None]
+    if not known:
+        return (n_tokens, list(prompt_cache)) if n_tokens > 0 and prompt_cache else None
+    covered = min(known)
+    if covered <= 0 or covered > n_tokens:
         return None
-    return offsets.pop()
+    if len(set(known)) == 1:
+        return covered, list(prompt_cache)
+    caches = []
+    for cache, offset in zip(prompt_cache, offsets):
+        if offset is None:  # a recurrent layer beside attention layers that disagree: its coverage is unknown
+            return None
+        if offset > covered:
+            if not (hasattr(cache, "is_trimmable") and cache.is_trimmable()):
+                return None
+            cache = copy.copy(cache)  # the same arrays (read only up to the offset), its own offset
+            if cache.trim(offset - covered) != offset - covered:
+                return None
+        caches.append(cache)
+    return covered, caches
