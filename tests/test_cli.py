@@ -197,7 +197,7 @@ def test_show(cli, cache):
         assert [e["drafters"] for e in obj["entries"] if e["tokens"] == 9] == [[DRAFTER]]
         assert [e["pinned"] for e in obj["entries"] if e["tokens"] == 6] == [True]
     human = ok(cli("--cache", cache, "show", NS_B.hex()[:10]))
-    assert NS_B.hex() in human and "tenant      yes" in human
+    assert NS_B.hex() in human and "tenant      t:" in human
     usage_error(cli("--cache", cache, "show", "abcd"), "ambiguous")
     usage_error(cli("--cache", cache, "show", "ffffff"), "ffffff")
     usage_error(cli("--cache", cache, "show", "ab"))

@@ -72,4 +72,4 @@ def test_real_chat_resumes_turn_two_and_matches_cold(sliced_smollm2, tmp_path, c
     args.json = False
     assert demo_real.run(args) == 0
     text = capsys.readouterr().out
-    assert "[conv 0 turn 1] user: What is the capital of France?" in text and "TTFT WARM MS" in text
+    assert "[conv 0 turn 1] user: What is the capital of France?" in text and "TTFT RESTORED MS" in text

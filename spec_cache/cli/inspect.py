@@ -47,8 +47,23 @@ def _ls_row(r: dict, wide: bool) -> list:
     key, target, pns = r["key"], r["target"], r["prefix_namespace"]
     if not wide:
         key, target, pns = key[:16], target[:12], short(pns, 60)
-    return [key, target, pns, r["entries"], human_bytes(r["bytes"]), r["hits"], r["misses"],
+    return [key, _tenant_cell(r, wide), target, pns, r["entries"], human_bytes(r["bytes"]), r["hits"], r["misses"],
             human_age(r["last_use_ns"])]
+
+
+def _tenant_cell(r: dict, wide: bool = False) -> str:
+    """``-``: the shared namespace (no tenant); ``t:<label>``: a tenant (an API key, or a cache_salt) whose bytes
+    count against that one-way label; ``t:default``: a tenant without a label (a cache_salt with no API key)."""
+    if not r.get("tenant"):
+        return "-"
+    label = r.get("tenant_id") or "default"
+    return "t:" + (label if wide or label == "default" else label[:8])
+
+
+LS_NOTE = ("TENANT: - shared (no tenant); t:<label> a tenant (API key or cache_salt, each its own namespace) "
+           "counted against that label's quota; t:default a tenant with no label (cache_salt, no API key).\n"
+           "LMDB HITS/MISSES: lookups this store answered or could not; a lookup a running process's memory tier "
+           "answered is not counted here (serve's /metrics spec_cache_cache_hit_ratio counts every tier).")
 
 
 def cmd_ls(args) -> int:
@@ -57,8 +72,9 @@ def cmd_ls(args) -> int:
     if not args.all:  # a namespace emptied by eviction keeps its row (counters) but is not listed
         rows = [r for r in rows if r["entries"] > 0]
     human = table([_ls_row(r, args.wide) for r in rows],
-                  ["NAMESPACE", "TARGET", "PREFIX NAMESPACE", "ENTRIES", "BYTES", "HITS", "MISSES", "LAST USE"])
-    emit(args, {"namespaces": rows}, human if rows else "no namespaces")
+                  ["NAMESPACE", "TENANT", "TARGET", "PREFIX NAMESPACE", "ENTRIES", "BYTES", "LMDB HITS",
+                   "LMDB MISSES", "LAST USE"])
+    emit(args, {"namespaces": rows}, human + "\n\n" + LS_NOTE if rows else "no namespaces")
     return EXIT_OK
 
 
@@ -71,9 +87,10 @@ def cmd_show(args) -> int:
                       "yes" if r["pinned"] else "", human_age(r["last_use_ns"])] for r in rows],
                     ["ENTRY", "TOKENS", "BYTES", "DRAFTERS", "PINNED", "LAST USE"])
     human = "\n".join([f"namespace   {info['key']}", f"target      {info['target']}",
-                       f"prefix ns   {info['prefix_namespace']}", f"tenant      {'yes' if info['tenant'] else 'no'}",
+                       f"prefix ns   {info['prefix_namespace']}", f"tenant      {_tenant_cell(info, True)}",
                        f"entries     {info['entries']}  ({human_bytes(info['bytes'])})",
-                       f"hits/misses {info['hits']}/{info['misses']}", "", entries])
+                       f"hits/misses {info['hits']}/{info['misses']} (LMDB lookups; memory-tier hits not counted)",
+                       "", entries])
     emit(args, {"namespace": info, "entries": rows}, human)
     return EXIT_OK
 

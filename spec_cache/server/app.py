@@ -95,6 +95,7 @@ class ServerState:
     auth: Auth = field(default_factory=Auth)
     metrics: Metrics = field(default_factory=Metrics)
     cache: Any = None  # closed on shutdown
+    store_path: str | None = None  # where the store lives (the ready line names it)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -235,7 +236,8 @@ def create_app(state: ServerState) -> Starlette:
 
     granularity = max(1, int(config.cached_tokens_granularity))
 
-    async def run_job(request: Request, endpoint: str, params, prompt: list[int], tenant: str | None, chat: bool):
+    async def run_job(request: Request, endpoint: str, params, prompt: list[int], tenant: str | None, chat: bool,
+                      started: float):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -247,16 +249,24 @@ def create_app(state: ServerState) -> Starlette:
         scheduler.submit(job)
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = int(time.time())
-        pieces = _pieces(job, events, tokenizer, params.stop, scheduler, granularity)
+        timing: dict = {}
+        pieces = _pieces(job, events, tokenizer, params.stop, scheduler, granularity, timing)
         label = tenant_label(tenant)
+        line = f"{request.method} {request.url.path}"
 
         def account(generated: int, cached: int) -> None:
             metrics.account(label, len(prompt), cached, generated)
+            log_request(line, 200, label, started, rid=rid, prompt=len(prompt), cached=timing.get("cached", cached),
+                        generated=generated,
+                        first=timing.get("first"))
 
         if params.stream:
             count(endpoint, 200, tenant)
-            return _EventStream(_sse(pieces, rid, params, created, chat, len(prompt), account),
-                                on_disconnect=lambda: scheduler.cancel(job))
+
+            def gone() -> None:
+                scheduler.cancel(job)
+                log_request(line, 499, label, started, rid=rid, prompt=len(prompt), first=timing.get("first"))
+            return _EventStream(_sse(pieces, rid, params, created, chat, len(prompt), account), on_disconnect=gone)
         collect = asyncio.ensure_future(_collect(pieces))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -267,6 +277,7 @@ def create_app(state: ServerState) -> Starlette:
             collect.cancel()
             scheduler.cancel(job)
             count(endpoint, 499, tenant)
+            log_request(line, 499, label, started, rid=rid, prompt=len(prompt), first=timing.get("first"))
             return Response(status_code=499)
         text, reason, generated, cached = collect.result()
         account(generated, cached)
@@ -280,6 +291,7 @@ def create_app(state: ServerState) -> Starlette:
     def endpoint(name: str, chat: bool):
         async def handle(request: Request) -> Response:
             tenant, known = None, False
+            started = time.perf_counter()
             try:
                 tenant = tenant_of(request)
                 known = True
@@ -290,9 +302,11 @@ def create_app(state: ServerState) -> Starlette:
                 else:
                     params, text = parse_completion(body, state.models, vocab)
                     prompt = text if isinstance(text, list) else await tokenize(encode_text, text)
-                return await run_job(request, name, params, prompt, tenant, chat)
+                return await run_job(request, name, params, prompt, tenant, chat, started)
             except APIError as error:
                 count(name, error.status, tenant, known)
+                log_request(f"{request.method} {request.url.path}", error.status,
+                            tenant_label(tenant) if known else "-", started, error=error.code or error.type)
                 return _error_response(error)
         return handle
 
@@ -381,6 +395,7 @@ class LoadingApp:
         self.state: ServerState | None = None
         self.app: Starlette | None = None
         self.error: BaseException | None = None
+        self.url: str | None = None  # where the server listens (the ready line names it)
 
     def _run_load(self) -> None:
         try:
@@ -388,6 +403,8 @@ class LoadingApp:
             app = create_app(state)
             state.scheduler.start()
             self.state, self.app = state, app
+            log.info("spec-cache serve: ready: model %s on %s/v1; store %s", state.config.model_id,
+                     self.url or "(unknown address)", state.store_path or "none (--no-cache)")
         except BaseException as exc:
             self.error = exc
             expected = isinstance(exc, (ValueError, OSError, NotImplementedError)) or type(exc).__name__ == "CliError"
@@ -439,10 +456,34 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+def log_request(line: str, status: int, tenant: str, started: float, *, rid: str = "-", prompt: int | None = None,
+                cached: int | None = None, generated: int | None = None, first: float | None = None,
+                error: str | None = None) -> None:
+    """One INFO line per request: method and path, status, id, tenant label (8 hex of the key's digest, never the
+    key), prompt / cached / generated tokens, time to first token and in all (ms). ``cached`` is the exact count
+    (the operator's log, not the client's answer)."""
+    now = time.perf_counter()
+    parts = [f"spec-cache serve: {line} {status} id={rid} tenant={tenant}"]
+    if prompt is not None:
+        parts.append(f"prompt={prompt}")
+    if cached is not None:
+        parts.append(f"cached={cached}")
+    if generated is not None:
+        parts.append(f"generated={generated}")
+    if first is not None:
+        parts.append(f"ttft_ms={(first - started) * 1e3:.1f}")
+    parts.append(f"ms={(now - started) * 1e3:.1f}")
+    if error:
+        parts.append(f"error={error}")
+    log.info(" ".join(parts))
+
+
 async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler,
-                  granularity: int = 1) -> AsyncIterator[tuple]:
+                  granularity: int = 1, timing: dict | None = None) -> AsyncIterator[tuple]:
     """Text pieces of a job as ``("text", str)``, then ``("end", finish_reason, completion_tokens, cached)``;
-    ``cached`` rounded down to a multiple of ``granularity`` (what clients may learn about stored prefixes)."""
+    ``cached`` rounded down to a multiple of ``granularity`` (what clients may learn about stored prefixes).
+    ``timing["first"]``: when the first tokens arrived; ``timing["cached"]``: the exact cached count."""
+    timing = {} if timing is None else timing
     detokenizer = StreamingDetokenizer(tokenizer)
     matcher = StopMatcher(stops)
     generated = cached = 0
@@ -450,8 +491,10 @@ async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], 
         event = await events.get()
         kind = event[0]
         if kind == "start":
+            timing["cached"] = event[1]
             cached = event[1] - event[1] % granularity
         elif kind == "tokens":
+            timing.setdefault("first", time.perf_counter())
             generated += len(event[1])
             text, stopped = matcher.feed(detokenizer.add(event[1]))
             if text:

@@ -247,7 +247,8 @@ def build_state(args):
     log.info("spec-cache serve: bodies up to %s; cached_tokens reported in multiples of %d; %s", _human(
         config.max_body_bytes), granularity, _access(keys, operator_keys))
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
-                       auth=Auth(keys, operator_keys), metrics=metrics, cache=cache)
+                       auth=Auth(keys, operator_keys), metrics=metrics, cache=cache,
+                       store_path=None if cache is None else os.path.abspath(path))
 
 
 def _human(n: int) -> str:
@@ -268,17 +269,37 @@ def _access(keys: list, operator_keys: list) -> str:
 def check_args(args) -> None:
     """The checks ``main`` makes before it listens (a missing directory, a method without its drafter):
     ``CliError``."""
-    if not Path(args.model).is_dir():
-        raise _fail(f"model directory {args.model} does not exist")
-    if args.drafter is not None and not Path(args.drafter).is_dir():
-        raise _fail(f"drafter directory {args.drafter} does not exist")
+    from spec_cache.cli.common import model_dir_problem
+
+    problem = model_dir_problem(args.model, "model")
+    if problem is None and args.drafter is not None and args.drafter != "ngram":
+        problem = model_dir_problem(args.drafter, "drafter")
+    if problem is not None:
+        raise _fail(problem)
     if args.method not in (None, "ngram") and args.drafter is None:
         raise _fail(f"--method {args.method} needs --drafter DIR")
 
 
+def listen(host: str, port: int, backlog: int):
+    """A listening TCP socket on (host, port), bound before anything is loaded, so a taken port is known at once;
+    ``OSError`` when it cannot be bound."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts beside TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(backlog)  # listening: another process cannot bind it too
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def main(args) -> int:
-    """Run the server for parsed ``args`` until SIGINT / SIGTERM. It listens at once and answers 503 while the
-    model loads. Returns 0 after a clean shutdown, 1 when loading failed or the address could not be bound."""
+    """Run the server for parsed ``args`` until SIGINT / SIGTERM. It binds its port first (before the store is
+    opened or the model loaded), then answers 503 while the model loads. Returns 0 after a clean shutdown, 1 when
+    the address could not be bound (one line on stderr); bad options and a failed load raise ``CliError`` (2)."""
     import uvicorn
 
     from . import logs
@@ -295,6 +316,15 @@ def main(args) -> int:
         max_connections, backlog = connection_budget(soft, args.max_connections)
     except ValueError as exc:
         raise _fail(str(exc)) from None
+    try:
+        sock = listen(args.host, args.port, backlog)
+    except OSError as exc:
+        print(f"spec-cache serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc} (another "
+              "server there? pick another --port, or --port 0 for any free one); nothing was loaded",
+              file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
     guard = ConnectionGuard(max_connections, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                             max_lingering=backlog)
     server: uvicorn.Server | None = None
@@ -304,14 +334,18 @@ def main(args) -> int:
             server.should_exit = True
 
     app = LoadingApp(lambda: build_state(args), on_failure=failed)
+    app.url = f"http://{host}:{port}"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=35, lifespan="on", http=guarded_protocol(guard),
                             backlog=backlog, log_config=None)
     server = uvicorn.Server(config)
-    log.info("spec-cache serve: loading %s; listening on http://%s:%d (max rows %d, queue %d; connections %d, "
-             "descriptor limit %d; header/body timeouts %gs/%gs)", args.model, args.host, args.port, args.max_rows,
+    log.info("spec-cache serve: loading %s; listening on %s (max rows %d, queue %d; connections %d, "
+             "descriptor limit %d; header/body timeouts %gs/%gs)", args.model, app.url, args.max_rows,
              args.max_queue, max_connections, soft, args.header_timeout, args.body_timeout)
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if app.error is not None:
         error = app.error
         raise _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)

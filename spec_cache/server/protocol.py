@@ -8,6 +8,7 @@ offer (``n > 1``, several prompts), 404 for an unknown model. Nothing here touch
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -21,6 +22,17 @@ __all__ = ["APIError", "GenerationParams", "parse_chat", "parse_completion", "er
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+#: OpenAI parameters this server does not implement, each with the values that mean "off". A request that leaves
+#: one out or sends one of those values is served (OpenAI clients and frameworks often send the neutral defaults,
+#: e.g. ``frequency_penalty: 0``); any other value is refused with 400 ``unsupported_parameter``, never ignored
+#: (silently ignoring a penalty or a JSON schema would be a wrong answer the client cannot see).
+UNSUPPORTED: dict[str, tuple] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "min_tokens": (0,),
+}
 
 
 class APIError(Exception):
@@ -103,6 +115,12 @@ def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | 
 def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...]) -> GenerationParams:
     if not isinstance(body, dict):
         raise _malformed("the request body must be a JSON object")
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(_same(value, n) for n in neutral):
+            off = " or ".join(json.dumps(n) for n in neutral)
+            raise APIError(400, f"'{name}' is not supported by this server (leave it out, or send {off})",
+                           param=name, code="unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _malformed("'model' is required (a string)", "model")
@@ -161,6 +179,13 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
     )
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """``value == neutral`` without bool/number confusion (``False == 0`` in Python, not in JSON)."""
+    return type(value) is type(neutral) and value == neutral or (
+        isinstance(neutral, (int, float)) and not isinstance(neutral, bool) and not isinstance(value, bool)
+        and isinstance(value, (int, float)) and value == neutral)
+
+
 def _text_content(content: Any, where: str) -> str:
     """A message's content as text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
     if isinstance(content, str):
@@ -172,8 +197,6 @@ def _text_content(content: Any, where: str) -> str:
                 raise _bad_value(f"{where}: only text content parts are supported", "messages")
             parts.append(part["text"])
         return "".join(parts)
-    if content is None:
-        return ""
     raise _malformed(f"{where}: 'content' must be a string or a list of text parts", "messages")
 
 
@@ -193,8 +216,12 @@ def parse_chat(body: Any, models: tuple[str, ...]) -> tuple[GenerationParams, li
             raise _malformed(f"{where}: 'role' is required", "messages")
         if role not in ROLES:
             raise _bad_value(f"{where}: unknown role {role!r}", "messages")
+        content = message.get("content")
+        if content is None and role != "assistant":  # OpenAI: only an assistant turn (one that called tools) may
+            raise _malformed(f"{where}: 'content' is required for a {role!r} message (a string or a list of text "
+                             "parts; null only in an assistant message)", "messages")
         out.append({"role": "system" if role == "developer" else role,
-                    "content": _text_content(message.get("content"), where)})
+                    "content": "" if content is None else _text_content(content, where)})
     return params, out
 
 
