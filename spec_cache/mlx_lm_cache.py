@@ -10,11 +10,27 @@ subclass with the same methods, signatures and return shapes (checked against th
   ``generate_step`` refuses an empty prompt, and its own cache trims a longer entry to ``len(tokens) - 1`` too).
 * ``insert_cache(model_key, tokens, prompt_cache, *, cache_type=...)``: the checkpoint enters the memory tier at
   once and is written to LMDB behind the request (``SpecCache.save(..., background=True)``), keyed by the
-  tokens the cache really covers (its ``offset``).
+  tokens the cache really covers: the layers' offset; with ``--draft-model`` (target and draft layers left at
+  different offsets by speculative decoding) every layer cut to the smallest one; for a list of recurrent
+  ``ArraysCache`` layers only (no offset), the key's length (exact-length checkpoints, restored only whole).
+  A list whose coverage cannot be told (layers that disagree and cannot be trimmed) stays in RAM exactly as
+  ``LRUPromptCache`` keeps it.
 * ``__len__``, ``nbytes``, ``stats_by_type()``: the in-RAM fallback plus the memory tier (its own row,
-  ``spec-cache``). ``trim_to`` and ``max_size`` / ``max_bytes`` (``--prompt-cache-size`` / ``--prompt-cache-bytes``)
-  bound the in-RAM fallback as they bound ``LRUPromptCache``; the memory tier has its own byte budget (the
-  launcher's ``--memory-bytes``, else ``--prompt-cache-bytes``) and never drops a checkpoint LMDB lacks.
+  ``spec-cache``), counted as ``LRUPromptCache`` counts: a trimmable entry replaces its shorter prefixes (the
+  memory tier drops them once they are in LMDB; until then they are not counted). ``nbytes`` counts the rows
+  held (exactly the covered tokens), not mlx-lm's 256-token step buffers. ``trim_to`` and ``max_size`` /
+  ``max_bytes`` (``--prompt-cache-size`` / ``--prompt-cache-bytes``) bound the in-RAM fallback as they bound
+  ``LRUPromptCache``; the memory tier has its own byte budget (the launcher's ``--memory-bytes``, else
+  ``--prompt-cache-bytes``) and never drops a checkpoint LMDB lacks.
+
+A restored ``KVCache``'s ``state`` (keys, values) holds exactly ``offset`` rows, where mlx-lm's own (and its deep
+copy) hold a buffer padded to a multiple of 256; generation reads only the first ``offset`` rows and grows the
+buffer on the next write either way, so replies do not change.
+
+With ``--draft-model``, a restore reuses the tokens *both* models have processed: when the draft model accepted
+every drafted token of the last round, its layers are one token behind the target's, and ``mlx_lm.server``
+reports (and reuses for the target) one cached token more than this cache does; the reply is the same (the extra
+token is prefilled).
 
 The namespace of a model key ``(model_path, adapter_path, draft_model_path)`` is the model's artifact identity
 (``spec_cache.identity.model_identity`` of the directory mlx-lm loaded), the adapter stack's namespace, the KV
