@@ -103,11 +103,15 @@ def test_draft_model_server_stores_and_restores_target_and_draft(smollm2, tmp_pa
         plain.stop(signal.SIGKILL)
 
 
-def test_recurrent_model_server_caches_exact_length_checkpoints(tmp_path):
-    """A mamba (every layer ``ArraysCache``): turn 2 restores turn 1's exact-length checkpoint as
-    ``LRUPromptCache`` does (the same cached count, the same reply as ``mlx_lm.server``), and after a restart the
-    same request is served from the store."""
-    model = write_tiny_mamba(tmp_path / "mamba")
+@pytest.mark.parametrize("arch", ["mamba", "qwen3_next"])
+def test_recurrent_model_server_caches_exact_length_checkpoints(tmp_path, arch):
+    """A mamba (every layer ``ArraysCache``) and a hybrid (qwen3_next: recurrent and attention layers): turn 2
+    restores turn 1's exact-length checkpoint as ``LRUPromptCache`` does (the same cached count, the same reply as
+    ``mlx_lm.server``), and after a restart the next turn is served from the store."""
+    from tests.test_mlx_lm_server import write_tiny_target
+
+    model = (write_tiny_mamba(tmp_path / arch) if arch == "mamba"
+             else write_tiny_target(tmp_path / arch, arch=arch, num_layers=2, full_attention_interval=2))
     ours, plain = _pair(tmp_path, model)
     servers = [ours, plain]
     try:
