@@ -207,3 +207,47 @@ def test_len_and_nbytes_follow_lru_prompt_cache(dropin):
     assert mem["entries"] == 1 and pc.nbytes == mem["bytes"] == 2 * 2 * 64 * 8 * 4
     got, rest = pc.fetch_nearest_cache(key, short + [99])
     assert [c.offset for c in got] == [32, 32] and rest == [99]  # served by trimming the longer one
+
+
+def test_draft_chat_turn_two_matches_lru_prompt_cache(smollm2, tmp_path):
+    """A chat's turn 2 with SmolLM2 drafting for itself, served as ``mlx_lm.server._serve_single`` serves it, from
+    ours and from ``LRUPromptCache``: the same greedy reply (equal to a cold run of the target); ours reuses the
+    tokens both models processed, at most one fewer than mlx-lm reports (its draft layers lag by one)."""
+    import copy
+
+    from mlx_lm import load, stream_generate
+    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+    model, tok = load(str(smollm2))
+    key = (str(smollm2), None, str(smollm2))
+    ours = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "store", memory_bytes=256 << 20), owns_cache=True)
+    theirs = LRUPromptCache()
+
+    def serve(pc, tokens, max_tokens, also=None):
+        cache, rest = pc.fetch_nearest_cache(key, list(tokens))
+        if cache is None:
+            cache = make_prompt_cache(model) + make_prompt_cache(model)
+        out = []
+        for g in stream_generate(model, tok, mx.array(rest), max_tokens=max_tokens, prompt_cache=cache,
+                                 draft_model=model, num_draft_tokens=3):
+            out.append(g.token)
+            if g.finish_reason:
+                break
+        if also is not None:  # the same turn handed to another cache too (one generation, two caches)
+            also.insert_cache(key, list(tokens) + out, copy.deepcopy(cache))
+        pc.insert_cache(key, list(tokens) + out, cache)
+        return out, len(tokens) - len(rest)
+
+    try:
+        msgs = [{"role": "user", "content": "Name a colour."}]
+        p1 = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        out, _ = serve(ours, p1, 30, also=theirs)
+        reply = tok.decode(out[:-1] if out[-1] in tok.eos_token_ids else out)
+        p2 = tok.apply_chat_template(msgs + [{"role": "assistant", "content": reply},
+                                             {"role": "user", "content": "And another?"}], add_generation_prompt=True)
+        cold = [g.token for g in stream_generate(model, tok, mx.array(p2), max_tokens=4)]
+        (got, cached), (got_theirs, cached_theirs) = serve(ours, p2, 4), serve(theirs, p2, 4)
+        assert got == got_theirs == cold
+        assert len(p1) < cached <= cached_theirs <= cached + 1, (cached, cached_theirs)
+    finally:
+        ours.close()
