@@ -300,3 +300,24 @@ def test_unsupported_parameters_and_null_content_are_explicit(server, extra, sta
         else:
             assert error["param"] == name and error["code"] == "unsupported_parameter"
             assert name in error["message"] and "leave it out" in error["message"]
+
+
+# -- chat ----------------------------------------------------------------------------------------------------------
+def test_chat_resumes_each_turn_from_the_cache_and_obeys_its_commands(target, tmp_path):
+    saved = tmp_path / "conversation.json"
+    script = f"w5 w6\nw7 w8\n/save {saved}\n/reset\nw5 w6\n/nope\n"
+    out = subprocess.run([sys.executable, "-m", "spec_cache", "--cache", str(tmp_path / "store"), "chat", "--model",
+                          str(target), "--max-tokens", "5"], cwd=ROOT, env=env(tmp_path), input=script,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    replies = out.stdout.splitlines()
+    assert len(replies) == 3 and replies[0] == replies[2]  # the same first turn after /reset: the same reply
+    turns = re.findall(r"\[turn (\d+): (\d+) prompt tokens, (\d+) from the cache", out.stderr)
+    (t1, p1, c1), (t2, p2, c2), (t3, p3, c3) = [tuple(map(int, t)) for t in turns]
+    assert (t1, t2, t3) == (1, 2, 1) and c1 == 0
+    assert c2 >= p1 + 5 - 1  # turn 2 resumed past turn 1's prompt and reply (its finish checkpoint)
+    assert c3 == p3 - 1  # the first turn again: restored up to its last token
+    messages = json.loads(saved.read_text())
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[1]["content"] == replies[0] and messages[3]["content"] == replies[1]
+    assert "[new conversation]" in out.stderr and "unknown command /nope" in out.stderr

@@ -63,7 +63,7 @@ def _tenant_cell(r: dict, wide: bool = False) -> str:
 LS_NOTE = ("TENANT: - shared (no tenant); t:<label> a tenant (API key or cache_salt, each its own namespace) "
            "counted against that label's quota; t:default a tenant with no label (cache_salt, no API key).\n"
            "LMDB HITS/MISSES: lookups this store answered or could not; a lookup a running process's memory tier "
-           "answered is not counted here (serve's /metrics spec_cache_cache_hit_ratio counts every tier).")
+           "answered is not counted here (serve's /metrics spec_cache_prompt_cache_hit_ratio counts every tier).")
 
 
 def cmd_ls(args) -> int:

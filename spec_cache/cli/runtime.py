@@ -21,7 +21,7 @@ from spec_cache.gguf_cli import add_arguments as gguf_add_arguments
 from spec_cache.namespace import KVOptions
 from spec_cache.store import maintenance
 
-from . import shared
+from . import chat, shared
 from .common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -402,6 +402,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                    help="bench's own options: --quick, --json, --only SECTION..., --plot PNG")
     s.set_defaults(fn=cmd_bench)
     _add_generate(sub, common)
+    chat.register(sub, common, _add_kv_options, _add_memory_option, _temperature, _int)
     s = sub.add_parser("serve", parents=[common],
                        help="an OpenAI-compatible HTTP server on a local model, through the cache",
                        description="An OpenAI-compatible HTTP server on a local model, through the cache.")
