@@ -73,9 +73,16 @@ def main(args) -> int:
     cache_given = bool(getattr(args, "cache_given", False))
     work = tempfile.mkdtemp(prefix="spec-cache-demo-")
     cache_dir = args.cache if cache_given else os.path.join(work, "store")
+    # the identity memo of the demo's temporary models lives and dies with them (not in ~/.cache), unless the user
+    # named a memo directory
+    memo_given = "SPEC_CACHE_IDENTITY_DIR" in os.environ
+    if not memo_given:
+        os.environ["SPEC_CACHE_IDENTITY_DIR"] = os.path.join(work, "identity")
     try:
         return _main(args, method, max_tokens, work, cache_dir)
     finally:
+        if not memo_given:
+            os.environ.pop("SPEC_CACHE_IDENTITY_DIR", None)
         if keep:
             print(f"kept the work directory {work} (tiny models{'' if cache_given else ' and the store'})")
         else:

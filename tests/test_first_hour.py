@@ -321,3 +321,28 @@ def test_chat_resumes_each_turn_from_the_cache_and_obeys_its_commands(target, tm
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
     assert messages[1]["content"] == replies[0] and messages[3]["content"] == replies[1]
     assert "[new conversation]" in out.stderr and "unknown command /nope" in out.stderr
+
+
+def test_the_demo_keeps_its_models_identity_memo_in_its_own_work_directory(monkeypatch, tmp_path):
+    """The tiny demo's models are deleted at the end: their identity memo must not stay in ~/.cache."""
+    import argparse
+
+    from spec_cache import demo
+
+    monkeypatch.delenv("SPEC_CACHE_IDENTITY_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    seen = {}
+
+    def fake_main(args, method, max_tokens, work, cache_dir):
+        from spec_cache.identity import default_memo, model_identity
+        from spec_cache.tiny import write_tiny_target
+
+        seen["memo"], seen["work"] = os.environ.get("SPEC_CACHE_IDENTITY_DIR"), work
+        model_identity(write_tiny_target(Path(work) / "target", seed=1, tokenizer=False), memo=default_memo())
+        return 0
+
+    monkeypatch.setattr(demo, "_main", fake_main)
+    assert demo.main(argparse.Namespace(cache=str(tmp_path / "unused"), cache_given=False)) == 0
+    assert seen["memo"] == os.path.join(seen["work"], "identity")
+    assert "SPEC_CACHE_IDENTITY_DIR" not in os.environ and not Path(seen["work"]).exists()
+    assert not (tmp_path / "xdg").exists()  # nothing written to the user's cache
