@@ -234,6 +234,8 @@ def test_ls_tells_shared_key_and_salt_tenants_apart(tmp_path):
     rows = {line.split()[0][:2]: line.split()[1] for line in out.stdout.splitlines() if re.match(r"0[123]", line)}
     assert rows == {"01": "-", "02": "t:" + label.hex()[:8], "03": "t:default"}
     assert "LMDB HITS" in out.stdout and "memory tier" in out.stdout
+    stats = spec_cache(tmp_path, "--cache", str(tmp_path / "cache"), "stats").stdout
+    assert re.search(r"^hits +0  \(LMDB lookups answered; memory-tier hits .* not counted here\)$", stats, re.M)
 
 
 # -- serve ---------------------------------------------------------------------------------------------------------

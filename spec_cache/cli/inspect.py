@@ -95,10 +95,16 @@ def cmd_show(args) -> int:
     return EXIT_OK
 
 
+#: what the bare figures of ``stats`` count, where a reader could take them for something else
+STATS_NOTES = {"hits": "  (LMDB lookups answered; memory-tier hits of a running process are not counted here)",
+               "misses": "  (LMDB lookups not answered; a memory-tier hit may have served them)"}
+
+
 def cmd_stats(args) -> int:
     with open_store(args) as store:
         s = maintenance.stats(store)
-    human = "\n".join(f"{k:<14}{human_bytes(v) if k in SIZE_FIELDS else v}" for k, v in s.items())
+    human = "\n".join(f"{k:<14}{human_bytes(v) if k in SIZE_FIELDS else v}{STATS_NOTES.get(k, '')}"
+                      for k, v in s.items())
     human += shared.extend_stats(args, s)
     emit(args, s, human)
     return EXIT_OK
