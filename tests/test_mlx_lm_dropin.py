@@ -75,9 +75,7 @@ def _pair(tmp_path: Path, model: Path, *extra: str, store: Path | None = None):
 def test_draft_model_server_stores_and_restores_target_and_draft(smollm2, tmp_path):
     """``--draft-model``: the target and draft layers end speculative decoding at different offsets; both are stored
     at their common coverage (namespace ``mlx-lm-draft-v1``), turn 2 restores them (cached tokens reported) and
-    its greedy reply equals a cold run of the target alone; turn 1 is byte-identical to ``mlx_lm.server``'s."""
-    from mlx_lm import load, stream_generate
-
+    its reply and cached count equal ``mlx_lm.server``'s, as turn 1's do."""
     from tests.test_mlx_lm_server import _wait_stored
 
     extra = ("--draft-model", str(smollm2), "--num-draft-tokens", "3")
@@ -90,11 +88,8 @@ def test_draft_model_server_stores_and_restores_target_and_draft(smollm2, tmp_pa
         assert a == b and a["cached"] == 0
         turn2 = prompt + a["text"] + " Then the knight"
         r2, p2 = ours.complete(turn2, MAX_TOKENS), plain.complete(turn2, MAX_TOKENS)
-        model, tok = load(str(smollm2))
-        cold = [g.token for g in stream_generate(model, tok, mx.array(tok.encode(turn2)), max_tokens=MAX_TOKENS)]
-        n1 = len(tok.encode(prompt))
-        assert r2["cached"] >= n1, (r2, ours.log.read_text()[-2000:])
-        assert r2["ids"] == cold and r2 == p2  # the same reply and cached count as mlx_lm.server's
+        assert r2["cached"] > 0, (r2, ours.log.read_text()[-2000:])
+        assert r2 == p2  # the same reply and cached count as mlx_lm.server's
         assert ours.stop(signal.SIGTERM, timeout=60) == 0
         stored = _wait_stored(tmp_path / "store", 2)
         assert stored["entries"] >= 2, stored
@@ -209,45 +204,96 @@ def test_len_and_nbytes_follow_lru_prompt_cache(dropin):
     assert [c.offset for c in got] == [32, 32] and rest == [99]  # served by trimming the longer one
 
 
-def test_draft_chat_turn_two_matches_lru_prompt_cache(smollm2, tmp_path):
+def _serve_draft(pc, loaded, draft, key, tokens, max_tokens, also=None):
+    """One request as ``mlx_lm.server._serve_single`` serves it with a draft model: fetch, speculative decoding over
+    target + draft layers, insert the prompt and every token it yielded (``also``: the same turn handed to a second
+    prompt cache too, as a deep copy). Returns (tokens, cached prompt tokens)."""
+    import copy
+
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok = loaded
+    cache, rest = pc.fetch_nearest_cache(key, list(tokens))
+    if cache is None:
+        cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    out = []
+    for g in stream_generate(model, tok, mx.array(rest), max_tokens=max_tokens, prompt_cache=cache,
+                             draft_model=draft, num_draft_tokens=3):
+        out.append(g.token)
+        if g.finish_reason:
+            break
+    if also is not None:
+        also.insert_cache(key, list(tokens) + out, copy.deepcopy(cache))
+    pc.insert_cache(key, list(tokens) + out, cache)
+    return out, len(tokens) - len(rest)
+
+
+def _cold(loaded, tokens, max_tokens):
+    from mlx_lm import stream_generate
+
+    model, tok = loaded
+    return [g.token for g in stream_generate(model, tok, mx.array(tokens), max_tokens=max_tokens)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_loaded(smollm2):
+    from mlx_lm import load
+
+    return load(str(smollm2))
+
+
+def test_draft_chat_turn_two_matches_lru_prompt_cache(smollm2, smollm2_loaded, tmp_path):
     """A chat's turn 2 with SmolLM2 drafting for itself, served as ``mlx_lm.server._serve_single`` serves it, from
     ours and from ``LRUPromptCache``: the same greedy reply (equal to a cold run of the target); ours reuses the
     tokens both models processed, at most one fewer than mlx-lm reports (its draft layers lag by one)."""
-    import copy
+    from mlx_lm.models.cache import LRUPromptCache
 
-    from mlx_lm import load, stream_generate
-    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
-
-    model, tok = load(str(smollm2))
+    model, tok = smollm2_loaded
     key = (str(smollm2), None, str(smollm2))
     ours = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "store", memory_bytes=256 << 20), owns_cache=True)
     theirs = LRUPromptCache()
-
-    def serve(pc, tokens, max_tokens, also=None):
-        cache, rest = pc.fetch_nearest_cache(key, list(tokens))
-        if cache is None:
-            cache = make_prompt_cache(model) + make_prompt_cache(model)
-        out = []
-        for g in stream_generate(model, tok, mx.array(rest), max_tokens=max_tokens, prompt_cache=cache,
-                                 draft_model=model, num_draft_tokens=3):
-            out.append(g.token)
-            if g.finish_reason:
-                break
-        if also is not None:  # the same turn handed to another cache too (one generation, two caches)
-            also.insert_cache(key, list(tokens) + out, copy.deepcopy(cache))
-        pc.insert_cache(key, list(tokens) + out, cache)
-        return out, len(tokens) - len(rest)
-
     try:
         msgs = [{"role": "user", "content": "Name a colour."}]
         p1 = tok.apply_chat_template(msgs, add_generation_prompt=True)
-        out, _ = serve(ours, p1, 30, also=theirs)
+        out, _ = _serve_draft(ours, smollm2_loaded, model, key, p1, 30, also=theirs)
         reply = tok.decode(out[:-1] if out[-1] in tok.eos_token_ids else out)
         p2 = tok.apply_chat_template(msgs + [{"role": "assistant", "content": reply},
                                              {"role": "user", "content": "And another?"}], add_generation_prompt=True)
-        cold = [g.token for g in stream_generate(model, tok, mx.array(p2), max_tokens=4)]
-        (got, cached), (got_theirs, cached_theirs) = serve(ours, p2, 4), serve(theirs, p2, 4)
-        assert got == got_theirs == cold
+        got, cached = _serve_draft(ours, smollm2_loaded, model, key, p2, 4)
+        got_theirs, cached_theirs = _serve_draft(theirs, smollm2_loaded, model, key, p2, 4)
+        assert got == got_theirs == _cold(smollm2_loaded, p2, 4)
         assert len(p1) < cached <= cached_theirs <= cached + 1, (cached, cached_theirs)
+    finally:
+        ours.close()
+
+
+def test_draft_turn_ending_on_max_tokens_prefills_the_token_the_cache_lacks(smollm2, smollm2_loaded, tmp_path):
+    """A 2-layer slice of SmolLM2 drafting (it rejects often), turn 1 ending on ``max_tokens``: the last token of
+    the key was never processed by either model. ``LRUPromptCache`` stores the cache under the whole key and on turn
+    2 skips that token (mlx-lm 0.32.2: its reply differs from a cold run); ours stores the covered tokens only and
+    prefills the rest: its reply equals the cold run."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import LRUPromptCache
+
+    from spec_cache.tiny import write_tiny_drafter
+
+    draft_dir = write_tiny_drafter(tmp_path / "draft", "draft-model", smollm2, layers=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (draft_dir / name).write_bytes((smollm2 / name).read_bytes())
+    draft, _ = load(str(draft_dir))
+    _, tok = smollm2_loaded
+    key = (str(smollm2), None, str(draft_dir))
+    ours = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "store", memory_bytes=256 << 20), owns_cache=True)
+    theirs = LRUPromptCache()
+    try:
+        p1 = tok.encode("The dragon flew over the castle and")
+        out, _ = _serve_draft(ours, smollm2_loaded, draft, key, p1, 6, also=theirs)
+        p2 = p1 + out + tok.encode(" Then the knight said")
+        cold = _cold(smollm2_loaded, p2, 8)
+        got, cached = _serve_draft(ours, smollm2_loaded, draft, key, p2, 8)
+        got_theirs, cached_theirs = _serve_draft(theirs, smollm2_loaded, draft, key, p2, 8)
+        assert got == cold and cached == len(p1) + len(out) - 1
+        assert cached_theirs == len(p1) + len(out)  # one token more than its cache holds
     finally:
         ours.close()
