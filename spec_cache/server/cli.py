@@ -9,7 +9,6 @@ have them, so it works under the main CLI's common options); ``main(args) -> int
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -156,15 +155,9 @@ def _fail(message: str):
 
 
 def _context_tokens(model_dir: Path) -> int:
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return 4096
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 4096
+    from spec_cache.cli.common import context_tokens
+
+    return context_tokens(str(model_dir))
 
 
 def build_state(args):
