@@ -193,10 +193,18 @@ def test_len_and_nbytes_follow_lru_prompt_cache(dropin):
     pc, key = dropin
     theirs = LRUPromptCache()
     short, long = list(range(3, 35)), list(range(3, 67))
-    for target in (pc, theirs):
-        target.insert_cache(key, short, [_kv(32), _kv(32)])
-        target.insert_cache(key, long, [_kv(64), _kv(64)])
-    assert len(pc) == len(theirs) == 1
+    writer = pc.cache._writer
+    held = []
+    writer.submit = lambda job, nbytes: held.append((job, nbytes))  # both LMDB writes still pending, as in a server
+    try:
+        for target in (pc, theirs):
+            target.insert_cache(key, short, [_kv(32), _kv(32)])
+            target.insert_cache(key, long, [_kv(64), _kv(64)])
+        assert len(held) == 2 and len(pc) == len(theirs) == 1
+    finally:
+        del writer.submit
+        for job, nbytes in held:
+            writer.submit(job, nbytes)
     assert pc.drain(10)
     mem = pc.cache.memory.stats()
     assert mem["entries"] == 1 and pc.nbytes == mem["bytes"] == 2 * 2 * 64 * 8 * 4
