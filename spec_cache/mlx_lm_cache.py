@@ -114,7 +114,7 @@ class SpecCachePromptCache(LRUPromptCache):
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self.counters = {"fetches": 0, "hits": 0, "hit_tokens": 0, "inserts": 0, "fallback_fetches": 0,
-                         "fallback_inserts": 0, "skipped_inserts": 0}
+                         "fallback_inserts": 0}
         self.last_hit_tier: Optional[str] = None
 
     # --- namespace ------------------------------------------------------------------------------
@@ -170,16 +170,18 @@ class SpecCachePromptCache(LRUPromptCache):
         if ns is None or not _token_ids(tokens):
             self.counters["fallback_fetches"] += 1
             return super().fetch_nearest_cache(model, tokens)
-        if len(self._lru):  # entries this process kept in RAM (kinds not storable at the time)
+        ram = None
+        if len(self._lru):  # entries this process kept in RAM (their coverage or kinds could not be stored)
             cache, rest = super().fetch_nearest_cache(model, tokens)
             if cache is not None:
-                self.counters["fallback_fetches"] += 1
-                return cache, rest
-        if len(tokens) < 2:
-            return None, tokens
+                ram = cache, rest
         # at least one token left to prefill: mlx-lm's generate_step refuses an empty prompt
-        restored = self.cache.restore(ns, list(tokens[:-1]))
-        if restored is None or restored.length <= 0:
+        restored = self.cache.restore(ns, list(tokens[:-1])) if len(tokens) >= 2 else None
+        if restored is None or restored.length <= 0 or (ram is not None
+                                                        and len(tokens) - len(ram[1]) >= restored.length):
+            if ram is not None:  # the longer of the two
+                self.counters["fallback_fetches"] += 1
+                return ram
             return None, tokens
         self.counters["hits"] += 1
         self.counters["hit_tokens"] += restored.length
@@ -206,8 +208,9 @@ class SpecCachePromptCache(LRUPromptCache):
         if coverage is None:
             # the key does not say which tokens the state covers: kept in RAM as mlx-lm keeps it, never stored
             self.counters["fallback_inserts"] += 1
-            self._warn_once("coverage", f"spec-cache: a prompt cache whose layers cover different token counts "
-                                        f"came with a key of {len(tokens)} tokens; kept in RAM, not stored")
+            offsets = sorted({getattr(c, "offset", None) for c in prompt_cache}, key=str)
+            self._warn_once("coverage", f"spec-cache: which tokens a prompt cache covers cannot be told (layer "
+                                        f"offsets {offsets}, a key of {len(tokens)} tokens); kept in RAM, not stored")
             return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         covered, caches = coverage
         self.counters["inserts"] += 1

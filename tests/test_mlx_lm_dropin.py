@@ -171,7 +171,8 @@ def test_layers_at_different_offsets_are_stored_at_their_common_coverage(dropin)
 
 def test_what_cannot_be_stored_stays_in_ram_like_lru_prompt_cache(dropin):
     """A hybrid list whose attention layers disagree beside a recurrent layer (coverage unknown) is kept in RAM,
-    as ``LRUPromptCache`` keeps it, instead of being dropped; the next request reuses it."""
+    as ``LRUPromptCache`` keeps it, instead of being dropped; the next request reuses it, unless the store holds
+    a longer prefix."""
     from mlx_lm.models.cache import ArraysCache
 
     pc, key = dropin
@@ -183,6 +184,10 @@ def test_what_cannot_be_stored_stays_in_ram_like_lru_prompt_cache(dropin):
     assert len(pc) == 1 and pc.cache.memory.stats()["entries"] == 0
     got, rest = pc.fetch_nearest_cache(key, tokens + [30])
     assert got is not None and rest == [30] and isinstance(got[2], ArraysCache)
+    longer = tokens + list(range(40, 60))  # a longer stored checkpoint beats the shorter RAM entry
+    pc.insert_cache(key, longer, [_kv(40), _kv(40), _kv(40)])
+    got, rest = pc.fetch_nearest_cache(key, longer + [30])
+    assert rest == [30] and [c.offset for c in got] == [40, 40, 40]
 
 
 def test_len_and_nbytes_follow_lru_prompt_cache(dropin):
