@@ -106,15 +106,50 @@ def test_generate_checks_the_context_before_any_work(target, tmp_path):
     assert not (tmp_path / "store").exists()  # refused before the store was opened
 
 
-def test_a_gguf_file_given_as_model_points_at_convert_gguf(tmp_path):
+def test_a_gguf_file_given_to_generate_points_at_convert_gguf_and_serve_converts_it(tmp_path):
     gguf = tmp_path / "SmolLM2.Q4_1.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(60))
-    for argv in (["generate", "--model", str(gguf), "--prompt", "hi"],
-                 ["serve", "--model", str(gguf), "--port", "0"]):
-        out = spec_cache(tmp_path, "--cache", str(tmp_path / "store"), *argv)
-        assert out.returncode == 2, out.stderr
-        assert "is a GGUF file" in out.stderr and f"spec-cache convert-gguf {gguf} DIR" in out.stderr
-        assert "does not exist" not in out.stderr
+    gguf.write_bytes(b"GGUF" + bytes(60))  # not a real GGUF: generate names the converter, serve tries it
+    out = spec_cache(tmp_path, "--cache", str(tmp_path / "store"), "generate", "--model", str(gguf), "--prompt", "hi")
+    assert out.returncode == 2, out.stderr
+    assert "is a GGUF file" in out.stderr and f"spec-cache convert-gguf {gguf} DIR" in out.stderr
+    assert "does not exist" not in out.stderr
+    out = spec_cache(tmp_path, "--cache", str(tmp_path / "store"), "serve", "--model", str(gguf), "--port", "0")
+    assert out.returncode == 2, out.stderr
+    assert f"cannot convert {gguf}" in out.stderr and f"spec-cache convert-gguf {gguf} DIR" in out.stderr
+    assert "does not exist" not in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "store").exists()  # converted (here: tried) before the store opens
+
+
+def test_serve_converts_a_real_gguf_file_once_and_answers(tmp_path):
+    from spec_cache.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
+    from tests.test_server import free_port
+
+    gguf = find_smollm2_gguf()
+    if gguf is None:
+        pytest.skip(f"{SMOLLM2_FILE} absent: {INSTALL_HINT}")
+    port, log = free_port(), tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "spec_cache", "--cache", str(tmp_path / "store"), "serve",
+                             "--model", str(gguf), "--port", str(port)], cwd=ROOT,
+                            env=dict(env(tmp_path), XDG_CACHE_HOME=str(tmp_path / "xdg")), stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline, url = time.monotonic() + 120, f"http://127.0.0.1:{port}"
+        while time.monotonic() < deadline and "ready: model" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        name = gguf.name[: -len(".gguf")]
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == name
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    text = log.read_text()
+    assert f"converting {gguf.name}" in text and "converted into" in text
+    assert any((tmp_path / "xdg" / "spec-cache" / "models").iterdir())
 
 
 def _read_some(proc: subprocess.Popen, deadline: float) -> bytes:

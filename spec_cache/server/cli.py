@@ -46,7 +46,8 @@ def _has(parser: argparse.ArgumentParser, option: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` options."""
     parser.add_argument("--model", required=True, metavar="DIR", help="target model directory (mlx-lm layout, "
-                        "with its tokenizer files)")
+                        "with its tokenizer files), or a llama-family / gemma3 GGUF file (converted once under "
+                        "$XDG_CACHE_HOME/spec-cache/models, as convert-gguf does)")
     parser.add_argument("--model-id", metavar="NAME", help="the model name clients send (default: the directory's "
                         "name)")
     parser.add_argument("--drafter", metavar="DIR", help="drafter directory")
@@ -177,9 +178,9 @@ def build_state(args):
     from .metrics import Metrics
     from .scheduler import Scheduler
 
-    model_dir = Path(args.model)
     check_args(args)
     log = logging.getLogger("spec_cache.server")
+    model_dir, default_id = _model_dir(args.model, log)
     keys = list(args.api_key)
     if os.environ.get("SPEC_CACHE_API_KEY"):
         keys.append(os.environ["SPEC_CACHE_API_KEY"])
@@ -233,7 +234,7 @@ def build_state(args):
     granularity = args.cached_tokens_granularity
     if granularity == "chunk":
         granularity = cache.store.chunk_tokens if cache is not None else 1
-    config = ServerConfig(model_id=args.model_id or model_dir.resolve().name, context_tokens=_context_tokens(model_dir),
+    config = ServerConfig(model_id=args.model_id or default_id, context_tokens=_context_tokens(model_dir),
                           max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
                           default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes,
                           cached_tokens_granularity=granularity)
@@ -242,6 +243,28 @@ def build_state(args):
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
                        auth=Auth(keys, operator_keys), metrics=metrics, cache=cache,
                        store_path=None if cache is None else os.path.abspath(path))
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def _model_dir(model: str, log) -> tuple[Path, str]:
+    """The mlx-lm directory to load and the default model id: ``model`` itself, or for a GGUF file its conversion
+    (made once under ``$XDG_CACHE_HOME/spec-cache/models``, as ``demo --real`` does; progress logged) and the
+    file's name without ``.gguf``."""
+    if not _is_gguf(model):
+        return Path(model), Path(model).resolve().name
+    from spec_cache.demo_real import converted_model, resolve_weights
+
+    gguf = Path(model)
+    try:
+        out = converted_model(gguf, resolve_weights("auto"), progress=lambda m: log.info("spec-cache serve: %s", m))
+    except (ValueError, OSError) as exc:  # UnsupportedGGUF is a ValueError
+        raise _fail(f"cannot convert {gguf}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
+                    f"(spec-cache convert-gguf {gguf} DIR, then --model DIR, gives the converter's options)") from None
+    log.info("spec-cache serve: %s converted into %s (reused by later starts)", gguf.name, out)
+    return out, gguf.name[: -len(".gguf")]
 
 
 def _human(n: int) -> str:
@@ -264,7 +287,7 @@ def check_args(args) -> None:
     ``CliError``."""
     from spec_cache.cli.common import model_dir_problem
 
-    problem = model_dir_problem(args.model, "model")
+    problem = None if _is_gguf(args.model) else model_dir_problem(args.model, "model")
     if problem is None and args.drafter is not None and args.drafter != "ngram":
         problem = model_dir_problem(args.drafter, "drafter")
     if problem is not None:
