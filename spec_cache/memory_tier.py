@@ -303,17 +303,16 @@ class MemoryTier:
 
     def sequences(self) -> tuple[int, int]:
         """``(entries, bytes)`` without the entries a longer one supersedes once their LMDB write is done (what
-        mlx-lm's ``LRUPromptCache`` counts: it drops a trimmable entry's prefixes at once)."""
+        mlx-lm's ``LRUPromptCache`` counts: it drops a trimmable entry's prefixes at once). Only entries still
+        waiting for LMDB can be such (``put`` and ``mark_durable`` drop the others), so few are compared."""
         with self._lock:
-            n, nbytes = 0, 0
+            n, nbytes = len(self._entries), self.bytes
             for ns in self._by_ns.values():
-                held = list(ns.values())
-                for e in held:
-                    if not (e.trimmable and not e.pinned and not e.drafters and any(
-                            o.trimmable and o.length > e.length and o.minimum_reusable == e.minimum_reusable
-                            and e.length >= o.minimum_reusable and _lcp(o.tokens, e.tokens) == e.length
-                            for o in held)):
-                        n, nbytes = n + 1, nbytes + e.nbytes
+                for e in [e for e in ns.values() if not e.durable and e.trimmable and not e.pinned and not e.drafters]:
+                    if any(o.trimmable and o.length > e.length and o.minimum_reusable == e.minimum_reusable
+                           and e.length >= o.minimum_reusable and _lcp(o.tokens, e.tokens) == e.length
+                           for o in ns.values()):
+                        n, nbytes = n - 1, nbytes - e.nbytes
             return n, nbytes
 
     # --- internals -------------------------------------------------------------------------------
