@@ -204,9 +204,9 @@ class MemoryTier:
         """The cold tier holds ``entry`` now (or never will): it may be evicted from here."""
         with self._lock:
             entry.durable = True
-            for other in list(self._by_ns.get(entry.ns_key, {}).values()):  # longer ones put while it was pending
-                if other.trimmable and other.length > entry.length and other.key in self._entries:
-                    self._supersede(other)
+            if entry.key in self._entries and _superseded(entry, self._by_ns.get(entry.ns_key, {}).values()):
+                self._remove(entry)  # a longer entry put while its write was pending serves it by trimming
+                self.counters["superseded"] += 1
             self._evict_to(self.budget_bytes)
 
     def pin(self, ns_key: bytes, tokens: Sequence[int], pinned: bool = True) -> bool:
@@ -308,10 +308,8 @@ class MemoryTier:
         with self._lock:
             n, nbytes = len(self._entries), self.bytes
             for ns in self._by_ns.values():
-                for e in [e for e in ns.values() if not e.durable and e.trimmable and not e.pinned and not e.drafters]:
-                    if any(o.trimmable and o.length > e.length and o.minimum_reusable == e.minimum_reusable
-                           and e.length >= o.minimum_reusable and _lcp(o.tokens, e.tokens) == e.length
-                           for o in ns.values()):
+                for e in [e for e in ns.values() if not e.durable]:
+                    if _superseded(e, ns.values()):
                         n, nbytes = n - 1, nbytes - e.nbytes
             return n, nbytes
 
@@ -407,6 +405,15 @@ class MemoryTier:
             if entry.durable and not entry.pinned:
                 self._remove(entry)
                 self.counters["demoted"] += 1
+
+
+def _superseded(entry: _Entry, held) -> bool:
+    """Whether a longer trimmable entry of ``held`` (its namespace) serves ``entry`` by trimming (``_supersede``'s
+    rule, durability aside)."""
+    if not entry.trimmable or entry.pinned or entry.drafters:
+        return False
+    return any(o.trimmable and o.length > entry.length and o.minimum_reusable == entry.minimum_reusable
+               and entry.length >= o.minimum_reusable and _lcp(o.tokens, entry.tokens) == entry.length for o in held)
 
 
 def _candidates(entry: _Entry, query: np.ndarray, drafter_namespace: str | None):
