@@ -162,7 +162,8 @@ def test_the_exit_drain_publishes_to_the_shared_tier(tmp_path, monkeypatch):
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "queued"
         with SpecCache.open(tmp_path / "b", shared=server.url, chunk_tokens=16, memory_bytes=0,
-                            shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0}) as other:
+                            shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0,
+                                            "lookup_budget_s": 10.0}) as other:
             ns = other.namespace("ab" * 32, "{}")
             for i in range(3):
                 hit = other.restore(ns, [3 + i] * 32 + [1])
