@@ -211,7 +211,7 @@ def server_argv(kind: str, model: str, store: str) -> list[str]:
         return ["spec_cache.mlx_lm_server", "--model", model, "--cache", store]
     if kind == "serve":
         return ["spec_cache.server", "--model", model, "--model-id", MODEL_NAME, "--cache", store,
-                "--log-level", "warning"]
+                "--log-level", "warning", "--cached-tokens-granularity", "1"]  # exact counts, as mlx-lm reports
     raise ValueError(kind)
 
 
