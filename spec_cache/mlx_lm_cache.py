@@ -27,10 +27,12 @@ A restored ``KVCache``'s ``state`` (keys, values) holds exactly ``offset`` rows,
 copy) hold a buffer padded to a multiple of 256; generation reads only the first ``offset`` rows and grows the
 buffer on the next write either way, so replies do not change.
 
-With ``--draft-model``, a restore reuses the tokens *both* models have processed: when the draft model accepted
-every drafted token of the last round, its layers are one token behind the target's, and ``mlx_lm.server``
-reports (and reuses for the target) one cached token more than this cache does; the reply is the same (the extra
-token is prefilled).
+With ``--draft-model``, a restore reuses the tokens *both* models have processed. When a new prompt extends a
+whole previous turn, ``mlx_lm.server`` counts the turn's key instead: when the draft model accepted every drafted
+token of the last round (its layers one token behind the target's) it reports one cached token more than this
+cache does, with the same reply (the extra token is prefilled here); when the last round ended on a rejected
+token, the key's last token was processed by neither model and mlx-lm 0.32.2 still counts it as cached and never
+processes it (its reply can differ from an uncached run; this cache prefills it).
 
 The namespace of a model key ``(model_path, adapter_path, draft_model_path)`` is the model's artifact identity
 (``spec_cache.identity.model_identity`` of the directory mlx-lm loaded), the adapter stack's namespace, the KV
