@@ -4,9 +4,11 @@
 [--tenant SALT]`` runs ``mlx_lm.server``'s own ``main`` (its argument parser, its HTTP handler, its batching)
 with one thing changed: the prompt cache it builds in ``run`` is a
 :class:`spec_cache.mlx_lm_cache.SpecCachePromptCache` (memory tier, LMDB store at ``--cache``, the shared tier
-at ``--shared``) instead of the in-RAM ``LRUPromptCache``. Two names in ``mlx_lm.server`` are patched while it
-runs, and restored after: ``LRUPromptCache`` (the class ``run`` instantiates) and ``run`` (wrapped, to read the
-server's KV options from its parsed arguments and to close the cache after the server stops).
+at ``--shared``) instead of the in-RAM ``LRUPromptCache``. Three names in ``mlx_lm.server`` are patched while it
+runs, and restored after: ``LRUPromptCache`` (the class ``run`` instantiates), ``run`` (wrapped, to read the
+server's KV options from its parsed arguments and to close the cache after the server stops) and
+``scan_cache_dir`` (no Hugging Face cache lists nothing instead of breaking ``/v1/models``); the model provider
+also answers to the served model's own names (its directory's name, the path ``/v1/models`` lists).
 
 Shutdown: SIGINT or SIGTERM stops the HTTP server the way mlx-lm handles Ctrl-C (``httpd.shutdown()``, the
 generation thread joined), then the cache is closed: queued checkpoints are written to LMDB (and published to the
@@ -140,7 +142,7 @@ class patched_server:
         import mlx_lm.server as server
 
         self._server = server
-        self._saved = (server.run, server.LRUPromptCache)
+        self._saved = (server.run, server.LRUPromptCache, server.scan_cache_dir)
         original_run = server.run
         launcher = self
 
@@ -171,10 +173,12 @@ class patched_server:
                 return prompt_cache
 
             server.LRUPromptCache = make
+            server.scan_cache_dir = _without_hub_cache(launcher._saved[2])
+            _alias_served_model(model_provider)
             try:
                 return original_run(host, port, model_provider, *args, **kwargs)
             finally:
-                server.LRUPromptCache = launcher._saved[1]
+                server.LRUPromptCache, server.scan_cache_dir = launcher._saved[1], launcher._saved[2]
                 log.info("spec-cache: writing queued prompt caches to %s", launcher.path)
                 store.close()
 
@@ -182,8 +186,41 @@ class patched_server:
         return self
 
     def __exit__(self, *exc):
-        self._server.run, self._server.LRUPromptCache = self._saved
+        self._server.run, self._server.LRUPromptCache, self._server.scan_cache_dir = self._saved
         return False
+
+
+def _without_hub_cache(scan):
+    """``mlx_lm.server``'s ``/v1/models`` lists the Hugging Face cache, and with no cache folder ``scan_cache_dir``
+    raises after the headers went out (an empty body): no cache is an empty list, so the served model is listed."""
+
+    def scan_or_nothing(*args, **kwargs):
+        try:
+            return scan(*args, **kwargs)
+        except Exception as exc:  # CacheNotFound, an unreadable folder: nothing downloaded to list
+            log.debug("spec-cache: no Hugging Face cache to list (%s)", exc)
+            return _NoRepos()
+
+    return scan_or_nothing
+
+
+class _NoRepos:
+    repos: tuple = ()
+
+
+def _alias_served_model(model_provider) -> None:
+    """Requests may name the served model as ``/v1/models`` lists it (its resolved path), by its directory's name
+    or as given on the command line: each is the default model, never a Hub download."""
+    from pathlib import Path
+
+    model = getattr(model_provider.cli_args, "model", None)
+    maps = [getattr(model_provider, name, None) for name in ("_model_map", "_adapter_map")]
+    if model is None or any(m is None or "default_model" not in m for m in maps):
+        return  # not the ModelProvider this was written against: leave its names alone
+    path = Path(model)
+    for name in {model, path.name, str(path.resolve()) if path.exists() else model}:
+        for m in maps:
+            m.setdefault(name, m["default_model"])
 
 
 def _warm_namespace(prompt_cache, key) -> None:

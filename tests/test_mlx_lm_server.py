@@ -423,3 +423,31 @@ def test_server_restart_serves_the_prefix_from_the_store(loaded, model_dir, tmp_
     finally:
         for s in servers:
             s.stop(signal.SIGKILL)
+
+
+def test_models_route_and_the_served_models_own_name_need_no_hub(loaded, model_dir, tmp_path, monkeypatch):
+    """With no Hugging Face cache at all, ``GET /v1/models`` is a JSON list holding the served model (mlx_lm.server
+    answered an empty body), and a request naming the model by its directory's name or its listed id is served
+    by that model (mlx_lm.server tried to download it from the Hub)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "no-hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, tok = loaded
+    ours = Server(["spec_cache.mlx_lm_server", "--model", str(model_dir), "--cache", str(tmp_path / "store")],
+                  tmp_path / "ours.log")
+    try:
+        ours.wait_ready()
+        with urllib.request.urlopen(f"http://127.0.0.1:{ours.port}/v1/models", timeout=30) as r:
+            listed = [m["id"] for m in json.loads(r.read())["data"]]
+        assert str(model_dir.resolve()) in listed, listed
+        prompt = _prompt_text(20)
+        cold = _greedy(loaded, tok.encode(prompt))
+        for name in (model_dir.name, str(model_dir.resolve())):
+            body = json.dumps({"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                               "logprobs": True})
+            req = urllib.request.Request(f"http://127.0.0.1:{ours.port}/v1/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                d = json.loads(r.read())
+            assert [c["id"] for c in d["choices"][0]["logprobs"]["content"]] == cold, (name, d)
+    finally:
+        ours.stop(signal.SIGKILL)
