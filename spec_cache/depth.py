@@ -75,36 +75,48 @@ class RowAcceptance:
 
 
 class _WidthCosts:
-    """Running seconds per key (window width, or draft depth) for one batch size."""
+    """Running seconds per key (window width, or draft depth) for one batch size.
+
+    A key's first measurement is a warm-up (a new window shape compiles kernels and allocates buffers: on a GPU
+    the first width-2 round costs many plain rounds): it is used only while no key has two measurements, and the
+    second measurement replaces it outright. Trusting it froze adaptive depth at 0 for good (issue 28: the
+    controller extrapolated the spike to every deeper width, so not even a probe could pay)."""
 
     def __init__(self, smoothing: float, prior_slope: float) -> None:
         self.seconds: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
         self.smoothing = smoothing
         self.prior_slope = prior_slope
 
     def observe(self, key: int, seconds: float) -> None:
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        old, count = self.seconds.get(key), self.counts.get(key, 0)
+        self.seconds[key] = seconds if count <= 1 else old + self.smoothing * (seconds - old)
+        self.counts[key] = count + 1
+
+    def _known(self) -> dict[int, float]:
+        trusted = {k: v for k, v in self.seconds.items() if self.counts[k] >= 2}
+        return trusted or self.seconds
 
     def estimate(self, key: int) -> float:
-        if key in self.seconds:
-            return self.seconds[key]
-        below = sorted(k for k in self.seconds if k < key)
-        above = sorted(k for k in self.seconds if k > key)
+        known = self._known()
+        if key in known:
+            return known[key]
+        below = sorted(k for k in known if k < key)
+        above = sorted(k for k in known if k > key)
         if below and above:
             k0, k1 = below[-1], above[0]
-            c0, c1 = self.seconds[k0], self.seconds[k1]
+            c0, c1 = known[k0], known[k1]
             return c0 + (c1 - c0) * (key - k0) / (k1 - k0)
         if below:
             k1 = below[-1]
             if len(below) >= 2:
                 k0 = below[-2]
-                slope = max(0.0, (self.seconds[k1] - self.seconds[k0]) / (k1 - k0))
+                slope = max(0.0, (known[k1] - known[k0]) / (k1 - k0))
             else:
-                slope = self.prior_slope * self.seconds[k1] / max(k1, 1)
-            return self.seconds[k1] + slope * (key - k1)
+                slope = self.prior_slope * known[k1] / max(k1, 1)
+            return known[k1] + slope * (key - k1)
         k1 = above[0]  # only larger keys measured: assume cost proportional to the key below them
-        return self.seconds[k1] * max(key, 0) / k1
+        return known[k1] * max(key, 0) / k1
 
 
 class CostTable:

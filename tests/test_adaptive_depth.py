@@ -208,9 +208,11 @@ def test_compute_bound_target_decodes_no_slower_than_plain(tiny, monkeypatch):
     fixed, _, _ = modelled_seconds(tiny, monkeypatch, "draft-model", linear, adaptive=False)
     adaptive, engine, results = modelled_seconds(tiny, monkeypatch, "draft-model", linear)
     assert fixed > 1.3 * plain  # drafting at depth 4 loses here (acceptance is partial)
-    assert adaptive <= 1.05 * plain  # one exploring round at most
-    assert engine.depth.rounds_at_depth[0] >= sum(engine.depth.rounds_at_depth.values()) - 1
-    assert sum(r.drafted for r in results) <= len(PROMPTS)  # that one round, depth 1
+    assert adaptive <= 1.1 * plain  # two exploring rounds at most
+    # the first round at a new width is a warm-up (kernels compile): its cost is measured once more before the
+    # controller trusts it (tests/test_copy_drafting.py: trusting a warm-up spike froze the depth at 0)
+    assert engine.depth.rounds_at_depth[0] >= sum(engine.depth.rounds_at_depth.values()) - 2
+    assert sum(r.drafted for r in results) <= 2 * len(PROMPTS)  # those two rounds, depth 1
 
 
 def test_cheap_verify_windows_draft_deep_with_an_accepting_drafter(tiny, monkeypatch):
@@ -263,3 +265,6 @@ def test_drafting_bench_reports_every_drafter_with_and_without_adaptation():
         accepted, drafted = map(int, row["fixed_acceptance"].split("/"))
         assert 0 <= accepted <= drafted
     assert figures["drafting_vs_plain_best"] >= figures["drafting_vs_plain_ngram"] > 0
+    copy = figures["copy"]["ngram"]  # the copy workload: ngram only, tokens checked against plain as above
+    assert figures["drafting_copy_ngram"] == copy["adaptive_vs_plain_cpu"] > 0
+    assert "drafting_copy_ngram_fixed" in figures and figures["copy"]["variant"] == "tiny"

@@ -157,7 +157,7 @@ def _run(quick: bool, sections: list[str] | None, log) -> dict:
         log("drafting vs plain decoding (adaptive depth; SmolLM2 chats when installed) ...")
         r = drafting.run(**cfg["drafting"])
         details["drafting"] = r
-        figures.update({k: v for k, v in r.items() if k.startswith("drafting_vs_plain_")})
+        figures.update({k: v for k, v in r.items() if k.startswith(("drafting_vs_plain_", "drafting_copy_"))})
     goals = {}
     for name, value in figures.items():
         if name in GOALS:

