@@ -8,6 +8,9 @@ subclass with the same methods, signatures and return shapes (checked against th
   mlx-lm cache objects (new array objects over the held ones: whatever the server does to them, stored state
   never changes); ``rest_tokens`` are the tokens the caller still has to prefill, never empty (mlx-lm's
   ``generate_step`` refuses an empty prompt, and its own cache trims a longer entry to ``len(tokens) - 1`` too).
+  While LMDB can hold nothing the memory tier lacks (no shared tier, the namespace empty in LMDB when this process
+  first met it, no memory-tier entry evicted, demoted or refused since), the memory tier alone answers: no LMDB
+  lookup, so a fetch never waits for the write-behind thread's commit (it holds the store's lock).
 * ``insert_cache(model_key, tokens, prompt_cache, *, cache_type=...)``: the checkpoint enters the memory tier at
   once and is written to LMDB behind the request (``SpecCache.save(..., background=True)``), keyed by the
   tokens the cache really covers: the layers' offset; with ``--draft-model`` (target and draft layers left at
@@ -58,7 +61,7 @@ from typing import Any, List, Optional, Sequence
 
 from mlx_lm.models.cache import LRUPromptCache
 
-from .cache import SpecCache
+from .cache import RestoredPrefix, SpecCache
 from .namespace import KVOptions, drafter_namespace, resolve_prefix_namespace
 
 log = logging.getLogger("spec_cache.mlx_lm")
@@ -112,6 +115,7 @@ class SpecCachePromptCache(LRUPromptCache):
         self.tenant = tenant
         self.owns_cache = owns_cache
         self._ns: dict[Any, Optional[bytes]] = {}  # model key -> namespace key (None: in-RAM fallback)
+        self._fresh: dict[bytes, tuple] = {}  # namespace -> memory-tier drop counters when LMDB held none of it
         self._ram_models: set = set()  # model keys whose cache kinds cannot be stored
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -151,7 +155,11 @@ class SpecCachePromptCache(LRUPromptCache):
                 provider = SimpleNamespace(namespace=drafter_namespace(DRAFT_SCHEMA, draft_identity),
                                            supports_target_adapters=True)
             prefix = resolve_prefix_namespace(provider, stack, self.kv_options)
-            return self.cache.namespace(identity, prefix, self.tenant)
+            ns = self.cache.namespace(identity, prefix, self.tenant)
+            info = self.cache.store.namespace_info(ns)
+            if info is not None and info.entries == 0:  # nothing in LMDB yet: the memory tier sees all it gets
+                self._fresh.setdefault(ns, _dropped(self.cache.memory))
+            return ns
         except Exception as exc:  # an unidentifiable model never stops the server: it keeps the RAM cache
             self._warn_once(f"ns:{model!r}", f"spec-cache: cannot identify model {model_path!r} ({exc}); "
                                              "its prompt caches stay in RAM")
@@ -178,7 +186,7 @@ class SpecCachePromptCache(LRUPromptCache):
             if cache is not None:
                 ram = cache, rest
         # at least one token left to prefill: mlx-lm's generate_step refuses an empty prompt
-        restored = self.cache.restore(ns, list(tokens[:-1])) if len(tokens) >= 2 else None
+        restored = self._restore(ns, list(tokens[:-1])) if len(tokens) >= 2 else None
         if restored is None or restored.length <= 0 or (ram is not None
                                                         and len(tokens) - len(ram[1]) >= restored.length):
             if ram is not None:  # the longer of the two
@@ -189,6 +197,35 @@ class SpecCachePromptCache(LRUPromptCache):
         self.counters["hit_tokens"] += restored.length
         self.last_hit_tier = restored.tier
         return list(restored.caches), tokens[restored.length:]
+
+    def _restore(self, ns: bytes, tokens: List[int]):
+        """The longest stored prefix: from the memory tier alone while it holds everything LMDB could give (see
+        :meth:`_memory_complete`), else ``SpecCache.restore`` (memory tier, then LMDB, then the shared tier).
+
+        Why: an LMDB lookup takes the store's lock, which the write-behind thread holds for a whole commit (the
+        previous turn's checkpoint, ~0.5 s for 256 MiB on an H200): the next request's fetch waited for it."""
+        if not self._memory_complete(ns):
+            return self.cache.restore(ns, tokens)
+        if self.cache.closed:
+            return None
+        memory = self.cache.memory
+        hit = memory.lookup(ns, tokens)
+        if not self._memory_complete(ns):  # the lookup itself demoted an idle entry: LMDB may hold more now
+            return self.cache.restore(ns, tokens)
+        if hit is None:
+            return None
+        caches, _ = memory.take(hit)
+        return RestoredPrefix(hit.length, caches, None, [], tier="memory")
+
+    def _memory_complete(self, ns: bytes) -> bool:
+        """Whether LMDB can hold no prefix of namespace ``ns`` the memory tier lacks: no shared tier, the namespace
+        held no entry when this process first resolved it, and the memory tier has not let go of an entry since
+        (evicted, demoted, refused; a superseded one is served by its longer entry). Another process writing the
+        same store directory meanwhile is not seen: its entries serve after this one restarts (or evicts)."""
+        if self.cache.shared is not None or self.cache.memory.budget_bytes == 0:
+            return False
+        baseline = self._fresh.get(ns)
+        return baseline is not None and baseline == _dropped(self.cache.memory)
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *,
                      cache_type: str = "assistant"):
@@ -243,6 +280,12 @@ class SpecCachePromptCache(LRUPromptCache):
             self.cache.close()
         else:
             self.cache.drain()
+
+
+def _dropped(memory) -> tuple:
+    """The memory tier's counters of entries it let go of (LMDB may hold them; the memory tier no longer does)."""
+    c = memory.counters
+    return c["evicted"], c["demoted"], c["reclaimed"], c["refused"]
 
 
 def _token_ids(tokens: Sequence[Any]) -> bool:
