@@ -67,6 +67,7 @@ def hosts(tmp_path):
     def host(name, url, **options):
         options.setdefault("timeout_s", 2.0)
         options.setdefault("connect_timeout_s", 2.0)
+        options.setdefault("lookup_budget_s", 10.0)  # the budget tests below set their own; the rest check contents
         options.setdefault("backoff_s", 0.05)
         cache = SpecCache.open(tmp_path / name, shared=url, shared_options=options, chunk_tokens=C, durable=False)
         opened.append(cache)
