@@ -119,7 +119,10 @@ def test_speculative_equals_plain_greedy(tiny, monkeypatch, adaptive):  # noqa: 
     for prompt, result in zip(PROMPTS, results):
         assert result.tokens == plain_greedy(tiny.target, prompt, MAX)
     if adaptive:
-        assert engine.depth.rounds_at_depth[0] >= MAX - 2
+        # two exploring rounds at depth 1: a width's first (warm-up) cost is measured once more before it is
+        # trusted (spec_cache/depth.py; tests/test_adaptive_depth.py holds the same bound)
+        rounds = engine.depth.rounds_at_depth
+        assert rounds[0] >= sum(rounds.values()) - 2 and rounds.get(1, 0) <= 2, dict(rounds)
     else:
         assert sum(r.drafted for r in results) > 0
 
