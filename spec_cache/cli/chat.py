@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import EXIT_INTERRUPTED, EXIT_OK, CliError, context_tokens, model_dir_problem
+from .common import EXIT_INTERRUPTED, EXIT_OK, CliError, context_tokens, model_args_problem
 
 HELP = "commands: /reset (new conversation), /save FILE (conversation as JSON), /quit (or Ctrl-D)"
 
@@ -89,13 +89,9 @@ def cmd_chat(args) -> int:
     from .runtime import _kv_options, _load_tokenizer, open_cache
 
     kv = _kv_options(args)
-    problem = model_dir_problem(args.model, "model")
-    if problem is None and args.drafter is not None and args.drafter != "ngram":
-        problem = model_dir_problem(args.drafter, "drafter")
+    problem = model_args_problem(args.model, args.drafter, args.method)
     if problem is not None:
         raise CliError(problem)
-    if args.method not in (None, "ngram") and args.drafter is None:
-        raise CliError(f"--method {args.method} needs --drafter DIR")
     tokenizer = _load_tokenizer(args.model)
     from spec_cache.generator import Generator, has_chat_template  # loads MLX
 

@@ -197,6 +197,23 @@ def model_dir_problem(path: str, what: str = "model") -> str | None:
     return f"{what} directory {path} does not exist"
 
 
+def model_args_problem(model: str | None, drafter: str | None, method: str | None,
+                       adapters: list[str] | tuple = ()) -> str | None:
+    """The first problem of a command's ``--model`` (None: not checked), ``--drafter``, ``--adapter`` and
+    ``--method`` (one line), or None; ``generate``, ``chat`` and ``serve`` check the same way."""
+    problem = None if model is None else model_dir_problem(model, "model")
+    if problem is None and drafter is not None and drafter != "ngram":
+        problem = model_dir_problem(drafter, "drafter")
+    if problem is not None:
+        return problem
+    for path in adapters:
+        if not os.path.isdir(path):
+            return f"adapter directory {path} does not exist"
+    if method not in (None, "ngram") and drafter is None:
+        return f"--method {method} needs --drafter DIR"
+    return None
+
+
 def context_tokens(model_dir: str, default: int = 4096) -> int:
     """The model's context length from its ``config.json`` (``max_position_embeddings`` and its aliases)."""
     try:

@@ -29,7 +29,7 @@ from .common import (
     context_tokens,
     emit,
     fraction,
-    model_dir_problem,
+    model_args_problem,
     non_negative_int,
     open_store,
     parse_size,
@@ -84,16 +84,9 @@ def _prompt_file(path: str) -> list[str]:
 
 
 def _check_generate_args(args) -> None:
-    problem = model_dir_problem(args.model, "model")
-    if problem is None and args.drafter is not None and args.drafter != "ngram":
-        problem = model_dir_problem(args.drafter, "drafter")
+    problem = model_args_problem(args.model, args.drafter, args.method, args.adapter)
     if problem is not None:
         raise CliError(problem)
-    for path in args.adapter:
-        if not os.path.isdir(path):
-            raise CliError(f"adapter directory {path} does not exist")
-    if args.method not in (None, "ngram") and args.drafter is None:
-        raise CliError(f"--method {args.method} needs --drafter DIR")
     if not (args.prompt or args.prompt_file or args.tokens):
         raise CliError("generate needs a prompt: --prompt TEXT, --prompt-file FILE or --tokens IDS|FILE")
 

@@ -285,15 +285,11 @@ def _access(keys: list, operator_keys: list) -> str:
 def check_args(args) -> None:
     """The checks ``main`` makes before it listens (a missing directory, a method without its drafter):
     ``CliError``."""
-    from spec_cache.cli.common import model_dir_problem
+    from spec_cache.cli.common import model_args_problem
 
-    problem = None if _is_gguf(args.model) else model_dir_problem(args.model, "model")
-    if problem is None and args.drafter is not None and args.drafter != "ngram":
-        problem = model_dir_problem(args.drafter, "drafter")
+    problem = model_args_problem(None if _is_gguf(args.model) else args.model, args.drafter, args.method)
     if problem is not None:
         raise _fail(problem)
-    if args.method not in (None, "ngram") and args.drafter is None:
-        raise _fail(f"--method {args.method} needs --drafter DIR")
 
 
 def listen(host: str, port: int, backlog: int):
