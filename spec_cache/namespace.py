@@ -10,9 +10,12 @@ Three kinds of namespace string live here:
   is JavaScript ``JSON.stringify``; so this module carries an exact ``JSON.stringify`` (:func:`js_json_dumps`)
   and an exact ``Number.prototype.toString`` (:func:`js_number_to_string`).
 
-Capture and the namespace are pure and total over their types: they write whatever mlx-bun would write (a
-``kvConfig`` naming a layer twice, a zero group size) and refuse only what cannot be written exactly (non-ints,
-ints beyond 2**53 - 1). Whether options can *run* is :func:`check_runnable`'s question, asked at execution.
+Capture and the namespace are pure and total over the seed's types: they write whatever mlx-bun would write for
+any JavaScript number (``kvGroupSize: 64.0`` is ``64``, ``kvBits: 4.5`` is ``4.5``, NaN and infinities are
+``null``, an int beyond 2**53 is the double JavaScript holds), an explicit ``null`` inside a ``kvConfig`` entry, a
+``kvConfig`` naming a layer twice, a zero group size; they refuse only what is no number (str, bool), or where
+JavaScript itself leaves the bytes undefined (a NaN ``layerIdx`` among several layers: ``Array.sort``'s order is then
+implementation-defined). Whether options can *run* is :func:`check_runnable`'s question, asked at execution.
 :func:`resolve_prefix_namespace` is the one way from (drafter provider, adapter stack, options) to the prefix
 namespace; ``Generator.load`` and the mlx-lm import both use it.
 
@@ -29,11 +32,12 @@ kept in one file on purpose, so that one reading shows every byte a stored entry
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import blake3
 
@@ -47,6 +51,7 @@ __all__ = [
     "KVOptions",
     "adapter_namespace",
     "GLM52_NATIVE_MTP_NAMESPACE",
+    "JS_NULL",
     "cached_drafter_namespace",
     "capture_options",
     "check_runnable",
@@ -63,12 +68,74 @@ __all__ = [
 
 #: The group size the prefix namespace writes when ``kv_group_size`` is None (mlx-bun: ``kvGroupSize ?? 64``).
 DEFAULT_KV_GROUP_SIZE = 64
-#: Integer KV fields must stay exact as JavaScript numbers, or two settings could share one namespace.
+#: The largest int a JavaScript number holds exactly (namespace fields beyond it are written as the double).
 MAX_SAFE_INTEGER = 2**53 - 1
 
 
 # ---------------------------------------------------------------------------------------------------------
 # KV quantization options, captured when a request is bound
+
+class _JSNull:
+    """JavaScript's ``null`` where it differs from an absent key: ``{layerIdx: 0, bits: null}`` writes
+    ``"bits":null``, ``{layerIdx: 0}`` writes nothing for bits. A singleton (:data:`JS_NULL`)."""
+
+    _instance: _JSNull | None = None
+
+    def __new__(cls) -> _JSNull:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "JS_NULL"
+
+    def __reduce__(self) -> str:
+        return "JS_NULL"
+
+
+#: An explicit ``null`` in a ``kvConfig`` entry's ``bits`` / ``groupSize`` (None there means the key is absent).
+JS_NULL = _JSNull()
+
+#: What a KV option field holds after capture: the JavaScript double of the number given, as an int when it is
+#: integral (``64.0`` -> 64, ``2**53 + 1`` -> 2**53), else a float (4.5, NaN, +-inf).
+KVNumber = Union[int, float]
+
+
+def _js_number(label: str, value: Any) -> KVNumber:
+    """``value`` as the number JavaScript would hold: the nearest double, as an int when integral and finite.
+
+    Refuses bool and anything that is not a real number (TypeError naming ``label``): the seed's types say
+    ``number``. Every number is accepted; whether it can run is :func:`check_runnable`'s question.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{label} must be a number (int or float), not {type(value).__name__}")
+    if isinstance(value, numbers.Integral):
+        try:
+            double = float(int(value))
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
+    else:
+        double = float(value)
+    if math.isfinite(double) and double.is_integer():
+        return int(double)
+    return double
+
+
+def _optional_js_number(label: str, value: Any) -> KVNumber | None:
+    return None if value is None else _js_number(label, value)
+
+
+def _layer_field(label: str, value: Any) -> KVNumber | _JSNull | None:
+    """A ``kvConfig`` entry's ``bits`` / ``groupSize``: absent (None), an explicit null (:data:`JS_NULL`), a number."""
+    if value is None or value is JS_NULL:
+        return value
+    return _js_number(label, value)
+
+
+def _json_number(value: KVNumber) -> str:
+    """A captured number as ``JSON.stringify`` writes it (non-finite: ``null``)."""
+    return js_number_to_string(value) if math.isfinite(value) else "null"
+
 
 def _check_int(label: str, value: Any, minimum: int = -MAX_SAFE_INTEGER) -> int:
     """``value`` as an int: refuses bool and non-integers, and ints outside [minimum, 2**53 - 1]."""
@@ -87,47 +154,41 @@ def _check_int(label: str, value: Any, minimum: int = -MAX_SAFE_INTEGER) -> int:
     return value
 
 
-def _check_optional_int(label: str, value: Any) -> int | None:
-    """None, or a JavaScript-exact int (any sign: ranges are :func:`check_runnable`'s business)."""
-    return None if value is None else _check_int(label, value)
-
-
 @dataclass(frozen=True)
 class KVLayerConfig:
-    """The KV quantization of one layer (an mlx-bun ``kvConfig`` entry); None means the key is absent.
+    """The KV quantization of one layer (an mlx-bun ``kvConfig`` entry).
 
-    Any JavaScript-exact int is held (|value| <= 2**53 - 1), as the namespace writes it; that ``layer_idx`` >= 0
-    and ``bits``/``group_size`` >= 1 is checked when the options are run (:func:`check_runnable`).
+    Fields hold what JavaScript would hold (see :func:`_js_number`): any number, integral ones as ints. For
+    ``bits`` / ``group_size`` None means the key is absent and :data:`JS_NULL` an explicit ``null`` (written as
+    ``null``). That ``layer_idx`` >= 0 and ``bits``/``group_size`` are ints >= 1 is checked when the options are
+    run (:func:`check_runnable`).
     """
 
-    layer_idx: int
-    bits: int | None = None
-    group_size: int | None = None
+    layer_idx: KVNumber
+    bits: KVNumber | _JSNull | None = None
+    group_size: KVNumber | _JSNull | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_idx", _check_int("layer_idx", self.layer_idx))
-        object.__setattr__(self, "bits", _check_optional_int("bits", self.bits))
-        object.__setattr__(self, "group_size", _check_optional_int("group_size", self.group_size))
+        object.__setattr__(self, "layer_idx", _js_number("layer_idx", self.layer_idx))
+        object.__setattr__(self, "bits", _layer_field("bits", self.bits))
+        object.__setattr__(self, "group_size", _layer_field("group_size", self.group_size))
 
     @classmethod
     def from_mapping(cls, entry: Mapping[str, Any], *, where: str = "kvConfig entry") -> KVLayerConfig:
         """Read ``{layerIdx, bits, groupSize}``; other keys are dropped (mlx-bun's capture drops them too).
 
-        ``layerIdx`` is required. An explicit ``None`` for bits or groupSize is refused: mlx-bun would write
-        ``null`` into the namespace, which differs from leaving the key out, and this type cannot hold both.
+        ``layerIdx`` is required (a number). ``None`` for bits or groupSize is JavaScript's ``null``
+        (:data:`JS_NULL`): mlx-bun writes ``"bits":null``, which differs from leaving the key out.
         """
         if not isinstance(entry, Mapping):
             raise TypeError(f"{where} must be a mapping with layerIdx, bits, groupSize; not {type(entry).__name__}")
         if "layerIdx" not in entry:
             raise ValueError(f"{where}.layerIdx is required")
-        for key in ("bits", "groupSize"):
-            if key in entry and entry[key] is None:
-                raise ValueError(f"{where}.{key} is None; leave the key out instead")
-        return cls(
-            layer_idx=_check_int(f"{where}.layerIdx", entry["layerIdx"]),
-            bits=_check_optional_int(f"{where}.bits", entry.get("bits")),
-            group_size=_check_optional_int(f"{where}.groupSize", entry.get("groupSize")),
-        )
+        fields = {}
+        for key, name in (("bits", "bits"), ("groupSize", "group_size")):
+            if key in entry:
+                fields[name] = JS_NULL if entry[key] is None else _js_number(f"{where}.{key}", entry[key])
+        return cls(layer_idx=_js_number(f"{where}.layerIdx", entry["layerIdx"]), **fields)
 
 
 _SNAKE_CASE_KEYS = {
@@ -140,29 +201,31 @@ _SNAKE_CASE_KEYS = {
 class KVOptions:
     """The KV quantization settings that enter a prefix namespace (mlx-bun ``GenerateOptions`` fields).
 
-    Immutable and hashable: ``turbo_quant`` is held as a :class:`FrozenJSONObject` (a deep copy) and
-    ``kv_config`` as a tuple sorted by ``layer_idx``, stably (a layer named twice stays twice, in the order
+    Immutable and hashable: numbers are held as JavaScript holds them (the nearest double; integral ones as ints,
+    so ``64.0`` is 64 and ``2**53 + 1`` is 2**53), ``turbo_quant`` as a :class:`FrozenJSONObject` (a deep copy)
+    and ``kv_config`` as a tuple sorted by ``layer_idx``, stably (a layer named twice stays twice, in the order
     given, as mlx-bun's capture keeps it). Two options give the same prefix namespace exactly when they are
-    equal, except that ``kv_group_size`` None and 64 are the same (the namespace writes the default).
+    equal, except that ``kv_group_size`` None and 64 are the same (the namespace writes the default), and that
+    JSON writes NaN and infinities as ``null`` (so ``kv_bits`` NaN, inf and None share one namespace).
     ``quantized_kv_start`` None and its runtime default are *not* the same (mlx-bun writes ``null``), so do not
     fill in defaults before capturing.
 
-    Raises TypeError/ValueError naming the field for what the namespace cannot write exactly: ints only (bool
-    is not an int), each within +-(2**53 - 1). Values that cannot run (``kv_bits`` 0, a layer named twice) are
-    held and written; :func:`check_runnable` refuses them at execution.
+    Raises TypeError naming the field for what is no number (str, bool) and ValueError for a NaN ``layer_idx``
+    among several layers (JavaScript's sort order is undefined there). Values that cannot run (``kv_bits`` 0 or
+    4.5, a layer named twice, a null bits) are held and written; :func:`check_runnable` refuses them at execution.
     """
 
-    kv_bits: int | None = None
-    kv_group_size: int | None = None
-    quantized_kv_start: int | None = None
+    kv_bits: KVNumber | None = None
+    kv_group_size: KVNumber | None = None
+    quantized_kv_start: KVNumber | None = None
     turbo_quant: Mapping[str, Any] | None = None
     kv_config: tuple[KVLayerConfig, ...] = ()
 
     def __post_init__(self) -> None:
         setter = object.__setattr__
-        setter(self, "kv_bits", _check_optional_int("kv_bits", self.kv_bits))
-        setter(self, "kv_group_size", _check_optional_int("kv_group_size", self.kv_group_size))
-        setter(self, "quantized_kv_start", _check_optional_int("quantized_kv_start", self.quantized_kv_start))
+        setter(self, "kv_bits", _optional_js_number("kv_bits", self.kv_bits))
+        setter(self, "kv_group_size", _optional_js_number("kv_group_size", self.kv_group_size))
+        setter(self, "quantized_kv_start", _optional_js_number("quantized_kv_start", self.quantized_kv_start))
         setter(self, "turbo_quant", _frozen_turbo_quant("turbo_quant", self.turbo_quant))
         setter(self, "kv_config", _sorted_layers("kv_config", self.kv_config))
 
@@ -190,9 +253,9 @@ class KVOptions:
                   else KVLayerConfig.from_mapping(entry, where=f"kvConfig[{i}]")
                   for i, entry in enumerate(raw_layers)]
         return cls(
-            kv_bits=_check_optional_int("kvBits", options.get("kvBits")),
-            kv_group_size=_check_optional_int("kvGroupSize", options.get("kvGroupSize")),
-            quantized_kv_start=_check_optional_int("quantizedKvStart", options.get("quantizedKvStart")),
+            kv_bits=_optional_js_number("kvBits", options.get("kvBits")),
+            kv_group_size=_optional_js_number("kvGroupSize", options.get("kvGroupSize")),
+            quantized_kv_start=_optional_js_number("quantizedKvStart", options.get("quantizedKvStart")),
             turbo_quant=_frozen_turbo_quant("turboQuant", options.get("turboQuant")),
             kv_config=_sorted_layers("kvConfig", layers),
         )
@@ -213,6 +276,9 @@ def _sorted_layers(label: str, layers: Any) -> tuple[KVLayerConfig, ...]:
         if not isinstance(layer, KVLayerConfig):
             raise TypeError(f"{label}[{i}] must be a KVLayerConfig, not {type(layer).__name__} "
                             f"(KVOptions.from_mapping reads kvConfig dicts)")
+    if len(layers) > 1 and any(math.isnan(layer.layer_idx) for layer in layers):
+        raise ValueError(f"{label}: a NaN layerIdx among {len(layers)} layers has no defined order "
+                         f"(JavaScript's sort comparator returns NaN); give each layer a number")
     return tuple(sorted(layers, key=lambda layer: layer.layer_idx))  # stable, like mlx-bun's Array.sort
 
 
@@ -273,10 +339,10 @@ def prefix_namespace(method: str | None, adapters: str | Sequence[str],
     captured = capture_options(options)
     parts = [] if method is None else ['"method":' + _js_quote(method)]
     parts.append('"adapters":' + adapters_json)
-    parts.append('"kvBits":' + _int_or_null(captured.kv_bits))
+    parts.append('"kvBits":' + _number_or_null(captured.kv_bits))
     group_size = captured.kv_group_size
-    parts.append('"kvGroupSize":' + str(DEFAULT_KV_GROUP_SIZE if group_size is None else group_size))
-    parts.append('"quantizedKvStart":' + _int_or_null(captured.quantized_kv_start))
+    parts.append('"kvGroupSize":' + _json_number(DEFAULT_KV_GROUP_SIZE if group_size is None else group_size))
+    parts.append('"quantizedKvStart":' + _number_or_null(captured.quantized_kv_start))
     turbo = captured.turbo_quant
     parts.append('"turboQuant":' + ("null" if turbo is None else js_json_dumps(turbo)))
     if captured.kv_config:
@@ -284,16 +350,17 @@ def prefix_namespace(method: str | None, adapters: str | Sequence[str],
     return "{" + ",".join(parts) + "}"
 
 
-def _int_or_null(value: int | None) -> str:
-    return "null" if value is None else str(value)  # safe integers: str() is JavaScript's formatting
+def _number_or_null(value: KVNumber | _JSNull | None) -> str:
+    return "null" if value is None or value is JS_NULL else _json_number(value)
 
 
 def _layer_json(layer: KVLayerConfig) -> str:
-    text = '{"layerIdx":' + str(layer.layer_idx)
+    """One entry as mlx-bun's ``{layerIdx, bits, groupSize}``: an absent (undefined) field is left out."""
+    text = '{"layerIdx":' + _json_number(layer.layer_idx)
     if layer.bits is not None:
-        text += ',"bits":' + str(layer.bits)
+        text += ',"bits":' + _number_or_null(layer.bits)
     if layer.group_size is not None:
-        text += ',"groupSize":' + str(layer.group_size)
+        text += ',"groupSize":' + _number_or_null(layer.group_size)
     return text + "}"
 
 
@@ -304,27 +371,37 @@ def check_runnable(options: KVOptions | Mapping[str, Any]) -> KVOptions:
     """Capture ``options`` and refuse what no execution can run; returns the captured :class:`KVOptions`.
 
     Capture and :func:`prefix_namespace` write any options mlx-bun would; this is the execution-time check
-    (``Generator.load`` calls it before anything is registered): ``kv_bits`` and ``kv_group_size`` >= 1,
-    ``quantized_kv_start`` >= 0, and per ``kv_config`` layer ``layer_idx`` >= 0, ``bits``/``group_size`` >= 1,
-    each layer at most once. What a particular model supports (bit widths, group sizes, layer count,
+    (``Generator.load`` calls it before anything is registered): every number an integer (4.5, NaN and
+    infinities are written but cannot run), ``kv_bits`` and ``kv_group_size`` >= 1, ``quantized_kv_start`` >= 0,
+    and per ``kv_config`` layer ``layer_idx`` >= 0, ``bits``/``group_size`` >= 1 (not null), each layer at most
+    once. What a particular model supports (bit widths, group sizes, layer count,
     ``turbo_quant``) is checked later by ``spec_cache.kv_quant.plan_kv``. Raises ValueError naming the field.
     """
     captured = capture_options(options)
     for label, value, minimum in (("kv_bits", captured.kv_bits, 1), ("kv_group_size", captured.kv_group_size, 1),
                                   ("quantized_kv_start", captured.quantized_kv_start, 0)):
-        if value is not None and value < minimum:
-            raise ValueError(f"{label} must be >= {minimum}, got {value}")
+        if value is not None:
+            _check_runnable_int(label, value, minimum)
     seen: set[int] = set()
     for i, layer in enumerate(captured.kv_config):
-        if layer.layer_idx < 0:
-            raise ValueError(f"kv_config[{i}].layer_idx must be >= 0, got {layer.layer_idx}")
+        _check_runnable_int(f"kv_config[{i}].layer_idx", layer.layer_idx, 0)
         for label, value in (("bits", layer.bits), ("group_size", layer.group_size)):
-            if value is not None and value < 1:
-                raise ValueError(f"kv_config[{i}].{label} (layer {layer.layer_idx}) must be >= 1, got {value}")
+            if value is JS_NULL:
+                raise ValueError(f"kv_config[{i}].{label} (layer {layer.layer_idx}) is null; give a number or "
+                                 f"leave the key out")
+            if value is not None:
+                _check_runnable_int(f"kv_config[{i}].{label} (layer {layer.layer_idx})", value, 1)
         if layer.layer_idx in seen:
             raise ValueError(f"kv_config lists layer {layer.layer_idx} more than once")
         seen.add(layer.layer_idx)
     return captured
+
+
+def _check_runnable_int(label: str, value: KVNumber, minimum: int) -> None:
+    if not isinstance(value, int):
+        raise ValueError(f"{label} must be an integer to run, got {js_number_to_string(value)}")
+    if value < minimum:
+        raise ValueError(f"{label} must be >= {minimum}, got {value}")
 
 
 def cached_drafter_namespace(provider: Any, adapters: Sequence[Any] = ()) -> str | None:
