@@ -19,8 +19,13 @@ def test_quick_bench_runs_and_prints_json():
     assert result["mode"] == "quick"
     for name in ("identity_vs_blake3", "identity_memo_ms", "put_vs_mlx_lm_save", "restore_vs_mlx_lm_load",
                  "lookup_growth", "dedup_bytes_ratio", "restore_vs_prefill_1k", "spec_batch_speedup",
-                 "restored_vs_cold_decode", "memory_restore_vs_mlx_lm_load", "checkpoint_write_overhead"):
+                 "restored_vs_cold_decode", "memory_restore_vs_mlx_lm_load", "checkpoint_write_overhead",
+                 "write_amplification"):
         value = result["figures"][name]
         assert isinstance(value, float) and math.isfinite(value) and value > 0, name
     assert all(isinstance(g["met"], bool) for g in result["goals"].values())
     assert {"cpu", "cores", "blas", "mlx"} <= set(result["machine"])
+    amp = result["details"]["write_amp"]  # a real server wrote each turn, and each later turn restored the earlier
+    assert len(amp["bytes_written_per_turn"]) == amp["turns"] and all(b > 0 for b in amp["bytes_written_per_turn"])
+    assert all(later > earlier for earlier, later in zip(amp["cached_tokens_per_turn"],
+                                                          amp["cached_tokens_per_turn"][1:]))

@@ -4,7 +4,8 @@ Sections: artifact identity vs raw blake3; store put/get of a KV state vs mlx-lm
 load_prompt_cache; longest-prefix lookup cost vs number of stored entries; bytes stored for prompts sharing a prefix
 vs one mlx-lm file per prompt; TTFT cold prefill vs restore; batched vs one-by-one speculative decoding; a
 memory-tier restore vs mlx-lm's load of the same state (``tiers``); request latency with checkpoint writing on vs
-off (``writes``); batched vs per-row quantized KV rows (``quantized``);
+off (``writes``); batched vs per-row quantized KV rows (``quantized``); disk bytes written per unique KV byte over an
+agentic conversation on a real server (``write_amp``);
 tokens/s with each drafter (adaptive depth) vs plain decoding on real multi-turn chat (``drafting``). ``--quick``
 shrinks every size so the whole run takes under two minutes (a CI smoke test checks it runs and prints valid
 JSON); the full run gives the figures in BENCHMARKS.md.
@@ -40,6 +41,7 @@ GOALS = {  # figure -> (comparison, goal)
     "drafting_vs_plain_ngram": (">=", 0.95),  # issue 13: drafting never makes decoding slower (real chat, CPU)
     "drafting_copy_ngram": (">=", 1.2),  # issue 28: prompt lookup pays where text is copied (CPU, OpenBLAS)
     "drafting_vs_plain_best": (">=", 1.0),
+    "write_amplification": ("<=", 1.2),  # issue 21: disk bytes written / unique KV bytes, 20-turn conversation
 }
 
 FULL = {
@@ -53,6 +55,7 @@ FULL = {
     "writes": {"prompts": 4, "prompt_tokens": 1024, "new_tokens": 16, "rounds": 2},
     "quantized": {},
     "drafting": {"rows": 3, "new_tokens": 96, "variants": ["float32", "q4"]},
+    "write_amp": {"turns": 20},
 }
 QUICK = {
     "identity": {"size_mib": 64, "repeat": 3},
@@ -67,6 +70,7 @@ QUICK = {
     "quantized": {"hidden": 256, "layers": 2, "vocab": 1024, "prompt_tokens": 64, "new_tokens": 12, "reps": 1,
                   "bits": (4,), "drafted": False},
     "drafting": {"rows": 2, "new_tokens": 6, "tiny": True},
+    "write_amp": {"turns": 3, "user_words": 40, "reply_tokens": 8},
 }
 
 
@@ -159,6 +163,13 @@ def _run(quick: bool, sections: list[str] | None, log) -> dict:
         r = drafting.run(**cfg["drafting"])
         details["drafting"] = r
         figures.update({k: v for k, v in r.items() if k.startswith(("drafting_vs_plain_", "drafting_copy_"))})
+    if "write_amp" in wanted:
+        log("write amplification of an agentic conversation (a real server) ...")
+        from . import write_amp
+
+        r = write_amp.run(**cfg["write_amp"], progress=log)
+        details["write_amp"] = r
+        figures["write_amplification"] = r["write_amplification"]
     goals = {}
     for name, value in figures.items():
         if name in GOALS:
