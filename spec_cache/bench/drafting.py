@@ -70,6 +70,23 @@ def converted(gguf: Path, variant: str, cache_dir: Path) -> Path:
     return out
 
 
+#: words for the random-text workload: the answer continues a list of unrelated words, which prompt lookup cannot
+#: predict (the workload where a drafter must cost nothing)
+RANDOM_WORDS = ("amber", "basin", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "iris", "jasper",
+                "kelp", "lagoon", "marble", "nectar", "onyx", "prairie", "quartz", "raven", "saffron", "tundra",
+                "umber", "violet", "willow", "yarrow", "zephyr", "copper", "meadow", "orchid", "pebble", "thistle")
+
+
+def random_chats(rows: int, words: int = 48, seed: int = 0) -> list[list[dict]]:
+    """``rows`` single-turn chats asking to continue a random list of words (seeded: the same every run)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[{"role": "user", "content": "Continue this list with forty new words, none repeated: "
+                                        + ", ".join(rng.choice(RANDOM_WORDS) for _ in range(words))}]
+            for _ in range(rows)]
+
+
 def chat_prompts(model_dir: Path, rows: int, conversations=None) -> list[list[int]]:
     """The first ``rows`` conversations (default: ``CONVERSATIONS``) through the model's chat template (cycled
     when more are asked for)."""
@@ -174,10 +191,13 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
 
 def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", "float32", "float16"),
         drafters=("ngram", "draft-model"), draft_layers: int = 4, cache_dir: str | None = None,
-        tiny: bool = False, cpu_clock: bool | None = None, copy: bool = True) -> dict:
+        tiny: bool = False, cpu_clock: bool | None = None, copy: bool = True, random_text: bool = False) -> dict:
     """Figures per variant and drafter (module doc); the headline keys come from the first variant: wall-clock
     ratios, or CPU-time ratios when ``cpu_clock`` (default: on MLX's CPU backend), which also times the
-    controller's rounds in process CPU seconds. ``tiny``: the tiny fallback even when SmolLM2 is installed."""
+    controller's rounds in process CPU seconds. ``tiny``: the tiny fallback even when SmolLM2 is installed.
+    ``random_text``: also the random-text workload (``random_chats``: every drafter, adaptive; figures under
+    ``random``, ``drafting_random_<drafter>``). ``drafting_vs_plain_worst`` is the lowest adaptive ratio over every
+    drafter and every workload run."""
     import mlx.core as mx
 
     if cpu_clock is None:
@@ -222,10 +242,26 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         result["copy"]["variant"] = variant
         result["drafting_copy_ngram"] = result["copy"]["ngram"][key]
         result["drafting_copy_ngram_fixed"] = result["copy"]["ngram"][key.replace("adaptive", "fixed")]
+    worst = list(ratios.values()) + ([result["drafting_copy_ngram"]] if copy else [])
+    if random_text:
+        variant, model_dir = next(iter(model_dirs.items()))
+        if gguf is None:
+            import numpy as np
+
+            rng = np.random.default_rng(1)
+            texts = [rng.integers(3, 200, 40).tolist() for _ in range(rows)]
+        else:
+            texts = chat_prompts(model_dir, rows, random_chats(rows))
+        result["random"] = _variant(model_dir, texts, work, drafters, new_tokens=new_tokens, depth=depth,
+                                    draft_layers=draft_layers, cpu_clock=cpu_clock)
+        result["random"]["variant"] = variant
+        for name in drafters:
+            result[f"drafting_random_{name.replace('-', '_')}"] = result["random"][name][key]
+            worst.append(result["random"][name][key])
     if "ngram" in ratios:
         result["drafting_vs_plain_ngram"] = ratios["ngram"]
     result["drafting_vs_plain_best"] = max(ratios.values())
-    result["drafting_vs_plain_worst"] = min(ratios.values())
+    result["drafting_vs_plain_worst"] = min(worst)
     return result
 
 
@@ -242,9 +278,12 @@ def main(argv=None) -> None:
     parser.add_argument("--drafters", nargs="+", default=["ngram", "draft-model"])
     parser.add_argument("--tiny", action="store_true", help="the tiny random model even when SmolLM2 is installed")
     parser.add_argument("--no-copy", action="store_true", help="skip the copy workload (drafting_copy_ngram)")
+    parser.add_argument("--random-text", action="store_true", help="also the random-text workload")
+    parser.add_argument("--cache-dir", help="GGUF conversions kept here (default: $TMPDIR/spec-cache-bench-models)")
     args = parser.parse_args(argv)
     print(json.dumps(run(rows=args.rows, new_tokens=args.new_tokens, depth=args.depth, variants=tuple(args.variants),
-                         drafters=tuple(args.drafters), tiny=args.tiny, copy=not args.no_copy), indent=1))
+                         drafters=tuple(args.drafters), tiny=args.tiny, copy=not args.no_copy,
+                         random_text=args.random_text, cache_dir=args.cache_dir), indent=1))
 
 
 if __name__ == "__main__":
