@@ -58,6 +58,7 @@ import mlx.core as mx
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 
 from .depth import DepthController, RowAcceptance
+from .drafters.base import ColdRow, storable
 from .kv_quant import converted_at, plan_kv, reusable
 from .quantized_rows import QuantizedTargetRows
 from .rows import RoundContext, TargetRowGroup, apply_state_changes
@@ -125,6 +126,8 @@ class _Row:
     on_finish: Callable[[int, RowResult], None] | None = None
     submitted: float = 0.0
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # what the depth controller knows of it
+    beside: bool = False  # its drafter row opened cold beside a restored target (a target-only hit)
+    draft_start: int = 0  # the first prompt token its drafter row takes at admission
 
     def result(self, cancelled: bool = False, reason: str | None = None) -> RowResult:
         return RowResult(list(self.generated), self.target_start, self.drafted, self.accepted,
@@ -435,7 +438,7 @@ class DecodeSession:
         self._drop_ahead()  # a checkpoint holds prompt + generated[:-1]: not the queued round's token
         for i, row in enumerate(self.active):
             if row.index in wanted:
-                draft = None if self.group is None else self.group.capture(i)
+                draft = None if self.group is None else storable(self.group.capture(i))
                 self.on_checkpoint(row.index, list(row.tokens[:-1]), self.rows.extract(i), draft)
 
     def _leave(self, row_id: int, checkpoint: bool) -> bool:
@@ -454,19 +457,23 @@ class DecodeSession:
 
     # -- admission --------------------------------------------------------------------------------------
     def _admit(self, cohort: list[_Row]) -> None:
-        needs_hidden = self.group is not None and self.group.prefill_needs_target_hidden
-        needs_taps = self.group is not None and self.group.prefill_needs_target_taps
+        group = self.group
+        needs_hidden = group is not None and group.prefill_needs_target_hidden
+        needs_taps = group is not None and group.prefill_needs_target_taps
+        beside = group is not None and getattr(group, "opens_beside_target", False)
         windows = self.target.layer_windows
-        restored_rows = []
+        restored_rows, openings = [], []
         for row in cohort:
             request = row.request
             start = request.restored_tokens
             caches = request.restored_caches
             boundary = len(request.prompt) - 1
-            if needs_taps and request.draft_checkpoint is None:
-                # A cold projected drafter row needs the target's taps at every token it covers: forward them all.
+            cold = request.draft_checkpoint is None
+            if needs_taps and cold and not beside:
+                # A cold drafter row that needs the target's taps at every token it covers, and cannot start
+                # beside the restored target: forward them all.
                 start = 0
-            elif needs_hidden and request.draft_checkpoint is None and 0 < start == boundary:
+            elif needs_hidden and cold and 0 < start == boundary:
                 # A cold drafter row that needs the target hidden of the last prompt token, beside a target
                 # restored up to that token: forward that one token again (its K/V is recomputed identically),
                 # or everything when the restored state cannot be cut back by one token.
@@ -475,9 +482,13 @@ class DecodeSession:
                 start = start if caches is not None else 0
             row.target_start = start
             restored_rows.append(None if start == 0 else caches)
+            # a target-only hit: a drafter that can opens its row cold beside the restored target (its state
+            # covers what is forwarded from here on); the others prefill from the first token they lack
+            row.beside = beside and cold and start > 0
+            openings.append(ColdRow(start) if row.beside else request.draft_checkpoint)
+            row.draft_start = start if row.beside else _draft_start(row)
         joining = self.engine._rows(restored_rows, [row.conversion for row in cohort])
-        checkpoints = [row.request.draft_checkpoint for row in cohort]
-        prefill_group = None if self.group is None else self.engine.provider.open_prefill(joining, checkpoints)
+        prefill_group = None if group is None else self.engine.provider.open_prefill(joining, openings)
         taps = () if prefill_group is None else tuple(prefill_group.tap_layers)
         try:
             context = joining.prefill(
@@ -486,9 +497,15 @@ class DecodeSession:
             )
             captures: list[DraftRowCheckpoint | None] = [None] * len(cohort)
             if prefill_group is not None:
-                prefill_group.prefill(
-                    [row.request.prompt[_draft_start(row) : -1] for row in cohort], context
-                )
+                tokens = [row.request.prompt[row.draft_start : -1] for row in cohort]
+                if _takes_external_tokens(prefill_group):
+                    # A "full"-prefill drafter (the MTP heads) takes the tokens appended to a row that already has
+                    # state (a restored row's new turn or a continuation's replayed tokens; the tail after a
+                    # target-only hit) as externally supplied tokens, as the seed feeds them: through consume.
+                    fed = [0 if opening is None else len(t) for opening, t in zip(openings, tokens)]
+                    prefill_group.consume(tokens, context, fed)
+                    tokens = [[] if n else t for n, t in zip(fed, tokens)]
+                prefill_group.prefill(tokens, context)
                 prefill_group.materialize()
                 captures = [prefill_group.capture(i) for i in range(len(cohort))]
             changes = [lambda: self.rows.prepare_append(joining)]
@@ -500,7 +517,8 @@ class DecodeSession:
                 for i, row in enumerate(cohort):
                     if self._restored_whole(row):
                         continue  # the boundary state is exactly what the row restored: no copy, no checkpoint
-                    self.on_checkpoint(row.index, list(row.request.prompt[:-1]), joining.extract(i), captures[i])
+                    self.on_checkpoint(row.index, list(row.request.prompt[:-1]), joining.extract(i),
+                                       storable(captures[i]))
         finally:
             if prefill_group is not None:
                 prefill_group.dispose()
@@ -512,7 +530,7 @@ class DecodeSession:
         8B-shaped model at 16k tokens)."""
         request = row.request
         return (row.target_start == request.restored_tokens == len(request.prompt) - 1
-                and (self.group is None or request.draft_checkpoint is not None))
+                and (self.group is None or request.draft_checkpoint is not None or row.beside))
 
     # -- one verify round -------------------------------------------------------------------------------
     def _round(self) -> None:
@@ -650,7 +668,7 @@ class DecodeSession:
             if held != len(row.tokens) - 1:
                 raise RuntimeError(f"row {row.index}: target KV holds {held} tokens, expected {len(row.tokens) - 1}")
             if self.on_checkpoint is not None and checkpointed[i]:
-                draft = None if self.group is None else self.group.capture(i)
+                draft = None if self.group is None else storable(self.group.capture(i))
                 self.on_checkpoint(row.index, list(row.tokens[:-1]), self.rows.extract(i), draft)
             cancelled = not checkpointed[i]
             finished.append((row, row.result(cancelled=cancelled, reason="cancelled" if cancelled else None)))
@@ -667,3 +685,9 @@ class DecodeSession:
 def _draft_start(row: _Row) -> int:
     checkpoint = row.request.draft_checkpoint
     return 0 if checkpoint is None else checkpoint.processed_tokens
+
+
+def _takes_external_tokens(group: Any) -> bool:
+    """Whether ``group`` declares the seed's ``"full"`` prefill mode and takes externally supplied tokens."""
+    return getattr(group, "prefill_mode", "tail-split") == "full" and getattr(group, "supports_external_tokens",
+                                                                                 False)

@@ -12,7 +12,8 @@ lookup passes that rule down (``usable_rule``) so every tier returns only a pref
 
 Adapters (LoRA, through mlx-lm) enter the namespace as ``id@<blake3 of adapter config and weights>`` joined
 with ``+``. A drafter that is not valid under a target adapter (``supports_target_adapters`` false) still
-drafts, but only the target part is cached.
+drafts, but only the target part is cached: such drafters (and a generator without one) share that namespace,
+and each restores the target part the others stored (its own row opens cold beside it).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ class Generator:
         return self._restore([int(t) for t in prompt], self.ns_key if ns_key is None else ns_key)
 
     def save_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any], draft_checkpoint=None, *,
-                        ns_key: bytes | None = None, background: bool | None = None) -> None:
+                        ns_key: bytes | None = None, background: bool | None = None, then=None) -> None:
         """Store an engine checkpoint (``on_checkpoint``'s ``tokens, target_caches, draft_checkpoint``) under
         ``ns_key`` (default this generator's): the memory tier at once, LMDB behind the request when
         ``background`` (default ``write_behind``). No cache: nothing. Failures are ``CacheWarning``s."""
@@ -219,16 +220,26 @@ class Generator:
                         drafter_namespace=self.drafter_namespace,
                         draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
                         minimum_reusable=converted_at(caches) or 0,
-                        background=self.write_behind if background is None else background)
+                        background=self.write_behind if background is None else background, then=then)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32, temperature: float = 0.0,
-                 seed: int = 0, top_p: float = 1.0) -> list[Result]:
+                 seed: int = 0, top_p: float = 1.0, *, checkpoint_every: int | None = None,
+                 resume: bool = False) -> list[Result]:
         """Decode every prompt (one batch); rows resume from the cache where they can.
 
         ``prompts`` is a list of prompts, each a non-empty list of token ids (ints in ``[0, vocab_size)``);
         anything else raises ``ValueError`` naming the prompt and position before any lookup. ``temperature``
         0 is greedy; ``top_p`` < 1 samples from the nucleus; ``seed`` makes sampled rows reproducible (a row's
-        tokens depend only on its own prompt, parameters and seed)."""
+        tokens depend only on its own prompt, parameters and seed).
+
+        ``checkpoint_every=N`` checkpoints each row every N generated tokens with a continuation record, and
+        ``resume=True`` continues a row from the record an earlier identical call left (killed part-way, or
+        finished): see ``spec_cache.continuations`` (results then carry ``resumed``, the tokens replayed)."""
+        if resume or checkpoint_every is not None:
+            from .continuations import generate
+
+            return generate(self, prompts, max_tokens, temperature=temperature, seed=seed, top_p=top_p,
+                            checkpoint_every=checkpoint_every, resume=resume)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError("max_tokens must be a positive int")
         rows = check_prompts(prompts, self.engine.target.vocab_size)
@@ -292,18 +303,13 @@ class Generator:
         ``length``, ``has_drafter``, ``minimum_reusable``), or None when nothing stored can help.
 
         Under KV quantization only prefixes a cold run of this prompt would hold count (full precision up to its
-        conversion point, or converted exactly there); with a projected-context drafter only prefixes that carry
-        its row (without it the target must forward the whole prefix again for the drafter's context, so a
-        target-only prefix saves nothing).
+        conversion point, or converted exactly there). A prefix without this drafter's row (a target-only hit)
+        is usable with every drafter: the engine opens the drafter row cold beside the restored target (see
+        ``engine.DecodeSession._admit``); among prefixes of one length, the store offers one with the row first.
         """
         conversion = self.engine.conversion_point(prompt_tokens)
-        needs_drafter = getattr(self.engine.provider, "prefill_needs_target_taps", False)
-        if needs_drafter and self.drafter_namespace is None:
-            return None  # its rows are not cached (adapters): nothing stored can spare the target a forward
 
         def usable(candidate) -> bool:
-            if needs_drafter and not candidate.has_drafter:
-                return False
             return conversion is None or reusable(candidate.length, candidate.minimum_reusable or None, conversion)
         return usable
 

@@ -10,14 +10,18 @@
   ``prefill_mode`` (``"tail-split"`` or the MTP heads' ``"full"``), as in the seed's ``DraftRowGroup``.
 * :func:`directory_namespace`: the ``<schema>:<model identity>`` namespace of a drafter directory;
   :func:`check_sizes`: the "expects X; target has Y" checks of ``bind``.
+* :class:`ColdRow` and :class:`PartialRowCheckpoint`: a drafter row opened cold beside a restored target (a
+  target-only hit) by rows that declare ``opens_beside_target``: its state covers only the tokens the target
+  forwards from then on (the tail), at their true positions; drafting may start weaker, tokens never change.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from spec_cache.schemas import DraftRowCheckpoint
+from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 
 from ..rows import PreparedStateChange, apply_state_changes, check_keep
 from ..sampling import Sampling, TokenSampler
@@ -26,15 +30,72 @@ from ..target import TargetRows
 __all__ = [
     "PAIRING",
     "BoundDraftRows",
+    "ColdRow",
     "DraftRows",
+    "PartialRowCheckpoint",
     "NetworkProvider",
     "OpensRows",
     "check_sizes",
+    "check_opening",
     "directory_namespace",
+    "storable",
 ]
 
 #: the tail of every "this drafter does not fit this target" error
 PAIRING = "wrong (target, drafter) pairing"
+
+
+@dataclass(frozen=True)
+class ColdRow:
+    """Open a cold drafter row beside a target row that already holds ``processed_tokens`` tokens (restored
+    without this drafter's part). Only rows declaring ``opens_beside_target`` take one: their state then covers
+    the tokens forwarded from ``processed_tokens`` on, at their true positions."""
+
+    processed_tokens: int
+
+    def __post_init__(self) -> None:
+        count = self.processed_tokens
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"ColdRow needs processed_tokens >= 1, got {count!r}")
+
+
+@dataclass(frozen=True)
+class PartialRowCheckpoint(DraftRowCheckpoint):
+    """A live row's state that starts at token ``start`` (it was opened as a :class:`ColdRow`): it covers
+    ``processed_tokens`` tokens as the target does, but holds state only from ``start`` on. ``attachment`` is the
+    schema's checkpoint of that part alone (covering ``base_tokens``), so it validates as one. It moves rows
+    between groups of one engine (prefill group to decode group); it is never stored: the schemas have no field
+    for a missing head, so a checkpoint of such a row stores the target part only (:func:`storable`)."""
+
+    start: int = 0
+    #: ``processed_tokens`` of the attachment's own checkpoint (the part held)
+    base_tokens: int = 0
+
+    def held(self) -> DraftRowCheckpoint:
+        """The attachment as the plain checkpoint it is (what the schema validates)."""
+        return DraftRowCheckpoint(self.base_tokens, self.attachment)
+
+
+def storable(checkpoint: DraftRowCheckpoint | None) -> DraftRowCheckpoint | None:
+    """``checkpoint`` when a store may keep it as this drafter's part; None for a partial row (target only)."""
+    return None if isinstance(checkpoint, PartialRowCheckpoint) else checkpoint
+
+
+def check_opening(openings: Sequence[Any], validate: Callable[[DraftRowCheckpoint], None]) -> None:
+    """What ``prepare_append`` of rows with ``opens_beside_target`` accepts per row: None (cold), a
+    ``ColdRow``, a ``PartialRowCheckpoint`` (its held part validated) or a checkpoint (validated)."""
+    if isinstance(openings, (str, bytes)) or not isinstance(openings, Sequence):
+        raise TypeError(f"checkpoints must be a sequence (None for a cold row), got {type(openings).__name__}")
+    for opening in openings:
+        if opening is None or isinstance(opening, ColdRow):
+            continue
+        if isinstance(opening, PartialRowCheckpoint):
+            if not 0 < opening.start <= opening.processed_tokens:
+                raise SchemaError(opening.attachment.schema, "start",
+                                  f"partial row starts at {opening.start} of {opening.processed_tokens} tokens")
+            validate(opening.held())
+            continue
+        validate(opening)
 
 
 def directory_namespace(schema: str, model_dir: Path, config_name: str | None = None) -> str:
@@ -65,6 +126,9 @@ class DraftRows:
     prefill_mode = "tail-split"
     #: whether :meth:`consume` takes externally supplied tokens (the seed's ``supportsExternalTokens``)
     supports_external_tokens = False
+    #: whether ``prepare_append`` takes a :class:`ColdRow` (and the :class:`PartialRowCheckpoint` its capture
+    #: gives): a cold row beside a restored target that covers only what the target forwards from then on
+    opens_beside_target = False
 
     def __init__(self, provider: Any, checkpoints: Sequence[DraftRowCheckpoint | None]) -> None:
         self.provider = provider

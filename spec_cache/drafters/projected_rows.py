@@ -1,5 +1,12 @@
 """Projected-context drafters: the provider (pairing, checkpoint validation) and the grouped rows (context
-growth, capture, drafting inputs) that DeepSpec and DFlash share; see ``projected.py`` for the design."""
+growth, capture, drafting inputs) that DeepSpec and DFlash share; see ``projected.py`` for the design.
+
+A target-only hit (the target restored without this drafter's context): the row opens cold beside it
+(``base.ColdRow``) and its context covers only the tokens the target forwards from then on, projected at their
+true positions; the restored prefix is not forwarded again. The context of a full row is the taps at every
+token, so such a row drafts from less (acceptance may start lower, tokens never change), and its checkpoints
+carry the target part only (``deepspec-context-v1`` and its kin cannot say that the head is missing).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +18,9 @@ from mlx_lm.models.cache import BatchKVCache
 
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
 
-from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row
+from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_per_row, check_row
 from ..target import TargetModel, clone_batch_cache
-from .base import PAIRING, BoundDraftRows, NetworkProvider, check_sizes
+from .base import PAIRING, BoundDraftRows, ColdRow, NetworkProvider, PartialRowCheckpoint, check_opening, check_sizes
 from .cache_codec import capture_kv_attachment, restore_kv_caches
 from .projected import ContextKV, ProjectedNetwork
 
@@ -82,6 +89,7 @@ class ProjectedRows(BoundDraftRows):
 
     prefill_needs_target_taps = True
     supports_external_tokens = True
+    opens_beside_target = True
     provider: ProjectedProvider
 
     # -- membership -------------------------------------------------------------------------------------
@@ -89,13 +97,15 @@ class ProjectedRows(BoundDraftRows):
         self.network = self.provider.network
         self.tap_layers = tuple(self.provider.config.target_layer_ids)
         self._caches: list[BatchKVCache] | None = None
+        self._start: list[int] = []  # per row: the first token its context covers (0 but for target-only hits)
 
-    def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
-        check_checkpoints(checkpoints, self.provider.validate_checkpoint)
+    def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | ColdRow | None]) -> PreparedStateChange:
+        check_opening(checkpoints, self.provider.validate_checkpoint)
         if not checkpoints:
             return PreparedStateChange(lambda: None, lambda: None)
         layers = self.provider.config.num_hidden_layers
-        restored = [None if cp is None else restore_kv_caches(cp.attachment) for cp in checkpoints]
+        restored = [None if cp is None or isinstance(cp, ColdRow) else restore_kv_caches(cp.attachment)
+                    for cp in checkpoints]
         joining = []
         for layer in range(layers):
             singles = [None if caches is None else caches[layer] for caches in restored]
@@ -107,17 +117,20 @@ class ProjectedRows(BoundDraftRows):
             for mine, theirs in zip(caches, joining):
                 mine.extend(theirs)
         processed = self._processed + [0 if cp is None else cp.processed_tokens for cp in checkpoints]
+        start = self._start + [_start_of(cp) for cp in checkpoints]
 
         def put(state: tuple) -> None:
-            self._caches, self._processed = state
+            self._caches, self._processed, self._start = state
 
-        return PreparedStateChange.swap(lambda: (self._caches, self._processed), put, (caches, processed))
+        return PreparedStateChange.swap(lambda: (self._caches, self._processed, self._start), put,
+                                        (caches, processed, start))
 
     def _keep_rows(self, keep: list[int]) -> None:
         indices = mx.array(keep, dtype=mx.int32)
         for cache in self._caches or ():
             cache.filter(indices)
         self._processed = [self._processed[row] for row in keep]
+        self._start = [self._start[row] for row in keep]
 
     def materialize(self) -> None:
         arrays = []
@@ -128,6 +141,7 @@ class ProjectedRows(BoundDraftRows):
     def dispose(self) -> None:
         self._caches = None
         self._processed = []
+        self._start = []
 
     # -- context growth ---------------------------------------------------------------------------------
     def _grow(self, taps: dict, counts: Sequence[int]) -> None:
@@ -178,10 +192,15 @@ class ProjectedRows(BoundDraftRows):
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def capture(self, row: int) -> DraftRowCheckpoint:
+        """The row's context checkpoint (owned); a row opened beside a restored target gives a
+        ``PartialRowCheckpoint`` (its context from ``start`` on), which moves between groups but is not stored."""
         check_row(row, self.row_count)
-        processed = self._processed[row]
-        caches = [_extract(cache, row, processed) for cache in self._caches]
-        attachment = capture_kv_attachment(self.schema, caches, {"processedTokens": processed})
+        processed, start = self._processed[row], self._start[row]
+        held = processed - start
+        caches = [_extract(cache, row, held) for cache in self._caches]
+        attachment = capture_kv_attachment(self.schema, caches, {"processedTokens": held})
+        if start:
+            return PartialRowCheckpoint(processed, attachment, start=start, base_tokens=held)
         return DraftRowCheckpoint(processed, attachment)
 
     def _contexts(self) -> list[ContextKV]:
@@ -198,6 +217,13 @@ class ProjectedRows(BoundDraftRows):
 
     def draft(self, pending: Sequence[int], depth: int) -> list[list[int]]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def _start_of(opening: Any) -> int:
+    """The first token a joining row's context covers."""
+    if isinstance(opening, ColdRow):
+        return opening.processed_tokens
+    return opening.start if isinstance(opening, PartialRowCheckpoint) else 0
 
 
 def _merge(caches: Sequence[Any]) -> BatchKVCache:

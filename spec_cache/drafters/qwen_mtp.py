@@ -14,8 +14,17 @@ zero-depth round still appends the pending token's pair and the K/V stays aligne
 (``P == 0``) has no state to capture: :meth:`QwenMTPRows.capture` returns None for it (a cold row).
 
 Prefill: the seed's MTP rows use the ``"full"`` prefill mode (the target forwards the whole prompt); these rows
-follow the target's coverage whatever the mode, so they run under this engine's tail-split admission too.
-A cold MTP row needs the target hidden at every token it covers (``prefill_needs_target_taps``).
+follow the target's coverage whatever the mode, so they run under this engine's tail-split admission too. Tokens
+appended to a row that already has state (a restored row's new turn, a continuation's replayed tokens, the tail
+after a target-only hit) come in through :meth:`QwenMTPRows.consume`, as externally supplied tokens; the pairs
+they add are the ones a prefill of the same tokens adds.
+
+Target-only hit (the target restored without this head's part): the row opens cold beside it (``base.ColdRow``),
+its hidden unknown; its K/V then holds the pairs of the tokens the target forwards from then on, at their true
+positions (the first such token has no known hidden before it: no pair). The engine forwards the last restored
+token again when nothing else would be forwarded (``prefill_needs_target_hidden``: the head needs the hidden that
+precedes the pending token, as the assistant does). Such a row drafts from fewer pairs (acceptance may start
+lower, tokens never change) and its checkpoints carry the target part only.
 
 The row checkpoint is ``qwen-mtp-v1``: ``[k, v, hidden]`` (``[hidden]`` while ``draftOffset == 0``), metadata
 ``{draftOffset}``. The namespace is ``qwen-mtp-v1:<identity of config.json + weights>``.
@@ -45,9 +54,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from spec_cache.schemas import QWEN_MTP_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
 
-from ..rows import PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
+from ..rows import PreparedStateChange, RoundContext, check_per_row, check_row, to_mx
 from ..target import TargetModel, clone_batch_cache
-from .base import BoundDraftRows, NetworkProvider, directory_namespace
+from .base import BoundDraftRows, ColdRow, NetworkProvider, PartialRowCheckpoint, check_opening, directory_namespace
 from .deepspec import _extended
 from .projected import ContextKV, _Layer
 
@@ -141,9 +150,12 @@ class QwenMTPRows(BoundDraftRows):
     its coverage."""
 
     prefill_needs_target_taps = True
+    #: a row opened beside a restored target needs the hidden before its pending token (module doc)
+    prefill_needs_target_hidden = True
     #: the seed's mode for MTP rows; these rows are exact under tail-split admission too (see module doc)
     prefill_mode = "full"
     supports_external_tokens = True
+    opens_beside_target = True
     provider: "QwenMTPProvider"
 
     # -- membership -------------------------------------------------------------------------------------
@@ -152,9 +164,10 @@ class QwenMTPRows(BoundDraftRows):
         self.tap_layers = (self.target.model.depth - 1,)
         self._cache: BatchKVCache | None = None
         self._hidden: mx.array | None = None
+        self._start: list[int] = []  # per row: the first token its state covers (0 but for target-only hits)
 
-    def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
-        check_checkpoints(checkpoints, self.provider.validate_checkpoint)
+    def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | ColdRow | None]) -> PreparedStateChange:
+        check_opening(checkpoints, self.provider.validate_checkpoint)
         if not checkpoints:
             return PreparedStateChange(lambda: None, lambda: None)
         model = self.target.model
@@ -162,7 +175,7 @@ class QwenMTPRows(BoundDraftRows):
         for checkpoint in checkpoints:
             cache = KVCache()
             hidden = mx.zeros((1, 1, model.hidden_size), dtype=model.dtype)
-            if checkpoint is not None:
+            if checkpoint is not None and not isinstance(checkpoint, ColdRow):
                 tensors = checkpoint.attachment.tensors
                 hidden = to_mx(tensors[-1])
                 if len(tensors) == 3:
@@ -178,18 +191,20 @@ class QwenMTPRows(BoundDraftRows):
             cache.extend(joining)
             hidden = mx.concatenate([self._hidden, *hiddens], axis=0)
         processed = self._processed + [0 if cp is None else cp.processed_tokens for cp in checkpoints]
+        start = self._start + [_start_of(cp) for cp in checkpoints]
 
         def put(state: tuple) -> None:
-            self._cache, self._hidden, self._processed = state
+            self._cache, self._hidden, self._processed, self._start = state
 
-        return PreparedStateChange.swap(lambda: (self._cache, self._hidden, self._processed), put,
-                                        (cache, hidden, processed))
+        return PreparedStateChange.swap(lambda: (self._cache, self._hidden, self._processed, self._start), put,
+                                        (cache, hidden, processed, start))
 
     def _keep_rows(self, keep: list[int]) -> None:
         indices = mx.array(keep, dtype=mx.int32)
         self._cache.filter(indices)
         self._hidden = self._hidden[indices]
         self._processed = [self._processed[row] for row in keep]
+        self._start = [self._start[row] for row in keep]
 
     def materialize(self) -> None:
         cache = self._cache
@@ -202,6 +217,7 @@ class QwenMTPRows(BoundDraftRows):
         self._cache = None
         self._hidden = None
         self._processed = []
+        self._start = []
 
     # -- growth -----------------------------------------------------------------------------------------
     def _pairs_so_far(self) -> list[int]:
@@ -212,7 +228,8 @@ class QwenMTPRows(BoundDraftRows):
         one pair per token (a row's very first token has no hidden before it, so no pair), then the hidden of
         its last token waits."""
         previous = mx.concatenate([self._hidden, taps.astype(self._hidden.dtype)], axis=1)  # [B, 1 + L, H]
-        starts = [0 if p else 1 for p in self._processed]  # a row's first token ever has no pair
+        # a row's first token ever (or first after a target-only hit: its hidden is unknown) has no pair
+        starts = [0 if p > first else 1 for p, first in zip(self._processed, self._start)]
         pairs = [max(count - start, 0) for count, start in zip(counts, starts)]
         width = max(pairs)
         if width:
@@ -223,7 +240,8 @@ class QwenMTPRows(BoundDraftRows):
             hiddens = mx.take_along_axis(previous, mx.array(index, dtype=mx.int32)[:, :, None], axis=1)
             dtype = self.provider.dtype
             embeddings = self.target.model.embed(mx.array(ids, dtype=mx.uint32)).astype(dtype)
-            positions = mx.array(self._pairs_so_far(), dtype=mx.int32)
+            # pair (h_i, t_{i+1}) sits at position i: the row's processed count - 1 (+ 1 when it has no pair yet)
+            positions = mx.array([p - 1 + s for p, s in zip(self._processed, starts)], dtype=mx.int32)
             _, keys, values = self.network(embeddings, hiddens.astype(dtype), positions, self._context())
             self._cache.prepare(right_padding=[width - n for n in pairs])
             self._cache.update_and_fetch(keys, values)
@@ -246,9 +264,11 @@ class QwenMTPRows(BoundDraftRows):
         check_per_row(counts, self.row_count, "token list")
         if not any(counts):
             return
-        if context is None or list(context.lengths) != counts:
-            raise ValueError(f"qwen MTP rows need the target's taps at every token they cover; got "
-                             f"{None if context is None else context.lengths} for {counts}")
+        # a row with no tokens here takes none (the engine feeds a row that has state through ``consume``)
+        lengths = None if context is None else list(context.lengths)
+        if lengths is None or len(lengths) != len(counts) or any(c and c != n for c, n in zip(counts, lengths)):
+            raise ValueError(f"qwen MTP rows need the target's taps at every token they cover; got {lengths} for "
+                             f"{counts}")
         self._advance(tokens_per_row, self._checked_taps(context, counts, "prefilled"), counts)
 
     def consume(self, tokens_per_row: Sequence[Sequence[int]], context, lengths: Sequence[int]) -> None:
@@ -304,10 +324,11 @@ class QwenMTPRows(BoundDraftRows):
     def capture(self, row: int) -> DraftRowCheckpoint | None:
         """The row's ``qwen-mtp-v1`` checkpoint (owned arrays); None before its first token (no state)."""
         check_row(row, self.row_count)
-        processed = self._processed[row]
+        processed, start = self._processed[row], self._start[row]
         if processed == 0:
             return None
-        offset = processed - 1
+        # pairs held: one per token after the first whose hidden was known (a partial row lacks its head's)
+        offset = processed - 1 if not start else max(processed - 1 - start, 0)
         hidden = mx.array(self._hidden[row : row + 1])
         tensors = [hidden]
         if offset:
@@ -316,7 +337,10 @@ class QwenMTPRows(BoundDraftRows):
                 raise RuntimeError(f"row {row}: MTP cache holds {single.offset} pairs, expected {offset}")
             tensors = [single.keys, single.values, hidden]
         mx.eval(tensors)
-        return DraftRowCheckpoint(processed, CheckpointAttachment(QWEN_MTP_V1, {"draftOffset": offset}, tensors))
+        attachment = CheckpointAttachment(QWEN_MTP_V1, {"draftOffset": offset}, tensors)
+        if start:
+            return PartialRowCheckpoint(processed, attachment, start=start, base_tokens=offset + 1)
+        return DraftRowCheckpoint(processed, attachment)
 
 
 class QwenMTPProvider(NetworkProvider):
@@ -376,6 +400,13 @@ class QwenMTPProvider(NetworkProvider):
                 raise SchemaError(self.schema, "tensors[0].dtype",
                                   f"K/V dtype {_dtype_name(tensors[0].dtype)} differs from this head's "
                                   f"{_dtype_name(self.dtype)}")
+
+
+def _start_of(opening) -> int:
+    """The first token a joining row's state covers."""
+    if isinstance(opening, ColdRow):
+        return opening.processed_tokens
+    return opening.start if isinstance(opening, PartialRowCheckpoint) else 0
 
 
 def _dtype_name(dtype) -> str:
