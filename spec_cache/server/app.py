@@ -48,6 +48,7 @@ from .protocol import (
     usage,
 )
 from .scheduler import Job, Scheduler, random_seed
+from .seam import message_boundaries
 
 log = logging.getLogger("spec_cache.server")
 
@@ -209,7 +210,22 @@ def create_app(state: ServerState) -> Starlette:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def make_job(params, prompt: list[int], tenant: str | None, deliver) -> Job:
+    def chat_boundaries(messages: list[dict], prompt: list[int], params=None) -> list[int]:
+        """Where the last messages end in ``prompt`` (and its end): checkpointed while prefilling (``seam``); each
+        head is rendered the way ``encode_chat`` rendered the whole conversation."""
+        from .tools import render_chat, uses_tools  # (tools.render_chat renders tool turns; the same as encode_chat)
+
+        tooled = params is not None and uses_tools(params.tools, params.tool_choice, messages)
+
+        def render(head: list[dict], generation_prompt: bool):
+            if tooled:
+                return render_chat(tokenizer, head, params.tools, params.tool_choice,
+                                   add_generation_prompt=generation_prompt)
+            ids = tokenizer.apply_chat_template(head, add_generation_prompt=generation_prompt, tokenize=True)
+            return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+        return message_boundaries(render, messages, prompt)
+
+    def make_job(params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=()) -> Job:
         if not prompt:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         limit = config.max_prompt_tokens
@@ -232,12 +248,12 @@ def create_app(state: ServerState) -> Starlette:
         sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed))
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
                    tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
-                   replayable=temperature == 0 or params.seed is not None)
+                   replayable=temperature == 0 or params.seed is not None, checkpoint_at=tuple(checkpoint_at))
 
     granularity = max(1, int(config.cached_tokens_granularity))
 
     async def run_job(request: Request, endpoint: str, params, prompt: list[int], tenant: str | None, chat: bool,
-                      started: float):
+                      started: float, checkpoint_at=()):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -245,7 +261,7 @@ def create_app(state: ServerState) -> Starlette:
             with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        job = make_job(params, prompt, tenant, deliver)
+        job = make_job(params, prompt, tenant, deliver, checkpoint_at)
         scheduler.submit(job)
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = int(time.time())
@@ -290,7 +306,7 @@ def create_app(state: ServerState) -> Starlette:
 
     def endpoint(name: str, chat: bool):
         async def handle(request: Request) -> Response:
-            tenant, known = None, False
+            tenant, known, checkpoint_at = None, False, ()
             started = time.perf_counter()
             try:
                 tenant = tenant_of(request)
@@ -299,10 +315,12 @@ def create_app(state: ServerState) -> Starlette:
                 if chat:
                     params, messages = parse_chat(body, state.models)
                     prompt = await tokenize(encode_chat, messages)
+                    if cache is not None:
+                        checkpoint_at = await tokenize(chat_boundaries, messages, prompt, params)
                 else:
                     params, text = parse_completion(body, state.models, vocab)
                     prompt = text if isinstance(text, list) else await tokenize(encode_text, text)
-                return await run_job(request, name, params, prompt, tenant, chat, started)
+                return await run_job(request, name, params, prompt, tenant, chat, started, checkpoint_at)
             except APIError as error:
                 count(name, error.status, tenant, known)
                 log_request(f"{request.method} {request.url.path}", error.status,

@@ -18,6 +18,17 @@ decoding row is checkpointed every N generated tokens (``DecodeSession.checkpoin
 quantization (the conversion point depends on the whole prompt's length, so a phase's state would not be
 reusable).
 
+Checkpoints at chosen offsets (``Job.checkpoint_at``, the template seam): a chat request's message boundaries
+(``seam.message_boundaries``), Anthropic ``cache_control`` breakpoints, anything a caller names. An offset inside
+the prompt goes as a prefill phase like the ``checkpoint_every`` ones; ``len(prompt)`` (the end of the prompt, where
+the next turn of a conversation continues, and where a drafter's exact-length row must be stored) goes as a side
+row: once the job's own row has written its prompt-boundary checkpoint (``len(prompt) - 1``), a one-token row for
+``prompt + [any token]`` restores it, forwards the last prompt token and stores its own prompt boundary, which is
+exactly ``prompt`` (its token and its finish checkpoint, which would hold the placeholder, are dropped); the job's
+first token never waits for it. Costs per offset: one restore, one one-token round of a row, one checkpoint copy
+and its write; bounded by ``MAX_CHECKPOINT_AT`` offsets a request, offsets the restored prefix already covers are
+skipped, and so are offsets within ``MIN_CHECKPOINT_GAP`` tokens of the restored prefix or of the prompt boundary.
+
 Retries (continuation checkpoints): a job whose tokens are a function of the request (greedy, or sampled with an
 explicit seed: ``RowSampler`` keys each position by the seed) that finishes, or whose client goes away (then its
 row is finished, checkpoint written, rather than cancelled), leaves its tokens in an in-process table (the last
@@ -65,8 +76,12 @@ CONTINUATIONS = 4096
 PREFETCH_WORKERS = 4
 #: a job's prefetch ends by this many lookup budgets after it arrived (time waiting for a pool thread included)
 PREFETCH_BUDGETS = 2.0
+#: at most this many ``checkpoint_at`` offsets a request (the largest are kept: nearest the next turn)
+MAX_CHECKPOINT_AT = 8
+#: a ``checkpoint_at`` offset this close to what is already covered (or to the prompt boundary) is skipped
+MIN_CHECKPOINT_GAP = 16
 
-__all__ = ["Job", "Scheduler"]
+__all__ = ["Job", "Scheduler", "checkpoint_points", "MAX_CHECKPOINT_AT", "MIN_CHECKPOINT_GAP"]
 
 
 @dataclass(eq=False)
@@ -96,6 +111,10 @@ class Job:
     output: list[int] = field(default_factory=list)  # every token delivered (replayed ones included)
     replayed: int = 0  # tokens replayed from an earlier identical request
     prefetch: Any = None  # the shared-tier prefetch of its prompt (a Future) while one runs
+    #: prompt offsets (token counts) to checkpoint while prefilling; ``len(prompt)``: the end of the prompt (see
+    #: the module doc; normalised by ``checkpoint_points`` when submitted)
+    checkpoint_at: tuple[int, ...] = ()
+    side: bool = False  # an internal end-of-prompt row (no client; its prompt ends with a placeholder token)
 
     @property
     def sequence(self) -> list[int]:
@@ -105,6 +124,12 @@ class Job:
     def continuation_key(self) -> tuple:
         digest = hashlib.blake2b(repr(self.prompt).encode(), digest_size=16).digest()
         return (self.tenant, digest, self.sampling, self.stop_at_eos)
+
+
+def checkpoint_points(offsets, prompt_tokens: int, limit: int = MAX_CHECKPOINT_AT) -> tuple[int, ...]:
+    """``offsets`` as the sorted distinct ints in ``1..prompt_tokens``, at most ``limit`` of them (the largest)."""
+    points = sorted({int(k) for k in offsets if 1 <= int(k) <= prompt_tokens})
+    return tuple(points[-limit:]) if limit > 0 else ()
 
 
 def random_seed() -> int:
@@ -139,6 +164,7 @@ class Scheduler:
         self._ns_keys: dict[str | None, bytes | None] = {}
         self._session = None
         self._continuations: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
+        self._side_rows: list[Job] = []  # end-of-prompt rows, queued once their job's boundary checkpoint is stored
         self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
         self.error: BaseException | None = None
         cache = generator.cache
@@ -173,6 +199,7 @@ class Scheduler:
                 raise APIError(429, f"the server is overloaded ({self.max_rows} rows decoding, {self.max_queue} "
                                "waiting); retry later", code="overloaded", headers={"Retry-After": "1"})
             self._outstanding += 1
+        job.checkpoint_at = checkpoint_points(job.checkpoint_at, len(job.prompt))
         self._inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
@@ -224,6 +251,9 @@ class Scheduler:
             if self._session.busy:
                 self._step()
             self._write_checkpoints()
+            if self._side_rows:  # after the write: they restore the boundary their job just stored
+                self._pending.extend(self._side_rows)
+                self._side_rows.clear()
 
     def _new_session(self):
         generator = self.generator
@@ -319,6 +349,20 @@ class Scheduler:
                 self._decoding += 1
             if job.phase_end is None and not job.started:
                 self._start(job, job.cached_tokens)
+            if job.phase_end is None and not job.side:
+                self._queue_side_row(job)
+
+    def _queue_side_row(self, job: Job) -> None:
+        """The end-of-prompt row of ``job`` (its own row was just admitted), when asked for and not stored yet."""
+        end = len(job.prompt)
+        if (end not in job.checkpoint_at or job.replayed or end < 2 or self.generator.cache is None
+                or self.generator.engine.plan is not None or job.prepared.cached_tokens >= end):
+            return
+        side = Job(prompt=job.prompt + [job.prompt[-1]], max_tokens=1, sampling=job.sampling,
+                   deliver=lambda _event: None, tenant=job.tenant, side=True, arrived=job.arrived)
+        with self._lock:
+            self._outstanding += 1
+        self._side_rows.append(side)
 
     def _start(self, job: Job, cached_tokens: int) -> None:
         """Deliver ``start`` (and the replayed tokens, for a retry)."""
@@ -356,7 +400,7 @@ class Scheduler:
                 raise
             # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
             log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
-            job.phase_end = None
+            job.phase_end = self._phase_end(job) if job.side else None  # a side row stays one (its placeholder)
             job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
             job.prepared.request.stop_at_eos = job.stop_at_eos
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
@@ -384,13 +428,20 @@ class Scheduler:
         return False
 
     def _phase_end(self, job: Job) -> int | None:
-        """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now."""
+        """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now (a side row:
+        always its end-of-prompt boundary)."""
+        if job.side:
+            return len(job.prompt) - 1
         every = self.checkpoint_every
-        if every is None or self.generator.engine.plan is not None:
+        if self.generator.engine.plan is not None or (every is None and not job.checkpoint_at):
             return None
         covered = max(job.prepared.cached_tokens, job.prefilled)
-        end = (covered // every + 1) * every
-        return end if end < len(job.sequence) - 1 else None
+        boundary = len(job.sequence) - 1
+        ends = [(covered // every + 1) * every] if every is not None else []
+        ends += [k for k in job.checkpoint_at
+                 if k - covered >= MIN_CHECKPOINT_GAP and boundary - k >= MIN_CHECKPOINT_GAP]
+        end = min(ends, default=None)
+        return end if end is not None and end < boundary else None
 
     def _step(self) -> None:
         try:
@@ -437,6 +488,9 @@ class Scheduler:
             return
         with self._lock:
             self._decoding -= 1
+        if job.side:
+            self._done(job, "length")
+            return
         if job.phase_end is not None and not result.cancelled:
             job.prefilled, job.phase_end, job.row = job.phase_end, None, None
             self._pending.appendleft(job)  # the next phase (or the job itself) restores from this one
@@ -494,6 +548,8 @@ class Scheduler:
             except Exception:  # pragma: no cover - the session may be broken after a failure
                 self._rows.pop(job.row, None)
                 self._fail(job, APIError(503, "the server is shutting down", code="unavailable"))
+        self._pending.extend(self._side_rows)
+        self._side_rows.clear()
         while self._pending:
             self._done(self._pending.popleft(), "cancelled")
         while True:  # submissions that raced with the stop
