@@ -209,10 +209,11 @@ class TargetModel:
         """
         if len(caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} caches (one per cache layer), got {len(caches)}")
-        taps = tuple(layer % self.depth for layer in tap_layers)
+        # tap ``depth`` (one past the last layer) is the post-final-norm hidden, the seed's gemmaTaps sentinel
+        taps = tuple(layer % self.depth for layer in tap_layers if layer != self.depth)
         hidden, tapped = self._port.run_layers(self.embed(ids), caches, taps, ids=ids, record=recurrent_inputs,
                                                unpadded=unpadded)
-        tapped = {layer: tapped[layer % self.depth] for layer in tap_layers}
+        tapped = {layer: hidden if layer == self.depth else tapped[layer % self.depth] for layer in tap_layers}
         return ForwardOutput(self.logits(hidden) if with_logits else None, hidden, tapped)
 
     def recurrent_mixer(self, layer: int) -> Any:

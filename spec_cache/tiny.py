@@ -445,6 +445,11 @@ def _write_projected(path: Path, method: str, target_config: dict, weights: dict
     """
     from .drafters.projected import ProjectedConfig, ProjectedNetwork
 
+    if target_config["model_type"] == "gemma4_text":  # KV-shared layers, Gemma 4 blocks: drafters.tiny_writers
+        from .drafters.tiny_writers import write_projected_gemma4
+
+        return write_projected_gemma4(path, method, target_config, weights, seed, layers, taps, gamma, noise,
+                                      num_target_layers)
     total = target_config["num_hidden_layers"]
     if not 1 <= layers <= total:
         raise ValueError(f"{method} layers must be in 1..{total}, got {layers}")

@@ -23,6 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .dflash_config import is_published_dflash
+
 __all__ = ["METHODS", "detect_method", "load_provider", "open_provider"]
 
 #: method -> (module, provider class): the one list of drafter methods (the CLI's ``--method`` choices too)
@@ -40,8 +42,9 @@ METHODS: tuple[str, ...] = tuple(_PROVIDERS)
 
 
 def detect_method(model_dir: str | Path) -> str:
-    """The drafter method of a directory: ``dflash`` when it holds a ``dspark.json``, else its ``config.json``'s
-    ``"method"``, else ``draft-model`` for an mlx-lm model."""
+    """The drafter method of a directory: ``dflash`` when it holds a ``dspark.json`` or a published DFlash
+    ``config.json`` (``dflash_config``), else its ``config.json``'s ``"method"``, else ``draft-model`` for an
+    mlx-lm model."""
     if (Path(model_dir) / "dspark.json").is_file():
         return "dflash"
     path = Path(model_dir) / "config.json"
@@ -49,6 +52,8 @@ def detect_method(model_dir: str | Path) -> str:
         raise FileNotFoundError(f"drafter directory {model_dir} has no config.json (nor a DFlash dspark.json)")
     config = json.loads(path.read_text())
     method = config.get("method")
+    if is_published_dflash(config):  # a DFlash drafter's config.json as published (dflash_config)
+        return "dflash"
     if method is None and "model_type" in config:
         return "draft-model"
     if method not in METHODS:

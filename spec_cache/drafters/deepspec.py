@@ -1,9 +1,16 @@
-"""DeepSpec: a projected-context drafter that drafts token by token.
+"""DeepSpec: a projected-context drafter that drafts a block (the seed's ``gamma = block_size``) and slices it.
 
-Each step feeds one token per row (the pending token first, then its own last draft) at the row's next
-position; every drafter layer attends over the row's projected context and the K/V of the tokens drafted so far
-this round (kept only for the round: the row state is the context alone). The output runs through the target's
-final head. Shared machinery, config keys and the row checkpoint: ``projected.py``. ``config.json`` carries
+With ``block_size`` in the config (the seed's DeepSpec): one non-causal forward over the pending token followed
+by ``block_size - 1`` mask tokens (``mask_token_id``) at the row's next positions, attending over the row's
+projected context and the whole block; the output at block position ``k`` (``0..block_size-1``, through the
+target's head) is draft ``k``, and the round takes the first ``depth`` of them. One drafter forward per round,
+whatever the depth.
+
+Without ``block_size`` (this project's earlier DeepSpec directories, kept drafting as they did): ``depth``
+chained single-token steps, each feeding one token per row (the pending token first, then its own last draft)
+and attending over the context and this round's earlier steps.
+
+Shared machinery, config keys and the row checkpoint: ``projected.py``. ``config.json`` carries
 ``"method": "deepspec"``; the namespace is ``deepspec-context-v1:<identity of config.json + weights>``.
 """
 
@@ -19,6 +26,7 @@ from spec_cache.schemas import DEEPSPEC_CONTEXT_V1
 
 from ..rows import check_per_row
 from .base import directory_namespace
+from .dflash import block_logits
 from .projected import ContextKV, ProjectedConfig, load_network
 from .projected_rows import ProjectedProvider, ProjectedRows
 
@@ -28,12 +36,21 @@ METHOD = "deepspec"
 
 
 class DeepSpecRows(ProjectedRows):
-    """DeepSpec draft rows: ``depth`` chained single-token steps against the projected context."""
+    """DeepSpec draft rows: one block forward sliced to ``depth`` (``block_size`` configs), else ``depth`` chained
+    single-token steps, against the projected context."""
 
     def draft(self, pending: Sequence[int], depth: int) -> list[list[int]]:
         check_per_row(pending, self.row_count, "pending token")
         if depth <= 0 or not pending:
             return [[] for _ in pending]
+        config = self.provider.config
+        if config.block_size:
+            logits = block_logits(self, pending, config.block_size, config.mask_token_id)
+            return self._sampler(logits)[:, :depth].tolist()
+        return self._draft_steps(pending, depth)
+
+    def _draft_steps(self, pending: Sequence[int], depth: int) -> list[list[int]]:
+        """The token-by-token drafting of configs without ``block_size``."""
         model = self.target.model
         dtype = self.provider.dtype
         contexts = self._contexts()

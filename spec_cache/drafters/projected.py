@@ -18,7 +18,8 @@ This module holds the configuration and the network; ``projected_rows.py`` the p
 
 Config keys (``config.json`` / ``dspark.json``): ``hidden_size`` (= the target's), ``num_hidden_layers``,
 ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` (= the
-target's), ``target_layer_ids`` (tap layers), ``num_target_layers`` (the target depth it was trained for),
+target's), ``target_layer_ids`` (tap layers: the output of decoder layer ``i``; ``num_target_layers`` itself is
+the post-final-norm hidden, the seed's Gemma tap sentinel), ``num_target_layers`` (the target depth it was trained for),
 ``target_hidden_size`` (default ``hidden_size``), ``rms_norm_eps`` (1e-6), ``rope_theta`` (10000), ``qk_norm``
 (true: RMSNorm on queries and keys per head).
 """
@@ -26,6 +27,7 @@ target's), ``target_layer_ids`` (tap layers), ``num_target_layers`` (the target 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from math import inf
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -56,7 +58,14 @@ class ProjectedConfig:
     rope_theta: float = 10000.0
     qk_norm: bool = True
     gamma: int = 0  # DFlash: the trained block width (pending token + gamma - 1 mask tokens)
-    mask_token_id: int = 0  # DFlash: the token fed at the positions being drafted
+    mask_token_id: int = 0  # DFlash, block DeepSpec: the token fed at the positions being drafted
+    #: DeepSpec: the seed's ``block_size`` (one forward over the pending token + ``block_size - 1`` mask tokens
+    #: drafts ``block_size`` tokens, sliced to the round's depth); 0: this project's earlier token-by-token drafting
+    block_size: int = 0
+    #: DFlash/DSpark early stop (``sts.thresholds``): draft ``k`` (k >= 1) ends the block when its confidence is
+    #: below ``sts_thresholds[k]`` (or ``min_conf`` past the list); empty and None: the whole block is drafted
+    sts_thresholds: tuple[float, ...] = ()
+    min_conf: float | None = None
 
     @classmethod
     def from_dict(cls, config: dict, method: str, *, block: bool = False) -> "ProjectedConfig":
@@ -73,22 +82,74 @@ class ProjectedConfig:
         if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
             raise ValueError(f"{method} num_target_layers must be an int >= 1, got {layers!r}")
         if (not isinstance(taps, list) or not taps
-                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < layers for t in taps)):
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= layers for t in taps)):
             raise ValueError(f"{method} target_layer_ids must be a non-empty list of layer indices in "
-                             f"[0, {layers}), got {taps!r}")
+                             f"[0, {layers}] ({layers}: the post-final-norm hidden), got {taps!r}")
         if block and (not isinstance(config["gamma"], int) or config["gamma"] < 2):
             raise ValueError(f"{method} gamma (the trained block width) must be an int >= 2, got {config['gamma']!r}")
-        known = {f.name for f in fields(cls)} - {"method", "target_layer_ids"}
+        known = {f.name for f in fields(cls)} - {"method", "target_layer_ids"} - _EXPLICIT
         values = {key: config[key] for key in known if key in config}
         values.setdefault("target_hidden_size", config["hidden_size"])
+        values.update(_block_size(config, method, block))
+        values.update(_early_stop(config, method, block))
         return cls(method=method, target_layer_ids=tuple(taps), **values)
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["target_layer_ids"] = list(self.target_layer_ids)
-        if not self.gamma:
+        for name in _EXPLICIT:
+            out.pop(name)
+        if not self.gamma and not self.block_size:
             out.pop("gamma"), out.pop("mask_token_id")
+        elif not self.gamma:
+            out.pop("gamma")
+        if self.block_size:
+            out["block_size"] = self.block_size
+        if self.sts_thresholds:
+            out["sts"] = {"thresholds": list(self.sts_thresholds)}
+        if self.min_conf is not None:
+            out["minConf"] = self.min_conf
         return out
+
+
+#: fields read by their own rules (the seed's key names), not copied from the config as they are
+_EXPLICIT = frozenset({"block_size", "sts_thresholds", "min_conf"})
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != inf
+
+
+def _block_size(config: dict, method: str, block: bool) -> dict:
+    """DeepSpec's ``block_size`` (the seed's gamma; needs ``mask_token_id`` when >= 2)."""
+    if "block_size" not in config or block:
+        return {}
+    size = config["block_size"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"{method} block_size (the drafted block width) must be an int >= 1, got {size!r}")
+    if size >= 2 and "mask_token_id" not in config:
+        raise ValueError(f"{method} block_size {size} needs mask_token_id (the token fed at the drafted positions)")
+    return {"block_size": size}
+
+
+def _early_stop(config: dict, method: str, block: bool) -> dict:
+    """DSpark's ``sts.thresholds`` and ``minConf`` (block drafters only), checked."""
+    sts, min_conf = config.get("sts"), config.get("minConf", config.get("min_conf"))
+    if sts is None and min_conf is None:
+        return {}
+    if not block:
+        raise ValueError(f"{method}: sts / minConf (confidence early stop) apply to DFlash/DSpark block drafters")
+    out: dict = {}
+    if sts is not None:
+        thresholds = sts.get("thresholds") if isinstance(sts, dict) else None
+        if not isinstance(thresholds, list) or not all(_number(t) for t in thresholds):
+            raise ValueError(f"{method} sts.thresholds must be a list of numbers, got {sts!r}")
+        out["sts_thresholds"] = tuple(float(t) for t in thresholds)
+    if min_conf is not None:
+        if not _number(min_conf):
+            raise ValueError(f"{method} minConf must be a number, got {min_conf!r}")
+        out["min_conf"] = float(min_conf)
+    return out
 
 
 @dataclass

@@ -111,3 +111,61 @@ def _write_dflash2(path: Path, target_dir: Path, seed: int, draft_bits: int = 4,
     config.update(method="dflash2", draft_bits=draft_bits, draft_group_size=draft_group_size)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     dspark.unlink()
+
+
+def write_projected_gemma4(path: Path, method: str, target_config: dict, weights: dict, seed: int, layers: int,
+                           taps: list | None, gamma: int, noise: float, num_target_layers: int | None) -> None:
+    """A ``deepspec`` / ``dflash`` drafter for a ``gemma4_text`` target (``tiny._write_projected`` dispatches
+    here): its one layer copies the target's last *cache-holding* layer ``d`` (the KV-shared layers after it have
+    no K/V projections of their own), mapped onto the drafter's pre-norm block (``q_norm``/``k_norm`` kept,
+    ``pre_feedforward_layernorm`` as the MLP's input norm, the GeGLU weights under SwiGLU), and taps the output
+    of layer ``d - 1`` through ``fc`` ~ identity, so the context approximates layer ``d``'s own K/V. Drafts
+    agree with the target only now and then; the tests check exactness, restore and batching."""
+    from .projected import ProjectedConfig, ProjectedNetwork
+
+    if layers != 1:
+        raise ValueError(f"{method} on gemma4_text: the tiny writer copies one layer, got layers={layers}")
+    total = target_config["num_hidden_layers"]
+    donor = total - target_config.get("num_kv_shared_layers", 0) - 1
+    taps = [max(donor - 1, 0)] if taps is None else [int(t) % (total + 1) for t in taps]
+    hidden = target_config["hidden_size"]
+    prefix = f"model.layers.{donor}."
+    heads = target_config["num_attention_heads"]
+    head_dim = int(weights[prefix + "self_attn.q_norm.weight"].shape[0])
+    config = ProjectedConfig(
+        method=method, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=int(weights[prefix + "self_attn.k_proj.weight"].shape[0]) // head_dim,
+        head_dim=head_dim, intermediate_size=int(weights[prefix + "mlp.gate_proj.weight"].shape[0]),
+        vocab_size=target_config["vocab_size"], target_layer_ids=tuple(taps),
+        num_target_layers=total if num_target_layers is None else num_target_layers, target_hidden_size=hidden,
+        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6), rope_theta=target_config.get("rope_theta", 10000.0),
+        qk_norm=True, gamma=gamma if method == "dflash" else 0, mask_token_id=0,
+    )
+    network = ProjectedNetwork(config)
+    passthrough = mx.concatenate([mx.zeros((hidden, hidden * (len(taps) - 1))), mx.eye(hidden)], axis=1)
+    drawn = {
+        "fc.weight": passthrough + mx.random.normal(passthrough.shape, key=mx.random.key(seed)) * (noise / hidden**0.5),
+        "hidden_norm.weight": weights[prefix + "input_layernorm.weight"],
+        "norm.weight": weights["model.norm.weight"],
+        "layers.0.post_attention_layernorm.weight": weights[prefix + "pre_feedforward_layernorm.weight"],
+    }
+    for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                 "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+        drawn[f"layers.0.{name}"] = weights[prefix + name]
+    network.load_weights(list(drawn.items()), strict=True)
+    path.mkdir(parents=True, exist_ok=True)
+    config_name = "dspark.json" if method == "dflash" else "config.json"
+    (path / config_name).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(network.parameters())),
+                        metadata={"format": "mlx"})
+
+
+def set_block_size(path: str | Path, block_size: int, mask_token_id: int = 0) -> Path:
+    """Give the DeepSpec drafter in ``path`` the seed's ``block_size`` (and ``mask_token_id``): it then drafts
+    one block per round and slices it. Its identity (and so its namespace) changes with its config."""
+    config_path = Path(path) / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(block_size=block_size, mask_token_id=mask_token_id)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return Path(path)
