@@ -217,6 +217,13 @@ class SpecCache:
     def __exit__(self, *exc):
         self.close()
 
+    @property
+    def continuations(self):
+        """This cache's continuation records (``spec_cache.continuations.Continuations``; made on first use)."""
+        from .continuations import Continuations
+
+        return Continuations.of(self)
+
     def memo(self):
         """The artifact-identity memo kept in this cache's store (``spec_cache.identity`` takes it)."""
         return self.store.memo()
@@ -259,7 +266,8 @@ class SpecCache:
     # --- save ------------------------------------------------------------------------------------
     def save(self, ns_key: bytes, tokens: Sequence[int], caches: Sequence[Any], *,
              drafter_namespace: str | None = None, draft_checkpoint: DraftRowCheckpoint | None = None,
-             minimum_reusable: int = 0, background: bool = False) -> PutResult | None:
+             minimum_reusable: int = 0, background: bool = False,
+             then: Callable[[PutResult], None] | None = None) -> PutResult | None:
         """Store a checkpoint: held in the memory tier at once, written to LMDB (and queued for the shared tier).
 
         ``background=False`` writes LMDB now and returns its ``PutResult``: the checkpoint is committed (and, with
@@ -268,7 +276,8 @@ class SpecCache:
         the memory tier holds the checkpoint meanwhile (otherwise it is written now); a queued write survives the
         process ending normally or by an exception (the exit drain), not a SIGKILL before it is committed. Under
         ``durability="sync"`` every save writes now, whatever ``background`` says. On any failure: a
-        ``CacheWarning``, None.
+        ``CacheWarning``, None. ``then(put_result)`` runs once the checkpoint is committed to LMDB (on the writer
+        thread, or here); never after a failure (``spec_cache.continuations`` writes its record there).
         """
         if self._closed:
             warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: the cache is closed",
@@ -291,7 +300,7 @@ class SpecCache:
         entry = self.memory.put(ns_key, tokens, caches, drafter_namespace=drafter_namespace if drafter else None,
                                 draft_checkpoint=draft_checkpoint if drafter else None,
                                 minimum_reusable=minimum_reusable)
-        job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry)
+        job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry, then)
         # behind the request only while the memory tier serves the checkpoint meanwhile (tier off, or the
         # checkpoint over its budget: written now, so the next request finds it)
         if behind and entry is not None:
@@ -317,6 +326,11 @@ class SpecCache:
                 self.memory.mark_durable(job.entry)  # held in LMDB now, or never will be: evictable either way
         if result is not None and self.shared is not None:
             self.shared.enqueue(result.entry, [job.drafter[0]] if job.drafter is not None else [], job.nbytes)
+        if result is not None and job.then is not None:
+            try:
+                job.then(result)
+            except Exception:  # pragma: no cover - a follower's failure never fails the checkpoint
+                log.exception("spec-cache: a write's follow-up failed")
         return result
 
     def _put(self, job: "_WriteJob") -> PutResult:
@@ -555,6 +569,7 @@ class _WriteJob:
     drafter: tuple | None
     minimum_reusable: int
     entry: Any
+    then: Callable[[PutResult], None] | None = None  # after the commit (``save``'s ``then``)
 
     @property
     def nbytes(self) -> int:

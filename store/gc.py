@@ -13,6 +13,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from . import continuations
 from .codec import CorruptRecord, check_key, decode_record
 from .errors import StoreError
 from .index import draft_key, expected_bookkeeping
@@ -48,7 +49,7 @@ def gc(store: Store, progress: Progress | None = None) -> GcReport:
     if bad.structure_problems:
         raise StoreError(f"store at {store.path}: LMDB's page structure is damaged ({bad.structure_problems[0]}; "
                          f"{len(bad.structure_problems)} problems); gc cannot fix that: run 'spec-cache repair'")
-    corrupt = [(row["db"], bytes.fromhex(row["key"])) for row in bad.corrupt_keys]
+    corrupt = [(row["db"], bytes.fromhex(row["key"])) for row in bad.corrupt_keys if row["db"] in RECORD_DBS]
     report = GcReport()
     store.env.write(lambda txn: _Rebuild(store, txn, report).run(corrupt), making_room=True)
     return report
@@ -83,6 +84,9 @@ class _Rebuild:
         self._unreferenced_records(rows, live, kept, referenced)
         for db, keys in self.doomed.items():
             _delete_rows(self.txn, self.dbs[db], keys)
+        corrupt_records, orphaned = continuations.rebuild(self.txn, self.dbs, set(rows.nsinfo))  # their own rows
+        self.report.corrupt_removed += corrupt_records
+        self.report.orphans_removed += orphaned
         self.report.bytes = max(0, start_bytes - totals.bytes)
 
     def _damaged_rows(self, rows: IndexRows) -> None:

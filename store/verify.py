@@ -13,6 +13,7 @@ from typing import Callable
 
 from spec_cache.schemas import SCHEMAS
 
+from . import continuations
 from .codec import CorruptRecord, check_key, decode_record
 from .errors import CorruptIndex
 from .index import Bookkeeping, draft_key, expected_bookkeeping
@@ -91,8 +92,14 @@ def verify(store: Store, progress: Progress | None = None, *, index: bool = True
                     report.ok += 1
             if progress:
                 progress(report.records, max(total, report.records))
+    with store.env.read() as txn:  # continuation records (``continuations.py``) live in the memo sub-database
+        conts = continuations.check(txn, store.env.dbs)
+    report.records += conts.records
+    report.ok += conts.ok + conts.newer
+    report.corrupt += len(conts.corrupt)
+    report.corrupt_keys += conts.corrupt
     if index:
-        report.index_problems = index_problems(store)
+        report.index_problems = index_problems(store) + conts.problems
     return report
 
 

@@ -1,0 +1,335 @@
+"""Continuation records: what a generation emitted so far, so that the same request resumes after a crash.
+
+Why: a checkpoint holds the KV state of ``prompt + generated[:-1]``, but nothing maps a *request* to the tokens
+it generated. A continuation record does: under a key over everything that determines the tokens, it keeps the
+generated ids up to the newest checkpoint (``finished`` once the row ended). A retried request replays them and
+its row continues from that checkpoint (``spec_cache.continuations``). The seed's ``generationCheckpointKey`` /
+``ContinuationPersistence`` do the same.
+
+Key (32 bytes; golden vector in tests/golden/continuations.json)::
+
+    key = blake3("spec-cache/continuation/v1\\0" || ns_key(32) || u32 len(params) || params
+                 || u64 len(prompt) || u32le prompt tokens)
+    params = canonical JSON (sorted keys, no spaces) of {"eos": [sorted EOS ids] or null (EOS ignored),
+             "sampling": "greedy" or {"seed": int, "temperature": float, "top_p": float}}
+
+``ns_key`` is the prefix namespace key: target identity, drafter namespace, adapters, KV options and tenant, so a
+record never crosses tenants or models. Greedy ignores seed and top_p (the engine does).
+
+Record (value, version 1; all little-endian)::
+
+    magic "SCCN" | u16 major=1 | u16 minor=0 | u32 flags (bit 0: finished) | key(32) | ns_key(32)
+    | u64 written_ns | u32 prompt_tokens | u32 n | n x u32 tokens | blake3 of everything before (32)
+
+Rows, in the store's ``memo`` sub-database (older code never reads them; no new sub-database, so the store
+format stays 1.x): ``b"\\0cont\\0" + key`` -> record, and ``b"\\0cont-lru\\0" + u64be(written_ns) + key`` ->
+u32 record bytes. A record with a newer major version is skipped (a miss), never decoded.
+
+Bounds: at most ``max_records`` records and ``max_bytes`` of them; a put evicts the least recently written
+first, in its own transaction. ``verify`` checks every record (checksum, structure, the key it sits under, its
+LRU row); ``gc`` drops corrupt records, records of namespaces no longer registered, and stray LRU rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import blake3
+
+from .errors import CorruptRecord, InvalidInput, StoreError
+from .keys import KEY_BYTES, pack_tokens
+
+log = logging.getLogger("spec_cache.store")
+
+KEY_DOMAIN = b"spec-cache/continuation/v1\x00"
+CHECKSUM_DOMAIN = b"spec-cache/continuation-record/v1\x00"
+MAGIC = b"SCCN"
+MAJOR, MINOR = 1, 0
+FINISHED = 1
+_HEADER = struct.Struct("<4sHHI32s32sQII")
+RECORD_PREFIX = b"\x00cont\x00"
+LRU_PREFIX = b"\x00cont-lru\x00"
+DB = "memo"
+#: defaults: records kept, and their bytes
+MAX_RECORDS = 4096
+MAX_BYTES = 64 << 20
+
+
+class NewerRecord(StoreError):
+    """A continuation record of a newer major version: not ours to read (a miss, not damage)."""
+
+
+def continuation_params(*, temperature: float, top_p: float, seed: int | None, eos_ids: Sequence[int] | None,
+                        ) -> bytes:
+    """The canonical parameter bytes of the key (module doc). ``eos_ids`` None: the request ignores EOS."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise InvalidInput(f"temperature must be a number >= 0, got {temperature!r}")
+    if temperature == 0:
+        sampling: object = "greedy"
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidInput("a sampled continuation needs an explicit int seed")
+        sampling = {"seed": int(seed), "temperature": float(temperature), "top_p": float(top_p)}
+    eos = None if eos_ids is None else sorted({int(t) for t in eos_ids})
+    return json.dumps({"eos": eos, "sampling": sampling}, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def continuation_key(ns_key: bytes, prompt: Sequence[int], params: bytes) -> bytes:
+    """The 32-byte key of a request (module doc)."""
+    if len(ns_key) != KEY_BYTES:
+        raise InvalidInput("namespace key must be 32 bytes")
+    packed = pack_tokens(prompt)
+    h = blake3.blake3(KEY_DOMAIN)
+    h.update(bytes(ns_key))
+    h.update(struct.pack("<I", len(params)))
+    h.update(params)
+    h.update(struct.pack("<Q", len(packed)))
+    h.update(packed.tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A request's generated tokens so far (``finished``: the row ended there: length, EOS or stop)."""
+
+    key: bytes
+    ns_key: bytes
+    prompt_tokens: int
+    tokens: tuple[int, ...]
+    finished: bool = False
+    written_ns: int = 0
+
+
+def encode_continuation(rec: Continuation) -> bytes:
+    if len(rec.key) != KEY_BYTES or len(rec.ns_key) != KEY_BYTES:
+        raise InvalidInput("continuation keys must be 32 bytes")
+    body = _HEADER.pack(MAGIC, MAJOR, MINOR, FINISHED if rec.finished else 0, rec.key, rec.ns_key,
+                        int(rec.written_ns), int(rec.prompt_tokens), len(rec.tokens))
+    body += pack_tokens(list(rec.tokens)).tobytes()
+    return body + blake3.blake3(CHECKSUM_DOMAIN + body).digest()
+
+
+def decode_continuation(raw, key: bytes | None = None) -> Continuation:
+    """Decode (and check) a record; ``CorruptRecord`` on any defect, ``NewerRecord`` for a newer major."""
+    raw = bytes(raw)
+    where = "" if key is None else f" {key.hex()[:16]}"
+    if len(raw) < _HEADER.size + 32 or raw[:4] != MAGIC:
+        raise CorruptRecord(f"continuation record{where}: not a continuation record", key)
+    magic, major, minor, flags, rkey, ns_key, written, prompt_tokens, n = _HEADER.unpack_from(raw)
+    if major > MAJOR:
+        raise NewerRecord(f"continuation record{where}: version {major}.{minor} is newer than this code reads")
+    if major != MAJOR:
+        raise CorruptRecord(f"continuation record{where}: unknown version {major}.{minor}", key)
+    if len(raw) != _HEADER.size + 4 * n + 32:
+        raise CorruptRecord(f"continuation record{where}: {len(raw)} bytes, {n} tokens need "
+                            f"{_HEADER.size + 4 * n + 32}", key)
+    if blake3.blake3(CHECKSUM_DOMAIN + raw[:-32]).digest() != raw[-32:]:
+        raise CorruptRecord(f"continuation record{where}: checksum mismatch", key)
+    if flags & ~FINISHED:
+        raise CorruptRecord(f"continuation record{where}: unknown flags {flags:#x}", key)
+    if key is not None and rkey != key:
+        raise CorruptRecord(f"continuation record{where}: stored under another key", key)
+    tokens = struct.unpack_from(f"<{n}I", raw, _HEADER.size)
+    return Continuation(rkey, ns_key, prompt_tokens, tuple(tokens), bool(flags & FINISHED), written)
+
+
+def _record_row(key: bytes) -> bytes:
+    return RECORD_PREFIX + key
+
+
+def _lru_row(written_ns: int, key: bytes) -> bytes:
+    return LRU_PREFIX + struct.pack(">Q", written_ns) + key
+
+
+def _rows(txn, db, prefix: bytes):
+    """(row key, value) of every row starting with ``prefix``, in key order."""
+    cursor = txn.cursor(db=db)
+    more = cursor.set_range(prefix)
+    while more:
+        row = bytes(cursor.key())
+        if not row.startswith(prefix):
+            return
+        yield row, cursor.value()
+        more = cursor.next()
+
+
+class ContinuationTable:
+    """Continuation records of one ``Store`` (module doc). Thread-safe as the store is."""
+
+    def __init__(self, store, *, max_records: int = MAX_RECORDS, max_bytes: int = MAX_BYTES):
+        if max_records < 1 or max_bytes < 1:
+            raise InvalidInput("max_records and max_bytes must be >= 1")
+        self.store = store
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+
+    @property
+    def _db(self):
+        return self.store.env.dbs[DB]
+
+    def get(self, key: bytes) -> Continuation | None:
+        """The record under ``key``, or None (absent, newer version, corrupt: a corrupt one is dropped, logged)."""
+        with self.store.reading() as txn:
+            raw = txn.get(_record_row(key), db=self._db)
+            raw = None if raw is None else bytes(raw)
+        if raw is None:
+            return None
+        try:
+            return decode_continuation(raw, key)
+        except NewerRecord as exc:
+            log.info("spec-cache: %s; treated as a miss", exc)
+            return None
+        except CorruptRecord as exc:
+            log.warning("spec-cache: dropping %s; treated as a miss", exc)
+            self.drop(key)
+            return None
+
+    def put(self, rec: Continuation) -> int:
+        """Write ``rec`` (replacing the record under its key) and evict the least recently written records past
+        the bounds, in one transaction; returns how many were evicted. A record that does not lengthen the stored
+        one (fewer tokens, or as many and not newly finished) is not written (a late write never goes back)."""
+        if self.store.env.readonly:
+            return 0
+        rec = Continuation(rec.key, rec.ns_key, rec.prompt_tokens, tuple(int(t) for t in rec.tokens), rec.finished,
+                           rec.written_ns or time.time_ns())
+        value = encode_continuation(rec)
+        if len(value) > self.max_bytes:
+            raise InvalidInput(f"continuation record of {len(value)} bytes exceeds max_bytes {self.max_bytes}")
+
+        def fn(txn) -> int:
+            db = self._db
+            old = txn.get(_record_row(rec.key), db=db)
+            if old is not None:
+                try:
+                    prev = decode_continuation(old, rec.key)
+                except StoreError:
+                    prev = None
+                if prev is not None and (len(prev.tokens), prev.finished) >= (len(rec.tokens), rec.finished):
+                    return 0
+                if prev is not None:
+                    txn.delete(_lru_row(prev.written_ns, rec.key), db=db)
+            txn.put(_record_row(rec.key), value, db=db)
+            txn.put(_lru_row(rec.written_ns, rec.key), struct.pack("<I", len(value)), db=db)
+            return self._evict(txn, db)
+        with self.store._lock:
+            return self.store.env.write(fn)
+
+    def _evict(self, txn, db) -> int:
+        rows = [(row, struct.unpack("<I", bytes(v))[0] if len(v) == 4 else 0) for row, v in _rows(txn, db, LRU_PREFIX)]
+        count, total = len(rows), sum(size for _, size in rows)
+        evicted = 0
+        for row, size in rows:  # oldest first
+            if count <= self.max_records and total <= self.max_bytes:
+                break
+            txn.delete(row, db=db)
+            txn.delete(_record_row(row[-KEY_BYTES:]), db=db)
+            count, total, evicted = count - 1, total - size, evicted + 1
+        return evicted
+
+    def drop(self, key: bytes) -> bool:
+        """Remove the record under ``key`` (and its LRU row); False if there was none or the store is read-only."""
+        if self.store.env.readonly:
+            return False
+
+        def fn(txn) -> bool:
+            db = self._db
+            found = txn.delete(_record_row(key), db=db)
+            for row, _ in list(_rows(txn, db, LRU_PREFIX)):
+                if row.endswith(key):
+                    txn.delete(row, db=db)
+            return found
+        try:
+            with self.store._lock:
+                return self.store.env.write(fn, making_room=True)
+        except StoreError as exc:
+            log.warning("spec-cache: continuation record %s not dropped: %s", key.hex()[:16], exc)
+            return False
+
+    def records(self) -> list[Continuation]:
+        """Every readable record (corrupt and newer ones left out), least recently written first."""
+        out = []
+        with self.store.reading() as txn:
+            for row, raw in _rows(txn, self._db, RECORD_PREFIX):
+                try:
+                    out.append(decode_continuation(raw, row[len(RECORD_PREFIX):]))
+                except StoreError:
+                    continue
+        return sorted(out, key=lambda r: r.written_ns)
+
+
+@dataclass
+class ContinuationCheck:
+    """What ``check`` found: records read, readable ones, corrupt ones (``{"key", "error"}``), newer-version
+    ones, and bookkeeping problems (LRU rows that disagree with the records)."""
+
+    records: int = 0
+    ok: int = 0
+    newer: int = 0
+    corrupt: list | None = None
+    problems: list | None = None
+
+
+def check(txn, dbs) -> ContinuationCheck:
+    """Every continuation record and LRU row checked (``verify``); changes nothing."""
+    found = ContinuationCheck(corrupt=[], problems=[])
+    db = dbs[DB]
+    expected = {}
+    for row, raw in _rows(txn, db, RECORD_PREFIX):
+        key = row[len(RECORD_PREFIX):]
+        found.records += 1
+        try:
+            rec = decode_continuation(raw, key if len(key) == KEY_BYTES else None)
+        except NewerRecord:
+            found.newer += 1
+            continue
+        except CorruptRecord as exc:
+            found.corrupt.append({"db": "continuations", "key": key.hex(), "error": str(exc)})
+            continue
+        found.ok += 1
+        expected[_lru_row(rec.written_ns, key)] = len(bytes(raw))
+    lru = {row: bytes(v) for row, v in _rows(txn, db, LRU_PREFIX)}
+    corrupt_keys = {bytes.fromhex(c["key"]) for c in found.corrupt}
+    for row, value in lru.items():
+        if row not in expected and row[-KEY_BYTES:] not in corrupt_keys:
+            found.problems.append(f"continuation LRU row {row[-KEY_BYTES:].hex()[:16]} without its record")
+        elif row in expected and value != struct.pack("<I", expected[row]):
+            found.problems.append(f"continuation LRU row {row[-KEY_BYTES:].hex()[:16]}: wrong size")
+    missing = len(expected.keys() - lru.keys())
+    if missing:
+        found.problems.append(f"{missing} continuation records without their LRU row")
+    return found
+
+
+def rebuild(txn, dbs, namespaces) -> tuple[int, int]:
+    """``gc``'s part: drop corrupt records and records whose namespace is not in ``namespaces`` (a set of
+    namespace keys), then rewrite the LRU rows from the records left; returns (corrupt, orphaned) removed."""
+    db = dbs[DB]
+    keep: dict[bytes, int] = {}
+    doomed, corrupt = [], 0
+    for row, raw in _rows(txn, db, RECORD_PREFIX):
+        key = row[len(RECORD_PREFIX):]
+        try:
+            rec = decode_continuation(raw, key if len(key) == KEY_BYTES else None)
+        except NewerRecord:
+            continue  # not ours to judge
+        except CorruptRecord:
+            doomed.append(row)
+            corrupt += 1
+            continue
+        if rec.ns_key not in namespaces:
+            doomed.append(row)
+            continue
+        keep[_lru_row(rec.written_ns, key)] = len(bytes(raw))
+    for row in doomed:
+        txn.delete(row, db=db)
+    for row, value in list(_rows(txn, db, LRU_PREFIX)):
+        if keep.get(row) is None or bytes(value) != struct.pack("<I", keep[row]):
+            txn.delete(row, db=db)
+    for row, size in keep.items():
+        txn.put(row, struct.pack("<I", size), db=db)
+    return corrupt, len(doomed) - corrupt
