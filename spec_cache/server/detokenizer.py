@@ -75,6 +75,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that was reached
 
     def feed(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -82,7 +83,8 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buffer = self.held + text
-        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut, self.matched = min(((i, s) for s, i in ((s, buffer.find(s)) for s in self.stops) if i >= 0),
+                                default=(-1, None))
         if cut >= 0:
             self.held, self.stopped = "", True
             return buffer[:cut], True
