@@ -503,8 +503,9 @@ class DecodeSession:
                     # state (a restored row's new turn or a continuation's replayed tokens; the tail after a
                     # target-only hit) as externally supplied tokens, as the seed feeds them: through consume.
                     fed = [0 if opening is None else len(t) for opening, t in zip(openings, tokens)]
-                    prefill_group.consume(tokens, context, fed)
-                    tokens = [[] if n else t for n, t in zip(fed, tokens)]
+                    if any(fed):
+                        prefill_group.consume(tokens, context, fed)
+                        tokens = [[] if n else t for n, t in zip(fed, tokens)]
                 prefill_group.prefill(tokens, context)
                 prefill_group.materialize()
                 captures = [prefill_group.capture(i) for i in range(len(cohort))]
