@@ -49,6 +49,7 @@ from .protocol import (
 )
 from .scheduler import Job, Scheduler, random_seed
 from .seam import message_boundaries
+from .tools import TemplateError, active_tools, render_chat, tool_pieces, tool_style, uses_tools
 
 log = logging.getLogger("spec_cache.server")
 
@@ -200,7 +201,12 @@ def create_app(state: ServerState) -> Starlette:
     def encode_text(text: str) -> list[int]:
         return [int(t) for t in tokenizer.encode(text)]
 
-    def encode_chat(messages: list[dict]) -> list[int]:
+    def encode_chat(messages: list[dict], params=None) -> list[int]:
+        if params is not None and uses_tools(params.tools, params.tool_choice, messages):  # tools.render_chat
+            try:
+                return render_chat(tokenizer, messages, params.tools, params.tool_choice)
+            except TemplateError as exc:
+                raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:
@@ -267,6 +273,8 @@ def create_app(state: ServerState) -> Starlette:
         created = int(time.time())
         timing: dict = {}
         pieces = _pieces(job, events, tokenizer, params.stop, scheduler, granularity, timing)
+        if chat and active_tools(params.tools, params.tool_choice):  # tool calls parsed out of the text
+            pieces = tool_pieces(pieces, tool_style(tokenizer))
         label = tenant_label(tenant)
         line = f"{request.method} {request.url.path}"
 
@@ -283,7 +291,8 @@ def create_app(state: ServerState) -> Starlette:
                 scheduler.cancel(job)
                 log_request(line, 499, label, started, rid=rid, prompt=len(prompt), first=timing.get("first"))
             return _EventStream(_sse(pieces, rid, params, created, chat, len(prompt), account), on_disconnect=gone)
-        collect = asyncio.ensure_future(_collect(pieces))
+        calls: list = []
+        collect = asyncio.ensure_future(_collect(pieces, calls))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -299,7 +308,7 @@ def create_app(state: ServerState) -> Starlette:
         account(generated, cached)
         use = usage(len(prompt), generated, cached)
         model = params.model
-        body = (chat_response(rid, model, text, reason, use) if chat
+        body = (chat_response(rid, model, text, reason, use, calls) if chat
                 else completion_response(rid, model, text, reason, use))
         count(endpoint, 200, tenant)
         return JSONResponse(body)
@@ -314,7 +323,7 @@ def create_app(state: ServerState) -> Starlette:
                 body = await read_json(request)
                 if chat:
                     params, messages = parse_chat(body, state.models)
-                    prompt = await tokenize(encode_chat, messages)
+                    prompt = await tokenize(encode_chat, messages, params)
                     if cache is not None:
                         checkpoint_at = await tokenize(chat_boundaries, messages, prompt, params)
                 else:
@@ -535,11 +544,16 @@ async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], 
             raise event[1]
 
 
-async def _collect(pieces: AsyncIterator[tuple]) -> tuple[str, str, int, int]:
+async def _collect(pieces: AsyncIterator[tuple], calls: list | None = None) -> tuple[str, str, int, int]:
+    """The text, finish reason, completion tokens and cached tokens; ``("tool_call", call)`` pieces go to
+    ``calls``."""
     parts = []
     async for piece in pieces:
         if piece[0] == "text":
             parts.append(piece[1])
+        elif piece[0] == "tool_call":
+            if calls is not None:
+                calls.append(piece[1])
         else:
             return "".join(parts), piece[1], piece[2], piece[3]
     raise APIError(500, "generation ended without a result")  # pragma: no cover
@@ -555,10 +569,15 @@ async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, cha
     try:
         if chat:
             yield _event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+        calls = 0
         async for piece in pieces:
             if piece[0] == "text":
                 yield _event(chat_chunk(rid, model, created, {"content": piece[1]}) if chat
                              else completion_chunk(rid, model, created, piece[1]))
+                continue
+            if piece[0] == "tool_call":  # one delta per call, whole (index, id, type, name, arguments)
+                yield _event(chat_chunk(rid, model, created, {"tool_calls": [piece[1].openai(calls)]}))
+                calls += 1
                 continue
             _, reason, generated, cached = piece
             if account is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ class GenerationParams:
     cache_salt: str | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the EOS ids
+    tools: list[dict] = field(default_factory=list)  # chat: OpenAI function tools, checked
+    tool_choice: Any = None  # chat: None (no tools) / "none" / "auto" / "required" / {"type": "function", ...}
 
 
 def _malformed(message: str, param: str | None = None) -> APIError:
@@ -112,10 +115,13 @@ def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | 
     return value
 
 
-def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...]) -> GenerationParams:
+def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...],
+            supported: tuple[str, ...] = ()) -> GenerationParams:
     if not isinstance(body, dict):
         raise _malformed("the request body must be a JSON object")
     for name, neutral in UNSUPPORTED.items():
+        if name in supported:
+            continue
         value = body.get(name)
         if value is not None and not any(_same(value, n) for n in neutral):
             off = " or ".join(json.dumps(n) for n in neutral)
@@ -200,13 +206,111 @@ def _text_content(content: Any, where: str) -> str:
     raise _malformed(f"{where}: 'content' must be a string or a list of text parts", "messages")
 
 
+#: OpenAI's rule for function names
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tool_error(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_tools")
+
+
+def _parse_tools(body: dict) -> list[dict]:
+    """``tools``: a list of ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``."""
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise _tool_error("'tools' must be a list of function tools", "tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise _tool_error(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}} (only function "
+                              "tools are supported)", "tools")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            raise _tool_error(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'", "tools")
+        if name in names:
+            raise _tool_error(f"{where}: the function name {name!r} is declared twice", "tools")
+        names.add(name)
+        if "description" in function and not isinstance(function["description"], (str, type(None))):
+            raise _tool_error(f"{where}.function.description must be a string", "tools")
+        if "parameters" in function and not isinstance(function["parameters"], (dict, type(None))):
+            raise _tool_error(f"{where}.function.parameters must be a JSON Schema object", "tools")
+        clean = {"name": name}
+        for key in ("description", "parameters", "strict"):
+            if function.get(key) is not None:
+                clean[key] = function[key]
+        out.append({"type": "function", "function": clean})
+    return out
+
+
+def _parse_tool_choice(body: dict, tools: list[dict]) -> Any:
+    """``tool_choice``: "none" / "auto" / "required" / ``{"type": "function", "function": {"name"}}`` naming a
+    declared tool; None when there are no tools and no choice."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise _tool_error(f"'tool_choice' must be \"none\", \"auto\", \"required\" or a named function, "
+                              f"got {choice!r}", "tool_choice")
+        if choice == "required" and not tools:
+            raise _tool_error("'tool_choice' is \"required\" but no 'tools' were given", "tool_choice")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(
+        choice.get("function"), dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise _tool_error("'tool_choice' must be a string or {\"type\": \"function\", \"function\": {\"name\": "
+                          "...}}", "tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise _tool_error(f"'tool_choice' names the function {name!r}, which is not in 'tools'", "tool_choice")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _parse_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, with ``arguments`` as JSON text (an object is accepted and encoded)."""
+    if not isinstance(calls, list) or not calls:
+        raise _tool_error(f"{where}.tool_calls must be a non-empty list", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise _tool_error(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              "\"arguments\"}}}}", "messages")
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise _tool_error(f"{at}.id is required (a string)", "messages")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise _tool_error(f"{at}.function.name is required (a string)", "messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            raise _tool_error(f"{at}.function.arguments must be a JSON string", "messages")
+        try:
+            if arguments.strip():
+                json.loads(arguments)
+        except ValueError:
+            raise _tool_error(f"{at}.function.arguments is not valid JSON", "messages") from None
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
 def parse_chat(body: Any, models: tuple[str, ...]) -> tuple[GenerationParams, list[dict]]:
-    """A ``/v1/chat/completions`` body: its parameters and its messages as ``{"role", "content": str}``."""
-    params = _common(body, models, ("max_tokens", "max_completion_tokens"))
+    """A ``/v1/chat/completions`` body: its parameters (``tools`` / ``tool_choice`` checked) and its messages as
+    ``{"role", "content": str}``, plus ``tool_calls`` on an assistant message that called tools and
+    ``tool_call_id`` / ``name`` on a tool result (which must answer a call of the assistant message before it)."""
+    params = _common(body, models, ("max_tokens", "max_completion_tokens"), supported=("tools", "tool_choice"))
+    params.tools = _parse_tools(body)
+    params.tool_choice = _parse_tool_choice(body, params.tools)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _malformed("'messages' is required (a non-empty list)", "messages")
-    out = []
+    out: list[dict] = []
+    open_calls: dict[str, str] = {}  # id -> function name, of the last assistant message's calls
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -220,8 +324,22 @@ def parse_chat(body: Any, models: tuple[str, ...]) -> tuple[GenerationParams, li
         if content is None and role != "assistant":  # OpenAI: only an assistant turn (one that called tools) may
             raise _malformed(f"{where}: 'content' is required for a {role!r} message (a string or a list of text "
                              "parts; null only in an assistant message)", "messages")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": "" if content is None else _text_content(content, where)})
+        entry = {"role": "system" if role == "developer" else role,
+                 "content": "" if content is None else _text_content(content, where)}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            entry["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
+            open_calls = {c["id"]: c["function"]["name"] for c in entry["tool_calls"]}
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _tool_error(f"{where}: a 'tool' message needs 'tool_call_id' (a string)", "messages")
+            if call_id not in open_calls:
+                raise _tool_error(f"{where}: 'tool_call_id' {call_id!r} answers no tool call of the assistant "
+                                  "message before it", "messages")
+            entry["tool_call_id"], entry["name"] = call_id, open_calls[call_id]
+        if role != "tool":
+            open_calls = {} if role != "assistant" or "tool_calls" not in entry else open_calls
+        out.append(entry)
     return params, out
 
 
@@ -254,9 +372,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict, tool_calls: list | None = None
+                  ) -> dict:
+    """``tool_calls``: parsed calls (``tools.ToolCall``); then ``content`` is null when no text is left."""
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai() for c in tool_calls]}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": finish_reason}],
             "usage": use}
 

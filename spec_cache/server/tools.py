@@ -407,8 +407,9 @@ def fallback_messages(messages: Iterable[dict], tools: list[dict], tool_choice: 
     return out
 
 
-def _apply(tokenizer, messages: list[dict], tokenize: bool, **kwargs) -> list[int] | str:
-    result = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, **kwargs)
+def _apply(tokenizer, messages: list[dict], tokenize: bool, generation_prompt: bool, **kwargs) -> list[int] | str:
+    result = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=tokenize,
+                                           **kwargs)
     if not tokenize:
         return result
     if isinstance(result, dict) or hasattr(result, "input_ids"):
@@ -417,24 +418,50 @@ def _apply(tokenizer, messages: list[dict], tokenize: bool, **kwargs) -> list[in
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, tool_choice: Any = None, *,
-                tokenize: bool = True) -> list[int] | str:
+                tokenize: bool = True, add_generation_prompt: bool = True) -> list[int] | str:
     """The prompt (token ids; text with ``tokenize=False``) for OpenAI-format ``messages`` and ``tools``, through
     the template when it supports tools, else through the fallback. ``TemplateError`` when the template refuses
-    the conversation."""
+    the conversation. ``add_generation_prompt=False``: a head of the conversation as the template renders it
+    inside a longer one (for checkpoints at message boundaries)."""
     tools = active_tools(tools, tool_choice)
+    gp = add_generation_prompt
     try:
         if supports_tools(tokenizer):
-            return _apply(tokenizer, _template_messages(messages), tokenize, **({"tools": tools} if tools else {}))
+            return _apply(tokenizer, _template_messages(messages), tokenize, gp, **({"tools": tools} if tools else {}))
         plain = fallback_messages(messages, tools, tool_choice)
         try:
-            return _apply(tokenizer, plain, tokenize)
+            return _apply(tokenizer, plain, tokenize, gp)
         except Exception:
             if not (plain and plain[0]["role"] == "system" and len(plain) > 1 and plain[1]["role"] == "user"):
                 raise
             # a template without a system role: the system text leads the first user turn instead
             merged = [{"role": "user", "content": plain[0]["content"] + "\n\n" + plain[1]["content"]}] + plain[2:]
-            return _apply(tokenizer, merged, tokenize)
+            return _apply(tokenizer, merged, tokenize, gp)
     except TemplateError:
         raise
     except Exception as exc:
         raise TemplateError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
+
+
+def uses_tools(tools: list[dict] | None, tool_choice: Any, messages: Iterable[dict]) -> bool:
+    """Whether a chat request needs ``render_chat`` (tools to offer, or tool turns in its history)."""
+    return bool(active_tools(tools, tool_choice)) or any(
+        m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+async def tool_pieces(pieces, style: str, reason: str = "tool_calls"):
+    """The app's generation pieces (``("text", str)`` ..., then ``("end", finish_reason, ...)``) with tool calls
+    parsed out: text pieces become ``("text", str)`` / ``("tool_call", ToolCall)``; the end piece's finish reason
+    becomes ``reason`` when any call was made."""
+    stream = ToolCallStream(style)
+    async for piece in pieces:
+        if piece[0] == "text":
+            for event in stream.feed(piece[1]):
+                yield event
+            continue
+        if piece[0] == "end":
+            for event in stream.finish():
+                yield event
+            if stream.calls:
+                piece = (piece[0], reason, *piece[2:])
+        yield piece
