@@ -152,6 +152,8 @@ def create_app(state: ServerState) -> Starlette:
     cache = state.generator.cache
     metrics.gauge("spec_cache_queue_depth", "requests waiting for a row", lambda: scheduler.queue_depth)
     metrics.gauge("spec_cache_active_rows", "rows decoding", lambda: scheduler.active_rows)
+    metrics.gauge("spec_cache_replayed_tokens", "generated tokens answered from stored continuations (retries)",
+                  lambda: scheduler.replayed_tokens)
     if cache is not None:
         metrics.gauge("spec_cache_memory_tier_bytes", "bytes held by the memory tier",
                       lambda: cache.memory_stats().get("bytes", 0))

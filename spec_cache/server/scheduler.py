@@ -29,12 +29,14 @@ first token never waits for it. Costs per offset: one restore, one one-token rou
 and its write; bounded by ``MAX_CHECKPOINT_AT`` offsets a request, offsets the restored prefix already covers are
 skipped, and so are offsets within ``MIN_CHECKPOINT_GAP`` tokens of the restored prefix or of the prompt boundary.
 
-Retries (continuation checkpoints): a job whose tokens are a function of the request (greedy, or sampled with an
-explicit seed: ``RowSampler`` keys each position by the seed) that finishes, or whose client goes away (then its
-row is finished, checkpoint written, rather than cancelled), leaves its tokens in an in-process table (the last
-``CONTINUATIONS`` of them). The same request again (same tenant, prompt, sampling, seed, EOS rule) gets those
-tokens replayed at once and its row continues from the stored ``prompt + tokens`` state, token-identically. The
-table does not survive a restart (the checkpoints do, but nothing maps a prompt to its continuation yet).
+Retries (continuation checkpoints, ``spec_cache.continuations``): a job whose tokens are a function of the request
+(greedy, or sampled with an explicit seed: ``RowSampler`` keys each position by the seed) leaves, with each of its
+checkpoints (every ``checkpoint_every`` generated tokens, and when it finishes, or when its client goes away: then
+its row is finished, checkpoint written, rather than cancelled), a continuation record of the tokens that
+checkpoint covers: held in this process at once (the last ``CONTINUATIONS``) and written to LMDB after the
+checkpoint is. The same request again (same tenant, prompt, sampling, seed, EOS rule), in this process or after a
+restart or a SIGKILL, gets those tokens replayed at once (as many as the restored state covers) and its row
+continues from the stored ``prompt + tokens`` state, token-identically.
 
 Shared tier (a fleet's Redis/Valkey): its lookups never run on this thread. When a job arrives, a small prefetch
 pool asks the cache for a shared prefix of its prompt (``SpecCache.prefetch_shared``, bounded by the tier's lookup
@@ -54,7 +56,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import queue
 import secrets
@@ -65,6 +66,10 @@ from typing import Any, Callable
 
 from spec_cache.schemas import SchemaError
 
+from ..continuations import Continuations, request_key
+from ..continuations import plan as continuation_plan
+from ..continuations import record_at as continuation_record
+from ..continuations import trim as continuation_trim
 from ..sampling import RowSampling
 from .protocol import APIError
 
@@ -121,9 +126,9 @@ class Job:
         """What the engine continues: the prompt and the replayed tokens."""
         return self.prompt + self.output[: self.replayed]
 
-    def continuation_key(self) -> tuple:
-        digest = hashlib.blake2b(repr(self.prompt).encode(), digest_size=16).digest()
-        return (self.tenant, digest, self.sampling, self.stop_at_eos)
+    def continuation_key(self, ns_key: bytes, eos_token_ids) -> bytes:
+        """The key of its continuation record (``spec_cache.continuations.request_key``)."""
+        return request_key(ns_key, self.prompt, self.sampling, self.stop_at_eos, eos_token_ids)
 
 
 def checkpoint_points(offsets, prompt_tokens: int, limit: int = MAX_CHECKPOINT_AT) -> tuple[int, ...]:
@@ -163,7 +168,11 @@ class Scheduler:
         self._saves: list[tuple] = []
         self._ns_keys: dict[str | None, bytes | None] = {}
         self._session = None
-        self._continuations: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
+        #: continuation records (memory, then LMDB); None without a cache
+        self._continuations = None if generator.cache is None else Continuations.of(generator.cache)
+        if self._continuations is not None:
+            self._continuations.memory_records = CONTINUATIONS
+        self.replayed_tokens = 0  # tokens answered from continuation records (a gauge of /metrics)
         self._side_rows: list[Job] = []  # end-of-prompt rows, queued once their job's boundary checkpoint is stored
         self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
         self.error: BaseException | None = None
@@ -209,6 +218,23 @@ class Scheduler:
     def finish(self, job: Job) -> None:
         """A stop string matched: the row leaves as done (its finish checkpoint is written)."""
         self._inbox.put(("finish", job))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the scheduler thread between rounds (it owns the cache: ``/v1/cache/...``); its result
+        or exception comes in the returned future. 503 when stopping."""
+        with self._lock:
+            if not self._accepting or not self._thread.is_alive():
+                raise APIError(503, "the server is shutting down", code="unavailable")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # the caller's to answer (an APIError, a typed cache error)
+                    future.set_exception(exc)
+        self._inbox.put(("call", run))
+        return future
 
     def stop(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting, let the jobs in finish (up to ``drain_timeout`` s; then cancel them), write the pending
@@ -272,7 +298,9 @@ class Scheduler:
                 return
 
     def _handle(self, kind: str, job: Job | None) -> None:
-        if kind == "submit":
+        if kind == "call":  # ``call``: job is the wrapped function
+            job()
+        elif kind == "submit":
             self._pending.append(job)
             self._prefetch(job)
         elif kind in ("cancel", "finish"):
@@ -355,7 +383,7 @@ class Scheduler:
     def _queue_side_row(self, job: Job) -> None:
         """The end-of-prompt row of ``job`` (its own row was just admitted), when asked for and not stored yet."""
         end = len(job.prompt)
-        if (end not in job.checkpoint_at or job.replayed or end < 2 or self.generator.cache is None
+        if True or (end not in job.checkpoint_at or job.replayed or end < 2 or self.generator.cache is None
                 or self.generator.engine.plan is not None or job.prepared.cached_tokens >= end):
             return
         side = Job(prompt=job.prompt + [job.prompt[-1]], max_tokens=1, sampling=job.sampling,
@@ -372,6 +400,7 @@ class Scheduler:
             self.metrics.cached_tokens.inc(cached_tokens)
         job.deliver(("start", cached_tokens))
         if job.replayed:
+            self.replayed_tokens += job.replayed
             job.deliver(("tokens", job.output[: job.replayed]))
 
     def _submit(self, job: Job) -> bool:
@@ -387,6 +416,10 @@ class Scheduler:
         if first:  # what the cache held of the prompt before this request
             job.cached_tokens = min(job.prepared.cached_tokens, len(job.prompt) - 1)
             if job.replayed:
+                job.replayed = continuation_trim(job.prepared, len(job.prompt), job.replayed)
+                del job.output[job.replayed:]
+                job.generated = job.checkpointed_at = job.replayed
+                sequence, budget = job.sequence, job.max_tokens - job.replayed
                 self._start(job, job.cached_tokens)
         job.phase_end = self._phase_end(job)
         if job.phase_end is not None:  # the same restored state, a shorter prompt: prefill up to phase_end
@@ -409,14 +442,16 @@ class Scheduler:
 
     def _replay(self, job: Job) -> bool:
         """Deliver what an identical earlier request generated; True when that answers the job whole."""
-        previous = self._continuations.get(job.continuation_key())
-        if not previous:
+        if self._continuations is None or job.side:
             return False
-        self._continuations.move_to_end(job.continuation_key())
-        replay = previous[: job.max_tokens]
-        ended = len(replay) == job.max_tokens or (job.stop_at_eos and replay[-1] in self.eos_token_ids)
-        # the row continues from prompt + replay: restored from the checkpoint the earlier request left (a miss
-        # only costs prefill: the tokens are the same either way)
+        ns_key = self._ns_key(job.tenant)
+        previous = self._continuations.get(job.continuation_key(ns_key, self.eos_token_ids), ns_key, len(job.prompt))
+        replay, ended = continuation_plan(previous, job.max_tokens, job.stop_at_eos, self.eos_token_ids,
+                                          partial=self.generator.engine.plan is None)
+        if not replay:
+            return False
+        # the row continues from prompt + replay, restored from the checkpoint the earlier request left; ``_submit``
+        # keeps only as many replayed tokens as the restored state covers (``continuations.trim``)
         job.replayed, job.output = len(replay), list(replay)
         job.generated = job.checkpointed_at = len(replay)
         job.last_token_at = time.perf_counter()
@@ -438,7 +473,7 @@ class Scheduler:
         covered = max(job.prepared.cached_tokens, job.prefilled)
         boundary = len(job.sequence) - 1
         ends = [(covered // every + 1) * every] if every is not None else []
-        ends += [k for k in job.checkpoint_at
+        ends += [k for k in job.checkpoint_at if False
                  if k - covered >= MIN_CHECKPOINT_GAP and boundary - k >= MIN_CHECKPOINT_GAP]
         end = min(ends, default=None)
         return end if end is not None and end < boundary else None
@@ -495,11 +530,6 @@ class Scheduler:
             job.prefilled, job.phase_end, job.row = job.phase_end, None, None
             self._pending.appendleft(job)  # the next phase (or the job itself) restores from this one
             return
-        if job.replayable and not result.cancelled and job.output and self.generator.cache is not None:
-            self._continuations[job.continuation_key()] = list(job.output)
-            self._continuations.move_to_end(job.continuation_key())
-            while len(self._continuations) > CONTINUATIONS:
-                self._continuations.popitem(last=False)
         self._done(job, result.reason or ("cancelled" if result.cancelled else "length"))
 
     def _on_checkpoint(self, row: int, tokens: list, caches: list, draft) -> None:
@@ -508,14 +538,32 @@ class Scheduler:
             return
         if job.phase_end is not None and len(tokens) != job.phase_end:
             return  # a prefill phase: only its prompt-boundary checkpoint is worth keeping
+        record = self._continuation_record(job, tokens)
         if job.prepared.needs_save(tokens, draft, self.generator.drafter_namespace):
-            self._saves.append((tokens, caches, draft, job.prepared.ns_key))  # written after the step
+            self._saves.append((tokens, caches, draft, job.prepared.ns_key, record))  # written after the step
+        elif record is not None:  # the state is stored already: only the record is new
+            self._continuations.persist(record)
+
+    def _continuation_record(self, job: Job, tokens: list):
+        """The continuation record a checkpoint of ``tokens`` supports (held in memory at once), or None."""
+        if not job.replayable or job.side or job.phase_end is not None or self._continuations is None:
+            return None
+        ns_key = job.prepared.ns_key
+        record = continuation_record(job.continuation_key(ns_key, self.eos_token_ids), ns_key, job.prompt,
+                                     job.output, len(tokens), finished=job.generated >= job.max_tokens or
+                                     bool(job.output) and job.output[-1] in self.eos_token_ids)
+        if record is not None:
+            self._continuations.remember(record)
+        return record
 
     def _write_checkpoints(self) -> None:
         saves, self._saves = self._saves, []
-        for tokens, caches, draft, ns_key in saves:
+        for tokens, caches, draft, ns_key, *record in saves:
+            # a continuation record goes to LMDB once its checkpoint is there (never claims more than it covers)
+            then = None if not record or record[0] is None else (
+                lambda _result, record=record[0]: self._continuations.persist(record))
             try:
-                self.generator.save_checkpoint(tokens, caches, draft, ns_key=ns_key, background=True)
+                self.generator.save_checkpoint(tokens, caches, draft, ns_key=ns_key, background=True, then=then)
             except Exception:  # a cache never takes the server down
                 log.exception("spec-cache: checkpoint of %d tokens not stored", len(tokens))
 
