@@ -16,11 +16,13 @@ import shutil
 import mlx.core as mx
 import pytest
 
+from spec_cache.cache import SpecCache
 from spec_cache.drafters import detect_method, load_provider
-from spec_cache.drafters.dflash import DFlashProvider
+from spec_cache.drafters.dflash import DFlashProvider, block_logits
 from spec_cache.drafters.projected import ContextKV, ProjectedConfig
 from spec_cache.drafters.tiny_writers import set_block_size
 from spec_cache.engine import RowRequest, SpeculativeEngine
+from spec_cache.generator import Generator
 from spec_cache.identity import model_identity
 from spec_cache.target import TargetRows
 from spec_cache.tiny import write_tiny_drafter
@@ -100,6 +102,29 @@ def test_projected_drafters_run_on_gemma4(gemma4, name):
     assert provider.config.num_target_layers == gemma4.target.depth == 4 and gemma4.target.num_layers == 2
     results = assert_greedy_and_restored_equals_cold(gemma4.target, provider)
     assert sum(r.drafted for r in results) > 0
+
+
+@pytest.mark.parametrize("name", ["deepspec", "dflash"])
+def test_gemma4_projected_generator_restores_after_reopen(gemma4, tmp_path, name):
+    """Through the store: a new SpecCache over the same directory restores the prompt boundary (target + the
+    drafter's context) and an extended turn, beside a cold prompt; tokens == plain greedy."""
+    prompts = [list(range(3, 40)), [5, 6, 7, 8, 9, 10]]
+    expected = [plain_greedy(gemma4.target, p, MAX) for p in prompts]
+    target_dir, drafter_dir = gemma4.root / "target", gemma4.drafter_dir(name)
+    with SpecCache.open(tmp_path / "store", chunk_tokens=16) as cache:
+        assert [r.tokens for r in Generator.load(target_dir, drafter_dir, cache=cache).generate(
+            prompts, max_tokens=MAX)] == expected
+    with SpecCache.open(tmp_path / "store") as cache:
+        gen = Generator.load(target_dir, drafter_dir, cache=cache)
+        again = gen.generate(prompts, max_tokens=MAX)
+        assert [r.tokens for r in again] == expected
+        assert [r.cached_tokens for r in again] == [len(p) - 1 for p in prompts]
+        follow = [p + e + [7, 8] for p, e in zip(prompts, expected)]
+        mixed = follow + [list(range(100, 120))]
+        results = gen.generate(mixed, max_tokens=MAX)
+        for prompt, result in zip(mixed, results):
+            assert result.tokens == plain_greedy(gemma4.target, prompt, MAX)
+        assert [r.cached_tokens for r in results] == [len(f) - 3 for f in follow] + [0]
 
 
 def test_gemma4_taps_include_kv_shared_layers_and_the_final_norm(gemma4):
@@ -197,19 +222,17 @@ def test_dspark_thresholds_stop_the_block_at_low_confidence(tiny, tmp_path):
     full = group.draft([p[-1] for p in prompts], 3)
     assert [len(d) for d in full] == [3, 3]
     # the drafter's probability of each draft (what the early stop compares)
-    from spec_cache.drafters.dflash import block_logits
-
     logits = block_logits(group, [p[-1] for p in prompts], 4, 0)[:, 1:, :]
     probs = mx.softmax(logits, axis=-1)
     conf = [[probs[row, k, full[row][k]].item() for k in range(3)] for row in range(2)]
-    # a threshold just above row 0's second draft and below row 1's: row 0 keeps 1 draft, row 1 all 3
-    middle = (conf[0][1] + conf[1][1]) / 2 if conf[0][1] < conf[1][1] else None
+    # a threshold between the rows' second-draft confidences: the less confident row keeps 1 draft, the other 3
+    assert conf[0][1] != conf[1][1]
+    middle = (conf[0][1] + conf[1][1]) / 2
     cases = [({"sts": {"thresholds": [0.0, 1.01, 1.01], "target": 0.5}}, [1, 1]),
              ({"minConf": 1.01}, [1, 1]),
              ({"sts": {"thresholds": [1.01, 0.0, 0.0]}}, [3, 3]),  # draft 0 is always kept
-             ({"sts": {"thresholds": [0.0, 0.0]}, "minConf": 1.01}, [2, 2])]  # minConf past the list
-    if middle is not None:
-        cases.append(({"sts": {"thresholds": [0.0, middle, 0.0]}}, [1, 3]))
+             ({"sts": {"thresholds": [0.0, 0.0]}, "minConf": 1.01}, [2, 2]),  # minConf past the list
+             ({"sts": {"thresholds": [0.0, middle, 0.0]}}, [1 if row[1] < middle else 3 for row in conf])]
     for extra, lengths in cases:
         provider = dflash_with(tmp_path, tiny, **extra)
         drafts = opened(provider, tiny.target, prompts).draft([p[-1] for p in prompts], 3)
