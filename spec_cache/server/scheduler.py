@@ -383,7 +383,7 @@ class Scheduler:
     def _queue_side_row(self, job: Job) -> None:
         """The end-of-prompt row of ``job`` (its own row was just admitted), when asked for and not stored yet."""
         end = len(job.prompt)
-        if True or (end not in job.checkpoint_at or job.replayed or end < 2 or self.generator.cache is None
+        if (end not in job.checkpoint_at or job.replayed or end < 2 or self.generator.cache is None
                 or self.generator.engine.plan is not None or job.prepared.cached_tokens >= end):
             return
         side = Job(prompt=job.prompt + [job.prompt[-1]], max_tokens=1, sampling=job.sampling,
@@ -473,7 +473,7 @@ class Scheduler:
         covered = max(job.prepared.cached_tokens, job.prefilled)
         boundary = len(job.sequence) - 1
         ends = [(covered // every + 1) * every] if every is not None else []
-        ends += [k for k in job.checkpoint_at if False
+        ends += [k for k in job.checkpoint_at
                  if k - covered >= MIN_CHECKPOINT_GAP and boundary - k >= MIN_CHECKPOINT_GAP]
         end = min(ends, default=None)
         return end if end is not None and end < boundary else None
