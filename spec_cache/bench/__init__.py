@@ -5,7 +5,8 @@ load_prompt_cache; longest-prefix lookup cost vs number of stored entries; bytes
 vs one mlx-lm file per prompt; TTFT cold prefill vs restore; batched vs one-by-one speculative decoding; a
 memory-tier restore vs mlx-lm's load of the same state (``tiers``); request latency with checkpoint writing on vs
 off (``writes``); batched vs per-row quantized KV rows (``quantized``); disk bytes written per unique KV byte over an
-agentic conversation on a real server (``write_amp``);
+agentic conversation on a real server (``write_amp``); cached / prompt tokens over a 20-turn coding agent's
+conversation with tool calls through both chat APIs (``agentic``);
 tokens/s with each drafter (adaptive depth) vs plain decoding on real multi-turn chat (``drafting``). ``--quick``
 shrinks every size so the whole run takes under two minutes (a CI smoke test checks it runs and prints valid
 JSON); the full run gives the figures in BENCHMARKS.md.
@@ -42,6 +43,7 @@ GOALS = {  # figure -> (comparison, goal)
     "drafting_copy_ngram": (">=", 1.2),  # issue 28: prompt lookup pays where text is copied (CPU, OpenBLAS)
     "drafting_vs_plain_best": (">=", 1.0),
     "write_amplification": ("<=", 1.2),  # issue 21: disk bytes written / unique KV bytes, 20-turn conversation
+    "agentic_cached_ratio": (">=", 0.95),  # issue 22: median turn >= 2 cached / prompt tokens, 20-turn agent
 }
 
 FULL = {
@@ -56,6 +58,7 @@ FULL = {
     "quantized": {},
     "drafting": {"rows": 3, "new_tokens": 96, "variants": ["float32", "q4"]},
     "write_amp": {"turns": 20},
+    "agentic": {"turns": 20},
 }
 QUICK = {
     "identity": {"size_mib": 64, "repeat": 3},
@@ -71,6 +74,7 @@ QUICK = {
                   "bits": (4,), "drafted": False},
     "drafting": {"rows": 2, "new_tokens": 6, "tiny": True},
     "write_amp": {"turns": 3, "user_words": 40, "reply_tokens": 8},
+    "agentic": {"turns": 4, "max_tokens": 4},
 }
 
 
@@ -170,6 +174,13 @@ def _run(quick: bool, sections: list[str] | None, log) -> dict:
         r = write_amp.run(**cfg["write_amp"], progress=log)
         details["write_amp"] = r
         figures["write_amplification"] = r["write_amplification"]
+    if "agentic" in wanted:
+        log("agentic conversation: cached / prompt tokens per turn (a real server, both APIs) ...")
+        from . import agentic
+
+        r = agentic.run(**cfg["agentic"], progress=log)
+        details["agentic"] = r
+        figures.update({k: v for k, v in r.items() if k.startswith("agentic_cached_ratio")})
     goals = {}
     for name, value in figures.items():
         if name in GOALS:

