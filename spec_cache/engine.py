@@ -21,6 +21,14 @@ Row admission (prefill) is tail-split: the target KV gets ``prompt[:-1]`` (minus
 prompt token is the first pending token. Target rows and draft rows join a running group together through
 two-phase state changes, so a failure on either side leaves both as they were.
 
+A target-only hit (restored target caches, no ``draft_checkpoint``): the assistant makes the target forward the
+last prompt token again (it needs that hidden), the draft model and ngram rebuild their row from the prompt
+tokens, and the drafters that read the target's taps (``opens_beside_target``: DeepSpec, DFlash, DFlash 2, the
+Qwen MTP head) open their row cold beside the restored target (``drafters.base.ColdRow``): it covers the tokens
+the target forwards from there on, and its checkpoints carry the target part only. A ``"full"``-prefill drafter
+(the MTP head) takes the tokens appended to a row that already has state (restored, or opened beside the target)
+through ``consume``, as the seed feeds externally supplied tokens.
+
 Persistence hooks: ``on_checkpoint(row_index, tokens, target_caches, draft_checkpoint)`` is called
 
 * at the prompt boundary, after a row's prefill: ``tokens == prompt[:-1]`` (not for a row that restored exactly

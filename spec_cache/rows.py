@@ -17,7 +17,8 @@ operation changes.
 
 Token coverage (the tail-split contract every group follows): a row whose sequence is ``tokens`` has the first
 ``len(tokens) - 1`` tokens in the target KV; the last one is *pending* (fed at the start of the next round).
-A draft row's ``processed_tokens`` always equals the target row's KV length between rounds.
+A draft row's ``processed_tokens`` always equals the target row's KV length between rounds (a row opened beside
+a restored target holds state only from its start on, but counts the same tokens).
 """
 
 from __future__ import annotations
@@ -187,8 +188,13 @@ class DraftGroup(Protocol):
     #: True when a prefilled row needs the target's hidden at its last prompt token (the assistant): the engine
     #: then makes sure the target forwards at least that token.
     prefill_needs_target_hidden: bool
-    #: True when a cold row needs the target's taps at *every* token it covers (projected-context drafters):
-    #: a cold drafter row beside a restored target then makes the target forward the whole prefix again.
+    #: True when a row needs the target's taps at *every* token it covers (projected-context drafters, MTP
+    #: heads). A cold drafter row beside a restored target (a target-only hit) then opens beside it when the
+    #: group declares ``opens_beside_target`` (``prepare_append`` takes ``drafters.base.ColdRow``; its state
+    #: covers only the tokens forwarded from there on), else the target forwards the whole prefix again.
+    #: Optional members the engine reads with ``getattr``: ``opens_beside_target`` (False), ``prefill_mode``
+    #: (``"tail-split"``; ``"full"``: tokens appended to a row that has state arrive through
+    #: ``consume(tokens, context, lengths)``, which ``supports_external_tokens`` says the group has).
     prefill_needs_target_taps: bool
     #: target layers whose residual stream the drafter reads (``PrefillContext.taps``, ``RoundContext.taps``)
     tap_layers: tuple

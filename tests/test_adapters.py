@@ -99,7 +99,7 @@ def test_stacked_adapters_join_with_plus_and_apply_in_order(lora):
 def test_restored_equals_cold_also_after_reopen(lora, references, tmp_path, method, drafter_cached):
     """ngram speculates under any adapter and caches its rows; the assistant and DeepSpec were trained for the
     base model, so only the target part is cached (the assistant re-forwards one token for its hidden; DeepSpec
-    needs every tap again, so it restores nothing)."""
+    opens its row beside the restored target, over the tokens forwarded from there on)."""
     with SpecCache.open(tmp_path / "store") as cache:
         gen = generator(lora, cache, method)
         assert (gen.drafter_namespace is not None) == drafter_cached
@@ -109,7 +109,7 @@ def test_restored_equals_cold_also_after_reopen(lora, references, tmp_path, meth
     assert [r.tokens for r in warm] == references["adapted"]
     for prompt, r in zip(PROMPTS, warm):
         assert r.restored_drafter == drafter_cached
-        expected = {"ngram": len(prompt) - 1, "assistant": len(prompt) - 2, "deepspec": 0}[method]
+        expected = {"ngram": len(prompt) - 1, "assistant": len(prompt) - 2, "deepspec": len(prompt) - 1}[method]
         assert r.cached_tokens == expected
 
 
