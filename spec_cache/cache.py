@@ -516,6 +516,25 @@ class SpecCache:
             if added:
                 caches.discard(id(self))
 
+    # --- cache controls (``spec_cache.cache_controls``; ``serve``'s /v1/cache/...) ----------------------------
+    def pin(self, ns_key: bytes, tokens: Sequence[int], ttl_s: float, **options):
+        """Keep the longest stored prefix of ``tokens`` from eviction (memory tier and LMDB) for ``ttl_s`` s."""
+        from . import cache_controls
+
+        return cache_controls.pin(self, ns_key, tokens, ttl_s, **options)
+
+    def unpin(self, pin_id: str, **options):
+        """End a pin now (``cache_controls.unpin``)."""
+        from . import cache_controls
+
+        return cache_controls.unpin(self, pin_id, **options)
+
+    def prefetch(self, ns_key: bytes, tokens: Sequence[int], **options):
+        """Bring the longest stored prefix of ``tokens`` into the memory tier now (``cache_controls.prefetch``)."""
+        from . import cache_controls
+
+        return cache_controls.prefetch(self, ns_key, tokens, **options)
+
     def _promote(self, job) -> None:
         """Background: store a prefix restored from the shared tier through the store's own write path."""
         ns_key, packed, got, drafter_namespace = job

@@ -78,6 +78,7 @@ class _Entry:
     nbytes: int
     durable: bool            # the cold tier holds it (or its write failed for good: nothing more will come)
     pinned: bool = False
+    pin_until: float | None = None  # a pin's end (``time.monotonic()``); None: until unpinned
     last_use: float = field(default_factory=time.monotonic)
 
     @property
@@ -189,7 +190,8 @@ class MemoryTier:
                     entry.drafters.setdefault(dns, cp)
                     if dns not in drafters:
                         entry.nbytes += held_bytes(cp.attachment.tensors)
-                entry.pinned = entry.pinned or old.pinned
+                if old.pinned and not entry.pinned:  # the pin (and its end) stays with the tokens
+                    entry.pinned, entry.pin_until = True, old.pin_until
                 entry.durable = entry.durable and old.durable
                 self._remove(old)
             self._add(entry)
@@ -209,17 +211,31 @@ class MemoryTier:
                 self.counters["superseded"] += 1
             self._evict_to(self.budget_bytes)
 
-    def pin(self, ns_key: bytes, tokens: Sequence[int], pinned: bool = True) -> bool:
-        """Pin (or unpin) the entry for exactly ``tokens``; pinned entries are never evicted."""
+    def pin(self, ns_key: bytes, tokens: Sequence[int], pinned: bool = True, until: float | None = None) -> bool:
+        """Pin (or unpin) the entry for exactly ``tokens``; pinned entries are never evicted. ``until``
+        (``time.monotonic()``): the pin ends by itself then (None: when unpinned)."""
         key = (ns_key, np.asarray(tokens, dtype=np.uint32).tobytes())
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 return False
-            entry.pinned = bool(pinned)
+            entry.pinned, entry.pin_until = bool(pinned), (until if pinned else None)
             if not pinned:
                 self._evict_to(self.budget_bytes)
             return True
+
+    def serving(self, ns_key: bytes, tokens: Sequence[int]) -> tuple[bytes, int] | None:
+        """``(entry tokens, bytes)`` of the held entry that serves all of ``tokens`` (the shortest; a longer
+        trimmable one serves it by trimming), or None; counts no hit (``pin`` takes the entry's tokens)."""
+        query = np.asarray(tokens, dtype=np.uint32)
+        with self._lock:
+            found = [e for e in self._by_ns.get(ns_key, {}).values() if e.length == len(query) or (
+                e.trimmable and e.length > len(query) and len(query) >= e.minimum_reusable)]
+            found = [e for e in found if _lcp(e.tokens, query) == len(query)]
+            if not found:
+                return None
+            entry = min(found, key=lambda e: e.length)
+            return entry.tokens.tobytes(), entry.nbytes
 
     def set_tenant(self, ns_key: bytes, label: bytes | None) -> None:
         """Count namespace ``ns_key``'s bytes on tenant ``label`` (None or b"": the default tenant)."""
@@ -295,6 +311,7 @@ class MemoryTier:
 
     def stats(self) -> dict:
         with self._lock:
+            self._expire_pins()
             tenants = {(label.hex() if label else "default"): n for label, n in sorted(self.tenant_bytes.items())}
             return {"budget": self.budget_bytes, "bytes": self.bytes, "entries": len(self._entries),
                     "pinned": sum(e.pinned for e in self._entries.values()),
@@ -350,7 +367,15 @@ class MemoryTier:
                 self._remove(other)
                 self.counters["superseded"] += 1
 
+    def _expire_pins(self) -> None:
+        """Pins whose ``until`` passed end here (eviction and idle demotion look first)."""
+        now = time.monotonic()
+        for entry in self._entries.values():
+            if entry.pinned and entry.pin_until is not None and entry.pin_until <= now:
+                entry.pinned, entry.pin_until = False, None
+
     def _evict_to(self, limit: int) -> None:
+        self._expire_pins()
         over_quota = self.tenant_quota is not None and any(n > self.tenant_quota for n in self.tenant_bytes.values())
         if self.bytes <= limit and not over_quota:
             return
@@ -398,6 +423,7 @@ class MemoryTier:
     def _demote_idle(self) -> None:
         if self.idle_seconds is None:
             return
+        self._expire_pins()
         cutoff = time.monotonic() - self.idle_seconds
         for entry in list(self._entries.values()):
             if entry.last_use >= cutoff:

@@ -33,6 +33,7 @@ from .codec import CorruptRecord
 from .env import Environment, open_environment
 from .errors import CorruptIndex, InvalidInput, StoreError, StoreFullError, StoreUnavailable
 from .index import Index, draft_key, now_ns
+from .leases import Leases
 from .lookup import lookup
 from .read import ASYNC_VERIFY_BYTES, BackgroundVerifier, Concat, read_attachment, read_layers
 from .tenants import TenantPolicy, enforce
@@ -85,6 +86,7 @@ class Store:
         self._bad: set[bytes] = set()  # corrupt keys this process could not drop (read-only store): hidden
         self._verifier = BackgroundVerifier()  # checksums large records while fetch copies them out
         self.tenants = TenantPolicy()  # per-tenant quota (``open``'s tenant_quota_bytes / tenant_share)
+        self.leases = Leases()  # entries eviction skips while their lease lasts (``/v1/cache/pin``)
 
     # --- open / close ------------------------------------------------------------------------------
     @classmethod
@@ -198,7 +200,8 @@ class Store:
         written = index.add_entry(checkpoint.entry_key, entry, checkpoint.entry_record, draft)
         # the writer's tenant quota, then the budget by fair share (plain LRU without tenants); refusals abort
         evicted = enforce(index, checkpoint.ns_key, checkpoint.entry_key, max_bytes=self.max_bytes,
-                          policy=self.tenants, new_bytes=checkpoint.own_bytes + chain.chain_bytes)
+                          policy=self.tenants, new_bytes=checkpoint.own_bytes + chain.chain_bytes,
+                          exclude=self.leases.held())
         return PutResult(checkpoint.entry_key, chain.written + written, chain.new_chunks, evicted)
 
     def _check_budget(self, nbytes: int, what: str = "") -> None:
@@ -208,7 +211,8 @@ class Store:
     def _evict_for_space(self) -> bool:
         """Called when the map cannot grow: evict one LRU entry in its own transaction."""
         try:
-            return self.env.write(lambda txn: Index(txn, self.env.dbs).evict_one())
+            held = self.leases.held()
+            return self.env.write(lambda txn: Index(txn, self.env.dbs).evict_one(held))
         except StoreFullError:
             return False
 
@@ -351,19 +355,29 @@ class Store:
         """Pin (or unpin) the exact entry for ``tokens``; pinned entries are never evicted by the budget.
         False if there is no such entry."""
         packed = K.pack_tokens(tokens)
-        chunk_tokens = self.chunk_tokens
 
         def fn(txn):
             index = Index(txn, self.env.dbs)
-            info = index.namespace(ns_key)
-            for sig in info.signatures if info is not None else ():
-                full = len(packed) // chunk_tokens if sig else 0
-                chain = K.chain(K.root_key(ns_key, sig), packed, chunk_tokens, max_chunks=full)
-                if index.set_pinned(K.entry_key(chain[-1], packed[full * chunk_tokens:]), pinned):
-                    return True
-            return False
+            return any(index.set_pinned(key, pinned) for key in self._exact_keys(index, ns_key, packed))
         with self._lock:
             return self.env.write(fn, making_room=not pinned)
+
+    def entry_key(self, ns_key: bytes, tokens) -> bytes | None:
+        """The key of the entry for exactly ``tokens`` (what ``leases`` hold), or None if there is none."""
+        packed = K.pack_tokens(tokens)
+        with self.reading() as txn:
+            index = Index(txn, self.env.dbs)
+            return next((key for key in self._exact_keys(index, ns_key, packed) if index.entry(key) is not None),
+                        None)
+
+    def _exact_keys(self, index: Index, ns_key: bytes, packed):
+        """The entry keys ``packed`` would have under each layer signature of the namespace."""
+        chunk_tokens = self.chunk_tokens
+        info = index.namespace(ns_key)
+        for sig in info.signatures if info is not None else ():
+            full = len(packed) // chunk_tokens if sig else 0
+            chain = K.chain(K.root_key(ns_key, sig), packed, chunk_tokens, max_chunks=full)
+            yield K.entry_key(chain[-1], packed[full * chunk_tokens:])
 
     # --- maintenance (see maintenance.py for evict/gc/verify) --------------------------------------
     def memo(self) -> "StoreMemo":

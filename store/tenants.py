@@ -24,6 +24,7 @@ more than before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection
 
 from .errors import CorruptIndex, InvalidInput, StoreFullError
 from .index import Index
@@ -207,22 +208,23 @@ class _Victims:
 
 
 def enforce(index: Index, ns_key: bytes, new_entry: bytes, *, max_bytes: int | None, policy: TenantPolicy,
-            new_bytes: int) -> int:
+            new_bytes: int, exclude: Collection[bytes] = ()) -> int:
     """After a put of ``new_entry`` under ``ns_key``: the writer's quota, then the budget by fair share (see the
     module docstring). Returns the entries evicted; raises ``StoreFullError`` when the writer cannot get
-    within its quota or the store within ``max_bytes`` (the caller's transaction is then aborted)."""
+    within its quota or the store within ``max_bytes`` (the caller's transaction is then aborted). ``exclude``:
+    entries never evicted here, as pinned ones (``Store.leases``)."""
     quota = policy.quota(max_bytes)
     labelled = index.format_minor() >= TENANT_MINOR
     if quota is None and not labelled:  # no tenant labels, no quota: the store's plain LRU, as before
         if max_bytes is None:
             return 0
-        evicted = index.evict_to(max_bytes, {new_entry})
+        evicted = index.evict_to(max_bytes, {new_entry, *exclude})
         _check_budget(index, max_bytes, new_bytes)
         return evicted
     if quota is None and (max_bytes is None or index.totals().bytes <= max_bytes):
         return 0  # within budget and no quota to check: nothing to read
     use = usage(index)
-    victims = _Victims(index, use, {new_entry})
+    victims = _Victims(index, use, {new_entry, *exclude})
     evicted = 0
     if quota is not None:
         tid = use.tenant(ns_key)

@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from ..sampling import RowSampling
 from .auth import Auth, salted_tenant, tenant_label
+from .cache_routes import cache_routes
 from .detokenizer import StopMatcher, StreamingDetokenizer
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .protocol import (
@@ -71,6 +72,7 @@ class ServerConfig:
     max_body_bytes: int | None = None
     drain_timeout_s: float = 30.0
     cached_tokens_granularity: int = 1
+    max_pin_ttl_s: float = 3600.0  # /v1/cache/pin's longest ttl_s (--max-pin-ttl)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes is None:
@@ -392,6 +394,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/models", models_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
+        *cache_routes(state, tokenize),  # /v1/cache/... (cache_routes.py)
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
 

@@ -134,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=non_negative_int, default=4096, metavar="N",
                         help="checkpoint every N tokens of a long prefill and of a long generation, besides the "
                              "prompt boundary and the finish (default 4096; 0: only those two)")
+    parser.add_argument("--max-pin-ttl", type=positive_seconds, default=3600.0, metavar="S",
+                        help="the longest ttl_s a client may give /v1/cache/pin (default 3600)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default info)")
 
@@ -237,7 +239,7 @@ def build_state(args):
     config = ServerConfig(model_id=args.model_id or default_id, context_tokens=_context_tokens(model_dir),
                           max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
                           default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes,
-                          cached_tokens_granularity=granularity)
+                          cached_tokens_granularity=granularity, max_pin_ttl_s=args.max_pin_ttl)
     log.info("spec-cache serve: bodies up to %s; cached_tokens reported in multiples of %d; %s", _human(
         config.max_body_bytes), granularity, _access(keys, operator_keys))
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
