@@ -59,7 +59,7 @@ CHECKSUM_OFFSET = 16
 ALIGN = 64
 MAX_HEADER_BYTES = 256 << 10
 MAX_DIMS = 16
-KINDS = ("chunk", "entry", "draft")
+KINDS = ("chunk", "entry", "draft", "piece")  # piece: store format 1.2 (``pieces.py``)
 _PARALLEL_HASH_BYTES = 4 << 20
 
 

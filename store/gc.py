@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from . import continuations
 from .codec import CorruptRecord, check_key, decode_record
-from .errors import StoreError
-from .index import draft_key, expected_bookkeeping
+from .errors import CorruptIndex, StoreError
+from .index import draft_key, entry_pieces, expected_bookkeeping, expected_piece_refs, set_entry_pieces
+from .pieces import is_piece_row, piece_row_key
 from .store import Store
 from .tenants import rebuild_tenants
 from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, pack
@@ -76,7 +77,8 @@ class _Rebuild:
         self._damaged_rows(rows)
         self._corrupt_records(rows, corrupt)
         referenced = {"chunks": set(rows.nodes), "edata": set(rows.entries),
-                      "drafts": {draft_key(k, d) for k, e in rows.entries.items() for d in e.drafters}}
+                      "drafts": {draft_key(k, d) for k, e in rows.entries.items() for d in e.drafters}
+                      | rows.pieces.keys()}
         standing = self._standing_nodes(rows)
         kept = self._kept_entries(rows, standing)
         live = _ancestors(rows.nodes, kept)
@@ -97,6 +99,8 @@ class _Rebuild:
                 rows.nsinfo[key] = _placeholder_nsinfo()
                 self.rebuilt.add(key)
             elif db != "meta":
+                self.drop(db, key)
+            elif is_piece_row(key):  # rebuilt from the entries that name the piece
                 self.drop(db, key)
         for node in rows.nodes.values():
             if node.depth == 0 and node.namespace not in rows.nsinfo:
@@ -148,7 +152,15 @@ class _Rebuild:
                     and (node.depth == 0 or e.tail < chunk_tokens)):
                 parts = {d: sizes["drafts"][draft_key(key, d)] for d in e.drafters
                          if draft_key(key, d) in sizes["drafts"]}
-                fixed = dataclasses.replace(e, drafters=parts, entry_bytes=sizes["edata"][key] + sum(parts.values()))
+                try:
+                    pcs = entry_pieces(e)
+                except CorruptIndex:  # which pieces its parts need is lost: the parts go, the target stays
+                    pcs, parts = {}, {}
+                # a part whose pieces are not all there goes (format 1.2)
+                parts = {d: n for d, n in parts.items() if all(k in sizes["drafts"] for k in pcs.get(d, ()))}
+                fixed = dataclasses.replace(e, drafters=parts, entry_bytes=sizes["edata"][key] + sum(parts.values()),
+                                            extra=dict(e.extra))
+                set_entry_pieces(fixed, pcs)
                 if fixed != e:
                     self.report.counters_fixed += 1
                 kept[key] = fixed
@@ -161,7 +173,8 @@ class _Rebuild:
         fixed_nodes = {key: dataclasses.replace(node, chunk_bytes=rows.sizes["chunks"][key] if node.depth else 0,
                                                 broken=False)
                        for key, node in rows.nodes.items() if key in live}
-        expected = expected_bookkeeping(fixed_nodes, kept)
+        pieces = self._pieces(rows, kept)
+        expected = expected_bookkeeping(fixed_nodes, kept, pieces)
         for key, node in rows.nodes.items():
             if key not in live:
                 self.drop("nodes", key)
@@ -194,6 +207,19 @@ class _Rebuild:
             self.txn.put(TOTALS_KEY, pack(expected.totals), db=self.dbs["meta"])
         return expected.totals
 
+    def _pieces(self, rows: IndexRows, kept: dict[bytes, Entry]) -> dict[bytes, dict]:
+        """Piece rows (format 1.2) as the kept entries name them; the others go with their records."""
+        refs = expected_piece_refs(kept)
+        owner = {k: e.namespace for e in kept.values() for ks in entry_pieces(e).values() for k in ks}
+        pieces = {k: {"ns": owner[k], "refs": n, "bytes": rows.sizes["drafts"][k]} for k, n in refs.items()}
+        for key, row in pieces.items():
+            if rows.pieces.get(key) != row:
+                self._put("meta", piece_row_key(key), row)
+        for key in rows.pieces.keys() - pieces.keys():
+            self.drop("meta", piece_row_key(key))
+        rows.live_pieces = set(pieces)
+        return pieces
+
     def _put(self, db: str, key: bytes, value) -> None:
         self.txn.put(key, pack(value), db=self.dbs[db])
         self.report.counters_fixed += 1
@@ -202,7 +228,7 @@ class _Rebuild:
                               referenced: dict[str, set[bytes]]) -> None:
         """Records nothing refers to any more; those nothing referred to before this gc are orphans."""
         wanted = {"chunks": {k for k in live if rows.nodes[k].depth > 0}, "edata": set(kept),
-                  "drafts": {draft_key(k, d) for k, e in kept.items() for d in e.drafters}}
+                  "drafts": {draft_key(k, d) for k, e in kept.items() for d in e.drafters} | rows.live_pieces}
         for db in RECORD_DBS:
             for key in rows.sizes[db].keys() - wanted[db]:
                 self.drop(db, key)

@@ -16,6 +16,7 @@ import msgpack
 
 from .errors import CorruptIndex, InvalidInput, NamespaceNotRegistered
 from .keys import lru_key
+from .pieces import PIECES_MINOR, piece_row_key
 from .values import (
     TENANT_ID_BYTES,
     TENANT_KEY_PREFIX,
@@ -31,7 +32,8 @@ from .values import (
     unpack,
 )
 
-__all__ = ["Index", "ChainWrite", "Bookkeeping", "expected_bookkeeping", "TOTALS_KEY", "decode", "draft_key",
+__all__ = ["Index", "ChainWrite", "entry_pieces", "set_entry_pieces", "piece_row_ok", "Bookkeeping",
+           "expected_bookkeeping", "TOTALS_KEY", "decode", "draft_key",
            "now_ns", "pack", "unpack"]
 
 
@@ -41,6 +43,44 @@ FORMAT_KEY = b"format"  # meta: the store's format record (``env.Environment``),
 def draft_key(entry: bytes, drafter_namespace: str) -> bytes:
     """Key of a drafter's part of entry ``entry``: the entry key and 16 bytes of blake3(drafter namespace)."""
     return entry + blake3.blake3(drafter_namespace.encode()).digest()[:16]
+
+
+def entry_pieces(entry: Entry) -> dict[str, list[bytes]]:
+    """Piece keys each drafter part of ``entry`` refers to (format 1.2; ``{}`` for whole drafter records).
+    A malformed field raises ``CorruptIndex`` (gc rebuilds the entry without those parts)."""
+    pcs = entry.extra.get("pcs")
+    if pcs is None:
+        return {}
+    if not (type(pcs) is dict and all(type(d) is str and type(ks) is list and all(_key32(k) for k in ks)
+                                      for d, ks in pcs.items())):
+        raise CorruptIndex("entry piece list is malformed; the store is damaged: run 'spec-cache gc'", "entries")
+    return pcs
+
+
+def _pieces_or_none(entry: Entry) -> dict[str, list[bytes]]:
+    """``entry_pieces``, or ``{}`` for a damaged field (removal goes on; gc recounts the pieces)."""
+    try:
+        return entry_pieces(entry)
+    except CorruptIndex:
+        return {}
+
+
+def set_entry_pieces(entry: Entry, pcs: dict[str, list[bytes]]) -> None:
+    """Record ``pcs`` in the entry row (the field is absent when no part has pieces: pre-1.2 bytes)."""
+    pcs = {d: ks for d, ks in pcs.items() if ks and d in entry.drafters}
+    if pcs:
+        entry.extra["pcs"] = pcs
+    else:
+        entry.extra.pop("pcs", None)
+
+
+def piece_row_ok(v) -> bool:
+    return (type(v) is dict and _key32(v.get("ns")) and type(v.get("refs")) is int
+            and type(v.get("bytes")) is int and v["bytes"] >= 0)
+
+
+def _key32(x) -> bool:
+    return type(x) is bytes and len(x) == 32
 
 
 def now_ns() -> int:
@@ -280,20 +320,25 @@ class Index:
             self._count(ns, written - reclaimed, 0)
         return ChainWrite(new_chunks, written, chain_bytes)
 
-    def add_entry(self, key: bytes, entry: Entry, record, drafter_part: tuple[str, object] | None = None) -> int:
-        """Store entry ``key``: its record, optionally one drafter's record (``(drafter namespace, record)``),
-        its row and LRU row, a reference and tail count on ``entry.node``; counted. An entry already under
-        ``key`` (an exact duplicate) is replaced: its other drafters' parts and its pin stay.
+    def add_entry(self, key: bytes, entry: Entry, record, drafter_part: tuple | None = None) -> int:
+        """Store entry ``key``: its record, optionally one drafter's record (``(drafter namespace, record)`` or
+        ``(drafter namespace, record, pieces)`` with the shared pieces it refers to, format 1.2), its row and LRU
+        row, a reference and tail count on ``entry.node``; counted. An entry already under ``key`` (an exact
+        duplicate) is replaced: its other drafters' parts and its pin stay.
 
         ``entry.entry_bytes`` and ``entry.drafters`` are filled in here. Returns the bytes written.
         """
         old = self.entry(key)
         drafters: dict[str, int] = {}
+        pcs: dict[str, list[bytes]] = {}
+        released: list[bytes] = []
         if old is not None:
             self.delete("lru", lru_key(old.last_use, key))
             drafters = dict(old.drafters)
+            pcs = dict(entry_pieces(old))
             if drafter_part is not None:
                 drafters.pop(drafter_part[0], None)
+                released = pcs.pop(drafter_part[0], [])
             freed = old.entry_bytes - sum(drafters.values())
             self._count(entry.namespace, -freed, -1)
             entry.pinned = entry.pinned or old.pinned
@@ -306,16 +351,69 @@ class Index:
         self.txn.put(key, record, db=self.dbs["edata"])
         written = record.nbytes
         if drafter_part is not None:
-            dns, draft_record = drafter_part
+            dns, draft_record = drafter_part[0], drafter_part[1]
+            pieces = drafter_part[2] if len(drafter_part) > 2 else ()
             self.txn.put(draft_key(key, dns), draft_record, db=self.dbs["drafts"])
             drafters[dns] = draft_record.nbytes
             written += draft_record.nbytes
+            if pieces:
+                written += self.ref_pieces(entry.namespace, pieces)
+                pcs[dns] = [p.key for p in pieces]
         entry.drafters = drafters
         entry.entry_bytes = record.nbytes + sum(drafters.values())
+        set_entry_pieces(entry, pcs)
         self.put("entries", key, entry)
         self.put("lru", lru_key(entry.last_use, key), b"")
         self._count(entry.namespace, written, 1, last_use=entry.last_use)
+        freed = self.release_pieces(released)  # after the new references: a piece both name stays
+        if freed:
+            self._count(entry.namespace, -freed, 0)
         return written
+
+    # --- shared pieces (format 1.2, ``pieces.py``) -------------------------------------------------
+    def piece_row(self, key: bytes) -> dict | None:
+        """The ``{ns, refs, bytes}`` row of piece ``key`` (None if absent); a damaged one raises ``CorruptIndex``."""
+        value = unpack(self.txn.get(piece_row_key(key), db=self.dbs["meta"]), "meta", piece_row_key(key))
+        if value is not None and not piece_row_ok(value):
+            raise CorruptIndex("piece row is malformed; the store is damaged: run 'spec-cache gc'", "meta",
+                               piece_row_key(key))
+        return value
+
+    def ref_pieces(self, ns: bytes, pieces) -> int:
+        """One reference to each of ``pieces`` (``pieces.Piece``), writing those the store lacks; bytes written."""
+        written = 0
+        for piece in pieces:
+            row = self.piece_row(piece.key)
+            if row is None:
+                record = piece.encode()
+                self.txn.put(piece.key, record, db=self.dbs["drafts"])
+                row = {"ns": ns, "refs": 0, "bytes": record.nbytes}
+                written += record.nbytes
+            row["refs"] += 1
+            self.put("meta", piece_row_key(piece.key), row)
+        if pieces:
+            self.mark_format_minor(PIECES_MINOR)
+        return written
+
+    def release_pieces(self, keys) -> int:
+        """Drop one reference to each piece in ``keys``; a piece at zero goes with its record. Bytes freed."""
+        freed = 0
+        for key in keys:
+            try:
+                row = self.piece_row(key)
+            except CorruptIndex:  # gc's to rebuild
+                continue
+            if row is None:
+                continue
+            row["refs"] -= 1
+            if row["refs"] > 0:
+                self.put("meta", piece_row_key(key), row)
+                continue
+            self.delete("meta", piece_row_key(key))
+            if self.txn.get(key, db=self.dbs["drafts"]) is not None:
+                self.delete("drafts", key)
+            freed += row["bytes"]
+        return freed
 
     # --- removing ----------------------------------------------------------------------------------
     def remove_entry(self, key: bytes, entry: Entry | None = None) -> int:
@@ -326,6 +424,7 @@ class Index:
         self.delete("edata", key)
         for dns in entry.drafters:
             self.delete("drafts", draft_key(key, dns))
+        pieces = [k for keys in _pieces_or_none(entry).values() for k in keys]
         self.delete("lru", lru_key(entry.last_use, key))
         self.delete("entries", key)
         node = self.node(entry.node)
@@ -335,7 +434,7 @@ class Index:
             if node.tails[tail] <= 0:
                 del node.tails[tail]
             self.put("nodes", entry.node, node)
-        freed = entry.entry_bytes + self._release_node(entry.node)
+        freed = entry.entry_bytes + self._release_node(entry.node) + self.release_pieces(pieces)
         self._count(entry.namespace, -freed, -1)
         return freed
 
@@ -371,8 +470,12 @@ class Index:
         if nbytes is None:
             return 0
         self.delete("drafts", draft_key(key, drafter_namespace))
+        pcs = dict(_pieces_or_none(entry))
+        released = pcs.pop(drafter_namespace, [])
+        set_entry_pieces(entry, pcs)
         entry.entry_bytes -= nbytes
         self.put("entries", key, entry)
+        nbytes += self.release_pieces(released)
         self._count(entry.namespace, -nbytes, 0)
         return nbytes
 
@@ -457,9 +560,21 @@ class Bookkeeping:
     ns_signatures: dict[bytes, list[bytes]] = field(default_factory=dict)  # namespace -> root signatures
     lru: set[bytes] = field(default_factory=set)                       # LRU rows
     totals: Totals = field(default_factory=Totals)
+    piece_refs: dict[bytes, int] = field(default_factory=dict)         # piece -> references by drafter parts
 
 
-def expected_bookkeeping(nodes: Mapping[bytes, Node], entries: Mapping[bytes, Entry]) -> Bookkeeping:
+def expected_piece_refs(entries: Mapping[bytes, Entry]) -> dict[bytes, int]:
+    """How many times the drafter parts of ``entries`` name each piece (format 1.2)."""
+    refs: dict[bytes, int] = {}
+    for entry in entries.values():
+        for keys in _pieces_or_none(entry).values():
+            for k in keys:
+                refs[k] = refs.get(k, 0) + 1
+    return refs
+
+
+def expected_bookkeeping(nodes: Mapping[bytes, Node], entries: Mapping[bytes, Entry],
+                         pieces: Mapping[bytes, dict] | None = None) -> Bookkeeping:
     """The counters ``Index``'s invariants demand for these nodes and entries (a pure function).
 
     Counts a child node toward its parent only if the parent is in ``nodes``, and an entry toward its node
@@ -481,5 +596,8 @@ def expected_bookkeeping(nodes: Mapping[bytes, Node], entries: Mapping[bytes, En
         out.ns_bytes[entry.namespace] = out.ns_bytes.get(entry.namespace, 0) + entry.entry_bytes
         out.ns_entries[entry.namespace] = out.ns_entries.get(entry.namespace, 0) + 1
         out.lru.add(lru_key(entry.last_use, key))
+    out.piece_refs = expected_piece_refs(entries)
+    for row in (pieces or {}).values():  # a shared piece counts once, toward the namespace it is keyed in
+        out.ns_bytes[row["ns"]] = out.ns_bytes.get(row["ns"], 0) + row["bytes"]
     out.totals = Totals(sum(out.ns_bytes.values()), len(entries))
     return out

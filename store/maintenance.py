@@ -15,6 +15,7 @@ from typing import Callable
 from .errors import CorruptIndex, StoreFullError
 from .gc import GcReport, gc
 from .index import Index
+from .pieces import PIECE_ROW_PREFIX, is_piece_row
 from .store import Store
 from .tenants import DEFAULT_TENANT
 from .tenants import usage as tenant_usage
@@ -148,6 +149,16 @@ def tenants(store: Store) -> list[dict]:
     return rows
 
 
+def count_pieces(txn, dbs) -> int:
+    """Shared drafter pieces (store format 1.2): their ``meta`` rows."""
+    cursor = txn.cursor(db=dbs["meta"])
+    more, n = cursor.set_range(PIECE_ROW_PREFIX), 0
+    while more and is_piece_row(cursor.key()):
+        n += 1
+        more = cursor.next()
+    return n
+
+
 def stats(store: Store) -> dict:
     """Store-wide figures: bytes, entries, chunks, map and file sizes, format, budget, bytes per tenant."""
     with store.reading() as txn:
@@ -155,13 +166,15 @@ def stats(store: Store) -> dict:
         totals = index.totals()
         minor = max(index.format_minor(), int(store.env.meta.get("minor", 0) or 0))
         counts = {name: txn.stat(store.env.dbs[name])["entries"] for name in ("chunks", "nodes", "drafts")}
+        pieces = count_pieces(txn, store.env.dbs)  # shared drafter pieces (format 1.2) sit in ``drafts`` too
     info = store.env.env.info()
     data_file = os.path.join(store.path, "data.mdb")
     ns = namespaces(store)
     meta = store.env.meta
     return {"path": store.path, "format": f"{meta['format']} {meta['major']}.{minor}",
             "chunk_tokens": store.chunk_tokens, "bytes": totals.bytes, "entries": totals.entries,
-            "chunks": counts["chunks"], "drafter_parts": counts["drafts"], "namespaces": len(ns),
+            "chunks": counts["chunks"], "drafter_parts": counts["drafts"] - pieces,
+            "drafter_pieces": pieces, "namespaces": len(ns),
             "hits": sum(n["hits"] for n in ns), "misses": sum(n["misses"] for n in ns),
             "max_bytes": store.max_bytes if store.max_bytes is not None else store.env.budget(),
             "map_size": info["map_size"],

@@ -25,12 +25,13 @@ import numpy as np
 from spec_cache.schemas import CheckpointAttachment, SchemaError, validate_attachment
 from spec_cache.schemas.errors import UnknownSchemaError
 
-from .codec import Record, check_key, copy_out, decode_record, verify_checksum
+from .codec import Record, check_key, copy_out, decode_record, encode_record, verify_checksum
 from .errors import CorruptRecord
+from .pieces import resolve_tensors, self_contained
 from .tensors import LayerState, Tensor, numpy_dtype
 
 __all__ = ["ASYNC_VERIFY_BYTES", "BackgroundVerifier", "Concat", "RawRecords", "verified_record", "read_layers",
-           "read_attachment", "assemble_layers"]
+           "read_attachment", "assemble_layers", "piece_reader", "whole_draft_record"]
 
 log = logging.getLogger("spec_cache.store")
 ASYNC_VERIFY_BYTES = 1 << 20  # records at least this big are checksummed on a second thread during a read
@@ -192,16 +193,26 @@ def _concatenate(pieces, axis: int, dtype: str, full: list[int], concat: Concat 
     return arr
 
 
-def read_attachment(raw, key: bytes, length: int, warnings: list[str], *,
-                    source: str = "") -> CheckpointAttachment | None:
-    """The drafter attachment in the draft record ``raw`` under ``key``, validated for ``length`` tokens; None
-    (with a warning, ``source`` naming where it came from) for an unknown or invalid schema.
+def piece_reader(raw: RawRecords) -> Callable[[bytes], Record]:
+    """``get_piece(key)``: the verified piece record under ``key`` (store format 1.2; ``pieces.py``)."""
+    return lambda key: verified_record(raw("piece", key), "piece", key)
 
-    Raises ``CorruptRecord`` if the record itself is damaged.
+
+def _no_pieces(key: bytes) -> Record:
+    raise CorruptRecord(f"piece {key.hex()[:16]} asked for where no pieces are stored")
+
+
+def read_attachment(raw, key: bytes, length: int, warnings: list[str], *, source: str = "",
+                    get_piece: Callable[[bytes], Record] | None = None) -> CheckpointAttachment | None:
+    """The drafter attachment in the draft record ``raw`` under ``key``, validated for ``length`` tokens; None
+    (with a warning, ``source`` naming where it came from) for an unknown or invalid schema. A pieced record
+    (store format 1.2) is assembled from its pieces through ``get_piece`` (``piece_reader``).
+
+    Raises ``CorruptRecord`` (naming ``key``) if the record or a piece it names is damaged or missing.
     """
     rec = verified_record(raw, "draft", key)
+    tensors = tuple(resolve_tensors(rec, key, get_piece or _no_pieces))
     try:
-        tensors = tuple(Tensor(t.dtype, t.shape, copy_out(t)) for t in rec.tensors.values())
         attachment = CheckpointAttachment(rec.schema, rec.meta.get("metadata", {}), tensors)
         validate_attachment(attachment, length)
     except UnknownSchemaError as exc:
@@ -213,3 +224,13 @@ def read_attachment(raw, key: bytes, length: int, warnings: list[str], *,
     warnings.append(message)
     log.warning(message)
     return None
+
+
+def whole_draft_record(raw, key: bytes, get_piece: Callable[[bytes], Record]) -> bytes:
+    """Draft record ``raw`` as one self-contained record (the pre-1.2 layout), its pieces copied in: what the
+    shared tier publishes, so readers elsewhere need no pieces. A whole record comes back as it is."""
+    rec = verified_record(raw, "draft", key)
+    if rec.meta.get("pieced") is None:
+        return bytes(raw)
+    fields = self_contained(rec, resolve_tensors(rec, key, get_piece))
+    return bytes(encode_record("draft", fields["tensors"], schema=fields["schema"], meta=fields["meta"]))

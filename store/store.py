@@ -35,7 +35,7 @@ from .errors import CorruptIndex, InvalidInput, StoreError, StoreFullError, Stor
 from .index import Index, draft_key, now_ns
 from .leases import Leases
 from .lookup import lookup
-from .read import ASYNC_VERIFY_BYTES, BackgroundVerifier, Concat, read_attachment, read_layers
+from .read import ASYNC_VERIFY_BYTES, BackgroundVerifier, Concat, piece_reader, read_attachment, read_layers
 from .tenants import TenantPolicy, enforce
 from .tensors import LayerState
 from .values import Entry, NamespaceInfo
@@ -46,7 +46,7 @@ __all__ = ["Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "ASYN
 log = logging.getLogger("spec_cache.store")
 FLUSH_EVERY = 64
 FLUSH_SECONDS = 1.0
-_RECORD_DB = {"chunk": "chunks", "entry": "edata", "draft": "drafts"}  # record kind -> its sub-database
+_RECORD_DB = {"chunk": "chunks", "entry": "edata", "draft": "drafts", "piece": "drafts"}  # kind -> sub-database
 
 
 @dataclass
@@ -196,7 +196,8 @@ class Store:
         entry = Entry(checkpoint.ns_key, checkpoint.length, checkpoint.chain[-1],
                       checkpoint.length - checkpoint.tail_start, when, when, bool(pin), 0, {},
                       checkpoint.minimum_reusable)
-        draft = (checkpoint.drafter, checkpoint.draft_record) if checkpoint.draft_record is not None else None
+        draft = ((checkpoint.drafter, checkpoint.draft_record, checkpoint.draft_pieces)
+                 if checkpoint.draft_record is not None else None)
         written = index.add_entry(checkpoint.entry_key, entry, checkpoint.entry_record, draft)
         # the writer's tenant quota, then the budget by fair share (plain LRU without tenants); refusals abort
         evicted = enforce(index, checkpoint.ns_key, checkpoint.entry_key, max_bytes=self.max_bytes,
@@ -286,7 +287,7 @@ class Store:
         attachment = None
         if drafter is not None and hit.has_drafter:
             key = draft_key(hit.entry, drafter)
-            attachment = read_attachment(raw("draft", key), key, hit.length, warnings)
+            attachment = read_attachment(raw("draft", key), key, hit.length, warnings, get_piece=piece_reader(raw))
         return Restored(hit.length, layers, attachment, hit.entry, minimum_reusable=hit.minimum_reusable)
 
     def _forget_corrupt(self, key: bytes | None) -> None:

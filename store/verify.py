@@ -16,11 +16,12 @@ from spec_cache.schemas import SCHEMAS
 from . import continuations
 from .codec import CorruptRecord, check_key, decode_record
 from .errors import CorruptIndex
-from .index import Bookkeeping, draft_key, expected_bookkeeping
+from .index import Bookkeeping, draft_key, entry_pieces, expected_bookkeeping, piece_row_ok
+from .pieces import PIECE_ROW_PREFIX, is_piece_row
 from .store import Store
 from .structure import check_structure
 from .tenants import tenant_problems
-from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode_typed
+from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, decode, decode_typed
 
 Progress = Callable[[int, int], None]
 
@@ -85,7 +86,7 @@ def verify(store: Store, progress: Progress | None = None, *, index: bool = True
                 report.corrupt += 1
                 report.corrupt_keys.append({"db": db, "key": _hex(key), "error": str(exc)})
             else:
-                if db == "drafts" and rec.schema not in SCHEMAS:
+                if db == "drafts" and rec.kind != "piece" and rec.schema not in SCHEMAS:
                     report.unknown_schema += 1
                     report.unknown_schemas[rec.schema] = report.unknown_schemas.get(rec.schema, 0) + 1
                 else:
@@ -147,6 +148,8 @@ class IndexRows:
     sizes: dict[str, dict[bytes, int]] = field(default_factory=dict)  # record db -> key -> record size
     lru: set[bytes] = field(default_factory=set)                      # LRU row keys
     totals: Totals | None = None                                      # None: the totals value is damaged
+    pieces: dict[bytes, dict] = field(default_factory=dict)           # piece key -> {ns, refs, bytes} (1.2)
+    live_pieces: set[bytes] = field(default_factory=set)              # gc: the pieces it keeps
 
 
 def read_index(txn, dbs) -> IndexRows:
@@ -161,6 +164,18 @@ def read_index(txn, dbs) -> IndexRows:
                 rows.damaged.append((db, key, exc))
     rows.sizes = {db: {bytes(k): len(v) for k, v in txn.cursor(db=dbs[db])} for db in RECORD_DBS}
     rows.lru = {bytes(k) for k, _ in txn.cursor(db=dbs["lru"])}
+    cursor = txn.cursor(db=dbs["meta"])
+    more = cursor.set_range(PIECE_ROW_PREFIX)
+    while more and is_piece_row(cursor.key()):
+        key = bytes(cursor.key())
+        try:
+            value = decode("meta", cursor.value(), key)  # a plain dict: checked below
+            if not piece_row_ok(value):
+                raise CorruptIndex("piece row is malformed; the store is damaged: run 'spec-cache gc'", "meta", key)
+            rows.pieces[key[len(PIECE_ROW_PREFIX):]] = value
+        except CorruptIndex as exc:
+            rows.damaged.append(("meta", key, exc))
+        more = cursor.next()
     try:
         rows.totals = decode_typed("meta", txn.get(TOTALS_KEY, db=dbs["meta"]), TOTALS_KEY) or Totals()
     except CorruptIndex as exc:
@@ -189,9 +204,10 @@ def index_problems(store: Store, limit: int = 100) -> list[str]:
         bad(str(exc))
     for message in tenants:
         bad(message)
-    expected = expected_bookkeeping(rows.nodes, rows.entries)
+    expected = expected_bookkeeping(rows.nodes, rows.entries, rows.pieces)
     _node_problems(rows, expected, bad)
     _entry_problems(rows, bad)
+    _piece_problems(rows, expected, bad)
     if rows.lru != expected.lru:
         bad(f"LRU rows disagree with the entries ({len(rows.lru)} rows, {len(expected.lru)} entries)")
     if rows.totals is not None and rows.totals != expected.totals:
@@ -242,8 +258,33 @@ def _entry_problems(rows: IndexRows, bad: Callable[[str], None]) -> None:
             bad(f"{name}: drafter parts disagree with their records")
         if entry.entry_bytes != sizes["edata"].get(key, 0) + sum(p or 0 for p in parts.values()):
             bad(f"{name}: byte count")
-    listed = {draft_key(k, d) for k, e in rows.entries.items() for d in e.drafters}
+    listed = {draft_key(k, d) for k, e in rows.entries.items() for d in e.drafters} | rows.pieces.keys()
     for db, live in (("edata", rows.entries.keys()), ("drafts", listed)):
         extra = len(sizes[db].keys() - live)
         if extra:
             bad(f"{extra} {db} records no entry refers to")
+
+
+def _piece_problems(rows: IndexRows, expected: Bookkeeping, bad: Callable[[str], None]) -> None:
+    """Shared pieces (format 1.2): each named piece has a row and a record, counts and sizes agree."""
+    sizes = rows.sizes["drafts"]
+    for key, entry in rows.entries.items():
+        try:
+            entry_pieces(entry)
+        except CorruptIndex:
+            bad(f"entry {_hex(key)[:16]}: piece list is malformed")
+    for key, refs in expected.piece_refs.items():
+        row = rows.pieces.get(key)
+        if row is None:
+            bad(f"piece {_hex(key)[:16]}: named by {refs} drafter part(s) but has no row")
+        elif row["refs"] != refs:
+            bad(f"piece {_hex(key)[:16]}: {row['refs']} references recorded, {refs} found")
+    for key, row in rows.pieces.items():
+        if key not in expected.piece_refs:
+            bad(f"piece {_hex(key)[:16]}: no drafter part refers to it")
+        if sizes.get(key) is None:
+            bad(f"piece {_hex(key)[:16]}: record missing")
+        elif sizes[key] != row["bytes"]:
+            bad(f"piece {_hex(key)[:16]}: {row['bytes']} bytes counted, record holds {sizes[key]}")
+        if row["ns"] not in rows.nsinfo:
+            bad(f"piece {_hex(key)[:16]}: namespace not registered")

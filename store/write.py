@@ -19,6 +19,7 @@ from . import keys
 from .codec import encode_record
 from .errors import InvalidInput
 from .index import draft_key
+from .pieces import Piece, split_tensors, token_axes
 from .tensors import LayerState, Tensor
 from .values import pack
 
@@ -43,6 +44,7 @@ class Checkpoint:
     entry_record: np.ndarray          # encoded entry record (tail tokens, tails of chunked layers, other layers)
     drafter: str | None               # drafter namespace of the drafter part, or None
     draft_record: np.ndarray | None   # encoded drafter record, or None
+    draft_pieces: list[Piece] = None  # shared pieces the drafter record refers to (store format 1.2)
 
     @property
     def length(self) -> int:
@@ -56,7 +58,8 @@ class Checkpoint:
     @property
     def own_bytes(self) -> int:
         """Bytes of the entry and drafter records (chunks not counted)."""
-        return self.entry_record.nbytes + (self.draft_record.nbytes if self.draft_record is not None else 0)
+        return (self.entry_record.nbytes + (self.draft_record.nbytes if self.draft_record is not None else 0)
+                + sum(p.nbytes for p in self.draft_pieces or ()))
 
     def chunk_record(self, k: int) -> np.ndarray:
         """Encode chunk ``k`` (1-based): its tokens and the chunked layers' slices of it."""
@@ -87,10 +90,10 @@ def prepare_checkpoint(ns_key: bytes, tokens, layers: Sequence[LayerState], *, c
     chain = keys.chain(keys.root_key(ns_key, signature), packed, chunk_tokens, max_chunks=full)
     tail_start = full * chunk_tokens
     entry_key = keys.entry_key(chain[-1], packed[tail_start:])
-    draft_record, dns = None, None
+    draft_record, dns, pieces = None, None, []
     if drafter is not None:
         dns, attachment = drafter
-        draft_record = _draft_record(dns, attachment, n, entry_key)
+        draft_record, pieces = _draft_record(ns_key, dns, attachment, n, entry_key, chunk_tokens)
     arrays = [[t.array() for t in layer.tensors] for layer in layers]
     table = _layer_table(layers)
 
@@ -106,7 +109,7 @@ def prepare_checkpoint(ns_key: bytes, tokens, layers: Sequence[LayerState], *, c
         "layers": table, "length": n, "chunk_tokens": chunk_tokens, "min_reusable": minimum_reusable,
         "key": entry_key})
     return Checkpoint(ns_key, packed, arrays, table, signature, chunked, chunk_tokens, chain, entry_key,
-                      len(chunked) == len(layers), minimum_reusable, entry_record, dns, draft_record)
+                      len(chunked) == len(layers), minimum_reusable, entry_record, dns, draft_record, pieces)
 
 
 def _checked_layers(packed: np.ndarray, layers: Sequence[LayerState], minimum_reusable: int) -> list[LayerState]:
@@ -124,14 +127,19 @@ def _checked_layers(packed: np.ndarray, layers: Sequence[LayerState], minimum_re
     return layers
 
 
-def _draft_record(dns, attachment: CheckpointAttachment, n: int, entry_key: bytes) -> np.ndarray:
+def _draft_record(ns_key: bytes, dns, attachment: CheckpointAttachment, n: int, entry_key: bytes,
+                  chunk_tokens: int) -> tuple[np.ndarray, list[Piece]]:
+    """The drafter record and the shared pieces it refers to (``pieces.py``; none: the whole pre-1.2 layout)."""
     if not isinstance(dns, str) or not dns:
         raise InvalidInput("drafter namespace must be a non-empty string")
     validate_attachment(attachment, n)
-    tensors = _as_tensors(attachment.tensors)
-    return encode_record("draft", ((f"t{j}", t.dtype, t.array()) for j, t in enumerate(tensors)),
-                         schema=attachment.schema, meta={"metadata": dict(attachment.metadata),
-                                                         "processed_tokens": n, "key": draft_key(entry_key, dns)})
+    tensors = [(t.dtype, t.array()) for t in _as_tensors(attachment.tensors)]
+    axes = token_axes(attachment.schema, dict(attachment.metadata), [a.shape for _d, a in tensors])
+    inline, manifest, pieces = split_tensors(ns_key, tensors, axes, chunk_tokens)
+    meta = {"metadata": dict(attachment.metadata), "processed_tokens": n, "key": draft_key(entry_key, dns)}
+    if manifest is not None:
+        meta["pieced"] = manifest
+    return encode_record("draft", inline, schema=attachment.schema, meta=meta), pieces
 
 
 def layer_signature(layers: Sequence[LayerState]) -> tuple[bytes, list[int]]:

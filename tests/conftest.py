@@ -39,6 +39,7 @@ def store_invariants():
     """
     from spec_cache.store.index import draft_key, expected_bookkeeping
     from spec_cache.store.values import TOTALS_KEY, decode_typed
+    from spec_cache.store.verify import read_index
 
     def check(store) -> dict:
         dbs = store.env.dbs
@@ -46,9 +47,10 @@ def store_invariants():
             rows = {name: {bytes(k): bytes(v) for k, v in txn.cursor(db=dbs[name])}
                     for name in ("nsinfo", "nodes", "chunks", "entries", "edata", "drafts", "lru")}
             totals = decode_typed("meta", txn.get(TOTALS_KEY, db=dbs["meta"]), TOTALS_KEY)
+            pieces = read_index(txn, dbs).pieces  # shared drafter pieces (store format 1.2)
         nodes = {k: decode_typed("nodes", v, k) for k, v in rows["nodes"].items()}
         entries = {k: decode_typed("entries", v, k) for k, v in rows["entries"].items()}
-        expected = expected_bookkeeping(nodes, entries)
+        expected = expected_bookkeeping(nodes, entries, pieces)
         for key, node in nodes.items():
             if node.depth > 0:
                 assert node.parent in nodes, "node without its parent"

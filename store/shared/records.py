@@ -19,7 +19,7 @@ from spec_cache.schemas import CheckpointAttachment
 
 from ..codec import CHECKSUM_OFFSET, PREFIX_SIZE
 from ..index import Index, draft_key
-from ..read import read_attachment, read_layers, verified_record
+from ..read import piece_reader, read_attachment, read_layers, verified_record, whole_draft_record
 from ..store import Store
 from ..tensors import LayerState
 
@@ -78,8 +78,9 @@ def read_outgoing(store: Store, entry_key: bytes, drafters: Iterable[str]) -> Ou
             if dns in entry.drafters:
                 dkey = draft_key(entry_key, dns)
                 raw = txn.get(dkey, db=store.env.dbs["drafts"])
-                if raw is not None:
-                    drafts.append((dns, dkey, bytes(raw)))
+                if raw is not None:  # pieces (format 1.2) copied in: the shared tier ships whole records
+                    drafts.append((dns, dkey, whole_draft_record(raw, dkey, piece_reader(
+                        lambda _kind, k: txn.get(k, db=store.env.dbs["drafts"])))))
     rec = verified_record(entry_record, "entry", entry_key)
     complete = all(row[3] is not None for row in rec.meta.get("layers", []))
     for _dns, dkey, record in drafts:
