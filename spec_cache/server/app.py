@@ -4,7 +4,8 @@ Why one file of ~450 lines: every route shares the request parsing, the error sh
 response; protocol types live in ``protocol.py``, auth in ``auth.py``, metrics in ``metrics.py``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true``: server-sent events ending in
-``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Handlers never touch the engine: they
+``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``; Anthropic's ``POST /v1/messages``
+(``anthropic.py``, over ``run_job`` with its own response ``shape``). Handlers never touch the engine: they
 tokenize (chat template), submit a ``scheduler.Job`` and read its events from an asyncio queue; the scheduler
 thread hops events onto the loop with ``call_soon_threadsafe``. A request body larger than ``max_body_bytes``
 (derived from the context length) is answered 413 from its Content-Length, or as soon as that many bytes arrived,
@@ -23,6 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 import anyio
@@ -32,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..sampling import RowSampling
+from .anthropic import messages_routes
 from .auth import Auth, salted_tenant, tenant_label
 from .cache_routes import cache_routes
 from .detokenizer import StopMatcher, StreamingDetokenizer
@@ -263,7 +266,7 @@ def create_app(state: ServerState) -> Starlette:
     granularity = max(1, int(config.cached_tokens_granularity))
 
     async def run_job(request: Request, endpoint: str, params, prompt: list[int], tenant: str | None, chat: bool,
-                      started: float, checkpoint_at=()):
+                      started: float, checkpoint_at=(), shape=None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -273,7 +276,7 @@ def create_app(state: ServerState) -> Starlette:
 
         job = make_job(params, prompt, tenant, deliver, checkpoint_at)
         scheduler.submit(job)
-        rid = new_id("chatcmpl" if chat else "cmpl")
+        rid = shape.new_id() if shape is not None else new_id("chatcmpl" if chat else "cmpl")  # shape: anthropic.py
         created = int(time.time())
         timing: dict = {}
         pieces = _pieces(job, events, tokenizer, params.stop, scheduler, granularity, timing)
@@ -294,7 +297,9 @@ def create_app(state: ServerState) -> Starlette:
             def gone() -> None:
                 scheduler.cancel(job)
                 log_request(line, 499, label, started, rid=rid, prompt=len(prompt), first=timing.get("first"))
-            return _EventStream(_sse(pieces, rid, params, created, chat, len(prompt), account), on_disconnect=gone)
+            out = (shape.stream(pieces, rid, timing, account) if shape is not None
+                   else _sse(pieces, rid, params, created, chat, len(prompt), account))
+            return _EventStream(out, on_disconnect=gone)
         calls: list = []
         collect = asyncio.ensure_future(_collect(pieces, calls))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -310,6 +315,9 @@ def create_app(state: ServerState) -> Starlette:
             return Response(status_code=499)
         text, reason, generated, cached = collect.result()
         account(generated, cached)
+        if shape is not None:
+            count(endpoint, 200, tenant)
+            return JSONResponse(shape.body(rid, text, reason, generated, cached, timing))
         use = usage(len(prompt), generated, cached)
         model = params.model
         body = (chat_response(rid, model, text, reason, use, calls) if chat
@@ -395,6 +403,9 @@ def create_app(state: ServerState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         *cache_routes(state, tokenize),  # /v1/cache/... (cache_routes.py)
+        *messages_routes(SimpleNamespace(  # /v1/messages (anthropic.py), over this app's machinery
+            state=state, read_json=read_json, tokenize=tokenize, run_job=run_job, count=count,
+            log_request=log_request, tenant_label=tenant_label, granularity=granularity, clock=time.perf_counter)),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
 
@@ -533,6 +544,7 @@ async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], 
                 yield ("text", text)
             if stopped:
                 scheduler.finish(job)  # the row leaves at the end of its round, its finish checkpoint written
+                timing["stop_sequence"] = matcher.matched
                 yield ("end", "stop", generated, cached)
                 return
         elif kind == "done":
