@@ -6,8 +6,9 @@ processes (prefill and each verify forward), is concatenated and projected into 
 (``k = rope(k_norm(k_proj(ctx)))``, ``v = v_proj(ctx)``: post-norm, post-RoPE, at the token's position) and keeps
 them; a row's context grows by ``accepted + 1`` rows per round (the pending token and the kept drafts). Drafting
 attends over that context plus the tokens being drafted, embedded with the target's embeddings and read out
-through the target's head. How the drafting forward runs is the family's own (``deepspec.py``: token by token;
-``dflash.py``: one block of mask tokens in one forward).
+through the target's head. How the drafting forward runs is the family's own (``deepspec.py``: one block sliced to
+the depth with ``block_size``, else token by token; ``dflash.py``: one block of mask tokens in one forward, with
+DSpark's confidence early stop).
 
 The row checkpoint is the context itself: per drafter layer K and V ``[1, kvHeads, processedTokens, headDim]``,
 through the ``spec-cache-kv-v1`` cache codec (schemas ``deepspec-context-v1`` / ``dflash-context-v1``). Unlike
@@ -16,12 +17,14 @@ this drafter's K/V geometry and dtype.
 
 This module holds the configuration and the network; ``projected_rows.py`` the provider and the grouped rows.
 
-Config keys (``config.json`` / ``dspark.json``): ``hidden_size`` (= the target's), ``num_hidden_layers``,
-``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` (= the
-target's), ``target_layer_ids`` (tap layers: the output of decoder layer ``i``; ``num_target_layers`` itself is
-the post-final-norm hidden, the seed's Gemma tap sentinel), ``num_target_layers`` (the target depth it was trained for),
-``target_hidden_size`` (default ``hidden_size``), ``rms_norm_eps`` (1e-6), ``rope_theta`` (10000), ``qk_norm``
-(true: RMSNorm on queries and keys per head).
+Config keys (``config.json`` / ``dspark.json``; a published DFlash ``config.json`` is mapped onto these by
+``dflash_config.py``): ``hidden_size`` (= the target's), ``num_hidden_layers``, ``num_attention_heads``,
+``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` (= the target's),
+``target_layer_ids`` (tap layers: the output of decoder layer ``i``, KV-shared Gemma 4 layers included;
+``num_target_layers`` itself is the post-final-norm hidden, the seed's Gemma tap sentinel), ``num_target_layers``
+(the target depth it was trained for), ``target_hidden_size`` (default ``hidden_size``), ``rms_norm_eps`` (1e-6),
+``rope_theta`` (10000), ``qk_norm`` (true: RMSNorm on queries and keys per head); DFlash ``gamma`` and
+``mask_token_id``, ``sts: {"thresholds": [...]}`` and ``minConf``; DeepSpec ``block_size`` (+ ``mask_token_id``).
 """
 
 from __future__ import annotations
