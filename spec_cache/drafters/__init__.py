@@ -6,7 +6,7 @@
 | ``draft-model`` | DraftModelProvider   | ``standalone-draft-v1``   | ``standalone-draft-v1:<model identity>``     |
 | ``ngram``       | NgramProvider        | ``ngram-history-v1``      | ``ngram-history-v1:<max>:<min>``             |
 | ``deepspec``    | DeepSpecProvider     | ``deepspec-context-v1``   | ``deepspec-context-v1:<model identity>``     |
-| ``dflash``      | DFlashProvider       | ``dflash-context-v1``     | ``dflash-context-v1:<identity over dspark.json>`` |
+| ``dflash``      | DFlashProvider       | ``dflash-context-v1``     | ``dflash-context-v1:<identity over dspark.json or a published config.json>`` |
 | ``qwen-mtp``    | QwenMTPProvider      | ``qwen-mtp-v1``           | ``qwen-mtp-v1:<model identity>``             |
 | ``dflash2``     | DFlash2Provider      | ``dflash2-context-v1``    | ``dflash2-context-v1:<model identity>:b<bits>`` |
 
