@@ -7,13 +7,19 @@ model's); the agentic bench replays its transcript against a real server.
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 
 from spec_cache.bench import agentic
-from spec_cache.server.scheduler import MAX_CHECKPOINT_AT, checkpoint_points
+from spec_cache.cache import SpecCache
+from spec_cache.generator import Generator
+from spec_cache.sampling import RowSampling
+from spec_cache.server.scheduler import MAX_CHECKPOINT_AT, Job, Scheduler, checkpoint_points
 from spec_cache.server.seam import message_boundaries
+from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 from tests.test_server import EOS, Server, chat_ids, expected_text, stopped, user, words
+from tests.test_server_scheduler import Events
 
 CONVERSATION = [{"role": "system", "content": "You are a careful coding agent. Read before you edit."},
                 {"role": "user", "content": "Fix the rounding bug in allocate()."},
@@ -96,6 +102,56 @@ def test_checkpoint_points_are_bounded():
     assert checkpoint_points([5, 0, 12, 5, 99, 3], 50) == (3, 5, 12)
     many = checkpoint_points(range(1, 100), 200)
     assert len(many) == MAX_CHECKPOINT_AT and many[-1] == 99  # the largest kept: nearest the next turn
+
+
+# -- the scheduler in-process: every drafter kind, both tiers ---------------------------------------------------
+def _idle(sched, timeout: float = 60) -> None:
+    """Until the job and its end-of-prompt side row are done."""
+    deadline = time.monotonic() + timeout
+    while sched.queue_depth or sched.active_rows:
+        assert time.monotonic() < deadline, "the scheduler did not go idle"
+        time.sleep(0.01)
+
+
+def _run_job(sched, prompt, max_tokens, checkpoint_at=()):
+    events = Events()
+    submitted = Job(prompt=list(prompt), max_tokens=max_tokens, sampling=RowSampling(), deliver=events,
+                    checkpoint_at=checkpoint_at)
+    sched.submit(submitted)
+    assert events.done.wait(60)
+    _idle(sched)
+    return submitted, events
+
+
+@pytest.mark.parametrize("memory", [None, 0], ids=["memory-tier", "lmdb-only"])
+@pytest.mark.parametrize("drafter", [None, "draft-model", "assistant", "deepspec", "dflash", "qwen-mtp", "ngram"])
+def test_checkpoints_at_the_end_of_the_prompt_and_a_boundary_serve_exactly(tiny, tmp_path, drafter, memory):
+    """A next turn whose assistant part differs from what was generated restores the whole previous prompt with
+    the drafter's row (exact-length: it needs a checkpoint exactly there); a request sharing the head up to a
+    ``checkpoint_at`` offset restores exactly that offset; tokens are the target's own greedy ones."""
+    cache = SpecCache.open(tmp_path / "store", memory_bytes=memory)
+    generator = Generator.load(tiny.root / "target", tiny.drafter_dir(drafter) if drafter else None, cache=cache)
+    sched = Scheduler(generator, max_rows=4, checkpoint_every=None)
+    sched.start()
+    try:
+        first = list(range(3, 63))  # 60 tokens; a message boundary at 30
+        _, events = _run_job(sched, first, 4, checkpoint_at=(30, len(first)))
+        assert events.tokens == plain_greedy(tiny.target, first, 4)
+        cache.drain()
+        with_drafter = generator.drafter_namespace is not None
+        second = first + [200, 201, 202, 90, 91]  # the previous reply re-rendered as other tokens, a new message
+        assert events.tokens[0] != 200
+        job2, events2 = _run_job(sched, second, 4)
+        assert events2.cached >= len(first)
+        assert job2.prepared.restored_drafter == with_drafter  # the exact-length drafter row came back too
+        assert events2.tokens == plain_greedy(tiny.target, second, 4)
+        head = first[:30] + [210, 211, 212, 213]
+        job3, events3 = _run_job(sched, head, 3)
+        assert events3.cached == 30 and job3.prepared.restored_drafter == with_drafter
+        assert events3.tokens == plain_greedy(tiny.target, head, 3)
+    finally:
+        sched.stop(5)
+        cache.close()
 
 
 # -- a real server ---------------------------------------------------------------------------------------------
