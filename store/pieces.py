@@ -44,6 +44,7 @@ PIECES_MINOR = 2             # store format 1.2: drafter records may reference s
 PIECE_MIN_BYTES = 4096       # an unsliced tensor smaller than this stays inline (a piece costs ~300 bytes)
 PIECE_ROW_PREFIX = b"piece/"  # meta: piece/ + 32-byte piece key -> {ns, refs, bytes}
 MANIFEST_VERSION = 1
+WRITE_PIECES = True  # False: write whole drafter records (the pre-1.2 layout; benchmarks measure "before" so)
 _SLICED_KINDS = ("kv", "qkv")  # cache-header kinds whose tensors are [1, heads, offset, ...] (token axis 2)
 
 
@@ -110,6 +111,8 @@ def split_tensors(ns_key: bytes, tensors: Sequence[tuple[str, np.ndarray]], axes
     """Cut a drafter record's tensors (``(dtype, array)`` each) into inline tensors, a manifest and pieces.
 
     Returns ``(inline, None, [])`` (the pre-1.2 layout: ``t{j}`` whole) when nothing would be shared."""
+    if not WRITE_PIECES:
+        return [(f"t{j}", d, a) for j, (d, a) in enumerate(tensors)], None, []
     sliced = [j for j, a in enumerate(axes) if a is not None]
     full = min((tensors[j][1].shape[axes[j]] for j in sliced), default=0) // span
     whole = [j for j, a in enumerate(axes) if a is None and tensors[j][1].nbytes >= PIECE_MIN_BYTES]

@@ -51,6 +51,7 @@ FULL = {
     "store_io": {"tokens": 4096, "reps": 5},
     "lookup": {"counts": [1000, 10000, 100000], "reps": 51},
     "dedup": {"prompts": 100, "prefix": 4096, "suffix": 64},
+    "dedup_drafters": {"conversations": 8, "system": 1536, "user": 64},
     "ttft": {"lengths": [256, 512, 1024, 2048, 4096], "warm_reps": 5, "cold_reps": 1},
     "batch": {},
     "tiers": {"tokens": 4096, "reps": 5},
@@ -65,6 +66,8 @@ QUICK = {
     "store_io": {"tokens": 512, "reps": 3},
     "lookup": {"counts": [1000, 3000], "reps": 21},
     "dedup": {"prompts": 8, "prefix": 1024, "suffix": 64, "layers": 2},
+    "dedup_drafters": {"conversations": 3, "system": 300, "user": 40, "max_tokens": 4, "hidden": 128, "layers": 2,
+                       "vocab": 512},
     "ttft": {"lengths": [256, 1024], "warm_reps": 2, "cold_reps": 1, "hidden": 256, "layers": 2, "vocab": 4096},
     "batch": {"hidden": 256, "layers": 2, "vocab": 1024, "prompt_tokens": 64, "new_tokens": 12, "reps": 1},
     "tiers": {"tokens": 512, "reps": 3},
@@ -136,6 +139,14 @@ def _run(quick: bool, sections: list[str] | None, log) -> dict:
         r = dedup.run(**cfg["dedup"])
         details["dedup"] = r
         figures["dedup_bytes_ratio"] = r["dedup_bytes_ratio"]
+    if "dedup_drafters" in wanted:  # issue 24 row 12: drafter records whole vs shared pieces (store format 1.2)
+        from . import dedup_drafters
+
+        log("dedup of drafter records ...")
+        r = dedup_drafters.run(**cfg["dedup_drafters"])
+        details["dedup_drafters"] = r
+        figures["dedup_drafter_bytes_ratio"] = r["dedup_drafter_bytes_ratio"]
+        figures["dedup_projected_drafter_bytes_ratio"] = r["dedup_projected_drafter_bytes_ratio"]
     if "ttft" in wanted:
         log("ttft cold vs warm ...")
         r = ttft.run(**cfg["ttft"], progress=log)
