@@ -383,8 +383,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool) -> Prompt:
-    """The prompt's token ids, the offsets to checkpoint (the breakpoints first, then the last message
-    boundaries when ``boundaries``), and where the last breakpoint ends. Runs on the tokenizer thread."""
+    """The prompt's token ids and, when ``boundaries`` (a cache that takes checkpoints), the offsets to checkpoint
+    (the breakpoints first, then the last message boundaries) and where the last breakpoint ends. Runs on the
+    tokenizer thread."""
     def render(messages: list[dict], generation_prompt: bool, tools=request.tools) -> list[int]:
         return render_chat(tokenizer, messages, tools, request.tool_choice, add_generation_prompt=generation_prompt)
 
@@ -396,13 +397,13 @@ def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool) -> Promp
         raise APIError(400, str(exc), code="chat_template_error") from None
     if request.prefill:
         ids = ids + [int(t) for t in tokenizer.encode(request.prefill, add_special_tokens=False)]
+    if not boundaries:  # nothing is checkpointed (no cache, or only counting)
+        return Prompt(ids)
     points = []
     for point in request.breakpoints:
         end = _breakpoint_end(render, request, point, ids)
         if end:
             points.append(end)
-    if not boundaries:
-        return Prompt(ids, (), max(points, default=0))
     seams = message_boundaries(lambda head, gp: render(head, gp), chat, ids)
     room = MAX_CHECKPOINT_AT - len(set(points))
     chosen = sorted(set(points) | set(sorted(set(seams) - set(points))[-room:] if room > 0 else set()))
@@ -628,6 +629,9 @@ def messages_routes(ctx) -> list[Route]:
                 if counting:
                     ctx.count(name, 200, tenant)
                     return JSONResponse({"input_tokens": len(prompt.ids)})
+                room = state.config.context_tokens - len(prompt.ids)
+                if 1 <= room < parsed.params.max_tokens:  # Anthropic clients send a large fixed max_tokens: the
+                    parsed.params.max_tokens = room  # reply stops at the context's end, with stop_reason max_tokens
                 shape = MessagesShape(parsed, prompt, style(), caching, ctx.granularity)
                 return await ctx.run_job(request, name, parsed.params, prompt.ids, tenant, False, started,
                                          prompt.checkpoint_at, shape=shape)
