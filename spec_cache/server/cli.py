@@ -136,6 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompt boundary and the finish (default 4096; 0: only those two)")
     parser.add_argument("--max-pin-ttl", type=positive_seconds, default=3600.0, metavar="S",
                         help="the longest ttl_s a client may give /v1/cache/pin (default 3600)")
+    parser.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
+                        help="compile the GPU kernels of every prompt-length class, batch size and draft depth before "
+                             "reporting ready (spec_cache.warmup: MLX's CUDA backend otherwise compiles them on the "
+                             "first request that needs one, measured up to 36 s); auto: on a GPU only (default)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default info)")
 
@@ -221,6 +225,7 @@ def build_state(args):
                                    adapters=args.adapter or "", draft_depth=args.draft_depth,
                                    prefill_step_size=args.prefill_step_size, adaptive=not args.fixed_depth)
         tokenizer = load_tokenizer(model_dir)
+        _warm_up(generator, args.warmup, log)
     except (NotImplementedError, ValueError, FileNotFoundError) as exc:
         if cache is not None:
             cache.close()
@@ -245,6 +250,17 @@ def build_state(args):
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
                        auth=Auth(keys, operator_keys), metrics=metrics, cache=cache,
                        store_path=None if cache is None else os.path.abspath(path))
+
+
+def _warm_up(generator, mode: str, log) -> None:
+    """``--warmup``: compile the engine's GPU kernels before the server reports ready (``spec_cache.warmup``)."""
+    from spec_cache import warmup
+
+    if mode == "off" or (mode == "auto" and not warmup.wanted(generator.engine)):
+        return
+    report = warmup.warm_up(generator.engine)
+    log.info("spec-cache serve: warm-up compiled in %.1f s (%d runs; slowest: %s, %.1f s)", report.seconds,
+             report.runs, report.slowest[0], report.slowest[1])
 
 
 def _is_gguf(path: str) -> bool:
