@@ -315,7 +315,8 @@ def test_published_dflash_config_is_the_same_drafter(tiny, dflash_pair, nested):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"layer_types": ["sliding_attention"]}, "sliding-window"),
+    ({"conv_kernel_size": 4}, "conv_kernel_size"),
+    ({"layer_types": ["sliding_attention"]}, "sliding_window"),
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type"),
     ({"dflash_config": {"mask_token_id": 0}}, "target_layer_ids"),
@@ -334,3 +335,38 @@ def test_dspark_json_wins_over_a_published_config(dflash_pair, tmp_path):
     shutil.copytree(root / "dspark", tmp_path / "both")
     (tmp_path / "both" / "config.json").write_text(json.dumps(published_layout(project)))
     assert load_provider(tmp_path / "both").namespace == load_provider(root / "dspark").namespace
+
+
+@pytest.mark.parametrize("window", [2, 3])
+def test_published_sliding_window_layers_attend_as_z_lab_does(tiny, dflash_pair, tmp_path, window):
+    """A sliding layer (window W) lets block position i see the positions within W of it: the last W - 1 - i
+    context positions and the block causally: each draft equals a causal forward over exactly those."""
+    root, project = dflash_pair
+    shutil.copy(root / "dspark" / "model.safetensors", tmp_path / "model.safetensors")
+    layers = project["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**published_layout(project), "layer_types": ["sliding_attention"] * layers, "sliding_window": window}))
+    sliding = load_provider(tmp_path)
+    assert sliding.config.layer_window(0) == window and sliding.config.layer_causal(0, False)
+    causal = load_provider(root / "dspark").network
+    causal.config = ProjectedConfig.from_dict({**project, "is_causal": True}, "dflash", block=True)
+    assert layers == 1  # one layer: output i depends only on block 0..i and what i attends to
+    prompt = PROMPTS[2]
+    drafts = opened(sliding, tiny.target, [prompt]).draft([prompt[-1]], 3)[0]
+    out = tiny.target.forward(mx.array([prompt[:-1]]), tiny.target.make_caches(),
+                              tap_layers=sliding.config.target_layer_ids)
+    taps = mx.concatenate([out.taps[t] for t in sliding.config.target_layer_ids], axis=-1)
+    (keys, values), = causal.context_kv(taps, mx.array([0]))
+    expected = []
+    ids = [prompt[-1]] + [project["mask_token_id"]] * 3
+    for i in range(1, 4):
+        seen, first = max(window - 1 - i, 0), max(i - window + 1, 0)
+        context = ContextKV(keys[:, :, -seen:], values[:, :, -seen:], mx.ones((1, seen), dtype=mx.bool_)) \
+            if seen else ContextKV(None, None, None)
+        block = tiny.target.embed(mx.array([ids[first: i + 1]]))
+        hidden, _ = causal(block, mx.array([len(prompt) - 1 + first]), [context], causal=True)
+        expected.append(mx.argmax(tiny.target.logits(hidden[:, -1]), axis=-1).item())
+    assert drafts == expected
+    full = opened(load_provider(root / "dspark"), tiny.target, [prompt]).draft([prompt[-1]], 3)[0]
+    assert drafts != full  # the window changes what the drafter sees
+    assert_greedy_and_restored_equals_cold(tiny.target, sliding)

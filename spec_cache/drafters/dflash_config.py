@@ -15,9 +15,13 @@ target layer ``i``, which is HF's ``hidden_states[i + 1]``), ``dflash_config.mas
 (top level, else ``rope_parameters.rope_theta``), and the usual geometry keys (``hidden_size``,
 ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``,
 ``vocab_size``, ``rms_norm_eps``, ``num_target_layers``); q/k norms are always on (Qwen3 attention). The drafter
-shares the target's embeddings and head, as published. Refused (ValueError, never a silent wrong draft):
-sliding-window drafter layers (``layer_types`` with ``sliding_attention``), ``attention_bias``, RoPE scaling
-other than the default.
+shares the target's embeddings and head, as published (a ``final_logit_softcapping`` in the drafter's config is
+not applied twice: the target's head brings the target's own cap). ``layer_types`` / ``sliding_window`` /
+``is_causal`` as z-lab's MLX drafter reads them: a sliding layer attends to the last ``sliding_window - 1``
+context positions and causally inside the block. Refused (ValueError, never a silent wrong draft):
+``attention_bias``, RoPE scaling other than the default, and the options of z-lab's later drafters this network
+lacks (``conv_kernel_size``, ``selector_rank``/``selector_top_k``, ``input_embedding_scale``/``output_multiplier``
+other than 1).
 
 No MLX import here: ``detect_method`` reads this without loading a runtime.
 """
@@ -32,6 +36,10 @@ __all__ = ["DSPARK_NAME", "PUBLISHED_NAME", "is_published_dflash", "published_to
 DSPARK_NAME = "dspark.json"
 PUBLISHED_NAME = "config.json"
 
+#: z-lab options of later drafters (DFlash 2 convolutions, a candidate selector, scaled inputs/outputs) this
+#: network does not have: refused unless at their neutral value
+_UNSUPPORTED = {"conv_kernel_size": 0, "selector_rank": 0, "selector_top_k": 0, "input_embedding_scale": 1.0,
+                "output_multiplier": 1.0}
 _GEOMETRY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
              "vocab_size", "num_target_layers")
 
@@ -60,12 +68,12 @@ def published_to_projected(config: dict) -> dict:
                                          ("dflash_config.mask_token_id", mask), ("block_size", gamma)) if value is None]
     if missing:
         raise ValueError(f"published DFlash config is missing {', '.join(missing)}")
-    kinds = config.get("layer_types") or []
-    if any(kind != "full_attention" for kind in kinds):
-        raise ValueError(f"published DFlash config: drafter layer_types {list(kinds)} - sliding-window drafter "
-                         "layers are not supported (full_attention only)")
     if config.get("attention_bias"):
         raise ValueError("published DFlash config: attention_bias is not supported")
+    for key, default in _UNSUPPORTED.items():
+        if config.get(key, default) != default:
+            raise ValueError(f"published DFlash config: {key}={config[key]!r} is not supported "
+                             f"(this drafter runs {key}={default!r})")
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
     for source in (rope, scaling):
@@ -85,7 +93,7 @@ def published_to_projected(config: dict) -> dict:
         rope_theta=theta,
         qk_norm=True,
     )
-    for key in ("target_hidden_size", "sts", "minConf"):
+    for key in ("target_hidden_size", "sts", "minConf", "layer_types", "sliding_window", "is_causal"):
         if key in config:
             out[key] = config[key]
     return out

@@ -69,6 +69,12 @@ class ProjectedConfig:
     #: below ``sts_thresholds[k]`` (or ``min_conf`` past the list); empty and None: the whole block is drafted
     sts_thresholds: tuple[float, ...] = ()
     min_conf: float | None = None
+    #: per drafter layer ``"full_attention"`` or ``"sliding_attention"`` (empty: all full), the window of the
+    #: sliding ones, and ``is_causal`` (None: sliding layers are causal inside the drafted block, full layers take
+    #: the family's rule), as published DFlash configs give them
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None
 
     @classmethod
     def from_dict(cls, config: dict, method: str, *, block: bool = False) -> "ProjectedConfig":
@@ -95,6 +101,7 @@ class ProjectedConfig:
         values.setdefault("target_hidden_size", config["hidden_size"])
         values.update(_block_size(config, method, block))
         values.update(_early_stop(config, method, block))
+        values.update(_layer_types(config, method))
         return cls(method=method, target_layer_ids=tuple(taps), **values)
 
     def to_dict(self) -> dict:
@@ -112,11 +119,52 @@ class ProjectedConfig:
             out["sts"] = {"thresholds": list(self.sts_thresholds)}
         if self.min_conf is not None:
             out["minConf"] = self.min_conf
+        if self.layer_types:
+            out["layer_types"] = list(self.layer_types)
+        for name in ("sliding_window", "is_causal"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
+
+    def layer_window(self, layer: int) -> int | None:
+        """Drafter layer ``layer``'s sliding window (None: full attention)."""
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+    def layer_causal(self, layer: int, causal: bool) -> bool:
+        """Whether layer ``layer`` masks later block positions, for a family whose default is ``causal``."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return causal or self.layer_window(layer) is not None
 
 
 #: fields read by their own rules (the seed's key names), not copied from the config as they are
-_EXPLICIT = frozenset({"block_size", "sts_thresholds", "min_conf"})
+_EXPLICIT = frozenset({"block_size", "sts_thresholds", "min_conf", "layer_types", "sliding_window", "is_causal"})
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(config: dict, method: str) -> dict:
+    """``layer_types`` / ``sliding_window`` / ``is_causal``, checked."""
+    out: dict = {}
+    kinds = config.get("layer_types")
+    if kinds:
+        layers = config["num_hidden_layers"]
+        if not isinstance(kinds, list) or len(kinds) != layers or any(kind not in _LAYER_TYPES for kind in kinds):
+            raise ValueError(f"{method} layer_types must list one of {', '.join(_LAYER_TYPES)} per drafter layer "
+                             f"({layers}), got {kinds!r}")
+        if "sliding_attention" in kinds:  # all full attention is the default: the same drafter
+            out["layer_types"] = tuple(kinds)
+    window = config.get("sliding_window")
+    if "sliding_attention" in out.get("layer_types", ()):
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"{method} sliding_attention layers need sliding_window (an int >= 1), got {window!r}")
+        out["sliding_window"] = window
+    causal = config.get("is_causal")
+    if causal is not None:
+        if not isinstance(causal, bool):
+            raise ValueError(f"{method} is_causal must be true, false or null, got {causal!r}")
+        out["is_causal"] = causal
+    return out
 
 
 def _number(value: Any) -> bool:
@@ -194,7 +242,8 @@ class _Attention(nn.Module):
             keys = self.k_norm(keys)
         return rope(keys, offset=positions), self._heads(self.v_proj(x), self.config.num_key_value_heads)
 
-    def __call__(self, h: mx.array, rope: Any, positions: mx.array, context: ContextKV, causal: bool) -> tuple:
+    def __call__(self, h: mx.array, rope: Any, positions: mx.array, context: ContextKV, causal: bool,
+                 window: int | None = None) -> tuple:
         B, L, _ = h.shape
         gate = None
         if self.gated:
@@ -206,10 +255,18 @@ class _Attention(nn.Module):
             queries = self.q_norm(queries)
         queries = rope(queries, offset=positions)
         keys, values = self.kv(h, rope, positions)
-        block = mx.tril(mx.ones((L, L), dtype=mx.bool_)) if causal else mx.ones((L, L), dtype=mx.bool_)
+        query = mx.arange(L)[:, None]
+        block = query >= mx.arange(L)[None, :] if causal else mx.ones((L, L), dtype=mx.bool_)
+        if window is not None:
+            block = block & (query - mx.arange(L)[None, :] < window)
         mask = mx.broadcast_to(block[None, None], (B, 1, L, L))
         if context.keys is not None:
             prior = mx.broadcast_to(context.valid[:, None, None, :], (B, 1, L, context.valid.shape[1]))
+            if window is not None:
+                # context index j of a row holds position p - T + j (its last entry is just before the block at
+                # p): block query i (position p + i) sees it within the window when T + i - j < window
+                T = context.valid.shape[1]
+                prior = prior & (T + query - mx.arange(T)[None, :] < window)[None, None]
             mask = mx.concatenate([prior, mask], axis=-1)
             all_keys = mx.concatenate([context.keys, keys], axis=2)
             all_values = mx.concatenate([context.values, values], axis=2)
@@ -228,10 +285,11 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def __call__(self, x: mx.array, rope: Any, positions: mx.array, context: ContextKV, causal: bool) -> tuple:
+    def __call__(self, x: mx.array, rope: Any, positions: mx.array, context: ContextKV, causal: bool,
+                 window: int | None = None) -> tuple:
         """The block ``x`` ``[B, L, H]`` at ``positions + i`` attending over ``context`` and itself (all of the
         block, or causally). Returns the layer output and the block's own keys and values."""
-        r, keys, values = self.self_attn(self.input_layernorm(x), rope, positions, context, causal)
+        r, keys, values = self.self_attn(self.input_layernorm(x), rope, positions, context, causal, window)
         h = x + r
         return h + self.mlp(self.post_attention_layernorm(h)), keys, values
 
@@ -258,8 +316,9 @@ class ProjectedNetwork(nn.Module):
         """Run the drafted block ``x`` (embeddings ``[B, L, H]``); returns the final hidden and per layer the
         block's K/V (DeepSpec carries them to its next step)."""
         block_kv = []
-        for layer, context in zip(self.layers, contexts):
-            x, keys, values = layer(x, self._rope, positions, context, causal)
+        for index, (layer, context) in enumerate(zip(self.layers, contexts)):
+            x, keys, values = layer(x, self._rope, positions, context, self.config.layer_causal(index, causal),
+                                    self.config.layer_window(index))
             block_kv.append((keys, values))
         return self.norm(x), block_kv
 
