@@ -152,7 +152,7 @@ def _providers(model_dir: Path, work: Path, drafters, draft_layers: int) -> dict
 
 
 def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int, depth: int,
-             draft_layers: int, cpu_clock: bool, warmup: bool = False) -> dict:
+             draft_layers: int, cpu_clock: bool, warmup: bool = False, kernel_warmup: bool = False) -> dict:
     """Plain runs before and after the drafter runs (their mean is the baseline, against drift in the load).
     ``warmup``: each configuration runs once untimed first (a GPU backend compiles kernels per new shape once per
     process: a server pays it once, not per request)."""
@@ -160,6 +160,14 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
 
     target = TargetModel.load(model_dir)
     providers = _providers(model_dir, work, drafters, draft_layers)
+    compiled = {}
+    if kernel_warmup:  # what serve --warmup does at start: every kernel class compiled once (spec_cache.warmup)
+        from spec_cache.engine import SpeculativeEngine
+        from spec_cache.warmup import warm_up
+
+        for name, provider in [("plain", None), *providers.items()]:
+            compiled[name] = warm_up(SpeculativeEngine(target, provider, depth if provider else 0,
+                                                       prefill_step_size=512, max_rows=len(prompts))).seconds
     restored = prefilled(target, None, prompts)
     if warmup:
         decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock)
@@ -174,7 +182,7 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
                                        cpu_clock)
     plain_runs.append(decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock))
     plain = {key: sum(run[key] for run in plain_runs) / 2 for key in ("tok_s", "tok_cpu_s")}
-    out = {"plain_tok_s": plain["tok_s"], "plain_tok_cpu_s": plain["tok_cpu_s"],
+    out = {"plain_tok_s": plain["tok_s"], "plain_tok_cpu_s": plain["tok_cpu_s"], "kernel_warmup_s": compiled,
            "plain_runs_tok_s": [run["tok_s"] for run in plain_runs]}
     for name in providers:
         figures = out.setdefault(name, {})
@@ -198,7 +206,7 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
 def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", "float32", "float16"),
         drafters=("ngram", "draft-model"), draft_layers: int = 4, cache_dir: str | None = None,
         tiny: bool = False, cpu_clock: bool | None = None, copy: bool = True, random_text: bool = False,
-        warmup: bool = False) -> dict:
+        warmup: bool = False, kernel_warmup: bool = False) -> dict:
     """Figures per variant and drafter (module doc); the headline keys come from the first variant: wall-clock
     ratios, or CPU-time ratios when ``cpu_clock`` (default: on MLX's CPU backend), which also times the
     controller's rounds in process CPU seconds. ``tiny``: the tiny fallback even when SmolLM2 is installed.
@@ -232,7 +240,8 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         result["prompt_tokens"] = [len(p) for p in next(iter(prompts.values()))]
     for variant, model_dir in model_dirs.items():
         result[variant] = _variant(model_dir, prompts[variant], work, drafters, new_tokens=new_tokens, depth=depth,
-                                   draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup)
+                                   draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup,
+                                   kernel_warmup=kernel_warmup)
     head = result[next(iter(model_dirs))]
     key = "adaptive_vs_plain_cpu" if cpu_clock else "adaptive_vs_plain"
     ratios = {name: head[name][key] for name in drafters}
@@ -245,7 +254,8 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
 
             copied = chat_prompts(model_dir, rows, copy_chats())
         result["copy"] = _variant(model_dir, copied, work, ("ngram",), new_tokens=new_tokens, depth=depth,
-                                  draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup)
+                                  draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup,
+                                  kernel_warmup=kernel_warmup)
         result["copy"]["variant"] = variant
         result["drafting_copy_ngram"] = result["copy"]["ngram"][key]
         result["drafting_copy_ngram_fixed"] = result["copy"]["ngram"][key.replace("adaptive", "fixed")]
@@ -260,7 +270,8 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         else:
             texts = chat_prompts(model_dir, rows, random_chats(rows))
         result["random"] = _variant(model_dir, texts, work, drafters, new_tokens=new_tokens, depth=depth,
-                                    draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup)
+                                    draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup,
+                                    kernel_warmup=kernel_warmup)
         result["random"]["variant"] = variant
         for name in drafters:
             result[f"drafting_random_{name.replace('-', '_')}"] = result["random"][name][key]
@@ -287,12 +298,14 @@ def main(argv=None) -> None:
     parser.add_argument("--no-copy", action="store_true", help="skip the copy workload (drafting_copy_ngram)")
     parser.add_argument("--random-text", action="store_true", help="also the random-text workload")
     parser.add_argument("--warmup", action="store_true", help="run each configuration once untimed first")
+    parser.add_argument("--kernel-warmup", action="store_true",
+                        help="spec_cache.warmup per drafter first (what serve --warmup does), not per configuration")
     parser.add_argument("--cache-dir", help="GGUF conversions kept here (default: $TMPDIR/spec-cache-bench-models)")
     args = parser.parse_args(argv)
     print(json.dumps(run(rows=args.rows, new_tokens=args.new_tokens, depth=args.depth, variants=tuple(args.variants),
                          drafters=tuple(args.drafters), tiny=args.tiny, copy=not args.no_copy,
                          random_text=args.random_text, cache_dir=args.cache_dir,
-                         warmup=args.warmup), indent=1))
+                         warmup=args.warmup, kernel_warmup=args.kernel_warmup), indent=1))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ ROWS=${*:-1 4 8}
 for B in $ROWS; do
   echo "--- B=$B"
   python3 -P -m spec_cache.bench.drafting --variants q4 --rows "$B" --new-tokens 128 --random-text \
-    --drafters ngram draft-model --cache-dir /tmp/models ${WARMUP:+--warmup} > "$OUTDIR/drafting_b$B.json" || exit 1
+    --drafters ngram draft-model --cache-dir /tmp/models ${WARMUP:+--warmup} ${KERNEL_WARMUP:+--kernel-warmup} > "$OUTDIR/drafting_b$B.json" || exit 1
   grep -E '"drafting_' "$OUTDIR/drafting_b$B.json"
 done
 python3 - "$OUTDIR" $ROWS <<'EOF'
