@@ -108,15 +108,14 @@ def pin_id(ns_key: bytes, tokens: Sequence[int]) -> str:
 def prefetch(cache, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
              usable: Callable[[Any], bool] | None = None) -> Resident:
     """Restore the longest usable stored prefix of ``tokens`` now (memory, LMDB or the shared tier), which leaves
-    it in the memory tier for the next request."""
+    it in the memory tier for the next request. Inside ``SpecCache.shared_via_prefetch()`` (the server's scheduler
+    thread) the shared tier's part is what ``prefetch_shared`` fetched before (``serve`` calls it off the thread)."""
     resident, _ = _restore(cache, ns_key, tokens, drafter_namespace, usable)
     return resident
 
 
 def _restore(cache, ns_key, tokens, drafter_namespace, usable):
     tokens = [int(t) for t in tokens]
-    if cache.shared is not None:  # off the network now (the caller's thread), into the handoff for restore
-        cache.prefetch_shared(ns_key, tokens, drafter_namespace, usable=usable)
     restored = cache.restore(ns_key, tokens, drafter_namespace=drafter_namespace, usable=usable)
     if restored is None:
         return Resident(0, None, False), None

@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Any
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -190,6 +191,18 @@ def cache_routes(state, tokenize) -> list[Route]:
     def ns_key(tenant):
         return generator.namespace_key(tenant)
 
+    async def from_shared(space, tokens: list[int], drafter: Any = "generator's") -> None:
+        """With a shared tier: fetch what it holds beyond LMDB now, on a worker thread (never the scheduler's),
+        into the handoff the scheduler's restore takes it from (as a request's prefetch does)."""
+        if cache is None or cache.shared is None:
+            return
+        rule = usable(tokens)
+        if rule is None:
+            return
+        key = await on_scheduler(lambda: ns_key(space))
+        drafter = generator.drafter_namespace if drafter == "generator's" else drafter
+        await anyio.to_thread.run_sync(lambda: cache.prefetch_shared(key, tokens, drafter, usable=rule))
+
     def usable(tokens: list[int]):
         return generator.usable_rule(len(tokens) + 1)  # what a request continuing this prefix may restore
 
@@ -216,6 +229,7 @@ def cache_routes(state, tokenize) -> list[Route]:
                            code="ttl_too_long")
         tokens = await prefix_of(body)
         space = salted(tenant, body)
+        await from_shared(space, tokens)
 
         def run():
             rule = usable(tokens)
@@ -252,6 +266,7 @@ def cache_routes(state, tokenize) -> list[Route]:
     async def prefetch(request: Request, body: dict, tenant, operator: bool) -> Response:
         tokens = await prefix_of(body)
         space = salted(tenant, body)
+        await from_shared(space, tokens)
 
         def run():
             rule = usable(tokens)
@@ -264,6 +279,7 @@ def cache_routes(state, tokenize) -> list[Route]:
     async def export(request: Request, body: dict, tenant, operator: bool) -> Response:
         tokens = await prefix_of(body)
         space = salted(tenant, body)
+        await from_shared(space, tokens, drafter=None)  # the target's state only: what an mlx-lm file holds
         data, length = await on_scheduler(lambda: controls.export_prefix(cache, ns_key(space), tokens,
                                                                          model=config.model_id))
         return Response(data, media_type="application/octet-stream", headers={
@@ -292,7 +308,7 @@ def cache_routes(state, tokenize) -> list[Route]:
             started, label, known = time.perf_counter(), "-", False
             try:
                 data = b""
-                if raw and not request.headers.get("content-type", "").startswith("application/json"):
+                if raw and request.headers.get("content-type", "").startswith("application/octet-stream"):
                     data, body = await read_body(request), dict(request.query_params)
                 elif method == "POST":
                     body = await read_json(request)
