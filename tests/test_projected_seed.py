@@ -370,3 +370,29 @@ def test_published_sliding_window_layers_attend_as_z_lab_does(tiny, dflash_pair,
     full = opened(load_provider(root / "dspark"), tiny.target, [prompt]).draft([prompt[-1]], 3)[0]
     assert drafts != full  # the window changes what the drafter sees
     assert_greedy_and_restored_equals_cold(tiny.target, sliding)
+
+
+def test_published_revisions_map_onto_the_drafter_config():
+    """Both published layouts of a 5-tap Qwen3-style DFlash drafter (geometry of z-lab's 4B drafters): the
+    legacy one (top-level block_size, rope_theta) and the later one (dflash_config.block_size, rope_parameters,
+    mostly sliding layers) give the same drafter config but for the layers' windows."""
+    from spec_cache.drafters.dflash_config import is_published_dflash, published_to_projected
+
+    geometry = {"model_type": "qwen3", "architectures": ["DFlashDraftModel"], "hidden_size": 2560,
+                "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                "intermediate_size": 9728, "vocab_size": 151936, "rms_norm_eps": 1e-6, "num_target_layers": 36,
+                "tie_word_embeddings": True, "max_position_embeddings": 40960}
+    legacy = {**geometry, "block_size": 16, "rope_theta": 1e6,
+              "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}}
+    later = {**geometry, "sliding_window": 2048, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+             "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+             "dflash_config": {"block_size": 16, "mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}}
+    configs = [ProjectedConfig.from_dict(published_to_projected(c), "dflash", block=True) for c in (legacy, later)]
+    assert all(is_published_dflash(c) for c in (legacy, later))
+    assert (configs[0].gamma, configs[0].mask_token_id, configs[0].target_layer_ids, configs[0].rope_theta,
+            configs[0].qk_norm) == (16, 151669, (1, 9, 17, 25, 33), 1e6, True)
+    assert [configs[1].layer_window(i) for i in range(6)] == [2048] * 5 + [None]
+    assert configs[1].layer_causal(0, False) and not configs[1].layer_causal(5, False)
+    assert configs[0] == ProjectedConfig.from_dict(
+        {**configs[1].to_dict(), "layer_types": None, "sliding_window": None}, "dflash", block=True)
+    assert not is_published_dflash({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
