@@ -14,6 +14,11 @@ trip the same set on the drafter side):
 
 Restored caches hold the attachment's arrays bit for bit (``restore_kv_caches``). Which kinds a drafter accepts
 is its schema's and provider's rule (projected contexts and Qwen MTP: ``kv`` only).
+
+mlx-bun (the seed) writes the same tensors under its codec id ``mlx-cache-v3`` with slot objects instead of index
+lists; ``spec_cache.seed_codec.from_seed_attachment`` rewrites such an attachment into this codec (``kv`` and
+``qkv`` layers; the kinds it refuses and why are listed there) and ``read_mlxkv`` reads them out of the seed's
+``.mlxkv`` files. This codec itself refuses ``mlx-cache-v3`` (as the seed refuses ours): conversion is explicit.
 """
 
 from __future__ import annotations
