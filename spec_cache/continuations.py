@@ -113,7 +113,8 @@ class Continuations:
 
     def persist(self, rec: Continuation) -> None:
         """Write ``rec`` to LMDB (call once the checkpoint it refers to is committed); never raises."""
-        if self.cache.closed or self.cache.store.env.readonly:
+        env = self.cache.store.env
+        if env.env is None or env.readonly:  # closed (a write drained at close still lands: the store is open)
             return
         try:
             self.counters["evicted"] += self.table.put(rec)

@@ -23,7 +23,8 @@ Record (value, version 1; all little-endian)::
 
 Rows, in the store's ``memo`` sub-database (older code never reads them; no new sub-database, so the store
 format stays 1.x): ``b"\\0cont\\0" + key`` -> record, and ``b"\\0cont-lru\\0" + u64be(written_ns) + key`` ->
-u32 record bytes. A record with a newer major version is skipped (a miss), never decoded.
+u32 record bytes, and ``b"\0cont-sum\0"`` -> u64 records, u64 bytes (their sum, so a put reads one row, not every
+LRU row). A record with a newer major version is skipped (a miss), never decoded.
 
 Bounds: at most ``max_records`` records and ``max_bytes`` of them; a put evicts the least recently written
 first, in its own transaction. ``verify`` checks every record (checksum, structure, the key it sits under, its
@@ -54,6 +55,8 @@ FINISHED = 1
 _HEADER = struct.Struct("<4sHHI32s32sQII")
 RECORD_PREFIX = b"\x00cont\x00"
 LRU_PREFIX = b"\x00cont-lru\x00"
+SUM_KEY = b"\x00cont-sum\x00"  # u64 records | u64 bytes: what the LRU rows add up to (a put reads one row)
+_SUM = struct.Struct("<QQ")
 DB = "memo"
 #: defaults: records kept, and their bytes
 MAX_RECORDS = 4096
@@ -146,6 +149,19 @@ def _lru_row(written_ns: int, key: bytes) -> bytes:
     return LRU_PREFIX + struct.pack(">Q", written_ns) + key
 
 
+def _size(value) -> int:
+    return struct.unpack("<I", bytes(value))[0] if len(value) == 4 else 0
+
+
+def _sum(txn, db) -> tuple[int, int]:
+    """(records, bytes) from the sum row; recounted from the LRU rows when it is missing or damaged."""
+    raw = txn.get(SUM_KEY, db=db)
+    if raw is not None and len(raw) == _SUM.size:
+        return _SUM.unpack(bytes(raw))
+    sizes = [_size(v) for _, v in _rows(txn, db, LRU_PREFIX)]
+    return len(sizes), sum(sizes)
+
+
 def _rows(txn, db, prefix: bytes):
     """(row key, value) of every row starting with ``prefix``, in key order."""
     cursor = txn.cursor(db=db)
@@ -204,6 +220,7 @@ class ContinuationTable:
         def fn(txn) -> int:
             db = self._db
             old = txn.get(_record_row(rec.key), db=db)
+            count, total = _sum(txn, db)
             if old is not None:
                 try:
                     prev = decode_continuation(old, rec.key)
@@ -211,24 +228,27 @@ class ContinuationTable:
                     prev = None
                 if prev is not None and (len(prev.tokens), prev.finished) >= (len(rec.tokens), rec.finished):
                     return 0
-                if prev is not None:
-                    txn.delete(_lru_row(prev.written_ns, rec.key), db=db)
+                if prev is not None and txn.delete(_lru_row(prev.written_ns, rec.key), db=db):
+                    count, total = count - 1, total - len(old)
             txn.put(_record_row(rec.key), value, db=db)
             txn.put(_lru_row(rec.written_ns, rec.key), struct.pack("<I", len(value)), db=db)
-            return self._evict(txn, db)
+            return self._evict(txn, db, count + 1, total + len(value))
         with self.store._lock:
             return self.store.env.write(fn)
 
-    def _evict(self, txn, db) -> int:
-        rows = [(row, struct.unpack("<I", bytes(v))[0] if len(v) == 4 else 0) for row, v in _rows(txn, db, LRU_PREFIX)]
-        count, total = len(rows), sum(size for _, size in rows)
+    def _evict(self, txn, db, count: int, total: int) -> int:
+        """Drop the least recently written records while over a bound; write the new sum."""
         evicted = 0
-        for row, size in rows:  # oldest first
-            if count <= self.max_records and total <= self.max_bytes:
+        while count > self.max_records or total > self.max_bytes:
+            oldest = next(_rows(txn, db, LRU_PREFIX), None)
+            if oldest is None:
+                count, total = 0, 0
                 break
+            row, size = oldest[0], _size(oldest[1])
             txn.delete(row, db=db)
             txn.delete(_record_row(row[-KEY_BYTES:]), db=db)
             count, total, evicted = count - 1, total - size, evicted + 1
+        txn.put(SUM_KEY, _SUM.pack(max(0, count), max(0, total)), db=db)
         return evicted
 
     def drop(self, key: bytes) -> bool:
@@ -238,10 +258,13 @@ class ContinuationTable:
 
         def fn(txn) -> bool:
             db = self._db
+            count, total = _sum(txn, db)
             found = txn.delete(_record_row(key), db=db)
-            for row, _ in list(_rows(txn, db, LRU_PREFIX)):
+            for row, value in list(_rows(txn, db, LRU_PREFIX)):
                 if row.endswith(key):
                     txn.delete(row, db=db)
+                    count, total = count - 1, total - _size(value)
+            txn.put(SUM_KEY, _SUM.pack(max(0, count), max(0, total)), db=db)
             return found
         try:
             with self.store._lock:
@@ -302,6 +325,10 @@ def check(txn, dbs) -> ContinuationCheck:
     missing = len(expected.keys() - lru.keys())
     if missing:
         found.problems.append(f"{missing} continuation records without their LRU row")
+    raw = txn.get(SUM_KEY, db=db)
+    want = (len(lru), sum(_size(v) for v in lru.values()))
+    if raw is None and lru or raw is not None and (len(raw) != _SUM.size or _SUM.unpack(bytes(raw)) != want):
+        found.problems.append(f"continuation sum row disagrees with the LRU rows ({want[0]} records, {want[1]} bytes)")
     return found
 
 
@@ -332,4 +359,6 @@ def rebuild(txn, dbs, namespaces) -> tuple[int, int]:
             txn.delete(row, db=db)
     for row, size in keep.items():
         txn.put(row, struct.pack("<I", size), db=db)
+    if keep or txn.get(SUM_KEY, db=db) is not None:
+        txn.put(SUM_KEY, _SUM.pack(len(keep), sum(keep.values())), db=db)
     return corrupt, len(doomed) - corrupt
