@@ -112,7 +112,7 @@ def test_cache_control_breakpoint_is_counted_and_restored(server, reference):
     """A breakpoint at the end of a long system prompt: the first request creates what it did not read, a second
     request with another question reads at least the whole system prompt; the three input fields add up."""
     tokenizer, _ = reference
-    system_text = words(300, 60)
+    system_text = words(180, 60)
     system = [{"type": "text", "text": system_text, "cache_control": {"type": "ephemeral"}}]
     system_end = len(chat_ids(tokenizer, [{"role": "system", "content": system_text}], generation_prompt=False))
     uses = []
@@ -131,6 +131,37 @@ def test_cache_control_breakpoint_is_counted_and_restored(server, reference):
     counted = client(server).messages.count_tokens(model="tiny", system=system,
                                                    messages=[{"role": "user", "content": words(40, 7)}])
     assert counted.input_tokens == input_total(uses[1])
+
+
+def test_breakpoint_inside_a_message_is_restored_after_a_restart(tiny, reference, tmp_path):
+    """A breakpoint on the first of two blocks of a user message (not a message boundary): its offset is
+    checkpointed, so after a restart (LMDB only) another second block still reads the first block from the cache,
+    exactly to its end; the same conversation without the breakpoint reads nothing there."""
+    tokenizer, _ = reference
+    head, other = words(100, 50), words(150, 50)  # (the tiny vocabulary ends at w255)
+
+    def ask(srv, first: str, second: str, mark: bool):
+        block = {"type": "text", "text": first, **({"cache_control": {"type": "ephemeral"}} if mark else {})}
+        return client(srv).messages.create(model="tiny", max_tokens=2, extra_body=GREEDY, messages=[
+            {"role": "user", "content": [block, {"type": "text", "text": second}]}]).usage
+
+    srv = Server(tiny, tmp_path / "store", tmp_path)
+    try:
+        marked, plain = ask(srv, head, words(20, 30), True), ask(srv, other, words(20, 30), False)
+        srv.wait_durable()
+    finally:
+        stopped(srv)
+    assert marked.cache_creation_input_tokens >= 45 and plain.cache_creation_input_tokens == 0
+    srv = Server(tiny, tmp_path / "store", tmp_path)
+    try:
+        marked, plain = ask(srv, head, words(60, 30), True), ask(srv, other, words(60, 30), False)
+    finally:
+        stopped(srv)
+    full = chat_ids(tokenizer, [{"role": "user", "content": head + "\n\n" + words(60, 30)}])
+    cut = chat_ids(tokenizer, [{"role": "user", "content": head}], generation_prompt=False)
+    end = next(i for i, (x, y) in enumerate(zip(full, cut)) if x != y)  # where the first block ends
+    assert end > 50 and marked.cache_read_input_tokens == end, marked
+    assert plain.cache_read_input_tokens < 50, plain
 
 
 def test_stop_sequences_and_max_tokens(server, reference):
