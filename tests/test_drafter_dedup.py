@@ -236,3 +236,41 @@ def test_shared_tier_ships_whole_drafter_records(tmp_path):
         assert "pieced" not in decode_record(raw).meta
         _same(read_attachment(raw, key, len(conversation(0)), []), want[key[:32]])  # no pieces needed
     store.close()
+
+
+def test_repair_copies_pieced_drafter_parts(tmp_path):
+    from spec_cache.store.repair import repair
+
+    store = _open(tmp_path)
+    for i in range(3):
+        store.put(NS, conversation(i), target_layers(conversation(i)),
+                  drafter=(DRAFTER, standalone(conversation(i))))
+    store.close()
+    report = repair(str(tmp_path / "s"), str(tmp_path / "copy"))
+    assert report.entries_copied == 3 and report.drafter_parts_copied == 3
+    copy = Store.open(tmp_path / "copy")
+    _clean(copy)
+    assert _piece_rows(copy)  # written pieced again, shared again
+    for i in range(3):
+        _same(copy.fetch(NS, conversation(i), drafter=DRAFTER).attachment, standalone(conversation(i)))
+    copy.close()
+
+
+def test_budget_eviction_frees_pieces_with_their_last_entry(tmp_path):
+    store = _open(tmp_path)
+    tokens = conversation(0)
+    store.put(NS, tokens, target_layers(tokens), drafter=(DRAFTER, standalone(tokens)))
+    with store.reading() as txn:
+        one = Index(txn, store.env.dbs).totals().bytes
+    store.close()
+    store = Store.open(tmp_path / "s", max_bytes=int(one * 1.5), durable=False)
+    for i in range(1, 6):  # other prompts entirely: nothing shared, so older entries must go
+        tokens = [7 * i + t for t in range(46)]
+        store.put(NS, tokens, target_layers(tokens), drafter=(DRAFTER, standalone(tokens)))
+        with store.reading() as txn:
+            assert Index(txn, store.env.dbs).totals().bytes <= int(one * 1.5)
+        assert index_problems(store) == []
+    _same(store.fetch(NS, tokens, drafter=DRAFTER).attachment, standalone(tokens))
+    with store.reading() as txn:
+        assert Index(txn, store.env.dbs).totals().entries < 6  # evictions happened; index_problems == [] above
+    store.close()                                              # says no piece outlived its last entry
