@@ -6,6 +6,7 @@ One checkpoint, top to bottom:
 
 * ``store.py``: ``Store``, the public API (``put``, ``lookup``, ``fetch``, ``pin``, namespaces, batched counters);
 * ``write.py``: a put's first half, the checkpoint checked, keyed (``keys.py``) and encoded (``codec.py``);
+  drafter records cut into shared, content-addressed pieces (``pieces.py``, store format 1.2);
 * ``index.py``: ``Index``, the one owner of nodes, entries, LRU rows and counters inside a transaction
   (``values.py``: those rows typed, and their fixed bytes on disk); ``expected_bookkeeping``, its invariants;
 * ``env.py``: the LMDB environment, its transactions and map growth;
