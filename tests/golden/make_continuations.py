@@ -1,6 +1,7 @@
 """Write ``continuations.json``: golden continuation keys and records (store/continuations.py), each computed here
 from the documented framing with blake3 and struct, never by ``spec_cache``. Existing cases are never rewritten:
-the script re-checks them and appends only cases whose names are new. Run: ``python tests/golden/make_continuations.py``.
+the script re-checks them and appends only cases whose names are new.
+Run: ``python tests/golden/make_continuations.py``.
 """
 
 from __future__ import annotations
