@@ -227,7 +227,7 @@ def test_turn_two_restores_the_whole_previous_prompt(tiny_model, greedy, tmp_pat
 
 
 def test_agentic_bench_ratio_comes_from_real_responses():
-    result = agentic.run(turns=3, max_tokens=4, restart=False)
+    result = agentic.run(turns=3, max_tokens=4, restart=False, cost=False)
     assert "skipped" not in result, result
     rows = result["apis"]["openai"]
     assert [r["turn"] for r in rows] == [1, 2, 3]

@@ -191,7 +191,7 @@ def _run(quick: bool, sections: list[str] | None, log) -> dict:
 
         r = agentic.run(**cfg["agentic"], progress=log)
         details["agentic"] = r
-        figures.update({k: v for k, v in r.items() if k.startswith("agentic_cached_ratio")})
+        figures.update({k: v for k, v in r.items() if k.startswith(("agentic_cached_ratio", "agentic_seam_"))})
     goals = {}
     for name, value in figures.items():
         if name in GOALS:

@@ -15,6 +15,11 @@ restores them only from a checkpoint at exactly its boundary. The server runs wi
 ``--cached-tokens-granularity 1`` so usage reports exact counts (the default, ``chunk``, rounds them down to the
 store's 256-token chunks, which would take up to 255 tokens off every turn's figure).
 
+What the seam costs (``seam_cost``): the same conversation through the server's scheduler in-process, with the
+chat route's ``checkpoint_at`` offsets and without: ``agentic_seam_ttft_ratio`` (median time to first token over
+turns >= 2, seam on / off), ``agentic_seam_checkpoints_per_turn`` (extra checkpoints written a turn),
+``agentic_seam_store_bytes_ratio`` (store bytes at the end, on / off).
+
 Figures: ``agentic_cached_ratio_openai`` / ``agentic_cached_ratio_anthropic``: the median over turns >= 2 of
 cached / prompt tokens (OpenAI ``prompt_tokens_details.cached_tokens`` / ``prompt_tokens``; Anthropic
 ``cache_read_input_tokens`` / all input tokens); ``agentic_cached_ratio``: the lower of the two (goal >= 0.95).
@@ -31,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -296,8 +302,100 @@ def median_ratio(rows: list[dict]) -> float:
     return statistics.median(later)
 
 
+# -- what the seam costs: the scheduler in-process, seam on vs off ------------------------------------------------
+def seam_cost(target: Path, drafter_dir: Path | None, transcript: dict, turns: int, max_tokens: int, work: Path,
+              progress=None) -> dict:
+    """The same conversation through the server's scheduler in-process, with ``checkpoint_at`` (message boundaries
+    and the end of each prompt, as the chat route sends them) and without: time to first token and per request
+    (medians over turns >= 2), checkpoints written, store bytes. Greedy, so both runs see the same prompts."""
+    from mlx_lm.utils import load_tokenizer
+
+    from spec_cache.cache import SpecCache
+    from spec_cache.generator import Generator
+    from spec_cache.sampling import RowSampling
+    from spec_cache.server.scheduler import Job, Scheduler
+    from spec_cache.server.seam import message_boundaries
+    from spec_cache.server.tools import render_chat
+    from spec_cache.store import maintenance
+
+    tokenizer = load_tokenizer(target)
+    tools = transcript["tools"]
+    out: dict = {}
+    for mode in ("seam", "no_seam"):
+        cache = SpecCache.open(work / f"cost-{mode}")
+        generator = Generator.load(target, drafter_dir, cache=cache)
+        writes = []
+        save = generator.save_checkpoint
+
+        def counted(tokens, *args, **kwargs):
+            writes.append(len(tokens))
+            return save(tokens, *args, **kwargs)
+        generator.save_checkpoint = counted
+        sched = Scheduler(generator, max_rows=4, checkpoint_every=None, eos_token_ids=tokenizer.eos_token_ids)
+        sched.start()
+        messages = [{"role": "system", "content": transcript["system"]}]
+        rows = []
+        try:
+            for number, turn in enumerate(transcript["turns"][:turns], start=1):
+                messages += [dict(m) for m in turn["append"]]
+                prompt = render_chat(tokenizer, messages, tools)
+                offsets = ()
+                if mode == "seam":
+                    offsets = tuple(message_boundaries(
+                        lambda head, gp: render_chat(tokenizer, head, tools, add_generation_prompt=gp),
+                        messages, prompt))
+                events: list = []
+                done = threading.Event()
+
+                def deliver(event, events=events, done=done):
+                    events.append((time.perf_counter(), event))
+                    if event[0] in ("done", "error"):
+                        done.set()
+                job = Job(prompt=prompt, max_tokens=max_tokens, sampling=RowSampling(), deliver=deliver,
+                          checkpoint_at=offsets)
+                sched.submit(job)
+                if not done.wait(300):
+                    raise RuntimeError("a turn did not finish")
+                first = next(t for t, e in events if e[0] == "tokens")
+                last = events[-1][0]
+                while sched.queue_depth or sched.active_rows:  # the side row, if any
+                    time.sleep(0.005)
+                idle = time.perf_counter()
+                cached = next(e[1] for _, e in events if e[0] == "start")
+                rows.append({"turn": number, "prompt_tokens": len(prompt), "cached_tokens": cached,
+                             "ttft_s": first - job.arrived, "request_s": last - job.arrived,
+                             "until_idle_s": idle - job.arrived})
+                recorded = turn["assistant"]
+                if recorded.get("tool_calls"):
+                    messages.append({"role": "assistant", "content": None, "tool_calls": recorded["tool_calls"]})
+                else:
+                    tokens = [t for _, e in events if e[0] == "tokens" for t in e[1]]
+                    messages.append({"role": "assistant", "content": generator.decode(tokens)})
+        finally:
+            sched.stop(30)
+            cache.drain(60)
+            with_store = maintenance.stats(cache.store)
+            cache.close()
+        later = [r for r in rows if r["turn"] >= 2]
+        out[mode] = {"turns": rows, "checkpoints_written": len(writes), "store_bytes": with_store["bytes"],
+                     "median_ttft_s": statistics.median(r["ttft_s"] for r in later),
+                     "median_request_s": statistics.median(r["request_s"] for r in later),
+                     "median_until_idle_s": statistics.median(r["until_idle_s"] for r in later),
+                     "cached_ratio": statistics.median(r["cached_tokens"] / r["prompt_tokens"] for r in later)}
+        if progress is not None:
+            progress(f"agentic seam cost ({mode}): {len(writes)} checkpoints, median TTFT "
+                     f"{out[mode]['median_ttft_s'] * 1e3:.1f} ms, request {out[mode]['median_request_s'] * 1e3:.1f} ms")
+    on, off = out["seam"], out["no_seam"]
+    out["ttft_ratio"] = on["median_ttft_s"] / off["median_ttft_s"]
+    out["request_ratio"] = on["median_request_s"] / off["median_request_s"]
+    out["until_idle_ratio"] = on["median_until_idle_s"] / off["median_until_idle_s"]
+    out["checkpoints_per_turn"] = (on["checkpoints_written"] - off["checkpoints_written"]) / turns
+    out["store_bytes_ratio"] = on["store_bytes"] / max(1, off["store_bytes"])
+    return out
+
+
 def run(turns: int = 20, max_tokens: int = 16, restart: bool = True, drafter: bool = True, progress=None,
-        transcript_path: str | Path = TRANSCRIPT) -> dict:
+        transcript_path: str | Path = TRANSCRIPT, cost: bool = True) -> dict:
     """Replay the transcript through each API the server has; see the module docstring."""
     if not smollm2_available():
         from spec_cache.demo_real import INSTALL_HINT
@@ -332,6 +430,12 @@ def run(turns: int = 20, max_tokens: int = 16, restart: bool = True, drafter: bo
             out[f"agentic_cached_ratio_{api}"] = median_ratio(rows)
         ratios = [v for k, v in out.items() if k.startswith("agentic_cached_ratio_")]
         out["agentic_cached_ratio"] = min(ratios)
+        if cost:
+            cost_of = out["seam_cost"] = seam_cost(target, drafter_dir if drafter else None, transcript, turns,
+                                                   max_tokens, work, progress)
+            out["agentic_seam_ttft_ratio"] = cost_of["ttft_ratio"]
+            out["agentic_seam_checkpoints_per_turn"] = cost_of["checkpoints_per_turn"]
+            out["agentic_seam_store_bytes_ratio"] = cost_of["store_bytes_ratio"]
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
