@@ -341,3 +341,21 @@ def test_smollm2_messages_whole_streamed_and_cached(tmp_path):
         assert input_total(other.usage) == counted.input_tokens
     finally:
         stopped(srv)
+
+
+def test_breakpoints_come_first_among_checkpoint_offsets(tiny, reference):
+    """Unit: a breakpoint early in a long conversation is kept among the offsets sent to the scheduler (which keeps
+    the 8 largest), and each offset is a prefix end of the rendered prompt."""
+    from spec_cache.server.anthropic import build_prompt, parse_messages
+    from spec_cache.server.scheduler import MAX_CHECKPOINT_AT
+
+    tokenizer, _ = reference
+    turns = [{"role": ("user", "assistant")[i % 2], "content": words(10 + 5 * i, 4)} for i in range(13)]
+    body = {"model": "tiny", "max_tokens": 4, "messages": turns,
+            "system": [{"type": "text", "text": words(100, 20), "cache_control": {"type": "ephemeral"}}]}
+    request = parse_messages(body, ("tiny",))
+    prompt = build_prompt(tokenizer, request, True)
+    system_end = len(chat_ids(tokenizer, [{"role": "system", "content": words(100, 20)}], generation_prompt=False))
+    assert prompt.breakpoint_end == system_end and system_end in prompt.checkpoint_at
+    assert len(prompt.checkpoint_at) == MAX_CHECKPOINT_AT and max(prompt.checkpoint_at) == len(prompt.ids)
+    assert build_prompt(tokenizer, request, False).checkpoint_at == ()

@@ -404,10 +404,10 @@ def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool) -> Promp
         end = _breakpoint_end(render, request, point, ids)
         if end:
             points.append(end)
-    seams = message_boundaries(lambda head, gp: render(head, gp), chat, ids)
-    room = MAX_CHECKPOINT_AT - len(set(points))
-    chosen = sorted(set(points) | set(sorted(set(seams) - set(points))[-room:] if room > 0 else set()))
-    return Prompt(ids, tuple(chosen), max(points, default=0))
+    marked = set(points)
+    seams = sorted(set(message_boundaries(lambda head, gp: render(head, gp), chat, ids)) - marked)
+    keep = max(0, MAX_CHECKPOINT_AT - len(marked))  # the scheduler keeps the largest offsets: breakpoints first
+    return Prompt(ids, tuple(sorted(marked | set(seams[len(seams) - keep:]))), max(points, default=0))
 
 
 def _breakpoint_end(render: Callable, request: MessagesRequest, point: tuple, ids: list[int]) -> int:
@@ -632,11 +632,12 @@ def messages_routes(ctx) -> list[Route]:
                 room = state.config.context_tokens - len(prompt.ids)
                 if 1 <= room < parsed.params.max_tokens:  # Anthropic clients send a large fixed max_tokens: the
                     parsed.params.max_tokens = room  # reply stops at the context's end, with stop_reason max_tokens
-                shape = MessagesShape(parsed, prompt, style(), caching, ctx.granularity)
+                parse_style = styles[0] if styles else await ctx.tokenize(style)  # probes the template once
+                shape = MessagesShape(parsed, prompt, parse_style, caching, ctx.granularity)
                 return await ctx.run_job(request, name, parsed.params, prompt.ids, tenant, False, started,
                                          prompt.checkpoint_at, shape=shape)
             except APIError as error:
-                ctx.count(name, error.status, tenant, known)
+                ctx.count(name, anthropic_status(error), tenant, known)
                 ctx.log_request(f"{request.method} {request.url.path}", anthropic_status(error),
                                 ctx.tenant_label(tenant) if known else "-", started, error=error.code or error.type)
                 return error_response(error)
