@@ -90,6 +90,8 @@ class _Table:
 
 
 _TABLE_LOCK = threading.Lock()
+#: pins one owner may hold at once (bytes bound them too; this bounds the table when the memory tier is off)
+MAX_PINS = 1024
 
 
 def _table(cache) -> _Table:
@@ -147,6 +149,8 @@ def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any
     table = _table(cache)
     pid = pin_id(ns_key, covered)
     others = [p for p in table.live() if p.pin_id != pid]
+    if sum(p.owner == owner for p in others) >= MAX_PINS:
+        raise PinQuotaExceeded(f"this tenant holds {MAX_PINS} pins already (the most one may hold)")
     mine = sum(p.nbytes for p in others if p.owner == owner)
     if quota_bytes is not None and mine + nbytes > quota_bytes:
         raise PinQuotaExceeded(f"pinning {nbytes} more bytes would hold {mine + nbytes} pinned bytes; this "

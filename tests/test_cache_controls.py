@@ -330,3 +330,33 @@ def test_a_leased_entry_is_not_evicted_by_the_budget_until_its_lease_ends(tmp_pa
         for seed in range(40, 60, 2):
             put(store, seed)
         assert held(store, [10]) == []
+
+
+# -- memory tier: a pin with an end ------------------------------------------------------------------------------
+def test_a_memory_tier_pin_holds_until_its_end_and_survives_a_replacing_put():
+    import time
+
+    from spec_cache.memory_tier import MemoryTier
+
+    def kv(n: int, seed: int) -> KVCache:
+        c = KVCache()
+        c.keys = mx.array(np.full((1, 1, n, 8), seed, np.float32))
+        c.values = mx.array(np.full((1, 1, n, 8), seed, np.float32))
+        c.offset = n
+        return c
+
+    tier = MemoryTier(4 * 2 * 4 * 8 * 4, idle_seconds=None, memory_probe=lambda: (0, 0))  # four 4-token entries
+    ns = b"n" * 32
+    tier.put(ns, [1, 2, 3, 4], [kv(4, 1)], durable=True)
+    assert tier.serving(ns, [1, 2, 3]) == (np.asarray([1, 2, 3, 4], np.uint32).tobytes(), 256)  # by trimming
+    assert tier.serving(ns, [1, 2, 9]) is None
+    assert tier.pin(ns, [1, 2, 3, 4], until=time.monotonic() + 60)
+    tier.put(ns, [1, 2, 3, 4], [kv(4, 1)], durable=True)  # the same tokens again: the pin and its end stay
+    for seed in range(10, 20):
+        tier.put(ns, [seed, 0, 0, 0], [kv(4, seed)], durable=True)
+    assert tier.lookup(ns, [1, 2, 3, 4]) is not None and tier.stats()["pinned"] == 1
+    assert tier.pin(ns, [1, 2, 3, 4], until=time.monotonic() - 1)  # its end has passed
+    assert tier.stats()["pinned"] == 0
+    for seed in range(20, 25):
+        tier.put(ns, [seed, 0, 0, 0], [kv(4, seed)], durable=True)
+    assert tier.lookup(ns, [1, 2, 3, 4]) is None
