@@ -384,11 +384,13 @@ class Index:
         written = 0
         for piece in pieces:
             row = self.piece_row(piece.key)
-            if row is None:
+            if row is None or self.txn.get(piece.key, db=self.dbs["drafts"]) is None:  # new, or its record lost
                 record = piece.encode()
                 self.txn.put(piece.key, record, db=self.dbs["drafts"])
-                row = {"ns": ns, "refs": 0, "bytes": record.nbytes}
-                written += record.nbytes
+                if row is not None:  # the lost record's bytes were still counted: count the new one instead
+                    self._count(ns, record.nbytes - row["bytes"], 0)
+                row = {"ns": ns, "refs": row["refs"] if row is not None else 0, "bytes": record.nbytes}
+                written += record.nbytes if row["refs"] == 0 else 0
             row["refs"] += 1
             self.put("meta", piece_row_key(piece.key), row)
         if pieces:

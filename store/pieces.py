@@ -100,7 +100,7 @@ def _piece(ns_key: bytes, tensors: list[tuple[str, str, np.ndarray]]) -> Piece:
     """A piece of ``tensors`` keyed by blake3(key=ns_key) over its table and bytes."""
     h = blake3.blake3(msgpack.packb([[n, d, list(a.shape)] for n, d, a in tensors]), key=ns_key)
     for _n, _d, arr in tensors:
-        h.update(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data)
+        h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
     key = h.digest()
     nbytes = sum(a.nbytes for _n, _d, a in tensors)
     return Piece(key, nbytes, lambda: encode_record("piece", tensors, meta={"key": key}))

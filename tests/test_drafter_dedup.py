@@ -274,3 +274,20 @@ def test_budget_eviction_frees_pieces_with_their_last_entry(tmp_path):
     with store.reading() as txn:
         assert Index(txn, store.env.dbs).totals().entries < 6  # evictions happened; index_problems == [] above
     store.close()                                              # says no piece outlived its last entry
+
+
+def test_a_put_rewrites_a_piece_whose_record_was_lost(tmp_path):
+    store = _open(tmp_path)
+    for i in range(2):
+        store.put(NS, conversation(i), target_layers(conversation(i)),
+                  drafter=(DRAFTER, standalone(conversation(i))))
+    shared = next(k for k, r in _piece_rows(store).items() if r["refs"] == 2)
+    with store.env.env.begin(write=True, db=store.env.dbs["drafts"]) as txn:
+        txn.delete(shared)
+    assert any("record missing" in p for p in index_problems(store))
+    tokens = conversation(2)
+    store.put(NS, tokens, target_layers(tokens), drafter=(DRAFTER, standalone(tokens)))  # names the same piece
+    assert index_problems(store) == []
+    for i in range(3):
+        _same(store.fetch(NS, conversation(i), drafter=DRAFTER).attachment, standalone(conversation(i)))
+    store.close()
