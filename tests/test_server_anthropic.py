@@ -249,12 +249,14 @@ def test_tool_use_round_trip(tmp_path, template):
         c = client(srv)
         tools = [{"name": "get_weather", "description": "the weather in a city",
                   "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
-                 {"name": "get_time", "description": "the time", "input_schema": {"type": "object"}}]
+                 {"name": "get_time", "description": "the time", "input_schema": {"type": "object"},
+                  "cache_control": {"type": "ephemeral"}}]  # a breakpoint after the tools (no system prompt)
         question = [{"role": "user", "content": "What is the weather in Paris?"}]
         # max_tokens beyond the context (Claude Code sends 32000): clamped to what is left, not refused
         first = c.messages.create(model="tiny", max_tokens=1_000_000, tools=tools, messages=question,
                                   extra_body=GREEDY)
         assert first.stop_reason == "tool_use", first
+        assert first.usage.cache_creation_input_tokens > 5, first.usage  # the tools' breakpoint was found
         (call,) = [b for b in first.content if b.type == "tool_use"]
         assert call.name == "get_weather" and call.input == {"city": "Paris"} and call.id.startswith("toolu_")
         with client(srv, KEY_B).messages.stream(model="tiny", max_tokens=16, tools=tools, messages=question,

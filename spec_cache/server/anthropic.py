@@ -412,7 +412,7 @@ def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool) -> Promp
 
 def _breakpoint_end(render: Callable, request: MessagesRequest, point: tuple, ids: list[int]) -> int:
     """The prompt offset where the block ``point`` names ends: the request cut after that block, rendered without
-    a generation prompt, as far as it agrees with the prompt (0 when the template refuses the cut)."""
+    a generation prompt, as far as it agrees with the prompt (0 when the template refuses every cut)."""
     tools = request.tools
     if point[0] == "tools":
         head, tools = to_chat(request.system, []), (request.tools or [])[: point[1] + 1]
@@ -424,11 +424,15 @@ def _breakpoint_end(render: Callable, request: MessagesRequest, point: tuple, id
             return 0  # a breakpoint inside the prefill: the prompt ends there anyway
         cut = dict(request.messages[i], content=request.messages[i]["content"][: j + 1])
         head = to_chat(request.system, request.messages[:i] + [cut])
-    try:
-        rendered = render(head, False, tools)
-    except Exception:  # a template that refuses this head (it must end with a user turn, say): no offset
-        return 0
-    return _common_prefix(rendered, ids)
+    heads = [head]
+    if point[0] != "message":  # a template that cannot render a system turn alone (or no turn): an empty user turn
+        heads.append(head + [{"role": "user", "content": ""}])  # after it; the common prefix stops where they differ
+    for candidate in heads:
+        try:
+            return _common_prefix(render(candidate, False, tools), ids)
+        except Exception:  # a template that refuses this head (it must end with a user turn, say)
+            continue
+    return 0
 
 
 # -- the response ------------------------------------------------------------------------------------------------
