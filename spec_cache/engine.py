@@ -25,7 +25,8 @@ A target-only hit (restored target caches, no ``draft_checkpoint``): the assista
 last prompt token again (it needs that hidden), the draft model and ngram rebuild their row from the prompt
 tokens, and the drafters that read the target's taps (``opens_beside_target``: DeepSpec, DFlash, DFlash 2, the
 Qwen MTP head) open their row cold beside the restored target (``drafters.base.ColdRow``): it covers the tokens
-the target forwards from there on, and its checkpoints carry the target part only. A ``"full"``-prefill drafter
+the target forwards from there on (the MTP head, like the assistant, has the last restored token forwarded again
+when nothing else would be), and its checkpoints carry the target part only. A ``"full"``-prefill drafter
 (the MTP head) takes the tokens appended to a row that already has state (restored, or opened beside the target)
 through ``consume``, as the seed feeds externally supplied tokens.
 
@@ -39,7 +40,8 @@ Persistence hooks: ``on_checkpoint(row_index, tokens, target_caches, draft_check
 ``target_caches`` are single-row mlx-lm caches (one per layer) with ``offset == len(tokens)``: ``KVCache``, a
 ``RotatingKVCache`` snapshot for a sliding-window layer, a ``QuantizedKVCache`` (recording ``converted_at``) for a
 layer converted under KV quantization. ``draft_checkpoint`` is the drafter state at the same boundary (None
-without a provider). Both are owned snapshots. A request restored from such a checkpoint
+without a provider, and for a row opened beside a restored target: its state lacks the restored head). Both
+are owned snapshots. A request restored from such a checkpoint
 (``restored_caches``/``restored_tokens``/``draft_checkpoint``) skips the target prefill of the restored part and
 continues token-identically.
 
