@@ -195,6 +195,9 @@ def test_auth_x_api_key_and_bearer_share_a_tenant(server):
     bearer = anthropic.Anthropic(base_url=server.url, auth_token=KEY_A, max_retries=0, timeout=60)
     again = bearer.messages.create(model="tiny", max_tokens=2, messages=messages, extra_body=GREEDY)
     assert again.usage.cache_read_input_tokens >= 30  # the same key's tenant, whichever header carried it
+    via_openai = server.client(KEY_A).chat.completions.create(model="tiny", max_tokens=2, temperature=0,
+                                                               messages=messages)
+    assert via_openai.usage.prompt_tokens_details.cached_tokens >= 30  # and whichever API: the same tenant
     other = client(server, KEY_B).messages.create(model="tiny", max_tokens=2, messages=messages, extra_body=GREEDY)
     assert other.usage.cache_read_input_tokens < 30  # another key: another tenant, nothing shared
     with pytest.raises(anthropic.AuthenticationError):
