@@ -161,8 +161,7 @@ def tiny_model(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("seam-model")
     target = write_tiny_target(root / "tiny", seed=11)
-    drafters = {"draft-model": write_tiny_drafter(root / "draft-model", "draft-model", target, layers=1),
-                "deepspec": write_tiny_drafter(root / "deepspec", "deepspec", target, seed=3)}
+    drafters = {"draft-model": write_tiny_drafter(root / "draft-model", "draft-model", target, layers=1)}
     return root, target, drafters
 
 
@@ -202,12 +201,11 @@ def _turn(srv, messages, tokenizer, greedy):
     return reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens
 
 
-@pytest.mark.parametrize("method", ["draft-model", "deepspec"])
-def test_turn_two_restores_the_whole_previous_prompt(tiny_model, greedy, tmp_path, method):
-    """The assistant turn comes back as other text than was generated (an agent's tool call, say): the
-    restored prefix still covers the whole previous prompt, with a drafter whose rows are exact-length (deepspec:
-    a target-only prefix is useless to it), from the memory tier; then from LMDB after a restart."""
-    tokenizer, run = greedy
+def test_turn_two_restores_the_whole_previous_prompt(tiny_model, greedy, tmp_path):
+    """Over HTTP: the assistant turn comes back as other text than was generated (an agent's tool call, say): the
+    restored prefix still covers the whole previous prompt (draft-model: exact-length drafter rows), from the memory
+    tier; then from LMDB after a restart (fails without the end-of-prompt checkpoint: 92 < 93)."""
+    tokenizer, run, method = *greedy, "draft-model"
     srv = _serve(tiny_model, tmp_path, tmp_path / "store", method)
     try:
         first = [{"role": "system", "content": words(100, 60)}, user(words(20, 8))]
@@ -215,8 +213,6 @@ def test_turn_two_restores_the_whole_previous_prompt(tiny_model, greedy, tmp_pat
         second = first + [{"role": "assistant", "content": words(200, 5)}, user(words(40, 6))]
         prompt2, cached2 = _turn(srv, second, tokenizer, run)
         assert cached2 >= prompt1, (cached2, prompt1)
-        if method == "deepspec":
-            return
         stopped(srv)
         srv = _serve(tiny_model, tmp_path, tmp_path / "store", method)  # the memory tier is gone: LMDB only
         third = second + [{"role": "assistant", "content": words(210, 3)}, user(words(50, 4))]
@@ -229,11 +225,14 @@ def test_turn_two_restores_the_whole_previous_prompt(tiny_model, greedy, tmp_pat
 def test_agentic_bench_ratio_comes_from_real_responses():
     result = agentic.run(turns=3, max_tokens=4, restart=False, cost=False)
     assert "skipped" not in result, result
-    rows = result["apis"]["openai"]
-    assert [r["turn"] for r in rows] == [1, 2, 3]
-    for earlier, later in zip(rows, rows[1:]):
-        assert later["prompt_tokens"] > earlier["prompt_tokens"] > 2000  # the system prompt and tools are long
-        assert later["cached_tokens"] >= earlier["prompt_tokens"]  # each turn restored the whole previous prompt
-    assert result["agentic_cached_ratio_openai"] == statistics.median(
-        r["cached_tokens"] / r["prompt_tokens"] for r in rows[1:])
-    assert 0.5 < result["agentic_cached_ratio"] <= result["agentic_cached_ratio_openai"] < 1
+    apis = [api for api, rows in result["apis"].items() if isinstance(rows, list)]  # anthropic: once it exists
+    assert "openai" in apis
+    for api in apis:
+        rows = result["apis"][api]
+        assert [r["turn"] for r in rows] == [1, 2, 3]
+        for earlier, later in zip(rows, rows[1:]):
+            assert later["prompt_tokens"] > earlier["prompt_tokens"] > 2000  # the system prompt and tools are long
+            assert later["cached_tokens"] >= earlier["prompt_tokens"]  # restored the whole previous prompt
+        assert result[f"agentic_cached_ratio_{api}"] == statistics.median(
+            r["cached_tokens"] / r["prompt_tokens"] for r in rows[1:])
+        assert 0.5 < result["agentic_cached_ratio"] <= result[f"agentic_cached_ratio_{api}"] < 1
