@@ -300,7 +300,7 @@ class Generator:
 
     def usable_rule(self, prompt_tokens: int):
         """The rule a stored prefix must meet for a prompt of ``prompt_tokens`` (a predicate over candidates with
-        ``length``, ``has_drafter``, ``minimum_reusable``), or None when nothing stored can help.
+        ``length``, ``has_drafter``, ``minimum_reusable``; callers also accept None: nothing stored can help).
 
         Under KV quantization only prefixes a cold run of this prompt would hold count (full precision up to its
         conversion point, or converted exactly there). A prefix without this drafter's row (a target-only hit)
