@@ -486,10 +486,13 @@ class DecodeSession:
             elif needs_hidden and cold and 0 < start == boundary:
                 # A cold drafter row that needs the target hidden of the last prompt token, beside a target
                 # restored up to that token: forward that one token again (its K/V is recomputed identically),
-                # or everything when the restored state cannot be cut back by one token.
-                start -= 1
-                caches = prefix_caches(caches, start, windows) if start else None
-                start = start if caches is not None else 0
+                # or everything when the restored state cannot be cut back by one token (recurrent layers); a row
+                # that opens beside the target then keeps the restore and starts without that hidden.
+                cut = prefix_caches(caches, start - 1, windows) if start > 1 else None
+                if cut is not None:
+                    start, caches = start - 1, cut
+                elif not (beside and start > 1):
+                    start = 0
             row.target_start = start
             restored_rows.append(None if start == 0 else caches)
             # a target-only hit: a drafter that can opens its row cold beside the restored target (its state

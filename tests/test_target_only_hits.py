@@ -17,7 +17,7 @@ from spec_cache.generator import Generator
 from spec_cache.schemas import SchemaError
 from spec_cache.target import TargetModel
 from spec_cache.tiny import write_tiny_adapter, write_tiny_drafter, write_tiny_target
-from tests.runtime_fixtures import CheckpointRecorder, _identity_memo, plain_greedy  # noqa: F401
+from tests.runtime_fixtures import CheckpointRecorder, _identity_memo, build_tiny, plain_greedy  # noqa: F401
 
 METHODS = {"deepspec": {}, "dflash": {"gamma": 4}, "dflash2": {"gamma": 4}, "qwen-mtp": {}}
 LONG = list(range(3, 43))
@@ -182,3 +182,23 @@ def test_full_prefill_drafter_takes_appended_tokens_through_consume_and_drafts_a
     assert fed.tokens == prefilled.tokens == plain_greedy(two.target, LONG, MAX)
     assert (fed.drafted, fed.accepted) == (prefilled.drafted, prefilled.accepted)
     assert fed.cached_tokens == 19 and prefilled.cached_tokens == 0
+
+
+def test_mtp_head_beside_a_recurrent_target_keeps_the_whole_restore(tmp_path):
+    """qwen3_next's recurrent state cannot be cut back one token for the head's hidden: the head starts beside the
+    restored target without it (its first drafts are weaker), instead of the target forwarding everything again."""
+    hybrid = build_tiny(tmp_path, "qwen3_next", num_layers=3, drafters={"qwen-mtp": ("qwen-mtp", {})})
+    prompt = list(range(5, 30))
+    calls = []  # (tokens, caches): recurrent layers have no offset for CheckpointRecorder to check
+    SpeculativeEngine(hybrid.target, None).run([RowRequest(prompt, max_tokens=6)],
+                                               on_checkpoint=lambda row, t, c, d: calls.append((list(t), c)))
+    engine = SpeculativeEngine(hybrid.target, hybrid.provider("qwen-mtp"), draft_depth=3, adaptive=False)
+    (tokens, caches), (done, done_caches) = calls
+    follow = done + [77, 78, 79]
+    at_boundary, next_turn = engine.run([
+        RowRequest(prompt, restored_caches=caches, restored_tokens=len(tokens), max_tokens=MAX),
+        RowRequest(follow, restored_caches=done_caches, restored_tokens=len(done), max_tokens=MAX)])
+    assert at_boundary.tokens == plain_greedy(hybrid.target, prompt, MAX)
+    assert next_turn.tokens == plain_greedy(hybrid.target, follow, MAX)
+    assert (at_boundary.cached_tokens, next_turn.cached_tokens) == (len(prompt) - 1, len(done))
+    assert at_boundary.drafted > 0 and next_turn.drafted > 0
