@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from spec_cache.generator import Result
 from spec_cache.store import StoreError
 from spec_cache.store.continuations import (
     MAX_BYTES,
@@ -172,16 +173,9 @@ def trim(prepared, prompt_tokens: int, replayed: int) -> int:
 
 
 @dataclass
-class ResumedResult:
+class ResumedResult(Result):
     """``Generator.generate``'s ``Result`` with ``resumed``: tokens replayed from a stored continuation."""
 
-    tokens: list[int]
-    cached_tokens: int
-    drafted: int
-    accepted: int
-    ttft_s: float
-    prompt_tokens: int = 0
-    restored_drafter: bool = False
     resumed: int = 0
 
 
