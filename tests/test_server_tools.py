@@ -183,6 +183,24 @@ def test_a_template_without_tool_support_gets_the_fallback(scripted):
     assert tiny.startswith("<s> w3 # Tools") and tiny.endswith("<s> w5")
 
 
+def test_chat_ids_is_the_one_rendering_of_every_route(scripted):
+    """chat_ids (what chat completions, the seam and /v1/cache/... all render through): tools go through
+    render_chat (the fallback on a template without tool support), a conversation without tools through the
+    template as it is; a refusal is a TemplateError."""
+    from spec_cache.server.tools import TemplateError, chat_ids
+
+    tokenizer = load_tokenizer(scripted["plain"])
+    assert chat_ids(tokenizer, [QUESTION], [WEATHER]) == render_chat(tokenizer, [QUESTION], [WEATHER])
+    raw = tokenizer.apply_chat_template([QUESTION], tools=[WEATHER], add_generation_prompt=True, tokenize=True)
+    assert chat_ids(tokenizer, [QUESTION], [WEATHER]) != list(raw)  # the template alone would drop the tools
+    assert chat_ids(tokenizer, [QUESTION]) == list(tokenizer.apply_chat_template([QUESTION], add_generation_prompt=True,
+                                                                                 tokenize=True))
+    assert chat_ids(tokenizer, history()) == render_chat(tokenizer, history())  # tool turns, no tools offered
+    tokenizer.chat_template = "{{ raise_exception('no') }}"
+    with pytest.raises(TemplateError, match="refused"):
+        chat_ids(tokenizer, [QUESTION])
+
+
 def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_turn(scripted):
     tokenizer = load_tokenizer(scripted["plain"])
     tokenizer.chat_template = (

@@ -53,7 +53,7 @@ from .protocol import (
 )
 from .scheduler import Job, Scheduler, random_seed
 from .seam import message_boundaries
-from .tools import TemplateError, active_tools, render_chat, tool_pieces, tool_style, uses_tools
+from .tools import TemplateError, active_tools, chat_ids, render_chat, tool_pieces, tool_style, uses_tools
 
 log = logging.getLogger("spec_cache.server")
 
@@ -209,33 +209,23 @@ def create_app(state: ServerState) -> Starlette:
         return [int(t) for t in tokenizer.encode(text)]
 
     def encode_chat(messages: list[dict], params=None) -> list[int]:
-        if params is not None and uses_tools(params.tools, params.tool_choice, messages):  # tools.render_chat
-            try:
-                return render_chat(tokenizer, messages, params.tools, params.tool_choice)
-            except TemplateError as exc:
-                raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
+        tools, choice = (None, None) if params is None else (params.tools, params.tool_choice)
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:
-            raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
-                           param="messages", code="chat_template_error") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+            return chat_ids(tokenizer, messages, tools, choice)
+        except TemplateError as exc:
+            raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
 
     def chat_boundaries(messages: list[dict], prompt: list[int], params=None) -> list[int]:
         """Where the last messages end in ``prompt`` (and its end): checkpointed while prefilling (``seam``); each
-        head is rendered the way ``encode_chat`` rendered the whole conversation."""
-        from .tools import render_chat, uses_tools  # (tools.render_chat renders tool turns; the same as encode_chat)
-
-        tooled = params is not None and uses_tools(params.tools, params.tool_choice, messages)
+        head is rendered the way ``encode_chat`` rendered the whole conversation (tool turns included: a head of a
+        conversation that uses tools renders through ``render_chat`` as the whole did)."""
+        tools, choice = (None, None) if params is None else (params.tools, params.tool_choice)
+        tooled = uses_tools(tools, choice, messages)
 
         def render(head: list[dict], generation_prompt: bool):
             if tooled:
-                return render_chat(tokenizer, head, params.tools, params.tool_choice,
-                                   add_generation_prompt=generation_prompt)
-            ids = tokenizer.apply_chat_template(head, add_generation_prompt=generation_prompt, tokenize=True)
-            return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+                return render_chat(tokenizer, head, tools, choice, add_generation_prompt=generation_prompt)
+            return chat_ids(tokenizer, head, generation_prompt=generation_prompt)
         return message_boundaries(render, messages, prompt)
 
     def make_job(params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=()) -> Job:

@@ -40,6 +40,7 @@ from spec_cache.store import InvalidInput, StoreError
 
 from .auth import salted_tenant, tenant_label
 from .protocol import APIError, parse_chat
+from .tools import TemplateError, chat_ids
 
 __all__ = ["cache_routes", "DEFAULT_MAX_PIN_TTL_S"]
 
@@ -95,16 +96,12 @@ def cache_routes(state, tokenize) -> list[Route]:
 
     # --- the prefix --------------------------------------------------------------------------------------
     def render(messages: list[dict], generation_prompt: bool, tools) -> list[int]:
-        options = {} if not tools else {"tools": tools}
+        """As chat completions render the conversation (tools through ``tools.render_chat``), so a pinned or
+        prefetched prefix is the one a chat request with the same messages and tools restores."""
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                                **options)
-        except Exception as exc:
-            raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
-                           param="messages", code="chat_template_error") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+            return chat_ids(tokenizer, messages, tools or None, generation_prompt=generation_prompt)
+        except TemplateError as exc:
+            raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
 
     def encode(text: str) -> list[int]:
         return [int(t) for t in tokenizer.encode(text)]
@@ -124,8 +121,8 @@ def cache_routes(state, tokenize) -> list[Route]:
             chat = {"model": config.model_id, "messages": body["messages"]}
             if body.get("tools") is not None:
                 chat["tools"] = body["tools"]
-            _, messages = parse_chat(chat, (config.model_id,))
-            ids = await tokenize(render, messages, generation_prompt, body.get("tools"))
+            params, messages = parse_chat(chat, (config.model_id,))  # tools checked as chat completions checks them
+            ids = await tokenize(render, messages, generation_prompt, params.tools)
         elif given[0] == "prompt":
             if not isinstance(body["prompt"], str):
                 raise APIError(400, "'prompt' must be a string (token ids go in 'tokens')", param="prompt")

@@ -443,6 +443,18 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
         raise TemplateError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
 
 
+def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, tool_choice: Any = None, *,
+             generation_prompt: bool = True) -> list[int]:
+    """A chat request's prompt ids, the one way every route renders one: ``render_chat`` when the request uses
+    tools (tool turns, the fallback), else the template as it is. ``TemplateError`` when the template refuses."""
+    if uses_tools(tools, tool_choice, messages):
+        return render_chat(tokenizer, messages, tools, tool_choice, add_generation_prompt=generation_prompt)
+    try:
+        return _apply(tokenizer, messages, True, generation_prompt)
+    except Exception as exc:
+        raise TemplateError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
+
+
 def uses_tools(tools: list[dict] | None, tool_choice: Any, messages: Iterable[dict]) -> bool:
     """Whether a chat request needs ``render_chat`` (tools to offer, or tool turns in its history)."""
     return bool(active_tools(tools, tool_choice)) or any(
