@@ -289,6 +289,38 @@ def test_bad_tool_requests_are_400(body, message):
     assert info.value.param in ("tools", "tool_choice", "messages")
 
 
+def test_smollm2_serves_a_tool_conversation_through_the_openai_client(tmp_path):
+    """SmolLM2-135M-Instruct served (real weights, dequantized to float32 for the CPU) with the official openai
+    client: a request offering tools goes through the fallback and answers; streamed == whole (greedy); the turn
+    that sends a tool result back restores the whole previous prompt from the cache."""
+    from spec_cache import gguf
+    from spec_cache.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
+    from tests.test_server import Server
+
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip(f"{SMOLLM2_FILE} absent: {INSTALL_HINT}")
+    model = gguf.convert(path, tmp_path / "smollm2", force=True, dequantize=True, dtype="float32")
+    srv = Server(model, tmp_path / "store", tmp_path)
+    try:
+        c = srv.client()
+        first = c.chat.completions.create(model="tiny", messages=[QUESTION], tools=[WEATHER], max_tokens=6,
+                                          temperature=0)
+        choice = first.choices[0]
+        assert choice.finish_reason in ("length", "stop", "tool_calls")
+        assert (choice.message.content or choice.message.tool_calls)
+        streamed = c.chat.completions.create(model="tiny", messages=[QUESTION], tools=[WEATHER], max_tokens=6,
+                                             temperature=0, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+        assert text == (choice.message.content or "")
+        turn2 = c.chat.completions.create(model="tiny", messages=history(), tools=[WEATHER], max_tokens=6,
+                                          temperature=0)
+        cached = turn2.usage.prompt_tokens_details.cached_tokens
+        assert turn2.choices[0].message.content is not None and cached >= first.usage.prompt_tokens - 1 > 100
+    finally:
+        srv.stop()
+
+
 def test_good_tool_requests_are_normalised():
     params, messages = parse_chat(chat(tools=[WEATHER], messages=history({"city": "Paris"})), ("m",))
     assert params.tools == [WEATHER] and params.tool_choice == "auto"
