@@ -182,8 +182,19 @@ class Store:
                                         minimum_reusable=minimum_reusable)
         self._check_budget(checkpoint.own_bytes)
         with self._lock:
-            self.flush_best_effort()
-            return self.env.write(lambda txn: self._commit(txn, checkpoint, pin), on_full=self._evict_for_space)
+            # batched access times and counters ride in the put's own transaction: one commit, not two (each
+            # LMDB commit rewrites the b-tree pages it touches and a meta page, ~60-100 KB: write amplification)
+            pending = self._take_pending()
+
+            def fn(txn):
+                _apply_pending(Index(txn, self.env.dbs), *pending)
+                return self._commit(txn, checkpoint, pin)
+            try:
+                result = self.env.write(fn, on_full=self._evict_for_space)
+            except BaseException:
+                self._restore_pending(pending)  # written by the next flush instead
+                raise
+            return result
 
     def _commit(self, txn, checkpoint: Checkpoint, pin: bool) -> PutResult:
         """The put's transaction: chain nodes and chunk records, the entry, then eviction under the budget."""
@@ -315,19 +326,26 @@ class Store:
     def _flush_pending(self) -> None:
         if not self._pending and not self._touched:
             return
-        touched, counts = self._touched, self._counts
+        pending = self._take_pending()
+        self.env.write(lambda txn: _apply_pending(Index(txn, self.env.dbs), *pending))
+
+    def _take_pending(self) -> tuple[dict, dict]:
+        """The batched access times and counters, handed over for writing (cleared here)."""
+        pending = self._touched, self._counts
         self._touched, self._counts, self._pending = {}, {}, 0
         self._last_flush = time.monotonic()
+        return pending
 
-        def fn(txn):
-            index = Index(txn, self.env.dbs)
-            for key, when in touched.items():
-                with contextlib.suppress(CorruptIndex):  # a damaged entry is gc's to remove
-                    index.touch(key, when)
-            for ns, (hits, misses) in counts.items():
-                with contextlib.suppress(CorruptIndex):
-                    index.add_ns(ns, hits=hits, misses=misses, last_use=now_ns() if hits else None)
-        self.env.write(fn)
+    def _restore_pending(self, pending: tuple[dict, dict]) -> None:
+        """Put back what a failed put did not write (newer access times and added counts win)."""
+        touched, counts = pending
+        for key, when in touched.items():
+            self._touched[key] = max(when, self._touched.get(key, when))
+        for ns, (hits, misses) in counts.items():
+            c = self._counts.setdefault(ns, [0, 0])
+            c[0] += hits
+            c[1] += misses
+            self._pending += hits + misses
 
     def flush(self) -> None:
         """Write batched access times and hit/miss counters now."""
@@ -384,6 +402,16 @@ class Store:
     def memo(self) -> "StoreMemo":
         """An artifact-identity memo kept in this store (``spec_cache.identity`` takes it as ``memo``)."""
         return StoreMemo(self)
+
+
+def _apply_pending(index: Index, touched: dict, counts: dict) -> None:
+    """Write batched access times and hit/miss counters through ``index`` (inside a write transaction)."""
+    for key, when in touched.items():
+        with contextlib.suppress(CorruptIndex):  # a damaged entry is gc's to remove
+            index.touch(key, when)
+    for ns, (hits, misses) in counts.items():
+        with contextlib.suppress(CorruptIndex):
+            index.add_ns(ns, hits=hits, misses=misses, last_use=now_ns() if hits else None)
 
 
 class StoreMemo:

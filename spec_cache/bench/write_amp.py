@@ -8,8 +8,11 @@ reads the server's ``write_bytes`` from ``/proc/<pid>/io`` (what the process sen
 data and meta pages, COW b-tree pages, everything). Unique KV bytes = the final conversation's tokens x the KV
 bytes of one token (layers x 2 x kv_heads x head_dim x 4); ``store_bytes`` is what the store holds at the end
 (its records' bytes: what was written and not superseded). Figure ``write_amplification`` = total bytes written /
-unique KV bytes (goal <= 1.2), with the bytes written per turn. Linux only (``/proc``); the store lives in a
-temporary directory on the same disk as ``tempfile.gettempdir()``.
+unique KV bytes (goal <= 1.2), with the bytes written per turn; ``overhead_bytes`` = bytes written - ``store_bytes``
+(nothing is evicted here: LMDB's copy-on-write b-tree and meta pages, free-list pages, continuation records; the
+rest is record bytes). ``chunk_tokens`` creates the store with that chunk size first (None: the store's default,
+256): a smaller chunk shortens every entry's tail, the part written again by each checkpoint. Linux only
+(``/proc``); the store lives in a temporary directory on the same disk as ``tempfile.gettempdir()``.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def _start(model: Path, store: Path, port: int, checkpoint_every: int, log) -> s
 
 
 def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoint_every: int = 64,
-        layers: int = 4, kv_heads: int = 2, head_dim: int = 64, progress=None) -> dict:
+        layers: int = 4, kv_heads: int = 2, head_dim: int = 64, chunk_tokens: int | None = None,
+        progress=None) -> dict:
     """Play one ``turns``-turn conversation against a real server; see the module docstring."""
     from spec_cache.tiny import write_tiny_target
 
@@ -99,6 +103,10 @@ def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoi
         token_bytes = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
         port = _free_port()
         base = f"http://127.0.0.1:{port}"
+        from spec_cache.store import Store, maintenance
+
+        if chunk_tokens is not None:
+            Store.open(str(work / "store"), chunk_tokens=chunk_tokens).close()
         with open(work / "server.log", "wb") as log:
             proc = _start(model, work / "store", port, checkpoint_every, log)
             _wait_durable(base)
@@ -123,12 +131,11 @@ def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoi
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
             proc = None
-        from spec_cache.store import Store, maintenance
-
         with Store.open(str(work / "store")) as store:
             stored = maintenance.stats(store)
         unique = prompt_tokens * token_bytes
         return {"store_bytes": stored["bytes"], "store_entries": stored.get("entries"), "turns": turns,
+                "chunk_tokens": stored["chunk_tokens"], "overhead_bytes": total - stored["bytes"],
                 "final_tokens": prompt_tokens, "kv_bytes_per_token": token_bytes,
                 "unique_kv_bytes": unique, "bytes_written": total, "bytes_written_per_turn": per_turn,
                 "cached_tokens_per_turn": cached, "checkpoint_every": checkpoint_every,
