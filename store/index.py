@@ -290,10 +290,14 @@ class Index:
         for k, key in enumerate(chain):
             node = self.node(key)
             if node is not None and not node.broken:
-                node.minimum_reusable = max(node.minimum_reusable, minimum_reusable)
+                refreshed = max(node.minimum_reusable, minimum_reusable)
                 # a chunk boundary is usable only if every checkpoint through it was fully chunked
-                node.complete = node.complete and complete
-                self.put("nodes", key, node)
+                still_complete = node.complete and complete
+                if (refreshed, still_complete) != (node.minimum_reusable, node.complete):
+                    # only a changed node is written: every put copies each b-tree page it touches (node keys
+                    # are hashes, one leaf page each), so rewriting the whole chain cost ~4 KiB per chunk per put
+                    node.minimum_reusable, node.complete = refreshed, still_complete
+                    self.put("nodes", key, node)
                 chain_bytes += node.chunk_bytes
                 continue
             if node is not None:  # a broken chunk is rewritten in place; its references stay

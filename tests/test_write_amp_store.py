@@ -103,3 +103,31 @@ def test_a_growing_conversation_commits_once_per_put(conversation, monkeypatch):
     with store.reading() as txn:
         info = Index(txn, store.env.dbs).namespace(NS)
     assert info.hits + info.misses == puts  # every fetch counted, written by the put after it
+
+
+def test_a_put_on_a_stored_chain_rewrites_only_the_nodes_that_change(conversation, monkeypatch):
+    """A long prompt's put used to rewrite every node row of its chain (one b-tree leaf page each: node keys are
+    hashes); only new nodes, their parent and the entry's node are written now, and lookups still see them."""
+    store, tokens, kv = conversation
+    store.put(NS, tokens[:520], _layers(kv, 520))  # 8 chunks of 64
+    writes = []
+    original = Index.put
+
+    def counted(self, db, key, value):
+        writes.append((db, bytes(key)))
+        return original(self, db, key, value)
+    monkeypatch.setattr(Index, "put", counted)
+    store.put(NS, tokens[:590], _layers(kv, 590))  # one more chunk, a new tail
+    nodes = [key for db, key in writes if db == "nodes"]
+    assert len(nodes) <= 3, f"{len(nodes)} node rows written for one new chunk"
+    writes.clear()
+    store.put(NS, tokens[:591], _layers(kv, 591))  # same chain, one token longer
+    assert len([key for db, key in writes if db == "nodes"]) <= 1  # the entry's node (tail count) at most
+    # a shorter checkpoint with a larger minimum_reusable still raises the nodes' flag (a changed node is written)
+    writes.clear()
+    store.put(NS, tokens[:300], _layers(kv, 300), minimum_reusable=200)
+    assert len([key for db, key in writes if db == "nodes"]) >= 4
+    for n in (300, 520, 590, 591):
+        got = store.fetch(NS, tokens[:n] + [1])
+        assert got is not None and got.length == n
+        assert np.array_equal(got.layers[1].tensors[1].array(), kv[1, :, :, :n])
