@@ -4,15 +4,22 @@ A disk prompt cache that rewrites a conversation's whole prefix on every turn we
 was reported against one such cache). This section starts a real ``spec-cache serve`` process on a tiny float32
 llama with ``--checkpoint-every`` on, plays one conversation of ``turns`` turns (each request resends the whole
 history plus a new user message, as agents do), waits after each turn until every checkpoint is durable, and
-reads the server's ``write_bytes`` from ``/proc/<pid>/io`` (what the process sent to the block device: LMDB's
-data and meta pages, COW b-tree pages, everything). Unique KV bytes = the final conversation's tokens x the KV
-bytes of one token (layers x 2 x kv_heads x head_dim x 4); ``store_bytes`` is what the store holds at the end
-(its records' bytes: what was written and not superseded). Figure ``write_amplification`` = total bytes written /
-unique KV bytes (goal <= 1.2), with the bytes written per turn; ``overhead_bytes`` = bytes written - ``store_bytes``
-(nothing is evicted here: LMDB's copy-on-write b-tree and meta pages, free-list pages, continuation records; the
-rest is record bytes). ``chunk_tokens`` creates the store with that chunk size first (None: the store's default,
-256): a smaller chunk shortens every entry's tail, the part written again by each checkpoint. Linux only
-(``/proc``); the store lives in a temporary directory on the same disk as ``tempfile.gettempdir()``.
+counts what the server process wrote. Unique KV bytes = the final conversation's tokens x the KV bytes of one token
+(layers x 2 x kv_heads x head_dim x 4); ``store_bytes`` is what the store holds at the end (its records' bytes: what
+was written and not superseded; nothing is evicted here). Figure ``write_amplification`` = bytes written / unique
+KV bytes (goal <= 1.2), with the bytes written per turn; ``overhead_bytes`` = bytes written - ``store_bytes``
+(LMDB's copy-on-write b-tree, free-list and meta pages, continuation records, the server's log).
+
+Bytes written = the process's ``wchar`` (``/proc/<pid>/io``: bytes its write/pwrite calls handed to the kernel; LMDB
+writes every page with ``pwrite``, replies go out through ``send``, which is not counted). ``write_bytes`` (the
+block-layer accounting, ``write_amplification_write_bytes``) is reported too but is not the figure: on kernels
+with large page-cache folios (Linux 6.x ext4; the 6.18 VM this was measured on) a 4 KiB ``pwrite`` into a 2 MiB
+folio is accounted as 2 MiB (200 random 4 KiB writes + fdatasync: ``wchar`` 0.8 MB, ``write_bytes`` 419 MB, the
+device's own sector counter 0.86 MB), so it counts how many folios a commit touches, not bytes the disk takes.
+
+``chunk_tokens`` creates the store with that chunk size first (None: the store's default, 256): a smaller chunk
+shortens every entry's tail, the part each checkpoint writes again. Linux only (``/proc``); the store lives in a
+temporary directory on the same disk as ``tempfile.gettempdir()``.
 """
 
 from __future__ import annotations
@@ -39,11 +46,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("write_bytes:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/{pid}/io has no write_bytes")
+def _written(pid: int) -> tuple[int, int]:
+    """``(wchar, write_bytes)`` of process ``pid`` (see the module docstring for why both)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/io").read_text().splitlines() if ":" in line)
+    try:
+        return int(fields["wchar"]), int(fields["write_bytes"])
+    except KeyError:
+        raise RuntimeError(f"/proc/{pid}/io has no wchar/write_bytes") from None
 
 
 def _call(url: str, body: dict | None = None, timeout: float = 120) -> dict:
@@ -110,24 +119,27 @@ def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoi
         with open(work / "server.log", "wb") as log:
             proc = _start(model, work / "store", port, checkpoint_every, log)
             _wait_durable(base)
-            start = _write_bytes(proc.pid)
+            start = _written(proc.pid)
             messages = [{"role": "system", "content": " ".join(USER_WORDS[i % 12] for i in range(300))}]
-            per_turn, prompt_tokens, cached = [], 0, []
+            per_turn, accounted, prompt_tokens, cached = [], [], 0, []
             for turn in range(turns):
                 words = " ".join(USER_WORDS[(turn * 7 + i) % 12] for i in range(user_words))
                 messages.append({"role": "user", "content": f"turn {turn}: {words}"})
-                before = _write_bytes(proc.pid)
+                before = _written(proc.pid)
                 reply = _call(base + "/v1/chat/completions", {"model": "tiny", "messages": messages,
                                                                "max_tokens": reply_tokens, "temperature": 0})
                 _wait_durable(base)
-                per_turn.append(_write_bytes(proc.pid) - before)
+                after = _written(proc.pid)
+                per_turn.append(after[0] - before[0])
+                accounted.append(after[1] - before[1])
                 usage = reply["usage"]
                 prompt_tokens = usage["prompt_tokens"] + usage["completion_tokens"]
                 cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
                 messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
                 if progress is not None:
                     progress(f"write_amp turn {turn + 1}/{turns}: {per_turn[-1] / 1024:.0f} KiB written")
-            total = _write_bytes(proc.pid) - start
+            end = _written(proc.pid)
+            total, total_accounted = end[0] - start[0], end[1] - start[1]
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
             proc = None
@@ -139,6 +151,8 @@ def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoi
                 "final_tokens": prompt_tokens, "kv_bytes_per_token": token_bytes,
                 "unique_kv_bytes": unique, "bytes_written": total, "bytes_written_per_turn": per_turn,
                 "cached_tokens_per_turn": cached, "checkpoint_every": checkpoint_every,
+                "write_bytes": total_accounted, "write_bytes_per_turn": accounted,
+                "write_amplification_write_bytes": total_accounted / unique,
                 "write_amplification": total / unique}
     finally:
         if proc is not None:
