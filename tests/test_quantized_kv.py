@@ -182,6 +182,7 @@ def test_generator_restored_equals_cold_also_after_reopen(qtiny, tmp_path, name,
         warm = gen.generate(prompts, max_tokens=MAX)
         assert [r.tokens for r in warm] == expected
         assert all(r.cached_tokens == len(p) - 1 and r.restored_drafter for p, r in zip(prompts, warm))
+        assert cache.drain()  # the checkpoints are written behind the request: LMDB holds them after the drain
         hit = cache.store.lookup(gen.ns_key, prompts[0][:-1])
         assert hit.minimum_reusable == gen.engine.conversion_point(len(prompts[0]))  # recorded conversion point
     with SpecCache.open(tmp_path / "store") as cache:
