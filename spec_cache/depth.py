@@ -29,10 +29,12 @@ decoding at the measured costs (a compute-bound CPU), it does not probe at all. 
 DFlash block at a per-position confidence threshold (``sts.thresholds``/``minConf``); this is the batch-level
 counterpart, driven by measured acceptance and measured cost instead of the drafter's own confidence.
 
-What adaptation cannot remove: a stateful drafter (draft-model, assistant, the projected ones) still runs at
-depth 0 to keep its rows level with the target (draft-model: one forward of the draft model per round), so on
-SmolLM2 float32 a 4-layer draft-model stays at ~0.83x plain; a drafter that caught up lazily (one batched feed
-when drafting resumes or a checkpoint is taken) would close that gap.
+Depth-0 rounds cost what plain decoding costs: the engine runs them pipelined (``DecodeSession``: the next
+round is queued before the host reads this one when :meth:`DepthController.predicts_plain`, and discarded if
+the next step chooses to draft after all); a plain round's cost is what it takes the host while the next one
+is in flight (building its forward, waiting for its tokens). The draft model defers its
+depth-0 tokens to one batched feed when drafting resumes; drafters that need the target's taps at every token
+(the projected ones, the MTP head) still grow their context each round, lazily, beside the next round.
 """
 
 from __future__ import annotations
@@ -134,20 +136,30 @@ class CostTable:
             raise ValueError(f"prior_slope must be >= 0, got {prior_slope}")
         self.smoothing, self.prior_slope = smoothing, prior_slope
         self.by_rows: dict[int, _WidthCosts] = {}
+        self._memo: dict[tuple[int, int], float | None] = {}  # estimates since the last observation
 
     def observe(self, rows: int, key: int, seconds: float) -> None:
         if rows < 1 or key < 0 or not seconds >= 0.0:
             raise ValueError(f"need rows >= 1, key >= 0, seconds >= 0; got {rows}, {key}, {seconds}")
         self.by_rows.setdefault(rows, _WidthCosts(self.smoothing, self.prior_slope)).observe(key, seconds)
+        self._memo.clear()
 
     def estimate(self, rows: int, key: int) -> float | None:
-        """Estimated seconds, or None when nothing at all was measured."""
-        if not self.by_rows:
-            return None
-        if rows in self.by_rows:
-            return self.by_rows[rows].estimate(key)
-        nearest = min(self.by_rows, key=lambda measured: (abs(measured - rows), measured))
-        return self.by_rows[nearest].estimate(key)
+        """Estimated seconds, or None when nothing at all was measured (memoized until the next observation: a
+        choice asks for the same few keys dozens of times)."""
+        memo = self._memo.get((rows, key), self)
+        if memo is not self:
+            return memo  # type: ignore[return-value]
+        table = self.table(rows)
+        value = None if table is None else table.estimate(key)
+        self._memo[(rows, key)] = value
+        return value
+
+    def table(self, rows: int) -> "_WidthCosts | None":
+        """The measurements an estimate for ``rows`` rows reads (this batch size's, else the nearest one's)."""
+        if rows in self.by_rows or not self.by_rows:
+            return self.by_rows.get(rows)
+        return self.by_rows[min(self.by_rows, key=lambda measured: (abs(measured - rows), measured))]
 
 
 def expected_accepted(acceptance: float, depth: int) -> float:
@@ -192,6 +204,7 @@ class DepthController:
         self.probes = 0
         self._plain_rounds = 0  # rounds at depth 0 since the last drafting round
         self._probe_interval = probe_every
+        self.last_depth: int | None = None  # what :meth:`choose` returned last
 
     # -- the decision --------------------------------------------------------------------------------------
     def _row_model(self, row: RowAcceptance, acceptance: float | None) -> tuple[float, float]:
@@ -270,7 +283,18 @@ class DepthController:
                 depth = self.best_depth(rows, caps, acceptance=self.probe_acceptance, remaining=remaining)
                 self.probes += 1 if depth > 0 else 0
         self.rounds_at_depth[depth] += 1
+        self.last_depth = depth
         return depth
+
+    def predicts_plain(self, rows: int) -> bool:
+        """Whether the next round of ``rows`` rows will most likely choose depth 0 too (the engine then queues it
+        before reading this round; a wrong guess costs one discarded forward, never a token): the last choice
+        was 0, no probe is due, and plain rounds of this batch size (or the nearest measured) are past their
+        warm-up (the second measurement replaces the first and may change the answer). O(1), unlike
+        :meth:`choose`."""
+        table = self.verify_costs.table(rows)
+        return (self.last_depth == 0 and self._plain_rounds + 1 < self._probe_interval
+                and table is not None and table.counts.get(1, 0) >= 2)
 
     # -- what a round cost and accepted ---------------------------------------------------------------------
     def observe_round(self, rows: int, depth: int, draft_seconds: float, width: int, verify_seconds: float) -> None:

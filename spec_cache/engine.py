@@ -156,9 +156,10 @@ class SpeculativeEngine:
     codec). ``max_rows``: most rows decoded at once (None: all); waiting rows join as others finish.
     ``prefill_step_size``: prompt tokens per prefill forward; with KV quantization it also decides, as in
     ``generate_step``, where a row converts.
-    ``pipeline``: overlap plain rounds (no drafter, float KV, attention-only target) as mlx-lm's
-    ``generate_step`` does: the next round is queued on the device before the host reads this one's tokens (see
-    ``DecodeSession``); False: one synchronous round at a time (same tokens, same checkpoints).
+    ``pipeline``: overlap plain rounds (float KV, attention-only target) as mlx-lm's ``generate_step`` does: the
+    next round is queued on the device before the host reads this one's tokens, with or without a drafter (a
+    drafting session's rounds at depth 0; see ``DecodeSession``); False: one synchronous round at a time (same
+    tokens, same checkpoints).
     """
 
     def __init__(
@@ -327,14 +328,25 @@ class DecodeSession:
     target's own greedy tokens), never on which rows share its rounds (``spec_cache.sampling.RowSampler``).
     Threading: one owner thread calls every method. If ``step`` raises, the session is unusable: ``close`` it.
 
-    Pipelined plain rounds (``SpeculativeEngine(pipeline=True)``, no drafter, float KV, no recurrent layer): a
-    round samples on the device and queues the next round's forward over those still unread tokens
-    (``mx.async_eval``) before the host reads them, one host read per round, as ``generate_step`` does. The queued
-    round is kept only while the batch stays as it is: when a row finishes at EOS, leaves, joins or is
-    checkpointed, it is discarded (``TargetRows.discard_last``, which restores the exact KV layout) and the next
-    round runs as it would have unpipelined (a row's last round under ``max_tokens`` is seen coming: nothing is
-    queued behind it). So every forward the rows keep is one the unpipelined session runs too, on the same batch:
-    same tokens, same checkpoints.
+    Pipelined plain rounds (``SpeculativeEngine(pipeline=True)``, float KV, no recurrent layer): a round samples
+    on the device and queues the next round's forward over those still unread tokens (``mx.async_eval``) before
+    the host reads them, one host read per round, as ``generate_step`` does. The queued round is kept only while
+    the batch stays as it is: when a row finishes at EOS, leaves, joins or is checkpointed, it is discarded
+    (``TargetRows.discard_last``, which restores the exact KV layout) and the next round runs as it would have
+    unpipelined (a row's last round under ``max_tokens`` is seen coming: nothing is queued behind it). So every
+    forward the rows keep is one the unpipelined session runs too, on the same batch: same tokens, same
+    checkpoints.
+
+    With a drafter, every round the depth controller (or the first-token rule) runs at depth 0 is such a plain
+    round. Each step chooses its round's depth as the synchronous session does (same inputs, same order of the
+    controller's observations); a plain round queues the next one only when the next round will most likely be
+    plain too (``DepthController.predicts_plain``: this round's choice was 0, no probe is due, plain rounds are
+    measured; with a fixed depth, only when that depth is 0). When the step then chooses to draft after all,
+    the queued round is discarded. The drafter sees a consumed round exactly as a depth-0 verify round shows it:
+    ``draft(pending, 0)``, then ``commit`` of the pending token with that forward's hidden and taps (lazy arrays,
+    queued beside the next round: no host read; drafters that need the target's taps at every token, DeepSpec,
+    DFlash, the MTP head, take them this way too). ``pipelined_rounds`` counts the rounds consumed from the
+    queue.
     """
 
     def __init__(self, engine: "SpeculativeEngine", *, eos_token_ids: Sequence[int] = (),
@@ -358,10 +370,11 @@ class DecodeSession:
         self._leaving: dict[int, bool] = {}  # row id -> write its finish checkpoint (finish) or not (cancel)
         self._snapshots: set[int] = set()  # row ids whose checkpoint is asked for at the end of this step
         self._closed = False
-        self._pipelined = (engine.pipeline and self.group is None and engine.plan is None
-                           and not self.target.recurrent_layers)
-        #: the queued round's lazy tokens ``[B, 1]``: the KV of every active row already holds its pending token
-        self._ahead: mx.array | None = None
+        self._pipelined = engine.pipeline and engine.plan is None and not self.target.recurrent_layers
+        #: the queued round: the KV of every active row already holds its pending token
+        self._ahead: _Queued | None = None
+        #: rounds the host consumed from the queue (the next round's forward was in flight as it read them)
+        self.pipelined_rounds = 0
 
     # -- the owner's API ----------------------------------------------------------------------------------
     def submit(self, request: RowRequest, *, on_tokens: Callable[[int, list], None] | None = None,
@@ -422,7 +435,7 @@ class DecodeSession:
                 cohort, self.waiting = self.waiting[:free], self.waiting[free:]
                 self._admit(cohort)
             if self.active:
-                self._plain_round() if self._pipelined else self._round()
+                self._pipelined_round() if self._pipelined else self._round()
             self._retire()
             self._take_snapshots()
         finally:
@@ -547,21 +560,31 @@ class DecodeSession:
                 and (self.group is None or request.draft_checkpoint is not None or row.beside))
 
     # -- one verify round -------------------------------------------------------------------------------
-    def _round(self) -> None:
+    def _limits(self, lead: int) -> tuple[list[int], list[int]]:
+        """Each row's remaining budget and draft cap ``lead`` rounds of one token from now: a row proposes at
+        most its remaining budget minus one, and no further than its window limit (a quantized row stops at its
+        conversion point)."""
+        budgets = [row.request.max_tokens - len(row.generated) - lead for row in self.active]
+        caps = [min(budget - 1, (limit or budget) - 1) for budget, limit in zip(budgets, self.rows.window_limits())]
+        return budgets, caps
+
+    def _depth(self, budgets: list[int], caps: list[int], first: bool) -> int:
+        """A round's batch depth; ``first``: some row has no token yet."""
+        controller = self.engine.depth
+        if first:
+            return 0  # first token first: a row's first token needs one target step, not a drafting round too
+        if controller is not None:
+            # with nobody waiting for a place, the run lasts as long as its slowest row (see spec_cache.depth)
+            return controller.choose([row.acceptance for row in self.active], caps, None if self.waiting else budgets)
+        return min(self.engine.draft_depth, max(caps))
+
+    def _round(self, depth: int | None = None) -> None:
         active = self.active
         pending = [row.tokens[-1] for row in active]
-        budgets = [row.request.max_tokens - len(row.generated) for row in active]
-        # a row proposes at most its remaining budget minus one, and no further than its window limit (a
-        # quantized row stops at its conversion point)
-        caps = [min(budget - 1, (limit or budget) - 1) for budget, limit in zip(budgets, self.rows.window_limits())]
+        budgets, caps = self._limits(0)
         controller = self.engine.depth
-        if any(row.ttft_s is None for row in active):
-            depth = 0  # first token first: a row's first token needs one target step, not a drafting round too
-        elif controller is not None:
-            # with nobody waiting for a place, the run lasts as long as its slowest row (see spec_cache.depth)
-            depth = controller.choose([row.acceptance for row in active], caps, None if self.waiting else budgets)
-        else:
-            depth = min(self.engine.draft_depth, max(caps))
+        if depth is None:
+            depth = self._depth(budgets, caps, any(row.ttft_s is None for row in active))
         started = self.engine.clock()
         proposals = [[] for _ in active] if self.group is None else self.group.draft(pending, depth)
         drafts = [list(p[: min(depth, cap)]) for p, cap in zip(proposals, caps)]
@@ -620,30 +643,82 @@ class DecodeSession:
         return len(emitted) - 1, agree
 
     # -- pipelined plain rounds (class doc) -------------------------------------------------------------
+    def _pipelined_round(self) -> None:
+        """This round's depth decides, as in the synchronous session: 0 runs a plain round (the queued one, if
+        any), more discards the queued round and runs the synchronous verify round."""
+        if self.group is not None:
+            budgets, caps = self._limits(0)
+            depth = self._depth(budgets, caps, any(row.ttft_s is None for row in self.active))
+            if depth > 0:
+                self._drop_ahead()
+                self._round(depth)
+                return
+        self._plain_round()
+
     def _plain_round(self) -> None:
-        """One plain round with the next one queued behind it: at most one host read (this round's tokens)."""
-        active = self.active
+        """One plain round with the next one queued behind it when its depth is 0: at most one host read (this
+        round's tokens)."""
+        active, group, controller = self.active, self.group, self.engine.depth
+        started = self.engine.clock()
         budgets = [row.request.max_tokens - len(row.generated) for row in active]
         current, self._ahead = self._ahead, None
         if current is None:  # nothing queued: this round's window is the pending tokens the host holds
             current = self._queue(mx.array([[row.tokens[-1]] for row in active], dtype=mx.uint32), 0)
-            mx.async_eval(current)
-        if min(budgets) > 1 and not self._batch_changes():
-            self._ahead = self._queue(current, 1)  # fed this round's unread tokens; discarded if the batch changes
-            mx.async_eval(self._ahead)
-        chosen = current.tolist()
+            mx.async_eval(current.tokens)
+            built = 0.0  # its building is inside this call
+        else:
+            self.pipelined_rounds += 1
+            built = current.built_s  # it was built during the last call: that time is this round's
+        lazy: list = []
+        drafting = 0.0
+        if group is not None:  # the drafter sees this round as a verify round at depth 0 shows it (class doc)
+            hooks = self.engine.clock()
+            pending = [row.tokens[-1] for row in active]
+            group.draft(pending, 0)
+            out = current.out
+            group.commit([0] * len(active), RoundContext([[token] for token in pending], out.hidden, out.taps))
+            lazy = list(getattr(group, "lazy_state", list)())
+            drafting = self.engine.clock() - hooks
+        if min(budgets) > 1 and not self._batch_changes() and self._next_depth() == 0:
+            # fed this round's unread tokens; discarded if the batch changes or the next step drafts
+            self._ahead = self._queue(current.tokens, 1)
+            mx.async_eval(self._ahead.tokens, *lazy)
+            lazy = []
+            built -= self._ahead.built_s  # the next round's
+        if lazy:
+            mx.async_eval(*lazy)
+        chosen = current.tokens.tolist()
         clock = time.perf_counter()
         for row, choice, budget in zip(active, chosen, budgets):
             self._emit(row, [], choice, budget, clock)
+        if controller is not None:
+            # what a plain round costs the host while the next one is in flight: the drafter's hooks as the depth-0
+            # draft cost, the rest (building its forward, the wait for its tokens) as the width-1 verify; a drafting
+            # round is timed synchronously, as it runs
+            total = self.engine.clock() - started + built
+            controller.observe_round(len(active), 0, drafting, 1, max(total - drafting, 0.0))
         for row in active:  # after the round is committed: a callback may end any row
             if row.on_tokens is not None:
                 row.on_tokens(row.index, row.generated[-1:])
 
-    def _queue(self, ids: mx.array, lead: int) -> mx.array:
-        """Forward ``ids [B, 1]`` for every active row and sample its next tokens on the device (lazy);
-        ``lead``: rounds between the host's view of the rows and this one (the sampling position moves with it)."""
-        out = self.rows.append_ids(ids)
-        return self.sampler.sample(out.logits, [(row.sampling, len(row.tokens) + lead) for row in self.active])
+    def _next_depth(self) -> int:
+        """0 when the next round will most likely be plain too (class doc); the next step chooses for itself."""
+        if self.group is None:
+            return 0
+        controller = self.engine.depth
+        if controller is None:
+            return min(self.engine.draft_depth, max(self._limits(1)[1]))
+        return 0 if controller.predicts_plain(len(self.active)) else 1
+
+    def _queue(self, ids: mx.array, lead: int) -> "_Queued":
+        """Forward ``ids [B, 1]`` for every active row (with the drafter's taps) and sample its next tokens on the
+        device (lazy); ``lead``: rounds between the host's view of the rows and this one (the sampling position
+        moves with it)."""
+        started = self.engine.clock()
+        taps = () if self.group is None else tuple(self.group.tap_layers)
+        out = self.rows.append_ids(ids, tap_layers=taps)
+        tokens = self.sampler.sample(out.logits, [(row.sampling, len(row.tokens) + lead) for row in self.active])
+        return _Queued(tokens, None if self.group is None else out, self.engine.clock() - started)
 
     def _batch_changes(self) -> bool:
         """Whether the next step will not run the same rows as this one (rows leave, join, or are captured)."""
@@ -694,6 +769,17 @@ class DecodeSession:
         for row, result in finished:  # the state is consistent again: callbacks may submit or cancel
             if row.on_finish is not None:
                 row.on_finish(row.index, result)
+
+
+@dataclass
+class _Queued:
+    """A round queued on the device: its lazy sampled tokens ``[B, 1]``, the forward's output (hidden and taps for
+    the drafter's commit; None without a drafter) and the engine-clock seconds its building took (part of its
+    round's cost for the depth controller)."""
+
+    tokens: mx.array
+    out: Any = None
+    built_s: float = 0.0
 
 
 def _draft_start(row: _Row) -> int:

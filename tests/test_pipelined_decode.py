@@ -8,6 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from spec_cache.depth import DepthController
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.sampling import RowSampling
 from spec_cache.target import TargetModel, TargetRows
@@ -35,6 +36,11 @@ def scripted(target: TargetModel, provider, pipeline: bool, max_rows=None) -> di
     from callbacks, a cancel between steps, a sampled row. Returns what the owner saw."""
     eos = plain_greedy(target, PROMPTS[0], 20)[EOS_AT]
     engine = SpeculativeEngine(target, provider, draft_depth=3, max_rows=max_rows, pipeline=pipeline)
+    if engine.depth is not None:
+        # a controller that expects no acceptance (and probes with none) keeps every round at depth 0 whatever
+        # the clock says: the wall clock would make the two sessions choose different depths, which decide a
+        # drafter's checkpoint (the draft model's ``pendingLast``) and how many tokens a round emits
+        engine.depth = DepthController(3, prior_acceptance=0.0, probe_acceptance=0.0)
     checkpoints, streamed, results, events = [], {}, {}, []
 
     def on_checkpoint(row, tokens, caches, draft):

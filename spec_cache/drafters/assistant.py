@@ -255,9 +255,11 @@ class AssistantRows(BoundDraftRows):
         self._hidden = mx.where(takes, context.last_hidden.astype(self._hidden.dtype), self._hidden)
         self._processed = [p + c for p, c in zip(self._processed, counts)]
 
+    def lazy_state(self) -> list:
+        return [] if self._hidden is None else [self._hidden]
+
     def materialize(self) -> None:
-        if self._hidden is not None:
-            mx.eval(self._hidden)
+        mx.eval(self.lazy_state())
 
     def _keep_rows(self, keep: list[int]) -> None:
         self._hidden = self._hidden[mx.array(keep, dtype=mx.int32)]

@@ -161,6 +161,11 @@ class DraftRows:
         Rows that cannot (``supports_external_tokens`` false) raise NotImplementedError."""
         raise NotImplementedError(f"{self.schema} draft rows cannot consume externally supplied tokens")
 
+    def lazy_state(self) -> list:
+        """The arrays a ``commit`` may leave unevaluated: the engine queues them (``mx.async_eval``) beside the
+        next round instead of waiting for them (``materialize``). Rows whose state lives on the host: none."""
+        return []
+
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` in that order; ``[]`` releases everything."""
         keep = check_keep(keep, self.row_count)

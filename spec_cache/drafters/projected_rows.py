@@ -132,11 +132,14 @@ class ProjectedRows(BoundDraftRows):
         self._processed = [self._processed[row] for row in keep]
         self._start = [self._start[row] for row in keep]
 
-    def materialize(self) -> None:
+    def lazy_state(self) -> list:
         arrays = []
         for cache in self._caches or ():
             arrays += [cache.offset, cache.left_padding] + ([] if cache.keys is None else [cache.keys, cache.values])
-        mx.eval(arrays)
+        return arrays
+
+    def materialize(self) -> None:
+        mx.eval(self.lazy_state())
 
     def dispose(self) -> None:
         self._caches = None

@@ -206,12 +206,15 @@ class QwenMTPRows(BoundDraftRows):
         self._processed = [self._processed[row] for row in keep]
         self._start = [self._start[row] for row in keep]
 
-    def materialize(self) -> None:
+    def lazy_state(self) -> list:
         cache = self._cache
         arrays = [] if cache is None else [cache.offset, cache.left_padding]
         if cache is not None and cache.keys is not None:
             arrays += [cache.keys, cache.values]
-        mx.eval(arrays + ([] if self._hidden is None else [self._hidden]))
+        return arrays + ([] if self._hidden is None else [self._hidden])
+
+    def materialize(self) -> None:
+        mx.eval(self.lazy_state())
 
     def dispose(self) -> None:
         self._cache = None
