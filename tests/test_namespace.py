@@ -711,7 +711,9 @@ def test_distinct_options_give_distinct_namespaces(a, b):
 def test_equal_options_give_equal_namespaces(options):
     reordered = dict(reversed(list(options.items())))
     if isinstance(options.get("kvConfig"), list):  # another order, but a repeated layer's entries keep theirs
-        reordered["kvConfig"] = sorted(options["kvConfig"], key=lambda entry: -entry["layerIdx"])
+        # ordered as JavaScript compares them: a huge int and inf are one double, so they keep their order
+        reordered["kvConfig"] = sorted(options["kvConfig"],
+                                       key=lambda entry: -ns_module._js_number("layerIdx", entry["layerIdx"]))
     assert prefix_namespace(None, "", reordered) == prefix_namespace(None, "", options)
     assert capture_options(reordered) == capture_options(options)
     assert hash(capture_options(reordered)) == hash(capture_options(options))
