@@ -25,9 +25,10 @@ Model (one round, batch-wide: the target verifies one window width for every row
 Probing: while plain decoding wins, rows' acceptance is not observed. Every ``probe_every`` rounds at depth 0
 (doubling after each probe, up to ``probe_limit``; reset when drafting wins on its own) one round drafts at the
 depth that would win if every row's acceptance were ``probe_acceptance``; when even that cannot beat plain
-decoding at the measured costs (a compute-bound CPU), it does not probe at all. The seed (mlx-bun) stops a
-DFlash block at a per-position confidence threshold (``sts.thresholds``/``minConf``); this is the batch-level
-counterpart, driven by measured acceptance and measured cost instead of the drafter's own confidence.
+decoding at the measured costs (a compute-bound CPU), it does not probe at all. The two work together: the
+seed's per-position early stop (``sts.thresholds``/``minConf``, DFlash/DSpark, ``spec_cache.drafters.projected``)
+cuts a drafted block where the drafter's own confidence drops; this controller picks the depth for the whole batch
+from measured acceptance and measured cost.
 
 Depth-0 rounds cost what plain decoding costs: the engine runs them pipelined (``DecodeSession``: the next
 round is queued before the host reads this one when :meth:`DepthController.predicts_plain`, and discarded if
