@@ -491,8 +491,6 @@ def _write_projected(path: Path, method: str, target_config: dict, weights: dict
             drawn[f"layers.{index}.{name}"] = _copied(target_config, name,
                                                       weights[f"model.layers.{first + index}.{name}"])
     network.load_weights(list(drawn.items()), strict=True)
-    path.mkdir(parents=True, exist_ok=True)
-    config_name = "dspark.json" if method == "dflash" else "config.json"
-    (path / config_name).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(network.parameters())),
-                        metadata={"format": "mlx"})
+    from .drafters.tiny_writers import save_projected
+
+    save_projected(path, method, config, network)

@@ -154,6 +154,11 @@ def write_projected_gemma4(path: Path, method: str, target_config: dict, weights
                  "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
         drawn[f"layers.0.{name}"] = weights[prefix + name]
     network.load_weights(list(drawn.items()), strict=True)
+    save_projected(path, method, config, network)
+
+
+def save_projected(path: Path, method: str, config, network) -> None:
+    """A projected drafter directory: its config (``dspark.json`` for dflash, else ``config.json``) and weights."""
     path.mkdir(parents=True, exist_ok=True)
     config_name = "dspark.json" if method == "dflash" else "config.json"
     (path / config_name).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
