@@ -38,7 +38,7 @@ class Server:
     """``python -m spec_cache.server`` in a subprocess on a free port."""
 
     def __init__(self, model: Path, store: Path, tmp: Path, *extra: str, keys=(KEY_A, KEY_B), drafter=None,
-                 operator=OPERATOR, preexec_fn=None):
+                 operator=OPERATOR, preexec_fn=None, probe_while_loading=True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
@@ -69,6 +69,9 @@ class Server:
                 health = httpx.get(self.url + "/health", timeout=1)
                 if health.status_code == 200:
                     return
+                if not probe_while_loading:  # a probe that lands just as loading ends is served (and cached)
+                    time.sleep(0.1)
+                    continue
                 chat = httpx.post(self.url + "/v1/chat/completions", headers=self.headers(), timeout=1,
                                   json={"model": "tiny", "messages": [{"role": "user", "content": "w5"}]})
                 self.loading_answers.append((health.status_code, health.json(), chat.status_code, chat.json()))

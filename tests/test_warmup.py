@@ -70,7 +70,8 @@ def test_serve_warmup_on_reports_ready_after_the_warm_up(models, tmp_path):
     from tests.test_server import Server
 
     target, _ = models
-    srv = Server(Path(target), tmp_path / "store", tmp_path, "--warmup", "on", "--prefill-step-size", "64")
+    srv = Server(Path(target), tmp_path / "store", tmp_path, "--warmup", "on", "--prefill-step-size", "64",
+                 probe_while_loading=False)
     try:
         assert "warm-up compiled in" in srv.log.read_text()  # before /health said ready
         assert srv.metric("spec_cache_memory_tier_entries") == 0  # the warm-up stored nothing
