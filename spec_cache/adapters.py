@@ -41,7 +41,7 @@ class Adapter:
 
 
 def _adapter(spec: Any, memo: Any) -> Adapter:
-    from .identity import artifact_identity
+    from spec_cache.identity import artifact_identity
 
     if isinstance(spec, Adapter):
         return spec
@@ -85,7 +85,7 @@ def resolve_adapters(adapters: Any, memo: Any = None) -> tuple[Adapter, ...]:
 
 def adapters_namespace(adapters: Sequence[Adapter]) -> str:
     """``id@revision`` joined with ``+`` (``""`` for none): the adapter part of the prefix namespace."""
-    from .namespace import adapter_namespace
+    from spec_cache.namespace import adapter_namespace
 
     return adapter_namespace([(a.id, a.revision) for a in adapters])
 

@@ -26,13 +26,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from spec_cache.schemas import DraftRowCheckpoint, SchemaError
-from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
-from spec_cache.store.keys import pack_tokens, tenant_id
-from spec_cache.store.shared.queue import WriteBehind
-
-from . import exit_drain
-from .cache_state import (
+from spec_cache import exit_drain
+from spec_cache.cache_state import (
     attachment_to_store,
     capture_caches,
     checkpoint_from_store,
@@ -40,11 +35,15 @@ from .cache_state import (
     restore_caches,
     restore_concat,
 )
-from .kv_quant import converted_at
-from .memory_tier import MemoryHit, MemoryTier, default_budget
-from .namespace import namespace_key
-from .shared_prefetch import Handoff
-from .write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter, WriterLeft
+from spec_cache.kv_quant import converted_at
+from spec_cache.memory_tier import MemoryHit, MemoryTier, default_budget
+from spec_cache.namespace import namespace_key
+from spec_cache.schemas import DraftRowCheckpoint, SchemaError
+from spec_cache.shared_prefetch import Handoff
+from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
+from spec_cache.store.keys import pack_tokens, tenant_id
+from spec_cache.store.shared.queue import WriteBehind
+from spec_cache.write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter, WriterLeft
 
 log = logging.getLogger("spec_cache")
 #: per thread: the caches whose restores take shared prefixes only from ``prefetch_shared`` (``shared_via_prefetch``)
@@ -220,7 +219,7 @@ class SpecCache:
     @property
     def continuations(self):
         """This cache's continuation records (``spec_cache.continuations.Continuations``; made on first use)."""
-        from .continuations import Continuations
+        from spec_cache.continuations import Continuations
 
         return Continuations.of(self)
 
@@ -519,19 +518,19 @@ class SpecCache:
     # --- cache controls (``spec_cache.cache_controls``; ``serve``'s /v1/cache/...) ----------------------------
     def pin(self, ns_key: bytes, tokens: Sequence[int], ttl_s: float, **options):
         """Keep the longest stored prefix of ``tokens`` from eviction (memory tier and LMDB) for ``ttl_s`` s."""
-        from . import cache_controls
+        from spec_cache import cache_controls
 
         return cache_controls.pin(self, ns_key, tokens, ttl_s, **options)
 
     def unpin(self, pin_id: str, **options):
         """End a pin now (``cache_controls.unpin``)."""
-        from . import cache_controls
+        from spec_cache import cache_controls
 
         return cache_controls.unpin(self, pin_id, **options)
 
     def prefetch(self, ns_key: bytes, tokens: Sequence[int], **options):
         """Bring the longest stored prefix of ``tokens`` into the memory tier now (``cache_controls.prefetch``)."""
-        from . import cache_controls
+        from spec_cache import cache_controls
 
         return cache_controls.prefetch(self, ns_key, tokens, **options)
 

@@ -203,7 +203,7 @@ def _apply(cache, table: _Table, record: Pin) -> None:
 
 
 def _converted(caches) -> int:
-    from .kv_quant import converted_at
+    from spec_cache.kv_quant import converted_at
 
     try:
         return converted_at(caches) or 0
@@ -215,7 +215,7 @@ def _converted(caches) -> int:
 def export_prefix(cache, ns_key: bytes, tokens: Sequence[int], *, model: str | None = None) -> tuple[bytes, int]:
     """The longest stored prefix of ``tokens`` as the bytes of an mlx-lm prompt-cache file (``save_prompt_cache``
     format, ``spec_cache_tokens`` metadata naming the tokens it covers) and the number of tokens it covers."""
-    from .interop import InteropError, export_mlx_lm
+    from spec_cache.interop import InteropError, export_mlx_lm
 
     with tempfile.TemporaryDirectory(prefix="spec-cache-export-") as tmp:
         path = os.path.join(tmp, "prefix.safetensors")

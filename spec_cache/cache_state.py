@@ -43,7 +43,7 @@ def to_tensor(x: mx.array) -> Tensor:
     CUDA backend an owned host copy made by the copy engine instead (``device_copy.device_to_host``): reading
     managed memory through a view would move the array's pages to the host, and the next kernel that reads it
     (a memory-tier hit) would pull them back at fault speed."""
-    from . import device_copy
+    from spec_cache import device_copy
 
     name = dtype_of(x)
     raw = x.view(mx.uint16) if name == "bfloat16" else x
@@ -74,7 +74,7 @@ def restore_concat():
     the device); None on the CPU, where numpy's assembly plus one ``mx.array`` copy measured as fast as the
     alternatives. ``SPEC_CACHE_COPY_ROUTE`` = ``staging`` | ``join`` | ``numpy`` | ``fresh`` forces a route
     (``staging`` falls back to ``join`` where it is not available)."""
-    from . import device_copy
+    from spec_cache import device_copy
 
     route = os.environ.get("SPEC_CACHE_COPY_ROUTE", "")
     if route == "numpy":
@@ -172,7 +172,7 @@ def capture_caches(caches: Sequence[Any], *, defer_copy: bool = False) -> list[L
     """
     if not defer_copy:
         return [layer_state(c) for c in caches]
-    from . import device_copy
+    from spec_cache import device_copy
 
     contiguous = device_copy.is_gpu()
     _DEFER.on = True
@@ -201,7 +201,7 @@ def host_layers(layers: Sequence[LayerState]) -> list[LayerState]:
 def _host_tensor(t: Tensor) -> Tensor:
     if not isinstance(t.data, mx.array):
         return t
-    from . import device_copy
+    from spec_cache import device_copy
 
     d2h = device_copy.device_to_host() if device_copy.is_gpu() else None
     return Tensor(t.dtype, t.shape, d2h(t.data) if d2h is not None else np.asarray(memoryview(t.data)))

@@ -197,8 +197,8 @@ def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0
     """``Generator.generate`` with continuations: rows resume from their stored continuation (``resume``) and
     checkpoint every ``checkpoint_every`` generated tokens (None: at the prompt boundary and the end only), each
     checkpoint followed by its continuation record. Tokens equal an uninterrupted ``generate``'s."""
-    from .generator import check_prompts
-    from .sampling import RowSampling, Sampling
+    from spec_cache.generator import check_prompts
+    from spec_cache.sampling import RowSampling, Sampling
 
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError("max_tokens must be a positive int")

@@ -65,15 +65,14 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+from spec_cache.depth import DepthController, RowAcceptance
+from spec_cache.drafters.base import ColdRow, storable
+from spec_cache.kv_quant import converted_at, plan_kv, reusable
+from spec_cache.quantized_rows import QuantizedTargetRows
+from spec_cache.rows import RoundContext, TargetRowGroup, apply_state_changes
+from spec_cache.sampling import RowSampler, RowSampling, Sampling
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
-
-from .depth import DepthController, RowAcceptance
-from .drafters.base import ColdRow, storable
-from .kv_quant import converted_at, plan_kv, reusable
-from .quantized_rows import QuantizedTargetRows
-from .rows import RoundContext, TargetRowGroup, apply_state_changes
-from .sampling import RowSampler, RowSampling, Sampling
-from .target import TargetModel, TargetRows, check_kv_options, prefix_caches
+from spec_cache.target import TargetModel, TargetRows, check_kv_options, prefix_caches
 
 __all__ = ["RowRequest", "RowResult", "SpeculativeEngine", "DecodeSession", "CheckpointHook"]
 

@@ -7,7 +7,7 @@ it had to leave.
 
 Why ``atexit`` and not ``threading._register_atexit``: CPython runs ``atexit`` hooks after it has joined the
 non-daemon threads (so a worker thread's last ``save`` is queued already) and before it stops the daemon threads
-(so the writer thread still runs and the MLX arrays it copies from are alive; ``tests/test_durability.py``).
+(so the writer thread still runs and the MLX arrays it copies from are alive; ``tests/library/test_durability.py``).
 ``threading._register_atexit`` hooks run before the non-daemon threads are joined, when those may still save.
 Caches are held weakly (the registry never keeps one alive) and leave it on ``close()``. A forked child inherits
 the registry but not the writer thread or a usable LMDB handle: only caches opened by this process are closed.

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .cache import CacheWarning, SpecCache
-from .identity import model_identity
-from .kv_quant import converted_at, reusable
-from .namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
+from spec_cache.cache import CacheWarning, SpecCache
+from spec_cache.identity import model_identity
+from spec_cache.kv_quant import converted_at, reusable
+from spec_cache.namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
 
 
 @dataclass
@@ -102,10 +102,10 @@ class Generator:
         Refused options (``turbo_quant``, an unsupported ``kv_config``)
         raise before anything is registered in the cache.
         """
-        from .adapters import resolve_adapters
-        from .drafters import open_provider
-        from .engine import SpeculativeEngine
-        from .target import TargetModel
+        from spec_cache.adapters import resolve_adapters
+        from spec_cache.drafters import open_provider
+        from spec_cache.engine import SpeculativeEngine
+        from spec_cache.target import TargetModel
 
         options = check_runnable(kv)
         if isinstance(drafter_dir, str) and drafter_dir == "ngram" and not Path(drafter_dir).is_dir():
@@ -191,7 +191,7 @@ class Generator:
         generator's) and build the engine request for ``prompt``: restored when the cache had one, cold
         otherwise (always cold with ``lookup=False``). ``sampling``: a ``spec_cache.sampling.RowSampling``
         (None: the run's)."""
-        from .engine import RowRequest
+        from spec_cache.engine import RowRequest
 
         prompt = [int(t) for t in prompt]
         key = self.ns_key if ns_key is None else ns_key
@@ -236,7 +236,7 @@ class Generator:
         ``resume=True`` continues a row from the record an earlier identical call left (killed part-way, or
         finished): see ``spec_cache.continuations`` (results then carry ``resumed``, the tokens replayed)."""
         if resume or checkpoint_every is not None:
-            from .continuations import generate
+            from spec_cache.continuations import generate
 
             return generate(self, prompts, max_tokens, temperature=temperature, seed=seed, top_p=top_p,
                             checkpoint_every=checkpoint_every, resume=resume)
@@ -245,7 +245,7 @@ class Generator:
         rows = check_prompts(prompts, self.engine.target.vocab_size)
         sampling = None
         if top_p != 1.0:
-            from .sampling import RowSampling
+            from spec_cache.sampling import RowSampling
 
             sampling = RowSampling(temperature, top_p, seed)  # raises on values out of range
         started = time.perf_counter()  # TTFT counts the lookups and restores too, not only the engine

@@ -15,7 +15,7 @@ RoPE. llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` per hea
 rotation (MLX's ``traditional=True``) computes the Hugging Face half-split rotation. The rows are permuted back
 here (a permutation of whole rows, so exact for packed weights, scales and biases alike) and the config keeps
 mlx-lm's default ``rope_traditional: false``: the directory is the Hugging Face layout mlx-lm expects.
-``tests/test_gguf.py`` proves it against the GGUF's own layout run with ``rope_traditional=True``.
+``tests/library/test_gguf.py`` proves it against the GGUF's own layout run with ``rope_traditional=True``.
 
 Files ``mx.load`` cannot read (K-quants, Q5_0/Q5_1: e.g. Gemma 3 270M Q4_K_M) are read with the ``gguf``
 package instead (``pip install gguf``): block types that are affine in groups of 32 (Q4_0/1, Q5_0/1, Q8_0, Q4_K,
@@ -53,7 +53,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .gguf_cli import add_arguments
+from spec_cache.apps.gguf_cli import add_arguments
 
 __all__ = [
     "ARCHITECTURES",

@@ -17,11 +17,10 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from spec_cache.cache import SpecCache
+from spec_cache.identity import model_identity
+from spec_cache.namespace import KVOptions, check_runnable, resolve_prefix_namespace
 from spec_cache.store import InvalidInput
-
-from .cache import SpecCache
-from .identity import model_identity
-from .namespace import KVOptions, check_runnable, resolve_prefix_namespace
 
 
 class InteropError(ValueError):
@@ -76,8 +75,8 @@ def import_prefix_namespace(drafter_dir: str | Path | None = None, method: str |
     model); ``kv`` is checked with ``check_runnable`` (a namespace no generator can run is refused). ``memo``: an
     identity memo (``cache.store.memo()``), optional. Raises ValueError, TypeError or FileNotFoundError.
     """
-    from .adapters import resolve_adapters
-    from .drafters import open_provider
+    from spec_cache.adapters import resolve_adapters
+    from spec_cache.drafters import open_provider
 
     options = check_runnable(kv)
     stack = resolve_adapters(adapters, memo)
@@ -125,7 +124,7 @@ def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tok
 
 
 def _layer_states(caches):
-    from .cache_state import capture_caches
+    from spec_cache.cache_state import capture_caches
 
     return capture_caches(caches)
 

@@ -1,7 +1,7 @@
 """JavaScript's ``JSON.stringify`` and ``Number.prototype.toString``, byte for byte, and immutable JSON values.
 
 The prefix namespace is mlx-bun's ``JSON.stringify`` output, so these functions must agree with a JavaScript
-engine on every input (``tests/test_namespace.py`` checks them against node).
+engine on every input (``tests/library/test_namespace.py`` checks them against node).
 """
 
 from __future__ import annotations

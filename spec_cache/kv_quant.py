@@ -103,7 +103,7 @@ def plan_kv(options: Any, num_layers: int, head_dims: Sequence[int], windows: Se
         return None
     if getattr(options, "turbo_quant", None) is not None:
         raise NotImplementedError(TURBO_QUANT_REFUSED)
-    from .namespace import check_runnable
+    from spec_cache.namespace import check_runnable
 
     options = check_runnable(options)  # a layer named twice, group size 0, ... refused here too (engine built directly)
     kv_bits = getattr(options, "kv_bits", None)

@@ -61,8 +61,8 @@ from typing import Any, List, Optional, Sequence
 
 from mlx_lm.models.cache import LRUPromptCache
 
-from .cache import RestoredPrefix, SpecCache
-from .namespace import KVOptions, drafter_namespace, resolve_prefix_namespace
+from spec_cache.cache import RestoredPrefix, SpecCache
+from spec_cache.namespace import KVOptions, drafter_namespace, resolve_prefix_namespace
 
 log = logging.getLogger("spec_cache.mlx_lm")
 
@@ -134,8 +134,8 @@ class SpecCachePromptCache(LRUPromptCache):
         return self._ns[model]
 
     def _resolve(self, model: Any) -> Optional[bytes]:
-        from .adapters import resolve_adapters
-        from .identity import model_identity
+        from spec_cache.adapters import resolve_adapters
+        from spec_cache.identity import model_identity
 
         try:
             model_path, adapter_path, draft_path = model

@@ -41,7 +41,7 @@ from typing import Any, Union
 
 import blake3
 
-from .jsjson import FrozenJSONObject, _js_quote, js_json_dumps, js_number_to_string
+from spec_cache.jsjson import FrozenJSONObject, _js_quote, js_json_dumps, js_number_to_string
 
 __all__ = [
     "DEFAULT_KV_GROUP_SIZE",

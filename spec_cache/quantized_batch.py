@@ -25,10 +25,10 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
 
-from .kv_quant import LayerQuant
-from .row_caches import merge_rows, row_position
-from .rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
-from .target import DonorView, ForwardOutput, TargetModel, clone_batch_cache
+from spec_cache.kv_quant import LayerQuant
+from spec_cache.row_caches import merge_rows, row_position
+from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
+from spec_cache.target import DonorView, ForwardOutput, TargetModel, clone_batch_cache
 
 __all__ = ["BatchQuantizedKVCache", "PhaseRows"]
 

@@ -29,10 +29,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .kv_quant import KVPlan, converted_at, reusable
-from .quantized_batch import PhaseRows
-from .rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
-from .target import DonorView, ForwardOutput, TargetModel, row_position
+from spec_cache.kv_quant import KVPlan, converted_at, reusable
+from spec_cache.quantized_batch import PhaseRows
+from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
+from spec_cache.target import DonorView, ForwardOutput, TargetModel, row_position
 
 __all__ = ["QuantizedTargetRows", "PerRowQuantizedTargetRows", "copy_cache"]
 

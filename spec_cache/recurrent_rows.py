@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from .rows import PreparedStateChange, check_per_row
-from .target import DonorView, ForwardOutput, TargetRows
+from spec_cache.rows import PreparedStateChange, check_per_row
+from spec_cache.target import DonorView, ForwardOutput, TargetRows
 
 __all__ = ["HybridTargetRows", "state_content", "merge_states", "join_states", "clone_states", "split_state"]
 

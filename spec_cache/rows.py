@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, r
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import mlx.core as mx
 
+    from spec_cache.sampling import Sampling
     from spec_cache.schemas import DraftRowCheckpoint
-
-    from .sampling import Sampling
-    from .target import TargetRows
+    from spec_cache.target import TargetRows
 
 __all__ = [
     "TargetRowGroup",

@@ -42,9 +42,9 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from .ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
-from .row_caches import merge_rows, prefix_caches, rotating_snapshot, row_content, row_position
-from .rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
+from spec_cache.ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
+from spec_cache.row_caches import merge_rows, prefix_caches, rotating_snapshot, row_content, row_position
+from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
 
 __all__ = [
     "TargetModel",
@@ -62,7 +62,7 @@ __all__ = [
 
 def check_kv_options(kv: Any) -> None:
     """Refuse KV options no runtime path can honour (``turbo_quant``: no codec yet); None passes."""
-    from .kv_quant import TURBO_QUANT_REFUSED
+    from spec_cache.kv_quant import TURBO_QUANT_REFUSED
 
     if kv is not None and getattr(kv, "turbo_quant", None) is not None:
         raise NotImplementedError(TURBO_QUANT_REFUSED)
@@ -110,7 +110,7 @@ class TargetModel:
             raise FileNotFoundError(f"model directory {path} has no config.json")
         model, config = load_model(path, lazy=lazy)
         if adapters:
-            from .adapters import apply_adapters
+            from spec_cache.adapters import apply_adapters
 
             apply_adapters(model, adapters)
         return cls(model, config, path)
@@ -291,7 +291,7 @@ def clone_batch_cache(cache: BatchKVCache) -> BatchKVCache:
 def _clone(cache: Any) -> Any:
     """A batched cache with its own array objects (K/V: ``clone_batch_cache``; recurrent: a new list)."""
     if isinstance(cache, ArraysCache):
-        from .recurrent_rows import clone_states
+        from spec_cache.recurrent_rows import clone_states
 
         return clone_states(cache)
     return clone_batch_cache(cache)
@@ -334,7 +334,7 @@ class TargetRows:
         sliding-window layer, an ``ArraysCache`` for a recurrent one; None for an empty row). The caller's caches
         are only read (copied into a batch). A model with recurrent layers gets ``HybridTargetRows``."""
         if model.recurrent_layers and not cls._holds_recurrent_state:
-            from .recurrent_rows import HybridTargetRows
+            from spec_cache.recurrent_rows import HybridTargetRows
 
             return HybridTargetRows.from_row_caches(model, rows)
         built = cls(model)
@@ -342,7 +342,7 @@ class TargetRows:
             return built
         recurrent = set(model.recurrent_layers)
         if recurrent:
-            from .recurrent_rows import merge_states, state_content
+            from spec_cache.recurrent_rows import merge_states, state_content
         lengths: list[int] = []
         contents: list[list] = [[] for _ in range(model.num_layers)]
         for row, layers in enumerate(rows):
@@ -492,7 +492,7 @@ class TargetRows:
         out = []
         for layer, (cache, window) in enumerate(zip(self._caches, self._windows)):
             if isinstance(cache, ArraysCache):
-                from .recurrent_rows import split_state
+                from spec_cache.recurrent_rows import split_state
 
                 out.append(split_state(cache, row))
                 continue
@@ -524,7 +524,7 @@ class TargetRows:
             caches = []
             for mine, theirs in zip(self._caches, other._ensure_caches()):
                 if isinstance(mine, ArraysCache):
-                    from .recurrent_rows import join_states
+                    from spec_cache.recurrent_rows import join_states
 
                     caches.append(join_states(mine, self.row_count, theirs, other.row_count))
                     continue

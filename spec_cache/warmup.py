@@ -61,7 +61,7 @@ def warm_up(engine, *, lengths: Sequence[int] | None = None, batches: Sequence[i
     ``lengths`` (default ``BASE_LENGTHS`` up to the prefill step, plus the step): prompt lengths; ``batches``:
     row counts of the batched decode runs (capped by the engine's ``max_rows``). Tokens and caches are discarded.
     """
-    from .engine import RowRequest, SpeculativeEngine
+    from spec_cache.engine import RowRequest, SpeculativeEngine
 
     target = engine.target
     vocab = int(getattr(target, "vocab_size", 0) or 1000)

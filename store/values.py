@@ -3,7 +3,7 @@
 On disk every index value is a small msgpack map with short keys and no checksum of its own (the format is
 fixed: a store written by any 1.x version opens and serves). In code it is a slots dataclass: ``from_dict``
 and ``to_dict`` are the only places that know the short keys, and ``to_dict`` writes them in the order the
-store always wrote them, so a record packs to exactly the bytes it had (``tests/test_store.py`` holds golden
+store always wrote them, so a record packs to exactly the bytes it had (``tests/store/test_store.py`` holds golden
 bytes). Fields a newer minor version may add are kept in ``extra`` and written back unchanged.
 
 A damaged value must become a typed ``CorruptIndex`` (a miss, removed by ``gc``), never a ``KeyError`` from

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spec_cache.bench import main  # noqa: E402
+from spec_cache.apps.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

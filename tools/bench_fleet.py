@@ -120,7 +120,7 @@ def projection(measured: dict, args, hosts_list=(1, 2, 4, 8, 16, 32, 64, 100)) -
 
 
 def run(args) -> dict:
-    from spec_cache.tiny import write_tiny_drafter, write_tiny_target
+    from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
     from tests.redis_servers import ThrowawayCluster, server_binaries
 
     work = tempfile.mkdtemp(prefix="bench-fleet-")

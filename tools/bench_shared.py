@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spec_cache.bench.ttft import blas_in_use  # noqa: E402  (one answer for every bench, GPU included)
+from spec_cache.apps.bench.ttft import blas_in_use  # noqa: E402  (one answer for every bench, GPU included)
 
 #: one random fleet secret per run (every host of the run gets it; spawned hosts receive it in their options)
 BENCH_SECRET = secrets.token_hex(32)
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     from spec_cache.cache import SpecCache
     from spec_cache.generator import Generator
     from spec_cache.store.keys import pack_tokens
-    from spec_cache.tiny import write_tiny_drafter, write_tiny_target
+    from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
     from tests.redis_servers import ThrowawayServer, server_binaries
 
     binary = args.server or next(iter(server_binaries().values()), None)

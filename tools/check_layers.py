@@ -26,8 +26,9 @@ from pathlib import Path
 # folder at the root of the repository -> the package it installs as (pyproject's package-dir mapping)
 PACKAGES = {"spec_cache": "spec_cache", "store": "spec_cache.store", "schemas": "spec_cache.schemas"}
 MLX = ("mlx", "mlx_lm")
-INSPECTION = ("spec_cache", "spec_cache.identity", "spec_cache.namespace", "spec_cache.jsjson", "spec_cache.cli",
-              "spec_cache.cli.common", "spec_cache.cli.inspect", "spec_cache.cli.shared", "spec_cache.cli.repair")
+INSPECTION = ("spec_cache", "spec_cache.identity", "spec_cache.namespace", "spec_cache.jsjson", "spec_cache.apps",
+              "spec_cache.apps.cli", "spec_cache.apps.cli.common", "spec_cache.apps.cli.inspect",
+              "spec_cache.apps.cli.shared", "spec_cache.apps.cli.repair")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .dflash_config import is_published_dflash
+from spec_cache.drafters.dflash_config import is_published_dflash
 
 __all__ = ["METHODS", "detect_method", "load_provider", "open_provider"]
 

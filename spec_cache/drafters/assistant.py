@@ -20,6 +20,17 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from spec_cache.drafters.base import PAIRING, BoundDraftRows, NetworkProvider, check_sizes, directory_namespace
+from spec_cache.drafters.layers import MLP, load_weights
+from spec_cache.rows import (
+    PrefillContext,
+    PreparedStateChange,
+    RoundContext,
+    check_checkpoints,
+    check_per_row,
+    check_row,
+    to_mx,
+)
 from spec_cache.schemas import (
     GEMMA_ASSISTANT_V1,
     CheckpointAttachment,
@@ -27,11 +38,7 @@ from spec_cache.schemas import (
     SchemaError,
     validate_checkpoint,
 )
-
-from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
-from ..target import DonorView, TargetModel
-from .base import PAIRING, BoundDraftRows, NetworkProvider, check_sizes, directory_namespace
-from .layers import MLP, load_weights
+from spec_cache.target import DonorView, TargetModel
 
 __all__ = ["AssistantConfig", "AssistantNetwork", "AssistantProvider", "AssistantRows", "METHOD"]
 

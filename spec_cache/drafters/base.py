@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from spec_cache.rows import PreparedStateChange, apply_state_changes, check_keep
+from spec_cache.sampling import Sampling, TokenSampler
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
-
-from ..rows import PreparedStateChange, apply_state_changes, check_keep
-from ..sampling import Sampling, TokenSampler
-from ..target import TargetRows
+from spec_cache.target import TargetRows
 
 __all__ = [
     "PAIRING",
@@ -100,8 +99,8 @@ def check_opening(openings: Sequence[Any], validate: Callable[[DraftRowCheckpoin
 
 def directory_namespace(schema: str, model_dir: Path, config_name: str | None = None) -> str:
     """``<schema>:<model identity of model_dir>`` (``config_name``: see ``model_identity``)."""
-    from ..identity import model_identity
-    from ..namespace import drafter_namespace
+    from spec_cache.identity import model_identity
+    from spec_cache.namespace import drafter_namespace
 
     return drafter_namespace(schema, model_identity(model_dir, config_name=config_name))
 

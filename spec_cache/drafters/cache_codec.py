@@ -29,9 +29,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
+from spec_cache.rows import to_mx
 from spec_cache.schemas import CACHE_CODECS_V1, CheckpointAttachment, encode_cache_headers
-
-from ..rows import to_mx
 
 __all__ = ["capture_kv_attachment", "restore_kv_caches", "CODEC_KINDS"]
 

@@ -22,13 +22,12 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from spec_cache.drafters.base import directory_namespace
+from spec_cache.drafters.dflash_config import DSPARK_NAME, read_dflash_config
+from spec_cache.drafters.projected import ProjectedConfig, load_network
+from spec_cache.drafters.projected_rows import ProjectedProvider, ProjectedRows
+from spec_cache.rows import check_per_row
 from spec_cache.schemas import DFLASH_CONTEXT_V1
-
-from ..rows import check_per_row
-from .base import directory_namespace
-from .dflash_config import DSPARK_NAME, read_dflash_config
-from .projected import ProjectedConfig, load_network
-from .projected_rows import ProjectedProvider, ProjectedRows
 
 __all__ = ["DFlashProvider", "DFlashRows", "METHOD", "CONFIG_NAME", "block_logits", "kept_lengths"]
 

@@ -17,10 +17,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from spec_cache.drafters.dflash import DFlashProvider, DFlashRows
+from spec_cache.drafters.projected import ProjectedConfig, load_network
 from spec_cache.schemas import DFLASH2_CONTEXT_V1
-
-from .dflash import DFlashProvider, DFlashRows
-from .projected import ProjectedConfig, load_network
 
 __all__ = ["DFlash2Provider", "METHOD", "DEFAULT_BITS"]
 
@@ -55,8 +54,8 @@ class DFlash2Provider(DFlashProvider):
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "DFlash2Provider":
-        from ..identity import model_identity
-        from ..namespace import dflash2_namespace
+        from spec_cache.identity import model_identity
+        from spec_cache.namespace import dflash2_namespace
 
         path = Path(model_dir)
         if not (path / "config.json").is_file():

@@ -25,12 +25,18 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from spec_cache.drafters.base import BoundDraftRows, OpensRows, directory_namespace
+from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
+from spec_cache.rows import (
+    PrefillContext,
+    PreparedStateChange,
+    RoundContext,
+    check_checkpoints,
+    check_per_row,
+    check_row,
+)
 from spec_cache.schemas import STANDALONE_DRAFT_V1, DraftRowCheckpoint, SchemaError, validate_checkpoint
-
-from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row
-from ..target import TargetModel, TargetRows
-from .base import BoundDraftRows, OpensRows, directory_namespace
-from .cache_codec import capture_kv_attachment, restore_kv_caches
+from spec_cache.target import TargetModel, TargetRows
 
 __all__ = ["DraftModelProvider", "DraftModelRows", "METHOD", "capture_kv_attachment", "restore_kv_caches"]
 

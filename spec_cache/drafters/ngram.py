@@ -18,6 +18,17 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from spec_cache.drafters.base import DraftRows
+from spec_cache.rows import (
+    PrefillContext,
+    PreparedStateChange,
+    RoundContext,
+    check_checkpoints,
+    check_per_row,
+    check_row,
+    to_mx,
+)
+from spec_cache.sampling import Sampling
 from spec_cache.schemas import (
     NGRAM_HISTORY_V1,
     CheckpointAttachment,
@@ -25,11 +36,7 @@ from spec_cache.schemas import (
     SchemaError,
     validate_checkpoint,
 )
-
-from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_checkpoints, check_per_row, check_row, to_mx
-from ..sampling import Sampling
-from ..target import TargetRows
-from .base import DraftRows
+from spec_cache.target import TargetRows
 
 __all__ = ["NgramProvider", "NgramRows", "METHOD", "MatchIndex", "draft_length", "lookup"]
 
@@ -114,7 +121,7 @@ class NgramProvider:
     supports_target_adapters = True
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
-        from ..namespace import ngram_namespace
+        from spec_cache.namespace import ngram_namespace
 
         self.namespace = ngram_namespace(max_n, min_n)  # validates 1 <= min_n <= max_n
         self.max_n, self.min_n = max_n, min_n

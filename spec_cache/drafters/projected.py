@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import MLP, load_weights
+from spec_cache.drafters.layers import MLP, load_weights
 
 __all__ = ["ProjectedConfig", "ProjectedNetwork", "ContextKV", "load_network"]
 

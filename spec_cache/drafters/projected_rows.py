@@ -16,13 +16,20 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from spec_cache.drafters.base import (
+    PAIRING,
+    BoundDraftRows,
+    ColdRow,
+    NetworkProvider,
+    PartialRowCheckpoint,
+    check_opening,
+    check_sizes,
+)
+from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
+from spec_cache.drafters.projected import ContextKV, ProjectedNetwork
+from spec_cache.rows import PrefillContext, PreparedStateChange, RoundContext, check_per_row, check_row
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
-
-from ..rows import PrefillContext, PreparedStateChange, RoundContext, check_per_row, check_row
-from ..target import TargetModel, clone_batch_cache
-from .base import PAIRING, BoundDraftRows, ColdRow, NetworkProvider, PartialRowCheckpoint, check_opening, check_sizes
-from .cache_codec import capture_kv_attachment, restore_kv_caches
-from .projected import ContextKV, ProjectedNetwork
+from spec_cache.target import TargetModel, clone_batch_cache
 
 __all__ = ["ProjectedProvider", "ProjectedRows"]
 

@@ -52,13 +52,19 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from spec_cache.drafters.base import (
+    BoundDraftRows,
+    ColdRow,
+    NetworkProvider,
+    PartialRowCheckpoint,
+    check_opening,
+    directory_namespace,
+)
+from spec_cache.drafters.deepspec import _extended
+from spec_cache.drafters.projected import ContextKV, _Layer
+from spec_cache.rows import PreparedStateChange, RoundContext, check_per_row, check_row, to_mx
 from spec_cache.schemas import QWEN_MTP_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
-
-from ..rows import PreparedStateChange, RoundContext, check_per_row, check_row, to_mx
-from ..target import TargetModel, clone_batch_cache
-from .base import BoundDraftRows, ColdRow, NetworkProvider, PartialRowCheckpoint, check_opening, directory_namespace
-from .deepspec import _extended
-from .projected import ContextKV, _Layer
+from spec_cache.target import TargetModel, clone_batch_cache
 
 __all__ = ["QwenMTPConfig", "QwenMTPNetwork", "QwenMTPProvider", "QwenMTPRows", "METHOD"]
 

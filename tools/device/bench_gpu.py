@@ -9,7 +9,7 @@ what it measured. Sections (``--sections``, in order):
 * ``routes``: ``Store.fetch`` of an 8B-shaped bf16 KV state (32 layers x 8 KV heads x 128, 4k and 16k tokens)
   into MLX by each route (numpy assembly + ``mx.array``; ``mx_concat``; the staging loader with 1/4/8/16
   threads) against mlx-lm's ``load_prompt_cache`` + eval of the same state.
-* ``gpu_8b``: ``spec_cache.bench.ttft.run_tiers`` on a Llama-3-8B-shaped bf16 model with random weights (32
+* ``gpu_8b``: ``spec_cache.apps.bench.ttft.run_tiers`` on a Llama-3-8B-shaped bf16 model with random weights (32
   layers, hidden 4096, 32 heads / 8 KV heads, head_dim 128, intermediate 14336, vocab 128256; no drafter) at
   1k, 4k, 16k, 32k tokens: cold vs memory tier vs LMDB (reopened, memory tier off) vs mlx-lm load + last-token
   forward, warm tokens checked. Figures ``gpu_8b_*`` go to the top-level ``figures``.
@@ -114,7 +114,7 @@ def run_limits() -> dict:
     import numpy as np
 
     from spec_cache import device_copy
-    from spec_cache.bench.timing import median_time
+    from spec_cache.apps.bench.timing import median_time
 
     out = {}
     n = 1 << 30
@@ -230,7 +230,7 @@ def run_routes(cfg: dict) -> dict:
     from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
     from spec_cache import device_copy
-    from spec_cache.bench.timing import median_time
+    from spec_cache.apps.bench.timing import median_time
     from spec_cache.cache_state import mx_concat, to_mx
     from spec_cache.namespace import namespace_key
     from spec_cache.store import LayerState, Store, Tensor
@@ -328,7 +328,7 @@ def model_dir() -> str:
 
 
 def run_gpu_8b(cfg: dict, lengths: list[int]) -> dict:
-    from spec_cache.bench import ttft
+    from spec_cache.apps.bench import ttft
 
     path = model_dir()
     t0 = time.perf_counter()
@@ -354,7 +354,7 @@ def run_stages(n: int, reps: int = 3) -> dict:
     import numpy as np
     from mlx_lm.models.cache import KVCache
 
-    from spec_cache.bench.timing import median_time
+    from spec_cache.apps.bench.timing import median_time
     from spec_cache.cache import SpecCache
     from spec_cache.generator import Generator
     from spec_cache.target import TargetRows, clone_batch_cache
@@ -443,14 +443,14 @@ def figures_8b(r: dict) -> dict:
 
 
 def run_ttft(cfg: dict) -> dict:
-    from spec_cache.bench import ttft
+    from spec_cache.apps.bench import ttft
 
     return ttft.run(cfg["lengths"], warm_reps=cfg["warm_reps"], cold_reps=cfg["cold_reps"], hidden=cfg["hidden"],
                     layers=cfg["layers"], vocab=cfg["vocab"], progress=lambda m: log(m))
 
 
 def run_store_io(cfg: dict) -> dict:
-    from spec_cache.bench import store_io
+    from spec_cache.apps.bench import store_io
 
     return store_io.bench_put_get(cfg["reps"], cfg["tokens"])
 

@@ -41,7 +41,7 @@ if [ "${SPEC_CACHE_BENCH_TREE:-}" = head ]; then  # measure the committed snapsh
 else
   farm "$PWD" || exit 1
 fi
-if ! python3 -P -c "import spec_cache.generator, spec_cache.cache, spec_cache.tiny, spec_cache.bench.ttft, spec_cache.bench.store_io, spec_cache.store, spec_cache.device_copy"; then
+if ! python3 -P -c "import spec_cache.generator, spec_cache.cache, spec_cache.testing.tiny, spec_cache.apps.bench.ttft, spec_cache.apps.bench.store_io, spec_cache.store, spec_cache.device_copy"; then
   # another session may be mid-edit in the working tree: fall back to the committed snapshot carried in .whl/p2/src
   echo "working tree does not import: using the HEAD snapshot"
   farm "$PWD/.whl/p2/src" || exit 1

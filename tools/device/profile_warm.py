@@ -1,6 +1,6 @@
 """Where a warm TTFT goes on the lent H200 (run by tools/device/bench_gpu.sh --profile there, never by CI).
 
-Builds the same model as ``spec_cache.bench.ttft`` (random weights), stores the prompt-boundary checkpoint of one
+Builds the same model as ``spec_cache.apps.bench.ttft`` (random weights), stores the prompt-boundary checkpoint of one
 prompt, reopens the store, then times the stages of a warm ``Generator.generate`` separately: ``Store.fetch``
 (LMDB read + record decode), ``SpecCache.restore`` (fetch + ``mx.array`` + eval on the device), the whole
 ``Generator._restore``, and the whole ``generate``; then prints a cProfile of one warm ``generate``. Figures are
@@ -20,7 +20,7 @@ import tempfile
 
 import numpy as np
 
-from spec_cache.bench.timing import median_time as timed
+from spec_cache.apps.bench.timing import median_time as timed
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     from spec_cache.cache import SpecCache
     from spec_cache.generator import Generator
-    from spec_cache.tiny import write_tiny_drafter, write_tiny_target
+    from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 
     work = tempfile.mkdtemp(prefix="profile-warm-")
     h = args.hidden

@@ -8,10 +8,10 @@ Runs ``tools/bench_mlx_lm_server.py``'s ``main`` unchanged, with two additions m
 * every summary also holds the per-request decode rate, ``(completion tokens - 1) / (request seconds - TTFT)``:
   the tokens after the first over the time after the first, so prefill and the prompt-cache lookup are left out
   (the bench's aggregate tok/s counts them);
-* ``--cwd DIR``: the servers are started in DIR, so that ``python -m spec_cache.server`` imports the package laid
+* ``--cwd DIR``: the servers are started in DIR, so that ``python -m spec_cache.apps.server`` imports the package laid
   out there (on a machine without the editable install, the repository root has no ``spec_cache.store``).
 
-``--serve-arg ARG`` (repeatable) appends ARG to ``spec_cache.server``'s command line.
+``--serve-arg ARG`` (repeatable) appends ARG to ``spec_cache.apps.server``'s command line.
 """
 
 from __future__ import annotations

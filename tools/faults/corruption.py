@@ -203,7 +203,7 @@ def trial(pristine: str, workdir: str, seed: int, mode: str, log_path: str) -> N
         what = f"damage step failed ({type(exc).__name__}: {exc})"
     note(stage="damaged", what=what)
 
-    from spec_cache.cli import main as cli_main
+    from spec_cache.apps.cli import main as cli_main
     from spec_cache.store import Store, StoreError, maintenance
     from tools.faults import workload as W
 
@@ -314,7 +314,7 @@ def run(trials: int = 1000, *, seed: int = 0, workdir: str | None = None, modes:
     modes = modes or MODES
     base = tempfile.mkdtemp(prefix="faults-corrupt-", dir=workdir)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["numpy", "lmdb", "msgpack", "blake3", "spec_cache.store", "spec_cache.schemas", "spec_cache.cli",
+    ctx.set_forkserver_preload(["numpy", "lmdb", "msgpack", "blake3", "spec_cache.store", "spec_cache.schemas", "spec_cache.apps.cli",
                                 "tools.faults.workload"])
     rnd = random.Random(seed)
     started = time.monotonic()

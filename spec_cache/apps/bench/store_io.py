@@ -1,0 +1,281 @@
+"""Store throughput and lookup benchmarks, as ratios against baselines run in the same process.
+
+* put/get of a 256 MiB KV state (16 layers x 8 kv heads x 4096 tokens x 128 dims, float16) through
+  ``Store.put`` / ``Store.fetch`` + ``mx.array`` + eval, against mlx-lm's ``save_prompt_cache`` /
+  ``load_prompt_cache`` + eval of the same arrays (page cache warm; median of N).
+* longest-prefix lookup of a 32k-token prompt with 1k, 10k and 100k stored entries.
+
+The put is broken into phases so a slow machine shows where its time goes: ``encode`` (gather + checksum into
+records), ``lmdb_put`` (the rest of the transaction body: ``txn.put`` copying records into LMDB's pages, index
+updates), ``commit`` (``pwrite`` + ``fdatasync``). Next to them: the disk's own rate (``pwrite`` + ``fdatasync`` of
+the same bytes into a new file and over an existing one), first-touch vs warm memory copy rates (a copy into fresh
+pages is what glibc's thresholds decide; see ``store/env.py``), and the record checksum rates (XXH3-128, format 2,
+vs blake3, format 1) over the state.
+
+Usage: python tools/bench_store.py [--json] [--quick] [--reps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from spec_cache.apps.bench.timing import median_time
+
+
+class _PutPhases:
+    """Times ``encode_record`` calls (wherever the store imported it) and reads the environment's last write."""
+
+    def __init__(self):
+        from spec_cache.store import codec
+
+        self.codec = codec
+        self.encode_s = 0.0
+        self.patched = []
+        orig = codec.encode_record
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self.encode_s += time.perf_counter() - t0
+        self.orig, self.timed = orig, timed
+
+    def __enter__(self):
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("spec_cache.store") and getattr(mod, "encode_record", None) is self.orig:
+                setattr(mod, "encode_record", self.timed)
+                self.patched.append(mod)
+        return self
+
+    def __exit__(self, *exc):
+        for mod in self.patched:
+            setattr(mod, "encode_record", self.orig)
+        return False
+
+    def phases(self, env, total: float) -> dict:
+        w = getattr(env, "last_write", {}) or {}
+        fn, commit = w.get("fn_s", float("nan")), w.get("commit_s", float("nan"))
+        return {"total": total, "encode": self.encode_s, "lmdb_put": fn - self.encode_s, "commit": commit,
+                "attempts": w.get("attempts")}
+
+
+def _rates(nbytes: int, work: str, reps: int) -> dict:
+    """The machine's own limits for the put's phases: disk, fresh vs warm memory, checksums (GB/s)."""
+    import blake3
+    import xxhash
+
+    src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    mv = memoryview(src)
+    gb = nbytes / 1e9
+    out = {}
+    path = os.path.join(work, "disk-probe")
+
+    def write_sync(new: bool):
+        if new and os.path.exists(path):
+            os.remove(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.pwrite(fd, mv, 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    out["disk_new_file_GBps"] = gb / median_time(lambda: write_sync(True), max(reps // 2, 2))
+    out["disk_overwrite_GBps"] = gb / median_time(lambda: write_sync(False), max(reps // 2, 2))
+    os.remove(path)
+    piece = 16 << 20  # the size of a chunk record here: what LMDB mallocs per value
+    pieces = [src[i:i + piece] for i in range(0, nbytes, piece)]
+
+    def fresh_copy():  # into never-touched pages (an anonymous map each time), as a first put into new memory
+        import mmap
+
+        for p in pieces:
+            m = mmap.mmap(-1, len(p))
+            dst = np.frombuffer(m, np.uint8)
+            dst[:] = p
+            del dst
+            m.close()
+    warm = np.empty(piece, np.uint8)
+
+    def warm_copy():
+        for p in pieces:
+            warm[:len(p)] = p
+    out["copy_fresh_pages_GBps"] = gb / median_time(fresh_copy, reps)
+    out["copy_warm_pages_GBps"] = gb / median_time(warm_copy, reps)
+    out["xxh3_128_GBps"] = gb / median_time(lambda: xxhash.xxh3_128(mv).digest(), reps)
+    out["blake3_GBps"] = gb / median_time(
+        lambda: blake3.blake3(mv, max_threads=blake3.blake3.AUTO).digest(), reps)
+    out["blake3_1thread_GBps"] = gb / median_time(lambda: blake3.blake3(mv).digest(), reps)
+    return out
+
+
+
+def kv_state(layers=16, heads=8, tokens=4096, dim=128):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(0)
+    caches, arrays = [], []
+    for _ in range(layers):
+        k = mx.random.normal((1, heads, tokens, dim)).astype(mx.float16)
+        v = mx.random.normal((1, heads, tokens, dim)).astype(mx.float16)
+        mx.eval(k, v)
+        c = KVCache()
+        c.update_and_fetch(k, v)
+        caches.append(c)
+        arrays.append((k, v))
+    return caches, arrays
+
+
+def bench_put_get(reps: int, tokens: int) -> dict:
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from spec_cache.cache_state import restore_concat, to_mx
+    from spec_cache.namespace import namespace_key
+    from spec_cache.store import LayerState, Store, Tensor
+    from spec_cache.store.maintenance import evict
+
+    caches, arrays = kv_state(tokens=tokens)
+    nbytes = sum(k.nbytes + v.nbytes for k, v in arrays)
+    work = tempfile.mkdtemp(prefix="bench-store-")
+    path = os.path.join(work, "cache.safetensors")
+    toks = list(range(tokens))
+
+    def layers():
+        return [LayerState("kv", {}, [Tensor("float16", k.shape, memoryview(k)), Tensor("float16", v.shape, memoryview(v))],
+                           token_axis=2) for k, v in arrays]
+
+    def save():
+        save_prompt_cache(path, caches)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def load():
+        loaded = load_prompt_cache(path)
+        mx.eval([c.state for c in loaded])
+
+    store_dir = os.path.join(work, "store")
+    store = Store.open(store_dir, map_size=8 << 30)
+    fresh = iter(range(1 << 30))
+
+    phases: list[dict] = []
+
+    def put():  # a new namespace each time, so every chunk is really written
+        key = namespace_key("0" * 64, f"bench-{next(fresh)}")
+        store.register_namespace(key, target="0" * 64, prefix_namespace="bench")
+        state = layers()
+        with _PutPhases() as timer:
+            t0 = time.perf_counter()
+            store.put(key, toks, state)
+            phases.append(timer.phases(store.env, time.perf_counter() - t0))
+        return key
+
+    def get():  # what SpecCache.restore does: one copy out of the map into MLX, joined in MLX
+        r = store.fetch(ns, toks, concat=restore_concat())  # the namespace written last
+        out = [to_mx(t) for layer in r.layers for t in layer.tensors]
+        mx.eval(out)
+        assert r.length == tokens
+
+    # Steady state, as in a cache at its budget: the previous checkpoint is evicted (untimed) before each
+    # put, so LMDB reuses its pages, as the file system reuses the blocks of the file save_prompt_cache
+    # overwrites. The first put into the empty store (the file grows) is reported apart.
+    t0 = time.perf_counter()
+    ns = put()
+    t_put_growing = time.perf_counter() - t0
+    save_times, put_times = [], []
+    for _ in range(reps):
+        evict(store, namespace=ns)
+        save_times.append(median_time(save, 1))
+        t0 = time.perf_counter()
+        ns = put()
+        put_times.append(time.perf_counter() - t0)
+    t_save, t_put = statistics.median(save_times), statistics.median(put_times)
+    load(); get()
+    t_load = median_time(load, reps)
+    t_get = median_time(get, reps)
+    from spec_cache.store.allocator import allocator_tuned
+
+    tuned = allocator_tuned()
+    store.close()
+    rates = _rates(nbytes, work, reps)
+    shutil.rmtree(work, ignore_errors=True)
+    gb = nbytes / 1e9
+    out = {"state_bytes": nbytes, "reps": reps,
+           "mlx_lm_save_s": t_save, "put_s": t_put, "put_vs_mlx_lm_save": t_save / t_put,
+           "put_growing_file_s": t_put_growing,
+           "mlx_lm_load_s": t_load, "get_s": t_get, "restore_vs_mlx_lm_load": t_load / t_get,
+           "put_GBps": gb / t_put, "get_GBps": gb / t_get, "save_GBps": gb / t_save, "load_GBps": gb / t_load,
+           "malloc_thresholds_set": tuned}
+    # phases: the first put (into a growing data.mdb), then the median of each phase over the steady puts
+    for name in ("encode", "lmdb_put", "commit"):
+        out[f"put_growing_{name}_s"] = phases[0][name]
+        out[f"put_{name}_s"] = statistics.median(p[name] for p in phases[1:])
+        out[f"put_{name}_GBps"] = gb / out[f"put_{name}_s"] if out[f"put_{name}_s"] > 0 else None
+    out["put_attempts_max"] = max((p["attempts"] or 0) for p in phases)
+    out.update(rates)
+    return out
+
+
+def bench_lookup(counts: list[int], reps: int, prompt_tokens: int = 32768) -> dict:
+    from spec_cache.namespace import namespace_key
+    from spec_cache.store import LayerState, Store, Tensor
+
+    rng = np.random.default_rng(0)
+    work = tempfile.mkdtemp(prefix="bench-lookup-")
+    store = Store.open(os.path.join(work, "store"), durable=False, map_size=8 << 30)
+    ns = namespace_key("0" * 64, "lookup")
+    store.register_namespace(ns, target="0" * 64, prefix_namespace="lookup")
+    prompt = rng.integers(0, 32000, prompt_tokens).astype(np.uint32)
+
+    def state(n):
+        kv = np.zeros((1, 1, n, 1), dtype=np.float16)
+        return [LayerState("kv", {}, [Tensor.from_numpy(kv), Tensor.from_numpy(kv)], token_axis=2)]
+
+    store.put(ns, prompt[: prompt_tokens - 1000], state(prompt_tokens - 1000))
+    out, have = {}, 1
+    for count in counts:
+        while have < count:
+            n = int(rng.integers(32, 600))
+            seq = rng.integers(0, 32000, n).astype(np.uint32)
+            store.put(ns, seq, state(n))
+            have += 1
+        store.flush()
+        hit = store.lookup(ns, prompt)
+        assert hit is not None and hit.length == prompt_tokens - 1000
+        out[f"lookup_ms_32k_{count}"] = median_time(lambda: store.lookup(ns, prompt), reps) * 1e3
+    store.close()
+    shutil.rmtree(work, ignore_errors=True)
+    out["lookup_growth"] = out[f"lookup_ms_32k_{counts[-1]}"] / out[f"lookup_ms_32k_{counts[0]}"]
+    return out
+
+
+def _main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="64 MiB state, 1k/10k entries")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    result = {}
+    result.update(bench_put_get(args.reps, 1024 if args.quick else 4096))
+    result.update(bench_lookup([1000, 10000] if args.quick else [1000, 10000, 100000], max(args.reps, 21)))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:28} {v:.4g}" if isinstance(v, float) else f"{k:28} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

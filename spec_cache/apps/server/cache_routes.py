@@ -1,0 +1,353 @@
+"""``/v1/cache/...``: cache controls over HTTP, per tenant and behind the API key (``spec_cache.cache_controls``).
+
+Routes (all answer OpenAI's error JSON on failure, never a traceback):
+
+* ``POST /v1/cache/pin`` — pin the longest stored prefix of a prompt for ``ttl_s`` seconds (at most the server's
+  ``--max-pin-ttl``): neither the memory tier nor LMDB's budget evicts it until then or ``unpin``.
+* ``POST /v1/cache/unpin`` — by ``id`` or by the same prefix.
+* ``GET /v1/cache/pins`` — the caller's pins (the operator key: everyone's).
+* ``POST /v1/cache/prefetch`` — restore the longest stored prefix into the memory tier now (from LMDB or the
+  shared tier), so the next request restores from memory.
+* ``POST /v1/cache/export`` — the stored prefix as an mlx-lm prompt-cache file (``save_prompt_cache`` format).
+* ``POST /v1/cache/import`` — such a file (+ the tokens it covers) stored as a checkpoint.
+
+A prefix is named by ``messages`` (rendered through the chat template as ``/v1/chat/completions`` renders them:
+with the generation prompt, unless ``"add_generation_prompt": false``; ``tools`` passed to the template when
+given), by ``prompt`` (text, encoded as ``/v1/completions`` encodes it) or by ``tokens`` (ids). Tenants: an API
+key acts on its own namespace only (``cache_salt`` splits it as in chat requests); an operator key
+(``--operator-key``) acts on the namespace of ``"tenant": "<label>"`` (the 8 hex digits ``/metrics`` and
+``/v1/cache/pins`` show; ``"open"`` or none: the keyless namespace) and sees and ends every pin. Everything that
+touches the cache runs on the scheduler thread (``Scheduler.call``), which owns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import time
+from typing import Any
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from spec_cache import cache_controls as controls
+from spec_cache.apps.server.auth import salted_tenant, tenant_label
+from spec_cache.apps.server.protocol import APIError, parse_chat
+from spec_cache.apps.server.tools import TemplateError, chat_ids
+from spec_cache.store import InvalidInput, StoreError
+
+__all__ = ["cache_routes", "DEFAULT_MAX_PIN_TTL_S"]
+
+log = logging.getLogger("spec_cache.apps.server")
+
+#: ``--max-pin-ttl``'s default: the longest pin a client may ask for
+DEFAULT_MAX_PIN_TTL_S = 3600.0
+#: a pin without ``ttl_s`` lasts this long (or the maximum, if shorter)
+DEFAULT_PIN_TTL_S = 300.0
+#: how long a route waits for its turn on the scheduler thread
+CALL_TIMEOUT_S = 120.0
+
+
+def cache_routes(state, tokenize) -> list[Route]:
+    """The ``/v1/cache`` routes for ``state`` (an ``app.ServerState``); ``tokenize(fn, *args)`` runs ``fn`` where
+    the app runs its tokenizer calls (one at a time, off the event loop)."""
+    generator, scheduler, tokenizer, config = state.generator, state.scheduler, state.tokenizer, state.config
+    cache = generator.cache
+    max_ttl = float(getattr(config, "max_pin_ttl_s", None) or DEFAULT_MAX_PIN_TTL_S)
+    vocab = generator.engine.target.vocab_size
+    tenants = {tenant_label(t): t for t in (state.auth.check("Bearer " + k.decode("utf-8"))
+                                            for k in state.auth.keys)}
+    if cache is not None:
+        state.metrics.gauge("spec_cache_memory_tier_hits", "memory-tier lookups that found a prefix",
+                            lambda: cache.memory_stats().get("hits", 0))
+        state.metrics.gauge("spec_cache_memory_tier_misses", "memory-tier lookups that found nothing",
+                            lambda: cache.memory_stats().get("misses", 0))
+        state.metrics.gauge("spec_cache_memory_tier_pinned", "memory-tier entries pinned",
+                            lambda: cache.memory_stats().get("pinned", 0))
+
+    # --- who asks, for which namespace -------------------------------------------------------------------
+    def caller(request: Request, body: dict) -> tuple[Any, bool]:
+        """``(tenant, operator)``: the API key's tenant, or the one an operator names; 401 otherwise."""
+        header = request.headers.get("authorization")
+        named = body.get("tenant")
+        if state.auth.viewer(header).operator:
+            if named is None or named == "open":
+                return None, True
+            if not isinstance(named, str) or named not in tenants:
+                raise APIError(400, f"unknown tenant {named!r}: give a tenant label as /v1/cache/pins or /metrics "
+                               "show it (8 hex digits), or 'open'", param="tenant")
+            return tenants[named], True
+        tenant = state.auth.check(header)
+        if named is not None and named != tenant_label(tenant):
+            raise APIError(400, "only an operator key (--operator-key) may name another tenant", param="tenant")
+        return tenant, False
+
+    def salted(tenant, body: dict):
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise APIError(400, "'cache_salt' must be a string", param="cache_salt")
+        return salted_tenant(tenant, salt)
+
+    # --- the prefix --------------------------------------------------------------------------------------
+    def render(messages: list[dict], generation_prompt: bool, tools) -> list[int]:
+        """As chat completions render the conversation (tools through ``tools.render_chat``), so a pinned or
+        prefetched prefix is the one a chat request with the same messages and tools restores."""
+        try:
+            return chat_ids(tokenizer, messages, tools or None, generation_prompt=generation_prompt)
+        except TemplateError as exc:
+            raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
+
+    def encode(text: str) -> list[int]:
+        return [int(t) for t in tokenizer.encode(text)]
+
+    async def prefix_of(body: dict, required: bool = True) -> list[int] | None:
+        """The token ids ``body`` names by ``messages``, ``prompt`` or ``tokens`` (exactly one)."""
+        given = [k for k in ("messages", "prompt", "tokens") if body.get(k) is not None]
+        if len(given) != 1:
+            if not given and not required:
+                return None
+            raise APIError(400, "name the prefix by exactly one of 'messages', 'prompt' or 'tokens'",
+                           param=given[1] if len(given) > 1 else "messages")
+        if given[0] == "messages":
+            generation_prompt = body.get("add_generation_prompt", True)
+            if not isinstance(generation_prompt, bool):
+                raise APIError(400, "'add_generation_prompt' must be true or false", param="add_generation_prompt")
+            chat = {"model": config.model_id, "messages": body["messages"]}
+            if body.get("tools") is not None:
+                chat["tools"] = body["tools"]
+            params, messages = parse_chat(chat, (config.model_id,))  # tools checked as chat completions checks them
+            ids = await tokenize(render, messages, generation_prompt, params.tools)
+        elif given[0] == "prompt":
+            if not isinstance(body["prompt"], str):
+                raise APIError(400, "'prompt' must be a string (token ids go in 'tokens')", param="prompt")
+            ids = await tokenize(encode, body["prompt"])
+        else:
+            ids = body["tokens"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+            if any(t < 0 or t >= vocab for t in ids):
+                raise APIError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
+        if not ids:
+            raise APIError(400, "the prefix is empty", param=given[0])
+        if len(ids) > config.context_tokens:
+            raise APIError(400, f"the prefix has {len(ids)} tokens; the model's context is {config.context_tokens}",
+                           param=given[0], code="context_length_exceeded")
+        return [int(t) for t in ids]
+
+    # --- plumbing ----------------------------------------------------------------------------------------
+    async def read_body(request: Request) -> bytes:
+        limit = config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        except ClientDisconnect:
+            raise APIError(499, "the client went away while sending its request") from None
+        return bytes(body)
+
+    async def read_json(request: Request) -> dict:
+        raw = await read_body(request)
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (ValueError, RecursionError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    async def on_scheduler(fn):
+        """``fn()`` on the scheduler thread; the cache's typed errors as API errors."""
+        future = scheduler.call(fn)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            future.cancel()
+            raise APIError(503, "the cache did not answer in time; retry", code="unavailable") from None
+        except controls.NotStored as exc:
+            raise APIError(404, str(exc), code="not_found") from None
+        except controls.PinQuotaExceeded as exc:
+            raise APIError(409, str(exc), code="pin_quota_exceeded") from None
+        except controls.BadPrefixFile as exc:
+            raise APIError(400, str(exc), param="file", code="invalid_prefix_file") from None
+        except InvalidInput as exc:
+            raise APIError(400, str(exc)) from None
+        except StoreError as exc:
+            raise APIError(503, f"the cache failed: {exc}", code="cache_unavailable") from None
+
+    def ns_key(tenant):
+        return generator.namespace_key(tenant)
+
+    async def from_shared(space, tokens: list[int], drafter: Any = "generator's") -> None:
+        """With a shared tier: fetch what it holds beyond LMDB now, on a worker thread (never the scheduler's),
+        into the handoff the scheduler's restore takes it from (as a request's prefetch does)."""
+        if cache is None or cache.shared is None:
+            return
+        rule = usable(tokens)
+        if rule is None:
+            return
+        key = await on_scheduler(lambda: ns_key(space))
+        drafter = generator.drafter_namespace if drafter == "generator's" else drafter
+        await anyio.to_thread.run_sync(lambda: cache.prefetch_shared(key, tokens, drafter, usable=rule))
+
+    def usable(tokens: list[int]):
+        return generator.usable_rule(len(tokens) + 1)  # what a request continuing this prefix may restore
+
+    def quotas() -> tuple[int | None, int | None]:
+        """(bytes one tenant may pin, bytes all pins may hold): the tenant quotas of the memory tier and the
+        store, and half the memory tier (the rest stays for unpinned traffic)."""
+        half = cache.memory.budget_bytes // 2 if cache.memory.budget_bytes else None
+        store = cache.store.tenants.quota(cache.store.max_bytes)
+        limits = [q for q in (cache.memory.tenant_quota, store, half) if q is not None]
+        return (min(limits) if limits else None), half
+
+    def pin_body(p: controls.Pin) -> dict:
+        return {"object": "cache.pin", "id": p.pin_id, "tenant": tenant_label(p.owner), "tokens": p.length,
+                "ttl_s": round(max(0.0, p.until - time.monotonic()), 3), "expires_at": round(p.expires_at, 3),
+                "bytes": p.nbytes, "tier": p.tier}
+
+    # --- handlers ----------------------------------------------------------------------------------------
+    async def pin(request: Request, body: dict, tenant, operator: bool) -> Response:
+        ttl = body.get("ttl_s", min(DEFAULT_PIN_TTL_S, max_ttl))
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
+            raise APIError(400, "'ttl_s' must be a positive number of seconds", param="ttl_s")
+        if ttl > max_ttl:
+            raise APIError(400, f"'ttl_s' is at most {max_ttl:g} on this server (--max-pin-ttl)", param="ttl_s",
+                           code="ttl_too_long")
+        tokens = await prefix_of(body)
+        space = salted(tenant, body)
+        await from_shared(space, tokens)
+
+        def run():
+            rule = usable(tokens)
+            if rule is None:
+                raise controls.NotStored("this server restores no stored prefix (its drafter needs rows it "
+                                         "does not store)")
+            per_tenant, total = quotas()
+            record = cache.pin(ns_key(space), tokens, float(ttl), owner=tenant, quota_bytes=per_tenant,
+                               total_quota_bytes=total, drafter_namespace=generator.drafter_namespace,
+                               usable=rule)
+            return {**pin_body(record), "prompt_tokens": len(tokens)}
+        return JSONResponse(await on_scheduler(run))
+
+    async def unpin(request: Request, body: dict, tenant, operator: bool) -> Response:
+        pid = body.get("id")
+        if pid is not None and not isinstance(pid, str):
+            raise APIError(400, "'id' must be a pin id (a string)", param="id")
+        tokens = await prefix_of(body, required=pid is None)
+        space = salted(tenant, body)
+
+        def run():
+            target = pid
+            if target is None:  # the caller's pin of the longest pinned prefix of these tokens
+                key = ns_key(space)
+                mine = [p for p in controls.pins(cache, any_owner=True)
+                        if p.ns_key == key and list(p.tokens) == tokens[:p.length]]
+                if not mine:
+                    raise controls.NotStored("no pin of these tokens")
+                target = max(mine, key=lambda p: p.length).pin_id
+            record = cache.unpin(target, owner=tenant, any_owner=operator)
+            return {"object": "cache.unpin", "id": record.pin_id, "tokens": record.length, "unpinned": True}
+        return JSONResponse(await on_scheduler(run))
+
+    async def prefetch(request: Request, body: dict, tenant, operator: bool) -> Response:
+        tokens = await prefix_of(body)
+        space = salted(tenant, body)
+        await from_shared(space, tokens)
+
+        def run():
+            rule = usable(tokens)
+            got = controls.Resident(0, None, False) if rule is None else cache.prefetch(
+                ns_key(space), tokens, drafter_namespace=generator.drafter_namespace, usable=rule)
+            return {"object": "cache.prefetch", "tokens": got.length, "prompt_tokens": len(tokens), "tier": got.tier,
+                    "resident": got.resident}
+        return JSONResponse(await on_scheduler(run))
+
+    async def export(request: Request, body: dict, tenant, operator: bool) -> Response:
+        tokens = await prefix_of(body)
+        space = salted(tenant, body)
+        await from_shared(space, tokens, drafter=None)  # the target's state only: what an mlx-lm file holds
+        data, length = await on_scheduler(lambda: controls.export_prefix(cache, ns_key(space), tokens,
+                                                                         model=config.model_id))
+        return Response(data, media_type="application/octet-stream", headers={
+            "X-Spec-Cache-Tokens": str(length), "Content-Disposition": 'attachment; filename="prefix.safetensors"'})
+
+    async def import_(request: Request, body: dict, tenant, operator: bool, data: bytes) -> Response:
+        tokens = await prefix_of(body, required=False)
+        space = salted(tenant, body)
+        engine = generator.engine
+
+        def run():
+            length = controls.import_prefix(cache, ns_key(space), tokens, data, engine.target,
+                                            target_identity=generator.target_identity,
+                                            quantized=engine.plan is not None)
+            return {"object": "cache.import", "tokens": length, "stored": True}
+        return JSONResponse(await on_scheduler(run))
+
+    async def pins_route(request: Request, body: dict, tenant, operator: bool) -> Response:
+        listed = controls.pins(cache, owner=tenant, any_owner=operator)
+        return JSONResponse({"object": "list", "data": [pin_body(p) for p in listed]})
+
+    def route(path: str, name: str, handler, method: str = "POST", raw: bool = False) -> Route:
+        async def handle(request: Request) -> Response:
+            from spec_cache.apps.server.app import log_request
+
+            started, label, known = time.perf_counter(), "-", False
+            try:
+                data = b""
+                if raw and request.headers.get("content-type", "").startswith("application/octet-stream"):
+                    data, body = await read_body(request), dict(request.query_params)
+                elif method == "POST":
+                    body = await read_json(request)
+                else:
+                    body = dict(request.query_params)
+                tenant, operator = caller(request, body)
+                label, known = tenant_label(tenant), True
+                if cache is None:
+                    raise APIError(400, "this server runs without a cache (--no-cache)", code="no_cache")
+                if raw:
+                    if not data:
+                        data = _file_of(body)
+                    response = await handler(request, body, tenant, operator, data)
+                else:
+                    response = await handler(request, body, tenant, operator)
+                status = response.status_code
+            except APIError as error:
+                response, status = JSONResponse(error.body(), status_code=error.status,
+                                                headers=error.headers), error.status
+            state.metrics.requests.labels(endpoint=name, status=str(status)).inc()
+            if known:
+                state.metrics.tenant_requests.labels(tenant=label, status=str(status)).inc()
+            log_request(f"{request.method} {request.url.path}", status, label, started)
+            return response
+        return Route(path, handle, methods=[method])
+
+    return [
+        route("/v1/cache/pin", "cache_pin", pin),
+        route("/v1/cache/unpin", "cache_unpin", unpin),
+        route("/v1/cache/prefetch", "cache_prefetch", prefetch),
+        route("/v1/cache/export", "cache_export", export),
+        route("/v1/cache/import", "cache_import", import_, raw=True),
+        route("/v1/cache/pins", "cache_pins", pins_route, method="GET"),
+    ]
+
+
+def _file_of(body: dict) -> bytes:
+    """The file of a JSON ``/v1/cache/import`` body: ``file`` in base64."""
+    text = body.get("file")
+    if not isinstance(text, str) or not text:
+        raise APIError(400, "'file' is required: the prompt-cache file in base64 (or send the file itself as "
+                       "application/octet-stream)", param="file")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "'file' is not valid base64", param="file") from None

@@ -1,0 +1,396 @@
+"""``spec-cache serve`` / ``python -m spec_cache.apps.server``: load a target (+ drafter) bound to the cache and serve
+it over HTTP (see ``spec_cache.apps.server``).
+
+``add_arguments(parser)`` adds the options (``--cache`` and ``--shared`` only when the parser does not already
+have them, so it works under the main CLI's common options); ``main(args) -> int`` runs the server until SIGINT
+/ SIGTERM, then drains the rows, writes the checkpoints and closes the cache. Building the parser imports no MLX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from spec_cache.apps.cli.common import fraction, non_negative_int, positive_int, positive_seconds
+from spec_cache.apps.cli.shared import add_shared_secret_options, shared_options
+from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
+
+__all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module"]
+
+
+def _size(text: str) -> int:
+    from spec_cache.apps.cli.common import parse_size
+
+    return parse_size(text)
+
+
+def _granularity(text: str):
+    if text == "chunk":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a granularity: {text!r} (a number of tokens >= 1, or 'chunk')")
+    return value
+
+
+def _has(parser: argparse.ArgumentParser, option: str) -> bool:
+    return any(option in action.option_strings for action in parser._actions)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` options."""
+    parser.add_argument("--model", required=True, metavar="DIR", help="target model directory (mlx-lm layout, "
+                        "with its tokenizer files), or a llama-family / gemma3 GGUF file (converted once under "
+                        "$XDG_CACHE_HOME/spec-cache/models, as convert-gguf does)")
+    parser.add_argument("--model-id", metavar="NAME", help="the model name clients send (default: the directory's "
+                        "name)")
+    parser.add_argument("--drafter", metavar="DIR", help="drafter directory")
+    parser.add_argument("--method", choices=DRAFTER_METHODS, help="drafter method (ngram needs no --drafter)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                        help="mlx-lm LoRA adapter directory (repeat to stack)")
+    if not _has(parser, "--cache"):
+        parser.add_argument("--cache", metavar="PATH",
+                            help="store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
+    if not _has(parser, "--shared"):
+        parser.add_argument("--shared", metavar="URL", help="shared tier, a Redis/Valkey URL or a cluster, "
+                            "redis+cluster://host:port[,host:port...] (default: $SPEC_CACHE_SHARED)")
+    parser.add_argument("--no-cache", action="store_true", help="serve without the store")
+    parser.add_argument("--memory-bytes", type=_size, metavar="N", help="memory tier size, e.g. 2G (0: off)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
+                        "only)")
+    parser.add_argument("--port", type=non_negative_int, default=8080, help="TCP port (default 8080; 0: any free port)")
+    parser.add_argument("--max-rows", type=positive_int, default=8, help="rows decoded at once (default 8)")
+    parser.add_argument("--max-queue", type=non_negative_int, default=64,
+                        help="requests that may wait for a row; beyond it the answer is 429 (default 64)")
+    parser.add_argument("--draft-depth", type=non_negative_int, default=4,
+                        help="most tokens the drafter proposes per round (default 4; 0: no drafting)")
+    parser.add_argument("--fixed-depth", action="store_true",
+                        help="always draft --draft-depth tokens (default: only as deep as measured acceptance and "
+                             "verify cost pay)")
+    parser.add_argument("--prefill-step-size", type=positive_int, default=512,
+                        help="prefill chunk in tokens (default 512, as mlx-lm's)")
+    parser.add_argument("--kv-bits", type=positive_int,
+                        help="quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)")
+    parser.add_argument("--kv-group-size", type=positive_int, help="KV quantization group size (default 64)")
+    parser.add_argument("--quantized-kv-start", type=non_negative_int,
+                        help="token position where KV quantization starts (default 5000 with --kv-bits)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' (repeat for several keys; each key is its own "
+                             "cache tenant); also $SPEC_CACHE_API_KEY")
+    parser.add_argument("--api-keys-file", metavar="FILE", help="one API key per line")
+    parser.add_argument("--max-tokens", type=positive_int, default=512, dest="default_max_tokens",
+                        help="max_tokens when a request gives none (default 512)")
+    parser.add_argument("--temperature", type=float, default=0.0, dest="default_temperature",
+                        help="temperature when a request gives none (default 0: greedy, as mlx_lm.server)")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, help="refuse longer prompts (400)")
+    parser.add_argument("--max-body-bytes", type=_size, metavar="SIZE", help="refuse larger request bodies (413, "
+                        "before anything is tokenized; default: 16 bytes per token of the model's context + 64KiB)")
+    parser.add_argument("--max-bytes", type=_size, metavar="SIZE",
+                        help="byte budget of the store (LRU eviction beyond it), e.g. 8GiB (default: what the store "
+                             "holds + half the disk's free space at start, printed at start)")
+    parser.add_argument("--on-damaged-store", choices=["move-aside", "refuse"], default="move-aside",
+                        help="a store too damaged to open (data.mdb truncated or empty): move it aside to "
+                             "<dir>.damaged-<time> (kept for 'spec-cache repair') and start cold with a fresh one "
+                             "(default), or refuse to start")
+    parser.add_argument("--tenant-share", type=fraction, metavar="F",
+                        help="each tenant (API key) may hold at most this fraction of --max-bytes and of the memory "
+                             "tier; beyond it the tenant evicts its own oldest entries (default: no quota; over "
+                             "budget the tenant holding the most bytes is evicted first either way)")
+    parser.add_argument("--tenant-quota", type=_size, metavar="SIZE",
+                        help="each tenant may hold at most SIZE bytes of the store (the smaller of this and "
+                             "--tenant-share holds)")
+    parser.add_argument("--durability", choices=["write-behind", "sync"], default="write-behind",
+                        help="write-behind (default): a checkpoint is written to LMDB after its request answers "
+                             "(a SIGKILL can lose the queued ones); sync: every checkpoint is committed before "
+                             "the row goes on (slower, nothing queued)")
+    if not _has(parser, "--shared-budget"):
+        parser.add_argument("--shared-budget", type=positive_seconds, metavar="S",
+                            help="total time one shared-tier lookup may take, all reads together (default 0.5)")
+    add_shared_secret_options(parser)
+    parser.add_argument("--operator-key", action="append", default=[], metavar="KEY",
+                        help="a key for /metrics (every tenant's series and the server-wide ones) and /health's "
+                             "details; also $SPEC_CACHE_OPERATOR_KEY")
+    parser.add_argument("--operator-key-file", metavar="FILE", help="operator keys, one per line")
+    parser.add_argument("--cached-tokens-granularity", type=_granularity, default="chunk", metavar="N|chunk",
+                        help="report usage.prompt_tokens_details.cached_tokens rounded down to a multiple of N "
+                             "tokens, so a client cannot learn token by token whether a stored prompt starts with "
+                             "what it sends (default 'chunk': the store's chunk size, 256 unless the store was "
+                             "made otherwise; 1: exact)")
+    parser.add_argument("--max-connections", type=positive_int, metavar="N",
+                        help="open connections at most; beyond it the client that waited longest on itself is "
+                             "dropped, else the newcomer gets 503 (default: sized from the descriptor limit)")
+    parser.add_argument("--header-timeout", type=positive_seconds, default=10.0, metavar="S",
+                        help="drop a connection whose request line and headers are not complete S seconds after "
+                             "it opened (or after its previous response; default 10)")
+    parser.add_argument("--body-timeout", type=positive_seconds, default=30.0, metavar="S",
+                        help="drop a connection whose request body is not complete S seconds after its headers "
+                             "(default 30)")
+    parser.add_argument("--checkpoint-every", type=non_negative_int, default=4096, metavar="N",
+                        help="checkpoint every N tokens of a long prefill and of a long generation, besides the "
+                             "prompt boundary and the finish (default 4096; 0: only those two)")
+    parser.add_argument("--max-pin-ttl", type=positive_seconds, default=3600.0, metavar="S",
+                        help="the longest ttl_s a client may give /v1/cache/pin (default 3600)")
+    parser.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
+                        help="compile the GPU kernels of every prompt-length class, batch size and draft depth before "
+                             "reporting ready (spec_cache.warmup: MLX's CUDA backend otherwise compiles them on the "
+                             "first request that needs one, measured up to 36 s); auto: on a GPU only (default)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level (default info)")
+
+
+def register(sub, common: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``spec-cache`` subcommands: ``sub`` is the main parser's subparsers action, ``common``
+    its shared options (``--cache``, ``--shared``, ``--json``). Sets ``fn=main``; returns the subparser."""
+    parser = sub.add_parser("serve", parents=[] if common is None else [common],
+                            help="an OpenAI-compatible HTTP server (chat/completions, streaming) with the cache",
+                            description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.set_defaults(fn=main)
+    return parser
+
+
+def _fail(message: str):
+    from spec_cache.apps.cli.common import CliError
+
+    return CliError(message)
+
+
+def _context_tokens(model_dir: Path) -> int:
+    from spec_cache.apps.cli.common import context_tokens
+
+    return context_tokens(str(model_dir))
+
+
+def build_state(args):
+    """Open the cache, load the model, tokenizer and scheduler from parsed ``args``; returns a ``ServerState``."""
+    from spec_cache.apps.server.limits import import_mlx_lm
+
+    import_mlx_lm()  # first: its setrlimit at import must neither fail (a 1024:1024 container) nor lower the limit
+    from mlx_lm.utils import load_tokenizer
+
+    from spec_cache.apps.server.app import ServerConfig, ServerState
+    from spec_cache.apps.server.auth import Auth, read_keys_file
+    from spec_cache.apps.server.limits import default_store_budget
+    from spec_cache.apps.server.metrics import Metrics
+    from spec_cache.apps.server.scheduler import Scheduler
+    from spec_cache.cache import SpecCache
+    from spec_cache.generator import Generator
+    from spec_cache.namespace import KVOptions
+
+    check_args(args)
+    log = logging.getLogger("spec_cache.apps.server")
+    model_dir, default_id = _model_dir(args.model, log)
+    keys = list(args.api_key)
+    if os.environ.get("SPEC_CACHE_API_KEY"):
+        keys.append(os.environ["SPEC_CACHE_API_KEY"])
+    if args.api_keys_file:
+        keys += read_keys_file(args.api_keys_file)
+    operator_keys = list(args.operator_key)
+    if os.environ.get("SPEC_CACHE_OPERATOR_KEY"):
+        operator_keys.append(os.environ["SPEC_CACHE_OPERATOR_KEY"])
+    if args.operator_key_file:
+        operator_keys += read_keys_file(args.operator_key_file)
+    try:
+        kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                       quantized_kv_start=args.quantized_kv_start)
+    except (TypeError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    cache = None
+    if not args.no_cache:
+        from spec_cache.apps.cli.common import default_cache_dir
+
+        path = getattr(args, "cache", None) or default_cache_dir()
+        shared = getattr(args, "shared", None) or os.environ.get("SPEC_CACHE_SHARED") or None
+        options = {} if args.memory_bytes is None else {"memory_bytes": args.memory_bytes}
+        if shared:
+            options["shared_options"] = shared_options(args)
+        max_bytes = args.max_bytes
+        if max_bytes is None:
+            max_bytes, how = default_store_budget(path)
+            log.info("spec-cache serve: store budget %s (--max-bytes default: %s)", _human(max_bytes), how)
+        else:
+            log.info("spec-cache serve: store budget %s (--max-bytes)", _human(max_bytes))
+        options.update(on_damage=args.on_damaged_store, durability=args.durability,
+                       tenant_share=args.tenant_share, tenant_quota_bytes=args.tenant_quota)
+        cache = SpecCache.open(path, max_bytes=max_bytes, shared=shared, **options)
+    try:
+        generator = Generator.load(model_dir, args.drafter, method=args.method, cache=cache, kv=kv,
+                                   adapters=args.adapter or "", draft_depth=args.draft_depth,
+                                   prefill_step_size=args.prefill_step_size, adaptive=not args.fixed_depth)
+        tokenizer = load_tokenizer(model_dir)
+        _warm_up(generator, args.warmup, log)
+    except (NotImplementedError, ValueError, FileNotFoundError) as exc:
+        if cache is not None:
+            cache.close()
+        raise _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    except BaseException:
+        if cache is not None:
+            cache.close()
+        raise
+    metrics = Metrics()
+    scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics,
+                          checkpoint_every=args.checkpoint_every or None,
+                          eos_token_ids=getattr(tokenizer, "eos_token_ids", None) or ())
+    granularity = args.cached_tokens_granularity
+    if granularity == "chunk":
+        granularity = cache.store.chunk_tokens if cache is not None else 1
+    config = ServerConfig(model_id=args.model_id or default_id, context_tokens=_context_tokens(model_dir),
+                          max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
+                          default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes,
+                          cached_tokens_granularity=granularity, max_pin_ttl_s=args.max_pin_ttl)
+    log.info("spec-cache serve: bodies up to %s; cached_tokens reported in multiples of %d; %s", _human(
+        config.max_body_bytes), granularity, _access(keys, operator_keys))
+    return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
+                       auth=Auth(keys, operator_keys), metrics=metrics, cache=cache,
+                       store_path=None if cache is None else os.path.abspath(path))
+
+
+def _warm_up(generator, mode: str, log) -> None:
+    """``--warmup``: compile the engine's GPU kernels before the server reports ready (``spec_cache.warmup``)."""
+    from spec_cache import warmup
+
+    if mode == "off" or (mode == "auto" and not warmup.wanted(generator.engine)):
+        return
+    report = warmup.warm_up(generator.engine)
+    log.info("spec-cache serve: warm-up compiled in %.1f s (%d runs; slowest: %s, %.1f s)", report.seconds,
+             report.runs, report.slowest[0], report.slowest[1])
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def _model_dir(model: str, log) -> tuple[Path, str]:
+    """The mlx-lm directory to load and the default model id: ``model`` itself, or for a GGUF file its conversion
+    (made once under ``$XDG_CACHE_HOME/spec-cache/models``, as ``demo --real`` does; progress logged) and the
+    file's name without ``.gguf``."""
+    if not _is_gguf(model):
+        return Path(model), Path(model).resolve().name
+    from spec_cache.apps.demo_real import converted_model, resolve_weights
+
+    gguf = Path(model)
+    try:
+        out = converted_model(gguf, resolve_weights("auto"), progress=lambda m: log.info("spec-cache serve: %s", m))
+    except (ValueError, OSError) as exc:  # UnsupportedGGUF is a ValueError
+        raise _fail(f"cannot convert {gguf}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
+                    f"(spec-cache convert-gguf {gguf} DIR, then --model DIR, gives the converter's options)") from None
+    log.info("spec-cache serve: %s converted into %s (reused by later starts)", gguf.name, out)
+    return out, gguf.name[: -len(".gguf")]
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+def _access(keys: list, operator_keys: list) -> str:
+    if not keys and not operator_keys:
+        return "no keys: open to anyone who reaches the port (/metrics and /health details included)"
+    api = f"{len(keys)} API key(s)" if keys else "no API key (/v1 open)"
+    ops = f"{len(operator_keys)} operator key(s)" if operator_keys else "no operator key (server-wide metrics hidden)"
+    return f"{api}, {ops}"
+
+
+def check_args(args) -> None:
+    """The checks ``main`` makes before it listens (a missing directory, a method without its drafter):
+    ``CliError``."""
+    from spec_cache.apps.cli.common import model_args_problem
+
+    problem = model_args_problem(None if _is_gguf(args.model) else args.model, args.drafter, args.method)
+    if problem is not None:
+        raise _fail(problem)
+
+
+def listen(host: str, port: int, backlog: int):
+    """A listening TCP socket on (host, port), bound before anything is loaded, so a taken port is known at once;
+    ``OSError`` when it cannot be bound."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts beside TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(backlog)  # listening: another process cannot bind it too
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def main(args) -> int:
+    """Run the server for parsed ``args`` until SIGINT / SIGTERM. It binds its port first (before the store is
+    opened or the model loaded), then answers 503 while the model loads. Returns 0 after a clean shutdown, 1 when
+    the address could not be bound (one line on stderr); bad options and a failed load raise ``CliError`` (2)."""
+    import uvicorn
+
+    from spec_cache.apps.server import logs
+    from spec_cache.apps.server.app import LoadingApp
+    from spec_cache.apps.server.guard import ConnectionGuard, guarded_protocol
+    from spec_cache.apps.server.limits import connection_budget, raise_nofile_limit
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.install()
+    log = logging.getLogger("spec_cache.apps.server")
+    check_args(args)
+    soft, _ = raise_nofile_limit()  # mlx-lm's own attempt (at import, in build_state) is made harmless there
+    try:
+        max_connections, backlog = connection_budget(soft, args.max_connections)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    try:
+        sock = listen(args.host, args.port, backlog)
+    except OSError as exc:
+        print(f"spec-cache serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc} (another "
+              "server there? pick another --port, or --port 0 for any free one); nothing was loaded",
+              file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    guard = ConnectionGuard(max_connections, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                            max_lingering=backlog)
+    server: uvicorn.Server | None = None
+
+    def failed(exc: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = LoadingApp(lambda: build_state(args), on_failure=failed)
+    app.url = f"http://{host}:{port}"
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=35, lifespan="on", http=guarded_protocol(guard),
+                            backlog=backlog, log_config=None)
+    server = uvicorn.Server(config)
+    log.info("spec-cache serve: loading %s; listening on %s (max rows %d, queue %d; connections %d, "
+             "descriptor limit %d; header/body timeouts %gs/%gs)", args.model, app.url, args.max_rows,
+             args.max_queue, max_connections, soft, args.header_timeout, args.body_timeout)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if app.error is not None:
+        error = app.error
+        raise _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+    return 0 if server.started else 1
+
+
+def run_module(argv: list[str] | None = None) -> int:
+    """``python -m spec_cache.apps.server ARGS``: the ``serve`` options; a usage problem is one line, exit 2."""
+    from spec_cache.apps.cli.common import CliError
+
+    parser = argparse.ArgumentParser(prog="python -m spec_cache.apps.server",
+                                     description="An OpenAI-compatible server on the spec-cache speculative engine.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except CliError as exc:
+        print(f"spec-cache serve: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,614 @@
+"""The scheduler: one thread owns the generator, its engine session and the cache; nothing else touches them.
+
+Why one file of ~500 lines: the scheduler is one thread's loop and the state only it touches (queue,
+admission, checkpoint phases, retries); splitting it would share that state across modules.
+
+HTTP handlers call ``submit`` / ``cancel`` / ``finish`` (thread-safe: they only enqueue) and read the events of
+their ``Job`` through its ``deliver`` callback (which must be thread-safe: the app passes one that hops onto its
+event loop). The thread loops: take every control message, admit waiting jobs while fewer than ``max_rows`` are
+in the batch (each restored from the cache at that moment: memory tier, LMDB, shared tier), run one engine
+round, write the checkpoints that round produced (``cache.save(..., background=True)``: the memory tier at once,
+LMDB behind), and go on; with nothing to do it sleeps on its inbox.
+
+Long prompts and generations (``checkpoint_every=N``): a prompt with more than N tokens left to prefill goes in
+phases: a row for ``prompt[:k*N + 1]`` with ``max_tokens=1`` whose prompt-boundary checkpoint (``k*N`` tokens)
+is saved, then the next phase (or the request itself) restores from it; so a crash mid-prefill, or a later
+request sharing only the head, resumes part-way. Each phase costs one extra one-token round and a restore. A
+decoding row is checkpointed every N generated tokens (``DecodeSession.checkpoint``). Phases are skipped under KV
+quantization (the conversion point depends on the whole prompt's length, so a phase's state would not be
+reusable).
+
+Checkpoints at chosen offsets (``Job.checkpoint_at``, the template seam): a chat request's message boundaries
+(``seam.message_boundaries``), Anthropic ``cache_control`` breakpoints, anything a caller names. An offset inside
+the prompt goes as a prefill phase like the ``checkpoint_every`` ones; ``len(prompt)`` (the end of the prompt, where
+the next turn of a conversation continues, and where a drafter's exact-length row must be stored) goes as a side
+row: once the job's own row has written its prompt-boundary checkpoint (``len(prompt) - 1``), a one-token row for
+``prompt + [any token]`` restores it, forwards the last prompt token and stores its own prompt boundary, which is
+exactly ``prompt`` (its token and its finish checkpoint, which would hold the placeholder, are dropped); the job's
+first token never waits for it. Costs per offset: one restore, one one-token round of a row, one checkpoint copy
+and its write; bounded by ``MAX_CHECKPOINT_AT`` offsets a request, offsets the restored prefix already covers are
+skipped, and so are offsets within ``MIN_CHECKPOINT_GAP`` tokens of the restored prefix or of the prompt boundary.
+
+Retries (continuation checkpoints, ``spec_cache.continuations``): a job whose tokens are a function of the request
+(greedy, or sampled with an explicit seed: ``RowSampler`` keys each position by the seed) leaves, with each of its
+checkpoints (every ``checkpoint_every`` generated tokens, and when it finishes, or when its client goes away: then
+its row is finished, checkpoint written, rather than cancelled), a continuation record of the tokens that
+checkpoint covers: held in this process at once (the last ``CONTINUATIONS``) and written to LMDB after the
+checkpoint is. The same request again (same tenant, prompt, sampling, seed, EOS rule), in this process or after a
+restart or a SIGKILL, gets those tokens replayed at once (as many as the restored state covers) and its row
+continues from the stored ``prompt + tokens`` state, token-identically.
+
+Shared tier (a fleet's Redis/Valkey): its lookups never run on this thread. When a job arrives, a small prefetch
+pool asks the cache for a shared prefix of its prompt (``SpecCache.prefetch_shared``, bounded by the tier's lookup
+budget); the job waits in the queue meanwhile while the batch goes on decoding, and is admitted once its prefetch
+is done. The scheduler's own restore (inside ``SpecCache.shared_via_prefetch()``) takes the prefetched prefix and
+never asks the network, so a slow or hung server delays only the job that needs it, never a stream in the batch.
+
+Back-pressure: at most ``max_rows`` jobs decode at once; up to ``max_queue`` more wait; beyond that ``submit``
+raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
+``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason, generated)`` with reason
+``length``/``eos``/``stop``/``cancelled``, or ``("error", APIError)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from spec_cache.apps.server.protocol import APIError
+from spec_cache.continuations import Continuations, request_key
+from spec_cache.continuations import plan as continuation_plan
+from spec_cache.continuations import record_at as continuation_record
+from spec_cache.continuations import trim as continuation_trim
+from spec_cache.sampling import RowSampling
+from spec_cache.schemas import SchemaError
+
+log = logging.getLogger("spec_cache.apps.server")
+
+#: how many finished generations the retry table remembers
+CONTINUATIONS = 4096
+#: threads of the shared-tier prefetch pool (each lookup is bounded by the tier's budget)
+PREFETCH_WORKERS = 4
+#: a job's prefetch ends by this many lookup budgets after it arrived (time waiting for a pool thread included)
+PREFETCH_BUDGETS = 2.0
+#: at most this many ``checkpoint_at`` offsets a request (the largest are kept: nearest the next turn)
+MAX_CHECKPOINT_AT = 8
+#: a ``checkpoint_at`` offset this close to what is already covered (or to the prompt boundary) is skipped
+MIN_CHECKPOINT_GAP = 16
+
+__all__ = ["Job", "Scheduler", "checkpoint_points", "MAX_CHECKPOINT_AT", "MIN_CHECKPOINT_GAP"]
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation request as the scheduler sees it."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: RowSampling
+    deliver: Callable[[tuple], None]  # thread-safe: called on the scheduler thread
+    tenant: str | None = None  # namespace tenant (API key, cache salt); None: the open namespace
+    stop_at_eos: bool = True
+    arrived: float = field(default_factory=time.perf_counter)
+    # set by the scheduler thread
+    row: int | None = None
+    prepared: Any = None
+    cached_tokens: int = 0
+    generated: int = 0
+    last_token_at: float | None = None
+    finished: bool = False
+    started: bool = False  # "start" delivered (the job's own row was admitted, not a prefill phase)
+    phase_end: int | None = None  # the row decoding now is a prefill phase up to this many prompt tokens
+    prefilled: int = 0  # prompt tokens covered by this job's own phase checkpoints
+    checkpointed_at: int = 0  # generated tokens at the last mid-generation checkpoint
+    #: its tokens are a function of the request (greedy, or an explicit seed): a retry may resume it
+    replayable: bool = False
+    output: list[int] = field(default_factory=list)  # every token delivered (replayed ones included)
+    replayed: int = 0  # tokens replayed from an earlier identical request
+    prefetch: Any = None  # the shared-tier prefetch of its prompt (a Future) while one runs
+    #: prompt offsets (token counts) to checkpoint while prefilling; ``len(prompt)``: the end of the prompt (see
+    #: the module doc; normalised by ``checkpoint_points`` when submitted)
+    checkpoint_at: tuple[int, ...] = ()
+    side: bool = False  # an internal end-of-prompt row (no client; its prompt ends with a placeholder token)
+
+    @property
+    def sequence(self) -> list[int]:
+        """What the engine continues: the prompt and the replayed tokens."""
+        return self.prompt + self.output[: self.replayed]
+
+    def continuation_key(self, ns_key: bytes, eos_token_ids) -> bytes:
+        """The key of its continuation record (``spec_cache.continuations.request_key``)."""
+        return request_key(ns_key, self.prompt, self.sampling, self.stop_at_eos, eos_token_ids)
+
+
+def checkpoint_points(offsets, prompt_tokens: int, limit: int = MAX_CHECKPOINT_AT) -> tuple[int, ...]:
+    """``offsets`` as the sorted distinct ints in ``1..prompt_tokens``, at most ``limit`` of them (the largest)."""
+    points = sorted({int(k) for k in offsets if 1 <= int(k) <= prompt_tokens})
+    return tuple(points[-limit:]) if limit > 0 else ()
+
+
+def random_seed() -> int:
+    return secrets.randbits(62)
+
+
+class Scheduler:
+    """See the module doc. ``generator``: a loaded ``spec_cache.generator.Generator``."""
+
+    def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None,
+                 checkpoint_every: int | None = None, eos_token_ids=()) -> None:
+        if max_rows < 1 or max_queue < 0:
+            raise ValueError("max_rows must be >= 1 and max_queue >= 0")
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be None or >= 1")
+        self.checkpoint_every = checkpoint_every if generator.cache is not None else None
+        #: the model's EOS ids and the tokenizer's (a chat model's end-of-turn token is often only the latter)
+        self.eos_token_ids = tuple(sorted(set(generator.eos_token_ids) | {int(t) for t in eos_token_ids}))
+        self.generator = generator
+        self.max_rows = max_rows
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._outstanding = 0  # submitted and not finished (waiting + decoding)
+        self._decoding = 0
+        self._accepting = True
+        self._stop = threading.Event()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._rows: dict[int, Job] = {}
+        self._saves: list[tuple] = []
+        self._ns_keys: dict[str | None, bytes | None] = {}
+        self._session = None
+        #: continuation records (memory, then LMDB); None without a cache
+        self._continuations = None if generator.cache is None else Continuations.of(generator.cache)
+        if self._continuations is not None:
+            self._continuations.memory_records = CONTINUATIONS
+        self.replayed_tokens = 0  # tokens answered from continuation records (a gauge of /metrics)
+        self._side_rows: list[Job] = []  # end-of-prompt rows, queued once their job's boundary checkpoint is stored
+        self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
+        self.error: BaseException | None = None
+        cache = generator.cache
+        self._prefetcher = None  # shared-tier lookups happen here, never on the scheduler thread
+        if cache is not None and getattr(cache, "shared", None) is not None:
+            self._prefetcher = concurrent.futures.ThreadPoolExecutor(PREFETCH_WORKERS,
+                                                                     thread_name_prefix="spec-cache-prefetch")
+
+    # -- any thread ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread (idempotent)."""
+        if self._thread.ident is None:
+            self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs accepted and not yet decoding."""
+        with self._lock:
+            return self._outstanding - self._decoding
+
+    @property
+    def active_rows(self) -> int:
+        with self._lock:
+            return self._decoding
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; ``APIError(429)`` when ``max_rows + max_queue`` jobs are already in, 503 when stopping."""
+        with self._lock:
+            if not self._accepting or not self._thread.is_alive():
+                raise APIError(503, "the server is shutting down", code="unavailable")
+            if self._outstanding >= self.max_rows + self.max_queue:
+                raise APIError(429, f"the server is overloaded ({self.max_rows} rows decoding, {self.max_queue} "
+                               "waiting); retry later", code="overloaded", headers={"Retry-After": "1"})
+            self._outstanding += 1
+        job.checkpoint_at = checkpoint_points(job.checkpoint_at, len(job.prompt))
+        self._inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the row leaves at once (no finish checkpoint)."""
+        self._inbox.put(("cancel", job))
+
+    def finish(self, job: Job) -> None:
+        """A stop string matched: the row leaves as done (its finish checkpoint is written)."""
+        self._inbox.put(("finish", job))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the scheduler thread between rounds (it owns the cache: ``/v1/cache/...``); its result
+        or exception comes in the returned future. 503 when stopping."""
+        with self._lock:
+            if not self._accepting or not self._thread.is_alive():
+                raise APIError(503, "the server is shutting down", code="unavailable")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # the caller's to answer (an APIError, a typed cache error)
+                    future.set_exception(exc)
+        self._inbox.put(("call", run))
+        return future
+
+    def stop(self, drain_timeout: float = 30.0) -> None:
+        """Stop accepting, let the jobs in finish (up to ``drain_timeout`` s; then cancel them), write the pending
+        checkpoints and end the thread."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline and self._thread.is_alive():
+            with self._lock:
+                if self._outstanding == 0:
+                    break
+            time.sleep(0.02)
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout=max(5.0, drain_timeout))
+
+    # -- the scheduler thread -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        cache = self.generator.cache
+        shared_off_thread = cache.shared_via_prefetch() if self._prefetcher is not None else contextlib.nullcontext()
+        try:
+            with shared_off_thread:
+                self._run()
+        except BaseException as exc:  # pragma: no cover - a bug: fail every job rather than hang its client
+            log.exception("spec-cache: the scheduler thread failed")
+            self.error = exc
+            with self._lock:
+                self._accepting = False
+        finally:
+            self._shutdown()
+
+    def _run(self) -> None:
+        self._session = self._new_session()
+        while True:
+            self._take_messages(block=not (self._ready() or self._session.busy))
+            if self._stop.is_set():
+                break
+            self._admit()
+            if self._session.busy:
+                self._step()
+            self._write_checkpoints()
+            if self._side_rows:  # after the write: they restore the boundary their job just stored
+                self._pending.extend(self._side_rows)
+                self._side_rows.clear()
+
+    def _new_session(self):
+        generator = self.generator
+        return generator.engine.session(eos_token_ids=self.eos_token_ids, on_checkpoint=self._on_checkpoint)
+
+    def _take_messages(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, job: Job | None) -> None:
+        if kind == "call":  # ``call``: job is the wrapped function
+            job()
+        elif kind == "submit":
+            self._pending.append(job)
+            self._prefetch(job)
+        elif kind in ("cancel", "finish"):
+            if job.finished:
+                return
+            if job.row is None:
+                if job in self._pending:
+                    self._pending.remove(job)
+                    self._done(job, "cancelled")
+                return
+            if kind == "cancel" and not (job.replayable and self.generator.cache is not None):
+                self._session.cancel(job.row)
+            else:  # a replayable job keeps what it generated, for a retry
+                self._session.finish(job.row)
+
+    def _ns_key(self, tenant: str | None) -> bytes | None:
+        if tenant not in self._ns_keys:
+            self._ns_keys[tenant] = self.generator.namespace_key(tenant)
+        return self._ns_keys[tenant]
+
+    def _prefetch(self, job: Job) -> None:
+        """Start the shared-tier lookup of a new job's prompt on the prefetch pool (none without a shared tier,
+        for a prompt nothing stored can help, or one LMDB already covers: ``prefetch_shared`` returns at once)."""
+        if self._prefetcher is None or len(job.prompt) < 2:
+            return
+        generator = self.generator
+        usable = generator.usable_rule(len(job.prompt))
+        if usable is None:
+            return
+        ns_key = self._ns_key(job.tenant)
+        budget = generator.cache.shared.config.lookup_budget_s
+        deadline = time.monotonic() + PREFETCH_BUDGETS * budget
+        tokens = job.prompt[:-1]
+
+        def run() -> None:
+            try:
+                generator.cache.prefetch_shared(ns_key, tokens, generator.drafter_namespace, deadline, usable=usable)
+            except Exception:  # never: prefetch_shared turns failures into misses; a job must not wait on a bug
+                log.exception("spec-cache: shared prefetch failed")
+        try:
+            job.prefetch = self._prefetcher.submit(run)
+        except RuntimeError:  # the pool is shut down (stopping): restore without it
+            return
+        job.prefetch.add_done_callback(lambda _future: self._inbox.put(("wake", None)))
+
+    def _ready(self) -> bool:
+        """Whether a waiting job can be admitted now (its prefetch, if any, is done)."""
+        return any(job.prefetch is None or job.prefetch.done() for job in self._pending)
+
+    def _next_ready(self) -> Job | None:
+        """The first waiting job whose prefetch is done (taken off the queue), or None."""
+        for job in self._pending:
+            if job.prefetch is None or job.prefetch.done():
+                self._pending.remove(job)
+                job.prefetch = None
+                return job
+        return None
+
+    def _admit(self) -> None:
+        session = self._session
+        while self._pending and session.active_count + session.waiting_count < self.max_rows:
+            job = self._next_ready()
+            if job is None:
+                break  # the rest wait for their shared-tier prefetch (the batch decodes meanwhile)
+            try:
+                if not self._submit(job):
+                    continue  # answered from the retry table alone
+            except Exception as exc:  # a request the engine refuses: this job fails, the others go on
+                log.warning("spec-cache: request refused: %s", exc)
+                self._fail(job, APIError(400, f"the engine refused the request: {exc}"))
+                continue
+            self._rows[job.row] = job
+            with self._lock:
+                self._decoding += 1
+            if job.phase_end is None and not job.started:
+                self._start(job, job.cached_tokens)
+            if job.phase_end is None and not job.side:
+                self._queue_side_row(job)
+
+    def _queue_side_row(self, job: Job) -> None:
+        """The end-of-prompt row of ``job`` (its own row was just admitted), when asked for and not stored yet."""
+        end = len(job.prompt)
+        if (end not in job.checkpoint_at or job.replayed or end < 2 or self.generator.cache is None
+                or self.generator.engine.plan is not None or job.prepared.cached_tokens >= end):
+            return
+        side = Job(prompt=job.prompt + [job.prompt[-1]], max_tokens=1, sampling=job.sampling,
+                   deliver=lambda _event: None, tenant=job.tenant, side=True, arrived=job.arrived)
+        with self._lock:
+            self._outstanding += 1
+        self._side_rows.append(side)
+
+    def _start(self, job: Job, cached_tokens: int) -> None:
+        """Deliver ``start`` (and the replayed tokens, for a retry)."""
+        job.started, job.cached_tokens = True, cached_tokens
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+            self.metrics.cached_tokens.inc(cached_tokens)
+        job.deliver(("start", cached_tokens))
+        if job.replayed:
+            self.replayed_tokens += job.replayed
+            job.deliver(("tokens", job.output[: job.replayed]))
+
+    def _submit(self, job: Job) -> bool:
+        """Restore ``job`` (or its next prefill phase) from the cache and put its row into the session; False when
+        the retry table answered it whole (no row)."""
+        generator, ns_key = self.generator, self._ns_key(job.tenant)
+        first = job.prepared is None
+        if first and job.replayable and self._replay(job):
+            return False
+        sequence, budget = job.sequence, job.max_tokens - job.replayed
+        job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key)
+        job.prepared.request.stop_at_eos = job.stop_at_eos
+        if first:  # what the cache held of the prompt before this request
+            job.cached_tokens = min(job.prepared.cached_tokens, len(job.prompt) - 1)
+            if job.replayed:
+                job.replayed = continuation_trim(job.prepared, len(job.prompt), job.replayed)
+                del job.output[job.replayed:]
+                job.generated = job.checkpointed_at = job.replayed
+                sequence, budget = job.sequence, job.max_tokens - job.replayed
+                self._start(job, job.cached_tokens)
+        job.phase_end = self._phase_end(job)
+        if job.phase_end is not None:  # the same restored state, a shorter prompt: prefill up to phase_end
+            job.prepared.request = dataclasses.replace(job.prepared.request, prompt=sequence[: job.phase_end + 1],
+                                                       max_tokens=1, sampling=None)
+        try:
+            job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
+                                           on_finish=self._on_finish, submitted_at=job.arrived)
+        except (ValueError, SchemaError) as exc:
+            if not job.prepared.cached_tokens:
+                raise
+            # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
+            log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
+            job.phase_end = self._phase_end(job) if job.side else None  # a side row stays one (its placeholder)
+            job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
+            job.prepared.request.stop_at_eos = job.stop_at_eos
+            job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
+                                           on_finish=self._on_finish, submitted_at=job.arrived)
+        return True
+
+    def _replay(self, job: Job) -> bool:
+        """Deliver what an identical earlier request generated; True when that answers the job whole."""
+        if self._continuations is None or job.side:
+            return False
+        ns_key = self._ns_key(job.tenant)
+        previous = self._continuations.get(job.continuation_key(ns_key, self.eos_token_ids), ns_key, len(job.prompt))
+        replay, ended = continuation_plan(previous, job.max_tokens, job.stop_at_eos, self.eos_token_ids,
+                                          partial=self.generator.engine.plan is None)
+        if not replay:
+            return False
+        # the row continues from prompt + replay, restored from the checkpoint the earlier request left; ``_submit``
+        # keeps only as many replayed tokens as the restored state covers (``continuations.trim``)
+        job.replayed, job.output = len(replay), list(replay)
+        job.generated = job.checkpointed_at = len(replay)
+        job.last_token_at = time.perf_counter()
+        if ended:
+            self._start(job, len(job.prompt) - 1)  # nothing forwarded at all
+            reason = "length" if len(replay) == job.max_tokens and replay[-1] not in self.eos_token_ids else "eos"
+            self._done(job, reason if job.stop_at_eos else "length")
+            return True
+        return False
+
+    def _phase_end(self, job: Job) -> int | None:
+        """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now (a side row:
+        always its end-of-prompt boundary)."""
+        if job.side:
+            return len(job.prompt) - 1
+        every = self.checkpoint_every
+        if self.generator.engine.plan is not None or (every is None and not job.checkpoint_at):
+            return None
+        covered = max(job.prepared.cached_tokens, job.prefilled)
+        boundary = len(job.sequence) - 1
+        ends = [(covered // every + 1) * every] if every is not None else []
+        ends += [k for k in job.checkpoint_at
+                 if k - covered >= MIN_CHECKPOINT_GAP and boundary - k >= MIN_CHECKPOINT_GAP]
+        end = min(ends, default=None)
+        return end if end is not None and end < boundary else None
+
+    def _step(self) -> None:
+        try:
+            self._session.step()
+        except Exception as exc:
+            log.exception("spec-cache: an engine step failed; failing the rows in the batch")
+            jobs = list(self._rows.values())
+            self._rows.clear()
+            self._saves.clear()
+            try:
+                self._session.close()
+            finally:
+                self._session = self._new_session()
+            for job in jobs:
+                self._fail(job, APIError(500, f"generation failed: {type(exc).__name__}: {exc}",
+                                         code="engine_error"))
+
+    def _on_tokens(self, row: int, tokens: list) -> None:
+        job = self._rows.get(row)
+        if job is None or job.phase_end is not None:
+            return
+        now = time.perf_counter()
+        if self.metrics is not None:
+            if job.last_token_at is None:
+                self.metrics.ttft.observe(now - job.arrived)
+                following = len(tokens) - 1
+            else:
+                following = len(tokens)
+                for _ in range(following):
+                    self.metrics.token_latency.observe((now - job.last_token_at) / following)
+            self.metrics.generated_tokens.inc(len(tokens))
+        job.last_token_at = now
+        job.generated += len(tokens)
+        job.output += tokens
+        job.deliver(("tokens", list(tokens)))
+        every = self.checkpoint_every
+        if every is not None and job.generated - job.checkpointed_at >= every and job.generated < job.max_tokens:
+            job.checkpointed_at = job.generated
+            self._session.checkpoint(row)  # taken at the end of this step
+
+    def _on_finish(self, row: int, result) -> None:
+        job = self._rows.pop(row, None)
+        if job is None:
+            return
+        with self._lock:
+            self._decoding -= 1
+        if job.side:
+            self._done(job, "length")
+            return
+        if job.phase_end is not None and not result.cancelled:
+            job.prefilled, job.phase_end, job.row = job.phase_end, None, None
+            self._pending.appendleft(job)  # the next phase (or the job itself) restores from this one
+            return
+        self._done(job, result.reason or ("cancelled" if result.cancelled else "length"))
+
+    def _on_checkpoint(self, row: int, tokens: list, caches: list, draft) -> None:
+        job = self._rows.get(row)
+        if job is None or self.generator.cache is None:
+            return
+        if job.phase_end is not None and len(tokens) != job.phase_end:
+            return  # a prefill phase: only its prompt-boundary checkpoint is worth keeping
+        record = self._continuation_record(job, tokens)
+        if job.prepared.needs_save(tokens, draft, self.generator.drafter_namespace):
+            self._saves.append((tokens, caches, draft, job.prepared.ns_key, record))  # written after the step
+        elif record is not None:  # the state is stored already: only the record is new
+            self._continuations.persist(record)
+
+    def _continuation_record(self, job: Job, tokens: list):
+        """The continuation record a checkpoint of ``tokens`` supports (held in memory at once), or None."""
+        if not job.replayable or job.side or job.phase_end is not None or self._continuations is None:
+            return None
+        ns_key = job.prepared.ns_key
+        record = continuation_record(job.continuation_key(ns_key, self.eos_token_ids), ns_key, job.prompt,
+                                     job.output, len(tokens), finished=job.generated >= job.max_tokens or
+                                     bool(job.output) and job.output[-1] in self.eos_token_ids)
+        if record is not None:
+            self._continuations.remember(record)
+        return record
+
+    def _write_checkpoints(self) -> None:
+        saves, self._saves = self._saves, []
+        for tokens, caches, draft, ns_key, *record in saves:
+            # a continuation record goes to LMDB once its checkpoint is there (never claims more than it covers)
+            then = None if not record or record[0] is None else (
+                lambda _result, record=record[0]: self._continuations.persist(record))
+            try:
+                self.generator.save_checkpoint(tokens, caches, draft, ns_key=ns_key, background=True, then=then)
+            except Exception:  # a cache never takes the server down
+                log.exception("spec-cache: checkpoint of %d tokens not stored", len(tokens))
+
+    def _done(self, job: Job, reason: str) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        with self._lock:
+            self._outstanding -= 1
+        job.deliver(("done", reason, job.generated))
+
+    def _fail(self, job: Job, error: APIError) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        with self._lock:
+            self._outstanding -= 1
+            if job.row is not None:
+                self._decoding -= 1
+        job.deliver(("error", error))
+
+    def _shutdown(self) -> None:
+        """Cancel what is left (a drain that timed out), write the checkpoints taken so far, free the batch."""
+        with self._lock:
+            self._accepting = False
+        session = self._session
+        for job in list(self._rows.values()):
+            try:
+                session.cancel(job.row)
+            except Exception:  # pragma: no cover - the session may be broken after a failure
+                self._rows.pop(job.row, None)
+                self._fail(job, APIError(503, "the server is shutting down", code="unavailable"))
+        self._pending.extend(self._side_rows)
+        self._side_rows.clear()
+        while self._pending:
+            self._done(self._pending.popleft(), "cancelled")
+        while True:  # submissions that raced with the stop
+            try:
+                kind, job = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._done(job, "cancelled")
+        self._write_checkpoints()
+        if self._prefetcher is not None:
+            # a lookup under way ends within its budget; the cache (closed after this thread) outlives it
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        if session is not None:
+            session.close()

@@ -1,5 +1,0 @@
-import sys
-
-from .cli import run_module
-
-sys.exit(run_module())

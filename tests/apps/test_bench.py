@@ -1,0 +1,31 @@
+"""CI smoke test of the benchmarks: ``spec-cache bench --quick --json`` runs and prints one well-formed object.
+
+Figures are not asserted (speed is for BENCHMARKS.md, never for tests); only that every section produced its
+ratios, each a positive finite number, and that each goal is reported met or missed.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_quick_bench_runs_and_prints_json():
+    run = subprocess.run([sys.executable, "-m", "spec_cache", "bench", "--quick", "--json"], capture_output=True,
+                         text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["mode"] == "quick"
+    for name in ("identity_vs_blake3", "identity_memo_ms", "put_vs_mlx_lm_save", "restore_vs_mlx_lm_load",
+                 "lookup_growth", "dedup_bytes_ratio", "restore_vs_prefill_1k", "spec_batch_speedup",
+                 "restored_vs_cold_decode", "memory_restore_vs_mlx_lm_load", "checkpoint_write_overhead",
+                 "write_amplification"):
+        value = result["figures"][name]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, name
+    assert all(isinstance(g["met"], bool) for g in result["goals"].values())
+    assert {"cpu", "cores", "blas", "mlx"} <= set(result["machine"])
+    amp = result["details"]["write_amp"]  # a real server wrote each turn, and each later turn restored the earlier
+    assert len(amp["bytes_written_per_turn"]) == amp["turns"] and all(b > 0 for b in amp["bytes_written_per_turn"])
+    assert all(later > earlier for earlier, later in zip(amp["cached_tokens_per_turn"],
+                                                          amp["cached_tokens_per_turn"][1:]))

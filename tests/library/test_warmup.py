@@ -1,0 +1,88 @@
+"""spec_cache.warmup: the kernel warm-up runs every class it promises, writes nothing, changes no token.
+
+On the CPU there is nothing to compile, so these tests check the behaviour that holds everywhere (what runs, what
+it leaves behind), not the GPU compile time it saves (measured on the H200: tools/device/shape_compile.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from spec_cache import warmup
+from spec_cache.store import maintenance
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+
+    root = tmp_path_factory.mktemp("warmup")
+    target = write_tiny_target(root / "target", seed=5)
+    drafter = write_tiny_drafter(root / "draft", "draft-model", target, seed=5)
+    return target, drafter
+
+
+def _prompts() -> list[list[int]]:
+    return [[3 + (i * 11) % 90 for i in range(n)] for n in (9, 30)]
+
+
+def test_warm_up_covers_every_class_and_writes_nothing(models, tmp_path):
+    from spec_cache import Generator, SpecCache
+
+    target, drafter = models
+    with SpecCache.open(tmp_path / "cache") as cache:
+        gen = Generator.load(target, drafter, method="draft-model", cache=cache, draft_depth=3,
+                             prefill_step_size=64)
+        report = warmup.warm_up(gen.engine)
+        labels = [label for label, _ in report.timings]
+        assert [f"prompt {n + 1}" for n in warmup.BASE_LENGTHS if n <= 64] == labels[:len(labels) - 4 - 6]
+        assert {"1 rows", "2 rows", "4 rows", "8 rows"} <= set(labels)
+        assert {f"depth {d}, {r} rows" for d in (1, 2, 3) for r in (1, 2)} <= set(labels)
+        assert report.runs == len(labels) and report.seconds > 0 and report.slowest[0] in labels
+        assert cache.drain()
+        assert maintenance.entries(cache.store) == [] and cache.memory_stats().get("entries", 0) == 0
+        warm = gen.generate(_prompts(), max_tokens=12)
+    cold_gen = Generator.load(target, drafter, method="draft-model", draft_depth=3, prefill_step_size=64)
+    cold = cold_gen.generate(_prompts(), max_tokens=12)
+    assert [r.tokens for r in warm] == [r.tokens for r in cold]
+
+
+def test_warm_up_respects_max_rows_and_plain_engines(models):
+    from spec_cache.engine import SpeculativeEngine
+    from spec_cache.target import TargetModel
+
+    target, _ = models
+    engine = SpeculativeEngine(TargetModel.load(target), None, 0, max_rows=2, prefill_step_size=16)
+    report = warmup.warm_up(engine, lengths=[1, 5])
+    assert [label for label, _ in report.timings] == ["prompt 2", "prompt 6", "1 rows", "2 rows"]
+
+
+def test_wanted_only_on_a_gpu(models):
+    import mlx.core as mx
+
+    assert warmup.wanted(None) == (mx.default_device() == mx.gpu)
+
+
+def test_serve_warmup_on_reports_ready_after_the_warm_up(models, tmp_path):
+    from tests.apps.test_server import Server
+
+    target, _ = models
+    srv = Server(Path(target), tmp_path / "store", tmp_path, "--warmup", "on", "--prefill-step-size", "64",
+                 probe_while_loading=False)
+    try:
+        assert "warm-up compiled in" in srv.log.read_text()  # before /health said ready
+        assert srv.metric("spec_cache_memory_tier_entries") == 0  # the warm-up stored nothing
+        reply = httpx.post(srv.url + "/v1/completions", headers=srv.headers(), timeout=60,
+                           json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        srv.stop()
+    off = Server(Path(target), tmp_path / "store-off", tmp_path, "--warmup", "off")
+    try:
+        assert "warm-up compiled in" not in off.log.read_text()
+    finally:
+        off.stop()

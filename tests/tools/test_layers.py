@@ -1,0 +1,88 @@
+"""The import-layer rule (tools/check_layers.py): this tree keeps it, and each kind of violation seeded into a
+small tree of the same shape is caught, whether the import sits at module level or inside a function."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+import check_layers  # noqa: E402
+
+CLEAN = {
+    "schemas/__init__.py": "from .core import Schema\n",
+    "schemas/core.py": "import json\n\nclass Schema:\n    pass\n",
+    "store/__init__.py": "from .codec import encode\nfrom spec_cache.schemas import Schema\n",
+    "store/codec.py": ("from ..schemas.core import Schema\nfrom spec_cache import schemas\n\n"
+                       "def encode():\n    from spec_cache.store import codec\n    return codec, Schema, schemas\n"),
+    "spec_cache/__init__.py": "",
+    "spec_cache/runtime.py": "import mlx.core as mx\nfrom spec_cache.store import encode\n",
+    "spec_cache/identity.py": ("from typing import TYPE_CHECKING\nfrom spec_cache.store import encode\n"
+                               "if TYPE_CHECKING:\n    from .runtime import mx\n\n"
+                               "def load():\n    import mlx.core\n    from . import runtime\n"),
+    "spec_cache/namespace.py": "from .jsjson import dumps\n",
+    "spec_cache/jsjson.py": "import json\ndumps = json.dumps\n",
+    "spec_cache/apps/__init__.py": "",
+    "spec_cache/apps/cli/__init__.py": "from . import inspect\n",
+    "spec_cache/apps/cli/inspect.py": "from spec_cache.identity import load\n",
+}
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def test_this_tree_keeps_the_layers():
+    assert check_layers.check(REPO) == []
+
+
+def test_the_script_runs_on_this_tree():
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "check_layers.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_clean_seeded_tree_passes(tmp_path):
+    assert check_layers.check(write_tree(tmp_path, CLEAN)) == []
+
+
+SEEDED = [
+    # (file, text appended, words expected in the one violation line)
+    ("schemas/core.py", "from spec_cache.store import encode\n", ["schemas/core.py:5", "spec_cache.store"]),
+    ("schemas/core.py", "def f():\n    from ..store import codec\n", ["schemas/core.py:6", "spec_cache.store.codec"]),
+    ("schemas/core.py", "def f():\n    import spec_cache.identity\n", ["spec_cache.identity"]),
+    ("schemas/core.py", "def f():\n    import mlx.core\n", ["schemas/core.py:6", "mlx.core", "no MLX"]),
+    ("store/codec.py", "def g():\n    from spec_cache.runtime import mx\n", ["store/codec.py:8", "spec_cache.runtime"]),
+    ("store/codec.py", "from spec_cache import identity\n", ["store/codec.py:7", "spec_cache.identity"]),
+    ("store/codec.py", "from .. import namespace\n", ["spec_cache.namespace"]),
+    ("store/codec.py", "import mlx_lm\n", ["store/codec.py:7", "mlx_lm"]),
+    ("store/codec.py", "def g():\n    from mlx_lm.models import cache\n", ["mlx_lm.models"]),
+    ("spec_cache/runtime.py", "from store import encode\n", ["spec_cache/runtime.py:3", "spec_cache.store"]),
+    ("spec_cache/jsjson.py", "import mlx.core\n", ["spec_cache/jsjson.py:3", "spec_cache.jsjson", "MLX"]),
+    ("spec_cache/jsjson.py", "from . import runtime\n", ["spec_cache.jsjson", "spec_cache.runtime", "mlx"]),
+    ("spec_cache/identity.py", "from .runtime import mx as loaded\n", ["spec_cache.identity", "spec_cache.runtime"]),
+    ("spec_cache/apps/cli/inspect.py", "try:\n    from ...runtime import mx\nexcept ImportError:\n    pass\n",
+     ["spec_cache.apps.cli.inspect", "spec_cache.runtime"]),
+]
+
+
+@pytest.mark.parametrize("rel, extra, words", SEEDED, ids=[f"{r}+{e.strip().splitlines()[-1]}" for r, e, _ in SEEDED])
+def test_a_seeded_violation_is_caught(tmp_path, rel, extra, words):
+    files = dict(CLEAN)
+    files[rel] = files[rel] + extra
+    problems = check_layers.check(write_tree(tmp_path, files))
+    assert problems, f"{rel} + {extra!r} was not caught"
+    hits = [p for p in problems if all(w in p for w in words)]
+    assert hits, problems
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "check_layers.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and hits[0] in out.stdout
