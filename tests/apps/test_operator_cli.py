@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import NS_A, REPO, cache, cli, env, ok, one_json, usage_error  # noqa: F401 (fixtures)
 
 from spec_cache import __version__
 from spec_cache.apps.cli import build_parser
 from spec_cache.store import Store, StoreError, maintenance
 from spec_cache.store import compact as compact_module
+from tests.apps.test_cli import NS_A, REPO, cache, cli, env, ok, one_json, usage_error  # noqa: F401 (fixtures)
 
 
 def digest(store: Path) -> str:

@@ -339,7 +339,7 @@ def test_good_tool_requests_are_normalised():
 # -- end to end: spec-cache serve with the official openai client ------------------------------------------------
 @pytest.fixture(scope="module")
 def server(scripted, tmp_path_factory):
-    from test_server import Server, stopped
+    from tests.apps.test_server import Server, stopped
 
     tmp = tmp_path_factory.mktemp("serve-tools")
     srv = Server(scripted["hermes"], tmp / "store", tmp, "--max-tokens", "16")
@@ -408,7 +408,7 @@ def test_bad_tool_requests_get_openai_400s(server):
 
 
 def test_a_template_without_tool_support_serves_calls_through_the_fallback(scripted, tmp_path):
-    from test_server import Server, stopped
+    from tests.apps.test_server import Server, stopped
 
     srv = Server(scripted["plain"], tmp_path / "store", tmp_path, "--max-tokens", "16")
     try:

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from drafter_dedup_data import (
+
+import spec_cache.store as S
+from spec_cache.store import Store
+from spec_cache.store.codec import decode_record
+from spec_cache.store.gc import gc
+from spec_cache.store.index import Index
+from spec_cache.store.pieces import PIECE_ROW_PREFIX
+from spec_cache.store.read import read_attachment, whole_draft_record
+from spec_cache.store.verify import index_problems, verify
+from tests.drafter_dedup_data import (
     CHUNK,
     DRAFTER,
     NS,
@@ -25,15 +34,6 @@ from drafter_dedup_data import (
     target_layers,
     write_store,
 )
-
-import spec_cache.store as S
-from spec_cache.store import Store
-from spec_cache.store.codec import decode_record
-from spec_cache.store.gc import gc
-from spec_cache.store.index import Index
-from spec_cache.store.pieces import PIECE_ROW_PREFIX
-from spec_cache.store.read import read_attachment, whole_draft_record
-from spec_cache.store.verify import index_problems, verify
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "store_1_1_drafters.tar.gz"
 
