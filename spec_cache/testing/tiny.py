@@ -32,6 +32,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from spec_cache.testing import tiny_writers  # the module, so a test can replace its write_tiny_drafter_extra
+from spec_cache.testing.tiny_writers import copied_weight, no_options_left, plain_norm, write_projected
+
 __all__ = ["ARCHITECTURES", "write_tiny_target", "write_tiny_drafter", "write_tiny_adapter", "write_tiny_tokenizer"]
 
 #: model_type -> (HF architecture name, whether the config carries head_dim)
@@ -247,13 +250,11 @@ def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, se
     """
     path = Path(path)
     if method in ("qwen-mtp", "dflash2"):
-        from spec_cache.testing.tiny_writers import write_tiny_drafter_extra
-
-        return write_tiny_drafter_extra(path, method, target_dir, seed, **options)
+        return tiny_writers.write_tiny_drafter_extra(path, method, target_dir, seed, **options)
     if method == "ngram":
         path.mkdir(parents=True, exist_ok=True)
         config = {"method": "ngram", "max": options.pop("max", 3), "min": options.pop("min", 1)}
-        _no_options_left(method, options)
+        no_options_left(method, options)
         (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         return path
     target_dir = Path(target_dir)
@@ -264,28 +265,14 @@ def write_tiny_drafter(path: str | Path, method: str, target_dir: str | Path, se
     elif method == "assistant":
         _write_assistant(path, target_config, weights, seed, options.pop("donor_layers", None), options.pop("hidden_mix", 0.1))
     elif method in ("deepspec", "dflash"):
-        _write_projected(path, method, target_config, weights, seed, options.pop("layers", 1),
+        write_projected(path, method, target_config, weights, seed, options.pop("layers", 1),
                          options.pop("taps", None), options.pop("gamma", 4), options.pop("noise", 0.05),
                          options.pop("num_target_layers", None))
     else:
         raise ValueError(f"unknown drafter method {method!r}; known: assistant, draft-model, ngram, deepspec, dflash, "
                          "qwen-mtp, dflash2")
-    _no_options_left(method, options)
+    no_options_left(method, options)
     return path
-
-
-def _as_plain_norm(target_config: dict, weight: mx.array) -> mx.array:
-    """A target norm weight for the drafters' plain RMSNorm (gemma norms multiply by ``1 + w``)."""
-    return weight + 1.0 if target_config["model_type"] == "gemma3_text" else weight
-
-
-def _copied(target_config: dict, name: str, weight: mx.array) -> mx.array:
-    return _as_plain_norm(target_config, weight) if name.endswith("norm.weight") else weight
-
-
-def _no_options_left(method: str, options: dict) -> None:
-    if options:
-        raise TypeError(f"unknown option(s) for {method}: {', '.join(sorted(options))}")
 
 
 def _write_draft_model(path: Path, target_config: dict, weights: dict, layers: int) -> None:
@@ -378,7 +365,7 @@ def _write_assistant(
     drawn = {
         "hidden_norm.weight": mx.ones((hidden,)),
         "input_proj.weight": mx.random.normal((hidden, hidden), key=key) * (hidden_mix / hidden**0.5),
-        "norm.weight": _as_plain_norm(target_config, weights["model.norm.weight"]),
+        "norm.weight": plain_norm(target_config, weights["model.norm.weight"]),
     }
     copied = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.o_proj.weight",
               "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -388,7 +375,7 @@ def _write_assistant(
         copied += ("self_attn.q_norm.weight", "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
     for index, layer in enumerate(copies):
         for name in copied:
-            drawn[f"layers.{index}.{name}"] = _copied(target_config, name, weights[f"model.layers.{layer}.{name}"])
+            drawn[f"layers.{index}.{name}"] = copied_weight(target_config, name, weights[f"model.layers.{layer}.{name}"])
     network.load_weights(list(drawn.items()), strict=True)
     _save(path, config.to_dict(), dict(tree_flatten(network.parameters())))
 
@@ -432,65 +419,3 @@ def write_tiny_adapter(
     (path / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     mx.save_safetensors(str(path / "adapters.safetensors"), drawn)
     return path
-
-
-def _write_projected(path: Path, method: str, target_config: dict, weights: dict, seed: int, layers: int,
-                     taps: list | None, gamma: int, noise: float, num_target_layers: int | None) -> None:
-    """A projected-context drafter whose layers copy the target's last ``layers`` layers.
-
-    The context of the first copied layer ``d`` should be that layer's input: the tap is the output of layer
-    ``d - 1``, ``fc`` passes it through (plus ``noise``) and ``hidden_norm`` is layer ``d``'s input norm, so the
-    drafter's context K/V approximate the target's own K/V of layer ``d``. The drafted tokens enter as plain
-    embeddings (skipping layers ``0..d-1``), which is what makes the drafts imperfect.
-    """
-    from spec_cache.drafters.projected import ProjectedConfig, ProjectedNetwork
-
-    if target_config["model_type"] == "gemma4_text":  # KV-shared layers, Gemma 4 blocks: drafters.tiny_writers
-        from spec_cache.testing.tiny_writers import write_projected_gemma4
-
-        return write_projected_gemma4(path, method, target_config, weights, seed, layers, taps, gamma, noise,
-                                      num_target_layers)
-    total = target_config["num_hidden_layers"]
-    if not 1 <= layers <= total:
-        raise ValueError(f"{method} layers must be in 1..{total}, got {layers}")
-    first = total - layers
-    taps = [max(first - 1, 0)] if taps is None else [int(t) % total for t in taps]
-    hidden = target_config["hidden_size"]
-    heads = target_config["num_attention_heads"]
-    config = ProjectedConfig(
-        method=method,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=target_config["num_key_value_heads"],
-        head_dim=target_config.get("head_dim") or hidden // heads,
-        intermediate_size=target_config["intermediate_size"],
-        vocab_size=target_config["vocab_size"],
-        target_layer_ids=tuple(taps),
-        num_target_layers=total if num_target_layers is None else num_target_layers,
-        target_hidden_size=hidden,
-        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
-        rope_theta=target_config.get("rope_theta", 10000.0),
-        qk_norm=False,
-        gamma=gamma if method == "dflash" else 0,
-        mask_token_id=0,
-    )
-    network = ProjectedNetwork(config)
-    key = mx.random.key(seed)
-    passthrough = mx.concatenate([mx.zeros((hidden, hidden * (len(taps) - 1))), mx.eye(hidden)], axis=1)
-    drawn = {
-        "fc.weight": passthrough + mx.random.normal(passthrough.shape, key=key) * (noise / hidden**0.5),
-        "hidden_norm.weight": _as_plain_norm(target_config, weights[f"model.layers.{first}.input_layernorm.weight"]),
-        "norm.weight": _as_plain_norm(target_config, weights["model.norm.weight"]),
-    }
-    copied = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-              "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-    for index in range(layers):
-        for name in copied:
-            drawn[f"layers.{index}.{name}"] = _copied(target_config, name,
-                                                      weights[f"model.layers.{first + index}.{name}"])
-    network.load_weights(list(drawn.items()), strict=True)
-    from spec_cache.testing.tiny_writers import save_projected
-
-    save_projected(path, method, config, network)

@@ -7,8 +7,12 @@ dispatches these methods here).
   embedding of the pair's token through (plus ``hidden_mix`` of the target hidden), so on a llama-layout target
   the head behaves like a one-layer truncation of the target shifted by one position: drafts agree with the
   target part of the time.
-* ``dflash2``: a tiny DFlash drafter (``tiny.write_tiny_drafter(..., "dflash")``) rewritten as a DFlash 2
-  ``config.json`` with ``draft_bits`` (default 4: projections quantized at load).
+* ``dflash2``: a tiny DFlash drafter (as ``tiny.write_tiny_drafter(..., "dflash")`` writes it) rewritten as a
+  DFlash 2 ``config.json`` with ``draft_bits`` (default 4: projections quantized at load).
+
+The projected writers (``deepspec`` / ``dflash``: :func:`write_projected`, llama-layout and gemma4_text) and the
+weight-copy helpers live here too, because dflash2 builds on them; this module imports nothing of ``tiny``
+(``tiny`` imports it), so the two never form an import circle.
 """
 
 from __future__ import annotations
@@ -46,8 +50,18 @@ def write_tiny_drafter_extra(path: str | Path, method: str, target_dir: str | Pa
     return path
 
 
-def _plain_norm(target_config: dict, weight: mx.array) -> mx.array:
-    return weight + 1.0 if target_config["model_type"] == "gemma3_text" else weight  # gemma3 norms are 1 + w
+def plain_norm(target_config: dict, weight: mx.array) -> mx.array:
+    """A target norm weight for the drafters' plain RMSNorm (gemma norms multiply by ``1 + w``)."""
+    return weight + 1.0 if target_config["model_type"] == "gemma3_text" else weight
+
+
+def copied_weight(target_config: dict, name: str, weight: mx.array) -> mx.array:
+    return plain_norm(target_config, weight) if name.endswith("norm.weight") else weight
+
+
+def no_options_left(method: str, options: dict) -> None:
+    if options:
+        raise TypeError(f"unknown option(s) for {method}: {', '.join(sorted(options))}")
 
 
 def _write_qwen_mtp(path: Path, target_dir: Path, seed: int, hidden_mix: float = 0.1,
@@ -82,7 +96,7 @@ def _write_qwen_mtp(path: Path, target_dir: Path, seed: int, hidden_mix: float =
         "pre_fc_norm_embedding.weight": mx.ones((hidden,)),
         "pre_fc_norm_hidden.weight": mx.ones((hidden,)),
         "fc.weight": mx.concatenate([mx.eye(hidden), noise], axis=1),
-        "norm.weight": _plain_norm(target_config, weights["model.norm.weight"]),
+        "norm.weight": plain_norm(target_config, weights["model.norm.weight"]),
     }
     copied = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
               "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
@@ -90,7 +104,7 @@ def _write_qwen_mtp(path: Path, target_dir: Path, seed: int, hidden_mix: float =
     copied += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if qk_norm else []
     for name in copied:
         weight = weights[prefix + name]
-        drawn[f"layers.0.{name}"] = _plain_norm(target_config, weight) if name.endswith("norm.weight") else weight
+        drawn[f"layers.0.{name}"] = copied_weight(target_config, name, weight)
     network.load_weights(list(drawn.items()), strict=True)
     stored = config.to_dict()
     stored.update({key: value for key, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size))
@@ -103,9 +117,12 @@ def _write_qwen_mtp(path: Path, target_dir: Path, seed: int, hidden_mix: float =
 
 def _write_dflash2(path: Path, target_dir: Path, seed: int, draft_bits: int = 4, draft_group_size: int = 64,
                    **dflash_options: Any) -> None:
-    from spec_cache.testing.tiny import write_tiny_drafter
-
-    write_tiny_drafter(path, "dflash", target_dir, seed=seed, **dflash_options)
+    target_config = json.loads((target_dir / "config.json").read_text())
+    weights = mx.load(str(target_dir / "model.safetensors"))
+    write_projected(path, "dflash", target_config, weights, seed, dflash_options.pop("layers", 1),
+                    dflash_options.pop("taps", None), dflash_options.pop("gamma", 4), dflash_options.pop("noise", 0.05),
+                    dflash_options.pop("num_target_layers", None))
+    no_options_left("dflash", dflash_options)
     dspark = path / "dspark.json"
     config = json.loads(dspark.read_text())
     config.update(method="dflash2", draft_bits=draft_bits, draft_group_size=draft_group_size)
@@ -115,7 +132,7 @@ def _write_dflash2(path: Path, target_dir: Path, seed: int, draft_bits: int = 4,
 
 def write_projected_gemma4(path: Path, method: str, target_config: dict, weights: dict, seed: int, layers: int,
                            taps: list | None, gamma: int, noise: float, num_target_layers: int | None) -> None:
-    """A ``deepspec`` / ``dflash`` drafter for a ``gemma4_text`` target (``tiny._write_projected`` dispatches
+    """A ``deepspec`` / ``dflash`` drafter for a ``gemma4_text`` target (``write_projected`` dispatches
     here): its one layer copies the target's last *cache-holding* layer ``d`` (the KV-shared layers after it have
     no K/V projections of their own), mapped onto the drafter's pre-norm block (``q_norm``/``k_norm`` kept,
     ``pre_feedforward_layernorm`` as the MLP's input norm, the GeGLU weights under SwiGLU), and taps the output
@@ -174,3 +191,61 @@ def set_block_size(path: str | Path, block_size: int, mask_token_id: int = 0) ->
     config.update(block_size=block_size, mask_token_id=mask_token_id)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return Path(path)
+
+
+def write_projected(path: Path, method: str, target_config: dict, weights: dict, seed: int, layers: int,
+                     taps: list | None, gamma: int, noise: float, num_target_layers: int | None) -> None:
+    """A projected-context drafter whose layers copy the target's last ``layers`` layers.
+
+    The context of the first copied layer ``d`` should be that layer's input: the tap is the output of layer
+    ``d - 1``, ``fc`` passes it through (plus ``noise``) and ``hidden_norm`` is layer ``d``'s input norm, so the
+    drafter's context K/V approximate the target's own K/V of layer ``d``. The drafted tokens enter as plain
+    embeddings (skipping layers ``0..d-1``), which is what makes the drafts imperfect.
+    """
+    from spec_cache.drafters.projected import ProjectedConfig, ProjectedNetwork
+
+    if target_config["model_type"] == "gemma4_text":  # KV-shared layers, Gemma 4 blocks
+        return write_projected_gemma4(path, method, target_config, weights, seed, layers, taps, gamma, noise,
+                                      num_target_layers)
+    total = target_config["num_hidden_layers"]
+    if not 1 <= layers <= total:
+        raise ValueError(f"{method} layers must be in 1..{total}, got {layers}")
+    first = total - layers
+    taps = [max(first - 1, 0)] if taps is None else [int(t) % total for t in taps]
+    hidden = target_config["hidden_size"]
+    heads = target_config["num_attention_heads"]
+    config = ProjectedConfig(
+        method=method,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=target_config["num_key_value_heads"],
+        head_dim=target_config.get("head_dim") or hidden // heads,
+        intermediate_size=target_config["intermediate_size"],
+        vocab_size=target_config["vocab_size"],
+        target_layer_ids=tuple(taps),
+        num_target_layers=total if num_target_layers is None else num_target_layers,
+        target_hidden_size=hidden,
+        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
+        rope_theta=target_config.get("rope_theta", 10000.0),
+        qk_norm=False,
+        gamma=gamma if method == "dflash" else 0,
+        mask_token_id=0,
+    )
+    network = ProjectedNetwork(config)
+    key = mx.random.key(seed)
+    passthrough = mx.concatenate([mx.zeros((hidden, hidden * (len(taps) - 1))), mx.eye(hidden)], axis=1)
+    drawn = {
+        "fc.weight": passthrough + mx.random.normal(passthrough.shape, key=key) * (noise / hidden**0.5),
+        "hidden_norm.weight": plain_norm(target_config, weights[f"model.layers.{first}.input_layernorm.weight"]),
+        "norm.weight": plain_norm(target_config, weights["model.norm.weight"]),
+    }
+    copied = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+              "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+    for index in range(layers):
+        for name in copied:
+            drawn[f"layers.{index}.{name}"] = copied_weight(target_config, name,
+                                                      weights[f"model.layers.{first + index}.{name}"])
+    network.load_weights(list(drawn.items()), strict=True)
+    save_projected(path, method, config, network)
