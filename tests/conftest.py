@@ -1,8 +1,20 @@
-"""Shared pytest fixtures: temporary store directories and stores that are always closed."""
+"""Shared pytest fixtures (temporary store directories, stores that are always closed) and the automatic markers.
+
+``redis``, ``real_model`` and ``server`` are put on each test from what it uses (tests/markers.py says how), so
+``pytest -m "not redis and not real_model"`` needs no mark written by hand; ``slow`` is written on the test.
+"""
 
 from __future__ import annotations
 
 import pytest
+
+from tests.markers import markers_for
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in sorted(markers_for(item)):
+            item.add_marker(name)
 
 
 @pytest.fixture

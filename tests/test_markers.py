@@ -1,0 +1,90 @@
+"""The automatic markers (tests/markers.py): a test earns ``redis`` / ``real_model`` / ``server`` from what its code,
+its fixtures and the tests-package helpers they call name, and nothing from names it does not reach.
+
+The samples are reached through a dict (a subscript is no name), so these tests themselves earn no marker."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tests.markers import AUTOMATIC, earned, markers_for
+
+
+def _start_a_server(path):
+    return Server(path)  # noqa: F821  (never called: only its compiled names are read)
+
+
+def _recurses(n):
+    return _recurses(n - 1) if n else 0
+
+
+def _redis_by_global():
+    return ThrowawayCluster  # noqa: F821
+
+
+def _redis_by_local_import():
+    from tests.redis_servers import ThrowawayServer
+
+    return ThrowawayServer
+
+
+def _weights_by_attribute(demo_real):
+    return demo_real.find_smollm2_gguf()
+
+
+def _calls_a_helper(tmp_path):
+    return _start_a_server(tmp_path)
+
+
+def _nested(tmp_path):
+    def inner():
+        return [_start_a_server(tmp_path)]
+    return inner
+
+
+def _plain(tmp_path):
+    import os
+
+    import pytest
+
+    return os.path.join(str(tmp_path), "Server"), _recurses(3), pytest.approx(1)
+
+
+def _fixture_with_weights():
+    from spec_cache.apps.demo_real import find_smollm2_gguf
+
+    return find_smollm2_gguf()
+
+
+def _test(fixture_with_weights):
+    return _start_a_server(fixture_with_weights)
+
+
+SAMPLES = {f.__name__.lstrip("_"): f for f in (_redis_by_global, _redis_by_local_import, _weights_by_attribute,
+                                               _calls_a_helper, _nested, _plain, _fixture_with_weights, _test)}
+
+
+def test_names_in_the_code_earn_their_marker():
+    assert earned(SAMPLES["redis_by_global"]) == {"redis"}
+    assert earned(SAMPLES["redis_by_local_import"]) == {"redis"}
+    assert earned(SAMPLES["weights_by_attribute"]) == {"real_model"}
+
+
+def test_helpers_of_the_tests_package_are_followed_and_others_are_not():
+    assert earned(SAMPLES["calls_a_helper"]) == {"server"}
+    assert earned(SAMPLES["nested"]) == {"server"}
+    assert earned(SAMPLES["plain"]) == set()  # a string is no name; os and pytest are not followed; recursion ends
+
+
+def test_an_item_earns_what_its_fixtures_earn_and_is_marked(request):
+    fixture = SimpleNamespace(func=SAMPLES["fixture_with_weights"])
+    item = SimpleNamespace(function=SAMPLES["test"],
+                           _fixtureinfo=SimpleNamespace(name2fixturedefs={"fixture_with_weights": [fixture]}))
+    assert markers_for(item) == {"real_model", "server"} <= AUTOMATIC
+    assert markers_for(request.node) == set()  # this test reaches the samples through a dict only
+    assert not any(request.node.get_closest_marker(name) for name in AUTOMATIC)
+
+
+def test_registered_markers_cover_the_automatic_ones(pytestconfig):
+    registered = {line.split(":", 1)[0] for line in pytestconfig.getini("markers")}
+    assert AUTOMATIC | {"slow"} <= registered
