@@ -231,10 +231,39 @@ def start(kind: str, model: str, tmp: Path, name: str) -> Server:
     return s
 
 
+def stage_totals(port: int) -> dict:
+    """``spec-cache serve``'s ``spec_cache_stage_seconds`` sums and counts by stage (``{stage: [sum, count]}``),
+    read from its ``/metrics``; {} from a server without them."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/metrics")
+    response = c.getresponse()
+    text = response.read().decode("utf-8", "replace") if response.status == 200 else ""
+    totals: dict = {}
+    for line in text.splitlines():
+        for suffix, slot in (("_sum", 0), ("_count", 1)):
+            head = f"spec_cache_stage_seconds{suffix}{{stage=\""
+            if line.startswith(head):
+                stage, value = line[len(head):].split("\"}", 1)
+                totals.setdefault(stage, [0.0, 0.0])[slot] = float(value)
+    return totals
+
+
+def stage_breakdown(before: dict, after: dict) -> dict:
+    """Per stage between two ``stage_totals``: observations, total seconds and mean milliseconds."""
+    out = {}
+    for stage, (total, count) in after.items():
+        total -= before.get(stage, [0.0, 0.0])[0]
+        count -= before.get(stage, [0.0, 0.0])[1]
+        out[stage] = {"count": int(count), "total_s": total, "mean_ms": total / count * 1e3 if count else 0.0}
+    return out
+
+
 def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
     s = start(kind, model, tmp, "1")
     try:
+        before = stage_totals(s.port) if kind == "serve" else {}
         turns = run_turns(s.port, args, system)
+        stages = stage_breakdown(before, stage_totals(s.port)) if kind == "serve" else {}
     finally:
         s.stop()
     s = start(kind, model, tmp, "2")
@@ -245,8 +274,9 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
     per_turn = [[turns["replies"][c][t] for c in range(args.conversations)] for t in range(args.turns)]
     return {"turns": {t + 1: summary(v, None) for t, v in enumerate(per_turn)},
             "all_turns": summary([r for conv in turns["replies"] for r in conv], turns["wall"]),
+            "warm_turns": summary([r for conv in turns["replies"] for r in conv[1:]], None),
             "after_restart": summary(after["replies"], after["wall"]),
-            "texts": [[r.text for r in conv] for conv in turns["replies"]]}
+            "texts": [[r.text for r in conv] for conv in turns["replies"]], "stages": stages}
 
 
 def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> dict:
@@ -302,6 +332,7 @@ def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> 
     return {k: {"turns": {t + 1: summary([got_turns[k][c][t] for c in range(args.conversations)], None)
                           for t in range(args.turns)},
                 "all_turns": summary([r for conv in got_turns[k] for r in conv], None),
+                "warm_turns": summary([r for conv in got_turns[k] for r in conv[1:]], None),
                 "after_restart": summary(got_after[k], None),
                 "texts": [[r.text for r in conv] for conv in got_turns[k]]} for k in kinds}
 
@@ -366,6 +397,10 @@ def report(results: dict, kinds: list[str], args) -> dict:
                 line += f"{r:>17.2f}x (X / mlx-lm)"
             print(line)
     print("(c N: mean cached prompt tokens reported; TTFT ratio = mlx-lm / X, > 1: X faster; tok/s ratio = X / mlx-lm)")
+    stages = {k: results[k].get("stages") for k in kinds if results[k].get("stages")}
+    for k, by_stage in stages.items():
+        print(f"stages of {k} over the turns (mean ms x count): " + ", ".join(
+            f"{stage} {s['mean_ms']:.2f} x {s['count']}" for stage, s in by_stage.items()))
     same = {}
     for k in others:
         if BASELINE in results:
@@ -373,7 +408,31 @@ def report(results: dict, kinds: list[str], args) -> dict:
             print(f"replies {k} vs mlx-lm: {same[k]['identical']}/{same[k]['total']} identical, "
                   f"{same[k]['identical_visible']}/{same[k]['total']} without special-token text"
                   + (f"; first difference {same[k]['first_difference']}" if same[k]["first_difference"] else ""))
-    return {"ratios": ratios, "identical_replies": same}
+    return {"ratios": ratios, "identical_replies": same, "stages": stages, "figures": figures(results, args)}
+
+
+FIGURE_NAMES = {"serve": "serve", "spec-cache": "launcher"}
+
+
+def figures(results: dict, args) -> dict:
+    """The serving issue's keys: ``{serve,launcher}_{warm_ttft,tok_s,restart_ttft}_c<clients>`` (TTFT: mlx_lm.server's
+    p50 / ours over every turn >= 2 pooled, and after the restart; tokens/s: ours / mlx_lm.server over the turns;
+    > 1: ours faster). Needs the mlx-lm baseline in the same run; tokens/s only without --paired."""
+    base = results.get(BASELINE)
+    out: dict = {}
+    if base is None:
+        return out
+    for kind, name in FIGURE_NAMES.items():
+        ours = results.get(kind)
+        if ours is None:
+            continue
+        c = args.clients
+        if ours.get("warm_turns", {}).get("n") and ours["warm_turns"]["p50"]:
+            out[f"{name}_warm_ttft_c{c}"] = base["warm_turns"]["p50"] / ours["warm_turns"]["p50"]
+        out[f"{name}_restart_ttft_c{c}"] = base["after_restart"]["p50"] / ours["after_restart"]["p50"]
+        if not args.paired:
+            out[f"{name}_tok_s_c{c}"] = ours["all_turns"]["tokens_per_s"] / base["all_turns"]["tokens_per_s"]
+    return out
 
 
 def parse(argv=None, servers: str = "mlx-lm,spec-cache"):

@@ -6,6 +6,15 @@ memory-tier bytes and entries, checkpoints not yet durable in LMDB, write-behind
 to first token (from the request's arrival to its first generated token) and per-token latency (the time
 between token deliveries divided by the tokens delivered).
 
+Where a request's time goes (``spec_cache_stage_seconds``, label ``stage``; one observation per request unless
+said): ``queue`` (the job's arrival at the scheduler to its admission), ``restore``
+(cache lookup and restore at admission: memory tier, LMDB, shared), ``prefill`` (admission to the first token:
+prefill of the unrestored tokens and the first sample, in batched rounds shared with other rows), ``round`` (one
+engine round of the whole batch, per round: forward, sampling, host sync, callbacks), ``checkpoint`` (the copies
+of one round's checkpoints into the memory tier and the write-behind queue, per round that had any), ``stream``
+(the scheduler thread handing one event to the HTTP side, per event). ``/metrics`` sums and counts give the mean
+of each; ``tools/bench_serve.py --json`` reports them.
+
 Per tenant (label ``tenant``: 8 hex digits of the key's digest, or ``open``): ``spec_cache_tenant_requests``
 (by status), ``spec_cache_tenant_prompt_tokens``, ``spec_cache_tenant_cached_prompt_tokens`` (at the granularity
 clients see, so the series cannot be used to probe stored prompts token by token) and
@@ -25,6 +34,9 @@ __all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                  10.0, 30.0, 120.0)
+STAGES = ("queue", "restore", "prefill", "round", "checkpoint", "stream")
 
 
 class Metrics:
@@ -43,6 +55,10 @@ class Metrics:
                               buckets=_TTFT_BUCKETS, registry=registry)
         self.token_latency = Histogram("spec_cache_token_latency_seconds", "seconds per generated token after the "
                                        "first", buckets=_TOKEN_BUCKETS, registry=registry)
+        self.stage = Histogram("spec_cache_stage_seconds", "seconds spent per request stage (see the module doc)",
+                               ["stage"], buckets=_STAGE_BUCKETS, registry=registry)
+        for stage in STAGES:  # every series exists from the start (a scrape shows zeros, not nothing)
+            self.stage.labels(stage=stage)
         self._gauges: list[Gauge] = []
         ratio = Gauge("spec_cache_prompt_cache_hit_ratio", "cached prompt tokens / prompt tokens since start",
                       registry=registry)

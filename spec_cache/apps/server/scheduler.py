@@ -64,11 +64,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.protocol import APIError
 from spec_cache.continuations import Continuations, request_key
 from spec_cache.continuations import plan as continuation_plan
 from spec_cache.continuations import record_at as continuation_record
 from spec_cache.continuations import trim as continuation_trim
+from spec_cache.errors import RestoreRefused
 from spec_cache.sampling import RowSampling
 from spec_cache.schemas import SchemaError
 
@@ -100,6 +102,7 @@ class Job:
     stop_at_eos: bool = True
     arrived: float = field(default_factory=time.perf_counter)
     # set by the scheduler thread
+    admitted_at: float | None = None  # its first row (or prefill phase) went into the batch
     row: int | None = None
     prepared: Any = None
     cached_tokens: int = 0
@@ -369,7 +372,7 @@ class Scheduler:
                     continue  # answered from the retry table alone
             except Exception as exc:  # a request the engine refuses: this job fails, the others go on
                 log.warning("spec-cache: request refused: %s", exc)
-                self._fail(job, APIError(400, f"the engine refused the request: {exc}"))
+                self._fail(job, api_error(exc, context="the engine refused the request", fallback=400))
                 continue
             self._rows[job.row] = job
             with self._lock:
@@ -410,7 +413,12 @@ class Scheduler:
         if first and job.replayable and self._replay(job):
             return False
         sequence, budget = job.sequence, job.max_tokens - job.replayed
+        began = time.perf_counter()
+        if first and not job.side:
+            self._observe("queue", began - job.arrived)
         job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key)
+        if not job.side:
+            self._observe("restore", time.perf_counter() - began)
         job.prepared.request.stop_at_eos = job.stop_at_eos
         if first:  # what the cache held of the prompt before this request
             job.cached_tokens = min(job.prepared.cached_tokens, len(job.prompt) - 1)
@@ -427,7 +435,7 @@ class Scheduler:
         try:
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
-        except (ValueError, SchemaError) as exc:
+        except (RestoreRefused, SchemaError) as exc:  # a bad request itself (InvalidRequest) fails in _admit
             if not job.prepared.cached_tokens:
                 raise
             # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
@@ -437,7 +445,14 @@ class Scheduler:
             job.prepared.request.stop_at_eos = job.stop_at_eos
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
+        if job.admitted_at is None:
+            job.admitted_at = time.perf_counter()
         return True
+
+    def _observe(self, stage: str, seconds: float) -> None:
+        """One observation of ``spec_cache_stage_seconds{stage=...}`` (see ``metrics``), when metrics are on."""
+        if self.metrics is not None:
+            self.metrics.stage.labels(stage=stage).observe(seconds)
 
     def _replay(self, job: Job) -> bool:
         """Deliver what an identical earlier request generated; True when that answers the job whole."""
@@ -478,8 +493,10 @@ class Scheduler:
         return end if end is not None and end < boundary else None
 
     def _step(self) -> None:
+        began = time.perf_counter()
         try:
             self._session.step()
+            self._observe("round", time.perf_counter() - began)
         except Exception as exc:
             log.exception("spec-cache: an engine step failed; failing the rows in the batch")
             jobs = list(self._rows.values())
@@ -501,6 +518,7 @@ class Scheduler:
         if self.metrics is not None:
             if job.last_token_at is None:
                 self.metrics.ttft.observe(now - job.arrived)
+                self._observe("prefill", now - (job.admitted_at or job.arrived))
                 following = len(tokens) - 1
             else:
                 following = len(tokens)
@@ -511,6 +529,7 @@ class Scheduler:
         job.generated += len(tokens)
         job.output += tokens
         job.deliver(("tokens", list(tokens)))
+        self._observe("stream", time.perf_counter() - now)
         every = self.checkpoint_every
         if every is not None and job.generated - job.checkpointed_at >= every and job.generated < job.max_tokens:
             job.checkpointed_at = job.generated
@@ -557,6 +576,13 @@ class Scheduler:
 
     def _write_checkpoints(self) -> None:
         saves, self._saves = self._saves, []
+        if not saves:
+            return
+        began = time.perf_counter()
+        self._write(saves)
+        self._observe("checkpoint", time.perf_counter() - began)
+
+    def _write(self, saves: list) -> None:
         for tokens, caches, draft, ns_key, *record in saves:
             # a continuation record goes to LMDB once its checkpoint is there (never claims more than it covers)
             then = None if not record or record[0] is None else (
