@@ -12,7 +12,8 @@
 # gguf and their pure-Python dependencies; .gpu/serve/tok: tokenizer.json, tokenizer_config.json,
 # generation_config.json as `spec-cache convert-gguf` writes them for SmolLM2-135M-Instruct.
 # On the CPU, to check the script: INSTALL=0 PY=.venv/bin/python bash tools/device/serve_smollm2_shaped.sh
-# Env: CLIENTS ("1 4"), CONV (4), TURNS (3), MAXTOK (128), SYSW (300), USERW (50), DEADLINE (520 s from the start),
+# Env: SERVERS (mlx-lm,serve; add spec-cache for the launcher),
+#      CLIENTS ("1 4"), CONV (4), TURNS (3), MAXTOK (128), SYSW (300), USERW (50), DEADLINE (520 s from the start),
 #      TOK (.gpu/serve/tok), OUT (where the JSON goes, default /tmp/out).
 set -u
 START=$(date +%s)
@@ -71,7 +72,7 @@ for C in ${CLIENTS:-1 4}; do
   LEFT=$(( ${DEADLINE:-520} - ($(date +%s) - START) ))
   if [ $LEFT -lt 40 ]; then echo "== clients $C: skipped, $LEFT s left"; continue; fi
   echo "== clients $C ($LEFT s left)"
-  timeout $LEFT $PY tools/device/serve_decode.py --cwd $SC --model $M --servers mlx-lm,serve \
+  timeout $LEFT $PY tools/device/serve_decode.py --cwd $SC --model $M --servers ${SERVERS:-mlx-lm,serve} \
     --conversations ${CONV:-4} --turns ${TURNS:-3} --clients $C --max-tokens ${MAXTOK:-128} \
     --system-words ${SYSW:-300} --user-words ${USERW:-50} \
     --serve-arg --cached-tokens-granularity --serve-arg 1 --json "$OUTDIR/serve-c$C.json" 2>&1 | tail -30
