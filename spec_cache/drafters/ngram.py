@@ -1,13 +1,14 @@
 """Prompt-lookup (n-gram) drafting: no weights, only each row's token history.
 
-To propose, a row finds the earlier occurrence of its recent tokens (pending token included) with the longest
-match, at least ``min`` tokens, through an index of its history (:class:`MatchIndex`: the positions after each
-``min``..``max``-gram, never a scan of the history), and proposes the tokens that followed it. The draft length
-follows the match length (``draft_length``): a one-token match proposes little, a long match (text being copied
-from the prompt or the output) proposes up to the whole depth. Its row checkpoint is
+To propose, a row finds the longest earlier match of its recent tokens (pending token included) over its prompt
+and output, at least ``min`` tokens, through a suffix automaton of its history (:class:`MatchIndex`: grown one
+token at a time, amortised O(1) per token, never a scan of the history), and proposes the tokens that followed
+it. The draft length follows the match length (``draft_length``): a one-token match proposes little, a long match
+(text being copied from the prompt or the output) proposes up to the whole depth. Its row checkpoint is
 the int32 history of the tokens the target holds, schema ``ngram-history-v1``, metadata ``{max, min}``;
-namespace ``ngram-history-v1:<max>:<min>``. N-gram drafting does not depend on the target's weights, so it also
-speculates under target adapters.
+namespace ``ngram-history-v1:<max>:<min>`` (the index is rebuilt from the history on restore; ``max`` no longer
+caps the match). N-gram drafting does not depend on the target's weights, so it also speculates under target
+adapters.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from spec_cache.drafters.base import DraftRows
+from spec_cache.errors import ModelLoadError
 from spec_cache.rows import (
     PrefillContext,
     PreparedStateChange,
@@ -57,11 +59,6 @@ def lookup(history: Sequence[int], max_n: int, min_n: int, depth: int) -> list[i
     return []
 
 
-#: how far back a candidate match is extended, and how many latest positions an n-gram key keeps
-EXTEND_LIMIT = 64
-POSITIONS_PER_KEY = 4
-
-
 def draft_length(match: int, depth: int) -> int:
     """Tokens to propose after a match of ``match`` tokens: twice the match, up to ``depth`` (a copied run of 3+
     tokens drafts 6+; a lone shared token drafts 2, which are cheap to verify and often wrong)."""
@@ -69,49 +66,94 @@ def draft_length(match: int, depth: int) -> int:
 
 
 class MatchIndex:
-    """One row's token history with an index of where each ``min_n``..``max_n``-gram ended (its latest
-    ``POSITIONS_PER_KEY`` occurrences). ``propose`` finds the longest earlier match of the history's suffix: the
-    ``max_n``-gram candidates (falling back to shorter n-grams), each extended backwards up to ``EXTEND_LIMIT``
-    tokens; ties go to the latest. Work per token and per proposal is bounded, whatever the history's length."""
+    """One row's token history and a suffix automaton over it (prompt + output), grown one token at a time.
+
+    Why an automaton: a copy task's answer repeats long runs of its prompt, and the best draft follows the
+    *longest* earlier match of the row's recent tokens, whatever its length; an n-gram hash only finds matches of
+    its key sizes, and a scan of the history costs O(history) per draft. The automaton's states are the classes
+    of substrings that end at the same positions; each keeps the end of its first occurrence. ``match(pending)``
+    walks suffix links from the state of the whole history to the first one that continues with ``pending``:
+    that is the longest suffix of ``history + [pending]`` occurring earlier, and where it first ended. The walk
+    is the one the next :meth:`extend` of ``pending`` repeats, and both are amortised O(1) per token (the
+    pending token is always the next token the history gets). Ties between occurrences of the longest match go
+    to the earliest (the one with the longest continuation).
+
+    ``min_n``: the shortest match that drafts. ``max_n`` is part of the drafter's namespace and checkpoint
+    metadata (lookup policy identity); the automaton does not cap the match length.
+    """
 
     def __init__(self, max_n: int, min_n: int, tokens=()) -> None:
         self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []
-        self._ends: dict[tuple, list[int]] = {}
+        self._next: list[dict[int, int]] = [{}]  # per state: token -> state
+        self._link: list[int] = [-1]  # suffix link (root: -1)
+        self._len: list[int] = [0]  # longest substring of the state
+        self._first: list[int] = [0]  # end (exclusive) of its first occurrence
+        self._last = 0  # the state of the whole history
         self.extend(tokens)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def _state(self, length: int, first: int, link: int, transitions: dict[int, int]) -> int:
+        self._next.append(transitions)
+        self._link.append(link)
+        self._len.append(length)
+        self._first.append(first)
+        return len(self._len) - 1
+
     def extend(self, tokens) -> None:
+        """Append tokens to the history (the standard online suffix-automaton construction)."""
+        nxt, link, size = self._next, self._link, self._len
         for token in tokens:
-            self.tokens.append(int(token))
+            token = int(token)
+            self.tokens.append(token)
             end = len(self.tokens)
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                ends = self._ends.setdefault(tuple(self.tokens[end - n:end]), [])
-                ends.append(end)
-                if len(ends) > POSITIONS_PER_KEY:
-                    del ends[0]
+            cur = self._state(end, end, -1, {})
+            p = self._last
+            while p != -1 and token not in nxt[p]:
+                nxt[p][token] = cur
+                p = link[p]
+            if p == -1:
+                link[cur] = 0
+            else:
+                q = nxt[p][token]
+                if size[p] + 1 == size[q]:
+                    link[cur] = q
+                else:
+                    clone = self._state(size[p] + 1, self._first[q], link[q], dict(nxt[q]))
+                    while p != -1 and nxt[p].get(token) == q:
+                        nxt[p][token] = clone
+                        p = link[p]
+                    link[q] = link[cur] = clone
+            self._last = cur
+
+    def match(self, pending: int) -> tuple[int, int]:
+        """``(length, end)``: the longest suffix of ``history + [pending]`` that also ends at an earlier position,
+        and the earliest such end (``history[end - length:end]`` equals it; ``end <= len(history)``); ``(0, 0)``
+        when ``pending`` never occurred."""
+        nxt, link = self._next, self._link
+        p = self._last
+        while p != -1 and pending not in nxt[p]:
+            p = link[p]
+        if p == -1:
+            return 0, 0
+        return self._len[p] + 1, self._first[nxt[p][pending]]
 
     def propose(self, pending: int, depth: int) -> list[int]:
-        """Up to ``depth`` tokens that followed the longest earlier match of ``history + [pending]``."""
+        """The ``draft_length(match, depth)`` tokens that followed the longest earlier match of
+        ``history + [pending]`` (of at least ``min_n`` tokens; none when it is shorter)."""
         if depth <= 0:
             return []
-        seq = self.tokens + [int(pending)]
-        size = len(seq)
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            best_len, best_end = 0, -1
-            for end in self._ends.get(tuple(seq[size - n:]), ()):
-                if end >= size:
-                    continue
-                length = n
-                while length < EXTEND_LIMIT and end - length - 1 >= 0 and seq[end - length - 1] == seq[size - length - 1]:
-                    length += 1
-                if length >= best_len:
-                    best_len, best_end = length, end
-            if best_end >= 0 and best_end < size:
-                return seq[best_end:best_end + draft_length(best_len, depth)]
-        return []
+        pending = int(pending)
+        length, end = self.match(pending)
+        if length < self.min_n:
+            return []
+        count = draft_length(length, depth)
+        draft = self.tokens[end:end + count]
+        if len(draft) < count:  # the continuation reaches the history's end: the pending token follows it
+            draft.append(pending)
+        return draft
 
 
 class NgramProvider:
@@ -131,7 +173,7 @@ class NgramProvider:
         """Read ``config.json`` ``{"method": "ngram", "max": 3, "min": 1}`` (both keys optional)."""
         config = json.loads((Path(model_dir) / "config.json").read_text())
         if config.get("method") != METHOD:
-            raise ValueError(f"not an ngram drafter config (method={config.get('method')!r})")
+            raise ModelLoadError(f"not an ngram drafter config (method={config.get('method')!r})")
         return cls(config.get("max", 3), config.get("min", 1))
 
     def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:

@@ -91,8 +91,8 @@ def test_batch_of_four_with_a_warm_up_spike_keeps_drafting(tiny, monkeypatch):
 def test_match_index_finds_the_longest_match_and_drafts_as_long_as_it():
     index = MatchIndex(3, 1, [5, 1, 2, 3, 9, 9, 7, 1, 2, 3, 4, 8, 8, 8, 8, 6, 0, 1, 2])
     # suffix ... 1 2 | pending 3: "1 2 3" occurs twice; extended backwards, the later one (7 1 2 3) and the
-    # earlier (5 1 2 3) both match 3 tokens before the "0" breaks them: the latest wins the tie
-    assert index.propose(3, 6) == [4, 8, 8, 8, 8, 6]
+    # earlier (5 1 2 3) both match 3 tokens before the "0" breaks them: the earliest (longest continuation) wins
+    assert index.propose(3, 6) == [9, 9, 7, 1, 2, 3]
     longer = MatchIndex(3, 1, [4, 5, 6, 1, 2, 3, 7, 7, 9, 1, 2, 3, 8, 8, 4, 5, 6, 1, 2])
     assert longer.propose(3, 4) == [7, 7, 9, 1]  # "4 5 6 1 2 3" beats the later "9 1 2 3"
     assert MatchIndex(3, 1, [1, 2, 3]).propose(7, 4) == []
