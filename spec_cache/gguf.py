@@ -38,12 +38,12 @@ about ``k`` one-token steps; the quantized kernel computes each row on its own (
 logits are bit-identical) and is far slower with float16 inputs: hence float32 scales by default, and
 ``dequantize=True`` for float weights.
 
-CLI: ``python -m spec_cache.gguf FILE OUT_DIR`` (``add_arguments`` / ``main`` for ``spec-cache convert-gguf``).
+CLI: ``spec-cache convert-gguf FILE OUT_DIR`` or ``python -m spec_cache.apps.gguf_cli FILE OUT_DIR`` (the
+application imports this library module, never the other way round).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import shutil
@@ -53,7 +53,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from spec_cache.apps.gguf_cli import add_arguments
 
 __all__ = [
     "ARCHITECTURES",
@@ -62,8 +61,6 @@ __all__ = [
     "convert",
     "read_gguf",
     "unpermute_rows",
-    "add_arguments",
-    "main",
 ]
 
 #: GGUF general.architecture values this converter handles
@@ -485,6 +482,30 @@ def _dequantized(weights: dict[str, mx.array], config: dict, dtype: mx.Dtype) ->
     return out
 
 
+def _tokenizer_config(metadata: dict, added: list[dict], add_bos: bool, **special: str | None) -> dict:
+    """``tokenizer_config.json`` (both tokenizer kinds write the same one): the added tokens, BOS/EOS handling,
+    the special tokens present (``special``: ``bos``, ``eos``, ``unk``, ``pad`` -> token text or None) and the
+    GGUF's chat template."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": bool(_meta(metadata, "tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_meta(metadata, f"{_meta(metadata, 'general.architecture')}.context_length", 4096)),
+        "added_tokens_decoder": {
+            str(a["id"]): {k: a[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+            for a in added
+        },
+    }
+    for name in ("bos", "eos", "unk", "pad"):
+        if special.get(name) is not None:
+            config[f"{name}_token"] = special[name]
+    template = _meta(metadata, "tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    return config
+
+
 def _tokenizer_files(metadata: dict) -> tuple[dict, dict]:
     """``tokenizer.json`` and ``tokenizer_config.json`` contents from the GGUF tokenizer metadata."""
     model = _meta(metadata, "tokenizer.ggml.model", required=True)
@@ -545,24 +566,7 @@ def _tokenizer_files(metadata: dict) -> tuple[dict, dict]:
             "merges": [m.split(" ", 1) for m in merges],
         },
     }
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": bool(_meta(metadata, "tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_meta(metadata, f"{_meta(metadata, 'general.architecture')}.context_length", 4096)),
-        "added_tokens_decoder": {
-            str(a["id"]): {k: a[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
-            for a in added
-        },
-    }
-    for key, value in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
-        if value is not None:
-            config[key] = value
-    template = _meta(metadata, "tokenizer.chat_template")
-    if template:
-        config["chat_template"] = template
-    return tokenizer, config
+    return tokenizer, _tokenizer_config(metadata, added, add_bos, bos=bos, eos=eos, unk=unk, pad=pad)
 
 
 _TOKEN_NORMAL, _TOKEN_BYTE = 1, 6
@@ -643,24 +647,7 @@ def _sentencepiece_tokenizer_files(metadata: dict) -> tuple[dict, dict]:
             "merges": [list(m) for m in sentencepiece_merges(tokens, scores, types)],
         },
     }
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": bool(_meta(metadata, "tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_meta(metadata, f"{_meta(metadata, 'general.architecture')}.context_length", 4096)),
-        "added_tokens_decoder": {
-            str(a["id"]): {k: a[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
-            for a in added
-        },
-    }
-    for key, value in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
-        if value is not None:
-            config[key] = value
-    template = _meta(metadata, "tokenizer.chat_template")
-    if template:
-        config["chat_template"] = template
-    return tokenizer, config
+    return tokenizer, _tokenizer_config(metadata, added, add_bos, bos=bos, eos=eos, unk=unk, pad=pad)
 
 
 def convert(
@@ -718,23 +705,3 @@ def convert(
         shutil.rmtree(out)
     staging.rename(out)
     return out
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``convert-gguf``; 0 on success, 2 for an unsupported or missing file (message on stderr)."""
-    import sys
-
-    try:
-        out = convert(args.file, args.out_dir, dtype=args.dtype, dequantize=args.dequantize, force=args.force)
-    except (UnsupportedGGUF, FileNotFoundError, FileExistsError) as error:
-        print(f"convert-gguf: {error}", file=sys.stderr)
-        return 2
-    config = json.loads((out / "config.json").read_text())
-    q = config.get("quantization") or {}
-    print(f"wrote {out}: {config['model_type']} {config['num_hidden_layers']} layers, "
-          f"{'%s-bit group %s' % (q['bits'], q['group_size']) if q else 'unquantized'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(add_arguments(argparse.ArgumentParser(prog="python -m spec_cache.gguf")).parse_args()))

@@ -1,9 +1,14 @@
-"""``convert-gguf``'s options, MLX-free (the ``spec-cache`` parser is built without loading MLX; the conversion
-itself lives in ``spec_cache.gguf``)."""
+"""``spec-cache convert-gguf``: its options, MLX-free (the ``spec-cache`` parser is built without loading MLX), and
+``main``, which runs the conversion of the library module ``spec_cache.gguf`` (imported only when it runs).
+
+``python -m spec_cache.apps.gguf_cli FILE OUT_DIR`` runs it alone.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -19,3 +24,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="write float weights (float32 unless --dtype): faster on MLX's CPU backend")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty OUT_DIR")
     return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``convert-gguf``; 0 on success, 2 for an unsupported or missing file (message on stderr)."""
+    from spec_cache.gguf import UnsupportedGGUF, convert  # loads MLX
+
+    try:
+        out = convert(args.file, args.out_dir, dtype=args.dtype, dequantize=args.dequantize, force=args.force)
+    except (UnsupportedGGUF, FileNotFoundError, FileExistsError) as error:
+        print(f"convert-gguf: {error}", file=sys.stderr)
+        return 2
+    config = json.loads((out / "config.json").read_text())
+    q = config.get("quantization") or {}
+    print(f"wrote {out}: {config['model_type']} {config['num_hidden_layers']} layers, "
+          f"{'%s-bit group %s' % (q['bits'], q['group_size']) if q else 'unquantized'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(add_arguments(
+        argparse.ArgumentParser(prog="python -m spec_cache.apps.gguf_cli")).parse_args()))

@@ -194,14 +194,16 @@ def test_refusals_name_what_is_unsupported(tmp_path):
 def test_cli_main(synthetic, tmp_path, capsys):
     import argparse
 
-    parser = conv.add_arguments(argparse.ArgumentParser())
+    from spec_cache.apps import gguf_cli  # the application runs the library's convert
+
+    parser = gguf_cli.add_arguments(argparse.ArgumentParser())
     path, _ = synthetic
-    assert conv.main(parser.parse_args([str(path), str(tmp_path / "out")])) == 0
+    assert gguf_cli.main(parser.parse_args([str(path), str(tmp_path / "out")])) == 0
     assert "wrote" in capsys.readouterr().out
-    assert conv.main(parser.parse_args([str(path), str(tmp_path / "out")])) == 2  # not empty, no --force
+    assert gguf_cli.main(parser.parse_args([str(path), str(tmp_path / "out")])) == 2  # not empty, no --force
     assert "not empty" in capsys.readouterr().err
-    assert conv.main(parser.parse_args([str(path), str(tmp_path / "out"), "--force", "--dtype", "float16"])) == 0
-    assert conv.main(parser.parse_args([str(tmp_path / "nothing.gguf"), str(tmp_path / "o2")])) == 2
+    assert gguf_cli.main(parser.parse_args([str(path), str(tmp_path / "out"), "--force", "--dtype", "float16"])) == 0
+    assert gguf_cli.main(parser.parse_args([str(tmp_path / "nothing.gguf"), str(tmp_path / "o2")])) == 2
 
 
 # -- the real SmolLM2-135M-Instruct Q4_1 file ----------------------------------------------------------------
@@ -265,17 +267,18 @@ def test_real_logits_match_a_reference_dequantized_by_the_gguf_package(smollm2_g
     assert mx.abs(reference_model(ids) - reference).max().item() > 5.0
 
 
-def test_python_dash_m_runs_the_converter(synthetic, tmp_path):
+def test_python_dash_m_runs_the_converter_cli(synthetic, tmp_path):
     import subprocess
     import sys
 
     path, _ = synthetic
-    run = subprocess.run([sys.executable, "-m", "spec_cache.gguf", str(path), str(tmp_path / "out")],
+    run = subprocess.run([sys.executable, "-m", "spec_cache.apps.gguf_cli", str(path), str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "out" / "config.json").is_file() and "wrote" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "spec_cache.gguf", str(tmp_path / "none.gguf"), str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    bad = subprocess.run([sys.executable, "-m", "spec_cache.apps.gguf_cli", str(tmp_path / "none.gguf"),
+                          str(tmp_path / "x")], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
     assert bad.returncode == 2 and "no GGUF file" in bad.stderr
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from spec_cache.apps import demo_real, server  # their options only: no MLX until a command runs
+from spec_cache.apps import demo_real, gguf_cli, server  # their options only: no MLX until a command runs
 from spec_cache.apps.cli import chat, shared
 from spec_cache.apps.cli.common import (
     EXIT_INTERRUPTED,
@@ -31,7 +31,6 @@ from spec_cache.apps.cli.common import (
     positive_int,
     token_list,
 )
-from spec_cache.apps.gguf_cli import add_arguments as gguf_add_arguments
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
 from spec_cache.namespace import KVOptions
 from spec_cache.store import maintenance
@@ -259,9 +258,7 @@ def cmd_import_mlx_lm(args) -> int:
 
 
 def cmd_convert_gguf(args) -> int:
-    from spec_cache import gguf  # loads MLX
-
-    return gguf.main(args)
+    return gguf_cli.main(args)  # loads MLX
 
 
 def cmd_serve(args) -> int:
@@ -402,7 +399,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     s.set_defaults(fn=cmd_serve)
     s = sub.add_parser("convert-gguf", help="a GGUF file (llama family or gemma3) -> an mlx-lm model directory",
                        description="Write an mlx-lm model directory from a llama-family GGUF file.")
-    gguf_add_arguments(s)
+    gguf_cli.add_arguments(s)
     s.set_defaults(fn=cmd_convert_gguf)
     s = sub.add_parser("export-mlx-lm", parents=[common],
                        help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)",
