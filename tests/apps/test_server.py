@@ -132,18 +132,16 @@ def model(tmp_path_factory):
     return root, target, drafter
 
 
-@pytest.fixture(scope="module")
-def reference(model):
-    """(tokenizer, greedy(prompt_ids, max_tokens) -> token ids cut after the first EOS)."""
+def cold_reference(target_dir: Path):
+    """(tokenizer, greedy(prompt_ids, max_tokens, stop_at_eos=True) -> token ids): mlx-lm's own ``generate_step``
+    on the prompt tokens, cold, cut after the first EOS (memoized): what a request gets alone."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_tokenizer
 
     from spec_cache.target import TargetModel
 
-    _, target_dir, _ = model
     target = TargetModel.load(target_dir)
-    tokenizer = load_tokenizer(target_dir)
     memo = {}
 
     def greedy(prompt: list[int], max_tokens: int, stop_at_eos: bool = True) -> list[int]:
@@ -157,7 +155,13 @@ def reference(model):
             memo[key] = out
         return list(memo[key])
 
-    return tokenizer, greedy
+    return load_tokenizer(target_dir), greedy
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """(tokenizer, greedy(prompt_ids, max_tokens) -> token ids cut after the first EOS)."""
+    return cold_reference(model[1])
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from tests.apps.test_server import KEY_A, KEY_B, Server, stopped
+from tests.apps.test_server import KEY_A, KEY_B, Server, cold_reference, stopped
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -40,24 +40,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny):
     """(tokenizer, greedy(prompt_ids, max_tokens) -> token ids cut after the first EOS)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load_tokenizer
-
-    from spec_cache.target import TargetModel
-
-    target = TargetModel.load(tiny)
-    tokenizer = load_tokenizer(tiny)
-
-    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
-        out = []
-        for token, _ in generate_step(mx.array(prompt), target.model, max_tokens=max_tokens):
-            out.append(int(token))
-            if out[-1] == EOS:
-                break
-        return out
-
-    return tokenizer, greedy
+    return cold_reference(tiny)
 
 
 @pytest.fixture(scope="module")

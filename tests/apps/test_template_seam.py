@@ -17,7 +17,7 @@ from spec_cache.apps.server.seam import message_boundaries
 from spec_cache.cache import SpecCache
 from spec_cache.generator import Generator
 from spec_cache.sampling import RowSampling
-from tests.apps.test_server import EOS, Server, chat_ids, expected_text, stopped, user, words
+from tests.apps.test_server import Server, chat_ids, cold_reference, expected_text, stopped, user, words
 from tests.apps.test_server_scheduler import Events
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
@@ -168,23 +168,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def greedy(tiny_model):
     """(tokenizer, greedy(prompt ids, n) -> mlx-lm's own greedy tokens, cut after the first EOS)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load_tokenizer
-
-    from spec_cache.target import TargetModel
-
-    _, target_dir, _ = tiny_model
-    target = TargetModel.load(target_dir)
-
-    def run(prompt, max_tokens):
-        out = []
-        for token, _ in generate_step(mx.array(prompt), target.model, max_tokens=max_tokens):
-            out.append(int(token))
-            if out[-1] == EOS:
-                break
-        return out
-    return load_tokenizer(target_dir), run
+    return cold_reference(tiny_model[1])
 
 
 def _serve(tiny_model, tmp, store, method):
