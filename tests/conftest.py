@@ -9,12 +9,24 @@ from __future__ import annotations
 import pytest
 
 from tests.markers import markers_for
+from tests.redis_servers import ThrowawayServer, server_binaries
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         for name in sorted(markers_for(item)):
             item.add_marker(name)
+
+
+@pytest.fixture
+def redis_server():
+    """A Redis (else Valkey) server of this test's own on 127.0.0.1, stopped at teardown; skips when none is installed
+    (``bash tools/redis_server.sh install``). Tests that share one server per module keep their own fixture."""
+    binaries = server_binaries()
+    if not binaries:
+        pytest.skip("no redis-server or valkey-server binary installed")
+    with ThrowawayServer(binaries.get("redis") or next(iter(binaries.values()))) as server:
+        yield server
 
 
 @pytest.fixture

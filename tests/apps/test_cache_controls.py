@@ -196,40 +196,36 @@ def test_prefix_by_messages_and_prompt(server):
 
 
 # -- pins in LMDB, prefetch from LMDB and from the shared tier after a restart -----------------------------------
-def test_after_a_restart_pinned_prefixes_are_in_lmdb_and_prefetch_makes_a_memory_hit(model, tmp_path):
+def test_after_a_restart_pinned_prefixes_are_in_lmdb_and_prefetch_makes_a_memory_hit(model, redis_server, tmp_path):
     """Server 1 (a 400 KB store, a shared tier) pins P, answers Q, then ~6 other prompts: LMDB's budget evicts Q
     (and would P); after a restart P comes from LMDB and Q from the shared tier, and a request after the prefetch
     of P restores from the memory tier."""
-    from tests.redis_servers import ThrowawayServer, server_binaries
-
     _, target, _ = model
     pinned, other = prompt(7), prompt(17)
-    binary = server_binaries().get("redis") or next(iter(server_binaries().values()))
-    with ThrowawayServer(binary) as redis:
-        shared = [*MEMORY, "--shared", redis.url, "--shared-trusted-network"]
-        first = Server(target, tmp_path / "store", tmp_path, *shared, "--max-bytes", "400K")
-        try:
-            complete(first, pinned)
-            first.wait_durable()
-            assert post(first, "/v1/cache/pin", tokens=pinned, ttl_s=60).status_code == 200
-            complete(first, other)
-            flood(first, range(40, 47))
-        finally:
-            first.stop()
-        # a larger budget now: pins end with their process, and this one's first writes must not evict P
-        srv = Server(target, tmp_path / "store", tmp_path, *shared, "--max-bytes", "8M")
-        try:
-            got = post(srv, "/v1/cache/prefetch", tokens=pinned).json()
-            assert (got["tier"], got["tokens"], got["resident"]) == ("local", len(pinned), True)
-            assert post(srv, "/v1/cache/prefetch", tokens=other).json()["tier"] == "shared"  # not in LMDB now
-            hits, misses = srv.metric("spec_cache_memory_tier_hits"), srv.metric("spec_cache_memory_tier_misses")
-            answer = complete(srv, pinned + [5])
-            assert cached(answer) == len(pinned)
-            assert srv.metric("spec_cache_memory_tier_hits") == hits + 1
-            assert srv.metric("spec_cache_memory_tier_misses") == misses
-            assert f"cached={len(pinned)}" in srv.log.read_text()
-        finally:
-            srv.stop()
+    shared = [*MEMORY, "--shared", redis_server.url, "--shared-trusted-network"]
+    first = Server(target, tmp_path / "store", tmp_path, *shared, "--max-bytes", "400K")
+    try:
+        complete(first, pinned)
+        first.wait_durable()
+        assert post(first, "/v1/cache/pin", tokens=pinned, ttl_s=60).status_code == 200
+        complete(first, other)
+        flood(first, range(40, 47))
+    finally:
+        first.stop()
+    # a larger budget now: pins end with their process, and this one's first writes must not evict P
+    srv = Server(target, tmp_path / "store", tmp_path, *shared, "--max-bytes", "8M")
+    try:
+        got = post(srv, "/v1/cache/prefetch", tokens=pinned).json()
+        assert (got["tier"], got["tokens"], got["resident"]) == ("local", len(pinned), True)
+        assert post(srv, "/v1/cache/prefetch", tokens=other).json()["tier"] == "shared"  # not in LMDB now
+        hits, misses = srv.metric("spec_cache_memory_tier_hits"), srv.metric("spec_cache_memory_tier_misses")
+        answer = complete(srv, pinned + [5])
+        assert cached(answer) == len(pinned)
+        assert srv.metric("spec_cache_memory_tier_hits") == hits + 1
+        assert srv.metric("spec_cache_memory_tier_misses") == misses
+        assert f"cached={len(pinned)}" in srv.log.read_text()
+    finally:
+        srv.stop()
 
 
 # -- export / import ----------------------------------------------------------------------------------------------

@@ -200,32 +200,26 @@ def test_quantized_kv_matches_mlx_lm_own_cache(loaded, model_dir, open_cache):
     assert all(isinstance(c, QuantizedKVCache) for c in ours.fetch_nearest_cache(key, turn2 + got)[0])
 
 
-def test_shared_tier_serves_another_host(loaded, model_dir, tmp_path):
+def test_shared_tier_serves_another_host(loaded, model_dir, redis_server, tmp_path):
     """Two servers with their own LMDB stores and one Redis/Valkey: host B restores what host A served."""
-    from tests.redis_servers import ThrowawayServer, server_binaries
-
-    binaries = server_binaries()
-    if not binaries:
-        pytest.skip("no redis-server or valkey-server binary installed")
     _, tok = loaded
     key = (str(model_dir), None, None)
     prompt = tok.encode(_prompt_text(100))
-    with ThrowawayServer(next(iter(binaries.values()))) as server:
-        fleet = {"secret": "test fleet secret 0123456789abcdef"}  # both hosts of the fleet hold it
-        a = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "a", shared=server.url, shared_options=fleet),
-                                 owns_cache=True)
-        b = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "b", shared=server.url, memory_bytes=0,
-                                                      shared_options=fleet), owns_cache=True)
-        try:
-            first, _ = _serve(a, loaded, key, prompt)
-            assert a.drain(20)
-            turn2 = prompt + first + tok.encode(" w40")
-            got, cached = _serve(b, loaded, key, turn2)
-            assert b.last_hit_tier == "shared" and cached == len(prompt) + len(first)
-            assert got == _greedy(loaded, turn2)
-        finally:
-            a.close()
-            b.close()
+    fleet = {"secret": "test fleet secret 0123456789abcdef"}  # both hosts of the fleet hold it
+    a = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "a", shared=redis_server.url, shared_options=fleet),
+                             owns_cache=True)
+    b = SpecCachePromptCache(cache=SpecCache.open(tmp_path / "b", shared=redis_server.url, memory_bytes=0,
+                                                  shared_options=fleet), owns_cache=True)
+    try:
+        first, _ = _serve(a, loaded, key, prompt)
+        assert a.drain(20)
+        turn2 = prompt + first + tok.encode(" w40")
+        got, cached = _serve(b, loaded, key, turn2)
+        assert b.last_hit_tier == "shared" and cached == len(prompt) + len(first)
+        assert got == _greedy(loaded, turn2)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_other_cache_kinds_fall_back_to_ram_with_one_warning(loaded, model_dir, open_cache):

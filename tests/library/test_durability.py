@@ -14,7 +14,6 @@ import pytest
 
 from spec_cache.cache import SpecCache
 from spec_cache.generator import Generator
-from tests.redis_servers import ThrowawayServer, server_binaries
 from tests.runtime_fixtures import _identity_memo, build_tiny  # noqa: F401  (fixtures)
 
 PROMPTS = [list(range(3, 3 + n)) for n in (12, 20, 31, 45)]
@@ -152,23 +151,21 @@ print("queued", flush=True)
 """
 
 
-@pytest.mark.skipif(not server_binaries(), reason="no redis-server or valkey-server binary installed")
-def test_the_exit_drain_publishes_to_the_shared_tier(tmp_path, monkeypatch):
+def test_the_exit_drain_publishes_to_the_shared_tier(redis_server, tmp_path, monkeypatch):
     """Queued checkpoints of a never-closed host reach its LMDB and then the shared tier before the process ends:
     another host, with an empty LMDB of its own, restores each of them from the shared tier."""
     monkeypatch.setenv("SPEC_CACHE_SHARED_TRUSTED", "1")  # a server on 127.0.0.1 of this test alone; child too
-    with ThrowawayServer(sorted(server_binaries().values())[0]) as server:
-        done = run_child(SHARED_HOST, tmp_path / "a", server.url)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "queued"
-        with SpecCache.open(tmp_path / "b", shared=server.url, chunk_tokens=16, memory_bytes=0,
-                            shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0,
-                                            "lookup_budget_s": 10.0}) as other:
-            ns = other.namespace("ab" * 32, "{}")
-            for i in range(3):
-                hit = other.restore(ns, [3 + i] * 32 + [1])
-                assert hit is not None and (hit.tier, hit.length) == ("shared", 32)
-                assert np.array_equal(np.asarray(hit.caches[0].keys), np.full((1, 2, 32, 8), i, np.float32))
+    done = run_child(SHARED_HOST, tmp_path / "a", redis_server.url)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "queued"
+    with SpecCache.open(tmp_path / "b", shared=redis_server.url, chunk_tokens=16, memory_bytes=0,
+                        shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0,
+                                        "lookup_budget_s": 10.0}) as other:
+        ns = other.namespace("ab" * 32, "{}")
+        for i in range(3):
+            hit = other.restore(ns, [3 + i] * 32 + [1])
+            assert hit is not None and (hit.tier, hit.length) == ("shared", 32)
+            assert np.array_equal(np.asarray(hit.caches[0].keys), np.full((1, 2, 32, 8), i, np.float32))
 
 
 def test_the_exit_registry_holds_caches_weakly_and_close_leaves_it(tmp_path):
