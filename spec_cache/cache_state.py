@@ -1,15 +1,9 @@
 """mlx-lm cache objects <-> the store's ``LayerState`` (the only place that knows both).
 
-Every cache class speaks mlx-lm's ``state`` protocol; this module maps each class to a stored layer kind:
-
-* ``KVCache`` -> ``kv``: keys and values sliced to the real offset (not the 256-step padded buffer),
-  token axis 2, so the store may split them into shared chunks.
-* ``QuantizedKVCache`` -> ``qkv``: the (packed uint32 words, scales, biases) triples of K and V sliced to the
-  offset, token axis 2, scalars group_size and bits, and ``converted_at`` when the cache records where it was
-  converted (the runtime's caches do; see ``spec_cache.kv_quant``). ``converted_at`` is part of the layer
-  signature, so states converted at different offsets never share stored chunks: their K/V differ from there.
-* ``RotatingKVCache`` -> ``rotating``: the ring buffer whole with keep/max_size/offset/idx; never trimmed.
-* ``ArraysCache`` -> ``arrays``: the recurrent arrays whole; never trimmed.
+Which class is which stored kind, and what each keeps, is ``spec_cache.cache_kinds``' table (the memory tier
+uses the same one): ``kv`` and ``qkv`` sliced to the real offset (token axis 2, so the store may split them into
+shared chunks), ``rotating`` and ``arrays`` whole. This module adds the host side: arrays to store ``Tensor``s
+(``to_tensor``; deferred copies for a background writer) and back (``to_mx``, ``mx_concat``, ``restore_concat``).
 
 Restored arrays are owned copies, bit-identical to what was stored.
 """
@@ -23,6 +17,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from spec_cache.cache_kinds import kind_named, kind_of
 from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint
 from spec_cache.store import LayerState, Tensor
 from spec_cache.store.tensors import numpy_dtype
@@ -89,8 +84,14 @@ def restore_concat():
     return None
 
 
-def to_mx(t: Tensor) -> mx.array:
-    """A store ``Tensor`` as an owned ``mx.array`` with its dtype."""
+def to_mx(t: Any) -> mx.array:
+    """A tensor as an ``mx.array``: an ``mx.array`` as is; a store ``Tensor`` as an owned array of its dtype
+    (bfloat16 from its uint16 words; data ``mx_concat`` already built in MLX checked against the record's dtype);
+    anything else with the buffer protocol (a numpy array) copied into MLX."""
+    if isinstance(t, mx.array):
+        return t
+    if not isinstance(t, Tensor):
+        return mx.array(t)
     if isinstance(t.data, mx.array):  # already built by mx_concat
         if dtype_of(t.data) != t.dtype:
             raise ValueError(f"restored tensor is {dtype_of(t.data)}, its record says {t.dtype}")
@@ -104,63 +105,16 @@ def to_mx(t: Tensor) -> mx.array:
 
 
 def layer_state(cache: Any) -> LayerState:
-    """One mlx-lm cache (single row) as a ``LayerState`` covering exactly its offset."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
-
-    if isinstance(cache, RotatingKVCache):
-        keys, values, offset, keep, max_size, idx = cache.state
-        tensors = [] if keys is None else [to_tensor(keys), to_tensor(values)]
-        return LayerState("rotating", {"offset": offset, "keep": keep, "max_size": max_size, "idx": idx}, tensors)
-    if isinstance(cache, QuantizedKVCache):
-        n = cache.offset
-        parts = [] if cache.keys is None else [a[..., :n, :] for a in (*cache.keys, *cache.values)]
-        meta = {"group_size": cache.group_size, "bits": cache.bits}
-        if getattr(cache, "converted_at", None) is not None:
-            meta["converted_at"] = int(cache.converted_at)
-        return LayerState("qkv", meta, [to_tensor(a) for a in parts], token_axis=2)
-    if isinstance(cache, KVCache):
-        n = cache.offset
-        if cache.keys is None:
-            raise ValueError("cannot store an empty KVCache")
-        return LayerState("kv", {}, [to_tensor(cache.keys[..., :n, :]), to_tensor(cache.values[..., :n, :])],
-                          token_axis=2)
-    if isinstance(cache, ArraysCache):
-        present = [a is not None for a in cache.cache]
-        return LayerState("arrays", {"size": len(cache.cache), "present": present},
-                          [to_tensor(a) for a in cache.cache if a is not None])
-    raise TypeError(f"cache class {type(cache).__name__} cannot be stored yet")
+    """One mlx-lm cache (single row) as a ``LayerState`` covering exactly its offset (see ``cache_kinds``)."""
+    kind = kind_of(cache)
+    meta, arrays = kind.capture(cache)
+    return LayerState(kind.name, meta, [to_tensor(a) for a in arrays], token_axis=kind.token_axis)
 
 
 def from_layer_state(layer: LayerState) -> Any:
     """Rebuild the mlx-lm cache a ``LayerState`` came from (owned, bit-identical arrays)."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
-
-    arrays = [to_mx(t) for t in layer.tensors]
-    if layer.kind == "kv":
-        c = KVCache()
-        c.keys, c.values = arrays
-        c.offset = c.keys.shape[2]
-        return c
-    if layer.kind == "qkv":
-        c = QuantizedKVCache(group_size=layer.meta["group_size"], bits=layer.meta["bits"])
-        if layer.meta.get("converted_at") is not None:
-            c.converted_at = int(layer.meta["converted_at"])
-        if arrays:
-            c.keys, c.values = tuple(arrays[:3]), tuple(arrays[3:])
-            c.offset = arrays[0].shape[2]
-        return c
-    if layer.kind == "rotating":
-        m = layer.meta
-        c = RotatingKVCache(max_size=m["max_size"], keep=m["keep"])
-        keys, values = arrays if arrays else (None, None)
-        c.state = (keys, values, m["offset"], m["keep"], m["max_size"], m["idx"])
-        return c
-    if layer.kind == "arrays":
-        c = ArraysCache(layer.meta["size"])
-        it = iter(arrays)
-        c.cache = [next(it) if p else None for p in layer.meta["present"]]
-        return c
-    raise ValueError(f"unknown stored layer kind {layer.kind!r}")
+    kind = kind_named(layer.kind)
+    return kind.build(layer.meta, [to_mx(t) for t in layer.tensors])
 
 
 def capture_caches(caches: Sequence[Any], *, defer_copy: bool = False) -> list[LayerState]:

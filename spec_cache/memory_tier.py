@@ -41,15 +41,19 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Candidate", "MemoryHit", "MemoryTier", "default_budget", "held_bytes"]
+from spec_cache.cache_kinds import kind_named, kind_of
+
+__all__ = ["HitView", "MemoryHit", "MemoryTier", "default_budget", "held_bytes"]
 
 #: fraction of the device's memory above which ``reclaim`` runs on put
 PRESSURE_FRACTION = 0.90
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """What a usability predicate sees (the same fields as the store's ``Hit``)."""
+class HitView:
+    """A held prefix as the caller's ``usable`` predicate sees it: the fields it shares with the store's ``Hit``
+    (which the same predicate sees from LMDB). Not the store's ``Candidate``: that one is an index guess, not
+    yet checked; this one is held and checked."""
 
     length: int              # tokens of target state the candidate restores
     has_drafter: bool        # whether the asked drafter's row comes with it
@@ -58,7 +62,7 @@ class Candidate:
 
 @dataclass
 class _Layer:
-    """One layer as held: ``kind`` (kv, qkv, rotating, arrays), its arrays and scalars."""
+    """One layer as held: ``kind`` (a ``cache_kinds`` name: kv, qkv, rotating, arrays), its arrays and scalars."""
 
     kind: str
     arrays: list             # kv: [keys, values]; qkv: 3 key parts + 3 value parts; rotating/arrays: as stored
@@ -181,7 +185,7 @@ class MemoryTier:
         if nbytes > self.budget_bytes or (self.tenant_quota is not None and nbytes > self.tenant_quota):
             self.counters["refused"] += 1
             return None
-        trimmable = bool(layers) and all(layer.kind in ("kv", "qkv") for layer in layers)
+        trimmable = bool(layers) and all(kind_named(layer.kind).trimmable for layer in layers)
         entry = _Entry(ns_key, packed, layers, drafters, int(minimum_reusable), trimmable, nbytes, durable, pinned)
         with self._lock:
             old = self._entries.get(entry.key)
@@ -262,7 +266,7 @@ class MemoryTier:
             self._demote_idle()
             for entry in list(self._by_ns.get(ns_key, {}).values()):
                 for hit in _candidates(entry, query, drafter_namespace):
-                    if usable is not None and not usable(Candidate(hit.length, hit.has_drafter,
+                    if usable is not None and not usable(HitView(hit.length, hit.has_drafter,
                                                                    hit.minimum_reusable)):
                         continue
                     if best is None or (hit.length, hit.has_drafter) > (best.length, best.has_drafter):
@@ -453,67 +457,17 @@ def _candidates(entry: _Entry, query: np.ndarray, drafter_namespace: str | None)
 
 
 def _hold(cache) -> _Layer:
-    """The arrays of one single-row mlx-lm cache, covering exactly its offset."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
-
-    if isinstance(cache, RotatingKVCache):
-        keys, values, offset, keep, max_size, idx = cache.state
-        arrays = [] if keys is None else [keys, values]
-        return _Layer("rotating", arrays, {"offset": offset, "keep": keep, "max_size": max_size, "idx": idx})
-    if isinstance(cache, QuantizedKVCache):
-        n = cache.offset
-        arrays = [] if cache.keys is None else [a[..., :n, :] for a in (*cache.keys, *cache.values)]
-        meta = {"group_size": cache.group_size, "bits": cache.bits,
-                "converted_at": getattr(cache, "converted_at", None)}
-        return _Layer("qkv", arrays, meta)
-    if isinstance(cache, KVCache):
-        if cache.keys is None:
-            raise ValueError("cannot hold an empty KVCache")
-        n = cache.offset
-        keys, values = cache.keys, cache.values
-        if keys.shape[2] != n:
-            keys, values = keys[..., :n, :], values[..., :n, :]
-        return _Layer("kv", [keys, values], {})
-    if isinstance(cache, ArraysCache):
-        present = [a is not None for a in cache.cache]
-        return _Layer("arrays", [a for a in cache.cache if a is not None], {"present": present,
-                                                                            "size": len(cache.cache)})
-    raise TypeError(f"cache class {type(cache).__name__} cannot be held")
+    """The arrays of one single-row mlx-lm cache, covering exactly its offset (``cache_kinds``' capture)."""
+    kind = kind_of(cache)
+    meta, arrays = kind.capture(cache)
+    return _Layer(kind.name, arrays, meta)
 
 
 def _rebuild(layer: _Layer, length: int, held: int):
-    """A new mlx-lm cache over (slices of) the held arrays: nothing the row does reaches the tier's arrays."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
-
-    def view(a):
-        return a[..., :length, :]  # a new array object (a slice; a view of the same buffer, never written)
-
-    if layer.kind == "kv":
-        c = KVCache()
-        c.keys, c.values = (view(a) for a in layer.arrays)
-        c.offset = length
-        return c
-    if layer.kind == "qkv":
-        c = QuantizedKVCache(group_size=layer.meta["group_size"], bits=layer.meta["bits"])
-        if layer.meta.get("converted_at") is not None:
-            c.converted_at = int(layer.meta["converted_at"])
-        if layer.arrays:
-            parts = [view(a) for a in layer.arrays]
-            c.keys, c.values = tuple(parts[:3]), tuple(parts[3:])
-            c.offset = length
-        return c
-    if length != held:
-        raise ValueError(f"a {layer.kind} layer is exact-length ({held} tokens), asked for {length}")
-    if layer.kind == "rotating":
-        m = layer.meta
-        c = RotatingKVCache(max_size=m["max_size"], keep=m["keep"])
-        keys, values = (a[...] for a in layer.arrays) if layer.arrays else (None, None)
-        c.state = (keys, values, m["offset"], m["keep"], m["max_size"], m["idx"])
-        return c
-    c = ArraysCache(layer.meta["size"])
-    it = iter(a[...] for a in layer.arrays)
-    c.cache = [next(it) if p else None for p in layer.meta["present"]]
-    return c
+    """A new mlx-lm cache over (slices of) the held arrays: nothing the row does reaches the tier's arrays (a
+    slice is a new array object, a view of the same buffer, never written)."""
+    kind = kind_named(layer.kind)
+    return kind.build(layer.meta, kind.prefix(layer.arrays, length, held))
 
 
 def _fresh_checkpoint(cp):

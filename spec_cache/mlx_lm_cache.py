@@ -74,9 +74,9 @@ _MAX_TOKEN = 2**32 - 1
 
 
 def _storable_classes() -> tuple[type, ...]:
-    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+    from spec_cache.cache_kinds import cache_types
 
-    return (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
+    return cache_types()
 
 
 def kv_options_from_args(args: Any) -> KVOptions:

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
+from spec_cache.cache_state import to_mx  # re-exported: the one tensor -> mx.array conversion
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import mlx.core as mx
 
@@ -276,18 +278,3 @@ def check_per_row(values: Sequence[Any], count: int, what: str) -> None:
     """One ``what`` per row, else ValueError."""
     if len(values) != count:
         raise ValueError(f"expected one {what} per row ({count}), got {len(values)}")
-
-
-def to_mx(tensor: Any) -> "mx.array":
-    """An ``mx.array`` for a checkpoint tensor (mx.array as is; numpy or any buffer-protocol tensor copied).
-
-    A tensor type of the store may provide ``to_mlx()``; it is used when present.
-    """
-    import mlx.core as mx
-
-    if isinstance(tensor, mx.array):
-        return tensor
-    convert = getattr(tensor, "to_mlx", None)
-    if callable(convert):
-        return convert()
-    return mx.array(tensor)

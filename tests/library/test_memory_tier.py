@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from spec_cache.cache import SpecCache
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
 from spec_cache.generator import Generator
-from spec_cache.memory_tier import Candidate, MemoryTier
+from spec_cache.memory_tier import HitView, MemoryTier
 from spec_cache.store import Store
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
@@ -147,7 +147,7 @@ def test_drafter_parts_are_exact_length_and_minimum_reusable_bounds_trimming():
     assert tier.lookup(NS, list(range(11))) is None        # below the conversion point: never
     seen = []
     tier.lookup(NS, list(range(25)), usable=lambda c: seen.append(c) or False)
-    assert seen == [Candidate(20, False, 12)]
+    assert seen == [HitView(20, False, 12)]
 
 
 def test_budget_lru_pinning_and_durability():
