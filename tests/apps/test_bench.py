@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.server  # the write-amplification section drives a real server
+@pytest.mark.slow
 def test_quick_bench_runs_and_prints_json():
     run = subprocess.run([sys.executable, "-m", "spec_cache", "bench", "--quick", "--json"], capture_output=True,
                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])

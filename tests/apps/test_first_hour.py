@@ -120,6 +120,7 @@ def test_a_gguf_file_given_to_generate_points_at_convert_gguf_and_serve_converts
     assert not (tmp_path / "store").exists()  # converted (here: tried) before the store opens
 
 
+@pytest.mark.server  # spec-cache serve in a subprocess of its own
 def test_serve_converts_a_real_gguf_file_once_and_answers(tmp_path):
     from spec_cache.apps.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
     from tests.apps.test_server import free_port

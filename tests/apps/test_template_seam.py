@@ -206,6 +206,7 @@ def test_turn_two_restores_the_whole_previous_prompt(tiny_model, greedy, tmp_pat
         stopped(srv)
 
 
+@pytest.mark.server  # the agentic bench drives spec-cache serve processes
 def test_agentic_bench_ratio_comes_from_real_responses():
     result = agentic.run(turns=3, max_tokens=4, restart=False, cost=False)
     assert "skipped" not in result, result
