@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from tests.apps.test_server import KEY_A, KEY_B, Server, cold_reference, stopped
+from tests.apps.test_server import KEY_A, KEY_B, Server, cold_reference, stopped, words
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -24,10 +24,6 @@ GREEDY = {"temperature": 0}  # this client version has no temperature argument: 
 
 def client(server: Server, key: str | None = KEY_A, **options):
     return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=60, **options)
-
-
-def words(start: int, count: int) -> str:
-    return " ".join(f"w{i}" for i in range(start, start + count))
 
 
 @pytest.fixture(scope="module")
