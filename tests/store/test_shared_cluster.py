@@ -29,7 +29,17 @@ from spec_cache.store.shared.auth import SALT_BYTES, TAG_BYTES
 from spec_cache.store.shared.keys import KeyNames
 from spec_cache.store.shared.records import read_outgoing
 from tests.redis_servers import ThrowawayCluster, cli_for, free_port, server_binaries
-from tests.store.test_shared_tier import DRAFTER, PREFIX_NS, SECRET, TARGET, C, assert_holds, prompt, save
+from tests.store.test_shared_tier import (  # noqa: F401  (hosts: a fixture)
+    DRAFTER,
+    PREFIX_NS,
+    SECRET,
+    TARGET,
+    C,
+    assert_holds,
+    hosts,
+    prompt,
+    save,
+)
 
 BINARIES = server_binaries()
 BINARY = BINARIES.get("redis") or next(iter(BINARIES.values()), None)
@@ -54,27 +64,6 @@ def flushed(cluster):
     for node in cluster.primaries():
         redis.Redis(port=node.port).flushall()
     return cluster
-
-
-@pytest.fixture
-def hosts(tmp_path):
-    opened = []
-
-    def host(name, url, **options):
-        options.setdefault("timeout_s", 2.0)
-        options.setdefault("connect_timeout_s", 2.0)
-        # these tests check what is shared, not the budget (test_shared_auth does): a loaded CI machine's first
-        # cluster discovery may take longer than the default 0.5 s per lookup
-        options.setdefault("lookup_budget_s", 10.0)
-        options.setdefault("backoff_s", 0.05)
-        if not options.get("trusted_network"):
-            options.setdefault("secret", SECRET)
-        cache = SpecCache.open(tmp_path / name, shared=url, shared_options=options, chunk_tokens=C, durable=False)
-        opened.append(cache)
-        return cache
-    yield host
-    for cache in opened:
-        cache.close()
 
 
 def client(cluster) -> RedisCluster:
