@@ -7,7 +7,7 @@ so its checkpoint is one hidden row and the token count it covers.
 from __future__ import annotations
 
 from .attachment import CheckpointAttachment
-from .checks import expect_count, expect_float, expect_processed_tokens, expect_rank
+from .checks import expect_count, expect_hidden, expect_processed_tokens
 from .names import GEMMA_ASSISTANT_V1
 from .spec import AttachmentSchema, MetadataKey
 
@@ -20,10 +20,7 @@ def _check(schema: AttachmentSchema, attachment: CheckpointAttachment, processed
     expect_processed_tokens(schema, attachment.metadata, processed_tokens, ALIGNMENT)
     tensors = attachment.tensors
     expect_count(schema, tensors, 1, "[hidden]")
-    shape = expect_rank(schema, tensors, 0, 3, "[1, 1, hiddenSize]")
-    if shape[0] != 1 or shape[1] != 1 or shape[2] < 1:
-        raise schema.error("tensors[0].shape", f"expected [1, 1, hiddenSize] with hiddenSize > 0, got {list(shape)}")
-    expect_float(schema, tensors, 0)
+    expect_hidden(schema, tensors, 0)
 
 
 GEMMA_ASSISTANT = AttachmentSchema(

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from .dtypes import FLOAT_DTYPES, _lookup
 from .spec import AttachmentSchema
 
-__all__ = ["shape_of", "dtype_of", "expect_count", "expect_rank", "expect_float", "expect_pair"]
+__all__ = ["shape_of", "dtype_of", "expect_count", "expect_rank", "expect_float", "expect_hidden", "expect_pair"]
 
 
 def shape_of(schema: AttachmentSchema, tensors: Sequence[Any], index: int) -> tuple[int, ...]:
@@ -72,6 +72,15 @@ def expect_float(schema: AttachmentSchema, tensors: Sequence[Any], index: int) -
             f"tensors[{index}].dtype", f"expected a float dtype ({', '.join(sorted(FLOAT_DTYPES))}), got {name}"
         )
     return name
+
+
+def expect_hidden(schema: AttachmentSchema, tensors: Sequence[Any], index: int) -> None:
+    """Tensor ``index`` is one hidden state: shape ``[1, 1, hiddenSize]`` with ``hiddenSize > 0``, a float dtype."""
+    shape = expect_rank(schema, tensors, index, 3, "[1, 1, hiddenSize]")
+    if shape[0] != 1 or shape[1] != 1 or shape[2] < 1:
+        raise schema.error(f"tensors[{index}].shape",
+                           f"expected [1, 1, hiddenSize] with hiddenSize > 0, got {list(shape)}")
+    expect_float(schema, tensors, index)
 
 
 def expect_pair(

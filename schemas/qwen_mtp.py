@@ -8,7 +8,7 @@ pre-final-norm hidden of the last one waits to be fed.
 from __future__ import annotations
 
 from .attachment import CheckpointAttachment
-from .checks import expect_count, expect_float, expect_pair, expect_rank
+from .checks import expect_count, expect_hidden, expect_pair
 from .names import QWEN_MTP_V1
 from .spec import AttachmentSchema, MetadataKey
 
@@ -34,12 +34,7 @@ def _check(schema: AttachmentSchema, attachment: CheckpointAttachment, processed
     else:
         expect_count(schema, tensors, 1, "[hidden]", prefix=f"{ALIGNMENT}: draftOffset=0 needs ")
         hidden = 0
-    shape = expect_rank(schema, tensors, hidden, 3, "[1, 1, hiddenSize]")
-    if shape[0] != 1 or shape[1] != 1 or shape[2] < 1:
-        raise schema.error(
-            f"tensors[{hidden}].shape", f"expected [1, 1, hiddenSize] with hiddenSize > 0, got {list(shape)}"
-        )
-    expect_float(schema, tensors, hidden)
+    expect_hidden(schema, tensors, hidden)
 
 
 QWEN_MTP = AttachmentSchema(
