@@ -27,20 +27,23 @@ from __future__ import annotations
 import functools
 from typing import Any, ClassVar, Sequence
 
+from spec_cache.errors import InvalidRequest, RestoreRefused, SpecCacheError, UnsupportedCombination
+
 __all__ = ["CacheKind", "CacheKindError", "KINDS", "UnknownCacheType", "UnknownLayerKind", "cache_types",
            "kind_named", "kind_of"]
 
 
-class CacheKindError(Exception):
+class CacheKindError(SpecCacheError):
     """A cache layer whose kind this table does not know."""
 
 
-class UnknownCacheType(CacheKindError, TypeError):
-    """A cache object of a class no kind covers (e.g. ``ChunkedKVCache``): it cannot be stored or held."""
+class UnknownCacheType(CacheKindError, UnsupportedCombination, TypeError):
+    """A cache object of a class no kind covers (e.g. ``ChunkedKVCache``): this model's caches cannot be stored
+    or held. Also a ``TypeError``, what callers caught before the table existed."""
 
 
-class UnknownLayerKind(CacheKindError, ValueError):
-    """A stored or held layer whose kind name no kind carries (a newer writer's kind, or damage)."""
+class UnknownLayerKind(CacheKindError, RestoreRefused):
+    """A stored or held layer whose kind name no kind carries (a newer writer's kind, or damage): run it cold."""
 
 
 class CacheKind:
@@ -86,7 +89,7 @@ class _KV(CacheKind):
 
     def capture(self, cache):
         if cache.keys is None:
-            raise ValueError("cannot keep an empty KVCache (it holds no tokens)")
+            raise InvalidRequest("cannot keep an empty KVCache (it holds no tokens)")
         n = cache.offset
         return {}, [_upto(cache.keys, n), _upto(cache.values, n)]
 

@@ -16,6 +16,7 @@ from spec_cache import cache_kinds
 from spec_cache.cache import SpecCache
 from spec_cache.cache_kinds import KINDS, UnknownCacheType, UnknownLayerKind, kind_named, kind_of
 from spec_cache.cache_state import from_layer_state, layer_state, to_mx
+from spec_cache.errors import InvalidRequest, RestoreRefused, UnsupportedCombination
 from spec_cache.memory_tier import MemoryTier
 from spec_cache.store import LayerState, Tensor
 
@@ -162,6 +163,8 @@ def test_stored_records_keep_their_format():
     del plain.converted_at
     assert "converted_at" not in layer_state(plain).meta  # absent, not null, when the runtime recorded none
     assert got["kv"].tensors[0].shape == (1, 2, N, 64)      # the offset, not the 256-step buffer
+    with pytest.raises(InvalidRequest, match="empty KVCache"):
+        layer_state(KVCache())
 
 
 def test_subclasses_are_their_nearest_listed_kind():
@@ -185,13 +188,14 @@ def test_an_unknown_cache_class_is_a_named_error(odd):
     with pytest.raises(UnknownCacheType, match=name):
         MemoryTier(1 << 30).put(b"ns", [1, 2], [odd])
     assert issubclass(UnknownCacheType, TypeError)  # callers that caught the old TypeError still do
+    assert issubclass(UnknownCacheType, UnsupportedCombination)
 
 
 def test_an_unknown_stored_kind_is_a_named_error():
     layer = LayerState("paged", {}, [Tensor.from_numpy(np.zeros((1, 2, 3, 4), np.float32))], token_axis=2)
     with pytest.raises(UnknownLayerKind, match="unknown stored layer kind 'paged' .*known: kv, qkv, rotating"):
         from_layer_state(layer)
-    assert issubclass(UnknownLayerKind, ValueError)  # SpecCache turns it into a miss, as before
+    assert issubclass(UnknownLayerKind, RestoreRefused)  # a miss: SpecCache and the scheduler run it cold
 
 
 def test_the_table_is_the_only_place_that_checks_cache_classes():
