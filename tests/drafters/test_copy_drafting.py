@@ -111,3 +111,16 @@ def test_ngram_on_copied_text_keeps_plain_greedy_tokens(tiny, monkeypatch, depth
         assert result.tokens == plain_greedy(tiny.target, prompt, MAX)
     if not adaptive:
         assert sum(r.accepted for r in results) > 0
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_ngram_keeps_plain_greedy_tokens_at_every_batch_size(tiny, monkeypatch, rows, adaptive):
+    """The suffix-automaton lookup at B=1 and B=8 (B=4 above): rows of different lengths and matches draft
+    different lengths in one window; every row's tokens stay plain greedy's."""
+    prompts = [copy_prompts(8)[i][: 10 + 5 * i] for i in range(rows)]
+    _, results, _ = run_billed(tiny, monkeypatch, "ngram", spiking_flat_cost(), prompts, adaptive=adaptive, depth=6)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == plain_greedy(tiny.target, prompt, MAX)
+    if not adaptive:
+        assert sum(r.accepted for r in results) > 0
