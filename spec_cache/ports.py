@@ -6,13 +6,13 @@ condition on target hiddens). Supporting another architecture means adding one p
 
 * :class:`DecoderPort`: llama-layout decoders (llama, mistral, qwen2): embeddings, a stack of full-attention
   layers sharing one mask, final norm, head (tied or not).
-* :class:`Gemma3Port`: ``gemma3_text``: scaled embeddings, interleaved sliding-window and global layers with
-  one mask per kind, ``(1 + w)`` norms inside the layers, final norm, head.
+* :class:`Gemma3Port`: ``gemma3_text``: a ``DecoderPort`` with scaled embeddings and interleaved sliding-window
+  and global layers (one mask per kind; the ``(1 + w)`` norms live inside mlx-lm's layers).
 * :class:`Gemma4Port`: ``gemma4_text``: scaled embeddings plus per-layer inputs (a second embedding of the ids
   and a projection of the first, one slice per layer), sliding/global layers, and *KV-shared* layers at the end
   that hold no cache and attend over the K/V of the last earlier layer of their kind; soft-capped logits.
-* :class:`Qwen3NextPort`: ``qwen3_next``: a hybrid of gated-delta (recurrent, ``ArraysCache``: conv state +
-  recurrent state) and full-attention layers.
+* :class:`Qwen3NextPort`: ``qwen3_next``: a ``DecoderPort`` whose layers are a hybrid of gated-delta (recurrent,
+  ``ArraysCache``: conv state + recurrent state) and full-attention layers.
 
 Caches are per *cache layer*: ``make_caches()`` is mlx-lm's ``make_cache()`` (Gemma 4's KV-shared layers have
 none, so a port's ``layers()`` are the layers that hold a cache, and ``depth`` counts every decoder layer; taps
@@ -42,14 +42,25 @@ def out_features(linear: Any) -> int:
     return int(inner.weight.shape[0])
 
 
+def inner_model(model: Any, config: dict, parts: Sequence[str] = ("embed_tokens", "layers", "norm")) -> Any:
+    """``model.model``, the decoder stack a port drives, when it has every one of ``parts`` (else
+    NotImplementedError naming the first one missing)."""
+    inner = getattr(model, "model", None)
+    for part in parts:
+        if inner is None or not hasattr(inner, part):
+            raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
+    return inner
+
+
 class DecoderPort:
-    """llama-layout decoders: embeddings, a plain stack of full-attention layers, final norm, head."""
+    """llama-layout decoders: embeddings, a plain stack of full-attention layers, final norm, head.
+
+    The other ports derive from it and replace only what differs: ``__init__`` (what they check), ``embed``,
+    ``layer_window``, ``layer_kind``, ``make_caches`` and the per-layer attention masks (``_masks``).
+    """
 
     def __init__(self, model: Any, config: dict) -> None:
-        inner = getattr(model, "model", None)
-        for part in ("embed_tokens", "layers", "norm"):
-            if inner is None or not hasattr(inner, part):
-                raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
+        inner = inner_model(model, config)
         if any(kind != "full_attention" for kind in (getattr(inner, "layer_types", None) or [])):
             raise NotImplementedError(
                 f"model_type {config.get('model_type')!r} with sliding-window layer_types has no target port; "
@@ -83,76 +94,58 @@ class DecoderPort:
     def make_caches(self) -> list:
         return [KVCache() for _ in self.inner.layers]
 
-    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], *, unpadded: bool = False,
-                   **_: Any) -> tuple[mx.array, dict]:
+    def _masks(self, h: mx.array, caches: Sequence[Any], unpadded: bool) -> list:
+        """The attention mask of each layer: here one causal mask for all of them."""
         # one query per row over rows without left padding sees every key: no mask, as mlx-lm's own decode step
         # (on the GPU a mask costs a slower attention kernel, ~40% of a small model's step)
         unmasked = unpadded and h.shape[1] == 1
         mask = None if unmasked else create_attention_mask(h, caches[0] if caches else None)
+        return [mask] * len(caches)
+
+    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], *, unpadded: bool = False,
+                   **_: Any) -> tuple[mx.array, dict]:
         tapped: dict[int, mx.array] = {}
-        for index, (layer, cache) in enumerate(zip(self.inner.layers, caches)):
+        for index, (layer, cache, mask) in enumerate(zip(self.inner.layers, caches, self._masks(h, caches, unpadded))):
             h = layer(h, mask, cache)
             if index in taps:
                 tapped[index] = h
         return self.inner.norm(h), tapped
 
 
-class Gemma3Port:
-    """``gemma3_text``: every ``sliding_window_pattern``-th layer is global, the others attend over a window."""
+class Gemma3Port(DecoderPort):
+    """``gemma3_text``: every ``sliding_window_pattern``-th layer is global, the others attend over a window;
+    embeddings scaled by ``sqrt(hidden_size)``."""
 
-    def __init__(self, model: Any, config: dict) -> None:
-        inner = getattr(model, "model", None)
-        for part in ("embed_tokens", "layers", "norm", "window_size", "sliding_window_pattern"):
-            if inner is None or not hasattr(inner, part):
-                raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
+    def __init__(self, model: Any, config: dict) -> None:  # not DecoderPort's: sliding layers are the point here
         self.model = model
-        self.inner = inner
-        self.pattern = int(inner.sliding_window_pattern)
-        self.window = int(inner.window_size)
-        self.scale = mx.array(inner.args.hidden_size**0.5, mx.bfloat16)  # exactly as Gemma3Model scales
+        self.inner = inner_model(model, config, ("embed_tokens", "layers", "norm", "window_size",
+                                                 "sliding_window_pattern"))
+        self.pattern = int(self.inner.sliding_window_pattern)
+        self.window = int(self.inner.window_size)
+        self.scale = mx.array(self.inner.args.hidden_size**0.5, mx.bfloat16)  # exactly as Gemma3Model scales
+        self.tied = bool(getattr(model, "tie_word_embeddings", False) or "lm_head" not in model)
 
-    def _is_global(self, layer: int) -> bool:
-        return layer % self.pattern == self.pattern - 1
+    # logits, layers, depth, layer_kind and run_layers are DecoderPort's
 
     def embed(self, ids: mx.array) -> mx.array:
         h = self.inner.embed_tokens(ids)
         return h * self.scale.astype(h.dtype)
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        if getattr(self.model, "tie_word_embeddings", False) or "lm_head" not in self.model:
-            return self.inner.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
-
-    def layers(self) -> list:
-        return list(self.inner.layers)
-
-    @property
-    def depth(self) -> int:
-        return len(self.inner.layers)
-
     def layer_window(self, layer: int) -> int | None:
-        return None if self._is_global(layer) else self.window
-
-    def layer_kind(self, layer: int) -> str:
-        return "attention"
+        return None if layer % self.pattern == self.pattern - 1 else self.window
 
     def make_caches(self) -> list:
         return self.model.make_cache()
 
-    def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], **_: Any) -> tuple[mx.array, dict]:
-        layers = self.inner.layers
-        globals_ = [i for i in range(len(layers)) if self._is_global(i)]
-        slidings = [i for i in range(len(layers)) if not self._is_global(i)]
-        global_mask = create_attention_mask(h, caches[globals_[0]]) if globals_ else None
-        sliding_mask = None
-        if slidings and self.pattern > 1:
-            sliding_mask = create_attention_mask(h, caches[slidings[0]], window_size=self.window)
-        tapped: dict[int, mx.array] = {}
-        for index, (layer, cache) in enumerate(zip(layers, caches)):
-            h = layer(h, global_mask if self._is_global(index) else sliding_mask, cache)
-            if index in taps:
-                tapped[index] = h
-        return self.inner.norm(h), tapped
+    def _masks(self, h: mx.array, caches: Sequence[Any], unpadded: bool) -> list:
+        """One mask per kind of layer (global, sliding), each built over the first cache of its kind; always
+        masked (a sliding layer's window needs its mask at every step)."""
+        by_window: dict = {}
+        for layer, cache in enumerate(caches):
+            window = self.layer_window(layer)
+            if window not in by_window:
+                by_window[window] = create_attention_mask(h, cache, window_size=window)
+        return [by_window[self.layer_window(layer)] for layer in range(len(caches))]
 
 
 class Gemma4Port:
@@ -164,10 +157,8 @@ class Gemma4Port:
     """
 
     def __init__(self, model: Any, config: dict) -> None:
-        inner = getattr(model, "model", None)
-        for part in ("embed_tokens", "layers", "norm", "window_size", "previous_kvs", "_make_masks"):
-            if inner is None or not hasattr(inner, part):
-                raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
+        inner = inner_model(model, config, ("embed_tokens", "layers", "norm", "window_size", "previous_kvs",
+                                            "_make_masks"))
         self.model = model
         self.inner = inner
         self.window = int(inner.window_size)
@@ -238,10 +229,7 @@ class Qwen3NextPort(DecoderPort):
     """
 
     def __init__(self, model: Any, config: dict) -> None:  # not DecoderPort's: no llama-only checks
-        inner = getattr(model, "model", None)
-        for part in ("embed_tokens", "layers", "norm"):
-            if inner is None or not hasattr(inner, part):
-                raise NotImplementedError(f"model_type {config.get('model_type')!r}: no model.{part} to port")
+        inner = inner_model(model, config)
         self.model = model
         self.inner = inner
         self.linear = [bool(layer.is_linear) for layer in inner.layers]
