@@ -119,13 +119,6 @@ class BatchRows:
         check_per_row(per_row, self.row_count, "token list")
         return [len(tokens) for tokens in per_row]
 
-    def _window_width(self, window: Sequence[Sequence[int]]) -> int:
-        """The width of a verify window: one non-empty token list per row, all of one length (else ValueError)."""
-        lengths = self._check_rows(window)
-        if len(set(lengths)) != 1 or lengths[0] == 0:
-            raise ValueError(f"verify windows must be non-empty and of equal length, got lengths {lengths}")
-        return lengths[0]
-
     # -- rounds -----------------------------------------------------------------------------------------
     def prefill(
         self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = ()

@@ -33,7 +33,6 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
     from spec_cache.sampling import Sampling
     from spec_cache.schemas import DraftRowCheckpoint
-    from spec_cache.target import TargetRows
 
 __all__ = [
     "TargetRowGroup",
@@ -47,6 +46,8 @@ __all__ = [
     "check_row",
     "check_keep",
     "check_per_row",
+    "check_window",
+    "check_accepted",
     "to_mx",
 ]
 
@@ -237,12 +238,12 @@ class DraftProvider(Protocol):
     def validate_checkpoint(self, checkpoint: "DraftRowCheckpoint") -> None: ...
 
     def open_prefill(
-        self, target: "TargetRows", checkpoints: Sequence["DraftRowCheckpoint | None"]
+        self, target: "TargetRowGroup", checkpoints: Sequence["DraftRowCheckpoint | None"]
     ) -> DraftGroup: ...
 
     def open(
         self,
-        target: "TargetRows",
+        target: "TargetRowGroup",
         checkpoints: Sequence["DraftRowCheckpoint | None"],
         sampling: "Sampling | None" = None,
     ) -> DraftGroup: ...
@@ -278,3 +279,21 @@ def check_per_row(values: Sequence[Any], count: int, what: str) -> None:
     """One ``what`` per row, else ValueError."""
     if len(values) != count:
         raise ValueError(f"expected one {what} per row ({count}), got {len(values)}")
+
+
+def check_window(window: Sequence[Sequence[int]], count: int) -> int:
+    """``verify`` argument: one non-empty token list per row, all of one length; returns that width (ValueError)."""
+    check_per_row(window, count, "token list")
+    lengths = [len(tokens) for tokens in window]
+    if len(set(lengths)) != 1 or lengths[0] == 0:
+        raise ValueError(f"verify windows must be non-empty and of equal length, got lengths {lengths}")
+    return lengths[0]
+
+
+def check_accepted(accepted: Sequence[int], count: int, context: RoundContext) -> None:
+    """``commit`` argument: per row the drafts kept, each within the verified window (``0 <= kept < width``)."""
+    check_per_row(accepted, count, "accepted count")
+    width = len(context.window[0]) if context.window else 0
+    for row, kept in enumerate(accepted):
+        if not 0 <= kept < width:
+            raise ValueError(f"row {row}: {kept} accepted of a window of {width}")
