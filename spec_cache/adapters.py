@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from spec_cache.errors import InvalidRequest, ModelLoadError
+
 __all__ = ["ADAPTER_IDENTITY_SEED", "Adapter", "resolve_adapters", "adapters_namespace", "apply_adapters"]
 
 ADAPTER_IDENTITY_SEED = "spec-cache/adapter-identity/v1"
@@ -57,7 +59,7 @@ def _adapter(spec: Any, memo: Any) -> Adapter:
         raise FileNotFoundError(f"adapter directory {path} lacks {', '.join(missing)} (an mlx-lm adapter has both)")
     adapter_id = path.resolve().name if adapter_id is None else adapter_id
     if not isinstance(adapter_id, str) or not adapter_id or "@" in adapter_id or "+" in adapter_id:
-        raise ValueError(f"adapter id must be a non-empty str free of '@' and '+', got {adapter_id!r}")
+        raise InvalidRequest(f"adapter id must be a non-empty str free of '@' and '+', got {adapter_id!r}")
     revision = artifact_identity(ADAPTER_IDENTITY_SEED, [(name, path / name) for name in ADAPTER_FILES], memo=memo)
     return Adapter(adapter_id, path, revision)
 
@@ -73,13 +75,13 @@ def resolve_adapters(adapters: Any, memo: Any = None) -> tuple[Adapter, ...]:
         return ()
     if isinstance(adapters, (str, os.PathLike)):
         if not Path(adapters).is_dir():
-            raise ValueError(f"adapters {str(adapters)!r} is not an adapter directory; pass mlx-lm adapter "
-                             "directories (the namespace entry id@revision is computed from their files)")
+            raise ModelLoadError(f"adapters {str(adapters)!r} is not an adapter directory; pass mlx-lm adapter "
+                                 "directories (the namespace entry id@revision is computed from their files)")
         adapters = [adapters]
     resolved = tuple(_adapter(spec, memo) for spec in adapters)
     ids = [a.id for a in resolved]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"adapter ids must be distinct, got {ids}")
+        raise InvalidRequest(f"adapter ids must be distinct, got {ids}")
     return resolved
 
 

@@ -35,12 +35,13 @@ from spec_cache.cache_state import (
     restore_caches,
     restore_concat,
 )
+from spec_cache.errors import InvalidRequest
 from spec_cache.kv_quant import converted_at
 from spec_cache.memory_tier import MemoryHit, MemoryTier, default_budget
 from spec_cache.namespace import namespace_key
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
 from spec_cache.shared_prefetch import Handoff
-from spec_cache.store import InvalidInput, NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
+from spec_cache.store import NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
 from spec_cache.store.keys import pack_tokens, tenant_id
 from spec_cache.store.shared.queue import WriteBehind
 from spec_cache.write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter, WriterLeft
@@ -99,10 +100,10 @@ class SpecCache:
                  write_queue_bytes: int = DEFAULT_QUEUE_BYTES, durability: str = "write-behind",
                  exit_timeout_s: float = exit_drain.DEFAULT_EXIT_TIMEOUT_S):
         if durability not in DURABILITY:
-            raise InvalidInput(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+            raise InvalidRequest(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
         if isinstance(exit_timeout_s, bool) or not isinstance(exit_timeout_s, (int, float)) or not \
                 0 <= exit_timeout_s < float("inf"):
-            raise InvalidInput(f"exit_timeout_s must be a number of seconds >= 0, got {exit_timeout_s!r}")
+            raise InvalidRequest(f"exit_timeout_s must be a number of seconds >= 0, got {exit_timeout_s!r}")
         self.store = store
         self.shared = shared  # a store.shared.SharedTier, or None
         self.memory = MemoryTier(default_budget() if memory_bytes is None else memory_bytes,
@@ -142,9 +143,9 @@ class SpecCache:
         """
         if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
                                          or memory_bytes < 0):
-            raise InvalidInput("memory_bytes must be an int >= 0 (0 turns the memory tier off) or None")
+            raise InvalidRequest("memory_bytes must be an int >= 0 (0 turns the memory tier off) or None")
         if durability not in DURABILITY:  # before anything is opened
-            raise InvalidInput(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+            raise InvalidRequest(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
         options = dict(memory_bytes=memory_bytes, write_queue_bytes=write_queue_bytes, durability=durability,
                        exit_timeout_s=exit_timeout_s)
         store = Store.open(path, max_bytes=max_bytes, **kwargs)
@@ -287,8 +288,8 @@ class SpecCache:
             drafter = None
             if draft_checkpoint is not None and drafter_namespace is not None:
                 if draft_checkpoint.processed_tokens != len(tokens):
-                    raise InvalidInput(f"drafter checkpoint covers {draft_checkpoint.processed_tokens} tokens, "
-                                       f"target state {len(tokens)}")
+                    raise InvalidRequest(f"drafter checkpoint covers {draft_checkpoint.processed_tokens} tokens, "
+                                         f"target state {len(tokens)}")
                 drafter = (drafter_namespace, attachment_to_store(draft_checkpoint))
             # behind the request, the device-to-host copy runs on the writer thread too (``host_layers``)
             layers = capture_caches(caches, defer_copy=behind)

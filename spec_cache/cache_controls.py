@@ -27,21 +27,21 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from spec_cache.store import InvalidInput
+from spec_cache.errors import InvalidRequest
 
 __all__ = ["Pin", "Resident", "NotStored", "PinQuotaExceeded", "BadPrefixFile", "pin", "unpin", "pins",
            "prefetch", "export_prefix", "import_prefix"]
 
 
-class NotStored(InvalidInput):
+class NotStored(InvalidRequest):
     """No stored prefix of the given tokens (or no such pin) in this namespace."""
 
 
-class PinQuotaExceeded(InvalidInput):
+class PinQuotaExceeded(InvalidRequest):
     """The pin would hold more bytes than its owner may pin."""
 
 
-class BadPrefixFile(InvalidInput):
+class BadPrefixFile(InvalidRequest):
     """An uploaded prompt-cache file that is unreadable or does not fit the model or the tokens."""
 
 
@@ -132,7 +132,7 @@ def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any
     ``NotStored`` when nothing is stored, ``PinQuotaExceeded`` when ``owner``'s pins would hold more than
     ``quota_bytes`` or all pins more than ``total_quota_bytes``."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < float("inf"):
-        raise InvalidInput(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        raise InvalidRequest(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
     resident, restored = _restore(cache, ns_key, tokens, drafter_namespace, usable)
     if restored is None:
         raise NotStored("no stored prefix of these tokens")

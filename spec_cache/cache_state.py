@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from spec_cache.cache_kinds import kind_named, kind_of
+from spec_cache.errors import RestoreRefused
 from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint
 from spec_cache.store import LayerState, Tensor
 from spec_cache.store.tensors import numpy_dtype
@@ -94,13 +95,13 @@ def to_mx(t: Any) -> mx.array:
         return mx.array(t)
     if isinstance(t.data, mx.array):  # already built by mx_concat
         if dtype_of(t.data) != t.dtype:
-            raise ValueError(f"restored tensor is {dtype_of(t.data)}, its record says {t.dtype}")
+            raise RestoreRefused(f"restored tensor is {dtype_of(t.data)}, its record says {t.dtype}")
         return t.data
     arr = t.array()
     if t.dtype == "bfloat16":
         return mx.array(arr).view(mx.bfloat16)
     if t.dtype == "float64":
-        raise ValueError("float64 tensors cannot be restored into MLX")
+        raise RestoreRefused("float64 tensors cannot be restored into MLX")
     return mx.array(arr, dtype=_MX_DTYPES[t.dtype])
 
 

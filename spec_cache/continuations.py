@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from spec_cache.errors import InvalidRequest
 from spec_cache.generator import Result
 from spec_cache.store import StoreError
 from spec_cache.store.continuations import (
@@ -201,10 +202,10 @@ def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0
     from spec_cache.sampling import RowSampling, Sampling
 
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError("max_tokens must be a positive int")
+        raise InvalidRequest("max_tokens must be a positive int")
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
                                          or checkpoint_every < 1):
-        raise ValueError("checkpoint_every must be None or an int >= 1")
+        raise InvalidRequest("checkpoint_every must be None or an int >= 1")
     prompts = check_prompts(prompts, generator.engine.target.vocab_size)
     sampling = RowSampling(temperature, top_p, seed)
     cache, eos = generator.cache, tuple(generator.eos_token_ids)

@@ -44,6 +44,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from spec_cache.errors import InvalidRequest
+
 __all__ = ["RowAcceptance", "CostTable", "DepthController"]
 
 
@@ -132,9 +134,9 @@ class CostTable:
 
     def __init__(self, smoothing: float = 0.3, prior_slope: float = 0.25) -> None:
         if not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+            raise InvalidRequest(f"smoothing must be in (0, 1], got {smoothing}")
         if prior_slope < 0.0:
-            raise ValueError(f"prior_slope must be >= 0, got {prior_slope}")
+            raise InvalidRequest(f"prior_slope must be >= 0, got {prior_slope}")
         self.smoothing, self.prior_slope = smoothing, prior_slope
         self.by_rows: dict[int, _WidthCosts] = {}
         self._memo: dict[tuple[int, int], float | None] = {}  # estimates since the last observation
@@ -184,17 +186,17 @@ class DepthController:
                  prior_weight: float = 2.0, prior_slope: float = 0.25, probe_every: int = 16,
                  probe_limit: int = 128, probe_acceptance: float = 0.8, min_gain: float = 0.05) -> None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
-            raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
+            raise InvalidRequest(f"max_depth must be an int >= 0, got {max_depth!r}")
         for name, value in (("decay", decay), ("prior_acceptance", prior_acceptance),
                             ("probe_acceptance", probe_acceptance)):
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
+                raise InvalidRequest(f"{name} must be in [0, 1], got {value}")
         if not 0.0 <= min_gain < 1.0:
-            raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+            raise InvalidRequest(f"min_gain must be in [0, 1), got {min_gain}")
         if prior_weight <= 0.0:
-            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+            raise InvalidRequest(f"prior_weight must be > 0, got {prior_weight}")
         if not 1 <= probe_every <= probe_limit:
-            raise ValueError(f"need 1 <= probe_every <= probe_limit, got {probe_every}, {probe_limit}")
+            raise InvalidRequest(f"need 1 <= probe_every <= probe_limit, got {probe_every}, {probe_limit}")
         self.max_depth = max_depth
         self.min_gain = min_gain
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight

@@ -67,6 +67,7 @@ import mlx.core as mx
 
 from spec_cache.depth import DepthController, RowAcceptance
 from spec_cache.drafters.base import ColdRow, storable
+from spec_cache.errors import InvalidRequest, RestoreRefused
 from spec_cache.kv_quant import converted_at, plan_kv, reusable
 from spec_cache.quantized_rows import QuantizedTargetRows
 from spec_cache.rows import RoundContext, TargetRowGroup, apply_state_changes
@@ -181,17 +182,17 @@ class SpeculativeEngine:
             raise NotImplementedError(f"KV quantization of a target with recurrent layers "
                                       f"{list(target.recurrent_layers)} is not supported")
         if isinstance(draft_depth, bool) or not isinstance(draft_depth, int) or draft_depth < 0:
-            raise ValueError(f"draft_depth must be an int >= 0, got {draft_depth!r}")
+            raise InvalidRequest(f"draft_depth must be an int >= 0, got {draft_depth!r}")
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
-            raise ValueError(f"max_rows must be None or an int >= 1, got {max_rows!r}")
+            raise InvalidRequest(f"max_rows must be None or an int >= 1, got {max_rows!r}")
         if isinstance(prefill_step_size, bool) or not isinstance(prefill_step_size, int) or prefill_step_size < 1:
-            raise ValueError(f"prefill_step_size must be an int >= 1, got {prefill_step_size!r}")
+            raise InvalidRequest(f"prefill_step_size must be an int >= 1, got {prefill_step_size!r}")
         if not isinstance(adaptive, bool):
-            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
+            raise InvalidRequest(f"adaptive must be True or False, got {adaptive!r}")
         if not callable(clock):
-            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+            raise InvalidRequest(f"clock must be a callable returning seconds, got {clock!r}")
         if not isinstance(pipeline, bool):
-            raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
+            raise InvalidRequest(f"pipeline must be True or False, got {pipeline!r}")
         if provider is not None and hasattr(provider, "bind"):
             provider.bind(target)
         self.target = target
@@ -269,30 +270,35 @@ class SpeculativeEngine:
         where = f"request {index}"
         prompt = request.prompt
         if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError(f"{where}: prompt must be a non-empty list of token ids")
+            raise InvalidRequest(f"{where}: prompt must be a non-empty list of token ids")
         vocab = self.target.vocab_size
         for token in prompt:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"{where}: token {token!r} is not an id in [0, {vocab})")
+                raise InvalidRequest(f"{where}: token {token!r} is not an id in [0, {vocab})")
         max_tokens = request.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"{where}: max_tokens must be an int >= 1, got {max_tokens!r}")
+            raise InvalidRequest(f"{where}: max_tokens must be an int >= 1, got {max_tokens!r}")
         restored = request.restored_tokens
         if isinstance(restored, bool) or not isinstance(restored, int) or not 0 <= restored <= len(prompt) - 1:
-            raise ValueError(f"{where}: restored_tokens must be in [0, {len(prompt) - 1}], got {restored!r}")
+            raise RestoreRefused(f"{where}: restored_tokens must be in [0, {len(prompt) - 1}], got {restored!r}")
         caches = request.restored_caches
         if caches is None and restored:
-            raise ValueError(f"{where}: restored_tokens={restored} needs restored_caches")
+            raise RestoreRefused(f"{where}: restored_tokens={restored} needs restored_caches")
         if request.sampling is not None and not isinstance(request.sampling, RowSampling):
-            raise ValueError(f"{where}: sampling must be a RowSampling or None, got {type(request.sampling).__name__}")
+            raise InvalidRequest(f"{where}: sampling must be a RowSampling or None, got {type(request.sampling).__name__}")
         conversion = self.conversion_point(len(prompt))
         if caches is not None:
             self._check_restored(where, caches, restored, conversion)
         checkpoint = request.draft_checkpoint
         if checkpoint is not None:
             if self.provider is None:
-                raise ValueError(f"{where}: a draft checkpoint needs a draft provider")
-            self.provider.validate_checkpoint(checkpoint)
+                raise RestoreRefused(f"{where}: a draft checkpoint needs a draft provider")
+            try:
+                self.provider.validate_checkpoint(checkpoint)
+            except SchemaError:
+                raise
+            except ValueError as exc:  # unreadable stored metadata (bad JSON, a non-finite number)
+                raise RestoreRefused(f"{where}: the draft checkpoint cannot be read: {exc}") from exc
             if checkpoint.processed_tokens != restored:
                 raise SchemaError(
                     checkpoint.attachment.schema, "processed_tokens",
@@ -307,8 +313,8 @@ class SpeculativeEngine:
             point = converted_at(caches)
             if not reusable(restored, point, conversion):
                 held = "full precision" if point is None else f"converted at offset {point}"
-                raise ValueError(f"{where}: restored KV ({held}, {restored} tokens) differs from what a cold run "
-                                 f"converting at offset {conversion} holds")
+                raise RestoreRefused(f"{where}: restored KV ({held}, {restored} tokens) differs from what a cold run "
+                                     f"converting at offset {conversion} holds")
 
 
 class DecodeSession:

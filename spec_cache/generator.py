@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spec_cache.cache import CacheWarning, SpecCache
+from spec_cache.errors import InvalidRequest, ModelLoadError
 from spec_cache.identity import model_identity
 from spec_cache.kv_quant import converted_at, reusable
 from spec_cache.namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
@@ -110,8 +111,8 @@ class Generator:
         options = check_runnable(kv)
         if isinstance(drafter_dir, str) and drafter_dir == "ngram" and not Path(drafter_dir).is_dir():
             if method not in (None, "ngram"):
-                raise ValueError(f"drafter 'ngram' with method {method!r}: 'ngram' names the n-gram drafter, "
-                                 "which takes no directory")
+                raise InvalidRequest(f"drafter 'ngram' with method {method!r}: 'ngram' names the n-gram drafter, "
+                                     "which takes no directory")
             drafter_dir, method = None, "ngram"
         target_dir = Path(target_dir)
         _check_model_dir(target_dir, "target")
@@ -125,8 +126,8 @@ class Generator:
             provider = open_provider(drafter_dir, method)
         except KeyError as exc:  # a config without a key this method reads: the wrong kind of drafter
             kind = f"a {method!r}" if method else "a recognisable"
-            raise ValueError(f"drafter directory {drafter_dir} is not {kind} drafter: its config has no "
-                             f"{exc.args[0]!r} (check the method)") from None
+            raise ModelLoadError(f"drafter directory {drafter_dir} is not {kind} drafter: its config has no "
+                                 f"{exc.args[0]!r} (check the method)") from None
         drafter_ns = cached_drafter_namespace(provider, stack)
         prefix_ns = resolve_prefix_namespace(provider, stack, options)
         engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options,
@@ -143,14 +144,14 @@ class Generator:
         ``decode`` / ``apply_chat_template``. ``ValueError`` when the directory has no tokenizer files."""
         if self._tokenizer is None:
             if self.target_dir is None:
-                raise ValueError("this generator was built without its target directory: no tokenizer")
+                raise InvalidRequest("this generator was built without its target directory: no tokenizer")
             from mlx_lm.utils import load_tokenizer
 
             try:
                 self._tokenizer = load_tokenizer(self.target_dir)
             except Exception as exc:
-                raise ValueError(f"cannot load a tokenizer from {self.target_dir} ({type(exc).__name__}); "
-                                 "pass token ids instead") from None
+                raise ModelLoadError(f"cannot load a tokenizer from {self.target_dir} ({type(exc).__name__}); "
+                                     "pass token ids instead") from None
         return self._tokenizer
 
     def encode(self, text: str, *, chat: bool = True) -> list[int]:
@@ -171,7 +172,7 @@ class Generator:
         """Text in, text out: ``encode`` each prompt, ``generate`` (``options``: temperature, seed, top_p), and
         ``decode`` each result."""
         if isinstance(prompts, str):
-            raise ValueError("generate_text takes a list of prompts: wrap one prompt as [text]")
+            raise InvalidRequest("generate_text takes a list of prompts: wrap one prompt as [text]")
         results = self.generate([self.encode(p, chat=chat) for p in prompts], max_tokens=max_tokens, **options)
         return [self.decode(r.tokens) for r in results]
 
@@ -241,7 +242,7 @@ class Generator:
             return generate(self, prompts, max_tokens, temperature=temperature, seed=seed, top_p=top_p,
                             checkpoint_every=checkpoint_every, resume=resume)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError("max_tokens must be a positive int")
+            raise InvalidRequest("max_tokens must be a positive int")
         rows = check_prompts(prompts, self.engine.target.vocab_size)
         sampling = None
         if top_p != 1.0:
@@ -338,30 +339,30 @@ def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
     import numbers
 
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not _is_array(prompts):
-        raise ValueError(f"prompts must be a list of prompts (each a list of token ids), got "
-                         f"{type(prompts).__name__}")
+        raise InvalidRequest(f"prompts must be a list of prompts (each a list of token ids), got "
+                             f"{type(prompts).__name__}")
     rows = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, numbers.Integral) and not isinstance(prompt, bool):
-            raise ValueError(f"prompt {i} is the token id {prompt!r}, not a list: prompts is a list of prompts; "
-                             "wrap one prompt as [[1, 2, 3]]")
+            raise InvalidRequest(f"prompt {i} is the token id {prompt!r}, not a list: prompts is a list of prompts; "
+                                 "wrap one prompt as [[1, 2, 3]]")
         if isinstance(prompt, (str, bytes)):
-            raise ValueError(f"prompt {i} is a {type(prompt).__name__} ({_shown(prompt)}): give token ids "
-                             "(encode text with the model's tokenizer first)")
+            raise InvalidRequest(f"prompt {i} is a {type(prompt).__name__} ({_shown(prompt)}): give token ids "
+                                 "(encode text with the model's tokenizer first)")
         if not isinstance(prompt, Sequence) and not _is_array(prompt):
-            raise ValueError(f"prompt {i} is a {type(prompt).__name__}, not a list of token ids")
+            raise InvalidRequest(f"prompt {i} is a {type(prompt).__name__}, not a list of token ids")
         row = []
         for j, token in enumerate(prompt):
             if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-                raise ValueError(f"prompt {i}, position {j}: {_shown(token)} ({type(token).__name__}) is not a "
-                                 "token id (an int)")
+                raise InvalidRequest(f"prompt {i}, position {j}: {_shown(token)} ({type(token).__name__}) is not a "
+                                     "token id (an int)")
             token = int(token)
             if not 0 <= token < vocab_size:
-                raise ValueError(f"prompt {i}, position {j}: token id {token} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
+                raise InvalidRequest(f"prompt {i}, position {j}: token id {token} is outside the vocabulary "
+                                     f"[0, {vocab_size})")
             row.append(token)
         if not row:
-            raise ValueError(f"prompt {i} is empty")
+            raise InvalidRequest(f"prompt {i} is empty")
         rows.append(row)
     return rows
 
@@ -387,11 +388,11 @@ def _check_model_dir(path: Path, what: str) -> None:
     try:
         value = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {config}: {exc}") from None
+        raise ModelLoadError(f"cannot read {config}: {exc}") from None
     except ValueError as exc:
-        raise ValueError(f"{config} is not valid JSON ({exc})") from None
+        raise ModelLoadError(f"{config} is not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{config} is not a JSON object")
+        raise ModelLoadError(f"{config} is not a JSON object")
 
 
 def _eos_ids(target_dir: Path) -> tuple[int, ...]:

@@ -53,6 +53,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from spec_cache.errors import InvalidRequest, ModelLoadError
 
 __all__ = [
     "ARCHITECTURES",
@@ -122,7 +123,7 @@ _TOKEN_CONTROL = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 u
 _TOKEN_USER_DEFINED = 4
 
 
-class UnsupportedGGUF(ValueError):
+class UnsupportedGGUF(ModelLoadError):
     """The GGUF file uses something this converter does not handle (the message names it)."""
 
 
@@ -670,7 +671,7 @@ def convert(
         raise FileExistsError(f"{out} exists and is not empty (force=True overwrites)")
     cast = None if dtype is None else getattr(mx, dtype, None)
     if dtype is not None and cast not in (mx.float16, mx.bfloat16, mx.float32):
-        raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
+        raise InvalidRequest(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
     raw, metadata = read_gguf(gguf_path)
     arch = _meta(metadata, "general.architecture", required=True)
     if arch not in ARCHITECTURES:

@@ -64,6 +64,8 @@ from typing import Protocol
 
 import blake3
 
+from spec_cache.errors import InvalidRequest, ModelLoadError
+
 __all__ = [
     "ARTIFACT_DOMAIN",
     "MEMO_DOMAIN",
@@ -94,7 +96,7 @@ _log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 
 
-class ModelDirError(ValueError):
+class ModelDirError(ModelLoadError):
     """A model directory is not a directory, or lacks its config or its weights."""
 
 
@@ -251,7 +253,7 @@ def model_identity_files(
         if not isinstance(config_name, str):
             raise TypeError(f"config_name must be a str, got {type(config_name).__name__}")
         if not config_name or os.path.basename(config_name) != config_name or config_name in (".", ".."):
-            raise ValueError(f"config_name must be a plain file name, got {config_name!r}")
+            raise InvalidRequest(f"config_name must be a plain file name, got {config_name!r}")
         if not os.path.lexists(os.path.join(directory, config_name)):
             raise ModelDirError(f"model directory {directory} has no {config_name}")
 
@@ -310,7 +312,7 @@ def _seed_bytes(seed: str | bytes) -> bytes:
         try:
             return seed.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"seed is not encodable as UTF-8: {exc}") from None
+            raise InvalidRequest(f"seed is not encodable as UTF-8: {exc}") from None
     if isinstance(seed, (bytes, bytearray, memoryview)):
         return bytes(seed)
     raise TypeError(f"seed must be str or bytes, got {type(seed).__name__}")
@@ -335,12 +337,12 @@ def _sorted_names(files: Iterable[tuple[str, os.PathLike | str]]) -> list[tuple[
         try:
             name_bytes = name.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"file name {name!r} is not encodable as UTF-8: {exc}") from None
+            raise InvalidRequest(f"file name {name!r} is not encodable as UTF-8: {exc}") from None
         out.append((name, name_bytes, os.fspath(path)))
     out.sort(key=lambda t: t[1])
     for (a, _, _), (b, _, _) in zip(out, out[1:]):
         if a == b:
-            raise ValueError(f"duplicate file name {a!r} in artifact identity input")
+            raise InvalidRequest(f"duplicate file name {a!r} in artifact identity input")
     return out
 
 
@@ -354,7 +356,7 @@ def _snapshot(named: list[tuple[str, bytes, str]]) -> list[_Entry]:
                 errno.ENOENT, f"artifact file {name!r} not found", os.fsdecode(path)
             ) from None
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"artifact file {name!r} is not a regular file: {os.fsdecode(path)}")
+            raise ModelLoadError(f"artifact file {name!r} is not a regular file: {os.fsdecode(path)}")
         entries.append(_Entry(name, name_bytes, path, os.path.realpath(path), st))
     return entries
 

@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Union
 
+from spec_cache.errors import InvalidRequest
+
 __all__ = ["FrozenJSONObject", "JSONValue", "js_json_dumps", "js_number_to_string"]
 
 _MAX_JSON_DEPTH = 100
@@ -118,9 +120,9 @@ def _enter_container(value: Any, where: str, active: set[int], depth: int) -> bo
     if not is_object and not isinstance(value, (list, tuple)):
         raise TypeError(f"{where}: {type(value).__name__} is not a JSON value")
     if depth >= _MAX_JSON_DEPTH:
-        raise ValueError(f"{where}: nested deeper than {_MAX_JSON_DEPTH} levels")
+        raise InvalidRequest(f"{where}: nested deeper than {_MAX_JSON_DEPTH} levels")
     if id(value) in active:
-        raise ValueError(f"{where}: cyclic structure")
+        raise InvalidRequest(f"{where}: cyclic structure")
     active.add(id(value))
     return is_object
 
@@ -177,7 +179,8 @@ def _check_distinct_js_keys(keys: list[str], where: str) -> None:
     if any("\ud800" <= c <= "\udfff" for key in keys for c in key):
         seen = {_js_string(key) for key in keys}
         if len(seen) != len(keys):
-            raise ValueError(f"{where}: two keys are the same JavaScript string (a surrogate pair written two ways)")
+            raise InvalidRequest(f"{where}: two keys are the same JavaScript string "
+                                 "(a surrogate pair written two ways)")
 
 
 # ---------------------------------------------------------------------------------------------------------

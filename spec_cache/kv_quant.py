@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from spec_cache.errors import InvalidRequest, RestoreRefused, UnsupportedCombination
+
 __all__ = [
     "DEFAULT_QUANTIZED_KV_START",
     "LayerQuant",
@@ -114,10 +116,10 @@ def plan_kv(options: Any, num_layers: int, head_dims: Sequence[int], windows: Se
     if entries:
         for entry in entries:
             if entry.layer_idx >= num_layers:
-                raise ValueError(f"kv_config lists layer {entry.layer_idx}; the target has {num_layers} layers")
+                raise UnsupportedCombination(f"kv_config lists layer {entry.layer_idx}; the target has {num_layers} layers")
             bits = entry.bits if entry.bits is not None else kv_bits
             if bits is None:
-                raise ValueError(f"kv_config layer {entry.layer_idx} has no bits and no kv_bits is set")
+                raise InvalidRequest(f"kv_config layer {entry.layer_idx} has no bits and no kv_bits is set")
             group = entry.group_size if entry.group_size is not None else group_default
             layers[entry.layer_idx] = LayerQuant(bits, group)
         start = 0 if start is None else start
@@ -137,13 +139,13 @@ def plan_kv(options: Any, num_layers: int, head_dims: Sequence[int], windows: Se
             continue
         where = f"layer {layer}"
         if quant.bits not in SUPPORTED_BITS:
-            raise ValueError(f"{where}: {quant.bits}-bit KV is not supported (supported: {SUPPORTED_BITS})")
+            raise UnsupportedCombination(f"{where}: {quant.bits}-bit KV is not supported (supported: {SUPPORTED_BITS})")
         if quant.group_size not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(f"{where}: KV group size {quant.group_size} is not supported "
-                             f"(supported: {SUPPORTED_GROUP_SIZES})")
+            raise UnsupportedCombination(f"{where}: KV group size {quant.group_size} is not supported "
+                                         f"(supported: {SUPPORTED_GROUP_SIZES})")
         if head_dims[layer] % quant.group_size:
-            raise ValueError(f"{where}: head size {head_dims[layer]} is not a multiple of the KV group size "
-                             f"{quant.group_size}")
+            raise UnsupportedCombination(f"{where}: head size {head_dims[layer]} is not a multiple of the KV group size "
+                                         f"{quant.group_size}")
     return KVPlan(tuple(layers), start)
 
 
@@ -158,10 +160,10 @@ def converted_at(caches: Sequence[Any]) -> int | None:
         if hasattr(cache, "bits"):
             point = getattr(cache, "converted_at", None)
             if point is None:
-                raise ValueError(f"quantized layer {layer} does not record where it was converted")
+                raise RestoreRefused(f"quantized layer {layer} does not record where it was converted")
             points.add(int(point))
     if len(points) > 1:
-        raise ValueError(f"quantized layers were converted at different offsets: {sorted(points)}")
+        raise RestoreRefused(f"quantized layers were converted at different offsets: {sorted(points)}")
     return points.pop() if points else None
 
 

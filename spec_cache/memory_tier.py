@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from spec_cache.cache_kinds import kind_named, kind_of
+from spec_cache.errors import InvalidRequest
 
 __all__ = ["HitView", "MemoryHit", "MemoryTier", "default_budget", "held_bytes"]
 
@@ -142,13 +143,13 @@ class MemoryTier:
                  memory_probe: Callable[[], tuple[int, int]] | None = None, tenant_quota_bytes: int | None = None,
                  tenant_share: float | None = None):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise ValueError("memory_bytes must be an int >= 0")
+            raise InvalidRequest("memory_bytes must be an int >= 0")
         if tenant_quota_bytes is not None and (isinstance(tenant_quota_bytes, bool)
                                                or not isinstance(tenant_quota_bytes, int) or tenant_quota_bytes <= 0):
-            raise ValueError("tenant_quota_bytes must be a positive int or None")
+            raise InvalidRequest("tenant_quota_bytes must be a positive int or None")
         if tenant_share is not None and (isinstance(tenant_share, bool) or not isinstance(tenant_share, (int, float))
                                          or not 0 < tenant_share <= 1):
-            raise ValueError("tenant_share must be a number in (0, 1] or None")
+            raise InvalidRequest("tenant_share must be a number in (0, 1] or None")
         self.budget_bytes = budget_bytes
         quotas = [q for q in (tenant_quota_bytes, None if tenant_share is None else int(budget_bytes * tenant_share))
                   if q is not None]

@@ -41,6 +41,7 @@ from typing import Any, Union
 
 import blake3
 
+from spec_cache.errors import InvalidRequest
 from spec_cache.jsjson import FrozenJSONObject, _js_quote, js_json_dumps, js_number_to_string
 
 __all__ = [
@@ -146,11 +147,11 @@ def _check_int(label: str, value: Any, minimum: int = -MAX_SAFE_INTEGER) -> int:
     value = int(value)
     if value < minimum:
         if minimum == -MAX_SAFE_INTEGER:
-            raise ValueError(f"{label} must be at least -(2**53 - 1) (JavaScript's smallest exact integer), "
-                             f"got {value}")
-        raise ValueError(f"{label} must be >= {minimum}, got {value}")
+            raise InvalidRequest(f"{label} must be at least -(2**53 - 1) (JavaScript's smallest exact integer), "
+                                 f"got {value}")
+        raise InvalidRequest(f"{label} must be >= {minimum}, got {value}")
     if value > MAX_SAFE_INTEGER:
-        raise ValueError(f"{label} must be at most 2**53 - 1 (JavaScript's largest exact integer), got {value}")
+        raise InvalidRequest(f"{label} must be at most 2**53 - 1 (JavaScript's largest exact integer), got {value}")
     return value
 
 
@@ -183,7 +184,7 @@ class KVLayerConfig:
         if not isinstance(entry, Mapping):
             raise TypeError(f"{where} must be a mapping with layerIdx, bits, groupSize; not {type(entry).__name__}")
         if "layerIdx" not in entry:
-            raise ValueError(f"{where}.layerIdx is required")
+            raise InvalidRequest(f"{where}.layerIdx is required")
         fields = {}
         for key, name in (("bits", "bits"), ("groupSize", "group_size")):
             if key in entry:
@@ -242,7 +243,7 @@ class KVOptions:
             raise TypeError(f"options must be a mapping, not {type(options).__name__}")
         for snake, camel in _SNAKE_CASE_KEYS.items():
             if snake in options:
-                raise ValueError(f"options key {snake!r} is not read; mlx-bun spells it {camel!r}")
+                raise InvalidRequest(f"options key {snake!r} is not read; mlx-bun spells it {camel!r}")
         raw_layers = options.get("kvConfig")
         if raw_layers is None:
             raw_layers = ()
@@ -277,8 +278,8 @@ def _sorted_layers(label: str, layers: Any) -> tuple[KVLayerConfig, ...]:
             raise TypeError(f"{label}[{i}] must be a KVLayerConfig, not {type(layer).__name__} "
                             f"(KVOptions.from_mapping reads kvConfig dicts)")
     if len(layers) > 1 and any(math.isnan(layer.layer_idx) for layer in layers):
-        raise ValueError(f"{label}: a NaN layerIdx among {len(layers)} layers has no defined order "
-                         f"(JavaScript's sort comparator returns NaN); give each layer a number")
+        raise InvalidRequest(f"{label}: a NaN layerIdx among {len(layers)} layers has no defined order "
+                             f"(JavaScript's sort comparator returns NaN); give each layer a number")
     return tuple(sorted(layers, key=lambda layer: layer.layer_idx))  # stable, like mlx-bun's Array.sort
 
 
@@ -387,21 +388,21 @@ def check_runnable(options: KVOptions | Mapping[str, Any]) -> KVOptions:
         _check_runnable_int(f"kv_config[{i}].layer_idx", layer.layer_idx, 0)
         for label, value in (("bits", layer.bits), ("group_size", layer.group_size)):
             if value is JS_NULL:
-                raise ValueError(f"kv_config[{i}].{label} (layer {layer.layer_idx}) is null; give a number or "
-                                 f"leave the key out")
+                raise InvalidRequest(f"kv_config[{i}].{label} (layer {layer.layer_idx}) is null; give a number or "
+                                     f"leave the key out")
             if value is not None:
                 _check_runnable_int(f"kv_config[{i}].{label} (layer {layer.layer_idx})", value, 1)
         if layer.layer_idx in seen:
-            raise ValueError(f"kv_config lists layer {layer.layer_idx} more than once")
+            raise InvalidRequest(f"kv_config lists layer {layer.layer_idx} more than once")
         seen.add(layer.layer_idx)
     return captured
 
 
 def _check_runnable_int(label: str, value: KVNumber, minimum: int) -> None:
     if not isinstance(value, int):
-        raise ValueError(f"{label} must be an integer to run, got {js_number_to_string(value)}")
+        raise InvalidRequest(f"{label} must be an integer to run, got {js_number_to_string(value)}")
     if value < minimum:
-        raise ValueError(f"{label} must be >= {minimum}, got {value}")
+        raise InvalidRequest(f"{label} must be >= {minimum}, got {value}")
 
 
 def cached_drafter_namespace(provider: Any, adapters: Sequence[Any] = ()) -> str | None:
@@ -444,7 +445,7 @@ def _check_hex64(label: str, value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{label} must be a str of 64 lowercase hex digits, not {type(value).__name__}")
     if not _HEX64.fullmatch(value):
-        raise ValueError(f"{label} must be 64 lowercase hex digits, got {value!r}")
+        raise InvalidRequest(f"{label} must be 64 lowercase hex digits, got {value!r}")
     return value
 
 
@@ -457,7 +458,7 @@ def drafter_namespace(schema: str, artifact_identity: str) -> str:
     if not isinstance(schema, str):
         raise TypeError(f"schema must be a str, not {type(schema).__name__}")
     if not _SCHEMA_NAME.fullmatch(schema):
-        raise ValueError(f"schema must look like 'name-v1' ([a-z0-9-]+-v<digits>), got {schema!r}")
+        raise InvalidRequest(f"schema must look like 'name-v1' ([a-z0-9-]+-v<digits>), got {schema!r}")
     return f"{schema}:{_check_hex64('artifact_identity', artifact_identity)}"
 
 
@@ -468,7 +469,7 @@ def dflash2_namespace(artifact_identity: str, bits: int) -> str:
     """
     bits = _check_int("bits", bits, 0)
     if bits > 16:
-        raise ValueError(f"bits must be in [0, 16], got {bits}")
+        raise InvalidRequest(f"bits must be in [0, 16], got {bits}")
     return f"{drafter_namespace('dflash2-context-v1', artifact_identity)}:b{bits}"
 
 
@@ -482,7 +483,7 @@ def ngram_namespace(max_n: int = 3, min_n: int = 1) -> str:
     max_n = _check_int("max_n", max_n, 1)
     min_n = _check_int("min_n", min_n, 1)
     if min_n > max_n:
-        raise ValueError(f"min_n must be <= max_n, got min_n={min_n}, max_n={max_n}")
+        raise InvalidRequest(f"min_n must be <= max_n, got min_n={min_n}, max_n={max_n}")
     return f"ngram-history-v1:{max_n}:{min_n}"
 
 
@@ -502,7 +503,7 @@ def adapter_namespace(adapters: Sequence[tuple[str, str]]) -> str:
             if not isinstance(text, str):
                 raise TypeError(f"adapters[{i}] {label} must be a str, not {type(text).__name__}")
             if not text or "@" in text or "+" in text:
-                raise ValueError(f"adapters[{i}] {label} must be non-empty and free of '@' and '+', got {text!r}")
+                raise InvalidRequest(f"adapters[{i}] {label} must be non-empty and free of '@' and '+', got {text!r}")
         parts.append(f"{pair[0]}@{pair[1]}")
     return "+".join(parts)
 
@@ -521,7 +522,7 @@ def _utf8(label: str, text: str) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"{label} is not encodable as UTF-8 (it holds a lone surrogate)") from None
+        raise InvalidRequest(f"{label} is not encodable as UTF-8 (it holds a lone surrogate)") from None
 
 
 def namespace_key(target_identity: str, prefix_namespace: str, tenant: str | bytes | None = None) -> bytes:

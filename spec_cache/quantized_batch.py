@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
 
+from spec_cache.errors import RestoreRefused
 from spec_cache.kv_quant import LayerQuant
 from spec_cache.row_caches import merge_rows, row_position
 from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
@@ -212,10 +213,10 @@ class BatchQuantizedKVCache:
                 counts.append(0)
                 continue
             if not isinstance(cache, QuantizedKVCache):
-                raise ValueError(f"row {row}: a {type(cache).__name__} cannot join quantized rows")
+                raise RestoreRefused(f"row {row}: a {type(cache).__name__} cannot join quantized rows")
             if (cache.bits, cache.group_size) != (bits, group_size):
-                raise ValueError(f"row {row}: {cache.bits}-bit / group {cache.group_size} KV, the batch holds "
-                                 f"{bits}-bit / group {group_size}")
+                raise RestoreRefused(f"row {row}: {cache.bits}-bit / group {cache.group_size} KV, the batch holds "
+                                     f"{bits}-bit / group {group_size}")
             counts.append(0 if cache.keys is None else int(cache.offset))
         longest = max(counts, default=0)
         batch = cls([longest - n for n in counts], group_size=group_size, bits=bits)
@@ -280,7 +281,7 @@ def _batch_arrays(cache: Any) -> list[mx.array]:
 
 def _float_content(cache: Any, layer: int, row: int) -> tuple[mx.array, mx.array] | None:
     if type(cache) is not KVCache:
-        raise ValueError(f"row {row} layer {layer}: a {type(cache).__name__} where full-precision KV belongs")
+        raise RestoreRefused(f"row {row} layer {layer}: a {type(cache).__name__} where full-precision KV belongs")
     if cache.keys is None or cache.offset == 0:
         return None
     return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
@@ -311,7 +312,7 @@ class PhaseRows:
         rows = [None if layers is None else list(layers) for layers in rows]
         for row, layers in enumerate(rows):
             if layers is not None and len(layers) != model.num_layers:
-                raise ValueError(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
+                raise RestoreRefused(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
         built._lengths = [0 if layers is None else row_position(layers, row) for row, layers in enumerate(rows)]
         if not rows:
             return built

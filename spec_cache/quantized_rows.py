@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from spec_cache.errors import RestoreRefused
 from spec_cache.kv_quant import KVPlan, converted_at, reusable
 from spec_cache.quantized_batch import PhaseRows
 from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
@@ -50,7 +51,7 @@ def copy_cache(cache: Any) -> Any:
         copy.converted_at = getattr(cache, "converted_at", None)
         return copy
     if type(cache) is not KVCache:
-        raise ValueError(f"{type(cache).__name__} layers cannot join quantized rows")
+        raise RestoreRefused(f"{type(cache).__name__} layers cannot join quantized rows")
     copy = KVCache()
     if cache.keys is not None and n:
         copy.keys = cache.keys[..., :n, :]
@@ -76,17 +77,17 @@ def _check_restored(layers: Sequence[Any], plan: KVPlan, length: int, point: int
             where = f"row {row} layer {layer}"
             if quant is None:
                 if quantized[layer]:
-                    raise ValueError(f"{where}: quantized, but the plan keeps this layer in full precision")
+                    raise RestoreRefused(f"{where}: quantized, but the plan keeps this layer in full precision")
             elif not quantized[layer]:
-                raise ValueError(f"{where}: full precision beside converted layers; the plan quantizes it")
+                raise RestoreRefused(f"{where}: full precision beside converted layers; the plan quantizes it")
             elif (cache.bits, cache.group_size) != (quant.bits, quant.group_size):
-                raise ValueError(f"{where}: {cache.bits}-bit / group {cache.group_size} KV, the plan wants "
-                                 f"{quant.bits}-bit / group {quant.group_size}")
+                raise RestoreRefused(f"{where}: {cache.bits}-bit / group {cache.group_size} KV, the plan wants "
+                                     f"{quant.bits}-bit / group {quant.group_size}")
     conversion = converted_at(layers)
     if not reusable(length, conversion, point):
         held = "full precision" if conversion is None else f"converted at {conversion}"
-        raise ValueError(f"row {row}: restored KV of {length} tokens ({held}) is not what a cold run "
-                         f"converting at {point} holds")
+        raise RestoreRefused(f"row {row}: restored KV of {length} tokens ({held}) is not what a cold run "
+                             f"converting at {point} holds")
     return conversion
 
 
@@ -123,7 +124,7 @@ class PerRowQuantizedTargetRows:
                 continue
             layers = list(layers)
             if len(layers) != model.num_layers:
-                raise ValueError(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
+                raise RestoreRefused(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
             length = row_position(layers, row)
             conversion = _check_restored(layers, plan, length, int(point), row)
             copies = [copy_cache(cache) for cache in layers]
@@ -327,7 +328,7 @@ class QuantizedTargetRows:
             if layers is not None:
                 layers = list(layers)
                 if len(layers) != model.num_layers:
-                    raise ValueError(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
+                    raise RestoreRefused(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
                 converted = _check_restored(layers, plan, row_position(layers, row), int(point), row) is not None
             (after if converted else before).append(layers)
             built._points.append(int(point))

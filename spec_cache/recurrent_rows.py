@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from spec_cache.errors import RestoreRefused
 from spec_cache.rows import PreparedStateChange, check_per_row
 from spec_cache.target import DonorView, ForwardOutput, TargetRows
 
@@ -36,14 +37,15 @@ def state_content(cache: Any, layer: int, row: int) -> list | None:
     """The arrays (``[1, ...]`` each) of one restored single-row ``ArraysCache``, None when it is empty."""
     where = f"row {row} layer {layer}"
     if not isinstance(cache, ArraysCache):
-        raise ValueError(f"{where}: a {type(cache).__name__} for a recurrent layer (expected ArraysCache)")
+        raise RestoreRefused(f"{where}: a {type(cache).__name__} for a recurrent layer (expected ArraysCache)")
     present = [a is not None for a in cache.cache]
     if not any(present):
         return None
     if not all(present):
-        raise ValueError(f"{where}: a recurrent state with some of its arrays missing: {present}")
+        raise RestoreRefused(f"{where}: a recurrent state with some of its arrays missing: {present}")
     if any(a.shape[0] != 1 for a in cache.cache):
-        raise ValueError(f"{where}: a restored recurrent state must hold one row, got {[a.shape for a in cache.cache]}")
+        raise RestoreRefused(f"{where}: a restored recurrent state must hold one row, "
+                             f"got {[a.shape for a in cache.cache]}")
     return list(cache.cache)
 
 

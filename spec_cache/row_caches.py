@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from spec_cache.errors import RestoreRefused
+
 __all__ = ["row_position", "row_content", "merge_rows", "rotating_snapshot", "prefix_caches"]
 
 
@@ -21,9 +23,9 @@ def row_position(layers: Sequence[Any], row: int = 0) -> int:
     carries no count), else ValueError."""
     positions = {int(cache.offset) for cache in layers if not isinstance(cache, ArraysCache)}
     if not positions:
-        raise ValueError(f"row {row}: restored caches have no K/V layer to tell their length")
+        raise RestoreRefused(f"row {row}: restored caches have no K/V layer to tell their length")
     if len(positions) != 1:
-        raise ValueError(f"row {row}: restored caches disagree on their length: {sorted(positions)}")
+        raise RestoreRefused(f"row {row}: restored caches disagree on their length: {sorted(positions)}")
     return positions.pop()
 
 
@@ -38,17 +40,17 @@ def row_content(cache: Any, window: int | None, layer: int, row: int) -> tuple[m
     where = f"row {row} layer {layer}"
     if isinstance(cache, RotatingKVCache):
         if window is None:
-            raise ValueError(f"{where}: a rotating cache for a full-attention layer")
+            raise RestoreRefused(f"{where}: a rotating cache for a full-attention layer")
         if cache.keep != 0 or cache.max_size != window:
-            raise ValueError(f"{where}: rotating cache (max_size {cache.max_size}, keep {cache.keep}) does not "
-                             f"match the layer's window {window}")
+            raise RestoreRefused(f"{where}: rotating cache (max_size {cache.max_size}, keep {cache.keep}) does not "
+                                 f"match the layer's window {window}")
         if cache.keys is None or cache.offset == 0:
             return None
         keys, values = _temporal(cache)
         held = min(int(cache.offset), window)
         return keys[..., -held:, :], values[..., -held:, :]
     if type(cache) is not KVCache:
-        raise ValueError(f"{where}: {type(cache).__name__} layers cannot join batched full-precision rows")
+        raise RestoreRefused(f"{where}: {type(cache).__name__} layers cannot join batched full-precision rows")
     if cache.keys is None or cache.offset == 0:
         return None
     return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]

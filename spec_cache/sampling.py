@@ -25,6 +25,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from spec_cache.errors import InvalidRequest
+
 __all__ = ["Sampling", "TokenSampler", "RowSampling", "RowSampler", "position_key"]
 
 
@@ -39,7 +41,7 @@ class Sampling:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
         if not self.temperature >= 0.0 or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+            raise InvalidRequest(f"temperature must be finite and >= 0, got {self.temperature}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
 
@@ -78,9 +80,9 @@ class RowSampling:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+            raise InvalidRequest(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
 

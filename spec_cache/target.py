@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from spec_cache.errors import RestoreRefused
 from spec_cache.ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
 from spec_cache.row_caches import merge_rows, prefix_caches, rotating_snapshot, row_content, row_position
 from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
@@ -239,7 +240,7 @@ class TargetModel:
         layer, ``QuantizedKVCache`` for a full one when ``quantized``); ``ArraysCache`` for a recurrent layer;
         every K/V layer holding ``restored`` tokens."""
         if len(caches) != self.num_layers:
-            raise ValueError(f"{where}: expected {self.num_layers} restored layer caches, got {len(caches)}")
+            raise RestoreRefused(f"{where}: expected {self.num_layers} restored layer caches, got {len(caches)}")
         for layer, cache in enumerate(caches):
             if self.layer_kind(layer) == "recurrent":
                 kinds: tuple = (ArraysCache,)
@@ -248,17 +249,18 @@ class TargetModel:
             else:
                 kinds = (KVCache, QuantizedKVCache)
             if type(cache) not in kinds:
-                raise ValueError(f"{where}: restored layer {layer} is a {type(cache).__name__}; expected "
-                                 f"{' or '.join(kind.__name__ for kind in kinds)}")
+                raise RestoreRefused(f"{where}: restored layer {layer} is a {type(cache).__name__}; expected "
+                                     f"{' or '.join(kind.__name__ for kind in kinds)}")
             if isinstance(cache, QuantizedKVCache) and not quantized:
-                raise ValueError(f"{where}: restored layer {layer} is quantized, but this engine runs without "
-                                 "KV quantization")
+                raise RestoreRefused(f"{where}: restored layer {layer} is quantized, but this engine runs without "
+                                     "KV quantization")
             if isinstance(cache, ArraysCache):
                 if restored and any(a is None for a in cache.cache):
-                    raise ValueError(f"{where}: restored recurrent layer {layer} is empty, restored_tokens={restored}")
+                    raise RestoreRefused(f"{where}: restored recurrent layer {layer} is empty, "
+                                         f"restored_tokens={restored}")
             elif int(cache.offset) != restored:
-                raise ValueError(f"{where}: restored layer {layer} holds {cache.offset} tokens, "
-                                 f"restored_tokens={restored}")
+                raise RestoreRefused(f"{where}: restored layer {layer} holds {cache.offset} tokens, "
+                                     f"restored_tokens={restored}")
 
 
 @dataclass
@@ -353,7 +355,7 @@ class TargetRows:
                 continue
             layers = list(layers)
             if len(layers) != model.num_layers:
-                raise ValueError(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
+                raise RestoreRefused(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
             lengths.append(row_position(layers, row))
             for layer, cache in enumerate(layers):
                 if layer in recurrent:

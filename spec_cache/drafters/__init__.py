@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from spec_cache.drafters.dflash_config import is_published_dflash
+from spec_cache.errors import InvalidRequest
 
 __all__ = ["METHODS", "detect_method", "load_provider", "open_provider"]
 
@@ -57,13 +58,13 @@ def detect_method(model_dir: str | Path) -> str:
     if method is None and "model_type" in config:
         return "draft-model"
     if method not in METHODS:
-        raise ValueError(f"unknown drafter method {method!r} in {path}; known: {', '.join(METHODS)}")
+        raise InvalidRequest(f"unknown drafter method {method!r} in {path}; known: {', '.join(METHODS)}")
     return method
 
 
 def _provider_class(method: str) -> Any:
     if method not in _PROVIDERS:
-        raise ValueError(f"unknown drafter method {method!r}; known: {', '.join(METHODS)}")
+        raise InvalidRequest(f"unknown drafter method {method!r}; known: {', '.join(METHODS)}")
     module, name = _PROVIDERS[method]
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
@@ -85,9 +86,9 @@ def open_provider(drafter_dir: str | Path | None = None, method: str | None = No
     if drafter_dir is not None:
         return load_provider(drafter_dir, method)
     if method is not None and method not in _PROVIDERS:
-        raise ValueError(f"unknown drafter method {method!r}; known: {', '.join(METHODS)}")
+        raise InvalidRequest(f"unknown drafter method {method!r}; known: {', '.join(METHODS)}")
     if method == "ngram":
         return _provider_class("ngram")()
     if method is not None:
-        raise ValueError(f"method {method!r} needs a drafter directory")
+        raise InvalidRequest(f"method {method!r} needs a drafter directory")
     return None

@@ -22,6 +22,7 @@ import mlx.nn as nn
 
 from spec_cache.drafters.base import PAIRING, BoundDraftRows, NetworkProvider, check_sizes, directory_namespace
 from spec_cache.drafters.layers import MLP, load_weights
+from spec_cache.errors import ModelLoadError, UnsupportedCombination
 from spec_cache.rows import (
     PrefillContext,
     PreparedStateChange,
@@ -71,23 +72,23 @@ class AssistantConfig:
     @classmethod
     def from_dict(cls, config: dict) -> "AssistantConfig":
         if config.get("method") != METHOD:
-            raise ValueError(f"not an assistant drafter config (method={config.get('method')!r})")
+            raise ModelLoadError(f"not an assistant drafter config (method={config.get('method')!r})")
         required = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                     "intermediate_size", "donor_layers", "vocab_size")
         missing = [key for key in required if key not in config]
         if missing:
-            raise ValueError(f"assistant config is missing {', '.join(missing)}")
+            raise ModelLoadError(f"assistant config is missing {', '.join(missing)}")
         donors = config["donor_layers"]
         if not isinstance(donors, list) or not donors or not all(isinstance(d, int) for d in donors):
-            raise ValueError(f"assistant config donor_layers must be a non-empty list of ints, got {donors!r}")
+            raise ModelLoadError(f"assistant config donor_layers must be a non-empty list of ints, got {donors!r}")
         style = config.get("block_style", "llama")
         if style not in BLOCK_STYLES:
-            raise ValueError(f"assistant config block_style must be one of {', '.join(BLOCK_STYLES)}, got {style!r}")
+            raise ModelLoadError(f"assistant config block_style must be one of {', '.join(BLOCK_STYLES)}, got {style!r}")
         sizes = config.get("intermediate_sizes")
         if sizes is not None and (not isinstance(sizes, list) or len(sizes) != len(donors)
                                   or not all(isinstance(n, int) and n > 0 for n in sizes)):
-            raise ValueError(f"assistant config intermediate_sizes must list one positive int per donor layer "
-                             f"({len(donors)}), got {sizes!r}")
+            raise ModelLoadError(f"assistant config intermediate_sizes must list one positive int per donor layer "
+                                 f"({len(donors)}), got {sizes!r}")
         return cls(
             hidden_size=int(config["hidden_size"]),
             num_attention_heads=int(config["num_attention_heads"]),
@@ -334,10 +335,10 @@ class AssistantProvider(NetworkProvider):
                              ("vocabulary", config.vocab_size, target.vocab_size)))
         for layer in config.donor_layers:
             if not -target.num_layers <= layer < target.num_layers:
-                raise ValueError(f"assistant donor layer {layer} does not exist in a {target.num_layers}-layer target")
+                raise UnsupportedCombination(f"assistant donor layer {layer} does not exist in a {target.num_layers}-layer target")
             heads, head_dim = target.kv_geometry(layer)
             if (heads, head_dim) != (config.num_key_value_heads, config.head_dim):
-                raise ValueError(
+                raise UnsupportedCombination(
                     f"assistant drafter reads {config.num_key_value_heads} KV heads of size {config.head_dim}; "
                     f"target layer {layer} has {heads} of size {head_dim} - {PAIRING}"
                 )

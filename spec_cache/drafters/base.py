@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from spec_cache.errors import UnsupportedCombination
 from spec_cache.rows import PreparedStateChange, apply_state_changes, check_keep
 from spec_cache.sampling import Sampling, TokenSampler
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
@@ -109,7 +110,7 @@ def check_sizes(drafter: str, sizes: Iterable[tuple[str, Any, Any]]) -> None:
     """Each ``(what, the drafter's, the target's)`` must agree, else ValueError naming the wrong pairing."""
     for what, mine, theirs in sizes:
         if mine != theirs:
-            raise ValueError(f"{drafter} drafter expects {what} {mine}; target has {theirs} - {PAIRING}")
+            raise UnsupportedCombination(f"{drafter} drafter expects {what} {mine}; target has {theirs} - {PAIRING}")
 
 
 class DraftRows:

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
+from spec_cache.errors import RestoreRefused
 from spec_cache.rows import to_mx
 from spec_cache.schemas import CACHE_CODECS_V1, CheckpointAttachment, encode_cache_headers
 
@@ -106,6 +107,6 @@ def restore_kv_caches(attachment: CheckpointAttachment) -> list[Any]:
             slots = iter(arrays)
             cache.cache = [next(slots) if flag == "1" else None for flag in present]
         else:
-            raise ValueError(f"cache codec {CACHE_CODECS_V1} cannot restore a {kind!r} layer")
+            raise RestoreRefused(f"cache codec {CACHE_CODECS_V1} cannot restore a {kind!r} layer")
         caches.append(cache)
     return caches

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from spec_cache.drafters.dflash import DFlashProvider, DFlashRows
 from spec_cache.drafters.projected import ProjectedConfig, load_network
+from spec_cache.errors import InvalidRequest
 from spec_cache.schemas import DFLASH2_CONTEXT_V1
 
 __all__ = ["DFlash2Provider", "METHOD", "DEFAULT_BITS"]
@@ -34,9 +35,9 @@ def dflash2_bits(config: dict) -> tuple[int, int]:
     bits = config.get("draft_bits", DEFAULT_BITS)
     group = config.get("draft_group_size", 64)
     if isinstance(bits, bool) or bits not in _BITS:
-        raise ValueError(f"{METHOD} draft_bits must be one of {', '.join(map(str, _BITS))}, got {bits!r}")
+        raise InvalidRequest(f"{METHOD} draft_bits must be one of {', '.join(map(str, _BITS))}, got {bits!r}")
     if isinstance(group, bool) or group not in (32, 64, 128):
-        raise ValueError(f"{METHOD} draft_group_size must be 32, 64 or 128, got {group!r}")
+        raise InvalidRequest(f"{METHOD} draft_group_size must be 32, 64 or 128, got {group!r}")
     return bits, group
 
 

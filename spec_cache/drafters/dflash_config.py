@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from spec_cache.errors import ModelLoadError, UnsupportedCombination
+
 __all__ = ["DSPARK_NAME", "PUBLISHED_NAME", "is_published_dflash", "published_to_projected", "read_dflash_config"]
 
 DSPARK_NAME = "dspark.json"
@@ -59,7 +61,7 @@ def published_to_projected(config: dict) -> dict:
     layout this drafter cannot run exactly."""
     inner = config.get("dflash_config") or {}
     if not isinstance(inner, dict):
-        raise ValueError(f"published DFlash config: dflash_config must be an object, got {inner!r}")
+        raise ModelLoadError(f"published DFlash config: dflash_config must be an object, got {inner!r}")
     missing = [key for key in _GEOMETRY if key not in config]
     taps = inner.get("target_layer_ids", config.get("target_layer_ids"))
     mask = inner.get("mask_token_id", config.get("mask_token_id"))
@@ -67,19 +69,19 @@ def published_to_projected(config: dict) -> dict:
     missing += [name for name, value in (("dflash_config.target_layer_ids", taps),
                                          ("dflash_config.mask_token_id", mask), ("block_size", gamma)) if value is None]
     if missing:
-        raise ValueError(f"published DFlash config is missing {', '.join(missing)}")
+        raise ModelLoadError(f"published DFlash config is missing {', '.join(missing)}")
     if config.get("attention_bias"):
-        raise ValueError("published DFlash config: attention_bias is not supported")
+        raise UnsupportedCombination("published DFlash config: attention_bias is not supported")
     for key, default in _UNSUPPORTED.items():
         if config.get(key, default) != default:
-            raise ValueError(f"published DFlash config: {key}={config[key]!r} is not supported "
-                             f"(this drafter runs {key}={default!r})")
+            raise UnsupportedCombination(f"published DFlash config: {key}={config[key]!r} is not supported "
+                                         f"(this drafter runs {key}={default!r})")
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
     for source in (rope, scaling):
         kind = source.get("rope_type", source.get("type", "default")) if isinstance(source, dict) else "?"
         if kind != "default":
-            raise ValueError(f"published DFlash config: RoPE type {kind!r} is not supported (default only)")
+            raise UnsupportedCombination(f"published DFlash config: RoPE type {kind!r} is not supported (default only)")
     theta = config.get("rope_theta", rope.get("rope_theta", scaling.get("rope_theta", 10000.0)))
     heads = config["num_attention_heads"]
     out = {key: config[key] for key in _GEOMETRY}

@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from spec_cache.drafters.base import BoundDraftRows, OpensRows, directory_namespace
 from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
+from spec_cache.errors import UnsupportedCombination
 from spec_cache.rows import (
     PrefillContext,
     PreparedStateChange,
@@ -209,7 +210,7 @@ class DraftModelProvider(OpensRows):
 
     def bind(self, target: TargetModel) -> None:
         if self.model.vocab_size != target.vocab_size:
-            raise ValueError(
+            raise UnsupportedCombination(
                 f"draft model vocabulary {self.model.vocab_size} differs from the target's {target.vocab_size}"
             )
 

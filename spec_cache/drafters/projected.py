@@ -38,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from spec_cache.drafters.layers import MLP, load_weights
+from spec_cache.errors import ModelLoadError
 
 __all__ = ["ProjectedConfig", "ProjectedNetwork", "ContextKV", "load_network"]
 
@@ -79,23 +80,24 @@ class ProjectedConfig:
     @classmethod
     def from_dict(cls, config: dict, method: str, *, block: bool = False) -> "ProjectedConfig":
         if config.get("method", method) != method:
-            raise ValueError(f"not a {method} drafter config (method={config.get('method')!r})")
+            raise ModelLoadError(f"not a {method} drafter config (method={config.get('method')!r})")
         required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                     "intermediate_size", "vocab_size", "target_layer_ids", "num_target_layers"]
         required += ["gamma", "mask_token_id"] if block else []
         missing = [key for key in required if key not in config]
         if missing:
-            raise ValueError(f"{method} drafter config is missing {', '.join(missing)}")
+            raise ModelLoadError(f"{method} drafter config is missing {', '.join(missing)}")
         taps = config["target_layer_ids"]
         layers = config["num_target_layers"]
         if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-            raise ValueError(f"{method} num_target_layers must be an int >= 1, got {layers!r}")
+            raise ModelLoadError(f"{method} num_target_layers must be an int >= 1, got {layers!r}")
         if (not isinstance(taps, list) or not taps
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= layers for t in taps)):
-            raise ValueError(f"{method} target_layer_ids must be a non-empty list of layer indices in "
-                             f"[0, {layers}] ({layers}: the post-final-norm hidden), got {taps!r}")
+            raise ModelLoadError(f"{method} target_layer_ids must be a non-empty list of layer indices in "
+                                 f"[0, {layers}] ({layers}: the post-final-norm hidden), got {taps!r}")
         if block and (not isinstance(config["gamma"], int) or config["gamma"] < 2):
-            raise ValueError(f"{method} gamma (the trained block width) must be an int >= 2, got {config['gamma']!r}")
+            raise ModelLoadError(f"{method} gamma (the trained block width) must be an int >= 2, "
+                                 f"got {config['gamma']!r}")
         known = {f.name for f in fields(cls)} - {"method", "target_layer_ids"} - _EXPLICIT
         values = {key: config[key] for key in known if key in config}
         values.setdefault("target_hidden_size", config["hidden_size"])
@@ -150,19 +152,19 @@ def _layer_types(config: dict, method: str) -> dict:
     if kinds:
         layers = config["num_hidden_layers"]
         if not isinstance(kinds, list) or len(kinds) != layers or any(kind not in _LAYER_TYPES for kind in kinds):
-            raise ValueError(f"{method} layer_types must list one of {', '.join(_LAYER_TYPES)} per drafter layer "
-                             f"({layers}), got {kinds!r}")
+            raise ModelLoadError(f"{method} layer_types must list one of {', '.join(_LAYER_TYPES)} per drafter layer "
+                                 f"({layers}), got {kinds!r}")
         if "sliding_attention" in kinds:  # all full attention is the default: the same drafter
             out["layer_types"] = tuple(kinds)
     window = config.get("sliding_window")
     if "sliding_attention" in out.get("layer_types", ()):
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"{method} sliding_attention layers need sliding_window (an int >= 1), got {window!r}")
+            raise ModelLoadError(f"{method} sliding_attention layers need sliding_window (an int >= 1), got {window!r}")
         out["sliding_window"] = window
     causal = config.get("is_causal")
     if causal is not None:
         if not isinstance(causal, bool):
-            raise ValueError(f"{method} is_causal must be true, false or null, got {causal!r}")
+            raise ModelLoadError(f"{method} is_causal must be true, false or null, got {causal!r}")
         out["is_causal"] = causal
     return out
 
@@ -177,9 +179,9 @@ def _block_size(config: dict, method: str, block: bool) -> dict:
         return {}
     size = config["block_size"]
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"{method} block_size (the drafted block width) must be an int >= 1, got {size!r}")
+        raise ModelLoadError(f"{method} block_size (the drafted block width) must be an int >= 1, got {size!r}")
     if size >= 2 and "mask_token_id" not in config:
-        raise ValueError(f"{method} block_size {size} needs mask_token_id (the token fed at the drafted positions)")
+        raise ModelLoadError(f"{method} block_size {size} needs mask_token_id (the token fed at the drafted positions)")
     return {"block_size": size}
 
 
@@ -189,16 +191,16 @@ def _early_stop(config: dict, method: str, block: bool) -> dict:
     if sts is None and min_conf is None:
         return {}
     if not block:
-        raise ValueError(f"{method}: sts / minConf (confidence early stop) apply to DFlash/DSpark block drafters")
+        raise ModelLoadError(f"{method}: sts / minConf (confidence early stop) apply to DFlash/DSpark block drafters")
     out: dict = {}
     if sts is not None:
         thresholds = sts.get("thresholds") if isinstance(sts, dict) else None
         if not isinstance(thresholds, list) or not all(_number(t) for t in thresholds):
-            raise ValueError(f"{method} sts.thresholds must be a list of numbers, got {sts!r}")
+            raise ModelLoadError(f"{method} sts.thresholds must be a list of numbers, got {sts!r}")
         out["sts_thresholds"] = tuple(float(t) for t in thresholds)
     if min_conf is not None:
         if not _number(min_conf):
-            raise ValueError(f"{method} minConf must be a number, got {min_conf!r}")
+            raise ModelLoadError(f"{method} minConf must be a number, got {min_conf!r}")
         out["min_conf"] = float(min_conf)
     return out
 

@@ -27,6 +27,7 @@ from spec_cache.drafters.base import (
 )
 from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
 from spec_cache.drafters.projected import ContextKV, ProjectedNetwork
+from spec_cache.errors import UnsupportedCombination
 from spec_cache.rows import PrefillContext, PreparedStateChange, RoundContext, check_per_row, check_row
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
 from spec_cache.target import TargetModel, clone_batch_cache
@@ -53,7 +54,7 @@ class ProjectedProvider(NetworkProvider):
         """Check that this drafter fits ``target``: the depth it was trained for, hidden size, vocabulary."""
         config = self.config
         if config.num_target_layers != target.depth:
-            raise ValueError(
+            raise UnsupportedCombination(
                 f"{self.family} drafter was trained for a {config.num_target_layers}-layer target; this model has "
                 f"{target.depth} layers - {PAIRING}"
             )

@@ -62,6 +62,7 @@ from spec_cache.drafters.base import (
 )
 from spec_cache.drafters.deepspec import _extended
 from spec_cache.drafters.projected import ContextKV, _Layer
+from spec_cache.errors import ModelLoadError, UnsupportedCombination
 from spec_cache.rows import PreparedStateChange, RoundContext, check_per_row, check_row, to_mx
 from spec_cache.schemas import QWEN_MTP_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
 from spec_cache.target import TargetModel, clone_batch_cache
@@ -91,22 +92,22 @@ class QwenMTPConfig:
     @classmethod
     def from_dict(cls, config: dict) -> "QwenMTPConfig":
         if config.get("method", METHOD) != METHOD:
-            raise ValueError(f"not a {METHOD} drafter config (method={config.get('method')!r})")
+            raise ModelLoadError(f"not a {METHOD} drafter config (method={config.get('method')!r})")
         required = ["hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                     "vocab_size"]
         missing = [key for key in required if key not in config]
         if missing:
-            raise ValueError(f"{METHOD} drafter config is missing {', '.join(missing)}")
+            raise ModelLoadError(f"{METHOD} drafter config is missing {', '.join(missing)}")
         for key in required:
             value = config[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{METHOD} {key} must be an int >= 1, got {value!r}")
+                raise ModelLoadError(f"{METHOD} {key} must be an int >= 1, got {value!r}")
         factor = config.get("partial_rotary_factor", 1.0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise ValueError(f"{METHOD} partial_rotary_factor must be in (0, 1], got {factor!r}")
+            raise ModelLoadError(f"{METHOD} partial_rotary_factor must be in (0, 1], got {factor!r}")
         if config.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"{METHOD} heads have exactly one layer (qwen-mtp-v1 stores one K/V pair), got "
-                             f"num_hidden_layers={config['num_hidden_layers']!r}")
+            raise ModelLoadError(f"{METHOD} heads have exactly one layer (qwen-mtp-v1 stores one K/V pair), got "
+                                 f"num_hidden_layers={config['num_hidden_layers']!r}")
         known = {f.name for f in fields(cls)}
         return cls(**{key: config[key] for key in known if key in config})
 
@@ -264,7 +265,7 @@ class QwenMTPRows(BoundDraftRows):
         taps = None if context is None else (context.taps or {}).get(layer)
         if taps is None:
             raise ValueError(f"qwen MTP rows need the target's pre-norm hidden (tap of layer {layer}) at every "
-                             f"{what} token")
+                                 f"{what} token")
         return taps
 
     def prefill(self, tokens_per_row: Sequence[Sequence[int]], context) -> None:
@@ -277,7 +278,7 @@ class QwenMTPRows(BoundDraftRows):
         lengths = None if context is None else list(context.lengths)
         if lengths is None or len(lengths) != len(counts) or any(c and c != n for c, n in zip(counts, lengths)):
             raise ValueError(f"qwen MTP rows need the target's taps at every token they cover; got {lengths} for "
-                             f"{counts}")
+                                 f"{counts}")
         self._advance(tokens_per_row, self._checked_taps(context, counts, "prefilled"), counts)
 
     def consume(self, tokens_per_row: Sequence[Sequence[int]], context, lengths: Sequence[int]) -> None:
@@ -380,9 +381,11 @@ class QwenMTPProvider(NetworkProvider):
     def bind(self, target: TargetModel) -> None:
         """The head reads the target's hidden and shares its embeddings and head: sizes must agree."""
         if self.config.hidden_size != target.hidden_size:
-            raise ValueError(f"qwen MTP drafter hidden {self.config.hidden_size} != target {target.hidden_size}")
+            raise UnsupportedCombination(f"qwen MTP drafter hidden {self.config.hidden_size} != target "
+                                         f"{target.hidden_size}")
         if self.config.vocab_size != target.vocab_size:
-            raise ValueError(f"qwen MTP drafter vocabulary {self.config.vocab_size} != target {target.vocab_size}")
+            raise UnsupportedCombination(f"qwen MTP drafter vocabulary {self.config.vocab_size} != target "
+                                         f"{target.vocab_size}")
         self._target_dtype = target.dtype
 
     def validate_checkpoint(self, checkpoint: DraftRowCheckpoint) -> None:

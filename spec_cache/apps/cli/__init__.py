@@ -31,6 +31,8 @@ from spec_cache.apps.cli.common import (
     CliError,
     _Parser,
     default_cache_dir,
+    error_line,
+    exit_code,
     human_age,
     human_bytes,
     parse_duration,
@@ -38,7 +40,6 @@ from spec_cache.apps.cli.common import (
     table,
 )
 from spec_cache.apps.cli.runtime import DRAFTER_METHODS
-from spec_cache.store import StoreError
 
 __all__ = ["DRAFTER_METHODS", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "CliError", "build_parser",
            "default_cache_dir", "human_age", "human_bytes", "main", "parse_duration", "parse_size", "table"]
@@ -93,16 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return code
     except CliError as exc:
-        print(f"spec-cache: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_USAGE
+        print(f"spec-cache: error: {error_line(exc)}", file=sys.stderr)
+        return exit_code(exc)
     except BrokenPipeError:
         return _quiet_broken_pipe()
-    except Exception as exc:  # store errors, unreadable files: one line, never a traceback
+    except Exception as exc:  # typed errors, unreadable files: one line, never a traceback (common.EXIT_CODES)
         if os.environ.get("SPEC_CACHE_DEBUG"):
             raise
-        message = str(exc) if isinstance(exc, (StoreError, OSError)) else f"{type(exc).__name__}: {exc}"
-        print(f"spec-cache: error: {' '.join(message.split())}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
+        print(f"spec-cache: error: {error_line(exc)}", file=sys.stderr)
+        return exit_code(exc)
+    except KeyboardInterrupt as exc:
         print("spec-cache: interrupted", file=sys.stderr)
-        return 130
+        return exit_code(exc)

@@ -23,6 +23,7 @@ from spec_cache.apps.cli.common import (
     CliError,
     context_tokens,
     emit,
+    error_line,
     fraction,
     model_args_problem,
     non_negative_int,
@@ -55,7 +56,7 @@ def _kv_options(args) -> KVOptions:
 
 
 def _one_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return error_line(exc, first_line=True)
 
 
 def _load_tokenizer(model: str):

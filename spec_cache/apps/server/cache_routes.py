@@ -37,9 +37,11 @@ from starlette.routing import Route
 
 from spec_cache import cache_controls as controls
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
+from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.protocol import APIError, parse_chat
 from spec_cache.apps.server.tools import TemplateError, chat_ids
-from spec_cache.store import InvalidInput, StoreError
+from spec_cache.errors import SpecCacheError
+from spec_cache.store import StoreError
 
 __all__ = ["cache_routes", "DEFAULT_MAX_PIN_TTL_S"]
 
@@ -173,16 +175,8 @@ def cache_routes(state, tokenize) -> list[Route]:
         except asyncio.TimeoutError:
             future.cancel()
             raise APIError(503, "the cache did not answer in time; retry", code="unavailable") from None
-        except controls.NotStored as exc:
-            raise APIError(404, str(exc), code="not_found") from None
-        except controls.PinQuotaExceeded as exc:
-            raise APIError(409, str(exc), code="pin_quota_exceeded") from None
-        except controls.BadPrefixFile as exc:
-            raise APIError(400, str(exc), param="file", code="invalid_prefix_file") from None
-        except InvalidInput as exc:
-            raise APIError(400, str(exc)) from None
-        except StoreError as exc:
-            raise APIError(503, f"the cache failed: {exc}", code="cache_unavailable") from None
+        except (SpecCacheError, StoreError) as exc:  # typed: mapped in one place (errors.STATUSES)
+            raise api_error(exc) from None
 
     def ns_key(tenant):
         return generator.namespace_key(tenant)

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from spec_cache.apps.cli.common import fraction, non_negative_int, positive_int, positive_seconds
+from spec_cache.apps.cli.common import error_line, fraction, non_negative_int, positive_int, positive_seconds
 from spec_cache.apps.cli.shared import add_shared_secret_options, shared_options
 from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
 
@@ -228,7 +228,7 @@ def build_state(args):
     except (NotImplementedError, ValueError, FileNotFoundError) as exc:
         if cache is not None:
             cache.close()
-        raise _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        raise _fail(error_line(exc, first_line=True)) from None
     except BaseException:
         if cache is not None:
             cache.close()
@@ -278,7 +278,7 @@ def _model_dir(model: str, log) -> tuple[Path, str]:
     try:
         out = converted_model(gguf, resolve_weights("auto"), progress=lambda m: log.info("spec-cache serve: %s", m))
     except (ValueError, OSError) as exc:  # UnsupportedGGUF is a ValueError
-        raise _fail(f"cannot convert {gguf}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
+        raise _fail(f"cannot convert {gguf}: {error_line(exc, first_line=True)} "
                     f"(spec-cache convert-gguf {gguf} DIR, then --model DIR, gives the converter's options)") from None
     log.info("spec-cache serve: %s converted into %s (reused by later starts)", gguf.name, out)
     return out, gguf.name[: -len(".gguf")]
