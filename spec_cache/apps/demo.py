@@ -95,7 +95,7 @@ def main(args) -> int:
 
 
 def _main(args, method: str, max_tokens: int, work: str, cache_dir: str) -> int:
-    from spec_cache.apps.cli import human_bytes, table
+    from spec_cache.apps.tables import human_bytes, table
     from spec_cache.cache import SpecCache
     from spec_cache.generator import Generator
     from spec_cache.store import maintenance

@@ -238,7 +238,7 @@ def _run(args, method: str, gguf_path: Path | None, chats, cache_dir: str, model
 
 
 def _print_report(cold: list[dict], warm: list[dict], summary: dict) -> None:
-    from spec_cache.apps.cli import table
+    from spec_cache.apps.tables import table
 
     print(f"SmolLM2-135M-Instruct ({summary['weights']} weights), drafter {summary['drafter']} "
           f"(depth {summary['draft_depth']}), greedy, {summary['max_tokens']} new tokens per turn\n")

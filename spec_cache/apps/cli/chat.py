@@ -12,14 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from spec_cache.apps.cli.common import (
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    CliError,
-    context_tokens,
-    error_line,
-    model_args_problem,
-)
+from spec_cache.apps.cli.common import EXIT_INTERRUPTED, EXIT_OK, CliError, context_tokens, model_args_problem
 
 HELP = "commands: /reset (new conversation), /save FILE (conversation as JSON), /quit (or Ctrl-D)"
 
@@ -93,13 +86,13 @@ def run_chat(args, generator, tokenizer, *, stdin=None, out=None, err=None) -> i
 
 def cmd_chat(args) -> int:
     from spec_cache.apps.cli import shared
-    from spec_cache.apps.cli.runtime import _kv_options, _load_tokenizer, open_cache
+    from spec_cache.apps.cli.loaders import kv_options, load_tokenizer, open_cache
 
-    kv = _kv_options(args)
+    kv = kv_options(args)
     problem = model_args_problem(args.model, args.drafter, args.method)
     if problem is not None:
         raise CliError(problem)
-    tokenizer = _load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)
     from spec_cache.generator import Generator, has_chat_template  # loads MLX
 
     if not has_chat_template(tokenizer):
@@ -111,7 +104,7 @@ def cmd_chat(args) -> int:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
                                        draft_depth=args.draft_depth, adapters=args.adapter or "")
         except (NotImplementedError, ValueError, TypeError, FileNotFoundError) as exc:
-            raise CliError(error_line(exc, first_line=True)) from None
+            raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
         return run_chat(args, generator, tokenizer)
     finally:
         if cache is not None:

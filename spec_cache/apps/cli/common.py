@@ -12,7 +12,7 @@ import time
 
 from tqdm import tqdm
 
-from spec_cache.errors import SpecCacheError
+from spec_cache.apps.tables import human_bytes, table  # noqa: F401  (the CLI's names for them)
 from spec_cache.store import Store, StoreError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -21,33 +21,6 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 class CliError(Exception):
     """A one-line message for the user; exit code 2."""
-
-
-# --- errors -> exit codes and the one line a person reads (the one place) ---------------------------------------
-# Whatever a person fixes by changing the invocation or the files it names exits EXIT_USAGE: the CLI's own
-# CliError, the library's typed errors (spec_cache.errors: a bad option, a model that cannot load, a model /
-# drafter / KV combination that cannot run), the store's and the OS's; Ctrl-C exits EXIT_INTERRUPTED. Anything
-# else is a bug: one line too, led by its type, EXIT_USAGE as always (SPEC_CACHE_DEBUG=1 shows the traceback).
-EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
-    (KeyboardInterrupt, EXIT_INTERRUPTED), (CliError, EXIT_USAGE), (SpecCacheError, EXIT_USAGE),
-    (StoreError, EXIT_USAGE), (OSError, EXIT_USAGE))
-_TYPED = (CliError, SpecCacheError, StoreError, OSError)
-
-
-def exit_code(exc: BaseException) -> int:
-    """The exit code of a command ended by ``exc`` (``EXIT_CODES``; anything else ``EXIT_USAGE``)."""
-    return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), EXIT_USAGE)
-
-
-def error_line(exc: BaseException, *, first_line: bool = False) -> str:
-    """The one line printed for ``exc``: a typed error's message, else ``Type: message``; ``first_line``: the
-    message's first line alone, never led by its type (a library error a command wraps as a ``CliError``)."""
-    text = str(exc)
-    if first_line:
-        return text.splitlines()[0] if text else type(exc).__name__
-    if not isinstance(exc, _TYPED):
-        text = f"{type(exc).__name__}: {text}"
-    return " ".join(text.split())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,16 +106,6 @@ def token_list(text: str) -> list[int]:
 
 
 # --- output ---------------------------------------------------------------------------------------------------
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def human_age(ns: int | None) -> str:
     if not ns:
         return "never"
@@ -156,15 +119,6 @@ def human_age(ns: int | None) -> str:
 def short(s: str, n: int) -> str:
     """``s`` cut to ``n`` characters, the last one an ellipsis when cut."""
     return s if len(s) <= n else s[: n - 1] + "…"
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    """Left-aligned columns under a header and a rule."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-
-    def line(r):
-        return "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def emit(args, obj, human: str) -> None:

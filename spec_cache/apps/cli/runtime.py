@@ -13,7 +13,6 @@ import importlib.util
 import os
 import sys
 import time
-from pathlib import Path
 
 from spec_cache.apps import demo_real, gguf_cli, server  # their options only: no MLX until a command runs
 from spec_cache.apps.cli import chat, shared
@@ -23,7 +22,6 @@ from spec_cache.apps.cli.common import (
     CliError,
     context_tokens,
     emit,
-    error_line,
     fraction,
     model_args_problem,
     non_negative_int,
@@ -32,40 +30,13 @@ from spec_cache.apps.cli.common import (
     positive_int,
     token_list,
 )
+from spec_cache.apps.cli.loaders import kv_options, load_tokenizer, open_cache
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
-from spec_cache.namespace import KVOptions
 from spec_cache.store import maintenance
 
 
-def open_cache(args, **kwargs):
-    """``SpecCache.open`` on ``--cache`` with ``--memory-bytes`` (passed only when given, so the library's default
-    memory tier applies otherwise) and any other keyword in ``kwargs``."""
-    from spec_cache.cache import SpecCache  # loads MLX
-
-    if getattr(args, "memory_bytes", None) is not None:
-        kwargs["memory_bytes"] = args.memory_bytes
-    return SpecCache.open(args.cache, **kwargs)
-
-
-def _kv_options(args) -> KVOptions:
-    try:
-        return KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                         quantized_kv_start=args.quantized_kv_start)
-    except (TypeError, ValueError) as exc:
-        raise CliError(str(exc)) from None
-
-
 def _one_line(exc: BaseException) -> str:
-    return error_line(exc, first_line=True)
-
-
-def _load_tokenizer(model: str):
-    try:
-        from mlx_lm.utils import load_tokenizer  # loads MLX
-
-        return load_tokenizer(Path(model))
-    except Exception as exc:
-        raise CliError(f"cannot load a tokenizer from {model} ({type(exc).__name__}); use --tokens") from None
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _prompt_file(path: str) -> list[str]:
@@ -122,11 +93,11 @@ def _row_line(i: int, r: dict) -> str:
 
 
 def cmd_generate(args) -> int:
-    kv = _kv_options(args)
+    kv = kv_options(args)
     _check_generate_args(args)
     texts = list(args.prompt or []) + [p for path in args.prompt_file or [] for p in _prompt_file(path)]
     token_prompts = [_tokens_arg(t) for t in args.tokens or []]
-    tokenizer = _load_tokenizer(args.model) if texts or args.stop else None
+    tokenizer = load_tokenizer(args.model) if texts or args.stop else None
     if texts:
         from spec_cache.generator import encode_prompt, has_chat_template
 
@@ -245,7 +216,7 @@ def cmd_import_mlx_lm(args) -> int:
     if not os.path.isfile(args.file):
         raise CliError(f"no such file: {args.file}")
     try:  # the namespace Generator.load(model, drafter, method, adapters, kv) would store under
-        pns = import_prefix_namespace(args.drafter, args.method, args.adapter or "", _kv_options(args))
+        pns = import_prefix_namespace(args.drafter, args.method, args.adapter or "", kv_options(args))
     except (TypeError, ValueError, FileNotFoundError) as exc:
         raise CliError(_one_line(exc)) from None
     with open_cache(args) as cache:
