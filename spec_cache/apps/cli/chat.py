@@ -12,7 +12,14 @@ from __future__ import annotations
 import json
 import sys
 
-from spec_cache.apps.cli.common import EXIT_INTERRUPTED, EXIT_OK, CliError, context_tokens, model_args_problem
+from spec_cache.apps.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    CliError,
+    context_tokens,
+    error_line,
+    model_args_problem,
+)
 
 HELP = "commands: /reset (new conversation), /save FILE (conversation as JSON), /quit (or Ctrl-D)"
 
@@ -104,7 +111,7 @@ def cmd_chat(args) -> int:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
                                        draft_depth=args.draft_depth, adapters=args.adapter or "")
         except (NotImplementedError, ValueError, TypeError, FileNotFoundError) as exc:
-            raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+            raise CliError(error_line(exc, first_line=True)) from None
         return run_chat(args, generator, tokenizer)
     finally:
         if cache is not None:

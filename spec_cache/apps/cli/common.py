@@ -13,6 +13,7 @@ import time
 from tqdm import tqdm
 
 from spec_cache.apps.tables import human_bytes, table  # noqa: F401  (the CLI's names for them)
+from spec_cache.errors import SpecCacheError
 from spec_cache.store import Store, StoreError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -21,6 +22,33 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 class CliError(Exception):
     """A one-line message for the user; exit code 2."""
+
+
+# --- errors -> exit codes and the one line a person reads (the one place) ---------------------------------------
+# Whatever a person fixes by changing the invocation or the files it names exits EXIT_USAGE: the CLI's own
+# CliError, the library's typed errors (spec_cache.errors: a bad option, a model that cannot load, a model /
+# drafter / KV combination that cannot run), the store's and the OS's; Ctrl-C exits EXIT_INTERRUPTED. Anything
+# else is a bug: one line too, led by its type, EXIT_USAGE as always (SPEC_CACHE_DEBUG=1 shows the traceback).
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (KeyboardInterrupt, EXIT_INTERRUPTED), (CliError, EXIT_USAGE), (SpecCacheError, EXIT_USAGE),
+    (StoreError, EXIT_USAGE), (OSError, EXIT_USAGE))
+_TYPED = (CliError, SpecCacheError, StoreError, OSError)
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code of a command ended by ``exc`` (``EXIT_CODES``; anything else ``EXIT_USAGE``)."""
+    return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), EXIT_USAGE)
+
+
+def error_line(exc: BaseException, *, first_line: bool = False) -> str:
+    """The one line printed for ``exc``: a typed error's message, else ``Type: message``; ``first_line``: the
+    message's first line alone, never led by its type (a library error a command wraps as a ``CliError``)."""
+    text = str(exc)
+    if first_line:
+        return text.splitlines()[0] if text else type(exc).__name__
+    if not isinstance(exc, _TYPED):
+        text = f"{type(exc).__name__}: {text}"
+    return " ".join(text.split())
 
 
 class _Parser(argparse.ArgumentParser):

@@ -22,6 +22,7 @@ from spec_cache.apps.cli.common import (
     CliError,
     context_tokens,
     emit,
+    error_line,
     fraction,
     model_args_problem,
     non_negative_int,
@@ -36,7 +37,7 @@ from spec_cache.store import maintenance
 
 
 def _one_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return error_line(exc, first_line=True)
 
 
 def _prompt_file(path: str) -> list[str]:
