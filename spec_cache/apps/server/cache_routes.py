@@ -293,7 +293,7 @@ def cache_routes(state, tokenize) -> list[Route]:
 
     def route(path: str, name: str, handler, method: str = "POST", raw: bool = False) -> Route:
         async def handle(request: Request) -> Response:
-            from spec_cache.apps.server.app import log_request
+            from spec_cache.apps.server.jobs import log_request
 
             started, label, known = time.perf_counter(), "-", False
             try:

@@ -1,0 +1,371 @@
+"""From a request to a scheduler job and back: what every generating route shares (OpenAI's and Anthropic's).
+
+``Requests`` holds the machinery ``create_app`` once kept in closures: reading a bounded JSON body, tokenizing in a
+worker thread (one tokenizer call at a time, never on the event loop), checking a prompt against the context and
+building its ``Job``, submitting it and answering, streamed (``_EventStream``: server-sent events that notice a
+disconnect) or as one body (waiting for the result or the client's disconnect, whichever comes first), and the
+per-request metrics and log line. Responses are OpenAI's unless the route passes a ``shape`` (``anthropic.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from spec_cache.apps.server.auth import salted_tenant, tenant_label
+from spec_cache.apps.server.detokenizer import StopMatcher, StreamingDetokenizer
+from spec_cache.apps.server.protocol import (
+    APIError,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    new_id,
+    usage,
+)
+from spec_cache.apps.server.scheduler import Job, Scheduler, random_seed
+from spec_cache.apps.server.tools import active_tools, tool_pieces, tool_style
+from spec_cache.sampling import RowSampling
+
+log = logging.getLogger("spec_cache.apps.server")
+
+__all__ = ["Requests", "error_response", "log_request"]
+
+_JSON_IN_THREAD = 256 << 10  # decode bodies larger than this in a worker thread
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def log_request(line: str, status: int, tenant: str, started: float, *, rid: str = "-", prompt: int | None = None,
+                cached: int | None = None, generated: int | None = None, first: float | None = None,
+                error: str | None = None) -> None:
+    """One INFO line per request: method and path, status, id, tenant label (8 hex of the key's digest, never the
+    key), prompt / cached / generated tokens, time to first token and in all (ms). ``cached`` is the exact count
+    (the operator's log, not the client's answer)."""
+    now = time.perf_counter()
+    parts = [f"spec-cache serve: {line} {status} id={rid} tenant={tenant}"]
+    if prompt is not None:
+        parts.append(f"prompt={prompt}")
+    if cached is not None:
+        parts.append(f"cached={cached}")
+    if generated is not None:
+        parts.append(f"generated={generated}")
+    if first is not None:
+        parts.append(f"ttft_ms={(first - started) * 1e3:.1f}")
+    parts.append(f"ms={(now - started) * 1e3:.1f}")
+    if error:
+        parts.append(f"error={error}")
+    log.info(" ".join(parts))
+
+
+@dataclass
+class _Run:
+    """One submitted job and what its answer, its metrics and its log line need."""
+
+    job: Job
+    rid: str
+    endpoint: str
+    tenant: str | None
+    label: str          # tenant_label(tenant)
+    line: str           # "METHOD /path"
+    started: float
+    prompt_tokens: int
+    timing: dict
+
+
+class Requests:
+    """The shared machinery of the generating routes over one ``ServerState`` (``anthropic.messages_routes``
+    takes it as its ``ctx``: ``state``, ``read_json``, ``tokenize``, ``run_job``, ``count``, ``log_request``,
+    ``tenant_label``, ``granularity``, ``clock``)."""
+
+    log_request = staticmethod(log_request)
+    tenant_label = staticmethod(tenant_label)
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.config = state.config
+        self.metrics = state.metrics
+        self.scheduler: Scheduler = state.scheduler
+        self.tokenizer = state.tokenizer
+        self.granularity = max(1, int(self.config.cached_tokens_granularity))
+        # one tokenizer call at a time (HF fast tokenizers are not re-entrant for every setting), in a worker
+        # thread: the event loop never waits on one
+        self.tokenize_limiter = anyio.CapacityLimiter(1)
+
+    def count(self, endpoint: str, status: int, tenant: str | None = None, known: bool = True) -> None:
+        self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        if known:  # a request whose key was refused has no tenant to count it under
+            self.metrics.tenant_requests.labels(tenant=tenant_label(tenant), status=str(status)).inc()
+
+    def tenant_of(self, request: Request) -> str | None:
+        return self.state.auth.check(request.headers.get("authorization"))
+
+    async def tokenize(self, fn, *args) -> list[int]:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.tokenize_limiter)
+
+    async def read_json(self, request: Request) -> Any:
+        """The body as JSON: 413 past ``max_body_bytes`` (from Content-Length, or as the bytes arrive), 499 if the
+        client leaves meanwhile, 400 if it is not JSON; a large body is decoded in a worker thread."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        except ClientDisconnect:
+            raise APIError(499, "the client went away while sending its request") from None
+        try:
+            if len(body) > _JSON_IN_THREAD:
+                return await anyio.to_thread.run_sync(json.loads, bytes(body), limiter=self.tokenize_limiter)
+            return json.loads(body)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def max_tokens(self, params, prompt: list[int]) -> int:
+        """``params.max_tokens`` (default: the configured one, within the room left) once the prompt is checked
+        against ``max_prompt_tokens`` and the context (400 ``context_length_exceeded`` otherwise)."""
+        config = self.config
+        if not prompt:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        limit = config.max_prompt_tokens
+        if limit is not None and len(prompt) > limit:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this server takes at most {limit}",
+                           param="messages", code="context_length_exceeded")
+        room = config.context_tokens - len(prompt)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; the model's context is "
+                           f"{config.context_tokens}", param="messages", code="context_length_exceeded")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            return min(config.default_max_tokens, room)
+        if max_tokens > room:
+            raise APIError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                           f"context of {config.context_tokens} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def make_job(self, params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=()) -> Job:
+        max_tokens = self.max_tokens(params, prompt)
+        temperature = self.config.default_temperature if params.temperature is None else params.temperature
+        seed = params.seed if params.seed is not None else (0 if temperature == 0 else random_seed())
+        sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed))
+        return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
+                   tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
+                   replayable=temperature == 0 or params.seed is not None, checkpoint_at=tuple(checkpoint_at))
+
+    async def run_job(self, request: Request, endpoint: str, params, prompt: list[int], tenant: str | None,
+                      chat: bool, started: float, checkpoint_at=(), shape=None) -> Response:
+        """Submits the job and answers: an event stream (``params.stream``) or one JSON body. ``shape``
+        (``anthropic.py``) makes the id, the stream and the body; without it they are OpenAI's."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def deliver(event: tuple) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = self.make_job(params, prompt, tenant, deliver, checkpoint_at)
+        self.scheduler.submit(job)
+        rid = shape.new_id() if shape is not None else new_id("chatcmpl" if chat else "cmpl")
+        run = _Run(job, rid, endpoint, tenant, tenant_label(tenant), f"{request.method} {request.url.path}",
+                   started, len(prompt), {})
+        pieces = _pieces(job, events, self.tokenizer, params.stop, self.scheduler, self.granularity, run.timing)
+        if chat and active_tools(params.tools, params.tool_choice):  # tool calls parsed out of the text
+            pieces = tool_pieces(pieces, tool_style(self.tokenizer))
+        if params.stream:
+            return self._stream(run, pieces, params, chat, shape)
+        return await self._reply(request, run, pieces, params, chat, shape)
+
+    def _account(self, run: _Run, generated: int, cached: int) -> None:
+        self.metrics.account(run.label, run.prompt_tokens, cached, generated)
+        log_request(run.line, 200, run.label, run.started, rid=run.rid, prompt=run.prompt_tokens,
+                    cached=run.timing.get("cached", cached), generated=generated, first=run.timing.get("first"))
+
+    def _gone(self, run: _Run) -> None:
+        """The client left before the answer was complete: its row ends now."""
+        self.scheduler.cancel(run.job)
+        log_request(run.line, 499, run.label, run.started, rid=run.rid, prompt=run.prompt_tokens,
+                    first=run.timing.get("first"))
+
+    def _stream(self, run: _Run, pieces, params, chat: bool, shape) -> Response:
+        self.count(run.endpoint, 200, run.tenant)
+
+        def account(generated: int, cached: int) -> None:
+            self._account(run, generated, cached)
+        out = (shape.stream(pieces, run.rid, run.timing, account) if shape is not None
+               else _sse(pieces, run.rid, params, int(time.time()), chat, run.prompt_tokens, account))
+        return _EventStream(out, on_disconnect=lambda: self._gone(run))
+
+    async def _reply(self, request: Request, run: _Run, pieces, params, chat: bool, shape) -> Response:
+        calls: list = []
+        collect = asyncio.ensure_future(_collect(pieces, calls))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if collect not in done:
+            collect.cancel()
+            self.count(run.endpoint, 499, run.tenant)
+            self._gone(run)
+            return Response(status_code=499)
+        text, reason, generated, cached = collect.result()
+        self._account(run, generated, cached)
+        if shape is not None:
+            self.count(run.endpoint, 200, run.tenant)
+            return JSONResponse(shape.body(run.rid, text, reason, generated, cached, run.timing))
+        use = usage(run.prompt_tokens, generated, cached)
+        body = (chat_response(run.rid, params.model, text, reason, use, calls) if chat
+                else completion_response(run.rid, params.model, text, reason, use))
+        self.count(run.endpoint, 200, run.tenant)
+        return JSONResponse(body)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always watch for the client's disconnect (whatever ASGI spec version the server
+    speaks) and call ``on_disconnect`` when the stream did not end by itself."""
+
+    def __init__(self, content, on_disconnect) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope, receive, send) -> None:
+        completed = False
+
+        async def stream() -> None:
+            nonlocal completed
+            try:
+                await self.stream_response(send)
+                completed = True
+            except OSError:
+                pass
+            task_group.cancel_scope.cancel()
+
+        async def listen() -> None:
+            await self.listen_for_disconnect(receive)
+            task_group.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as task_group:
+                task_group.start_soon(stream)
+                task_group.start_soon(listen)
+        finally:
+            if not completed:
+                self.on_disconnect()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler,
+                  granularity: int = 1, timing: dict | None = None) -> AsyncIterator[tuple]:
+    """Text pieces of a job as ``("text", str)``, then ``("end", finish_reason, completion_tokens, cached)``;
+    ``cached`` rounded down to a multiple of ``granularity`` (what clients may learn about stored prefixes).
+    ``timing["first"]``: when the first tokens arrived; ``timing["cached"]``: the exact cached count."""
+    timing = {} if timing is None else timing
+    detokenizer = StreamingDetokenizer(tokenizer)
+    matcher = StopMatcher(stops)
+    generated = cached = 0
+    while True:
+        event = await events.get()
+        kind = event[0]
+        if kind == "start":
+            timing["cached"] = event[1]
+            cached = event[1] - event[1] % granularity
+        elif kind == "tokens":
+            timing.setdefault("first", time.perf_counter())
+            generated += len(event[1])
+            text, stopped = matcher.feed(detokenizer.add(event[1]))
+            if text:
+                yield ("text", text)
+            if stopped:
+                scheduler.finish(job)  # the row leaves at the end of its round, its finish checkpoint written
+                timing["stop_sequence"] = matcher.matched
+                yield ("end", "stop", generated, cached)
+                return
+        elif kind == "done":
+            _, reason, _ = event
+            text, stopped = matcher.feed(detokenizer.flush())
+            text += "" if stopped else matcher.flush()
+            if text:
+                yield ("text", text)
+            if reason == "cancelled":
+                raise APIError(503, "the request was cancelled (the server is shutting down)", code="cancelled")
+            yield ("end", "length" if reason == "length" else "stop", generated, cached)
+            return
+        elif kind == "error":
+            raise event[1]
+
+
+async def _collect(pieces: AsyncIterator[tuple], calls: list | None = None) -> tuple[str, str, int, int]:
+    """The text, finish reason, completion tokens and cached tokens; ``("tool_call", call)`` pieces go to
+    ``calls``."""
+    parts = []
+    async for piece in pieces:
+        if piece[0] == "text":
+            parts.append(piece[1])
+        elif piece[0] == "tool_call":
+            if calls is not None:
+                calls.append(piece[1])
+        else:
+            return "".join(parts), piece[1], piece[2], piece[3]
+    raise APIError(500, "generation ended without a result")  # pragma: no cover
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, chat: bool, prompt_tokens: int,
+               account=None):
+    """OpenAI's stream: ``chat.completion.chunk`` / ``text_completion`` events, the usage chunk when asked,
+    ``data: [DONE]``; an error met midway is one error event before ``[DONE]``."""
+    model = params.model
+    try:
+        if chat:
+            yield _event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+        calls = 0
+        async for piece in pieces:
+            if piece[0] == "text":
+                yield _event(chat_chunk(rid, model, created, {"content": piece[1]}) if chat
+                             else completion_chunk(rid, model, created, piece[1]))
+                continue
+            if piece[0] == "tool_call":  # one delta per call, whole (index, id, type, name, arguments)
+                yield _event(chat_chunk(rid, model, created, {"tool_calls": [piece[1].openai(calls)]}))
+                calls += 1
+                continue
+            _, reason, generated, cached = piece
+            if account is not None:
+                account(generated, cached)
+            yield _event(chat_chunk(rid, model, created, {}, reason) if chat
+                         else completion_chunk(rid, model, created, "", reason))
+            if params.include_usage:
+                use = usage(prompt_tokens, generated, cached)
+                yield _event(chat_chunk(rid, model, created, None, use=use) if chat
+                             else completion_chunk(rid, model, created, None, use=use))
+            break
+    except APIError as error:
+        yield _event(error.body())
+    yield b"data: [DONE]\n\n"
