@@ -8,9 +8,12 @@ warm). Median of N runs each.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -115,29 +118,80 @@ def run_tiers(target_dir, lengths=(1024, 4096), *, cold_reps: int = 3, warm_reps
 
     Every warm run is checked: ``cached_tokens == n - 1`` and tokens equal to the cold run's (AssertionError
     otherwise); the mlx-lm baseline's token is compared and reported.
+
+    Stages: ``_tiers_setup`` (load, warm up, the run's header), then per length ``_tiers_row`` (cold runs, the
+    memory tier, LMDB, mlx-lm's file, the ratios), then ``_capture_report``.
     """
-    import json as _json
     import shutil
-    import time
-
-    import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
-    from spec_cache.apps.bench.timing import median_time
-    from spec_cache.cache import SpecCache
-    from spec_cache.cache_state import restore_concat
-    from spec_cache.generator import Generator
 
     if vocab is None:
         with open(os.path.join(target_dir, "config.json")) as f:
-            vocab = int(_json.load(f)["vocab_size"])
+            vocab = int(json.load(f)["vocab_size"])
     own_work = work is None
     work = work or tempfile.mkdtemp(prefix="bench-tiers-")
     rng = np.random.default_rng(seed)
+    out, cold_gen = _tiers_setup(target_dir, cold_reps, warm_reps)
+    for n in lengths:
+        prompt = rng.integers(3, vocab, n).tolist()
+        plan = _TierPlan(target_dir, cold_gen, prompt, work, cold_reps, warm_reps, memory_bytes)
+        row = out["lengths"][plan.key] = _tiers_row(plan)
+        if progress:
+            progress(_tiers_line(n, row))
+    out.update(_capture_report())
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+@dataclass
+class _TierPlan:
+    """One prompt length of ``run_tiers``: what each stage of its row needs."""
+
+    target_dir: str
+    cold_gen: Any           # the Generator without a cache (its model is rebound to each store)
+    prompt: list
+    work: str
+    cold_reps: int
+    warm_reps: int
+    memory_bytes: int | None
+
+    @property
+    def n(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def key(self) -> str:
+        return length_key(self.n)
+
+    @property
+    def store_dir(self) -> str:
+        return os.path.join(self.work, f"store-{self.key}")
+
+    @property
+    def mlx_path(self) -> str:
+        return os.path.join(self.work, f"mlx-{self.key}.safetensors")
+
+    def generator(self, cache):
+        from spec_cache.generator import Generator
+
+        return rebind(self.cold_gen, cache) or Generator.load(self.target_dir, cache=cache)
+
+    def check(self, warm, expect, tier: str) -> None:
+        if not all(w.cached_tokens == self.n - 1 and w.tokens == expect for w in warm):
+            raise AssertionError(f"{self.key}: {tier} warm run did not restore n-1 tokens or changed the tokens")
+
+
+def _tiers_setup(target_dir, cold_reps: int, warm_reps: int):
+    """The model loaded once (no cache) and warmed up; the report's header (load time, the restore and copy
+    routes)."""
+    import time
+
+    from spec_cache.cache_state import restore_concat
+    from spec_cache.generator import Generator
+
     t0 = time.perf_counter()
     cold_gen = Generator.load(target_dir)
     load_s = time.perf_counter() - t0
-    model = cold_gen.engine.target.model
     cold_gen.generate([[3, 4, 5]], max_tokens=1)  # warm up MLX
     concat = restore_concat()
     out = {"target": str(target_dir), "model_load_s": load_s, "cold_reps": cold_reps, "warm_reps": warm_reps,
@@ -147,111 +201,173 @@ def run_tiers(target_dir, lengths=(1024, 4096), *, cold_reps: int = 3, warm_reps
         out["copy_route_status"] = device_copy.status()
     except Exception as exc:  # reporting only
         out["copy_route_status"] = f"unknown: {exc}"
+    return out, cold_gen
 
-    def load_forward(path, last):
+
+def _tiers_row(plan: _TierPlan) -> dict:
+    """One length's row, stage by stage; the stores and mlx-lm's file are removed afterwards."""
+    import shutil
+
+    row: dict = {"tokens": plan.n}
+    cold = _timed_runs(plan.cold_gen, plan.prompt, plan.cold_reps)
+    row["cold_s"] = statistics.median(r.ttft_s for r in cold)
+    row["cold_reps_s"] = [r.ttft_s for r in cold]
+    expect = cold[0].tokens
+    row.update(_memory_tier(plan, expect))
+    row.update(_lmdb_tier(plan, expect))
+    row.update(_mlx_lm_file(plan, expect))
+    os.remove(plan.mlx_path)
+    shutil.rmtree(plan.store_dir, ignore_errors=True)
+    row.update(_tier_ratios(row))
+    return row
+
+
+def _memory_tier(plan: _TierPlan, expect) -> dict:
+    """The first run (a miss) stores the checkpoint; the next ones restore it from memory. Then the restore alone,
+    mlx-lm's file of the same state (trimmed to n - 1 tokens, as stored) for the last stage, and the drain."""
+    from spec_cache.cache import SpecCache
+
+    extra = {} if plan.memory_bytes is None else {"memory_bytes": plan.memory_bytes}
+    cache = SpecCache.open(plan.store_dir, **extra)
+    try:
+        gen = plan.generator(cache)
+        row = _memory_runs(plan, gen, cache, expect)
+        row.update(_memory_restore(plan, gen, cache))
+    finally:
+        cache.close()
+    return row
+
+
+def _memory_runs(plan: _TierPlan, gen, cache, expect) -> dict:
+    prompt, warm_reps = plan.prompt, plan.warm_reps
+    row: dict = {}
+    first = gen.generate([prompt], max_tokens=1)[0]
+    row["first_run_s"] = first.ttft_s
+    before = cache.memory_stats()
+    busy = gen.generate([prompt], max_tokens=1)[0]  # at once: the first run's checkpoint is being written
+    row["memory_writer_busy_s"] = busy.ttft_s
+    warm = _timed_runs(gen, prompt, warm_reps, cache)
+    after = cache.memory_stats()
+    warm.append(busy)
+    row["memory_s"] = statistics.median(r.ttft_s for r in warm[:-1])
+    row["memory_reps_s"] = [r.ttft_s for r in warm[:-1]]
+    row["memory_hits"] = after.get("hits", 0) - before.get("hits", 0)
+    row["memory_stats"] = {k: v for k, v in after.items() if isinstance(v, (int, float, str, bool))}
+    plan.check(warm, expect, "memory-tier")
+    if row["memory_hits"] < warm_reps + 1:
+        raise AssertionError(f"{plan.key}: warm runs were not memory-tier hits ({row['memory_hits']} hits)")
+    return row
+
+
+def _memory_restore(plan: _TierPlan, gen, cache) -> dict:
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from spec_cache.apps.bench.timing import median_time
+
+    prompt, n = plan.prompt, plan.n
+    row: dict = {}
+    hit = cache.restore(gen.ns_key, prompt[:-1])
+    assert hit is not None and hit.tier == "memory" and hit.length == n - 1
+    row["state_bytes"] = _state_bytes(hit.caches)
+
+    def memory_restore():
+        r = cache.restore(gen.ns_key, prompt[:-1])
+        mx.eval([c.state for c in r.caches])
+    row["memory_restore_s"] = median_time(memory_restore, plan.warm_reps)
+    save_prompt_cache(plan.mlx_path, hit.caches)
+    del hit
+    t = time.perf_counter()
+    ok = cache.drain(timeout=600)
+    row["drain_s"] = time.perf_counter() - t
+    if not ok:
+        raise AssertionError(f"{plan.key}: drain() did not finish")
+    return row
+
+
+def _lmdb_tier(plan: _TierPlan, expect) -> dict:
+    """The store reopened with the memory tier off (page cache warm): TTFT, then the restore alone."""
+    import mlx.core as mx
+
+    from spec_cache.apps.bench.timing import median_time
+    from spec_cache.cache import SpecCache
+
+    prompt, n = plan.prompt, plan.n
+    row: dict = {}
+    cache = SpecCache.open(plan.store_dir, memory_bytes=0)
+    try:
+        gen = plan.generator(cache)
+        warm = _timed_runs(gen, prompt, plan.warm_reps + 1, cache)[1:]  # the first one warms the page cache
+        row["lmdb_s"] = statistics.median(r.ttft_s for r in warm)
+        row["lmdb_reps_s"] = [r.ttft_s for r in warm]
+        plan.check(warm, expect, "LMDB")
+
+        def lmdb_restore():
+            r = cache.restore(gen.ns_key, prompt[:-1])
+            assert r is not None and r.tier == "local" and r.length == n - 1
+            mx.eval([c.state for c in r.caches])
+        row["lmdb_restore_s"] = median_time(lmdb_restore, plan.warm_reps)
+    finally:
+        cache.close()
+    return row
+
+
+def _mlx_lm_file(plan: _TierPlan, expect) -> dict:
+    """mlx-lm's baseline: ``load_prompt_cache`` + last-token forward + argmax (TTFT), and load + eval (restore
+    only)."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from spec_cache.apps.bench.timing import median_time
+
+    model, path, last = plan.cold_gen.engine.target.model, plan.mlx_path, plan.prompt[-1]
+
+    def load_forward():
         caches = load_prompt_cache(path)
         logits = model(mx.array([[last]], dtype=mx.uint32), cache=caches)
-        token = mx.argmax(logits[0, -1]).item()
-        return token
+        return mx.argmax(logits[0, -1]).item()
 
-    def load_eval(path):
+    def load_eval():
         caches = load_prompt_cache(path)
         mx.eval([c.state for c in caches])
 
-    for n in lengths:
-        key = length_key(n)
-        row: dict = {"tokens": n}
-        prompt = rng.integers(3, vocab, n).tolist()
-        cold = _timed_runs(cold_gen, prompt, cold_reps)
-        row["cold_s"] = statistics.median(r.ttft_s for r in cold)
-        row["cold_reps_s"] = [r.ttft_s for r in cold]
-        expect = cold[0].tokens
-        store_dir = os.path.join(work, f"store-{key}")
-        # memory tier: the first run (a miss) stores the checkpoint; the next ones restore it from memory
-        cache = SpecCache.open(store_dir) if memory_bytes is None else SpecCache.open(store_dir, memory_bytes=memory_bytes)
-        try:
-            gen = rebind(cold_gen, cache) or Generator.load(target_dir, cache=cache)
-            first = gen.generate([prompt], max_tokens=1)[0]
-            row["first_run_s"] = first.ttft_s
-            before = cache.memory_stats()
-            busy = gen.generate([prompt], max_tokens=1)[0]  # at once: the first run's checkpoint is being written
-            row["memory_writer_busy_s"] = busy.ttft_s
-            warm = _timed_runs(gen, prompt, warm_reps, cache)
-            after = cache.memory_stats()
-            warm.append(busy)
-            row["memory_s"] = statistics.median(r.ttft_s for r in warm[:-1])
-            row["memory_reps_s"] = [r.ttft_s for r in warm[:-1]]
-            row["memory_hits"] = after.get("hits", 0) - before.get("hits", 0)
-            row["memory_stats"] = {k: v for k, v in after.items() if isinstance(v, (int, float, str, bool))}
-            if not all(w.cached_tokens == n - 1 and w.tokens == expect for w in warm):
-                raise AssertionError(f"{key}: memory-tier warm run did not restore n-1 tokens or changed the tokens")
-            if row["memory_hits"] < warm_reps + 1:
-                raise AssertionError(f"{key}: warm runs were not memory-tier hits ({row['memory_hits']} hits)")
-            hit = cache.restore(gen.ns_key, prompt[:-1])
-            assert hit is not None and hit.tier == "memory" and hit.length == n - 1
-            state_bytes = _state_bytes(hit.caches)
-            row["state_bytes"] = state_bytes
+    load_forward()
+    toks, times = [], []
+    for _ in range(plan.warm_reps):
+        t = time.perf_counter()
+        toks.append(load_forward())
+        times.append(time.perf_counter() - t)
+    return {"mlx_lm_s": statistics.median(times), "mlx_lm_token_matches_cold": all(tok == expect[0] for tok in toks),
+            "mlx_lm_load_s": median_time(load_eval, plan.warm_reps)}
 
-            def memory_restore():
-                r = cache.restore(gen.ns_key, prompt[:-1])
-                mx.eval([c.state for c in r.caches])
-            row["memory_restore_s"] = median_time(memory_restore, warm_reps)
-            # mlx-lm's own file of the same state (trimmed to n - 1 tokens, as stored)
-            mlx_path = os.path.join(work, f"mlx-{key}.safetensors")
-            save_prompt_cache(mlx_path, hit.caches)
-            del hit
-            t = time.perf_counter()
-            ok = cache.drain(timeout=600)
-            row["drain_s"] = time.perf_counter() - t
-            if not ok:
-                raise AssertionError(f"{key}: drain() did not finish")
-        finally:
-            cache.close()
-        # LMDB: reopened, memory tier off, page cache warm
-        cache = SpecCache.open(store_dir, memory_bytes=0)
-        try:
-            gen = rebind(cold_gen, cache) or Generator.load(target_dir, cache=cache)
-            warm = _timed_runs(gen, prompt, warm_reps + 1, cache)[1:]  # the first one warms the page cache
-            row["lmdb_s"] = statistics.median(r.ttft_s for r in warm)
-            row["lmdb_reps_s"] = [r.ttft_s for r in warm]
-            if not all(w.cached_tokens == n - 1 and w.tokens == expect for w in warm):
-                raise AssertionError(f"{key}: LMDB warm run did not restore n-1 tokens or changed the tokens")
 
-            def lmdb_restore():
-                r = cache.restore(gen.ns_key, prompt[:-1])
-                assert r is not None and r.tier == "local" and r.length == n - 1
-                mx.eval([c.state for c in r.caches])
-            row["lmdb_restore_s"] = median_time(lmdb_restore, warm_reps)
-        finally:
-            cache.close()
-        # mlx-lm: load_prompt_cache + last-token forward (TTFT) and load + eval (restore only)
-        load_forward(mlx_path, prompt[-1])
-        toks = []
-        times = []
-        for _ in range(warm_reps):
-            t = time.perf_counter()
-            toks.append(load_forward(mlx_path, prompt[-1]))
-            times.append(time.perf_counter() - t)
-        row["mlx_lm_s"] = statistics.median(times)
-        row["mlx_lm_token_matches_cold"] = all(tok == expect[0] for tok in toks)
-        row["mlx_lm_load_s"] = median_time(lambda: load_eval(mlx_path), warm_reps)
-        os.remove(mlx_path)
-        shutil.rmtree(store_dir, ignore_errors=True)
-        gb = row["state_bytes"] / 1e9
-        for name in ("memory_restore", "lmdb_restore", "mlx_lm_load"):
-            row[f"{name}_GBps"] = gb / row[f"{name}_s"]
-        row["memory_vs_cold"] = row["cold_s"] / row["memory_s"]
-        row["lmdb_vs_cold"] = row["cold_s"] / row["lmdb_s"]
-        row["mlx_lm_vs_cold"] = row["cold_s"] / row["mlx_lm_s"]
-        row["lmdb_restore_vs_mlx_lm_load"] = row["mlx_lm_load_s"] / row["lmdb_restore_s"]
-        row["lmdb_ttft_vs_mlx_lm"] = row["mlx_lm_s"] / row["lmdb_s"]
-        row["memory_restore_vs_mlx_lm_load"] = row["mlx_lm_load_s"] / row["memory_restore_s"]
-        out["lengths"][key] = row
-        if progress:
-            progress(f"  tiers {n:6d} tokens ({row['state_bytes'] / 2**20:.0f} MiB): cold {row['cold_s'] * 1e3:8.1f} ms,"
-                     f" memory {row['memory_s'] * 1e3:7.1f} ms ({row['memory_vs_cold']:.1f}x), lmdb"
-                     f" {row['lmdb_s'] * 1e3:7.1f} ms ({row['lmdb_vs_cold']:.1f}x), mlx-lm {row['mlx_lm_s'] * 1e3:7.1f}"
-                     f" ms; restore GB/s lmdb {row['lmdb_restore_GBps']:.2f}, mlx-lm load {row['mlx_lm_load_GBps']:.2f}")
+def _tier_ratios(row: dict) -> dict:
+    """Restore rates (GB/s of the state) and the speed-ups, from a row's times."""
+    gb = row["state_bytes"] / 1e9
+    out = {f"{name}_GBps": gb / row[f"{name}_s"] for name in ("memory_restore", "lmdb_restore", "mlx_lm_load")}
+    out["memory_vs_cold"] = row["cold_s"] / row["memory_s"]
+    out["lmdb_vs_cold"] = row["cold_s"] / row["lmdb_s"]
+    out["mlx_lm_vs_cold"] = row["cold_s"] / row["mlx_lm_s"]
+    out["lmdb_restore_vs_mlx_lm_load"] = row["mlx_lm_load_s"] / row["lmdb_restore_s"]
+    out["lmdb_ttft_vs_mlx_lm"] = row["mlx_lm_s"] / row["lmdb_s"]
+    out["memory_restore_vs_mlx_lm_load"] = row["mlx_lm_load_s"] / row["memory_restore_s"]
+    return out
+
+
+def _tiers_line(n: int, row: dict) -> str:
+    return (f"  tiers {n:6d} tokens ({row['state_bytes'] / 2**20:.0f} MiB): cold {row['cold_s'] * 1e3:8.1f} ms,"
+            f" memory {row['memory_s'] * 1e3:7.1f} ms ({row['memory_vs_cold']:.1f}x), lmdb"
+            f" {row['lmdb_s'] * 1e3:7.1f} ms ({row['lmdb_vs_cold']:.1f}x), mlx-lm {row['mlx_lm_s'] * 1e3:7.1f}"
+            f" ms; restore GB/s lmdb {row['lmdb_restore_GBps']:.2f}, mlx-lm load {row['mlx_lm_load_GBps']:.2f}")
+
+
+def _capture_report() -> dict:
+    """How checkpoints were captured off the device (the route, and the D2H bytes and seconds when known)."""
+    out: dict = {}
     try:
         from spec_cache import device_copy
         out["capture_route"] = device_copy.capture_status()
@@ -260,8 +376,6 @@ def run_tiers(target_dir, lengths=(1024, 4096), *, cold_reps: int = 3, warm_reps
             out["capture_d2h"] = {"bytes": d2h.bytes, "seconds": d2h.seconds}
     except Exception as exc:  # reporting only
         out["capture_route"] = f"unknown: {exc}"
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
     return out
 
 
