@@ -28,7 +28,7 @@ from spec_cache.drafters.base import (
 from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
 from spec_cache.drafters.projected import ContextKV, ProjectedNetwork
 from spec_cache.errors import UnsupportedCombination
-from spec_cache.rows import PrefillContext, PreparedStateChange, RoundContext, check_per_row, check_row
+from spec_cache.rows import PrefillContext, PreparedStateChange, RoundContext, check_accepted, check_per_row, check_row
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
 from spec_cache.target import TargetModel, clone_batch_cache
 
@@ -194,11 +194,7 @@ class ProjectedRows(BoundDraftRows):
 
     def commit(self, accepted: Sequence[int], context: RoundContext) -> None:
         """Grow each row's context by the pending token and its kept drafts (``accepted + 1`` rows)."""
-        check_per_row(accepted, self.row_count, "accepted count")
-        width = len(context.window[0]) if context.window else 0
-        for row, kept in enumerate(accepted):
-            if not 0 <= kept < width:
-                raise ValueError(f"row {row}: {kept} accepted of a window of {width}")
+        check_accepted(accepted, self.row_count, context)
         self._grow(context.taps, [kept + 1 for kept in accepted])
 
     # -- checkpoints ------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from spec_cache.drafters.base import (
 from spec_cache.drafters.deepspec import _extended
 from spec_cache.drafters.projected import ContextKV, _Layer
 from spec_cache.errors import ModelLoadError, UnsupportedCombination
-from spec_cache.rows import PreparedStateChange, RoundContext, check_per_row, check_row, to_mx
+from spec_cache.rows import PreparedStateChange, RoundContext, check_accepted, check_per_row, check_row, to_mx
 from spec_cache.schemas import QWEN_MTP_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
 from spec_cache.target import TargetModel, clone_batch_cache
 
@@ -294,11 +294,7 @@ class QwenMTPRows(BoundDraftRows):
 
     def commit(self, accepted: Sequence[int], context: RoundContext) -> None:
         """Add the pending token and the kept drafts of each row (``accepted + 1`` pairs)."""
-        check_per_row(accepted, self.row_count, "accepted count")
-        width = len(context.window[0]) if context.window else 0
-        for row, kept in enumerate(accepted):
-            if not 0 <= kept < width:
-                raise ValueError(f"row {row}: {kept} accepted of a window of {width}")
+        check_accepted(accepted, self.row_count, context)
         counts = [kept + 1 for kept in accepted]
         self._advance(context.window, self._checked_taps(context, counts, "verified"), counts)
 
