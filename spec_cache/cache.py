@@ -1,5 +1,9 @@
 """``SpecCache``: the runtime's view of a store — namespaces, save and restore of mlx-lm state.
 
+Why one file: ``SpecCache`` is the one place where a storage failure becomes a miss and a warning; its save and
+restore paths share the namespace, tier and write-behind bookkeeping, and split they would each have to keep that
+rule.
+
 It turns mlx-lm caches and drafter checkpoints into store records and back, and turns every storage
 failure into a miss plus a warning: a cache may miss, it never takes the inference engine down.
 

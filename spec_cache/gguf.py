@@ -1,5 +1,8 @@
 """GGUF -> mlx-lm model directory: quantized weights kept quantized, tokenizer and chat template from the metadata.
 
+Why one file: one conversion: both readers, the re-packing and the per-architecture config and tokenizer writers
+share the GGUF metadata helpers; its command line lives in ``spec_cache.apps.gguf_cli``.
+
 ``convert(gguf_path, out_dir)`` writes what ``mlx_lm.utils.load`` (and so ``TargetModel.load`` /
 ``Generator.load``) reads: ``config.json`` (with mlx-lm's ``quantization`` block), ``model.safetensors``,
 ``tokenizer.json`` and ``tokenizer_config.json`` (with the GGUF's chat template).

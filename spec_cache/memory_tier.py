@@ -1,5 +1,8 @@
 """``MemoryTier``: checkpoints held as MLX arrays above the LMDB store (the seed's RAM tier).
 
+Why one file: the tier's rules (longest prefix, supersession, tenants, budget) act on one entry table under one
+lock; the cache kinds it holds are ``cache_kinds``' table.
+
 A checkpoint saved or restored in this process stays here as the MLX arrays the engine produced (device memory on
 a GPU, RAM on a CPU or Apple machine). A hit hands a row its state with no host round trip and no re-verification:
 the arrays never left process memory, and were verified when they entered (restored from LMDB) or were computed

@@ -34,7 +34,7 @@ What made the put machine-sensitive was not LMDB but the allocator and the disk:
   encoding redone), so ``write`` grows the map ahead of time in big steps (doubling) once it is
   ``GROW_AHEAD_FRACTION`` used.
 
-Why one file of ~450 lines: ``Environment`` is one state machine over one ``lmdb.Environment`` (open, write with
+Why one file of ~560 lines: ``Environment`` is one state machine over one ``lmdb.Environment`` (open, write with
 growth / full-disk / stale-reader recovery, reserve); directory checks live in ``directory.py``, glibc tuning
 in ``allocator.py``.
 

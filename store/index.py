@@ -1,5 +1,7 @@
 """The prefix index inside one transaction: ``Index`` owns every change to nodes, entries, LRU rows and counters.
 
+Why one file: it is the single owner of every count (the rule below); split, two modules would change counts.
+
 Nothing else in the store changes a reference count, a tail count, a byte counter or an LRU row: ``Store``,
 ``maintenance``, the shared tier and ``gc`` all ask an ``Index`` (or, for gc's rebuild from scratch,
 ``expected_bookkeeping``, the same invariants as a pure function).

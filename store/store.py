@@ -1,5 +1,8 @@
 """``Store``: checkpoints of token prefixes in one LMDB environment (the store's ``Cache``).
 
+Why one file: ``Store`` is the one object that opens the environment's transactions; the steps themselves live in
+``write``, ``index``, ``lookup`` and ``read`` (below).
+
 A checkpoint is the target's per-layer state after a token prefix plus, optionally, one drafter's row
 checkpoint, under a 32-byte namespace key. Token-sliceable layers (KV, quantized KV) are split into fixed
 chunks shared by every prompt with the same prefix; the rest of the state (the tail past the last full chunk,

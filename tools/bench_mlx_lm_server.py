@@ -1,6 +1,9 @@
 """Multi-turn chat benchmark: ``mlx_lm.server`` (its in-RAM LRUPromptCache) vs ``spec_cache.apps.mlx_lm_server`` (our
 launcher) and/or ``spec_cache.apps.server`` (``spec-cache serve``).
 
+Why one file: a script run by hand (``tools/bench_serve.py`` is its only importer): server processes, the two
+driving modes and the report share its argument set.
+
     .venv/bin/python tools/bench_mlx_lm_server.py [--model DIR] [--servers mlx-lm,spec-cache] [--conversations 8]
         [--turns 3] [--clients 4] [--system-words 1500] [--user-words 150] [--max-tokens 24] [--paired] [--json OUT]
 

@@ -1,5 +1,8 @@
 """Qwen multi-token prediction (MTP): a one-layer head that reads the target's own hidden state.
 
+Why one file: one drafter method, as every drafter under ``drafters/``: its config, network, rows and provider are
+bound by the coverage rule and row checkpoint below, and change together.
+
 For the pair (target hidden ``h_i``, token ``t_{i+1}``) the head computes ``x = fc(concat(
 pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)))`` and runs one decoder layer over it at
 position ``i``, attending over its own K/V of the earlier pairs; ``norm`` of the result through the target's

@@ -1,5 +1,8 @@
 """Tiny real model directories for tests and demos (no download): random weights, real files.
 
+Why one file: every writer draws weights by the same rules from the one architecture table (``_ARCHITECTURES``); the
+drafter methods' extra writers live in ``tiny_writers.py``.
+
 ``write_tiny_target`` writes ``config.json`` + ``model.safetensors`` that ``mlx_lm.utils.load_model`` loads, plus
 a small WordLevel tokenizer (so ``mlx_lm.utils.load`` works offline). ``write_tiny_drafter`` writes a drafter
 directory derived from a target directory, so drafts agree with the target often enough to exercise

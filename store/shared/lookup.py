@@ -1,5 +1,8 @@
 """The read path of ``SharedTier``: find the longest usable prefix on the server in bounded round trips.
 
+Why one file: the read path's steps share one time budget, the signatures already seen and one way of checking
+replies; split, each step would have to hand the deadline and that state across modules.
+
 On the caller's thread, every socket read bounded by ``timeout_s`` and all of them together by the lookup's
 budget (``lookup_budget_s``, or the caller's earlier deadline: ``deadline.py``):
 

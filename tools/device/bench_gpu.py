@@ -1,5 +1,8 @@
 """GPU benchmark driver for the lent H200 (run by tools/device/bench_gpu.sh there, never by CI).
 
+Why one file: it is the one driver copied to and run on the lent machine (``bench_gpu.sh``); its sections share the
+JSON file rewritten after each and the environment probe.
+
 Writes one JSON file, rewritten after each section so that a run stopped at the device's time limit still returns
 what it measured. Sections (``--sections``, in order):
 

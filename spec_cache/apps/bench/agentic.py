@@ -1,5 +1,8 @@
 """The agentic figure: how much of each turn of a coding agent's conversation a real server restores.
 
+Why one file: one bench section: the fixture's model, the server process, the two API clients and the seam's cost
+all serve the one figure and change with it.
+
 An agent resends the whole conversation on every turn: a long system prompt and tool definitions, then user asks,
 its own tool calls, tool results and answers, all re-rendered by the chat template. This section replays the
 20-turn fixture ``data/agentic_transcript.json`` turn by turn against a real ``spec-cache serve`` process, through

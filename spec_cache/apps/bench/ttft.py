@@ -4,6 +4,10 @@ Default model: llama, hidden 1024, 8 layers, 16 heads / 4 KV heads (head_dim 64)
 float32, random weights written locally; drafter: the assistant, whose row is restored too. Cold = no cache;
 warm = the same prompt again after a first run stored its prompt-boundary checkpoint (store reopened, page cache
 warm). Median of N runs each.
+
+Why one file: the TTFT sections (``run``, ``run_tiers`` and its stages, ``memory_restore``, ``write_overhead``,
+``write_bf16_llama`` for the GPU driver) share ``length_key``, ``rebind`` and the tiny-model setup, and each is one
+entry point a bench calls (``bench/__init__``, ``tools/device/bench_gpu.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 Why a module of its own: the request and response shapes, the SSE event sequence and the error shape are
 Anthropic's, not OpenAI's; everything else (auth, body limits, tokenizing off the loop, the job, its text pieces,
-disconnects, metrics) is the app's own machinery, handed in by ``create_app`` (``messages_routes(ctx)``).
+disconnects, metrics) is the machinery the OpenAI routes use too (``jobs.Requests``, handed in by ``create_app`` as
+``messages_routes(ctx)``). Why one file: one protocol, read in the order a request flows (errors, parsing, the
+conversion to a chat, the prompt and its breakpoints, the response shape, the routes); its parts share
+``MessagesRequest`` and change together when Anthropic's API does.
 
 A request is converted to the internal OpenAI-format conversation (``to_chat``): ``system`` becomes a system
 message, text blocks are joined with blank lines, ``tool_use`` blocks become the assistant's ``tool_calls``,

@@ -1,5 +1,8 @@
 """The OpenAI request and response shapes the server speaks: parsing with typed errors, and response builders.
 
+Why one file: OpenAI's request rules and response shapes are one contract, and the parsers share one set of field
+checkers (``_number``, ``_integer``, ``_common``) and error helpers.
+
 ``parse_chat`` / ``parse_completion`` turn a decoded JSON body into a ``GenerationParams`` (plus the messages or
 the prompt) or raise ``APIError`` with the status OpenAI-compatible clients expect: 400 for a malformed body
 (not an object, a missing field, a wrong type), 422 for a value out of range or a feature this server does not

@@ -1,5 +1,8 @@
 """Tool calls: rendering tools and tool turns through the chat template, and parsing calls out of generated text.
 
+Why one file: rendering and parsing are the two halves of one contract with the chat template (the fallback renders
+a call as the very ``<tool_call>`` text the parser reads back), so they are read and tested together.
+
 Why a module of its own: both APIs (OpenAI chat completions in ``app``, Anthropic messages) render the same
 OpenAI-format conversation and parse the same model output; nothing here touches the engine or HTTP.
 
