@@ -10,7 +10,8 @@ the cache has ``bits`` and ``group_size``, ``mlx_lm.models.base.scaled_dot_produ
 padding (``create_causal_mask(..., left_padding=...)``), so padded keys get ``finfo.min`` scores and zero weight.
 
 :class:`PhaseRows` is a group of rows sharing one forward over such caches: per layer a ``BatchKVCache`` (a layer
-kept in full precision) or a ``BatchQuantizedKVCache``. ``spec_cache.quantized_rows`` keeps the rows before their
+kept in full precision) or a ``BatchQuantizedKVCache``; its round mechanics are ``batch_rows.BatchRows``' (as
+``target.TargetRows``'). ``spec_cache.quantized_rows`` keeps the rows before their
 conversion point in one (all layers full precision) and the converted rows in another.
 
 Per-row rollback is ``BatchKVCache``'s: ``prepare(right_padding=...)`` + ``finalize()`` rolls a row's discarded
@@ -25,13 +26,14 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
 
+from spec_cache.batch_rows import BatchRows, clone_batch_cache
 from spec_cache.errors import RestoreRefused
 from spec_cache.kv_quant import LayerQuant
 from spec_cache.row_caches import merge_rows, row_position
-from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
-from spec_cache.target import DonorView, ForwardOutput, TargetModel, clone_batch_cache
+from spec_cache.rows import PreparedStateChange, check_row, check_window
+from spec_cache.target import ForwardOutput, TargetModel
 
-__all__ = ["BatchQuantizedKVCache", "PhaseRows"]
+__all__ = ["BatchQuantizedKVCache", "PhaseRows", "single_arrays"]
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -270,15 +272,6 @@ class BatchQuantizedKVCache:
         return sum(a.nbytes for a in (*self.keys, *self.values))
 
 
-def _batch_arrays(cache: Any) -> list[mx.array]:
-    if isinstance(cache, BatchQuantizedKVCache):
-        return cache.arrays()
-    held = [cache.offset, cache.left_padding]
-    if cache.keys is not None:
-        held += [cache.keys, cache.values]
-    return held
-
-
 def _float_content(cache: Any, layer: int, row: int) -> tuple[mx.array, mx.array] | None:
     if type(cache) is not KVCache:
         raise RestoreRefused(f"row {row} layer {layer}: a {type(cache).__name__} where full-precision KV belongs")
@@ -287,21 +280,19 @@ def _float_content(cache: Any, layer: int, row: int) -> tuple[mx.array, mx.array
     return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
 
 
-class PhaseRows:
+class PhaseRows(BatchRows):
     """Rows of one target that share every forward: per layer one left-padded batch cache, a ``BatchKVCache``
     where ``quants[layer]`` is None, else a :class:`BatchQuantizedKVCache` of that layer's bits and group size.
 
-    ``offsets[row]`` is the row's token count. Same round operations as ``target.TargetRows`` (prefill, verify,
-    per-row rollback, extract, two-phase append, filter, donors); membership changes act between rounds.
+    ``offsets[row]`` is the row's token count. Prefill, per-row rollback, two-phase append, filter and donors are
+    ``BatchRows``' (a quantized layer's donor K/V dequantized); membership changes act between rounds.
     """
 
     def __init__(self, model: TargetModel, quants: Sequence[LayerQuant | None]) -> None:
         if len(quants) != model.num_layers:
             raise ValueError(f"expected {model.num_layers} layer plans, got {len(quants)}")
-        self.model = model
+        super().__init__(model)
         self.quants = tuple(quants)
-        self._caches: list | None = None
-        self._lengths: list[int] = []
 
     @classmethod
     def from_row_caches(cls, model: TargetModel, quants: Sequence[LayerQuant | None],
@@ -328,23 +319,7 @@ class PhaseRows:
         built._caches = caches
         return built
 
-    # -- state ------------------------------------------------------------------------------------------
-    @property
-    def row_count(self) -> int:
-        return len(self._lengths)
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        return tuple(self._lengths)
-
-    def materialize(self) -> None:
-        if self._caches:
-            mx.eval([a for cache in self._caches for a in _batch_arrays(cache)])
-
-    def dispose(self) -> None:
-        self._caches = None
-        self._lengths = []
-
+    # -- the caches -------------------------------------------------------------------------------------
     def _ensure_caches(self) -> list:
         if self._caches is None:
             batch = [0] * self.row_count
@@ -353,64 +328,23 @@ class PhaseRows:
                             for quant in self.quants]
         return self._caches
 
-    # -- rounds -----------------------------------------------------------------------------------------
-    def prefill(self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *,
-                tap_layers: Sequence[int] = ()) -> PrefillContext:
-        """Append each row's tokens (any lengths, zero included), one forward per chunk of ``step``; the
-        final hidden at each row's last token and the taps at every appended position (``TargetRows.prefill``)."""
-        check_per_row(tokens_per_row, self.row_count, "token list")
-        lengths = [len(tokens) for tokens in tokens_per_row]
-        longest = max(lengths, default=0)
-        if longest == 0:
-            return PrefillContext(None, lengths)
-        caches = self._ensure_caches()
-        ids = mx.array([list(t) + [0] * (longest - len(t)) for t in tokens_per_row], dtype=mx.uint32)
-        for cache in caches:
-            cache.prepare(right_padding=[longest - n for n in lengths])
-        last_index = mx.array([max(n - 1, 0) for n in lengths])
-        has_tokens = mx.array([n > 0 for n in lengths])[:, None, None]
-        last_hidden = mx.zeros((len(lengths), 1, self.model.hidden_size), dtype=self.model.dtype)
-        taps: dict[int, list[mx.array]] = {layer: [] for layer in tap_layers}
-        for start in range(0, longest, step):
-            chunk = ids[:, start : start + step]
-            out = self.model.forward(chunk, caches, tap_layers=tap_layers, with_logits=False)
-            local = mx.clip(last_index - start, 0, chunk.shape[1] - 1)
-            here = has_tokens & ((last_index >= start) & (last_index < start + chunk.shape[1]))[:, None, None]
-            last_hidden = mx.where(here, mx.take_along_axis(out.hidden, local[:, None, None], axis=1), last_hidden)
-            for layer in taps:
-                taps[layer].append(out.taps[layer])
-            mx.eval([a for cache in caches for a in _batch_arrays(cache)] + [last_hidden]
-                    + [parts[-1] for parts in taps.values()])
-        for cache in caches:
-            cache.finalize()
-        self._lengths = [a + b for a, b in zip(self._lengths, lengths)]
-        self.materialize()
-        return PrefillContext(last_hidden, lengths, {layer: mx.concatenate(p, axis=1) for layer, p in taps.items()})
+    def _clone(self, cache: Any) -> Any:
+        return cache.clone() if isinstance(cache, BatchQuantizedKVCache) else clone_batch_cache(cache)
 
+    def _layer_arrays(self, cache: Any) -> list[mx.array]:
+        return cache.arrays() if isinstance(cache, BatchQuantizedKVCache) else super()._layer_arrays(cache)
+
+    def _donor_kv(self, cache: Any) -> tuple[mx.array, mx.array]:
+        return cache.dequantized() if isinstance(cache, BatchQuantizedKVCache) else super()._donor_kv(cache)
+
+    # -- rounds -----------------------------------------------------------------------------------------
     def verify(self, window: Sequence[Sequence[int]], *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
         """Append an equal-length window to every row (one forward); logits/hidden for all its positions."""
-        check_per_row(window, self.row_count, "token list")
-        widths = sorted({len(tokens) for tokens in window})
-        if len(widths) != 1 or widths[0] == 0:
-            raise ValueError(f"verify windows must be non-empty and of equal length, got lengths {widths}")
+        width = check_window(window, self.row_count)
         out = self.model.forward(mx.array([list(w) for w in window], dtype=mx.uint32), self._ensure_caches(),
                                  tap_layers=tap_layers)
-        self._lengths = [n + widths[0] for n in self._lengths]
+        self._lengths = [n + width for n in self._lengths]
         return out
-
-    def rollback(self, rejected: Sequence[int]) -> None:
-        """Drop the last ``rejected[row]`` tokens of each row (they become left padding)."""
-        rejected = [int(r) for r in rejected]
-        check_per_row(rejected, self.row_count, "rollback count")
-        for row, (count, held) in enumerate(zip(rejected, self._lengths)):
-            if not 0 <= count <= held:
-                raise ValueError(f"row {row}: cannot roll back {count} of its {held} tokens")
-        if not any(rejected):
-            return
-        for cache in self._caches or ():
-            cache.prepare(right_padding=rejected)
-            cache.finalize()
-        self._lengths = [n - r for n, r in zip(self._lengths, rejected)]
 
     # -- rows in and out --------------------------------------------------------------------------------
     def extract(self, row: int) -> list:
@@ -420,61 +354,18 @@ class PhaseRows:
             return [KVCache() if quant is None else QuantizedKVCache(group_size=quant.group_size, bits=quant.bits)
                     for quant in self.quants]
         out = [cache.extract(row) for cache in self._caches]
-        mx.eval([part for cache in out for part in _single_arrays(cache)])
+        mx.eval([part for cache in out for part in single_arrays(cache)])
         return out
 
     def prepare_append(self, other: "PhaseRows") -> PreparedStateChange:
         """This group's state with ``other``'s rows appended (``other`` is only read: its caches are copied)."""
         if other.model is not self.model or other.quants != self.quants:
             raise ValueError("cannot append rows of another model or another KV layout")
-        if other.row_count == 0:
-            return PreparedStateChange(lambda: None, lambda: None)
-        theirs = [_clone(cache) for cache in other._ensure_caches()]
-        if self.row_count == 0 or self._caches is None:
-            caches = theirs
-        else:
-            caches = [_clone(cache) for cache in self._caches]
-            for mine, joining in zip(caches, theirs):
-                mine.extend(joining)
-        lengths = self._lengths + other._lengths
-
-        def put(state: tuple) -> None:
-            self._caches, self._lengths = state
-
-        return PreparedStateChange.swap(lambda: (self._caches, self._lengths), put, (caches, lengths))
-
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        """Keep only rows ``keep``, in that order; ``[]`` releases everything."""
-        keep = check_keep(keep, self.row_count)
-        if not keep:
-            self.dispose()
-            return
-        if self._caches is not None:
-            indices = mx.array(keep, dtype=mx.int32)
-            for cache in self._caches:
-                cache.filter(indices)
-        self._lengths = [self._lengths[row] for row in keep]
-
-    # -- ports for drafters -----------------------------------------------------------------------------
-    def donors(self, layer: int) -> DonorView:
-        """K/V of ``layer`` for every row (a quantized layer dequantized), with the keys each row may see."""
-        positions = mx.array(self._lengths, dtype=mx.int32)
-        cache = None if self._caches is None else self._caches[layer]
-        if cache is None or cache.keys is None or cache._idx == 0:
-            return DonorView(None, None, None, positions)
-        if isinstance(cache, BatchQuantizedKVCache):
-            keys, values = cache.dequantized()
-        else:
-            keys, values = cache.keys_and_values()
-        valid = mx.arange(cache._idx)[None, :] >= cache.left_padding[:, None]
-        return DonorView(keys, values, valid[:, None, None, :], positions)
+        return super().prepare_append(other)
 
 
-def _clone(cache: Any) -> Any:
-    return cache.clone() if isinstance(cache, BatchQuantizedKVCache) else clone_batch_cache(cache)
-
-
-def _single_arrays(cache: Any) -> list[mx.array]:
+def single_arrays(cache: Any) -> list[mx.array]:
+    """The arrays of a single-row ``KVCache`` / ``QuantizedKVCache`` (what ``mx.eval`` materializes)."""
     if cache.keys is None:
         return []
     if isinstance(cache, QuantizedKVCache):

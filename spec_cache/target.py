@@ -27,7 +27,8 @@ single-row caches and batch rows).
 ``spec_cache.quantized_batch.BatchQuantizedKVCache`` (mlx-lm has no batched quantized cache).
 
 **Recurrent layers** (hybrid targets such as ``qwen3_next``) hold an ``ArraysCache`` per layer instead of K/V;
-``TargetRows.from_row_caches`` hands such a model ``spec_cache.recurrent_rows.HybridTargetRows``, which rolls a
+``TargetRows.from_row_caches`` hands such a model ``HybridTargetRows`` (end of this file; the state operations
+are ``spec_cache.recurrent_rows``'), which rolls a
 rejected draft back by replaying the kept tokens through the recurrent mixers (recurrent state is never
 trimmable). **Cache layers**: ``num_layers`` counts the layers that hold a cache (mlx-lm's ``make_cache``; Gemma
 4's KV-shared layers hold none), ``depth`` every decoder layer; taps index decoder layers.
@@ -42,16 +43,19 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from spec_cache.batch_rows import BatchRows, DonorView, clone_batch_cache
 from spec_cache.errors import RestoreRefused
 from spec_cache.ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
+from spec_cache.recurrent_rows import clone_states, join_states, merge_states, split_state, state_content
 from spec_cache.row_caches import merge_rows, prefix_caches, rotating_snapshot, row_content, row_position
-from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
+from spec_cache.rows import PreparedStateChange, check_per_row, check_row, check_window
 
 __all__ = [
     "TargetModel",
     "ForwardOutput",
     "DonorView",
     "TargetRows",
+    "HybridTargetRows",
     "SUPPORTED_ARCHITECTURES",
     "clone_batch_cache",
     "check_kv_options",
@@ -263,71 +267,29 @@ class TargetModel:
                                      f"restored_tokens={restored}")
 
 
-@dataclass
-class DonorView:
-    """Read-only view of one target layer's K/V for every row of a group.
-
-    ``keys``/``values`` ``[B, kvHeads, T, D]`` (post-RoPE, full precision) or None when no row has any token;
-    ``valid`` ``[B, 1, 1, T]`` marks the keys each row may attend to (its real positions, within the layer's
-    window); ``positions`` ``[B]`` is each row's KV length, i.e. the position of its pending token.
-    """
-
-    keys: mx.array | None
-    values: mx.array | None
-    valid: mx.array | None
-    positions: mx.array
-
-
-def clone_batch_cache(cache: BatchKVCache) -> BatchKVCache:
-    """A BatchKVCache with its own array objects (mlx-lm mutates some of them in place, e.g. ``+=``)."""
-    clone = BatchKVCache.__new__(BatchKVCache)
-    clone.keys = None if cache.keys is None else cache.keys[...]
-    clone.values = None if cache.values is None else cache.values[...]
-    clone.offset = cache.offset[...]
-    clone.left_padding = cache.left_padding[...]
-    clone._idx = cache._idx
-    clone._right_padding = None
-    return clone
-
-
 def _clone(cache: Any) -> Any:
     """A batched cache with its own array objects (K/V: ``clone_batch_cache``; recurrent: a new list)."""
     if isinstance(cache, ArraysCache):
-        from spec_cache.recurrent_rows import clone_states
-
         return clone_states(cache)
     return clone_batch_cache(cache)
 
 
-def _cache_arrays(caches: Sequence[Any]) -> list[mx.array]:
-    arrays: list[mx.array] = []
-    for cache in caches:
-        if isinstance(cache, ArraysCache):
-            arrays += [a for a in cache.cache if a is not None]
-            continue
-        arrays += [cache.offset, cache.left_padding]
-        if cache.keys is not None:
-            arrays += [cache.keys, cache.values]
-    return arrays
-
-
-class TargetRows:
+class TargetRows(BatchRows):
     """The KV of a group of rows of one model (one ``BatchKVCache`` per layer), with per-row lengths.
 
     ``offsets[row]`` is how many tokens of that row the KV holds. Membership changes are two-phase
-    (:meth:`prepare_append`); :meth:`filter_rows` and the round operations act in place between rounds.
+    (:meth:`prepare_append`); :meth:`filter_rows` and the round operations act in place between rounds
+    (prefill, rollback, append, filter and donors are ``batch_rows.BatchRows``').
     """
 
     _holds_recurrent_state = False  # HybridTargetRows: True
+    _clone = staticmethod(_clone)
 
     def __init__(self, model: TargetModel) -> None:
         if model.recurrent_layers and not self._holds_recurrent_state:
             raise NotImplementedError("a target with recurrent layers needs HybridTargetRows "
                                       "(TargetRows.from_row_caches picks it)")
-        self.model = model
-        self._windows = model.layer_windows
-        self._caches: list[BatchKVCache] | None = None
-        self._lengths: list[int] = []
+        super().__init__(model)
 
     # -- construction -----------------------------------------------------------------------------------
     @classmethod
@@ -336,15 +298,11 @@ class TargetRows:
         sliding-window layer, an ``ArraysCache`` for a recurrent one; None for an empty row). The caller's caches
         are only read (copied into a batch). A model with recurrent layers gets ``HybridTargetRows``."""
         if model.recurrent_layers and not cls._holds_recurrent_state:
-            from spec_cache.recurrent_rows import HybridTargetRows
-
             return HybridTargetRows.from_row_caches(model, rows)
         built = cls(model)
         if not rows:
             return built
         recurrent = set(model.recurrent_layers)
-        if recurrent:
-            from spec_cache.recurrent_rows import merge_states, state_content
         lengths: list[int] = []
         contents: list[list] = [[] for _ in range(model.num_layers)]
         for row, layers in enumerate(rows):
@@ -369,76 +327,15 @@ class TargetRows:
         return built
 
     # -- state ------------------------------------------------------------------------------------------
-    @property
-    def row_count(self) -> int:
-        return len(self._lengths)
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Tokens held per row (the position of each row's pending token)."""
-        return tuple(self._lengths)
-
     def window_limits(self) -> list[int | None]:
         """The longest verify window each row may take this round (None: no limit). Full-precision rows have
         none; quantized rows stop at their conversion point (``QuantizedTargetRows``)."""
         return [None] * self.row_count
 
-    def materialize(self) -> None:
-        if self._caches:
-            mx.eval(_cache_arrays(self._caches))
-
-    def dispose(self) -> None:
-        self._caches = None
-        self._lengths = []
-
     # -- rounds -----------------------------------------------------------------------------------------
-    def prefill(
-        self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = ()
-    ) -> PrefillContext:
-        """Append each row's tokens (rows may differ in length, including zero); one forward per chunk.
-
-        Returns the final hidden at each row's last appended token (zeros where a row appended nothing) and,
-        for ``tap_layers``, the residual stream at every appended position (``[B, longest, H]``, row ``r``'s
-        tokens at ``[:lengths[r]]``).
-        """
-        lengths = self._check_rows(tokens_per_row)
-        longest = max(lengths, default=0)
-        if longest == 0:
-            return PrefillContext(None, lengths)
-        caches = self._ensure_caches()
-        ids = mx.array([list(t) + [0] * (longest - len(t)) for t in tokens_per_row], dtype=mx.uint32)
-        padding = [longest - n for n in lengths]
-        for cache in caches:
-            if isinstance(cache, ArraysCache):
-                cache.prepare(lengths=lengths)  # the recurrent state stops at each row's last token
-            else:
-                cache.prepare(right_padding=padding)
-        last_index = mx.array([max(n - 1, 0) for n in lengths])
-        has_tokens = mx.array([n > 0 for n in lengths])[:, None, None]
-        last_hidden = mx.zeros((len(lengths), 1, self.model.hidden_size), dtype=self.model.dtype)
-        taps: dict[int, list[mx.array]] = {layer: [] for layer in tap_layers}
-        for start in range(0, longest, step):
-            chunk = ids[:, start : start + step]
-            out = self.model.forward(chunk, caches, tap_layers=tap_layers, with_logits=False)
-            local = mx.clip(last_index - start, 0, chunk.shape[1] - 1)
-            here = has_tokens & ((last_index >= start) & (last_index < start + chunk.shape[1]))[:, None, None]
-            picked = mx.take_along_axis(out.hidden, local[:, None, None], axis=1)
-            last_hidden = mx.where(here, picked, last_hidden)
-            for layer in taps:
-                taps[layer].append(out.taps[layer])
-            mx.eval(_cache_arrays(caches) + [last_hidden] + [parts[-1] for parts in taps.values()])
-        for cache in caches:
-            cache.finalize()
-        self._lengths = [a + b for a, b in zip(self._lengths, lengths)]
-        self.materialize()
-        joined = {layer: mx.concatenate(parts, axis=1) for layer, parts in taps.items()}
-        return PrefillContext(last_hidden, lengths, joined)
-
     def verify(self, window: Sequence[Sequence[int]], *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
         """Append an equal-length window to every row and return logits/hidden for all its positions."""
-        lengths = self._check_rows(window)
-        if len(set(lengths)) != 1 or lengths[0] == 0:
-            raise ValueError(f"verify windows must be non-empty and of equal length, got lengths {lengths}")
+        check_window(window, self.row_count)
         return self.append_ids(mx.array([list(w) for w in window], dtype=mx.uint32), tap_layers=tap_layers)
 
     def append_ids(self, ids: mx.array, *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
@@ -465,22 +362,6 @@ class TargetRows:
             cache.trim(count)
         self._lengths = [n - count for n in self._lengths]
 
-    def rollback(self, rejected: Sequence[int]) -> None:
-        """Drop the last ``rejected[row]`` tokens of each row (exact; they become left padding)."""
-        rejected = [int(r) for r in rejected]
-        check_per_row(rejected, self.row_count, "rollback count")
-        for row, (count, held) in enumerate(zip(rejected, self._lengths)):
-            if not 0 <= count <= held:
-                raise ValueError(f"row {row}: cannot roll back {count} of its {held} tokens")
-        if not any(rejected):
-            return
-        for cache in self._caches or ():
-            if isinstance(cache, ArraysCache):
-                continue  # HybridTargetRows rolls recurrent state back by replay
-            cache.prepare(right_padding=rejected)
-            cache.finalize()
-        self._lengths = [n - r for n, r in zip(self._lengths, rejected)]
-
     # -- rows in and out --------------------------------------------------------------------------------
     def extract(self, row: int, *, rotating: bool = True) -> list:
         """Owned single-row caches holding exactly the row's tokens (``offset`` == its length): a ``KVCache``
@@ -494,8 +375,6 @@ class TargetRows:
         out = []
         for layer, (cache, window) in enumerate(zip(self._caches, self._windows)):
             if isinstance(cache, ArraysCache):
-                from spec_cache.recurrent_rows import split_state
-
                 out.append(split_state(cache, row))
                 continue
             left = int(cache.left_padding[row].item())
@@ -514,60 +393,11 @@ class TargetRows:
         mx.eval([a for arrays in held for a in arrays if a is not None])
         return out
 
-    def prepare_append(self, other: "TargetRows") -> PreparedStateChange:
-        """Build this group's state with ``other``'s rows appended (``other`` is only read)."""
-        if other.model is not self.model:
-            raise ValueError("cannot append rows of a different model")
-        if other.row_count == 0:
-            return PreparedStateChange(lambda: None, lambda: None)
-        if self.row_count == 0 or self._caches is None:
-            caches = [_clone(c) for c in other._ensure_caches()]
-        else:
-            caches = []
-            for mine, theirs in zip(self._caches, other._ensure_caches()):
-                if isinstance(mine, ArraysCache):
-                    from spec_cache.recurrent_rows import join_states
-
-                    caches.append(join_states(mine, self.row_count, theirs, other.row_count))
-                    continue
-                mine = clone_batch_cache(mine)
-                mine.extend(clone_batch_cache(theirs))
-                caches.append(mine)
-        lengths = self._lengths + other._lengths
-
-        def put(state: tuple) -> None:
-            self._caches, self._lengths = state
-
-        return PreparedStateChange.swap(lambda: (self._caches, self._lengths), put, (caches, lengths))
-
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        """Keep only rows ``keep`` in that order; ``[]`` releases everything."""
-        keep = check_keep(keep, self.row_count)
-        if not keep:
-            self.dispose()
-            return
-        if self._caches is not None:
-            indices = mx.array(keep, dtype=mx.int32)
-            for cache in self._caches:
-                cache.filter(indices)
-        self._lengths = [self._lengths[row] for row in keep]
-
-    # -- ports for drafters -----------------------------------------------------------------------------
-    def donors(self, layer: int) -> DonorView:
-        """Read-only K/V of ``layer`` for every row, with the mask of the keys each row may attend to."""
-        positions = mx.array(self._lengths, dtype=mx.int32)
-        cache = None if self._caches is None else self._caches[layer]
-        if isinstance(cache, ArraysCache):
-            raise ValueError(f"layer {layer} is recurrent: it holds no K/V to donate")
-        if cache is None or cache.keys is None or cache._idx == 0:
-            return DonorView(None, None, None, positions)
-        keys, values = cache.keys_and_values()
-        index = mx.arange(cache._idx)[None, :]
-        valid = index >= cache.left_padding[:, None]
-        window = self._windows[layer]
-        if window is not None:
-            valid = valid & (index >= cache._idx - window)
-        return DonorView(keys, values, valid[:, None, None, :], positions)
+    def _join(self, mine: Any, theirs: Any, other: BatchRows) -> Any:
+        """K/V as ``BatchRows`` joins it; a recurrent layer's states side by side (zeros where a side has none)."""
+        if isinstance(mine, ArraysCache):
+            return join_states(mine, self.row_count, theirs, other.row_count)
+        return super()._join(mine, theirs, other)
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _unpadded(self) -> bool:
@@ -581,6 +411,87 @@ class TargetRows:
             self._caches = self.model.make_caches(self.row_count)
         return self._caches
 
-    def _check_rows(self, per_row: Sequence[Sequence[int]]) -> list[int]:
-        check_per_row(per_row, self.row_count, "token list")
-        return [len(tokens) for tokens in per_row]
+
+@dataclass
+class _Replay:
+    """What the last verify forward left for a rollback: each recurrent layer's state before it and its mixer
+    inputs ``[B, width, H]``."""
+
+    before: dict
+    inputs: dict
+    width: int
+
+
+class HybridTargetRows(TargetRows):
+    """``TargetRows`` for a target with recurrent layers: verify keeps what a rollback needs to replay.
+
+    Rollback reaches only into the last verify window (the states before it are all that is kept); a rollback
+    of more tokens than that, or without a verify since the last prefill or membership change, is refused.
+    """
+
+    _holds_recurrent_state = True
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self._recurrent = model.recurrent_layers
+        self._replay: _Replay | None = None
+
+    def prefill(self, tokens_per_row, step: int = 512, *, tap_layers: Sequence[int] = ()):
+        self._replay = None
+        return super().prefill(tokens_per_row, step, tap_layers=tap_layers)
+
+    def verify(self, window: Sequence[Sequence[int]], *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
+        width = check_window(window, self.row_count)
+        caches = self._ensure_caches()
+        before = {layer: list(caches[layer].cache) for layer in self._recurrent}
+        inputs: dict = {}
+        out = self.model.forward(mx.array([list(w) for w in window], dtype=mx.uint32), caches, tap_layers=tap_layers,
+                                 recurrent_inputs=inputs)
+        self._lengths = [n + width for n in self._lengths]
+        self._replay = _Replay(before, inputs, width)
+        return out
+
+    def rollback(self, rejected: Sequence[int]) -> None:
+        """Drop the last ``rejected[row]`` tokens of each row: K/V as ``TargetRows`` does, recurrent state by
+        replaying the kept part of the last verify window from the state before it."""
+        rejected = [int(r) for r in rejected]
+        check_per_row(rejected, self.row_count, "rollback count")
+        replay = self._replay
+        if not any(rejected):
+            self._replay = None
+            return
+        if replay is None or any(r > replay.width for r in rejected):
+            width = 0 if replay is None else replay.width
+            raise ValueError(f"recurrent state is never trimmable: a rollback reaches only into the last verify "
+                             f"window ({width} tokens), asked for {rejected}")
+        super().rollback(rejected)
+        self._replay = None
+        kept = [replay.width - r for r in rejected]
+        span = max(kept)
+        changed = mx.array([r > 0 for r in rejected])
+        for layer in self._recurrent:
+            cache = self._caches[layer]
+            verified = list(cache.cache)
+            cache.cache = [mx.zeros_like(v) if b is None else b for b, v in zip(replay.before[layer], verified)]
+            if span:
+                cache.lengths = mx.array(kept)
+                try:
+                    self.model.recurrent_mixer(layer)(replay.inputs[layer][:, :span], cache.make_mask(span), cache)
+                finally:
+                    cache.lengths = None
+            cache.cache = [mx.where(changed.reshape(-1, *([1] * (v.ndim - 1))), r, v)
+                           for r, v in zip(cache.cache, verified)]
+        self.materialize()
+
+    def prepare_append(self, other: "TargetRows") -> PreparedStateChange:
+        self._replay = None
+        return super().prepare_append(other)
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        self._replay = None
+        super().filter_rows(keep)
+
+    def donors(self, layer: int) -> DonorView:
+        if self.model.layer_kind(layer) == "recurrent":
+            raise ValueError(f"layer {layer} is recurrent: it holds no K/V to donate")
+        return super().donors(layer)

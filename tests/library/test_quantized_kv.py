@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from spec_cache.apps.bench.quantized_baseline import PerRowQuantizedTargetRows
 from spec_cache.cache import SpecCache
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.generator import Generator
 from spec_cache.kv_quant import KVPlan, LayerQuant, converted_at, plan_kv, reusable
 from spec_cache.namespace import KVLayerConfig, KVOptions
-from spec_cache.quantized_rows import PerRowQuantizedTargetRows, QuantizedTargetRows
+from spec_cache.quantized_rows import QuantizedTargetRows
 from tests.runtime_fixtures import (  # noqa: F401
     CheckpointRecorder,
     _identity_memo,

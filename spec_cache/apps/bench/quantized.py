@@ -1,6 +1,6 @@
 """Batched vs per-row quantized KV: 4 rows decoded through the engine with ``kv_bits``, rows sharing one forward per
-phase (``QuantizedTargetRows``) vs one forward per row (``PerRowQuantizedTargetRows``, the previous path), tokens
-asserted identical. Also the same rows in full precision (batched ``TargetRows``) for scale.
+phase (``QuantizedTargetRows``) vs one forward per row (``quantized_baseline.PerRowQuantizedTargetRows``, the
+previous path), tokens asserted identical. Also the same rows in full precision (batched ``TargetRows``) for scale.
 
 ``quantized_batch_speedup`` is the 4-bit figure for plain decoding (depth 0: the target's forwards alone);
 ``*_drafted`` figures run the draft-model drafter at a fixed depth (its own forwards are batched either way).
@@ -20,18 +20,10 @@ import numpy as np
 
 
 def _engine_classes():
+    from spec_cache.apps.bench.quantized_baseline import per_row_engine
     from spec_cache.engine import SpeculativeEngine
-    from spec_cache.quantized_rows import PerRowQuantizedTargetRows
 
-    class PerRowEngine(SpeculativeEngine):
-        """The engine with quantized rows run one forward per row (the baseline)."""
-
-        def _rows(self, restored, conversions):
-            if self.plan is None:
-                return super()._rows(restored, conversions)
-            return PerRowQuantizedTargetRows.from_row_caches(self.target, self.plan, restored, conversions)
-
-    return SpeculativeEngine, PerRowEngine
+    return SpeculativeEngine, per_row_engine()
 
 
 def run(*, hidden: int = 512, layers: int = 4, vocab: int = 4096, prompt_tokens: int = 128, new_tokens: int = 48,
