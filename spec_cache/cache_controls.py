@@ -30,7 +30,7 @@ import numpy as np
 from spec_cache.errors import InvalidRequest
 
 __all__ = ["Pin", "Resident", "NotStored", "PinQuotaExceeded", "BadPrefixFile", "pin", "unpin", "pins",
-           "prefetch", "export_prefix", "import_prefix"]
+           "prefetch", "import_prefix"]
 
 
 class NotStored(InvalidRequest):
@@ -211,22 +211,7 @@ def _converted(caches) -> int:
         return 0
 
 
-# --- export / import -------------------------------------------------------------------------------------------
-def export_prefix(cache, ns_key: bytes, tokens: Sequence[int], *, model: str | None = None) -> tuple[bytes, int]:
-    """The longest stored prefix of ``tokens`` as the bytes of an mlx-lm prompt-cache file (``save_prompt_cache``
-    format, ``spec_cache_tokens`` metadata naming the tokens it covers) and the number of tokens it covers."""
-    from spec_cache.interop import InteropError, export_mlx_lm
-
-    with tempfile.TemporaryDirectory(prefix="spec-cache-export-") as tmp:
-        path = os.path.join(tmp, "prefix.safetensors")
-        try:
-            length = export_mlx_lm(cache, ns_key, [int(t) for t in tokens], path, model=model)
-        except InteropError as exc:
-            raise NotStored(str(exc)) from None
-        with open(path, "rb") as f:
-            return f.read(), length
-
-
+# --- import (export: spec_cache.interop.export_prefix) ---------------------------------------------------------
 def read_prefix_file(data: bytes):
     """``(caches, metadata)`` of an mlx-lm prompt-cache file given as bytes; ``BadPrefixFile`` if unreadable."""
     from mlx_lm.models.cache import load_prompt_cache

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from spec_cache.errors import InvalidRequest
-from spec_cache.generator import Result
+from spec_cache.generation import Result
 from spec_cache.store import StoreError
 from spec_cache.store.continuations import (
     MAX_BYTES,
@@ -198,7 +198,7 @@ def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0
     """``Generator.generate`` with continuations: rows resume from their stored continuation (``resume``) and
     checkpoint every ``checkpoint_every`` generated tokens (None: at the prompt boundary and the end only), each
     checkpoint followed by its continuation record. Tokens equal an uninterrupted ``generate``'s."""
-    from spec_cache.generator import check_prompts
+    from spec_cache.generation import check_prompts
     from spec_cache.sampling import RowSampling, Sampling
 
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:

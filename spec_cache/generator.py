@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.errors import InvalidRequest, ModelLoadError
+from spec_cache.generation import Result, check_prompts  # re-exported (spec_cache.Result)
 from spec_cache.identity import model_identity
 from spec_cache.kv_quant import converted_at, reusable
 from spec_cache.namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
@@ -47,23 +48,6 @@ class PreparedRow:
     def needs_save(self, tokens: Sequence[int], draft_checkpoint, drafter_namespace: str | None) -> bool:
         """Whether a checkpoint of ``tokens`` (with ``draft_checkpoint``) adds anything to what was restored."""
         return self.restored_at != (len(tokens), draft_checkpoint is not None or not drafter_namespace)
-
-
-@dataclass
-class Result:
-    """One row's outcome. ``cached_tokens``: prompt tokens restored instead of prefilled.
-
-    ``tokens`` are the generated ids as the engine emitted them: a row that ended at an end-of-sequence id keeps
-    that id as its last token (as mlx-lm's ``generate_step`` yields it; ``len(tokens)`` is what was generated).
-    ``Generator.decode(result.tokens)`` gives the text without it."""
-
-    tokens: list[int]
-    cached_tokens: int
-    drafted: int
-    accepted: int
-    ttft_s: float
-    prompt_tokens: int = 0
-    restored_drafter: bool = False
 
 
 class Generator:
@@ -330,50 +314,6 @@ def encode_prompt(tokenizer, text: str, *, chat: bool = True) -> list[int]:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
     return [int(t) for t in tokenizer.encode(text)]
-
-
-def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
-    """``prompts`` as lists of ints, or ``ValueError`` naming the prompt index and position of the first problem:
-    a string where token ids belong, a flat list (one prompt not wrapped in a list), floats, booleans, negative
-    or out-of-vocabulary ids, an empty prompt. Numpy integer ids are accepted; nothing is coerced silently."""
-    import numbers
-
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not _is_array(prompts):
-        raise InvalidRequest(f"prompts must be a list of prompts (each a list of token ids), got "
-                             f"{type(prompts).__name__}")
-    rows = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, numbers.Integral) and not isinstance(prompt, bool):
-            raise InvalidRequest(f"prompt {i} is the token id {prompt!r}, not a list: prompts is a list of prompts; "
-                                 "wrap one prompt as [[1, 2, 3]]")
-        if isinstance(prompt, (str, bytes)):
-            raise InvalidRequest(f"prompt {i} is a {type(prompt).__name__} ({_shown(prompt)}): give token ids "
-                                 "(encode text with the model's tokenizer first)")
-        if not isinstance(prompt, Sequence) and not _is_array(prompt):
-            raise InvalidRequest(f"prompt {i} is a {type(prompt).__name__}, not a list of token ids")
-        row = []
-        for j, token in enumerate(prompt):
-            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-                raise InvalidRequest(f"prompt {i}, position {j}: {_shown(token)} ({type(token).__name__}) is not a "
-                                     "token id (an int)")
-            token = int(token)
-            if not 0 <= token < vocab_size:
-                raise InvalidRequest(f"prompt {i}, position {j}: token id {token} is outside the vocabulary "
-                                     f"[0, {vocab_size})")
-            row.append(token)
-        if not row:
-            raise InvalidRequest(f"prompt {i} is empty")
-        rows.append(row)
-    return rows
-
-
-def _is_array(x) -> bool:
-    return hasattr(x, "__array__") and getattr(x, "ndim", None) is not None and hasattr(x, "__len__")
-
-
-def _shown(x) -> str:
-    text = repr(x)
-    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def _check_model_dir(path: Path, what: str) -> None:

@@ -14,10 +14,13 @@ as ``Generator.load`` does.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from spec_cache.cache import SpecCache
+from spec_cache.cache_controls import NotStored
 from spec_cache.identity import model_identity
 from spec_cache.namespace import KVOptions, check_runnable, resolve_prefix_namespace
 from spec_cache.store import InvalidInput
@@ -134,3 +137,16 @@ def _namespace_info(cache: SpecCache, ns_key: bytes):
     if info is None:
         raise InteropError("unknown namespace")
     return info
+
+
+def export_prefix(cache, ns_key: bytes, tokens: Sequence[int], *, model: str | None = None) -> tuple[bytes, int]:
+    """The longest stored prefix of ``tokens`` as the bytes of an mlx-lm prompt-cache file (``save_prompt_cache``
+    format, ``spec_cache_tokens`` metadata naming the tokens it covers) and the number of tokens it covers."""
+    with tempfile.TemporaryDirectory(prefix="spec-cache-export-") as tmp:
+        path = os.path.join(tmp, "prefix.safetensors")
+        try:
+            length = export_mlx_lm(cache, ns_key, [int(t) for t in tokens], path, model=model)
+        except InteropError as exc:
+            raise NotStored(str(exc)) from None
+        with open(path, "rb") as f:
+            return f.read(), length

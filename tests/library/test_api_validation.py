@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from spec_cache.cache import CacheWarning, SpecCache
-from spec_cache.generator import Generator, check_prompts
+from spec_cache.generation import check_prompts
+from spec_cache.generator import Generator
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 
 VOCAB = 256  # write_tiny_target's default

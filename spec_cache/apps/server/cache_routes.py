@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from spec_cache import cache_controls as controls
+from spec_cache import interop
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.protocol import APIError, parse_chat
@@ -270,7 +271,7 @@ def cache_routes(state, tokenize) -> list[Route]:
         tokens = await prefix_of(body)
         space = salted(tenant, body)
         await from_shared(space, tokens, drafter=None)  # the target's state only: what an mlx-lm file holds
-        data, length = await on_scheduler(lambda: controls.export_prefix(cache, ns_key(space), tokens,
+        data, length = await on_scheduler(lambda: interop.export_prefix(cache, ns_key(space), tokens,
                                                                          model=config.model_id))
         return Response(data, media_type="application/octet-stream", headers={
             "X-Spec-Cache-Tokens": str(length), "Content-Disposition": 'attachment; filename="prefix.safetensors"'})
