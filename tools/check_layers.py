@@ -1,18 +1,29 @@
-"""The import-layer rule: ``schemas`` <- ``store`` <- ``spec_cache``, and no MLX below the runtime.
+"""The import-layer rule: ``schemas`` <- ``store`` <- the library <- ``testing`` <- ``apps``, no import circles,
+and no MLX below the runtime.
 
 Reads every ``.py`` file of ``schemas/``, ``store/`` and ``spec_cache/`` with ``ast`` (nothing is imported) and
-checks each import statement, at module level and inside functions alike:
+checks each import statement, at module level and inside functions alike (an import inside a function is a
+dependency all the same: it only runs later, which is how circles hide):
 
 - ``schemas`` (installed as ``spec_cache.schemas``) imports nothing else of spec-cache;
 - ``store`` (``spec_cache.store``) imports only itself and ``spec_cache.schemas``, never a runtime module;
-- neither imports ``mlx`` or ``mlx_lm``;
+- the library (every other module of ``spec_cache``, ``spec_cache.drafters`` included) imports neither
+  ``spec_cache.testing`` (tiny models and their writers) nor ``spec_cache.apps`` (CLI, servers, bench, demos);
+  ``spec_cache.testing`` does not import ``spec_cache.apps``. Entry points (``spec_cache/__main__.py``, which
+  runs the CLI) sit above every floor and may import the applications;
+- neither ``schemas`` nor ``store`` imports ``mlx`` or ``mlx_lm``;
 - nothing imports the bare top-level names ``store`` or ``schemas`` (they install as ``spec_cache.*``);
+- no import circles among the modules of the three packages: module A imports B, directly or through a chain, and
+  B imports A. Every import counts (inside functions and under ``TYPE_CHECKING`` too), as a dependency on the
+  module it names (not on the packages above it, whose ``__init__`` also runs). Each strongly connected group
+  of modules is one circle, reported on one line with a shortest loop through it;
 - the inspection modules (``spec_cache``, ``identity``, ``namespace``, ``jsjson``, the CLI package and its
   inspection path) reach no ``mlx``/``mlx_lm`` through their module-level imports, followed transitively through
   spec-cache's own modules (an import inside a function runs only when called, so it is not followed).
 
 Usage: ``python tools/check_layers.py [ROOT]`` (default: this repository). Prints one line per violation,
-``path:line: message``, and exits 1 if there is any, else 0. Costs a parse of each file (well under a second).
+``path:line: message``, then a summary, ``layers: N modules, C circles, U upward imports, O other violations``,
+and exits 1 if there is any violation, else 0. Costs a parse of each file (well under a second).
 """
 
 from __future__ import annotations
@@ -114,24 +125,47 @@ def _layer(name: str) -> str:
     return next((p for p in ("spec_cache.schemas", "spec_cache.store") if _within(name, p)), "spec_cache")
 
 
+def _floor(name: str) -> str:
+    """Which floor of ``spec_cache`` a module stands on: the applications, the test fixtures or the library."""
+    return next((p for p in ("spec_cache.apps", "spec_cache.testing") if _within(name, p)), "the library")
+
+
 # layer -> the spec-cache packages it may import
 ALLOWED = {"spec_cache.schemas": ("spec_cache.schemas",),
            "spec_cache.store": ("spec_cache.store", "spec_cache.schemas")}
+# floor of spec_cache -> the floors above it, which it may not import
+FORBIDDEN = {"the library": ("spec_cache.testing", "spec_cache.apps"), "spec_cache.testing": ("spec_cache.apps",)}
+# modules above every floor: they start an application (``python -m spec_cache`` runs the CLI)
+ENTRY_POINTS = ("spec_cache.__main__",)
 
 
-def _direct_problems(module: Module) -> list[tuple[int, str]]:
-    problems = []
+def _upward(module: Module, imp: Import) -> str | None:
+    """Why ``imp`` runs up a layer or a floor, or None."""
+    layer = _layer(module.name)
+    if layer in ALLOWED:
+        if not any(_within(imp.target, p) for p in ALLOWED[layer]):
+            return f"{layer} imports {imp.target} (it may import only {' and '.join(ALLOWED[layer])})"
+        return None
+    floor = _floor(module.name)
+    above = next((p for p in FORBIDDEN.get(floor, ()) if _within(imp.target, p)), None)
+    if above and module.name not in ENTRY_POINTS:
+        return f"{module.name} imports {imp.target}: {above} stands above {floor}"
+    return None
+
+
+def _direct_problems(module: Module) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(upward imports, other violations) of ``module``, each as (line, message)."""
+    upward, other = [], []
     layer = _layer(module.name)
     for imp in module.imports:
         top = imp.target.split(".")[0]
         if top in ("store", "schemas"):
-            problems.append((imp.line, f"imports '{imp.target}': the package installs as spec_cache.{top}"))
+            other.append((imp.line, f"imports '{imp.target}': the package installs as spec_cache.{top}"))
         elif top in MLX and layer != "spec_cache":
-            problems.append((imp.line, f"{layer} imports {imp.target} (no MLX below the runtime)"))
-        elif top == "spec_cache" and layer in ALLOWED and not any(_within(imp.target, p) for p in ALLOWED[layer]):
-            problems.append((imp.line, f"{layer} imports {imp.target} (it may import only "
-                                       f"{' and '.join(ALLOWED[layer])})"))
-    return problems
+            other.append((imp.line, f"{layer} imports {imp.target} (no MLX below the runtime)"))
+        elif top == "spec_cache" and (why := _upward(module, imp)):
+            upward.append((imp.line, why))
+    return upward, other
 
 
 def _edges(module: Module, known: dict[str, Module]) -> list[tuple[str, int]]:
@@ -171,13 +205,120 @@ def mlx_chain(start: str, known: dict[str, Module]) -> list[tuple[str, int]] | N
     return None
 
 
-def check(root: Path) -> list[str]:
-    """Every violation under ``root`` as ``path:line: message`` lines (empty: the tree keeps the rule)."""
-    known = load_modules(root)
+def import_graph(known: dict[str, Module]) -> dict[str, dict[str, int]]:
+    """module -> {module it depends on: first line}, over every import (function-level and TYPE_CHECKING too).
+    The module named is the dependency (``from a.b import c``: ``a.b.c`` when that is a module, else ``a.b``), not
+    the packages above it whose ``__init__`` Python runs first: a package importing its own submodules would
+    otherwise make a circle of every package."""
+    graph: dict[str, dict[str, int]] = {name: {} for name in known}
+    for module in known.values():
+        for imp in module.imports:
+            if imp.target in known and imp.target != module.name:
+                graph[module.name].setdefault(imp.target, imp.line)
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's groups of modules that reach each other (iterative: no recursion limit), those of 2 or more."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(sorted(group))
+    return sorted(groups)
+
+
+def shortest_loop(graph: dict[str, dict[str, int]], group: list[str]) -> list[str]:
+    """The shortest loop from the group's first module back to itself, inside the group."""
+    members, start = set(group), group[0]
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for child in sorted(graph[node]):
+            if child == start:
+                loop = [node]
+                while loop[-1] != start:
+                    loop.append(parent[loop[-1]])
+                return [*reversed(loop), start]
+            if child in members and child not in parent:
+                parent[child] = node
+                queue.append(child)
+    raise AssertionError(f"{group} is not strongly connected")
+
+
+def circles(known: dict[str, Module], root: Path) -> list[str]:
+    """One ``path:line: message`` line per import circle (a strongly connected group of modules)."""
+    graph = import_graph(known)
     out = []
+    for group in strongly_connected(graph):
+        loop = shortest_loop(graph, group)
+        hops = " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(loop, loop[1:])) + f" -> {loop[0]}"
+        rest = sorted(set(group) - set(loop))
+        also = f"; also in this circle: {', '.join(rest)}" if rest else ""
+        rel = known[loop[0]].path.relative_to(root)
+        out.append(f"{rel}:{graph[loop[0]][loop[1]]}: import circle of {len(group)} modules: {hops}{also}")
+    return out
+
+
+@dataclass
+class Report:
+    modules: int
+    circles: list[str]
+    upward: list[str]
+    other: list[str]  # bare package names, MLX below the runtime or on an inspection path
+
+    @property
+    def lines(self) -> list[str]:
+        return self.circles + self.upward + self.other
+
+    @property
+    def summary(self) -> str:
+        return (f"layers: {self.modules} modules, {len(self.circles)} circles, {len(self.upward)} upward imports, "
+                f"{len(self.other)} other violations")
+
+
+def analyse(root: Path) -> Report:
+    """Every violation under ``root``, sorted by kind."""
+    known = load_modules(root)
+    upward, other = [], []
     for module in known.values():
         rel = module.path.relative_to(root)
-        out += [f"{rel}:{line}: {message}" for line, message in _direct_problems(module)]
+        up, rest = _direct_problems(module)
+        upward += [f"{rel}:{line}: {message}" for line, message in up]
+        other += [f"{rel}:{line}: {message}" for line, message in rest]
     for name in INSPECTION:
         if name not in known:
             continue
@@ -185,19 +326,23 @@ def check(root: Path) -> list[str]:
         if chain:
             hops = " -> ".join(f"{m} (line {at})" if at else m for m, at in chain)
             rel = known[name].path.relative_to(root)
-            out.append(f"{rel}:{chain[0][1]}: inspection module {name} imports MLX at module level: {hops}")
-    return out
+            other.append(f"{rel}:{chain[0][1]}: inspection module {name} imports MLX at module level: {hops}")
+    return Report(len(known), circles(known, root), upward, other)
+
+
+def check(root: Path) -> list[str]:
+    """Every violation under ``root`` as ``path:line: message`` lines (empty: the tree keeps the rule)."""
+    return analyse(root).lines
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     root = Path(argv[0] if argv else Path(__file__).resolve().parents[1])
-    problems = check(root)
-    for line in problems:
+    report = analyse(root)
+    for line in report.lines:
         print(line)
-    if problems:
-        print(f"{len(problems)} import-layer violations (see tools/check_layers.py)", file=sys.stderr)
-    return 1 if problems else 0
+    print(report.summary)
+    return 1 if report.lines else 0
 
 
 if __name__ == "__main__":

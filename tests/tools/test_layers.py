@@ -1,5 +1,6 @@
-"""The import-layer rule (tools/check_layers.py): this tree keeps it, and each kind of violation seeded into a
-small tree of the same shape is caught, whether the import sits at module level or inside a function."""
+"""The import-layer rule (tools/check_layers.py): this tree keeps it (0 circles, 0 upward imports), and each kind
+of violation seeded into a small tree of the same shape is caught, whether the import sits at module level or inside
+a function: a layer or floor importing one above it, MLX where it may not be, an import circle."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ CLEAN = {
     "spec_cache/apps/__init__.py": "",
     "spec_cache/apps/cli/__init__.py": "from . import inspect\n",
     "spec_cache/apps/cli/inspect.py": "from spec_cache.identity import load\n",
+    "spec_cache/apps/demo.py": "from spec_cache.testing.tiny import mx\nfrom spec_cache.apps.cli import inspect\n",
+    "spec_cache/testing/__init__.py": "",
+    "spec_cache/testing/tiny.py": ("from spec_cache.runtime import mx\n\n"
+                                   "def build():\n    from spec_cache import cache\n"),
+    "spec_cache/cache.py": "def load():\n    from spec_cache.runtime import mx\n    return mx\n",
+    "spec_cache/__main__.py": "from spec_cache.apps.cli import inspect\n",  # an entry point may import the apps
 }
 
 
@@ -49,6 +56,7 @@ def test_the_script_runs_on_this_tree():
     out = subprocess.run([sys.executable, str(REPO / "tools" / "check_layers.py")], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert " 0 circles, 0 upward imports, 0 other violations" in out.stdout.splitlines()[-1], out.stdout
 
 
 def test_a_clean_seeded_tree_passes(tmp_path):
@@ -72,6 +80,27 @@ SEEDED = [
     ("spec_cache/identity.py", "from .runtime import mx as loaded\n", ["spec_cache.identity", "spec_cache.runtime"]),
     ("spec_cache/apps/cli/inspect.py", "try:\n    from ...runtime import mx\nexcept ImportError:\n    pass\n",
      ["spec_cache.apps.cli.inspect", "spec_cache.runtime"]),
+    # the floors of spec_cache: the library <- testing <- apps
+    ("spec_cache/runtime.py", "from spec_cache.apps import demo\n",
+     ["spec_cache/runtime.py:3", "spec_cache.apps.demo", "above the library"]),
+    ("spec_cache/runtime.py", "def f():\n    from spec_cache.apps.cli.inspect import load\n",
+     ["spec_cache/runtime.py:4", "spec_cache.apps.cli.inspect", "above the library"]),
+    ("spec_cache/identity.py", "def g():\n    import spec_cache.testing.tiny\n",
+     ["spec_cache/identity.py:", "spec_cache.testing.tiny", "spec_cache.testing stands above the library"]),
+    ("spec_cache/testing/tiny.py", "def g():\n    from spec_cache.apps import cli\n",
+     ["spec_cache/testing/tiny.py:6", "spec_cache.apps.cli", "above spec_cache.testing"]),
+    ("store/codec.py", "def g():\n    from spec_cache.apps import demo\n",
+     ["store/codec.py:8", "spec_cache.apps.demo"]),
+    # circles: two modules importing each other inside functions (directly, through a name a package exports)
+    ("spec_cache/runtime.py", "def h():\n    from spec_cache.testing import tiny\n    return tiny\n",
+     ["import circle of 3 modules", "spec_cache.runtime", "spec_cache.testing.tiny", "spec_cache.cache"]),
+    ("spec_cache/runtime.py", "def h():\n    from . import identity\n",
+     ["spec_cache/identity.py:4", "import circle of 2 modules",
+      "spec_cache.identity (line 4) -> spec_cache.runtime (line 4) -> spec_cache.identity"]),
+    ("spec_cache/apps/cli/inspect.py", "def f():\n    from spec_cache.apps import demo\n",
+     ["import circle of 2 modules", "spec_cache.apps.cli.inspect", "spec_cache.apps.demo"]),
+    ("spec_cache/apps/cli/inspect.py", "def f():\n    from spec_cache.apps.demo import mx\n",
+     ["import circle of 2 modules", "spec_cache.apps.cli.inspect (line 3) -> spec_cache.apps.demo"]),
 ]
 
 
@@ -86,3 +115,18 @@ def test_a_seeded_violation_is_caught(tmp_path, rel, extra, words):
     out = subprocess.run([sys.executable, str(REPO / "tools" / "check_layers.py"), str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and hits[0] in out.stdout
+
+
+def test_the_summary_counts_each_circle_once(tmp_path):
+    """Two loops through the same modules are one circle (one line); an upward import is counted apart."""
+    files = dict(CLEAN)
+    files["spec_cache/runtime.py"] += "def h():\n    from spec_cache import identity, cache\n"
+    files["spec_cache/cache.py"] += "def back():\n    from spec_cache import identity\n"
+    files["spec_cache/jsjson.py"] += "def f():\n    from spec_cache.testing import tiny\n"
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "check_layers.py"), str(write_tree(tmp_path, files))],
+                         capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 1
+    assert lines[-1] == "layers: 17 modules, 1 circles, 1 upward imports, 0 other violations", out.stdout
+    assert len([line for line in lines if "import circle" in line]) == 1, out.stdout
+    assert "also in this circle" in out.stdout or "import circle of 3 modules" in out.stdout
