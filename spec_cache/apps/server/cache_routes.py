@@ -39,6 +39,7 @@ from spec_cache import cache_controls as controls
 from spec_cache import interop
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.errors import api_error
+from spec_cache.apps.server.jobs import log_request
 from spec_cache.apps.server.protocol import APIError, parse_chat
 from spec_cache.apps.server.tools import TemplateError, chat_ids
 from spec_cache.errors import SpecCacheError
@@ -59,57 +60,81 @@ CALL_TIMEOUT_S = 120.0
 def cache_routes(state, tokenize) -> list[Route]:
     """The ``/v1/cache`` routes for ``state`` (an ``app.ServerState``); ``tokenize(fn, *args)`` runs ``fn`` where
     the app runs its tokenizer calls (one at a time, off the event loop)."""
-    generator, scheduler, tokenizer, config = state.generator, state.scheduler, state.tokenizer, state.config
-    cache = generator.cache
-    max_ttl = float(getattr(config, "max_pin_ttl_s", None) or DEFAULT_MAX_PIN_TTL_S)
-    vocab = generator.engine.target.vocab_size
-    tenants = {tenant_label(t): t for t in (state.auth.check("Bearer " + k.decode("utf-8"))
-                                            for k in state.auth.keys)}
-    if cache is not None:
-        state.metrics.gauge("spec_cache_memory_tier_hits", "memory-tier lookups that found a prefix",
-                            lambda: cache.memory_stats().get("hits", 0))
-        state.metrics.gauge("spec_cache_memory_tier_misses", "memory-tier lookups that found nothing",
-                            lambda: cache.memory_stats().get("misses", 0))
-        state.metrics.gauge("spec_cache_memory_tier_pinned", "memory-tier entries pinned",
-                            lambda: cache.memory_stats().get("pinned", 0))
+    routes = _CacheRoutes(state, tokenize)
+    return [
+        routes.route("/v1/cache/pin", "cache_pin", routes.pin),
+        routes.route("/v1/cache/unpin", "cache_unpin", routes.unpin),
+        routes.route("/v1/cache/prefetch", "cache_prefetch", routes.prefetch),
+        routes.route("/v1/cache/export", "cache_export", routes.export),
+        routes.route("/v1/cache/import", "cache_import", routes.import_, raw=True),
+        routes.route("/v1/cache/pins", "cache_pins", routes.pins_route, method="GET"),
+    ]
+
+
+class _CacheRoutes:
+    """The handlers and what they share, in sections: who asks (for which namespace), the prefix a body names, the
+    body itself, the scheduler thread (which owns the cache), then the handlers and the ``route`` around each."""
+
+    def __init__(self, state, tokenize) -> None:
+        self.state, self.tokenize = state, tokenize
+        self.generator, self.scheduler, self.tokenizer = state.generator, state.scheduler, state.tokenizer
+        self.config = state.config
+        self.cache = cache = self.generator.cache
+        self.max_ttl = float(getattr(self.config, "max_pin_ttl_s", None) or DEFAULT_MAX_PIN_TTL_S)
+        self.vocab = self.generator.engine.target.vocab_size
+        self.tenants = {tenant_label(t): t for t in (state.auth.check("Bearer " + k.decode("utf-8"))
+                                                     for k in state.auth.keys)}
+        if cache is not None:
+            state.metrics.gauge("spec_cache_memory_tier_hits", "memory-tier lookups that found a prefix",
+                                lambda: cache.memory_stats().get("hits", 0))
+            state.metrics.gauge("spec_cache_memory_tier_misses", "memory-tier lookups that found nothing",
+                                lambda: cache.memory_stats().get("misses", 0))
+            state.metrics.gauge("spec_cache_memory_tier_pinned", "memory-tier entries pinned",
+                                lambda: cache.memory_stats().get("pinned", 0))
 
     # --- who asks, for which namespace -------------------------------------------------------------------
-    def caller(request: Request, body: dict) -> tuple[Any, bool]:
+    def caller(self, request: Request, body: dict) -> tuple[Any, bool]:
         """``(tenant, operator)``: the API key's tenant, or the one an operator names; 401 otherwise."""
+        auth = self.state.auth
         header = request.headers.get("authorization")
         named = body.get("tenant")
-        if state.auth.viewer(header).operator:
+        if auth.viewer(header).operator:
             if named is None or named == "open":
                 return None, True
-            if not isinstance(named, str) or named not in tenants:
+            if not isinstance(named, str) or named not in self.tenants:
                 raise APIError(400, f"unknown tenant {named!r}: give a tenant label as /v1/cache/pins or /metrics "
                                "show it (8 hex digits), or 'open'", param="tenant")
-            return tenants[named], True
-        tenant = state.auth.check(header)
+            return self.tenants[named], True
+        tenant = auth.check(header)
         if named is not None and named != tenant_label(tenant):
             raise APIError(400, "only an operator key (--operator-key) may name another tenant", param="tenant")
         return tenant, False
 
+    @staticmethod
     def salted(tenant, body: dict):
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise APIError(400, "'cache_salt' must be a string", param="cache_salt")
         return salted_tenant(tenant, salt)
 
+    def ns_key(self, tenant):
+        return self.generator.namespace_key(tenant)
+
     # --- the prefix --------------------------------------------------------------------------------------
-    def render(messages: list[dict], generation_prompt: bool, tools) -> list[int]:
+    def render(self, messages: list[dict], generation_prompt: bool, tools) -> list[int]:
         """As chat completions render the conversation (tools through ``tools.render_chat``), so a pinned or
         prefetched prefix is the one a chat request with the same messages and tools restores."""
         try:
-            return chat_ids(tokenizer, messages, tools or None, generation_prompt=generation_prompt)
+            return chat_ids(self.tokenizer, messages, tools or None, generation_prompt=generation_prompt)
         except TemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
 
-    def encode(text: str) -> list[int]:
-        return [int(t) for t in tokenizer.encode(text)]
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
 
-    async def prefix_of(body: dict, required: bool = True) -> list[int] | None:
+    async def prefix_of(self, body: dict, required: bool = True) -> list[int] | None:
         """The token ids ``body`` names by ``messages``, ``prompt`` or ``tokens`` (exactly one)."""
+        config = self.config
         given = [k for k in ("messages", "prompt", "tokens") if body.get(k) is not None]
         if len(given) != 1:
             if not given and not required:
@@ -117,24 +142,13 @@ def cache_routes(state, tokenize) -> list[Route]:
             raise APIError(400, "name the prefix by exactly one of 'messages', 'prompt' or 'tokens'",
                            param=given[1] if len(given) > 1 else "messages")
         if given[0] == "messages":
-            generation_prompt = body.get("add_generation_prompt", True)
-            if not isinstance(generation_prompt, bool):
-                raise APIError(400, "'add_generation_prompt' must be true or false", param="add_generation_prompt")
-            chat = {"model": config.model_id, "messages": body["messages"]}
-            if body.get("tools") is not None:
-                chat["tools"] = body["tools"]
-            params, messages = parse_chat(chat, (config.model_id,))  # tools checked as chat completions checks them
-            ids = await tokenize(render, messages, generation_prompt, params.tools)
+            ids = await self._rendered(body)
         elif given[0] == "prompt":
             if not isinstance(body["prompt"], str):
                 raise APIError(400, "'prompt' must be a string (token ids go in 'tokens')", param="prompt")
-            ids = await tokenize(encode, body["prompt"])
+            ids = await self.tokenize(self.encode, body["prompt"])
         else:
-            ids = body["tokens"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
-            if any(t < 0 or t >= vocab for t in ids):
-                raise APIError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
+            ids = self._token_ids(body["tokens"])
         if not ids:
             raise APIError(400, "the prefix is empty", param=given[0])
         if len(ids) > config.context_tokens:
@@ -142,9 +156,27 @@ def cache_routes(state, tokenize) -> list[Route]:
                            param=given[0], code="context_length_exceeded")
         return [int(t) for t in ids]
 
-    # --- plumbing ----------------------------------------------------------------------------------------
-    async def read_body(request: Request) -> bytes:
-        limit = config.max_body_bytes
+    async def _rendered(self, body: dict) -> list[int]:
+        generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(generation_prompt, bool):
+            raise APIError(400, "'add_generation_prompt' must be true or false", param="add_generation_prompt")
+        model_id = self.config.model_id
+        chat = {"model": model_id, "messages": body["messages"]}
+        if body.get("tools") is not None:
+            chat["tools"] = body["tools"]
+        params, messages = parse_chat(chat, (model_id,))  # tools checked as chat completions checks them
+        return await self.tokenize(self.render, messages, generation_prompt, params.tools)
+
+    def _token_ids(self, ids) -> list[int]:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+        if any(t < 0 or t >= self.vocab for t in ids):
+            raise APIError(400, f"token ids must be in 0..{self.vocab - 1}", param="tokens")
+        return ids
+
+    # --- the body ----------------------------------------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
@@ -158,8 +190,8 @@ def cache_routes(state, tokenize) -> list[Route]:
             raise APIError(499, "the client went away while sending its request") from None
         return bytes(body)
 
-    async def read_json(request: Request) -> dict:
-        raw = await read_body(request)
+    async def read_json(self, request: Request) -> dict:
+        raw = await self.read_body(request)
         try:
             body = json.loads(raw) if raw.strip() else {}
         except (ValueError, RecursionError) as exc:
@@ -168,9 +200,10 @@ def cache_routes(state, tokenize) -> list[Route]:
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         return body
 
-    async def on_scheduler(fn):
+    # --- the scheduler thread and the tiers ---------------------------------------------------------------
+    async def on_scheduler(self, fn):
         """``fn()`` on the scheduler thread; the cache's typed errors as API errors."""
-        future = scheduler.call(fn)
+        future = self.scheduler.call(fn)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -179,161 +212,156 @@ def cache_routes(state, tokenize) -> list[Route]:
         except (SpecCacheError, StoreError) as exc:  # typed: mapped in one place (errors.STATUSES)
             raise api_error(exc) from None
 
-    def ns_key(tenant):
-        return generator.namespace_key(tenant)
-
-    async def from_shared(space, tokens: list[int], drafter: Any = "generator's") -> None:
+    async def from_shared(self, space, tokens: list[int], drafter: Any = "generator's") -> None:
         """With a shared tier: fetch what it holds beyond LMDB now, on a worker thread (never the scheduler's),
         into the handoff the scheduler's restore takes it from (as a request's prefetch does)."""
+        cache, generator = self.cache, self.generator
         if cache is None or cache.shared is None:
             return
-        rule = usable(tokens)
+        rule = self.usable(tokens)
         if rule is None:
             return
-        key = await on_scheduler(lambda: ns_key(space))
+        key = await self.on_scheduler(lambda: self.ns_key(space))
         drafter = generator.drafter_namespace if drafter == "generator's" else drafter
         await anyio.to_thread.run_sync(lambda: cache.prefetch_shared(key, tokens, drafter, usable=rule))
 
-    def usable(tokens: list[int]):
-        return generator.usable_rule(len(tokens) + 1)  # what a request continuing this prefix may restore
+    def usable(self, tokens: list[int]):
+        return self.generator.usable_rule(len(tokens) + 1)  # what a request continuing this prefix may restore
 
-    def quotas() -> tuple[int | None, int | None]:
+    def quotas(self) -> tuple[int | None, int | None]:
         """(bytes one tenant may pin, bytes all pins may hold): the tenant quotas of the memory tier and the
         store, and half the memory tier (the rest stays for unpinned traffic)."""
+        cache = self.cache
         half = cache.memory.budget_bytes // 2 if cache.memory.budget_bytes else None
         store = cache.store.tenants.quota(cache.store.max_bytes)
         limits = [q for q in (cache.memory.tenant_quota, store, half) if q is not None]
         return (min(limits) if limits else None), half
 
+    @staticmethod
     def pin_body(p: controls.Pin) -> dict:
         return {"object": "cache.pin", "id": p.pin_id, "tenant": tenant_label(p.owner), "tokens": p.length,
                 "ttl_s": round(max(0.0, p.until - time.monotonic()), 3), "expires_at": round(p.expires_at, 3),
                 "bytes": p.nbytes, "tier": p.tier}
 
     # --- handlers ----------------------------------------------------------------------------------------
-    async def pin(request: Request, body: dict, tenant, operator: bool) -> Response:
+    async def pin(self, request: Request, body: dict, tenant, operator: bool) -> Response:
+        max_ttl = self.max_ttl
         ttl = body.get("ttl_s", min(DEFAULT_PIN_TTL_S, max_ttl))
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
             raise APIError(400, "'ttl_s' must be a positive number of seconds", param="ttl_s")
         if ttl > max_ttl:
             raise APIError(400, f"'ttl_s' is at most {max_ttl:g} on this server (--max-pin-ttl)", param="ttl_s",
                            code="ttl_too_long")
-        tokens = await prefix_of(body)
-        space = salted(tenant, body)
-        await from_shared(space, tokens)
+        tokens = await self.prefix_of(body)
+        space = self.salted(tenant, body)
+        await self.from_shared(space, tokens)
 
         def run():
-            rule = usable(tokens)
+            rule = self.usable(tokens)
             if rule is None:
                 raise controls.NotStored("this server restores no stored prefix (its drafter needs rows it "
                                          "does not store)")
-            per_tenant, total = quotas()
-            record = cache.pin(ns_key(space), tokens, float(ttl), owner=tenant, quota_bytes=per_tenant,
-                               total_quota_bytes=total, drafter_namespace=generator.drafter_namespace,
-                               usable=rule)
-            return {**pin_body(record), "prompt_tokens": len(tokens)}
-        return JSONResponse(await on_scheduler(run))
+            per_tenant, total = self.quotas()
+            record = self.cache.pin(self.ns_key(space), tokens, float(ttl), owner=tenant, quota_bytes=per_tenant,
+                                    total_quota_bytes=total, drafter_namespace=self.generator.drafter_namespace,
+                                    usable=rule)
+            return {**self.pin_body(record), "prompt_tokens": len(tokens)}
+        return JSONResponse(await self.on_scheduler(run))
 
-    async def unpin(request: Request, body: dict, tenant, operator: bool) -> Response:
+    async def unpin(self, request: Request, body: dict, tenant, operator: bool) -> Response:
         pid = body.get("id")
         if pid is not None and not isinstance(pid, str):
             raise APIError(400, "'id' must be a pin id (a string)", param="id")
-        tokens = await prefix_of(body, required=pid is None)
-        space = salted(tenant, body)
+        tokens = await self.prefix_of(body, required=pid is None)
+        space = self.salted(tenant, body)
 
         def run():
             target = pid
             if target is None:  # the caller's pin of the longest pinned prefix of these tokens
-                key = ns_key(space)
-                mine = [p for p in controls.pins(cache, any_owner=True)
+                key = self.ns_key(space)
+                mine = [p for p in controls.pins(self.cache, any_owner=True)
                         if p.ns_key == key and list(p.tokens) == tokens[:p.length]]
                 if not mine:
                     raise controls.NotStored("no pin of these tokens")
                 target = max(mine, key=lambda p: p.length).pin_id
-            record = cache.unpin(target, owner=tenant, any_owner=operator)
+            record = self.cache.unpin(target, owner=tenant, any_owner=operator)
             return {"object": "cache.unpin", "id": record.pin_id, "tokens": record.length, "unpinned": True}
-        return JSONResponse(await on_scheduler(run))
+        return JSONResponse(await self.on_scheduler(run))
 
-    async def prefetch(request: Request, body: dict, tenant, operator: bool) -> Response:
-        tokens = await prefix_of(body)
-        space = salted(tenant, body)
-        await from_shared(space, tokens)
+    async def prefetch(self, request: Request, body: dict, tenant, operator: bool) -> Response:
+        tokens = await self.prefix_of(body)
+        space = self.salted(tenant, body)
+        await self.from_shared(space, tokens)
 
         def run():
-            rule = usable(tokens)
-            got = controls.Resident(0, None, False) if rule is None else cache.prefetch(
-                ns_key(space), tokens, drafter_namespace=generator.drafter_namespace, usable=rule)
+            rule = self.usable(tokens)
+            got = controls.Resident(0, None, False) if rule is None else self.cache.prefetch(
+                self.ns_key(space), tokens, drafter_namespace=self.generator.drafter_namespace, usable=rule)
             return {"object": "cache.prefetch", "tokens": got.length, "prompt_tokens": len(tokens), "tier": got.tier,
                     "resident": got.resident}
-        return JSONResponse(await on_scheduler(run))
+        return JSONResponse(await self.on_scheduler(run))
 
-    async def export(request: Request, body: dict, tenant, operator: bool) -> Response:
-        tokens = await prefix_of(body)
-        space = salted(tenant, body)
-        await from_shared(space, tokens, drafter=None)  # the target's state only: what an mlx-lm file holds
-        data, length = await on_scheduler(lambda: interop.export_prefix(cache, ns_key(space), tokens,
-                                                                         model=config.model_id))
+    async def export(self, request: Request, body: dict, tenant, operator: bool) -> Response:
+        tokens = await self.prefix_of(body)
+        space = self.salted(tenant, body)
+        await self.from_shared(space, tokens, drafter=None)  # the target's state only: what an mlx-lm file holds
+        data, length = await self.on_scheduler(lambda: interop.export_prefix(self.cache, self.ns_key(space), tokens,
+                                                                              model=self.config.model_id))
         return Response(data, media_type="application/octet-stream", headers={
             "X-Spec-Cache-Tokens": str(length), "Content-Disposition": 'attachment; filename="prefix.safetensors"'})
 
-    async def import_(request: Request, body: dict, tenant, operator: bool, data: bytes) -> Response:
-        tokens = await prefix_of(body, required=False)
-        space = salted(tenant, body)
+    async def import_(self, request: Request, body: dict, tenant, operator: bool, data: bytes) -> Response:
+        tokens = await self.prefix_of(body, required=False)
+        space = self.salted(tenant, body)
+        generator = self.generator
         engine = generator.engine
 
         def run():
-            length = controls.import_prefix(cache, ns_key(space), tokens, data, engine.target,
+            length = controls.import_prefix(self.cache, self.ns_key(space), tokens, data, engine.target,
                                             target_identity=generator.target_identity,
                                             quantized=engine.plan is not None)
             return {"object": "cache.import", "tokens": length, "stored": True}
-        return JSONResponse(await on_scheduler(run))
+        return JSONResponse(await self.on_scheduler(run))
 
-    async def pins_route(request: Request, body: dict, tenant, operator: bool) -> Response:
-        listed = controls.pins(cache, owner=tenant, any_owner=operator)
-        return JSONResponse({"object": "list", "data": [pin_body(p) for p in listed]})
+    async def pins_route(self, request: Request, body: dict, tenant, operator: bool) -> Response:
+        listed = controls.pins(self.cache, owner=tenant, any_owner=operator)
+        return JSONResponse({"object": "list", "data": [self.pin_body(p) for p in listed]})
 
-    def route(path: str, name: str, handler, method: str = "POST", raw: bool = False) -> Route:
+    # --- around every handler: the body, the caller, errors, metrics, the log line --------------------------
+    def route(self, path: str, name: str, handler, method: str = "POST", raw: bool = False) -> Route:
+        metrics = self.state.metrics
+
         async def handle(request: Request) -> Response:
-            from spec_cache.apps.server.jobs import log_request
-
             started, label, known = time.perf_counter(), "-", False
             try:
-                data = b""
-                if raw and request.headers.get("content-type", "").startswith("application/octet-stream"):
-                    data, body = await read_body(request), dict(request.query_params)
-                elif method == "POST":
-                    body = await read_json(request)
-                else:
-                    body = dict(request.query_params)
-                tenant, operator = caller(request, body)
+                data, body = await self._body(request, method, raw)
+                tenant, operator = self.caller(request, body)
                 label, known = tenant_label(tenant), True
-                if cache is None:
+                if self.cache is None:
                     raise APIError(400, "this server runs without a cache (--no-cache)", code="no_cache")
                 if raw:
-                    if not data:
-                        data = _file_of(body)
-                    response = await handler(request, body, tenant, operator, data)
+                    response = await handler(request, body, tenant, operator, data or _file_of(body))
                 else:
                     response = await handler(request, body, tenant, operator)
                 status = response.status_code
             except APIError as error:
                 response, status = JSONResponse(error.body(), status_code=error.status,
                                                 headers=error.headers), error.status
-            state.metrics.requests.labels(endpoint=name, status=str(status)).inc()
+            metrics.requests.labels(endpoint=name, status=str(status)).inc()
             if known:
-                state.metrics.tenant_requests.labels(tenant=label, status=str(status)).inc()
+                metrics.tenant_requests.labels(tenant=label, status=str(status)).inc()
             log_request(f"{request.method} {request.url.path}", status, label, started)
             return response
         return Route(path, handle, methods=[method])
 
-    return [
-        route("/v1/cache/pin", "cache_pin", pin),
-        route("/v1/cache/unpin", "cache_unpin", unpin),
-        route("/v1/cache/prefetch", "cache_prefetch", prefetch),
-        route("/v1/cache/export", "cache_export", export),
-        route("/v1/cache/import", "cache_import", import_, raw=True),
-        route("/v1/cache/pins", "cache_pins", pins_route, method="GET"),
-    ]
+    async def _body(self, request: Request, method: str, raw: bool) -> tuple[bytes, dict]:
+        """``(file bytes, fields)``: an octet-stream upload (``raw`` routes) with its fields in the query string, a
+        JSON object (POST), or the query string (GET)."""
+        if raw and request.headers.get("content-type", "").startswith("application/octet-stream"):
+            return await self.read_body(request), dict(request.query_params)
+        if method == "POST":
+            return b"", await self.read_json(request)
+        return b"", dict(request.query_params)
 
 
 def _file_of(body: dict) -> bytes:
