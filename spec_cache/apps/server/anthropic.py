@@ -240,7 +240,8 @@ def _number(body: dict, name: str, low: float, high: float, low_open: bool = Fal
 def parse_messages(body: Any, models: tuple[str, ...], default_temperature: float = 0.0, *,
                    counting: bool = False) -> MessagesRequest:
     """A ``/v1/messages`` body (``counting``: a ``count_tokens`` body, no ``max_tokens``), checked; raises
-    ``APIError`` (400, 404 for an unknown model)."""
+    ``APIError`` (400, 404 for an unknown model). Checked in this order: the fields, the model, the generation
+    parameters, the tools, the system prompt, the messages and their breakpoints, a final prefill."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS)
@@ -251,6 +252,20 @@ def parse_messages(body: Any, models: tuple[str, ...], default_temperature: floa
         raise _bad("model: Field required (a string)")
     if model not in models:
         raise APIError(404, f"model: {model} (this server serves {', '.join(models)})", code="model_not_found")
+    params = _params(body, model, default_temperature, counting)
+    points: list[tuple] = []
+    tools = _tools(body, points)
+    tool_choice, parallel = _tool_choice(body, tools)
+    system_blocks = _system(body.get("system"), points)
+    checked = _messages(body, points)
+    return MessagesRequest(params=params, system=system_blocks, messages=checked, tools=tools,
+                           tool_choice=tool_choice, parallel_tools=parallel, prefill=_prefill(checked),
+                           breakpoints=points)
+
+
+def _params(body: dict, model: str, default_temperature: float, counting: bool) -> GenerationParams:
+    """``max_tokens``, stop sequences, streaming, metadata and sampling; the features this server does not offer
+    (extended thinking, structured outputs, containers, ``top_k`` when sampling) refused by name."""
     max_tokens = body.get("max_tokens")
     if not counting and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise _bad("max_tokens: Field required (an integer >= 1)")
@@ -265,6 +280,21 @@ def parse_messages(body: Any, models: tuple[str, ...], default_temperature: floa
     metadata = body.get("metadata")
     if metadata is not None and (not isinstance(metadata, dict) or not isinstance(metadata.get("user_id", ""), str)):
         raise _bad("metadata: must be an object with an optional 'user_id' string")
+    _unsupported(body)
+    temperature = _number(body, "temperature", 0.0, 1.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise _bad("top_k: must be an integer >= 1")
+        if (default_temperature if temperature is None else temperature) > 0:
+            raise _bad("top_k: not supported when sampling (temperature > 0); leave it out or use top_p")
+    return GenerationParams(model=model, max_tokens=max_tokens if not counting else None,
+                            temperature=temperature, top_p=1.0 if top_p is None else top_p, stop=list(stops),
+                            stream=stream, user=(metadata or {}).get("user_id"))
+
+
+def _unsupported(body: dict) -> None:
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
         raise _bad("thinking: extended thinking is not supported by this server (leave it out, or send "
@@ -274,32 +304,28 @@ def parse_messages(body: Any, models: tuple[str, ...], default_temperature: floa
         raise _bad("output_config.format: structured outputs are not supported by this server")
     if body.get("container") is not None:
         raise _bad("container: code-execution containers are not supported by this server")
-    temperature = _number(body, "temperature", 0.0, 1.0)
-    top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise _bad("top_k: must be an integer >= 1")
-        if (default_temperature if temperature is None else temperature) > 0:
-            raise _bad("top_k: not supported when sampling (temperature > 0); leave it out or use top_p")
-    params = GenerationParams(model=model, max_tokens=max_tokens if not counting else None,
-                              temperature=temperature, top_p=1.0 if top_p is None else top_p, stop=list(stops),
-                              stream=stream, user=(metadata or {}).get("user_id"))
-    points: list[tuple] = []
-    tools = _tools(body, points)
-    tool_choice, parallel = _tool_choice(body, tools)
-    system = body.get("system")
-    system_blocks: list[dict] = []
+
+
+def _system(system: Any, points: list) -> list[dict]:
+    """``system`` (a string or text blocks, each may carry a breakpoint) as text blocks."""
     if isinstance(system, str):
-        system_blocks = [{"type": "text", "text": system}] if system else []
-    elif isinstance(system, list):
-        for j, block in enumerate(system):
-            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise _bad(f"system[{j}]: must be a text block")
-            _cache_control(block, f"system[{j}]", ("system", j), points)
-            system_blocks.append({"type": "text", "text": block["text"]})
-    elif system is not None:
+        return [{"type": "text", "text": system}] if system else []
+    if system is None:
+        return []
+    if not isinstance(system, list):
         raise _bad("system: must be a string or a list of text blocks")
+    blocks = []
+    for j, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise _bad(f"system[{j}]: must be a text block")
+        _cache_control(block, f"system[{j}]", ("system", j), points)
+        blocks.append({"type": "text", "text": block["text"]})
+    return blocks
+
+
+def _messages(body: dict, points: list) -> list[dict]:
+    """The messages as ``{"role", "content": blocks}``, their breakpoints (and the body's automatic one, on the
+    last block) added to ``points``, at most ``MAX_BREAKPOINTS`` in all."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages: Field required (a non-empty list)")
@@ -315,18 +341,22 @@ def parse_messages(body: Any, models: tuple[str, ...], default_temperature: floa
         _cache_control(body, "cache_control", ("message", len(checked) - 1, len(last["content"]) - 1), points)
     if len(points) > MAX_BREAKPOINTS:
         raise _bad(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {len(points)}.")
-    prefill = None
-    if checked[-1]["role"] == "assistant":
-        last = checked[-1]["content"]
-        if any(b["type"] != "text" for b in last):
-            raise _bad("messages: a final assistant message (a prefill) may hold only text")
-        prefill = "".join(b["text"] for b in last)
-        if prefill != prefill.rstrip():
-            raise _bad("messages: final assistant content cannot end with trailing whitespace")
-        if len(checked) == 1:
-            raise _bad("messages: the conversation must start with a user message")
-    return MessagesRequest(params=params, system=system_blocks, messages=checked, tools=tools,
-                           tool_choice=tool_choice, parallel_tools=parallel, prefill=prefill, breakpoints=points)
+    return checked
+
+
+def _prefill(checked: list[dict]) -> str | None:
+    """A final assistant message's text (the reply continues it), or None."""
+    if checked[-1]["role"] != "assistant":
+        return None
+    last = checked[-1]["content"]
+    if any(b["type"] != "text" for b in last):
+        raise _bad("messages: a final assistant message (a prefill) may hold only text")
+    prefill = "".join(b["text"] for b in last)
+    if prefill != prefill.rstrip():
+        raise _bad("messages: final assistant content cannot end with trailing whitespace")
+    if len(checked) == 1:
+        raise _bad("messages: the conversation must start with a user message")
+    return prefill
 
 
 # -- the conversation, as the template sees it ------------------------------------------------------------------
