@@ -313,80 +313,12 @@ def seam_cost(target: Path, drafter_dir: Path | None, transcript: dict, turns: i
     (medians over turns >= 2), checkpoints written, store bytes. Greedy, so both runs see the same prompts."""
     from mlx_lm.utils import load_tokenizer
 
-    from spec_cache.apps.server.scheduler import Job, Scheduler
-    from spec_cache.apps.server.seam import message_boundaries
-    from spec_cache.apps.server.tools import render_chat
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
-    from spec_cache.sampling import RowSampling
-    from spec_cache.store import maintenance
-
     tokenizer = load_tokenizer(target)
-    tools = transcript["tools"]
     out: dict = {}
     for mode in ("seam", "no_seam"):
-        cache = SpecCache.open(work / f"cost-{mode}")
-        generator = Generator.load(target, drafter_dir, cache=cache)
-        writes = []
-        save = generator.save_checkpoint
-
-        def counted(tokens, *args, **kwargs):
-            writes.append(len(tokens))
-            return save(tokens, *args, **kwargs)
-        generator.save_checkpoint = counted
-        sched = Scheduler(generator, max_rows=4, checkpoint_every=None, eos_token_ids=tokenizer.eos_token_ids)
-        sched.start()
-        messages = [{"role": "system", "content": transcript["system"]}]
-        rows = []
-        try:
-            for number, turn in enumerate(transcript["turns"][:turns], start=1):
-                messages += [dict(m) for m in turn["append"]]
-                prompt = render_chat(tokenizer, messages, tools)
-                offsets = ()
-                if mode == "seam":
-                    offsets = tuple(message_boundaries(
-                        lambda head, gp: render_chat(tokenizer, head, tools, add_generation_prompt=gp),
-                        messages, prompt))
-                events: list = []
-                done = threading.Event()
-
-                def deliver(event, events=events, done=done):
-                    events.append((time.perf_counter(), event))
-                    if event[0] in ("done", "error"):
-                        done.set()
-                job = Job(prompt=prompt, max_tokens=max_tokens, sampling=RowSampling(), deliver=deliver,
-                          checkpoint_at=offsets)
-                sched.submit(job)
-                if not done.wait(300):
-                    raise RuntimeError("a turn did not finish")
-                first = next(t for t, e in events if e[0] == "tokens")
-                last = events[-1][0]
-                while sched.queue_depth or sched.active_rows:  # the side row, if any
-                    time.sleep(0.005)
-                idle = time.perf_counter()
-                cached = next(e[1] for _, e in events if e[0] == "start")
-                rows.append({"turn": number, "prompt_tokens": len(prompt), "cached_tokens": cached,
-                             "ttft_s": first - job.arrived, "request_s": last - job.arrived,
-                             "until_idle_s": idle - job.arrived})
-                recorded = turn["assistant"]
-                if recorded.get("tool_calls"):
-                    messages.append({"role": "assistant", "content": None, "tool_calls": recorded["tool_calls"]})
-                else:
-                    tokens = [t for _, e in events if e[0] == "tokens" for t in e[1]]
-                    messages.append({"role": "assistant", "content": generator.decode(tokens)})
-        finally:
-            sched.stop(30)
-            cache.drain(60)
-            with_store = maintenance.stats(cache.store)
-            cache.close()
-        later = [r for r in rows if r["turn"] >= 2]
-        out[mode] = {"turns": rows, "checkpoints_written": len(writes), "store_bytes": with_store["bytes"],
-                     "median_ttft_s": statistics.median(r["ttft_s"] for r in later),
-                     "median_request_s": statistics.median(r["request_s"] for r in later),
-                     "median_until_idle_s": statistics.median(r["until_idle_s"] for r in later),
-                     "cached_ratio": statistics.median(r["cached_tokens"] / r["prompt_tokens"] for r in later)}
+        out[mode] = _seam_mode(mode, target, drafter_dir, tokenizer, transcript, turns, max_tokens, work)
         if progress is not None:
-            progress(f"agentic seam cost ({mode}): {len(writes)} checkpoints, median TTFT "
+            progress(f"agentic seam cost ({mode}): {out[mode]['checkpoints_written']} checkpoints, median TTFT "
                      f"{out[mode]['median_ttft_s'] * 1e3:.1f} ms, request {out[mode]['median_request_s'] * 1e3:.1f} ms")
     on, off = out["seam"], out["no_seam"]
     out["ttft_ratio"] = on["median_ttft_s"] / off["median_ttft_s"]
@@ -395,6 +327,87 @@ def seam_cost(target: Path, drafter_dir: Path | None, transcript: dict, turns: i
     out["checkpoints_per_turn"] = (on["checkpoints_written"] - off["checkpoints_written"]) / turns
     out["store_bytes_ratio"] = on["store_bytes"] / max(1, off["store_bytes"])
     return out
+
+
+def _seam_mode(mode: str, target: Path, drafter_dir: Path | None, tokenizer, transcript: dict, turns: int,
+               max_tokens: int, work: Path) -> dict:
+    """One run of ``seam_cost`` (``mode`` "seam" or "no_seam") on a fresh store: per turn figures, checkpoints
+    written (``save_checkpoint`` counted), store bytes at the end, the medians over turns >= 2."""
+    from spec_cache.apps.server.scheduler import Scheduler
+    from spec_cache.cache import SpecCache
+    from spec_cache.generator import Generator
+    from spec_cache.store import maintenance
+
+    cache = SpecCache.open(work / f"cost-{mode}")
+    generator = Generator.load(target, drafter_dir, cache=cache)
+    writes = []
+    save = generator.save_checkpoint
+
+    def counted(tokens, *args, **kwargs):
+        writes.append(len(tokens))
+        return save(tokens, *args, **kwargs)
+    generator.save_checkpoint = counted
+    sched = Scheduler(generator, max_rows=4, checkpoint_every=None, eos_token_ids=tokenizer.eos_token_ids)
+    sched.start()
+    messages = [{"role": "system", "content": transcript["system"]}]
+    rows = []
+    try:
+        for number, turn in enumerate(transcript["turns"][:turns], start=1):
+            messages += [dict(m) for m in turn["append"]]
+            row, tokens = _seam_turn(sched, tokenizer, messages, transcript["tools"], mode == "seam", max_tokens)
+            rows.append({"turn": number, **row})
+            recorded = turn["assistant"]
+            if recorded.get("tool_calls"):
+                messages.append({"role": "assistant", "content": None, "tool_calls": recorded["tool_calls"]})
+            else:
+                messages.append({"role": "assistant", "content": generator.decode(tokens)})
+    finally:
+        sched.stop(30)
+        cache.drain(60)
+        with_store = maintenance.stats(cache.store)
+        cache.close()
+    later = [r for r in rows if r["turn"] >= 2]
+    return {"turns": rows, "checkpoints_written": len(writes), "store_bytes": with_store["bytes"],
+            "median_ttft_s": statistics.median(r["ttft_s"] for r in later),
+            "median_request_s": statistics.median(r["request_s"] for r in later),
+            "median_until_idle_s": statistics.median(r["until_idle_s"] for r in later),
+            "cached_ratio": statistics.median(r["cached_tokens"] / r["prompt_tokens"] for r in later)}
+
+
+def _seam_turn(sched, tokenizer, messages: list[dict], tools, seam: bool, max_tokens: int) -> tuple[dict, list]:
+    """One turn as a scheduler job (with the chat route's ``checkpoint_at`` when ``seam``), waited for until the
+    scheduler is idle again: its figures and the generated tokens."""
+    from spec_cache.apps.server.scheduler import Job
+    from spec_cache.apps.server.seam import message_boundaries
+    from spec_cache.apps.server.tools import render_chat
+    from spec_cache.sampling import RowSampling
+
+    prompt = render_chat(tokenizer, messages, tools)
+    offsets = ()
+    if seam:
+        offsets = tuple(message_boundaries(
+            lambda head, gp: render_chat(tokenizer, head, tools, add_generation_prompt=gp), messages, prompt))
+    events: list = []
+    done = threading.Event()
+
+    def deliver(event):
+        events.append((time.perf_counter(), event))
+        if event[0] in ("done", "error"):
+            done.set()
+    job = Job(prompt=prompt, max_tokens=max_tokens, sampling=RowSampling(), deliver=deliver, checkpoint_at=offsets)
+    sched.submit(job)
+    if not done.wait(300):
+        raise RuntimeError("a turn did not finish")
+    first = next(t for t, e in events if e[0] == "tokens")
+    last = events[-1][0]
+    while sched.queue_depth or sched.active_rows:  # the side row, if any
+        time.sleep(0.005)
+    idle = time.perf_counter()
+    cached = next(e[1] for _, e in events if e[0] == "start")
+    row = {"prompt_tokens": len(prompt), "cached_tokens": cached, "ttft_s": first - job.arrived,
+           "request_s": last - job.arrived, "until_idle_s": idle - job.arrived}
+    return row, [t for _, e in events if e[0] == "tokens" for t in e[1]]
+
 
 
 def run(turns: int = 20, max_tokens: int = 16, restart: bool = True, drafter: bool = True, progress=None,
