@@ -137,77 +137,19 @@ def kv_state(layers=16, heads=8, tokens=4096, dim=128):
 
 
 def bench_put_get(reps: int, tokens: int) -> dict:
-    import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
-    from spec_cache.cache_state import restore_concat, to_mx
-    from spec_cache.namespace import namespace_key
-    from spec_cache.store import LayerState, Store, Tensor
-    from spec_cache.store.maintenance import evict
+    """``Store.put`` / ``Store.fetch`` (into MLX, as ``SpecCache.restore`` does) of a KV state against mlx-lm's
+    ``save_prompt_cache`` (+ fsync) / ``load_prompt_cache`` (+ eval) of the same state: medians of ``reps``, GB/s,
+    the put's phases (encode, LMDB put, commit), and the device's raw rates (``_rates``)."""
+    from spec_cache.store.allocator import allocator_tuned
 
     caches, arrays = kv_state(tokens=tokens)
     nbytes = sum(k.nbytes + v.nbytes for k, v in arrays)
     work = tempfile.mkdtemp(prefix="bench-store-")
-    path = os.path.join(work, "cache.safetensors")
-    toks = list(range(tokens))
-
-    def layers():
-        return [LayerState("kv", {}, [Tensor("float16", k.shape, memoryview(k)), Tensor("float16", v.shape, memoryview(v))],
-                           token_axis=2) for k, v in arrays]
-
-    def save():
-        save_prompt_cache(path, caches)
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-
-    def load():
-        loaded = load_prompt_cache(path)
-        mx.eval([c.state for c in loaded])
-
-    store_dir = os.path.join(work, "store")
-    store = Store.open(store_dir, map_size=8 << 30)
-    fresh = iter(range(1 << 30))
-
-    phases: list[dict] = []
-
-    def put():  # a new namespace each time, so every chunk is really written
-        key = namespace_key("0" * 64, f"bench-{next(fresh)}")
-        store.register_namespace(key, target="0" * 64, prefix_namespace="bench")
-        state = layers()
-        with _PutPhases() as timer:
-            t0 = time.perf_counter()
-            store.put(key, toks, state)
-            phases.append(timer.phases(store.env, time.perf_counter() - t0))
-        return key
-
-    def get():  # what SpecCache.restore does: one copy out of the map into MLX, joined in MLX
-        r = store.fetch(ns, toks, concat=restore_concat())  # the namespace written last
-        out = [to_mx(t) for layer in r.layers for t in layer.tensors]
-        mx.eval(out)
-        assert r.length == tokens
-
-    # Steady state, as in a cache at its budget: the previous checkpoint is evicted (untimed) before each
-    # put, so LMDB reuses its pages, as the file system reuses the blocks of the file save_prompt_cache
-    # overwrites. The first put into the empty store (the file grows) is reported apart.
-    t0 = time.perf_counter()
-    ns = put()
-    t_put_growing = time.perf_counter() - t0
-    save_times, put_times = [], []
-    for _ in range(reps):
-        evict(store, namespace=ns)
-        save_times.append(median_time(save, 1))
-        t0 = time.perf_counter()
-        ns = put()
-        put_times.append(time.perf_counter() - t0)
-    t_save, t_put = statistics.median(save_times), statistics.median(put_times)
-    load(); get()
-    t_load = median_time(load, reps)
-    t_get = median_time(get, reps)
-    from spec_cache.store.allocator import allocator_tuned
-
+    bench = _PutGet(work, caches, arrays, tokens)
+    t_put_growing, t_save, t_put = bench.writes(reps)
+    t_load, t_get = bench.reads(reps)
     tuned = allocator_tuned()
-    store.close()
+    bench.store.close()
     rates = _rates(nbytes, work, reps)
     shutil.rmtree(work, ignore_errors=True)
     gb = nbytes / 1e9
@@ -217,14 +159,103 @@ def bench_put_get(reps: int, tokens: int) -> dict:
            "mlx_lm_load_s": t_load, "get_s": t_get, "restore_vs_mlx_lm_load": t_load / t_get,
            "put_GBps": gb / t_put, "get_GBps": gb / t_get, "save_GBps": gb / t_save, "load_GBps": gb / t_load,
            "malloc_thresholds_set": tuned}
-    # phases: the first put (into a growing data.mdb), then the median of each phase over the steady puts
+    out.update(_put_phases(bench.phases, gb))
+    out.update(rates)
+    return out
+
+
+class _PutGet:
+    """One KV state, its mlx-lm file and a store, and the four timed operations on them."""
+
+    def __init__(self, work: str, caches, arrays, tokens: int) -> None:
+        from spec_cache.store import Store
+
+        self.caches, self.arrays, self.tokens = caches, arrays, tokens
+        self.path = os.path.join(work, "cache.safetensors")
+        self.toks = list(range(tokens))
+        self.store = Store.open(os.path.join(work, "store"), map_size=8 << 30)
+        self.fresh = iter(range(1 << 30))
+        self.phases: list[dict] = []
+        self.ns = None
+
+    def layers(self):
+        from spec_cache.store import LayerState, Tensor
+
+        return [LayerState("kv", {}, [Tensor("float16", k.shape, memoryview(k)), Tensor("float16", v.shape, memoryview(v))],
+                           token_axis=2) for k, v in self.arrays]
+
+    def save(self) -> None:
+        from mlx_lm.models.cache import save_prompt_cache
+
+        save_prompt_cache(self.path, self.caches)
+        fd = os.open(self.path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def load(self) -> None:
+        import mlx.core as mx
+        from mlx_lm.models.cache import load_prompt_cache
+
+        loaded = load_prompt_cache(self.path)
+        mx.eval([c.state for c in loaded])
+
+    def put(self):  # a new namespace each time, so every chunk is really written
+        from spec_cache.namespace import namespace_key
+
+        key = namespace_key("0" * 64, f"bench-{next(self.fresh)}")
+        self.store.register_namespace(key, target="0" * 64, prefix_namespace="bench")
+        state = self.layers()
+        with _PutPhases() as timer:
+            t0 = time.perf_counter()
+            self.store.put(key, self.toks, state)
+            self.phases.append(timer.phases(self.store.env, time.perf_counter() - t0))
+        return key
+
+    def get(self) -> None:  # what SpecCache.restore does: one copy out of the map into MLX, joined in MLX
+        import mlx.core as mx
+
+        from spec_cache.cache_state import restore_concat, to_mx
+
+        r = self.store.fetch(self.ns, self.toks, concat=restore_concat())  # the namespace written last
+        out = [to_mx(t) for layer in r.layers for t in layer.tensors]
+        mx.eval(out)
+        assert r.length == self.tokens
+
+    def writes(self, reps: int) -> tuple[float, float, float]:
+        """(first put into the empty store, median save, median put). Steady state, as in a cache at its budget:
+        the previous checkpoint is evicted (untimed) before each put, so LMDB reuses its pages, as the file system
+        reuses the blocks of the file save_prompt_cache overwrites. The first put (the file grows) is apart."""
+        from spec_cache.store.maintenance import evict
+
+        t0 = time.perf_counter()
+        self.ns = self.put()
+        t_put_growing = time.perf_counter() - t0
+        save_times, put_times = [], []
+        for _ in range(reps):
+            evict(self.store, namespace=self.ns)
+            save_times.append(median_time(self.save, 1))
+            t0 = time.perf_counter()
+            self.ns = self.put()
+            put_times.append(time.perf_counter() - t0)
+        return t_put_growing, statistics.median(save_times), statistics.median(put_times)
+
+    def reads(self, reps: int) -> tuple[float, float]:
+        """(median load, median get), each once untimed first."""
+        self.load()
+        self.get()
+        return median_time(self.load, reps), median_time(self.get, reps)
+
+
+def _put_phases(phases: list[dict], gb: float) -> dict:
+    """The first put's phases (into a growing data.mdb), then the median of each phase over the steady puts."""
+    out: dict = {}
     for name in ("encode", "lmdb_put", "commit"):
         out[f"put_growing_{name}_s"] = phases[0][name]
         out[f"put_{name}_s"] = statistics.median(p[name] for p in phases[1:])
         out[f"put_{name}_GBps"] = gb / out[f"put_{name}_s"] if out[f"put_{name}_s"] > 0 else None
     out["put_attempts_max"] = max((p["attempts"] or 0) for p in phases)
-    out.update(rates)
     return out
+
 
 
 def bench_lookup(counts: list[int], reps: int, prompt_tokens: int = 32768) -> dict:

@@ -44,7 +44,18 @@ def _has(parser: argparse.ArgumentParser, option: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``serve`` options."""
+    """The ``serve`` options, group by group (in this order in ``--help``)."""
+    _model_options(parser)
+    _store_options(parser)
+    _listen_options(parser)
+    _decode_options(parser)
+    _request_options(parser)
+    _budget_options(parser)
+    _operator_options(parser)
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    """The model, its drafter and adapters."""
     parser.add_argument("--model", required=True, metavar="DIR", help="target model directory (mlx-lm layout, "
                         "with its tokenizer files), or a llama-family / gemma3 GGUF file (converted once under "
                         "$XDG_CACHE_HOME/spec-cache/models, as convert-gguf does)")
@@ -54,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=DRAFTER_METHODS, help="drafter method (ngram needs no --drafter)")
     parser.add_argument("--adapter", action="append", default=[], metavar="DIR",
                         help="mlx-lm LoRA adapter directory (repeat to stack)")
+
+
+def _store_options(parser: argparse.ArgumentParser) -> None:
+    """Where the store lives (``--cache`` / ``--shared`` unless the main parser has them) and the memory tier."""
     if not _has(parser, "--cache"):
         parser.add_argument("--cache", metavar="PATH",
                             help="store directory (default: $SPEC_CACHE_DIR, else ~/.cache/spec-cache/store)")
@@ -62,12 +77,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "redis+cluster://host:port[,host:port...] (default: $SPEC_CACHE_SHARED)")
     parser.add_argument("--no-cache", action="store_true", help="serve without the store")
     parser.add_argument("--memory-bytes", type=_size, metavar="N", help="memory tier size, e.g. 2G (0: off)")
+
+
+def _listen_options(parser: argparse.ArgumentParser) -> None:
+    """Where the server listens and how many requests it takes at once."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
                         "only)")
     parser.add_argument("--port", type=non_negative_int, default=8080, help="TCP port (default 8080; 0: any free port)")
     parser.add_argument("--max-rows", type=positive_int, default=8, help="rows decoded at once (default 8)")
     parser.add_argument("--max-queue", type=non_negative_int, default=64,
                         help="requests that may wait for a row; beyond it the answer is 429 (default 64)")
+
+
+def _decode_options(parser: argparse.ArgumentParser) -> None:
+    """Drafting, prefill and KV quantization."""
     parser.add_argument("--draft-depth", type=non_negative_int, default=4,
                         help="most tokens the drafter proposes per round (default 4; 0: no drafting)")
     parser.add_argument("--fixed-depth", action="store_true",
@@ -80,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-group-size", type=positive_int, help="KV quantization group size (default 64)")
     parser.add_argument("--quantized-kv-start", type=non_negative_int,
                         help="token position where KV quantization starts (default 5000 with --kv-bits)")
+
+
+def _request_options(parser: argparse.ArgumentParser) -> None:
+    """API keys and what a request gets by default or at most."""
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' (repeat for several keys; each key is its own "
                              "cache tenant); also $SPEC_CACHE_API_KEY")
@@ -91,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=positive_int, help="refuse longer prompts (400)")
     parser.add_argument("--max-body-bytes", type=_size, metavar="SIZE", help="refuse larger request bodies (413, "
                         "before anything is tokenized; default: 16 bytes per token of the model's context + 64KiB)")
+
+
+def _budget_options(parser: argparse.ArgumentParser) -> None:
+    """The store's budget, damage, tenant quotas, durability and the shared tier's lookups."""
     parser.add_argument("--max-bytes", type=_size, metavar="SIZE",
                         help="byte budget of the store (LRU eviction beyond it), e.g. 8GiB (default: what the store "
                              "holds + half the disk's free space at start, printed at start)")
@@ -113,6 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--shared-budget", type=positive_seconds, metavar="S",
                             help="total time one shared-tier lookup may take, all reads together (default 0.5)")
     add_shared_secret_options(parser)
+
+
+def _operator_options(parser: argparse.ArgumentParser) -> None:
+    """Operator keys, what usage reveals, connection limits, checkpoints, pins, warm-up, logging."""
     parser.add_argument("--operator-key", action="append", default=[], metavar="KEY",
                         help="a key for /metrics (every tenant's series and the server-wide ones) and /health's "
                              "details; also $SPEC_CACHE_OPERATOR_KEY")
@@ -175,50 +210,22 @@ def build_state(args):
     from mlx_lm.utils import load_tokenizer
 
     from spec_cache.apps.server.app import ServerConfig, ServerState
-    from spec_cache.apps.server.auth import Auth, read_keys_file
-    from spec_cache.apps.server.limits import default_store_budget
+    from spec_cache.apps.server.auth import Auth
     from spec_cache.apps.server.metrics import Metrics
     from spec_cache.apps.server.scheduler import Scheduler
-    from spec_cache.cache import SpecCache
     from spec_cache.generator import Generator
     from spec_cache.namespace import KVOptions
 
     check_args(args)
     log = logging.getLogger("spec_cache.apps.server")
     model_dir, default_id = _model_dir(args.model, log)
-    keys = list(args.api_key)
-    if os.environ.get("SPEC_CACHE_API_KEY"):
-        keys.append(os.environ["SPEC_CACHE_API_KEY"])
-    if args.api_keys_file:
-        keys += read_keys_file(args.api_keys_file)
-    operator_keys = list(args.operator_key)
-    if os.environ.get("SPEC_CACHE_OPERATOR_KEY"):
-        operator_keys.append(os.environ["SPEC_CACHE_OPERATOR_KEY"])
-    if args.operator_key_file:
-        operator_keys += read_keys_file(args.operator_key_file)
+    keys, operator_keys = _keys(args)
     try:
         kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                        quantized_kv_start=args.quantized_kv_start)
     except (TypeError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    cache = None
-    if not args.no_cache:
-        from spec_cache.apps.cli.common import default_cache_dir
-
-        path = getattr(args, "cache", None) or default_cache_dir()
-        shared = getattr(args, "shared", None) or os.environ.get("SPEC_CACHE_SHARED") or None
-        options = {} if args.memory_bytes is None else {"memory_bytes": args.memory_bytes}
-        if shared:
-            options["shared_options"] = shared_options(args)
-        max_bytes = args.max_bytes
-        if max_bytes is None:
-            max_bytes, how = default_store_budget(path)
-            log.info("spec-cache serve: store budget %s (--max-bytes default: %s)", _human(max_bytes), how)
-        else:
-            log.info("spec-cache serve: store budget %s (--max-bytes)", _human(max_bytes))
-        options.update(on_damage=args.on_damaged_store, durability=args.durability,
-                       tenant_share=args.tenant_share, tenant_quota_bytes=args.tenant_quota)
-        cache = SpecCache.open(path, max_bytes=max_bytes, shared=shared, **options)
+    cache, path = (None, None) if args.no_cache else _open_cache(args, log)
     try:
         generator = Generator.load(model_dir, args.drafter, method=args.method, cache=cache, kv=kv,
                                    adapters=args.adapter or "", draft_depth=args.draft_depth,
@@ -249,6 +256,45 @@ def build_state(args):
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
                        auth=Auth(keys, operator_keys), metrics=metrics, cache=cache,
                        store_path=None if cache is None else os.path.abspath(path))
+
+
+def _keys(args) -> tuple[list[str], list[str]]:
+    """(API keys, operator keys): the options', the environment's, the files'."""
+    from spec_cache.apps.server.auth import read_keys_file
+
+    keys = list(args.api_key)
+    if os.environ.get("SPEC_CACHE_API_KEY"):
+        keys.append(os.environ["SPEC_CACHE_API_KEY"])
+    if args.api_keys_file:
+        keys += read_keys_file(args.api_keys_file)
+    operator_keys = list(args.operator_key)
+    if os.environ.get("SPEC_CACHE_OPERATOR_KEY"):
+        operator_keys.append(os.environ["SPEC_CACHE_OPERATOR_KEY"])
+    if args.operator_key_file:
+        operator_keys += read_keys_file(args.operator_key_file)
+    return keys, operator_keys
+
+
+def _open_cache(args, log):
+    """``(SpecCache, its path)`` from the store options; the byte budget (given or derived) is logged."""
+    from spec_cache.apps.cli.common import default_cache_dir
+    from spec_cache.apps.server.limits import default_store_budget
+    from spec_cache.cache import SpecCache
+
+    path = getattr(args, "cache", None) or default_cache_dir()
+    shared = getattr(args, "shared", None) or os.environ.get("SPEC_CACHE_SHARED") or None
+    options = {} if args.memory_bytes is None else {"memory_bytes": args.memory_bytes}
+    if shared:
+        options["shared_options"] = shared_options(args)
+    max_bytes = args.max_bytes
+    if max_bytes is None:
+        max_bytes, how = default_store_budget(path)
+        log.info("spec-cache serve: store budget %s (--max-bytes default: %s)", _human(max_bytes), how)
+    else:
+        log.info("spec-cache serve: store budget %s (--max-bytes)", _human(max_bytes))
+    options.update(on_damage=args.on_damaged_store, durability=args.durability,
+                   tenant_share=args.tenant_share, tenant_quota_bytes=args.tenant_quota)
+    return SpecCache.open(path, max_bytes=max_bytes, shared=shared, **options), path
 
 
 def _warm_up(generator, mode: str, log) -> None:
