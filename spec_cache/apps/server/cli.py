@@ -1,6 +1,10 @@
 """``spec-cache serve`` / ``python -m spec_cache.apps.server``: load a target (+ drafter) bound to the cache and serve
 it over HTTP (see ``spec_cache.apps.server``).
 
+Why one file: an option and what it builds are read together (its name, default and help in one of the option
+groups, the place it lands in ``build_state`` / ``main``); building the parser imports no MLX, the rest imports it
+inside the functions that run.
+
 ``add_arguments(parser)`` adds the options (``--cache`` and ``--shared`` only when the parser does not already
 have them, so it works under the main CLI's common options); ``main(args) -> int`` runs the server until SIGINT
 / SIGTERM, then drains the rows, writes the checkpoints and closes the cache. Building the parser imports no MLX.
