@@ -84,8 +84,12 @@ class _WidthCosts:
 
     A key's first measurement is a warm-up (a new window shape compiles kernels and allocates buffers: on a GPU
     the first width-2 round costs many plain rounds): it is used only while no key has two measurements, and the
-    second measurement replaces it outright. Trusting it froze adaptive depth at 0 for good (issue 28: the
-    controller extrapolated the spike to every deeper width, so not even a probe could pay)."""
+    second measurement replaces it when lower. Trusting it froze adaptive depth at 0 for good (issue 28: the
+    controller extrapolated the spike to every deeper width, so not even a probe could pay). A spike can land on
+    the second measurement too (a loaded machine: 92 of 95 rounds at depth 0 on the copy workload, fixed depth
+    1.2x faster), so the estimate keeps the lower of the first two, and later measurements move it through the
+    moving average at most ``smoothing`` times its value upwards (a measurement counts up to twice the estimate):
+    one outlier can no longer stop drafting, while a real rise is still followed within a few rounds."""
 
     def __init__(self, smoothing: float, prior_slope: float) -> None:
         self.seconds: dict[int, float] = {}
@@ -95,7 +99,12 @@ class _WidthCosts:
 
     def observe(self, key: int, seconds: float) -> None:
         old, count = self.seconds.get(key), self.counts.get(key, 0)
-        self.seconds[key] = seconds if count <= 1 else old + self.smoothing * (seconds - old)
+        if count == 0:
+            self.seconds[key] = seconds
+        elif count == 1:
+            self.seconds[key] = min(old, seconds)  # of a warm-up and one more, the lower (a spike is never low)
+        else:
+            self.seconds[key] = old + self.smoothing * (min(seconds, 2.0 * old) - old)
         self.counts[key] = count + 1
 
     def _known(self) -> dict[int, float]:

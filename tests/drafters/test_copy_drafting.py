@@ -124,3 +124,26 @@ def test_ngram_keeps_plain_greedy_tokens_at_every_batch_size(tiny, monkeypatch, 
         assert result.tokens == plain_greedy(tiny.target, prompt, MAX)
     if not adaptive:
         assert sum(r.accepted for r in results) > 0
+
+
+def test_a_spike_on_the_second_measurement_of_a_width_does_not_freeze_the_depth_at_zero():
+    """Issue 28 on a loaded CPU (B=3 copy workload: 92 of 95 rounds at depth 0, fixed depth 1.2x faster): the
+    width-2 warm-up measured normally, then a spike on its second round; the controller extrapolated that slope
+    to every deeper width, so neither drafting nor a probe could pay again."""
+    controller = DepthController(6)
+    for _ in range(4):
+        controller.observe_round(3, 0, 0.0, 1, 1.0)
+    assert controller.choose([RowAcceptance()] * 3, [50] * 3) == 1
+    controller.observe_round(3, 1, 0.0, 2, 1.2)  # the warm-up round, nothing unusual
+    controller.observe_round(3, 1, 0.0, 2, 5.0)  # the second: other processes took the cores
+    row = RowAcceptance()
+    for _ in range(3):
+        row.observe(1, 1, controller.decay)  # the copy rows accept what they draft
+    depths = []
+    for _ in range(40):
+        depth = controller.choose([row] * 3, [50] * 3)
+        depths.append(depth)
+        controller.observe_round(3, depth, 0.0, depth + 1, 1.0 + 0.2 * depth)  # what widths really cost
+        if depth:
+            row.observe(depth, depth, controller.decay)
+    assert sum(1 for d in depths if d) >= 30 and depths[-1] >= 4, depths

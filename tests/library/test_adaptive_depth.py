@@ -41,7 +41,9 @@ def test_cost_table_interpolates_extrapolates_and_borrows_batch_sizes():
     assert table.estimate(2, 5) == pytest.approx(3.0)  # beyond: the measured slope
     assert table.estimate(4, 1) == pytest.approx(1.0)  # batch size 4 borrows size 2's table
     table.observe(2, 1, 3.0)
-    assert table.estimate(2, 1) == 3.0  # smoothing 1: the newest measurement
+    assert table.estimate(2, 1) == 1.0  # the second measurement: the lower of the two (a spike is never low)
+    table.observe(2, 1, 3.0)
+    assert table.estimate(2, 1) == 2.0  # smoothing 1: the newest measurement, counted up to twice the estimate
     with pytest.raises(ValueError):
         table.observe(0, 1, 1.0)
     with pytest.raises(ValueError):
