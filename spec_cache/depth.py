@@ -86,10 +86,12 @@ class _WidthCosts:
     the first width-2 round costs many plain rounds): it is used only while no key has two measurements, and the
     second measurement replaces it when lower. Trusting it froze adaptive depth at 0 for good (issue 28: the
     controller extrapolated the spike to every deeper width, so not even a probe could pay). A spike can land on
-    the second measurement too (a loaded machine: 92 of 95 rounds at depth 0 on the copy workload, fixed depth
-    1.2x faster), so the estimate keeps the lower of the first two, and later measurements move it through the
-    moving average at most ``smoothing`` times its value upwards (a measurement counts up to twice the estimate):
-    one outlier can no longer stop drafting, while a real rise is still followed within a few rounds."""
+    the second measurement too (on a loaded machine, most likely what kept a copy run at depth 0 for 92 of 95
+    rounds while fixed depth ran 1.2x faster; the old rule then never drafted nor probed again, see
+    tests/drafters/test_copy_drafting.py), so the estimate keeps the lower of the first two, and later
+    measurements move it through the moving average at most ``smoothing`` times its value upwards (a measurement
+    counts up to twice the estimate): one outlier can no longer stop drafting, while a real rise is still followed
+    within a few rounds."""
 
     def __init__(self, smoothing: float, prior_slope: float) -> None:
         self.seconds: dict[int, float] = {}
