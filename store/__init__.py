@@ -6,7 +6,8 @@ One checkpoint, top to bottom:
 
 * ``store.py``: ``Store``, the public API (``put``, ``lookup``, ``fetch``, ``pin``, namespaces, batched counters);
 * ``write.py``: a put's first half, the checkpoint checked, keyed (``keys.py``) and encoded (``codec.py``);
-  drafter records cut into shared, content-addressed pieces (``pieces.py``, store format 1.2);
+  drafter records cut into shared, content-addressed pieces (``pieces.py``, store format 1.2); entry tails and
+  chunks cut into shared target pieces where earlier tails wrote them (``spans.py``, store format 1.3);
 * ``index.py``: ``Index``, the one owner of nodes, entries, LRU rows and counters inside a transaction
   (``values.py``: those rows typed, and their fixed bytes on disk); ``expected_bookkeeping``, its invariants;
 * ``env.py``: the LMDB environment, its transactions and map growth;

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from . import continuations
 from .codec import CorruptRecord, check_key, decode_record
 from .errors import CorruptIndex, StoreError
-from .index import draft_key, entry_pieces, expected_bookkeeping, expected_piece_refs, set_entry_pieces
+from .index import draft_key, entry_pieces, expected_bookkeeping, expected_piece_refs, piece_owners, set_entry_pieces
 from .pieces import is_piece_row, piece_row_key
+from .spans import entry_spans, node_spans, span_keys
 from .store import Store
 from .tenants import rebuild_tenants
 from .values import TOTALS_KEY, Entry, NamespaceInfo, Node, Totals, pack
@@ -132,7 +133,7 @@ class _Rebuild:
             ok = True
             if node.depth > 0:
                 parent = rows.nodes.get(node.parent)
-                whole = key in rows.sizes["chunks"] and not node.broken
+                whole = key in rows.sizes["chunks"] and not node.broken and _pieces_there(node, rows)
                 if not whole:
                     self.report.broken_subtrees += 1
                 ok = (whole and node.parent in standing and parent.depth == node.depth - 1
@@ -149,7 +150,7 @@ class _Rebuild:
             node = rows.nodes.get(e.node)
             if (e.node in standing and key in sizes["edata"] and node.namespace == e.namespace
                     and node.depth * chunk_tokens + e.tail == e.length
-                    and (node.depth == 0 or e.tail < chunk_tokens)):
+                    and (node.depth == 0 or e.tail < chunk_tokens) and _pieces_there(e, rows)):
                 parts = {d: sizes["drafts"][draft_key(key, d)] for d in e.drafters
                          if draft_key(key, d) in sizes["drafts"]}
                 try:
@@ -173,7 +174,7 @@ class _Rebuild:
         fixed_nodes = {key: dataclasses.replace(node, chunk_bytes=rows.sizes["chunks"][key] if node.depth else 0,
                                                 broken=False)
                        for key, node in rows.nodes.items() if key in live}
-        pieces = self._pieces(rows, kept)
+        pieces = self._pieces(rows, kept, fixed_nodes)
         expected = expected_bookkeeping(fixed_nodes, kept, pieces)
         for key, node in rows.nodes.items():
             if key not in live:
@@ -207,10 +208,10 @@ class _Rebuild:
             self.txn.put(TOTALS_KEY, pack(expected.totals), db=self.dbs["meta"])
         return expected.totals
 
-    def _pieces(self, rows: IndexRows, kept: dict[bytes, Entry]) -> dict[bytes, dict]:
-        """Piece rows (format 1.2) as the kept entries name them; the others go with their records."""
-        refs = expected_piece_refs(kept)
-        owner = {k: e.namespace for e in kept.values() for ks in entry_pieces(e).values() for k in ks}
+    def _pieces(self, rows: IndexRows, kept: dict[bytes, Entry], nodes: dict[bytes, Node]) -> dict[bytes, dict]:
+        """Piece rows (formats 1.2, 1.3) as the kept entries and live nodes name them; the others go."""
+        refs = expected_piece_refs(kept, nodes)
+        owner = piece_owners(kept, nodes)
         pieces = {k: {"ns": owner[k], "refs": n, "bytes": rows.sizes["drafts"][k]} for k, n in refs.items()}
         for key, row in pieces.items():
             if rows.pieces.get(key) != row:
@@ -234,6 +235,15 @@ class _Rebuild:
                 self.drop(db, key)
                 if key not in referenced[db]:
                     self.report.orphans_removed += 1
+
+
+def _pieces_there(row, rows: IndexRows) -> bool:
+    """Every target piece (format 1.3) an entry's tail or a node's chunk names is stored (a malformed list: no)."""
+    try:
+        keys = span_keys(entry_spans(row) if isinstance(row, Entry) else node_spans(row))
+    except CorruptIndex:
+        return False
+    return all(k in rows.sizes["drafts"] for k in keys)
 
 
 def _ancestors(nodes: dict[bytes, Node], entries: dict[bytes, Entry]) -> set[bytes]:

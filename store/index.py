@@ -19,6 +19,7 @@ import msgpack
 from .errors import CorruptIndex, InvalidInput, NamespaceNotRegistered
 from .keys import lru_key
 from .pieces import PIECES_MINOR, piece_row_key
+from .spans import SPANS_MINOR, entry_spans, node_spans, span_keys
 from .values import (
     TENANT_ID_BYTES,
     TENANT_KEY_PREFIX,
@@ -34,7 +35,7 @@ from .values import (
     unpack,
 )
 
-__all__ = ["Index", "ChainWrite", "entry_pieces", "set_entry_pieces", "piece_row_ok", "Bookkeeping",
+__all__ = ["Index", "ChainWrite", "entry_pieces", "piece_owners", "set_entry_pieces", "piece_row_ok", "Bookkeeping",
            "expected_bookkeeping", "TOTALS_KEY", "decode", "draft_key",
            "now_ns", "pack", "unpack"]
 
@@ -67,6 +68,14 @@ def _pieces_or_none(entry: Entry) -> dict[str, list[bytes]]:
         return {}
 
 
+def _spans_or_none(row) -> list[bytes]:
+    """The target piece keys of an entry or node (format 1.3), ``[]`` for a damaged field (gc recounts)."""
+    try:
+        return span_keys(entry_spans(row) if isinstance(row, Entry) else node_spans(row))
+    except CorruptIndex:
+        return []
+
+
 def set_entry_pieces(entry: Entry, pcs: dict[str, list[bytes]]) -> None:
     """Record ``pcs`` in the entry row (the field is absent when no part has pieces: pre-1.2 bytes)."""
     pcs = {d: ks for d, ks in pcs.items() if ks and d in entry.drafters}
@@ -87,6 +96,11 @@ def _key32(x) -> bool:
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+def _with_spans(written) -> tuple:
+    """A ``chunk_record(k)`` result as ``(record, spans)``: a bare record is a whole chunk (no pieces)."""
+    return written if isinstance(written, tuple) else (written, [])
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,8 @@ class Index:
     6. (format 1.1) ``tenant_totals(t)`` = the sums of ``bytes``/``entries`` over the namespaces labelled ``t``,
        one ``meta`` row per labelled tenant holding something; unlabelled namespaces (the default tenant)
        have no row (``tenants.expected_tenants`` is the pure form; ``verify`` checks it, ``gc`` rebuilds it).
+    7. (formats 1.2, 1.3) a piece's ``piece/`` row counts the drafter parts, entry tails and node chunks naming
+       it; a piece at zero goes with its record (``pieces.py``, ``spans.py``).
 
     The raw accessors (``get``, ``put``, ``delete``, ``nsinfo``) read and write plain dict rows; they exist
     for fault-injection tests and tools that must write what the store never would.
@@ -302,8 +318,10 @@ class Index:
                     self.put("nodes", key, node)
                 chain_bytes += node.chunk_bytes
                 continue
+            old_spans: list[bytes] = []
             if node is not None:  # a broken chunk is rewritten in place; its references stay
                 reclaimed += node.chunk_bytes  # its old bytes are still counted in the totals
+                old_spans = _spans_or_none(node)
                 node = Node(ns, node.parent, k, node.refs, node.tails, 0, node.complete and complete,
                             max(node.minimum_reusable, minimum_reusable), signature if k == 0 else b"")
             else:
@@ -315,23 +333,29 @@ class Index:
                     self.put("nodes", chain[k - 1], parent)
             node.parent = chain[k - 1] if k else None
             if k > 0:
-                record = chunk_record(k)
+                record, spans = _with_spans(chunk_record(k))
                 self.txn.put(key, record, db=self.dbs["chunks"])
                 node.chunk_bytes = record.nbytes
                 written += record.nbytes
                 chain_bytes += record.nbytes
                 new_chunks += 1
+                if spans:  # format 1.3: the chunk names target pieces earlier tails wrote (``spans.py``)
+                    written += self.ref_pieces(ns, [s.piece for s in spans], SPANS_MINOR)
+                    node.extra["pcs"] = [s.row() for s in spans]
+                reclaimed += self.release_pieces(old_spans)
             self.put("nodes", key, node)
         if written - reclaimed:
             self._count(ns, written - reclaimed, 0)
         return ChainWrite(new_chunks, written, chain_bytes)
 
-    def add_entry(self, key: bytes, entry: Entry, record, drafter_part: tuple | None = None) -> int:
+    def add_entry(self, key: bytes, entry: Entry, record, drafter_part: tuple | None = None,
+                  spans: list | None = None) -> int:
         """Store entry ``key``: its record, optionally one drafter's record (``(drafter namespace, record)`` or
         ``(drafter namespace, record, pieces)`` with the shared pieces it refers to, format 1.2), its row and LRU
         row, a reference and tail count on ``entry.node``; counted. An entry already under ``key`` (an exact
         duplicate) is replaced: its other drafters' parts and its pin stay.
 
+        ``spans`` (format 1.3, ``spans.SpanPiece``): the target pieces the entry record's tail is cut into.
         ``entry.entry_bytes`` and ``entry.drafters`` are filled in here. Returns the bytes written.
         """
         old = self.entry(key)
@@ -346,6 +370,7 @@ class Index:
                 drafters.pop(drafter_part[0], None)
                 released = pcs.pop(drafter_part[0], [])
             freed = old.entry_bytes - sum(drafters.values())
+            released += _spans_or_none(old)
             self._count(entry.namespace, -freed, -1)
             entry.pinned = entry.pinned or old.pinned
         else:
@@ -365,6 +390,9 @@ class Index:
             if pieces:
                 written += self.ref_pieces(entry.namespace, pieces)
                 pcs[dns] = [p.key for p in pieces]
+        if spans:
+            written += self.ref_pieces(entry.namespace, [s.piece for s in spans], SPANS_MINOR)
+            entry.extra["tpc"] = [s.row() for s in spans]
         entry.drafters = drafters
         entry.entry_bytes = record.nbytes + sum(drafters.values())
         set_entry_pieces(entry, pcs)
@@ -385,7 +413,7 @@ class Index:
                                piece_row_key(key))
         return value
 
-    def ref_pieces(self, ns: bytes, pieces) -> int:
+    def ref_pieces(self, ns: bytes, pieces, minor: int = PIECES_MINOR) -> int:
         """One reference to each of ``pieces`` (``pieces.Piece``), writing those the store lacks; bytes written."""
         written = 0
         for piece in pieces:
@@ -400,7 +428,7 @@ class Index:
             row["refs"] += 1
             self.put("meta", piece_row_key(piece.key), row)
         if pieces:
-            self.mark_format_minor(PIECES_MINOR)
+            self.mark_format_minor(minor)
         return written
 
     def release_pieces(self, keys) -> int:
@@ -432,7 +460,7 @@ class Index:
         self.delete("edata", key)
         for dns in entry.drafters:
             self.delete("drafts", draft_key(key, dns))
-        pieces = [k for keys in _pieces_or_none(entry).values() for k in keys]
+        pieces = [k for keys in _pieces_or_none(entry).values() for k in keys] + _spans_or_none(entry)
         self.delete("lru", lru_key(entry.last_use, key))
         self.delete("entries", key)
         node = self.node(entry.node)
@@ -460,7 +488,7 @@ class Index:
             self.delete("nodes", key)
             if node.depth > 0:
                 self.delete("chunks", key)
-                freed += node.chunk_bytes
+                freed += node.chunk_bytes + self.release_pieces(_spans_or_none(node))
             else:
                 self._forget_signature(node.namespace, node.signature)
             key = node.parent
@@ -568,17 +596,28 @@ class Bookkeeping:
     ns_signatures: dict[bytes, list[bytes]] = field(default_factory=dict)  # namespace -> root signatures
     lru: set[bytes] = field(default_factory=set)                       # LRU rows
     totals: Totals = field(default_factory=Totals)
-    piece_refs: dict[bytes, int] = field(default_factory=dict)         # piece -> references by drafter parts
+    piece_refs: dict[bytes, int] = field(default_factory=dict)         # piece -> drafter parts, tails, chunks
 
 
-def expected_piece_refs(entries: Mapping[bytes, Entry]) -> dict[bytes, int]:
-    """How many times the drafter parts of ``entries`` name each piece (format 1.2)."""
+def expected_piece_refs(entries: Mapping[bytes, Entry], nodes: Mapping[bytes, Node] | None = None
+                        ) -> dict[bytes, int]:
+    """How many times the drafter parts of ``entries`` (format 1.2), their tails and the chunks of ``nodes``
+    (format 1.3) name each piece."""
     refs: dict[bytes, int] = {}
-    for entry in entries.values():
-        for keys in _pieces_or_none(entry).values():
-            for k in keys:
-                refs[k] = refs.get(k, 0) + 1
+    named = [k for entry in entries.values() for keys in _pieces_or_none(entry).values() for k in keys]
+    named += [k for entry in entries.values() for k in _spans_or_none(entry)]
+    named += [k for node in (nodes or {}).values() for k in _spans_or_none(node)]
+    for k in named:
+        refs[k] = refs.get(k, 0) + 1
     return refs
+
+
+def piece_owners(entries: Mapping[bytes, Entry], nodes: Mapping[bytes, Node]) -> dict[bytes, bytes]:
+    """Piece key -> the namespace of a row naming it (a piece is keyed in one namespace)."""
+    owner = {k: e.namespace for e in entries.values() for ks in _pieces_or_none(e).values() for k in ks}
+    owner.update((k, e.namespace) for e in entries.values() for k in _spans_or_none(e))
+    owner.update((k, n.namespace) for n in nodes.values() for k in _spans_or_none(n))
+    return owner
 
 
 def expected_bookkeeping(nodes: Mapping[bytes, Node], entries: Mapping[bytes, Entry],
@@ -604,7 +643,7 @@ def expected_bookkeeping(nodes: Mapping[bytes, Node], entries: Mapping[bytes, En
         out.ns_bytes[entry.namespace] = out.ns_bytes.get(entry.namespace, 0) + entry.entry_bytes
         out.ns_entries[entry.namespace] = out.ns_entries.get(entry.namespace, 0) + 1
         out.lru.add(lru_key(entry.last_use, key))
-    out.piece_refs = expected_piece_refs(entries)
+    out.piece_refs = expected_piece_refs(entries, nodes)
     for row in (pieces or {}).values():  # a shared piece counts once, toward the namespace it is keyed in
         out.ns_bytes[row["ns"]] = out.ns_bytes.get(row["ns"], 0) + row["bytes"]
     out.totals = Totals(sum(out.ns_bytes.values()), len(entries))

@@ -150,7 +150,8 @@ def tenants(store: Store) -> list[dict]:
 
 
 def count_pieces(txn, dbs) -> int:
-    """Shared drafter pieces (store format 1.2): their ``meta`` rows."""
+    """Shared pieces: their ``meta`` rows (drafter pieces, format 1.2, and target pieces, format 1.3; both sit in
+    ``drafts``; ``stats`` still calls the count ``drafter_pieces``)."""
     cursor = txn.cursor(db=dbs["meta"])
     more, n = cursor.set_range(PIECE_ROW_PREFIX), 0
     while more and is_piece_row(cursor.key()):
@@ -166,7 +167,7 @@ def stats(store: Store) -> dict:
         totals = index.totals()
         minor = max(index.format_minor(), int(store.env.meta.get("minor", 0) or 0))
         counts = {name: txn.stat(store.env.dbs[name])["entries"] for name in ("chunks", "nodes", "drafts")}
-        pieces = count_pieces(txn, store.env.dbs)  # shared drafter pieces (format 1.2) sit in ``drafts`` too
+        pieces = count_pieces(txn, store.env.dbs)  # shared pieces (formats 1.2, 1.3) sit in ``drafts`` too
     info = store.env.env.info()
     data_file = os.path.join(store.path, "data.mdb")
     ns = namespaces(store)

@@ -28,10 +28,12 @@ from spec_cache.schemas.errors import UnknownSchemaError
 from .codec import Record, check_key, copy_out, decode_record, encode_record, verify_checksum
 from .errors import CorruptRecord
 from .pieces import resolve_tensors, self_contained
+from .spans import span_segments, whole_record
 from .tensors import LayerState, Tensor, numpy_dtype
 
 __all__ = ["ASYNC_VERIFY_BYTES", "BackgroundVerifier", "Concat", "RawRecords", "verified_record", "read_layers",
-           "read_attachment", "assemble_layers", "piece_reader", "whole_draft_record"]
+           "read_attachment", "assemble_layers", "piece_reader", "whole_draft_record",
+           "whole_target_record"]
 
 log = logging.getLogger("spec_cache.store")
 ASYNC_VERIFY_BYTES = 1 << 20  # records at least this big are checksummed on a second thread during a read
@@ -85,27 +87,33 @@ class BackgroundVerifier:
 
 
 def verified_record(raw, kind: str, key: bytes, expect_tokens: np.ndarray | None = None, *,
-                    deferred: list | None = None, verifier: BackgroundVerifier | None = None) -> Record:
+                    deferred: list | None = None, verifier: BackgroundVerifier | None = None,
+                    owner: bytes | None = None) -> Record:
     """Decode the ``kind`` record ``raw`` stored under ``key`` and check it (see the module docstring).
 
     With ``verifier`` and ``deferred`` a large record's checksum is left for ``verifier.start(deferred)``.
+    ``owner``: the key a failure names instead of ``key`` (a piece's failure drops the record that names it).
     """
+    bad = key if owner is None else owner
     if raw is None:
-        raise CorruptRecord(f"{kind} record missing under an indexed key", key)
+        raise CorruptRecord(f"{kind} record missing under an indexed key", bad)
     defer = deferred is not None and verifier is not None and verifier.defers(raw)
     if defer:
-        deferred.append((kind, key, raw))
+        deferred.append((kind, bad, raw))
     try:
         rec = decode_record(raw, verify=not defer)
     except CorruptRecord as exc:
-        raise CorruptRecord(f"{kind} record: {exc}", key) from None
+        raise CorruptRecord(f"{kind} record: {exc}", bad) from None
     if rec.kind != kind:
-        raise CorruptRecord(f"{kind} record holds a {rec.kind!r} record", key)
-    check_key(rec, key, kind)  # a record names the key it was written under
+        raise CorruptRecord(f"{kind} record holds a {rec.kind!r} record", bad)
+    try:
+        check_key(rec, key, kind)  # a record names the key it was written under
+    except CorruptRecord as exc:
+        raise CorruptRecord(str(exc), bad) from None
     if expect_tokens is not None:
         stored = rec.tensors.get("tokens")
         if stored is None or stored.shape != (len(expect_tokens),) or bytes(stored.data) != expect_tokens.tobytes():
-            raise CorruptRecord(f"{kind} record holds other tokens than its key says", key)
+            raise CorruptRecord(f"{kind} record holds other tokens than its key says", bad)
     return rec
 
 
@@ -115,10 +123,15 @@ def read_layers(raw: RawRecords, *, packed: np.ndarray, length: int, chunk_token
     """The target layers of ``packed[:length]`` from the chunk records of ``chain[1:]`` and, unless ``entry`` is
     None (a chunk-boundary prefix), the entry record ``entry``. Raises ``CorruptRecord``."""
     deferred: list = []
-    chunks = []
+    chunks, segments = [], []
+
+    def get_piece(key: bytes, owner: bytes, lo: int, hi: int) -> Record:  # format 1.3 (``spans.py``)
+        return verified_record(raw("piece", key), "piece", key, packed[lo:hi], deferred=deferred, verifier=verifier,
+                               owner=owner)
     for k, key in enumerate(chain[1:], 1):
         expect = packed[(k - 1) * chunk_tokens:k * chunk_tokens]
         chunks.append(verified_record(raw("chunk", key), "chunk", key, expect, deferred=deferred, verifier=verifier))
+        segments += span_segments(chunks[-1], key, (k - 1) * chunk_tokens, chunk_tokens, get_piece)
     entry_rec = None
     if entry is None:
         bad_key = chain[-1] if len(chain) > 1 else None
@@ -136,11 +149,14 @@ def read_layers(raw: RawRecords, *, packed: np.ndarray, length: int, chunk_token
             raise CorruptRecord(f"entry record covers {meta.get('length')} tokens in chunks of "
                                 f"{meta.get('chunk_tokens')}, expected {length} in chunks of {chunk_tokens}", entry)
         table = meta.get("layers")
+        if entry_rec.meta.get("pieces") is not None:  # the tail's chunked tensors are in pieces (format 1.3)
+            segments += span_segments(entry_rec, entry, base, length - base, get_piece)
     pending = verifier.start(deferred) if verifier is not None else None
     try:
         if table is None:
             raise CorruptRecord("records carry no layer table", bad_key)
-        layers = assemble_layers(table, chunks, entry_rec, length, concat=concat)
+        layers = assemble_layers(table, segments, entry_rec, length, concat=concat,
+                                 entry_tails=entry_rec is not None and entry_rec.meta.get("pieces") is None)
     except CorruptRecord as exc:
         BackgroundVerifier.wait(pending)  # a checksum failure explains a broken table best: report that first
         raise CorruptRecord(str(exc), bad_key) from None
@@ -152,10 +168,12 @@ def read_layers(raw: RawRecords, *, packed: np.ndarray, length: int, chunk_token
 
 
 def assemble_layers(layer_table, chunks: list[Record], entry_rec: Record | None, length: int, *,
-                    concat: Concat | None = None) -> list[LayerState]:
+                    concat: Concat | None = None, entry_tails: bool = True) -> list[LayerState]:
     """Concatenate each chunked layer's pieces along its token axis (one copy out of the map, or ``concat``'s
-    result); untrimmable layers come whole from the entry record. Raises ``CorruptRecord`` (without a key)
-    when the pieces do not add up, or KeyError/TypeError/... for a table that does not fit the tensors."""
+    result); untrimmable layers come whole from the entry record. ``chunks``: the records holding the chunked
+    tensors in order (chunk records, target pieces); ``entry_tails``: the entry record holds its tail's too (it
+    does unless it is pieced). Raises ``CorruptRecord`` (without a key) when the pieces do not add up, or
+    KeyError/TypeError/... for a table that does not fit the tensors."""
     layers = []
     for i, kind, meta, axis, tensor_specs in layer_table:
         out = []
@@ -165,7 +183,7 @@ def assemble_layers(layer_table, chunks: list[Record], entry_rec: Record | None,
                 out.append(Tensor(dtype, tuple(shape), copy_out(entry_rec.tensors[name])))
                 continue
             pieces = [c.tensors[name] for c in chunks]
-            if entry_rec is not None:
+            if entry_rec is not None and entry_tails:
                 pieces.append(entry_rec.tensors[name])
             full = list(shape)
             full[axis] = sum(p.shape[axis] for p in pieces)
@@ -224,6 +242,21 @@ def read_attachment(raw, key: bytes, length: int, warnings: list[str], *, source
     warnings.append(message)
     log.warning(message)
     return None
+
+
+def whole_target_record(raw, kind: str, key: bytes, raw_piece: Callable[[bytes], Any]) -> bytes:
+    """Entry or chunk record ``raw`` as one self-contained record (the pre-1.3 layout), its target pieces copied
+    in (``spans.py``): what the shared tier publishes. A whole record comes back as it is. Raises
+    ``CorruptRecord`` naming ``key`` if it or a piece it names is damaged or missing."""
+    rec = verified_record(raw, kind, key)
+    if rec.meta.get("pieces") is None:
+        return bytes(raw)
+    tokens = rec.tensors["tokens"].array()
+
+    def get_piece(k: bytes, owner: bytes, lo: int, hi: int) -> Record:
+        return verified_record(raw_piece(k), "piece", k, tokens[lo:hi], owner=owner)
+    segments = span_segments(rec, key, 0, len(tokens), get_piece)
+    return bytes(whole_record(rec, kind, key, segments))
 
 
 def whole_draft_record(raw, key: bytes, get_piece: Callable[[bytes], Record]) -> bytes:

@@ -204,7 +204,7 @@ class Store:
         index = Index(txn, self.env.dbs)
         chain = index.extend_chain(checkpoint.ns_key, checkpoint.signature, checkpoint.chain,
                                    complete=checkpoint.complete, minimum_reusable=checkpoint.minimum_reusable,
-                                   chunk_record=checkpoint.chunk_record)
+                                   chunk_record=lambda k: checkpoint.chunk_write(index, k))
         self._check_budget(checkpoint.own_bytes + chain.chain_bytes, " (with its chunks)")
         when = now_ns()
         entry = Entry(checkpoint.ns_key, checkpoint.length, checkpoint.chain[-1],
@@ -212,7 +212,8 @@ class Store:
                       checkpoint.minimum_reusable)
         draft = ((checkpoint.drafter, checkpoint.draft_record, checkpoint.draft_pieces)
                  if checkpoint.draft_record is not None else None)
-        written = index.add_entry(checkpoint.entry_key, entry, checkpoint.entry_record, draft)
+        record, spans = checkpoint.entry_write(index)  # a tail cut into shared pieces (format 1.3, spans.py)
+        written = index.add_entry(checkpoint.entry_key, entry, record, draft, spans)
         # the writer's tenant quota, then the budget by fair share (plain LRU without tenants); refusals abort
         evicted = enforce(index, checkpoint.ns_key, checkpoint.entry_key, max_bytes=self.max_bytes,
                           policy=self.tenants, new_bytes=checkpoint.own_bytes + chain.chain_bytes,

@@ -18,6 +18,7 @@ from .codec import CorruptRecord, check_key, decode_record
 from .errors import CorruptIndex
 from .index import Bookkeeping, draft_key, entry_pieces, expected_bookkeeping, piece_row_ok
 from .pieces import PIECE_ROW_PREFIX, is_piece_row
+from .spans import entry_spans, node_spans
 from .store import Store
 from .structure import check_structure
 from .tenants import tenant_problems
@@ -266,22 +267,28 @@ def _entry_problems(rows: IndexRows, bad: Callable[[str], None]) -> None:
 
 
 def _piece_problems(rows: IndexRows, expected: Bookkeeping, bad: Callable[[str], None]) -> None:
-    """Shared pieces (format 1.2): each named piece has a row and a record, counts and sizes agree."""
+    """Shared pieces (formats 1.2, 1.3): each named piece has a row and a record, counts and sizes agree."""
     sizes = rows.sizes["drafts"]
     for key, entry in rows.entries.items():
+        for check in (entry_pieces, entry_spans):
+            try:
+                check(entry)
+            except CorruptIndex:
+                bad(f"entry {_hex(key)[:16]}: piece list is malformed")
+    for key, node in rows.nodes.items():
         try:
-            entry_pieces(entry)
+            node_spans(node)
         except CorruptIndex:
-            bad(f"entry {_hex(key)[:16]}: piece list is malformed")
+            bad(f"node {_hex(key)[:16]}: piece list is malformed")
     for key, refs in expected.piece_refs.items():
         row = rows.pieces.get(key)
         if row is None:
-            bad(f"piece {_hex(key)[:16]}: named by {refs} drafter part(s) but has no row")
+            bad(f"piece {_hex(key)[:16]}: named {refs} time(s) but has no row")
         elif row["refs"] != refs:
             bad(f"piece {_hex(key)[:16]}: {row['refs']} references recorded, {refs} found")
     for key, row in rows.pieces.items():
         if key not in expected.piece_refs:
-            bad(f"piece {_hex(key)[:16]}: no drafter part refers to it")
+            bad(f"piece {_hex(key)[:16]}: nothing refers to it")
         if sizes.get(key) is None:
             bad(f"piece {_hex(key)[:16]}: record missing")
         elif sizes[key] != row["bytes"]:

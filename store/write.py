@@ -16,6 +16,7 @@ import numpy as np
 from spec_cache.schemas import CheckpointAttachment, validate_attachment
 
 from . import keys
+from . import spans as S
 from .codec import encode_record
 from .errors import InvalidInput
 from .index import draft_key
@@ -60,6 +61,45 @@ class Checkpoint:
         """Bytes of the entry and drafter records (chunks not counted)."""
         return (self.entry_record.nbytes + (self.draft_record.nbytes if self.draft_record is not None else 0)
                 + sum(p.nbytes for p in self.draft_pieces or ()))
+
+    def piece_slices(self, lo: int, hi: int) -> list:
+        """The tensors of a target piece of tokens ``[lo, hi)`` (store format 1.3, ``spans.py``)."""
+        out = [("tokens", "uint32", self.packed[lo:hi])]
+        for i in self.chunked:
+            _, _, _, axis, specs = self.layer_table[i]
+            out += [(f"L{i}.{j}", specs[j][0], _slice(arr, axis, lo, hi)) for j, arr in enumerate(self.arrays[i])]
+        return out
+
+    def chunk_write(self, index, k: int):
+        """Chunk ``k``'s record, pieced (``(record, [SpanPiece])``) when entries hanging off its parent already
+        wrote a prefix of it as pieces (format 1.3), else whole (a record)."""
+        lo, hi = (k - 1) * self.chunk_tokens, k * self.chunk_tokens
+        prior = S.prior_spans(index, self.chain[k - 1], self.packed[lo:hi]) if S.WRITE_SPANS else []
+        if not prior:
+            return self.chunk_record(k)
+        cut = S.cut_span(self.ns_key, self.chain[k - 1], lo, hi, prior, self.piece_slices)
+        return encode_record("chunk", [("tokens", "uint32", self.packed[lo:hi])], meta={
+            "depth": k, "start": lo, "chunk_tokens": self.chunk_tokens,
+            "layers": [self.layer_table[i] for i in self.chunked], "key": self.chain[k],
+            "complete": self.complete, "pieces": [p.row() for p in cut]}), cut
+
+    def entry_write(self, index) -> tuple[np.ndarray, list]:
+        """The entry record and the target pieces its tail is cut into (format 1.3; ``[]``: a whole tail)."""
+        start, n = self.tail_start, self.length
+        if not (S.WRITE_SPANS and self.chunked and n > start):
+            return self.entry_record, []
+        prior = S.prior_spans(index, self.chain[-1], self.packed[start:])
+        cut = S.cut_span(self.ns_key, self.chain[-1], start, n, prior, self.piece_slices)
+
+        def tensors():
+            yield "tokens", "uint32", self.packed[start:]
+            for i, row in enumerate(self.layer_table):
+                if row[3] is None:
+                    for j, arr in enumerate(self.arrays[i]):
+                        yield f"L{i}.{j}", row[4][j][0], arr
+        meta = {"layers": self.layer_table, "length": n, "chunk_tokens": self.chunk_tokens,
+                "min_reusable": self.minimum_reusable, "key": self.entry_key, "pieces": [p.row() for p in cut]}
+        return encode_record("entry", tensors(), meta=meta), cut
 
     def chunk_record(self, k: int) -> np.ndarray:
         """Encode chunk ``k`` (1-based): its tokens and the chunked layers' slices of it."""

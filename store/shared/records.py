@@ -18,8 +18,9 @@ import numpy as np
 from spec_cache.schemas import CheckpointAttachment
 
 from ..codec import CHECKSUM_OFFSET, PREFIX_SIZE
+from ..errors import CorruptRecord
 from ..index import Index, draft_key
-from ..read import piece_reader, read_attachment, read_layers, verified_record, whole_draft_record
+from ..read import piece_reader, read_attachment, read_layers, verified_record, whole_draft_record, whole_target_record
 from ..store import Store
 from ..tensors import LayerState
 
@@ -72,7 +73,8 @@ def read_outgoing(store: Store, entry_key: bytes, drafters: Iterable[str]) -> Ou
         raw = txn.get(entry_key, db=store.env.dbs["edata"])
         if raw is None:
             return None
-        entry_record = bytes(raw)
+        pieces = store.env.dbs["drafts"]
+        entry_record = whole_target_record(raw, "entry", entry_key, lambda k: txn.get(k, db=pieces))  # 1.3: whole
         drafts = []
         for dns in drafters:
             if dns in entry.drafters:
@@ -97,9 +99,8 @@ def read_chunks(store: Store, keys: list[bytes]) -> dict[bytes, bytes] | None:
             raw = txn.get(key, db=store.env.dbs["chunks"])
             if raw is None:
                 return None
-            out[key] = bytes(raw)
-    for key, raw in out.items():
-        verified_record(raw, "chunk", key)
+            # pieces (format 1.3) copied in: the shared tier ships whole records; verified on the way
+            out[key] = whole_target_record(raw, "chunk", key, lambda k: txn.get(k, db=store.env.dbs["drafts"]))
     return out
 
 
@@ -111,7 +112,10 @@ def local_chunks(store: Store, keys: list[bytes]) -> dict[bytes, bytes]:
         for key in keys:
             raw = txn.get(key, db=store.env.dbs["chunks"])
             if raw is not None:
-                out[key] = bytes(raw)
+                try:  # pieces (format 1.3) copied in: ``assemble`` reads whole chunk records
+                    out[key] = whole_target_record(raw, "chunk", key, lambda k: txn.get(k, db=store.env.dbs["drafts"]))
+                except CorruptRecord:
+                    continue  # fetched from the shared tier instead
     return out
 
 

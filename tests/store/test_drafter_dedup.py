@@ -195,7 +195,7 @@ def test_golden_store_written_before_format_1_2_reads_and_mixes(tmp_path):
     tokens = conversation(3)
     store.put(NS, tokens, target_layers(tokens), drafter=(DRAFTER, standalone(tokens)))
     with store.reading() as txn:
-        assert Index(txn, store.env.dbs).format_minor() == 2
+        assert Index(txn, store.env.dbs).format_minor() == 3  # 1.2 drafter pieces, 1.3 target pieces
     assert _piece_rows(store)
     _clean(store)
     gc(store)

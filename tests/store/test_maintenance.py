@@ -87,7 +87,7 @@ def test_stats(filled, store_invariants):
     counts = store_invariants(filled)
     assert (s["entries"], s["bytes"], s["chunks"], s["namespaces"]) == (5, counts["bytes"], counts["chunks"], 3)
     assert s["drafter_parts"] == 5
-    assert s["format"] == "spec-cache-store 1.2" and s["chunk_tokens"] == 4  # 1.2: drafter parts share pieces
+    assert s["format"] == "spec-cache-store 1.3" and s["chunk_tokens"] == 4  # 1.2 drafter pieces, 1.3 target pieces
     assert s["map_size"] >= s["file_bytes"] > 0 and s["max_bytes"] is None
 
 

@@ -184,7 +184,7 @@ def _run(quick: bool, sections: list[str] | None, log) -> dict:
 
         r = write_amp.run(**cfg["write_amp"], progress=log)
         details["write_amp"] = r
-        figures["write_amplification"] = r["write_amplification"]
+        figures.update({k: v for k, v in r.items() if k.startswith("write_amplification")})  # + bytes per turn
     if "agentic" in wanted:
         log("agentic conversation: cached / prompt tokens per turn (a real server, both APIs) ...")
         from spec_cache.apps.bench import agentic

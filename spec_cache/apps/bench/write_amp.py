@@ -17,13 +17,21 @@ with large page-cache folios (Linux 6.x ext4; the 6.18 VM this was measured on) 
 folio is accounted as 2 MiB (200 random 4 KiB writes + fdatasync: ``wchar`` 0.8 MB, ``write_bytes`` 419 MB, the
 device's own sector counter 0.86 MB), so it counts how many folios a commit touches, not bytes the disk takes.
 
-``chunk_tokens`` creates the store with that chunk size first (None: the store's default, 256): a smaller chunk
-shortens every entry's tail, the part each checkpoint writes again. Linux only (``/proc``); the store lives in a
-temporary directory on the same disk as ``tempfile.gettempdir()``.
+``chunk_tokens`` creates the store with that chunk size first (None: the store's default, 256). ``whole_tails``
+writes the pre-1.3 layout (every entry's whole tail, every chunk whole: ``store/spans.py``'s ``WRITE_SPANS`` off in
+the server process), the "before" figure. Figures: ``write_amplification``, ``write_amplification_bytes_per_turn``
+(mean bytes written per turn; the list is ``bytes_written_per_turn``), ``write_amplification_records`` (store
+records / unique: what the format writes; the rest is LMDB's per-commit page cost, ~40-60 KiB a commit, which
+matters only at tiny KV sizes). Linux only (``/proc``); the store lives in a temporary directory on the same disk as
+``tempfile.gettempdir()``.
+
+``python -m spec_cache.apps.bench.write_amp [--checkpoint-every N] [--kv-heads H --head-dim D] [--chunk-tokens C]
+[--whole-tails] [--json]`` prints the bytes written per turn and the figures (``--json``: the whole result).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -74,8 +82,15 @@ def _wait_durable(base: str, timeout: float = 60) -> None:
     raise RuntimeError("checkpoints did not become durable in time")
 
 
-def _start(model: Path, store: Path, port: int, checkpoint_every: int, log) -> subprocess.Popen:
-    args = [sys.executable, "-m", "spec_cache.apps.server", "--model", str(model), "--model-id", "tiny",
+_WHOLE_TAILS = ("import runpy, sys; import spec_cache.store.spans as s; s.WRITE_SPANS = False; "
+                "sys.argv[0] = 'spec_cache.apps.server'; "
+                "runpy.run_module('spec_cache.apps.server', run_name='__main__', alter_sys=True)")
+
+
+def _start(model: Path, store: Path, port: int, checkpoint_every: int, log, whole_tails: bool = False
+           ) -> subprocess.Popen:
+    entry = ["-c", _WHOLE_TAILS] if whole_tails else ["-m", "spec_cache.apps.server"]
+    args = [sys.executable, *entry, "--model", str(model), "--model-id", "tiny",
             "--cache", str(store), "--port", str(port), "--operator-key", OPERATOR_KEY, "--api-key", OPERATOR_KEY,
             "--checkpoint-every", str(checkpoint_every), "--cached-tokens-granularity", "1", "--log-level", "warning"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -99,7 +114,7 @@ def _start(model: Path, store: Path, port: int, checkpoint_every: int, log) -> s
 
 def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoint_every: int = 64,
         layers: int = 4, kv_heads: int = 2, head_dim: int = 64, chunk_tokens: int | None = None,
-        progress=None) -> dict:
+        whole_tails: bool = False, progress=None) -> dict:
     """Play one ``turns``-turn conversation against a real server; see the module docstring."""
     from spec_cache.testing.tiny import write_tiny_target
 
@@ -117,7 +132,7 @@ def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoi
         if chunk_tokens is not None:
             Store.open(str(work / "store"), chunk_tokens=chunk_tokens).close()
         with open(work / "server.log", "wb") as log:
-            proc = _start(model, work / "store", port, checkpoint_every, log)
+            proc = _start(model, work / "store", port, checkpoint_every, log, whole_tails)
             _wait_durable(base)
             start = _written(proc.pid)
             messages = [{"role": "system", "content": " ".join(USER_WORDS[i % 12] for i in range(300))}]
@@ -153,6 +168,8 @@ def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoi
                 "cached_tokens_per_turn": cached, "checkpoint_every": checkpoint_every,
                 "write_bytes": total_accounted, "write_bytes_per_turn": accounted,
                 "write_amplification_write_bytes": total_accounted / unique,
+                "write_amplification_bytes_per_turn": total / turns,
+                "write_amplification_records": stored["bytes"] / unique, "whole_tails": whole_tails,
                 "write_amplification": total / unique}
     finally:
         if proc is not None:
@@ -161,5 +178,30 @@ def run(turns: int = 20, user_words: int = 120, reply_tokens: int = 32, checkpoi
         shutil.rmtree(work, ignore_errors=True)
 
 
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m spec_cache.apps.bench.write_amp",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--checkpoint-every", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--chunk-tokens", type=int, default=None)
+    parser.add_argument("--whole-tails", action="store_true", help="the pre-1.3 layout (the 'before' figure)")
+    parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    a = parser.parse_args(argv)
+    r = run(turns=a.turns, checkpoint_every=a.checkpoint_every, kv_heads=a.kv_heads, head_dim=a.head_dim,
+            chunk_tokens=a.chunk_tokens, whole_tails=a.whole_tails, progress=lambda line: print(line, file=sys.stderr))
+    figures = {k: v for k, v in r.items() if k.startswith("write_amplification")}
+    if a.json:
+        print(json.dumps({"figures": figures, "details": r}, indent=2))
+        return
+    for turn, nbytes in enumerate(r["bytes_written_per_turn"], 1):
+        print(f"turn {turn:2d}: {nbytes / 1024:8.0f} KiB written")
+    print(f"{r['final_tokens']} tokens x {r['kv_bytes_per_token']} KV bytes = {r['unique_kv_bytes'] / 1e6:.1f} MB "
+          f"unique; {r['bytes_written'] / 1e6:.1f} MB written ({r['store_bytes'] / 1e6:.1f} MB in records)")
+    for k, v in figures.items():
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(progress=lambda line: print(line, file=sys.stderr)), indent=2))
+    main()
