@@ -155,6 +155,7 @@ def test_the_scheduler_prefills_cold_on_restore_refused_and_on_nothing_else(tiny
             generator.prepare = shifted
             events = _run(scheduler, prompt + [7], 4)
             assert events.items[-1][0] == "done", events.items
+            assert events.items[0] == ("start", 0), events.items  # nothing was restored: none reported cached
             assert [t for e in events.items if e[0] == "tokens" for t in e[1]] == want
 
             def broken(sequence, budget, **options):  # a restored request with a plain bug: not a refusal

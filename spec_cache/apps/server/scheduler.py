@@ -443,6 +443,8 @@ class Scheduler:
             job.phase_end = self._phase_end(job) if job.side else None  # a side row stays one (its placeholder)
             job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
             job.prepared.request.stop_at_eos = job.stop_at_eos
+            if not job.started:  # "start" reports what was restored: nothing now (a replay was reported already)
+                job.cached_tokens = 0
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
         if job.admitted_at is None:
