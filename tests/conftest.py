@@ -2,20 +2,22 @@
 
 ``redis``, ``real_model`` and ``server`` are put on each test from what it uses (tests/markers.py says how), so
 ``pytest -m "not redis and not real_model"`` needs no mark written by hand; ``server`` and ``real_model`` tests are
-``slow`` too, and the other slow ones carry ``slow`` on the test.
+``slow`` too, and the other slow ones are named in tests/slow_tests.txt.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.markers import markers_for
+from tests.markers import is_listed, listed_slow, markers_for
 from tests.redis_servers import ThrowawayServer, server_binaries
 
 
 def pytest_collection_modifyitems(items):
+    slow = listed_slow()
     for item in items:
-        for name in sorted(markers_for(item)):
+        names = set(markers_for(item)) | ({"slow"} if is_listed(item.nodeid, slow) else set())
+        for name in sorted(names):
             item.add_marker(name)
 
 

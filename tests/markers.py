@@ -10,13 +10,15 @@ through module globals, nested functions included):
 
 A test that reaches one of these another way (a subprocess of its own) carries the mark itself. ``server`` and
 ``real_model`` tests are also ``slow`` (a server process or a real model costs seconds before the first assertion),
-so a new one never lengthens the fast subset (``-m "not slow"``); other slow tests carry ``slow`` by hand.
+so a new one never lengthens the fast subset (``-m "not slow"``); the other slow tests are named, by file or by test
+function, in ``tests/slow_tests.txt`` (measured, so kept in one list rather than on each test).
 """
 
 from __future__ import annotations
 
 import inspect
 import types
+from pathlib import Path
 
 #: name in compiled code -> the marker it earns
 EARNS = {
@@ -29,6 +31,7 @@ EARNS = {
 #: what a marker brings with it
 IMPLIES = {"server": "slow", "real_model": "slow"}
 AUTOMATIC = frozenset(EARNS.values()) | frozenset(IMPLIES.values())
+SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
 
 _DONE: dict[types.CodeType, frozenset[str]] = {}
 _BUSY: set[types.CodeType] = set()  # being scanned: a helper that calls itself back earns nothing more
@@ -81,3 +84,15 @@ def markers_for(item) -> frozenset[str]:
         for fixture in defs:
             found |= earned(fixture.func)
     return frozenset(found | {IMPLIES[name] for name in found if name in IMPLIES})
+
+
+def listed_slow(path: Path = SLOW_LIST) -> frozenset[str]:
+    """The entries of ``slow_tests.txt``: ``tests/x/test_y.py`` (a file) or ``tests/x/test_y.py::test_z``."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return frozenset(line for line in lines if line)
+
+
+def is_listed(nodeid: str, listed: frozenset[str]) -> bool:
+    """Whether a test (any of its parameters) or its file is in ``listed``."""
+    test = nodeid.split("[", 1)[0]
+    return test in listed or test.split("::", 1)[0] in listed

@@ -5,9 +5,13 @@ The samples are reached through a dict (a subscript is no name), so these tests 
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from types import SimpleNamespace
 
-from tests.markers import AUTOMATIC, earned, markers_for
+from tests.markers import AUTOMATIC, SLOW_LIST, earned, is_listed, listed_slow, markers_for
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _start_a_server(path):
@@ -88,3 +92,25 @@ def test_an_item_earns_what_its_fixtures_earn_and_is_marked(request):
 def test_registered_markers_cover_the_automatic_ones(pytestconfig):
     registered = {line.split(":", 1)[0] for line in pytestconfig.getini("markers")}
     assert AUTOMATIC <= registered
+
+
+def test_the_slow_list_names_files_and_functions_that_exist():
+    """A renamed or removed test would silently leave the slow set: every line must still name something."""
+    listed = listed_slow()
+    assert "tests/apps/test_cli.py" in listed and len(listed) > 20
+    for entry in sorted(listed):
+        path, _, function = entry.partition("::")
+        assert (ROOT / path).is_file(), f"{SLOW_LIST.name}: no file {path}"
+        if function:
+            tree = ast.parse((ROOT / path).read_text())
+            names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            assert function in names, f"{SLOW_LIST.name}: no test {function} in {path}"
+
+
+def test_a_listed_file_or_function_covers_its_parameters_and_nothing_else():
+    listed = frozenset({"tests/a/test_f.py", "tests/b/test_g.py::test_h"})
+    assert is_listed("tests/a/test_f.py::test_x[1-2]", listed)
+    assert is_listed("tests/b/test_g.py::test_h[p::q]", listed)
+    assert is_listed("tests/b/test_g.py::test_h", listed)
+    assert not is_listed("tests/b/test_g.py::test_h2", listed)
+    assert not is_listed("tests/b/test_g.py::test_other", listed)
