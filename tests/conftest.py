@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.markers import is_listed, listed_slow, markers_for
+from tests.markers import item_markers, listed_slow
 from tests.redis_servers import ThrowawayServer, server_binaries
 
 
 def pytest_collection_modifyitems(items):
     slow = listed_slow()
     for item in items:
-        names = set(markers_for(item)) | ({"slow"} if is_listed(item.nodeid, slow) else set())
-        for name in sorted(names):
+        for name in sorted(item_markers(item, slow)):
             item.add_marker(name)
 
 

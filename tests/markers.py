@@ -76,6 +76,14 @@ def earned(func) -> frozenset[str]:
     return _DONE[code]
 
 
+def item_markers(item, listed: frozenset[str]) -> frozenset[str]:
+    """Every marker to put on a collected test: what it earns, ``slow`` when ``listed``, and what the marks it
+    carries already (``@pytest.mark.server`` written on it) imply."""
+    found = set(markers_for(item)) | ({"slow"} if is_listed(item.nodeid, listed) else set())
+    written = {mark.name for mark in item.iter_markers()}
+    return frozenset(found | {IMPLIES[name] for name in written if name in IMPLIES})
+
+
 def markers_for(item) -> frozenset[str]:
     """What a collected test earns from its own function and every fixture in its closure."""
     found = set(earned(getattr(item, "function", None)))

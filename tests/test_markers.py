@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.markers import AUTOMATIC, SLOW_LIST, earned, is_listed, listed_slow, markers_for
+from tests.markers import AUTOMATIC, SLOW_LIST, earned, is_listed, item_markers, listed_slow, markers_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,3 +114,14 @@ def test_a_listed_file_or_function_covers_its_parameters_and_nothing_else():
     assert is_listed("tests/b/test_g.py::test_h", listed)
     assert not is_listed("tests/b/test_g.py::test_h2", listed)
     assert not is_listed("tests/b/test_g.py::test_other", listed)
+
+
+def test_a_written_server_mark_makes_the_test_slow_and_so_does_the_list():
+    def item(nodeid, *written):
+        return SimpleNamespace(nodeid=nodeid, function=SAMPLES["plain"], _fixtureinfo=None,
+                               iter_markers=lambda: [SimpleNamespace(name=name) for name in written])
+
+    listed = frozenset({"tests/a/test_f.py::test_listed"})
+    assert item_markers(item("tests/a/test_f.py::test_x", "server"), listed) == {"slow"}  # server itself is on it
+    assert item_markers(item("tests/a/test_f.py::test_x", "parametrize"), listed) == set()
+    assert item_markers(item("tests/a/test_f.py::test_listed[1]"), listed) == {"slow"}
