@@ -110,96 +110,141 @@ def run(quick: bool, sections: list[str] | None = None, log=print) -> dict:
 
 
 def _run(quick: bool, sections: list[str] | None, log) -> dict:
-    from spec_cache.apps.bench import batch, dedup, drafting, identity, quantized, store_io, ttft
-
+    """The wanted sections in ``_SECTIONS``' order; each gives its details and its figures."""
     cfg = QUICK if quick else FULL
     wanted = sections or list(cfg)
     figures: dict = {}
     details: dict = {}
     started = time.perf_counter()
-    if "identity" in wanted:
-        log("identity ...")
-        r = identity.run(cfg["identity"]["size_mib"], cfg["identity"]["repeat"], 4, None)
-        details["identity"] = r
-        figures["identity_vs_blake3"] = 1.0 / r["identity_over_raw_time"]
-        figures["identity_memo_ms"] = r["memo_hit_ms"]
-    if "store_io" in wanted:
-        log("store put/get vs mlx-lm save/load ...")
-        r = store_io.bench_put_get(cfg["store_io"]["reps"], cfg["store_io"]["tokens"])
-        details["store_io"] = r
-        figures["put_vs_mlx_lm_save"] = r["put_vs_mlx_lm_save"]
-        figures["restore_vs_mlx_lm_load"] = r["restore_vs_mlx_lm_load"]
-    if "lookup" in wanted:
-        log("lookup ...")
-        r = store_io.bench_lookup(cfg["lookup"]["counts"], cfg["lookup"]["reps"])
-        details["lookup"] = r
-        figures.update({k: v for k, v in r.items() if k.startswith("lookup_")})
-    if "dedup" in wanted:
-        log("dedup ...")
-        r = dedup.run(**cfg["dedup"])
-        details["dedup"] = r
-        figures["dedup_bytes_ratio"] = r["dedup_bytes_ratio"]
-    if "dedup_drafters" in wanted:  # issue 24 row 12: drafter records whole vs shared pieces (store format 1.2)
-        from spec_cache.apps.bench import dedup_drafters
+    for name, section in _SECTIONS.items():
+        if name in wanted:
+            details[name], found = section(cfg, log)
+            figures.update(found)
+    return {"mode": "quick" if quick else "full", "machine": machine(), "figures": figures,
+            "goals": _goals(figures, quick), "details": details, "seconds": time.perf_counter() - started}
 
-        log("dedup of drafter records ...")
-        r = dedup_drafters.run(**cfg["dedup_drafters"])
-        details["dedup_drafters"] = r
-        figures["dedup_drafter_bytes_ratio"] = r["dedup_drafter_bytes_ratio"]
-        figures["dedup_projected_drafter_bytes_ratio"] = r["dedup_projected_drafter_bytes_ratio"]
-    if "ttft" in wanted:
-        log("ttft cold vs warm ...")
-        r = ttft.run(**cfg["ttft"], progress=log)
-        details["ttft"] = r
-        figures.update({k: v for k, v in r.items() if k.startswith("restore_vs_prefill_")})
-    if "batch" in wanted:
-        log("batched speculative decoding ...")
-        r = batch.run(**cfg["batch"])
-        details["batch"] = r
-        figures["spec_batch_speedup"] = r["spec_batch_speedup"]
-        figures["restored_vs_cold_decode"] = r["restored_vs_cold_decode"]
-    if "tiers" in wanted:
-        log("memory-tier restore vs mlx-lm load ...")
-        r = ttft.memory_restore(cfg["tiers"]["reps"], cfg["tiers"]["tokens"])
-        details["tiers"] = r
-        figures["memory_restore_vs_mlx_lm_load"] = r["memory_restore_vs_mlx_lm_load"]
-    if "writes" in wanted:
-        log("checkpoint writing on vs off ...")
-        r = ttft.write_overhead(**cfg["writes"], progress=log)
-        details["writes"] = r
-        figures["checkpoint_write_overhead"] = r["checkpoint_write_overhead"]
-    if "quantized" in wanted:
-        log("batched vs per-row quantized KV ...")
-        r = quantized.run(**cfg["quantized"])
-        details["quantized"] = r
-        figures["quantized_batch_speedup"] = r["quantized_batch_speedup"]
-    if "drafting" in wanted:
-        log("drafting vs plain decoding (adaptive depth; SmolLM2 chats when installed) ...")
-        r = drafting.run(**cfg["drafting"])
-        details["drafting"] = r
-        figures.update({k: v for k, v in r.items() if k.startswith(("drafting_vs_plain_", "drafting_copy_"))})
-    if "write_amp" in wanted:
-        log("write amplification of an agentic conversation (a real server) ...")
-        from spec_cache.apps.bench import write_amp
 
-        r = write_amp.run(**cfg["write_amp"], progress=log)
-        details["write_amp"] = r
-        figures.update({k: v for k, v in r.items() if k.startswith("write_amplification")})  # + bytes per turn
-    if "agentic" in wanted:
-        log("agentic conversation: cached / prompt tokens per turn (a real server, both APIs) ...")
-        from spec_cache.apps.bench import agentic
-
-        r = agentic.run(**cfg["agentic"], progress=log)
-        details["agentic"] = r
-        figures.update({k: v for k, v in r.items() if k.startswith(("agentic_cached_ratio", "agentic_seam_"))})
+def _goals(figures: dict, quick: bool) -> dict:
     goals = {}
     for name, value in figures.items():
         if name in GOALS:
             op, goal = GOALS[name]
             goals[name] = {"goal": f"{op} {goal:g}", "met": value >= goal if op == ">=" else value <= goal,
                            "comparable": not quick}  # quick sizes: a smoke run, not the goal's size
-    return {"mode": "quick" if quick else "full", "machine": machine(), "figures": figures, "goals": goals,
-            "details": details, "seconds": time.perf_counter() - started}
+    return goals
+
+
+# --- the sections: (cfg, log) -> (details, figures) ------------------------------------------------------------
+def _identity(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import identity
+
+    log("identity ...")
+    r = identity.run(cfg["identity"]["size_mib"], cfg["identity"]["repeat"], 4, None)
+    return r, {"identity_vs_blake3": 1.0 / r["identity_over_raw_time"], "identity_memo_ms": r["memo_hit_ms"]}
+
+
+def _store_io(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import store_io
+
+    log("store put/get vs mlx-lm save/load ...")
+    r = store_io.bench_put_get(cfg["store_io"]["reps"], cfg["store_io"]["tokens"])
+    return r, {"put_vs_mlx_lm_save": r["put_vs_mlx_lm_save"], "restore_vs_mlx_lm_load": r["restore_vs_mlx_lm_load"]}
+
+
+def _lookup(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import store_io
+
+    log("lookup ...")
+    r = store_io.bench_lookup(cfg["lookup"]["counts"], cfg["lookup"]["reps"])
+    return r, {k: v for k, v in r.items() if k.startswith("lookup_")}
+
+
+def _dedup(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import dedup
+
+    log("dedup ...")
+    r = dedup.run(**cfg["dedup"])
+    return r, {"dedup_bytes_ratio": r["dedup_bytes_ratio"]}
+
+
+def _dedup_drafters(cfg: dict, log) -> tuple[dict, dict]:  # issue 24 row 12: drafter records whole vs pieces
+    from spec_cache.apps.bench import dedup_drafters
+
+    log("dedup of drafter records ...")
+    r = dedup_drafters.run(**cfg["dedup_drafters"])
+    return r, {"dedup_drafter_bytes_ratio": r["dedup_drafter_bytes_ratio"],
+               "dedup_projected_drafter_bytes_ratio": r["dedup_projected_drafter_bytes_ratio"]}
+
+
+def _ttft(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import ttft
+
+    log("ttft cold vs warm ...")
+    r = ttft.run(**cfg["ttft"], progress=log)
+    return r, {k: v for k, v in r.items() if k.startswith("restore_vs_prefill_")}
+
+
+def _batch(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import batch
+
+    log("batched speculative decoding ...")
+    r = batch.run(**cfg["batch"])
+    return r, {"spec_batch_speedup": r["spec_batch_speedup"], "restored_vs_cold_decode": r["restored_vs_cold_decode"]}
+
+
+def _tiers(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import ttft
+
+    log("memory-tier restore vs mlx-lm load ...")
+    r = ttft.memory_restore(cfg["tiers"]["reps"], cfg["tiers"]["tokens"])
+    return r, {"memory_restore_vs_mlx_lm_load": r["memory_restore_vs_mlx_lm_load"]}
+
+
+def _writes(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import ttft
+
+    log("checkpoint writing on vs off ...")
+    r = ttft.write_overhead(**cfg["writes"], progress=log)
+    return r, {"checkpoint_write_overhead": r["checkpoint_write_overhead"]}
+
+
+def _quantized(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import quantized
+
+    log("batched vs per-row quantized KV ...")
+    r = quantized.run(**cfg["quantized"])
+    return r, {"quantized_batch_speedup": r["quantized_batch_speedup"]}
+
+
+def _drafting(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import drafting
+
+    log("drafting vs plain decoding (adaptive depth; SmolLM2 chats when installed) ...")
+    r = drafting.run(**cfg["drafting"])
+    return r, {k: v for k, v in r.items() if k.startswith(("drafting_vs_plain_", "drafting_copy_"))}
+
+
+def _write_amp(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import write_amp
+
+    log("write amplification of an agentic conversation (a real server) ...")
+    r = write_amp.run(**cfg["write_amp"], progress=log)
+    return r, {k: v for k, v in r.items() if k.startswith("write_amplification")}  # + bytes per turn
+
+
+def _agentic(cfg: dict, log) -> tuple[dict, dict]:
+    from spec_cache.apps.bench import agentic
+
+    log("agentic conversation: cached / prompt tokens per turn (a real server, both APIs) ...")
+    r = agentic.run(**cfg["agentic"], progress=log)
+    return r, {k: v for k, v in r.items() if k.startswith(("agentic_cached_ratio", "agentic_seam_"))}
+
+
+#: every section, in the order a run takes them (``--sections`` picks, never reorders)
+_SECTIONS = {"identity": _identity, "store_io": _store_io, "lookup": _lookup, "dedup": _dedup,
+             "dedup_drafters": _dedup_drafters, "ttft": _ttft, "batch": _batch, "tiers": _tiers, "writes": _writes,
+             "quantized": _quantized, "drafting": _drafting, "write_amp": _write_amp, "agentic": _agentic}
+
 
 
 def plot(result: dict, path: str) -> None:
