@@ -40,9 +40,10 @@ class StoreFullError(StoreError):
 class CorruptRecord(StoreError):
     """A stored record failed its checksum or its structure checks; it is never returned, only dropped."""
 
-    def __init__(self, message: str, key: bytes | None = None):
+    def __init__(self, message: str, key: bytes | None = None, piece: bytes | None = None):
         super().__init__(message)
         self.key = key
+        self.piece = piece  # a damaged shared piece the record ``key`` names (store format 1.3), or None
 
 
 class CorruptIndex(StoreError):

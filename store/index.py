@@ -431,6 +431,12 @@ class Index:
             self.mark_format_minor(minor)
         return written
 
+    def drop_piece_record(self, key: bytes) -> None:
+        """Delete a damaged piece's record, keeping its row (the entries and chunks naming it are dropped as they
+        are read; ``ref_pieces`` writes the record again and recounts its bytes; ``gc`` settles the rest)."""
+        if self.txn.get(key, db=self.dbs["drafts"]) is not None:
+            self.delete("drafts", key)
+
     def release_pieces(self, keys) -> int:
         """Drop one reference to each piece in ``keys``; a piece at zero goes with its record. Bytes freed."""
         freed = 0

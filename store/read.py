@@ -65,9 +65,9 @@ class BackgroundVerifier:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-cache-verify")
 
         def run():
-            for kind, key, raw in deferred:
+            for kind, key, raw, *piece in deferred:
                 if not verify_checksum(raw):
-                    return kind, key
+                    return kind, key, *piece
             return None
         return self._pool.submit(run)
 
@@ -78,7 +78,8 @@ class BackgroundVerifier:
             return
         bad = pending.result()
         if bad is not None:
-            raise CorruptRecord(f"{bad[0]} record: record checksum mismatch (bit flip or truncation)", bad[1])
+            raise CorruptRecord(f"{bad[0]} record: record checksum mismatch (bit flip or truncation)", bad[1],
+                                bad[2] if len(bad) > 2 else None)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -92,28 +93,29 @@ def verified_record(raw, kind: str, key: bytes, expect_tokens: np.ndarray | None
     """Decode the ``kind`` record ``raw`` stored under ``key`` and check it (see the module docstring).
 
     With ``verifier`` and ``deferred`` a large record's checksum is left for ``verifier.start(deferred)``.
-    ``owner``: the key a failure names instead of ``key`` (a piece's failure drops the record that names it).
+    ``owner``: the key a failure names instead of ``key`` (a piece's failure drops the record that names it;
+    ``CorruptRecord.piece`` is then ``key``, so the damaged piece goes too and the next put writes it again).
     """
-    bad = key if owner is None else owner
+    bad, piece = (key, None) if owner is None else (owner, key)
     if raw is None:
-        raise CorruptRecord(f"{kind} record missing under an indexed key", bad)
+        raise CorruptRecord(f"{kind} record missing under an indexed key", bad, piece)
     defer = deferred is not None and verifier is not None and verifier.defers(raw)
     if defer:
-        deferred.append((kind, bad, raw))
+        deferred.append((kind, bad, raw, piece))
     try:
         rec = decode_record(raw, verify=not defer)
     except CorruptRecord as exc:
-        raise CorruptRecord(f"{kind} record: {exc}", bad) from None
+        raise CorruptRecord(f"{kind} record: {exc}", bad, piece) from None
     if rec.kind != kind:
-        raise CorruptRecord(f"{kind} record holds a {rec.kind!r} record", bad)
+        raise CorruptRecord(f"{kind} record holds a {rec.kind!r} record", bad, piece)
     try:
         check_key(rec, key, kind)  # a record names the key it was written under
     except CorruptRecord as exc:
-        raise CorruptRecord(str(exc), bad) from None
+        raise CorruptRecord(str(exc), bad, piece) from None
     if expect_tokens is not None:
         stored = rec.tensors.get("tokens")
         if stored is None or stored.shape != (len(expect_tokens),) or bytes(stored.data) != expect_tokens.tobytes():
-            raise CorruptRecord(f"{kind} record holds other tokens than its key says", bad)
+            raise CorruptRecord(f"{kind} record holds other tokens than its key says", bad, piece)
     return rec
 
 

@@ -14,7 +14,9 @@ earlier entries' tails already covered) is written as a list of *target pieces*:
   this one) cut its own, plus one new piece for the rest: the earlier pieces hash equal and are referenced, not
   written again. A new chunk is cut the same way from the entries hanging off its parent node; a chunk nothing
   covered before is written whole, as before. After ``MAX_PIECES`` pieces a span starts over with one piece (a
-  restore reads one record per piece: the bound keeps a restore's record count within ``MAX_PIECES`` per chunk);
+  restore reads one record per piece: the bound keeps a restore's record count within ``MAX_PIECES`` per chunk),
+  and a last piece shorter than ``MIN_PIECE_TOKENS`` is not kept but written again with the next put's new tokens
+  (agents checkpoint at n-1, n, n+1: 1-token pieces would make a restore's copies tiny and many);
 * a pieced entry or chunk record keeps its tokens (and, for an entry, the untrimmable layers) inline and lists its
   pieces in ``meta["pieces"]`` = ``[[key, lo, hi], ...]`` (contiguous from 0 to the span's length); the index row
   lists them too (``Entry.extra["tpc"]``, ``Node.extra["pcs"]``) so ``verify``/``gc`` count references without
@@ -44,6 +46,7 @@ __all__ = ["SPANS_MINOR", "MAX_PIECES", "WRITE_SPANS", "SpanPiece", "span_list",
 SPANS_MINOR = 3     # store format 1.3: entry tails and chunks may be lists of shared target pieces
 SPAN_PREFIX = 8     # bytes of the span's node key a target piece's key starts with (locality in LMDB)
 MAX_PIECES = 16     # pieces one span may have; past it the span is written as one new piece
+MIN_PIECE_TOKENS = 4   # a span's last piece shorter than this is rewritten by the next put extending it
 WRITE_SPANS = True  # False: write whole tails and chunks (the pre-1.3 layout; benchmarks measure "before" so)
 
 
@@ -122,6 +125,8 @@ def cut_span(ns_key: bytes, node_key: bytes, start: int, stop: int, prior: list,
     gives the piece's ``(name, dtype, array)`` tensors of the absolute token range ``[a, b)``."""
     n = stop - start
     cuts = [(lo, hi) for _k, lo, hi in prior if hi <= n] if len(prior) < MAX_PIECES else []
+    if cuts and cuts[-1][1] < n and cuts[-1][1] - cuts[-1][0] < MIN_PIECE_TOKENS:
+        cuts.pop()  # a short last piece is written again with the new tokens: no span keeps many tiny pieces
     at = cuts[-1][1] if cuts else 0
     if at < n:
         cuts.append((at, n))

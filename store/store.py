@@ -281,7 +281,7 @@ class Store:
                     message = f"dropping corrupt record ({exc}); falling back to a shorter prefix"
                     log.warning(message)
                     warnings.append(message)
-                    self._forget_corrupt(exc.key)
+                    self._forget_corrupt(exc.key, exc.piece)
                     continue
                 if hit.entry is not None:
                     self._touched[hit.entry] = now_ns()
@@ -305,15 +305,22 @@ class Store:
             attachment = read_attachment(raw("draft", key), key, hit.length, warnings, get_piece=piece_reader(raw))
         return Restored(hit.length, layers, attachment, hit.entry, minimum_reusable=hit.minimum_reusable)
 
-    def _forget_corrupt(self, key: bytes | None) -> None:
-        """Drop a corrupt record from the store; if that is impossible (read-only), hide it from lookups."""
+    def _forget_corrupt(self, key: bytes | None, piece: bytes | None = None) -> None:
+        """Drop a corrupt record from the store; if that is impossible (read-only), hide it from lookups. A
+        damaged shared piece (format 1.3) it names loses its record too: the next put needing it writes it again."""
         if key is None:
             return
         self._bad.add(key)
         if self.env.readonly:
             return
+
+        def drop(txn):
+            index = Index(txn, self.env.dbs)
+            index.drop_corrupt(key)
+            if piece is not None:
+                index.drop_piece_record(piece)
         try:
-            self.env.write(lambda txn: Index(txn, self.env.dbs).drop_corrupt(key), making_room=True)
+            self.env.write(drop, making_room=True)
         except StoreError as exc:
             log.warning("could not drop corrupt record %s: %s", key.hex()[:16], exc)
             return

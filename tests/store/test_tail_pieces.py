@@ -87,12 +87,15 @@ def _entry(store: Store, tokens, n: int) -> tuple[bytes, Entry]:
 def test_a_tail_extended_over_turns_writes_only_its_new_tokens(state):
     store, tokens, kv = state
     turns = [20, 45, 46, 60, 90, 91, 130, 200, 201, 260]  # several checkpoints a turn, across chunk boundaries
-    previous = 0
+    previous = total = 0
     for n in turns:
         written = _put_bytes(store, tokens, kv, n)
         new = (n - previous) * KV_TOKEN
-        assert new <= written <= new + OVERHEAD, f"put of {n} tokens after {previous}: {written} bytes, {new} new"
+        again = (S.MIN_PIECE_TOKENS - 1) * KV_TOKEN  # a short last piece is written again with the new tokens
+        assert new <= written <= new + again + OVERHEAD, f"put of {n} after {previous}: {written} bytes, {new} new"
+        total += written
         previous = n
+    assert total <= turns[-1] * KV_TOKEN * 1.2  # the write amplification of these puts, records and index rows
     for n in turns:
         _same(store, tokens, kv, n)
     for boundary in (64, 128, 192, 256):  # chunk-boundary prefixes: pieced chunks alone
@@ -154,6 +157,22 @@ def test_a_corrupted_piece_is_caught_by_verify_and_never_served(state):
     assert not after.damaged, after.as_dict()
     store.put(NS, tokens[:46], _layers(kv, 46))  # written again whole (the damaged piece is gone)
     _same(store, tokens, kv, 46)
+
+
+def test_a_refused_piece_is_written_again_by_the_next_put_and_heals_the_others(state):
+    store, tokens, kv = state
+    for n in (20, 45, 46):
+        store.put(NS, tokens[:n], _layers(kv, n))
+    _key, entry = _entry(store, tokens, 46)
+    first_piece = bytes(S.entry_spans(entry)[0][0])
+    _flip_piece(store, first_piece)
+    assert store.fetch(NS, tokens[:46], max_attempts=1) is None  # the 46-token entry is refused and dropped
+    with store.reading() as txn:
+        assert txn.get(first_piece, db=store.env.dbs["drafts"]) is None  # the damaged record went with it
+    store.put(NS, tokens[:46], _layers(kv, 46))  # writes the piece again (equal bytes, equal key)
+    for n in (20, 45, 46):  # the entries that named it are whole again, without gc
+        _same(store, tokens, kv, n)
+    assert not verify(store).damaged
 
 
 def test_gc_and_eviction_keep_pieces_another_entry_names(state):
