@@ -205,8 +205,8 @@ def test_show(cli, cache):
 
 def test_stats(cli, cache):
     s = one_json(cli("--cache", cache, "--json", "stats"))
-    # format 1.2: the drafter part is stored in shared pieces (store/pieces.py), counted apart
-    assert (s["entries"], s["namespaces"], s["format"], s["chunk_tokens"]) == (4, 2, "spec-cache-store 1.2", 4)
+    # format 1.3: the drafter part (1.2) and the entry tails (1.3) are stored in shared pieces, counted apart
+    assert (s["entries"], s["namespaces"], s["format"], s["chunk_tokens"]) == (4, 2, "spec-cache-store 1.3", 4)
     assert s["chunks"] == 1 + 2 + 3 and s["drafter_parts"] == 1 and s["drafter_pieces"] >= 1 and s["bytes"] > 0
     assert (s["hits"], s["misses"]) == (1, 1)
     human = ok(cli("--cache", cache, "stats"))
