@@ -210,7 +210,7 @@ def test_stats(cli, cache):
     assert s["chunks"] == 1 + 2 + 3 and s["drafter_parts"] == 1 and s["drafter_pieces"] >= 1 and s["bytes"] > 0
     assert (s["hits"], s["misses"]) == (1, 1)
     human = ok(cli("--cache", cache, "stats"))
-    assert "entries" in human and "spec-cache-store 1.2" in human
+    assert "entries" in human and "spec-cache-store 1.3" in human
 
 
 def _flip_last_byte(path: Path, db: str) -> None:
