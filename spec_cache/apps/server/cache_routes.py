@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import anyio
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -39,7 +39,7 @@ from spec_cache import cache_controls as controls
 from spec_cache import interop
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.errors import api_error
-from spec_cache.apps.server.jobs import log_request
+from spec_cache.apps.server.jobs import log_request, read_body
 from spec_cache.apps.server.protocol import APIError, parse_chat
 from spec_cache.apps.server.tools import TemplateError, chat_ids
 from spec_cache.errors import SpecCacheError
@@ -176,19 +176,7 @@ class _CacheRoutes:
 
     # --- the body ----------------------------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        body = bytearray()
-        try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        except ClientDisconnect:
-            raise APIError(499, "the client went away while sending its request") from None
-        return bytes(body)
+        return await read_body(request, self.config.max_body_bytes)
 
     async def read_json(self, request: Request) -> dict:
         raw = await self.read_body(request)

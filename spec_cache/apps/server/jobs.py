@@ -43,6 +43,23 @@ __all__ = ["Requests", "error_response", "log_request"]
 _JSON_IN_THREAD = 256 << 10  # decode bodies larger than this in a worker thread
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes: 413 past it (from Content-Length, or as the bytes arrive), 499 if
+    the client leaves meanwhile."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    except ClientDisconnect:
+        raise APIError(499, "the client went away while sending its request") from None
+    return bytes(body)
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -118,18 +135,7 @@ class Requests:
     async def read_json(self, request: Request) -> Any:
         """The body as JSON: 413 past ``max_body_bytes`` (from Content-Length, or as the bytes arrive), 499 if the
         client leaves meanwhile, 400 if it is not JSON; a large body is decoded in a worker thread."""
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        body = bytearray()
-        try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        except ClientDisconnect:
-            raise APIError(499, "the client went away while sending its request") from None
+        body = await read_body(request, self.config.max_body_bytes)
         try:
             if len(body) > _JSON_IN_THREAD:
                 return await anyio.to_thread.run_sync(json.loads, bytes(body), limiter=self.tokenize_limiter)
