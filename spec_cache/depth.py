@@ -25,7 +25,11 @@ Model (one round, batch-wide: the target verifies one window width for every row
 Probing: while plain decoding wins, rows' acceptance is not observed. Every ``probe_every`` rounds at depth 0
 (doubling after each probe, up to ``probe_limit``; reset when drafting wins on its own) one round drafts at the
 depth that would win if every row's acceptance were ``probe_acceptance``; when even that cannot beat plain
-decoding at the measured costs (a compute-bound CPU), it does not probe at all. The two work together: the
+decoding at the measured costs (a compute-bound CPU), it probes at depth 1 (_STALE: the width-2 estimate is only
+ever re-measured by drafting; two unlucky width-2 rounds on a loaded CPU, against plain rounds timed while the
+next one is queued, kept the copy workload at depth 0 for 93 of 95 rounds, 4 tokens drafted, while fixed depth
+ran 1.24-1.26x plain, with and without the two-measurement rule below). Its price where drafting never pays is
+one width-2 round per probe interval (16, 32, 64, then every 128 plain rounds). The two work together: the
 seed's per-position early stop (``sts.thresholds``/``minConf``, DFlash/DSpark, ``spec_cache.drafters.projected``)
 cuts a drafted block where the drafter's own confidence drops; this controller picks the depth for the whole batch
 from measured acceptance and measured cost.
@@ -295,6 +299,8 @@ class DepthController:
                 self._plain_rounds = 0
                 self._probe_interval = min(2 * self._probe_interval, self.probe_limit)
                 depth = self.best_depth(rows, caps, acceptance=self.probe_acceptance, remaining=remaining)
+                if depth == 0 and max(caps, default=0) > 0 and self.max_depth > 0:
+                    depth = 1  # re-measure the narrowest window: its estimate may be stale (see _STALE)
                 self.probes += 1 if depth > 0 else 0
         self.rounds_at_depth[depth] += 1
         self.last_depth = depth

@@ -147,3 +147,25 @@ def test_a_spike_on_the_second_measurement_of_a_width_does_not_freeze_the_depth_
         if depth:
             row.observe(depth, depth, controller.decay)
     assert sum(1 for d in depths if d) >= 30 and depths[-1] >= 4, depths
+
+
+def test_two_unlucky_width_two_rounds_do_not_freeze_the_depth_at_zero():
+    """Both width-2 rounds measured slow (a loaded CPU; plain rounds timed while the next is queued): the old
+    controller skipped every probe (not even 0.8 acceptance paid at that slope) and never drafted again: 93 of
+    95 rounds at depth 0 on the B=3 copy workload while fixed depth ran 1.24-1.26x plain."""
+    controller = DepthController(6)
+    for _ in range(4):
+        controller.observe_round(3, 0, 0.0, 1, 1.0)
+    row = RowAcceptance()
+    for _ in range(2):
+        assert controller.choose([row] * 3, [50] * 3) > 0  # the prior explores
+        controller.observe_round(3, 1, 0.0, 2, 1.9)  # every row offered one token: width 2, slow twice
+        row.observe(1, 1, controller.decay)
+    depths = []
+    for _ in range(100):
+        depth = controller.choose([row] * 3, [50] * 3)
+        depths.append(depth)
+        controller.observe_round(3, depth, 0.0, depth + 1, 1.0 + 0.2 * depth)  # what widths really cost
+        if depth:
+            row.observe(depth, depth, controller.decay)
+    assert depths[:15] == [0] * 15 and sum(1 for d in depths if d) >= 60 and depths[-1] >= 4, depths

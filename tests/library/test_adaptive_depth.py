@@ -71,15 +71,17 @@ def accepting_row(rounds: int = 40) -> RowAcceptance:
 
 
 # -- the controller's decisions ----------------------------------------------------------------------------------
-def test_compute_bound_costs_choose_plain_decoding_and_never_probe():
+def test_compute_bound_costs_choose_plain_decoding_and_probe_only_to_re_measure():
     controller = DepthController(4)
     measured(controller, 1, lambda width: float(width))  # verify w tokens costs w decode steps (CPU)
     # even a drafter accepting everything only ties at (1 + D) / (D + 1): plain decoding, the cheaper tie
     for row in (accepting_row(), rejecting_row(), RowAcceptance()):
         assert controller.best_depth([row], [10]) == 0
-    for _ in range(300):
-        assert controller.choose([rejecting_row()], [10]) == 0
-    assert controller.probes == 0 and controller.rounds_at_depth == {0: 300}
+    chosen = [controller.choose([rejecting_row()], [10]) for _ in range(300)]
+    # no depth pays, not even at a probe's acceptance: only depth-1 rounds that re-measure width 2, after 16,
+    # 32, 64 and 128 plain rounds (a stale width-2 estimate must not stop drafting for good)
+    assert [i for i, depth in enumerate(chosen) if depth] == [15, 47, 111, 239] and max(chosen) == 1
+    assert controller.probes == 4 and controller.rounds_at_depth == {0: 296, 1: 4}
 
 
 def test_flat_verify_cost_drafts_at_the_maximum_depth():
