@@ -184,6 +184,47 @@ class Store:
         checkpoint = prepare_checkpoint(ns_key, tokens, layers, chunk_tokens=self.chunk_tokens, drafter=drafter,
                                         minimum_reusable=minimum_reusable)
         self._check_budget(checkpoint.own_bytes)
+        return self._write_prepared([(checkpoint, pin)])[0]
+
+    def put_many(self, puts: Sequence[tuple]) -> list:
+        """Several checkpoints in one transaction: each ``(ns_key, tokens, layers, options)`` with ``options`` the
+        keywords :meth:`put` takes. Returns, per checkpoint in order, its ``PutResult`` or the exception a lone
+        ``put`` of it would have raised.
+
+        Why: every LMDB commit rewrites the b-tree pages it touches in each sub-database plus a meta page (~40-60
+        KiB whatever the checkpoint's size), so a conversation's several checkpoints a turn cost that several times
+        (issue 21's write amplification). The outcome of each checkpoint is that of a lone put: when the batch's
+        transaction fails (one checkpoint over the budget, a namespace gone...), nothing of it is kept and each
+        checkpoint is put alone. Eviction under the budget runs after each checkpoint, as sequential puts do."""
+        outcomes: list = [None] * len(puts)
+        prepared: list[tuple[int, Checkpoint, bool]] = []
+        for i, (ns_key, tokens, layers, options) in enumerate(puts):
+            try:
+                checkpoint = prepare_checkpoint(ns_key, tokens, layers, chunk_tokens=self.chunk_tokens,
+                                                drafter=options.get("drafter"),
+                                                minimum_reusable=options.get("minimum_reusable", 0))
+                self._check_budget(checkpoint.own_bytes)
+                prepared.append((i, checkpoint, bool(options.get("pin", False))))
+            except Exception as exc:  # this checkpoint alone is refused, as its own put would be
+                outcomes[i] = exc
+        if len(prepared) > 1:
+            try:
+                results = self._write_prepared([(checkpoint, pin) for _, checkpoint, pin in prepared])
+            except Exception:  # the batch is undone whole: each checkpoint alone gets its own outcome
+                results = None
+            if results is not None:
+                for (i, _, _), result in zip(prepared, results):
+                    outcomes[i] = result
+                return outcomes
+        for i, checkpoint, pin in prepared:
+            try:
+                outcomes[i] = self._write_prepared([(checkpoint, pin)])[0]
+            except Exception as exc:
+                outcomes[i] = exc
+        return outcomes
+
+    def _write_prepared(self, checkpoints: list[tuple[Checkpoint, bool]]) -> list[PutResult]:
+        """Commit prepared checkpoints in one transaction, with the batched access times and counters."""
         with self._lock:
             # batched access times and counters ride in the put's own transaction: one commit, not two (each
             # LMDB commit rewrites the b-tree pages it touches and a meta page, ~60-100 KB: write amplification)
@@ -191,13 +232,12 @@ class Store:
 
             def fn(txn):
                 _apply_pending(Index(txn, self.env.dbs), *pending)
-                return self._commit(txn, checkpoint, pin)
+                return [self._commit(txn, checkpoint, pin) for checkpoint, pin in checkpoints]
             try:
-                result = self.env.write(fn, on_full=self._evict_for_space)
+                return self.env.write(fn, on_full=self._evict_for_space)
             except BaseException:
                 self._restore_pending(pending)  # written by the next flush instead
                 raise
-            return result
 
     def _commit(self, txn, checkpoint: Checkpoint, pin: bool) -> PutResult:
         """The put's transaction: chain nodes and chunk records, the entry, then eviction under the budget."""
