@@ -121,7 +121,8 @@ class SpecCache:
         self._pid = os.getpid()  # a forked child must not close its parent's cache at its exit
         # no writer thread when every save writes before it returns (sync) or nothing can be written (read-only)
         behind = not store.env.readonly and durability == "write-behind"
-        self._writer = CheckpointWriter(self._write, write_queue_bytes) if behind else None
+        self._writer = (CheckpointWriter(self._write, write_queue_bytes, write_many=self._write_many) if behind
+                        else None)
         self._promoter = None
         if shared is not None:  # promotion off the request's path: the restored state is used at once
             self._promoter = WriteBehind(shared.config.queue_bytes, self._promote, name="spec-cache-promote")
@@ -312,6 +313,25 @@ class SpecCache:
             return None
         return self._write(job, stacklevel=3)
 
+    def _write_many(self, jobs: list["_WriteJob"]) -> None:
+        """The write-behind thread's batch: the checkpoints queued meanwhile in one LMDB transaction
+        (``Store.put_many``); one the batch could not take (its lone put failed too) goes through :meth:`_write`,
+        which tries it alone once more and reports why."""
+        puts = []
+        for job in jobs:
+            job.layers = host_layers(job.layers)
+            puts.append((job.ns_key, job.tokens, job.layers,
+                         dict(drafter=job.drafter, minimum_reusable=job.minimum_reusable)))
+        try:
+            outcomes = self.store.put_many(puts)
+        except Exception:  # pragma: no cover - put_many answers per checkpoint; each alone then
+            outcomes = [None] * len(jobs)
+        for job, outcome in zip(jobs, outcomes):
+            if isinstance(outcome, PutResult):
+                self._written(job, outcome)
+            else:
+                self._write(job)
+
     def _write(self, job: "_WriteJob", stacklevel: int = 2) -> PutResult | None:
         """Put one checkpoint into LMDB (the write-behind thread, or the caller's); mark its memory entry durable."""
         try:
@@ -325,9 +345,17 @@ class SpecCache:
             else:
                 log.warning(message)
             result = None
-        finally:
+        except BaseException:
             if job.entry is not None:
-                self.memory.mark_durable(job.entry)  # held in LMDB now, or never will be: evictable either way
+                self.memory.mark_durable(job.entry)  # never in LMDB now: evictable
+            raise
+        return self._written(job, result)
+
+    def _written(self, job: "_WriteJob", result: PutResult | None) -> PutResult | None:
+        """After a checkpoint's put (``result`` None: not stored): its memory entry becomes evictable; the shared
+        tier and ``then`` hear of it."""
+        if job.entry is not None:
+            self.memory.mark_durable(job.entry)  # held in LMDB now, or never will be: evictable either way
         if result is not None and self.shared is not None:
             self.shared.enqueue(result.entry, [job.drafter[0]] if job.drafter is not None else [], job.nbytes)
         if result is not None and job.then is not None:

@@ -69,8 +69,8 @@ def close_at_exit(cache, started: float) -> None:
     waited = time.monotonic() - started
     where = cache.store.path
     if left.dropped or left.in_flight:
-        stuck = " 1 still being written (abandoned: LMDB drops its unfinished transaction; the store is left " \
-                "open for the OS to release)," if left.in_flight else ""
+        stuck = f" {int(left.in_flight)} still being written (abandoned: LMDB drops its unfinished transaction; the " \
+                "store is left open for the OS to release)," if left.in_flight else ""
         _report(logging.WARNING, "spec-cache: at exit, gave up on %s after %.1f s (exit_timeout_s): %d written,%s "
                 "%d queued checkpoints (%d bytes) not written", where, waited, left.written, stuck, left.dropped,
                 left.dropped_bytes)

@@ -12,7 +12,10 @@ for small states; ~0.1-1 s for hundreds of MiB): the thread starts on it at once
 queue; ``close()`` drains, then stops. A cache that is never closed is drained at interpreter exit
 (``spec_cache.exit_drain``; bounded by ``exit_timeout_s``, then ``stop`` drops and reports what is left). A crash
 (SIGKILL) loses only what was still queued (at most ``cap_bytes``): every put is one LMDB transaction, so a
-committed checkpoint survives whole and an interrupted one leaves nothing.
+committed checkpoint survives whole and an interrupted one leaves nothing. The thread lingers ``LINGER_S`` after a
+checkpoint arrives (not while anyone drains) and puts the ones queued by then in one transaction (``write_many``;
+``Store.put_many``): LMDB's pages per commit are paid once for a request's phases, boundary and finish checkpoints
+(issue 21's write amplification), each keeping the outcome a lone put gives it.
 """
 
 from __future__ import annotations
@@ -27,26 +30,37 @@ log = logging.getLogger("spec_cache")
 
 #: default cap on queued checkpoint bytes
 DEFAULT_QUEUE_BYTES = 1 << 30
+#: how long the writer waits for more checkpoints to join one transaction (a request's prefill phases, its
+#: prompt-boundary and finish checkpoints arrive within about this of each other); the memory tier serves them
+#: meanwhile, a drain or close cuts it short, and a SIGKILL inside it loses them as it loses any queued checkpoint
+LINGER_S = 0.25
 
 
 class WriterLeft(NamedTuple):
     """What ``CheckpointWriter.stop`` did: checkpoints written while it waited, queued ones dropped (and their
-    bytes), and whether one was still being written when it gave up."""
+    bytes), and how many were still being written when it gave up (0: none)."""
 
     written: int
     dropped: int
     dropped_bytes: int
-    in_flight: bool
+    in_flight: int
 
 
 class CheckpointWriter:
     """A byte-capped write-behind queue for checkpoints. ``write(job)`` does the put; jobs are callables' args."""
 
-    def __init__(self, write: Callable[[object], None], cap_bytes: int = DEFAULT_QUEUE_BYTES):
+    def __init__(self, write: Callable[[object], None], cap_bytes: int = DEFAULT_QUEUE_BYTES, *,
+                 write_many: Callable[[list], None] | None = None):
+        """``write_many(jobs)``: when given, the checkpoints queued when the thread gets to them (after lingering
+        ``LINGER_S`` for company) are written by one call (one LMDB transaction: ``Store.put_many``); ``write(job)``
+        writes one (a lone job, and the back-pressure path)."""
         self._write = write
+        self._write_many = write_many
         self._lock = threading.Lock()
-        self.counters = {"queued": 0, "inline": 0, "written": 0, "failed": 0, "refused": 0}
-        self._queue = WriteBehind(cap_bytes, self._handle, name="spec-cache-write-behind")
+        self.counters = {"queued": 0, "inline": 0, "written": 0, "failed": 0, "refused": 0, "batches": 0}
+        self._queue = WriteBehind(cap_bytes, self._handle, name="spec-cache-write-behind",
+                                  batch_handler=None if write_many is None else self._handle_many,
+                                  linger_s=LINGER_S)
 
     def submit(self, job, nbytes: int) -> bool:
         """Queue ``job``; when the queue is full, write it now on this thread. True if it was queued.
@@ -72,9 +86,21 @@ class CheckpointWriter:
             self._count("failed")
             log.exception("spec-cache: checkpoint write failed unexpectedly")
 
-    def _count(self, name: str) -> None:
+    def _handle_many(self, jobs: list) -> None:
+        if len(jobs) == 1:
+            self._handle(jobs[0])
+            return
+        try:
+            self._write_many(jobs)
+            self._count("written", len(jobs))
+            self._count("batches")
+        except Exception:  # the writer reports its own failures; never let the thread die
+            self._count("failed", len(jobs))
+            log.exception("spec-cache: checkpoint writes failed unexpectedly")
+
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self.counters[name] += 1
+            self.counters[name] += n
 
     @property
     def pending(self) -> tuple[int, int]:

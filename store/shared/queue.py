@@ -20,9 +20,18 @@ log = logging.getLogger("spec_cache.shared")
 class WriteBehind:
     """A byte-capped FIFO served by a daemon thread that calls ``handler(job)`` for each job."""
 
-    def __init__(self, cap_bytes: int, handler: Callable[[Any], None], name: str = "spec-cache-shared-publish"):
+    def __init__(self, cap_bytes: int, handler: Callable[[Any], None], name: str = "spec-cache-shared-publish", *,
+                 batch_handler: Callable[[list], None] | None = None, max_batch: int = 16, linger_s: float = 0.0):
+        """``batch_handler``: when given, the thread hands it every job queued at that moment (at most
+        ``max_batch``) in one call instead of calling ``handler`` job by job (one LMDB commit for several); with
+        ``linger_s``, it first waits that long for more jobs to join the first (``drain``/``close`` cut it short)."""
         self.cap_bytes = cap_bytes
         self._handler = handler
+        self._batch_handler = batch_handler
+        self._max_batch = max(1, max_batch)
+        self._linger_s = linger_s if batch_handler is not None else 0.0
+        self._hurry = 0  # drains waiting: no lingering while someone waits for the queue
+        self._in_flight = 0  # jobs handed to the handler and not finished
         self._jobs: collections.deque[tuple[Any, int]] = collections.deque()
         self._bytes = 0
         self._busy = False
@@ -57,12 +66,17 @@ class WriteBehind:
         """Wait until every queued job was handled (or ``timeout`` passed); True if the queue is empty and idle."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._jobs or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            self._hurry += 1
+            self._cond.notify_all()
+            try:
+                while self._jobs or self._busy:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._hurry -= 1
 
     def close(self, timeout: float) -> int:
         """Stop accepting jobs, wait up to ``timeout`` for the queue to drain, drop the rest, stop the thread.
@@ -72,8 +86,8 @@ class WriteBehind:
         """
         return self.stop(timeout)[0]
 
-    def stop(self, timeout: float, *, bounded: bool = False) -> tuple[int, int, bool]:
-        """``close``, telling what was left: (jobs dropped, their bytes, whether a job is still in flight).
+    def stop(self, timeout: float, *, bounded: bool = False) -> tuple[int, int, int]:
+        """``close``, telling what was left: (jobs dropped, their bytes, jobs still in flight: 0 when none).
 
         ``bounded``: the whole call takes at most ``timeout``, the job in flight included (at interpreter exit
         nothing may hang); a job still in flight then stays with its thread, and the caller must not close what
@@ -89,23 +103,36 @@ class WriteBehind:
             self._jobs.clear()
             self._cond.notify_all()
         self._thread.join(max(0.0, deadline - time.monotonic()) if bounded else None)
-        return left, left_bytes, self._thread.is_alive()
+        with self._cond:
+            in_flight = max(1, self._in_flight) if self._thread.is_alive() else 0
+        return left, left_bytes, in_flight
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:
                     self._cond.wait()
+                lingered = time.monotonic() + self._linger_s
+                while (self._linger_s and len(self._jobs) < self._max_batch and not self._hurry
+                       and not self._closed):
+                    left = lingered - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
                 if self._closed:
                     return
-                job, nbytes = self._jobs.popleft()
-                self._busy = True
+                take = 1 if self._batch_handler is None else min(len(self._jobs), self._max_batch)
+                batch = [self._jobs.popleft() for _ in range(take)]
+                self._busy, self._in_flight = True, len(batch)
             try:
-                self._handler(job)
+                if self._batch_handler is None:
+                    self._handler(batch[0][0])
+                else:
+                    self._batch_handler([job for job, _ in batch])
             except Exception:  # the handler counts its own failures; never let the thread die
-                log.exception("shared tier: publish failed unexpectedly")
+                log.exception("write-behind: a job failed unexpectedly")
             finally:
                 with self._cond:
-                    self._bytes -= nbytes
-                    self._busy = False
+                    self._bytes -= sum(nbytes for _, nbytes in batch)
+                    self._busy, self._in_flight = False, 0
                     self._cond.notify_all()

@@ -29,11 +29,14 @@ store_dir, target_dir, how = sys.argv[1:4]
 prompts = [list(range(3, 3 + n)) for n in (12, 20, 31, 45)]
 options = {"durability": "sync"} if how == "sync" else {}
 cache = SpecCache.open(store_dir, **options)
-real_put = cache.store.put
+real_put, real_many = cache.store.put, cache.store.put_many
 def slow_put(*args, **kwargs):
     time.sleep(0.15)
     return real_put(*args, **kwargs)
-cache.store.put = slow_put
+def slow_many(puts):
+    time.sleep(0.15 * len(puts))
+    return real_many(puts)
+cache.store.put, cache.store.put_many = slow_put, slow_many
 gen = Generator.load(target_dir, None, method="ngram", cache=cache)
 gen.generate(prompts, max_tokens=4)
 print("answered", flush=True)
@@ -103,17 +106,19 @@ def test_sync_durability_survives_a_sigkill_right_after_the_request(target_dir, 
 
 # The child: the first LMDB put never returns (a hung disk); three more checkpoints are queued behind it.
 BLOCKED = """
-import sys, threading
+import sys, threading, time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from spec_cache.cache import SpecCache
 cache = SpecCache.open(sys.argv[1], exit_timeout_s=1.0)
 ns = cache.namespace("ab" * 32, "{}")
-cache.store.put = lambda *a, **k: threading.Event().wait()
+cache.store.put = cache.store.put_many = lambda *a, **k: threading.Event().wait()
 for i in range(4):
     c = KVCache(); c.keys = mx.ones((1, 2, 16, 8)) * i; c.values = c.keys + 1; c.offset = 16
     mx.eval(c.keys, c.values)
     cache.save(ns, [i] * 16, [c], background=True)
+    while i == 0 and cache.memory_stats()["writes"]["pending"]:  # the writer took the first (it is stuck in it)
+        time.sleep(0.01)
 print("queued", flush=True)
 """
 
@@ -138,11 +143,14 @@ from spec_cache.cache import SpecCache
 cache = SpecCache.open(sys.argv[1], shared=sys.argv[2], chunk_tokens=16,
                        shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0})
 ns = cache.namespace("ab" * 32, "{}")
-real_put = cache.store.put
+real_put, real_many = cache.store.put, cache.store.put_many
 def slow_put(*args, **kwargs):
     time.sleep(0.15)
     return real_put(*args, **kwargs)
-cache.store.put = slow_put
+def slow_many(puts):
+    time.sleep(0.15 * len(puts))
+    return real_many(puts)
+cache.store.put, cache.store.put_many = slow_put, slow_many
 for i in range(3):
     c = KVCache(); c.keys = mx.ones((1, 2, 32, 8)) * i; c.values = c.keys + 1; c.offset = 32
     mx.eval(c.keys, c.values)

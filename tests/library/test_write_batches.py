@@ -1,0 +1,76 @@
+"""The write-behind writer puts the checkpoints queued meanwhile in one LMDB transaction (``Store.put_many``;
+issue 21's write amplification): fewer commits, every checkpoint stored and restored bit for bit; it lingers for
+company only while nobody waits for the queue."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from spec_cache import write_behind
+from spec_cache.cache import SpecCache
+from spec_cache.store.shared.queue import WriteBehind
+from tests.library.test_memory_tier import kv
+
+
+def _prefix(full: KVCache, n: int) -> KVCache:
+    """The first ``n`` tokens of ``full``: the states of one conversation at several lengths agree on their
+    common prefix, as a real model's do (the store shares chunks by tokens)."""
+    c = KVCache()
+    c.keys, c.values, c.offset = full.keys[..., :n, :], full.values[..., :n, :], n
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def test_checkpoints_queued_while_the_writer_lingers_go_in_one_commit(tmp_path, monkeypatch):
+    monkeypatch.setattr(write_behind, "LINGER_S", 30.0)  # a loaded machine's pauses between saves stay inside it
+    full = [kv(390, seed=1), kv(390, seed=2)]
+    states = {n: [_prefix(c, n) for c in full] for n in (100, 180, 260, 390)}
+    with SpecCache.open(tmp_path / "store") as cache:
+        ns = cache.namespace("ab" * 32, "prefix")
+        tokens = list(range(10, 400))
+        commits = []
+        original = cache.store.env._transaction
+
+        def counted(fn, attempt):
+            commits.append(fn)
+            return original(fn, attempt)
+
+        cache.store.env._transaction = counted
+        for n, caches in states.items():  # within the writer's linger: one batch
+            cache.save(ns, tokens[:n], caches, background=True)
+        started = time.monotonic()
+        assert cache.drain(60)
+        assert time.monotonic() - started < 25  # the drain cut the 30 s linger short
+        assert len(commits) == 1, len(commits)
+        writes = cache.memory_stats()["writes"]
+        assert writes["batches"] == 1 and writes["written"] == 4
+    with SpecCache.open(tmp_path / "store", memory_bytes=0) as cache:  # from LMDB alone
+        for n, caches in states.items():
+            got = cache.restore(ns, tokens[:n] + [1])
+            assert got is not None and got.length == n
+            for want, have in zip(caches, got.caches):
+                assert np.array_equal(np.array(want.keys), np.array(have.keys[..., :n, :]))
+                assert np.array_equal(np.array(want.values), np.array(have.values[..., :n, :]))
+
+
+def test_the_queue_lingers_for_company_but_never_while_drained():
+    batches: list[list] = []
+    queue = WriteBehind(1 << 20, lambda job: batches.append([job]), batch_handler=batches.append, linger_s=30.0)
+    try:
+        for job in range(3):
+            assert queue.offer(job, 10)
+        time.sleep(0.05)
+        assert batches == []  # lingering: 30 s allowed, nobody waiting
+        waited = threading.Thread(target=queue.drain, args=(60.0,))
+        started = time.monotonic()
+        waited.start()
+        waited.join(20)
+        assert not waited.is_alive() and time.monotonic() - started < 20  # a drain cuts the linger short
+        assert batches == [[0, 1, 2]]  # the three in one batch
+    finally:
+        queue.close(5)
