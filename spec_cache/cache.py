@@ -313,24 +313,36 @@ class SpecCache:
             return None
         return self._write(job, stacklevel=3)
 
-    def _write_many(self, jobs: list["_WriteJob"]) -> None:
+    def _write_many(self, jobs: list["_WriteJob"]) -> int:
         """The write-behind thread's batch: the checkpoints queued meanwhile in one LMDB transaction
         (``Store.put_many``); one the batch could not take (its lone put failed too) goes through :meth:`_write`,
-        which tries it alone once more and reports why."""
-        puts = []
+        which tries it alone once more and reports why. Returns how many failed unexpectedly (logged)."""
+        ready, alone = [], []
         for job in jobs:
-            job.layers = host_layers(job.layers)
-            puts.append((job.ns_key, job.tokens, job.layers,
-                         dict(drafter=job.drafter, minimum_reusable=job.minimum_reusable)))
+            try:
+                job.layers = host_layers(job.layers)
+                ready.append(job)
+            except Exception:  # its copy failed: _write tries again and reports it (its entry is released there)
+                alone.append(job)
         try:
-            outcomes = self.store.put_many(puts)
+            outcomes = self.store.put_many([(job.ns_key, job.tokens, job.layers,
+                                             dict(drafter=job.drafter, minimum_reusable=job.minimum_reusable))
+                                            for job in ready])
         except Exception:  # pragma: no cover - put_many answers per checkpoint; each alone then
-            outcomes = [None] * len(jobs)
-        for job, outcome in zip(jobs, outcomes):
+            outcomes = [None] * len(ready)
+        for job, outcome in zip(ready, outcomes):
             if isinstance(outcome, PutResult):
                 self._written(job, outcome)
             else:
+                alone.append(job)
+        failed = 0
+        for job in alone:
+            try:
                 self._write(job)
+            except Exception:  # one checkpoint's unexpected failure never stops the rest of the batch
+                failed += 1
+                log.exception("spec-cache: checkpoint of %d tokens not stored", len(job.tokens))
+        return failed
 
     def _write(self, job: "_WriteJob", stacklevel: int = 2) -> PutResult | None:
         """Put one checkpoint into LMDB (the write-behind thread, or the caller's); mark its memory entry durable."""

@@ -50,10 +50,10 @@ class CheckpointWriter:
     """A byte-capped write-behind queue for checkpoints. ``write(job)`` does the put; jobs are callables' args."""
 
     def __init__(self, write: Callable[[object], None], cap_bytes: int = DEFAULT_QUEUE_BYTES, *,
-                 write_many: Callable[[list], None] | None = None):
+                 write_many: Callable[[list], int] | None = None):
         """``write_many(jobs)``: when given, the checkpoints queued when the thread gets to them (after lingering
-        ``LINGER_S`` for company) are written by one call (one LMDB transaction: ``Store.put_many``); ``write(job)``
-        writes one (a lone job, and the back-pressure path)."""
+        ``LINGER_S`` for company) are written by one call (one LMDB transaction: ``Store.put_many``), which returns
+        how many failed; ``write(job)`` writes one (a lone job, and the back-pressure path)."""
         self._write = write
         self._write_many = write_many
         self._lock = threading.Lock()
@@ -91,8 +91,9 @@ class CheckpointWriter:
             self._handle(jobs[0])
             return
         try:
-            self._write_many(jobs)
-            self._count("written", len(jobs))
+            failed = self._write_many(jobs) or 0
+            self._count("written", len(jobs) - failed)
+            self._count("failed", failed)
             self._count("batches")
         except Exception:  # the writer reports its own failures; never let the thread die
             self._count("failed", len(jobs))

@@ -74,3 +74,32 @@ def test_the_queue_lingers_for_company_but_never_while_drained():
         assert batches == [[0, 1, 2]]  # the three in one batch
     finally:
         queue.close(5)
+
+
+def test_a_checkpoint_whose_copy_fails_in_a_batch_is_released_and_the_others_stored(tmp_path, monkeypatch):
+    """A batch member whose device-to-host copy fails goes alone through the one-checkpoint path (which reports it
+    and lets the memory tier evict it); the rest of the batch is stored."""
+    from spec_cache import cache as cache_module
+
+    monkeypatch.setattr(write_behind, "LINGER_S", 30.0)
+    real = cache_module.host_layers
+
+    def flaky(layers):
+        if any(t.shape[2] == 180 for layer in layers for t in layer.tensors):
+            raise RuntimeError("simulated device copy failure")
+        return real(layers)
+
+    monkeypatch.setattr(cache_module, "host_layers", flaky)
+    full = [kv(390, seed=1)]
+    with SpecCache.open(tmp_path / "store") as cache:
+        ns = cache.namespace("ab" * 32, "prefix")
+        tokens = list(range(10, 400))
+        for n in (100, 180, 260):
+            cache.save(ns, tokens[:n], [_prefix(c, n) for c in full], background=True)
+        assert cache.drain(60)
+        writes = cache.memory_stats()["writes"]
+        assert writes["failed"] == 1 and writes["written"] == 2, writes  # the lone retry failed again, counted
+        assert cache.memory.stats()["not_durable"] == 0  # none held back from eviction
+    with SpecCache.open(tmp_path / "store", memory_bytes=0) as cache:
+        assert cache.restore(ns, tokens[:260] + [1]).length == 260
+        assert cache.restore(ns, tokens[:181]).length == 100  # 180 was never stored
