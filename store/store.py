@@ -184,7 +184,19 @@ class Store:
         checkpoint = prepare_checkpoint(ns_key, tokens, layers, chunk_tokens=self.chunk_tokens, drafter=drafter,
                                         minimum_reusable=minimum_reusable)
         self._check_budget(checkpoint.own_bytes)
-        return self._write_prepared([(checkpoint, pin)])[0]
+        return self._put_one(checkpoint, pin)
+
+    def _put_one(self, checkpoint: Checkpoint, pin: bool) -> PutResult:
+        """One checkpoint in its own transaction; refused for the budget in the pieced layout (format 1.3: a chunk
+        naming an earlier entry's pieces keeps them alive when that entry is evicted to make room), it is tried once
+        more written whole, which needs no more than it does in an empty store."""
+        try:
+            return self._write_prepared([(checkpoint, pin)])[0]
+        except StoreFullError:
+            if checkpoint.whole:
+                raise
+            checkpoint.whole = True
+            return self._write_prepared([(checkpoint, pin)])[0]
 
     def put_many(self, puts: Sequence[tuple]) -> list:
         """Several checkpoints in one transaction: each ``(ns_key, tokens, layers, options)`` with ``options`` the
@@ -218,7 +230,7 @@ class Store:
                 return outcomes
         for i, checkpoint, pin in prepared:
             try:
-                outcomes[i] = self._write_prepared([(checkpoint, pin)])[0]
+                outcomes[i] = self._put_one(checkpoint, pin)
             except Exception as exc:
                 outcomes[i] = exc
         return outcomes

@@ -46,6 +46,9 @@ class Checkpoint:
     drafter: str | None               # drafter namespace of the drafter part, or None
     draft_record: np.ndarray | None   # encoded drafter record, or None
     draft_pieces: list[Piece] = None  # shared pieces the drafter record refers to (store format 1.2)
+    #: write tails and chunks whole (no target pieces): the retry of a put refused for the budget, since a pieced
+    #: chunk may keep an evicted entry's pieces alive beside it (``Store._put_one``)
+    whole: bool = False
 
     @property
     def length(self) -> int:
@@ -62,6 +65,10 @@ class Checkpoint:
         return (self.entry_record.nbytes + (self.draft_record.nbytes if self.draft_record is not None else 0)
                 + sum(p.nbytes for p in self.draft_pieces or ()))
 
+    @property
+    def _spans(self) -> bool:
+        return S.WRITE_SPANS and not self.whole
+
     def piece_slices(self, lo: int, hi: int) -> list:
         """The tensors of a target piece of tokens ``[lo, hi)`` (store format 1.3, ``spans.py``)."""
         out = [("tokens", "uint32", self.packed[lo:hi])]
@@ -74,7 +81,7 @@ class Checkpoint:
         """Chunk ``k``'s record, pieced (``(record, [SpanPiece])``) when entries hanging off its parent already
         wrote a prefix of it as pieces (format 1.3), else whole (a record)."""
         lo, hi = (k - 1) * self.chunk_tokens, k * self.chunk_tokens
-        prior = S.prior_spans(index, self.chain[k - 1], self.packed[lo:hi]) if S.WRITE_SPANS else []
+        prior = S.prior_spans(index, self.chain[k - 1], self.packed[lo:hi]) if self._spans else []
         if not prior:
             return self.chunk_record(k)
         cut = S.cut_span(self.ns_key, self.chain[k - 1], lo, hi, prior, self.piece_slices)
@@ -86,7 +93,7 @@ class Checkpoint:
     def entry_write(self, index) -> tuple[np.ndarray, list]:
         """The entry record and the target pieces its tail is cut into (format 1.3; ``[]``: a whole tail)."""
         start, n = self.tail_start, self.length
-        if not (S.WRITE_SPANS and self.chunked and n > start):
+        if not (self._spans and self.chunked and n > start):
             return self.entry_record, []
         prior = S.prior_spans(index, self.chain[-1], self.packed[start:])
         cut = S.cut_span(self.ns_key, self.chain[-1], start, n, prior, self.piece_slices)

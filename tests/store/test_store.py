@@ -718,12 +718,20 @@ _FOOTPRINT: dict[tuple, int] = {}
 
 
 def footprint(tokens) -> int:
-    """Bytes one checkpoint needs in an empty store (entry + its chunks), measured on a scratch store."""
+    """Bytes one checkpoint needs in an empty store (entry + its chunks) in its smallest layout, written whole
+    (format 1.3's pieces add record overhead; a put refused for the budget is tried again whole), measured on a
+    scratch store."""
     key = tuple(tokens)
     if key not in _FOOTPRINT:
+        from spec_cache.store import spans
+
         with tempfile.TemporaryDirectory() as tmp, Store.open(tmp, chunk_tokens=4, durable=False) as scratch:
             scratch.register_namespace(NS, target="a" * 64, prefix_namespace="p")
-            _FOOTPRINT[key] = put(scratch, tokens).bytes_written
+            spans.WRITE_SPANS = False
+            try:
+                _FOOTPRINT[key] = put(scratch, tokens).bytes_written
+            finally:
+                spans.WRITE_SPANS = True
     return _FOOTPRINT[key]
 
 
