@@ -6,6 +6,7 @@ are written once per session (a few milliseconds each); the identity memo goes t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,17 +73,20 @@ def tiny(tmp_path_factory) -> Tiny:
     return build_tiny(tmp_path_factory.mktemp("tiny-llama"))
 
 
-_PLAIN: dict = {}
+#: per target (weakly: a target's ``id`` is reused once it is collected, and an ``id`` key once served one
+#: model's tokens for another's, failing a test in a long run only) -> {(prompt, max_tokens, options): tokens}
+_PLAIN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def plain_greedy(target: TargetModel, prompt: list[int], max_tokens: int, **options) -> list[int]:
     """The target's own greedy tokens from mlx-lm's ``generate_step`` (memoized per target, prompt and options,
     e.g. ``kv_bits``/``kv_group_size``/``quantized_kv_start``/``prefill_step_size``)."""
-    key = (id(target), tuple(prompt), max_tokens, tuple(sorted(options.items())))
-    if key not in _PLAIN:
+    key = (tuple(prompt), max_tokens, tuple(sorted(options.items())))
+    memo = _PLAIN.setdefault(target, {})
+    if key not in memo:
         steps = generate_step(mx.array(prompt), target.model, max_tokens=max_tokens, **options)
-        _PLAIN[key] = [token for token, _ in steps]
-    return list(_PLAIN[key])
+        memo[key] = [token for token, _ in steps]
+    return list(memo[key])
 
 
 class CheckpointRecorder:
