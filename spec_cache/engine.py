@@ -19,7 +19,9 @@ other rows of its batch, on the drafter, or on where it was restored from.
 
 Row admission (prefill) is tail-split: the target KV gets ``prompt[:-1]`` (minus what was restored) and the last
 prompt token is the first pending token. Target rows and draft rows join a running group together through
-two-phase state changes, so a failure on either side leaves both as they were.
+two-phase state changes, so a failure on either side leaves both as they were. While other rows decode, a
+joining cohort's target prefill is spread over steps, one chunk of ``prefill_step_size`` positions between
+rounds (``interleave_prefill``; ``spec_cache.joining``): no decoding row stalls behind a long prompt.
 
 A target-only hit (restored target caches, no ``draft_checkpoint``): the assistant makes the target forward the
 last prompt token again (it needs that hidden), the draft model and ngram rebuild their row from the prompt
@@ -68,6 +70,7 @@ import mlx.core as mx
 from spec_cache.depth import DepthController, RowAcceptance
 from spec_cache.drafters.base import ColdRow, storable
 from spec_cache.errors import InvalidRequest, RestoreRefused
+from spec_cache.joining import JoiningCohort
 from spec_cache.kv_quant import converted_at, plan_kv, reusable
 from spec_cache.quantized_rows import QuantizedTargetRows
 from spec_cache.rows import RoundContext, TargetRowGroup, apply_state_changes
@@ -160,6 +163,10 @@ class SpeculativeEngine:
     next round is queued on the device before the host reads this one's tokens, with or without a drafter (a
     drafting session's rounds at depth 0; see ``DecodeSession``); False: one synchronous round at a time (same
     tokens, same checkpoints).
+    ``interleave_prefill``: rows joining a batch that is decoding are prefilled one chunk of
+    ``prefill_step_size`` positions per step, between the decoding rows' rounds (``spec_cache.joining``), so no
+    decoding row stalls behind a long prompt (float KV, attention-only target, a drafter that needs no taps);
+    False: a joining cohort is prefilled whole before the step's round. Tokens are the same either way.
     """
 
     def __init__(
@@ -174,6 +181,7 @@ class SpeculativeEngine:
         adaptive: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         pipeline: bool = True,
+        interleave_prefill: bool = True,
     ) -> None:
         check_kv_options(kv)
         head_dims = [target.kv_geometry(layer)[1] for layer in range(target.num_layers)]
@@ -193,6 +201,8 @@ class SpeculativeEngine:
             raise InvalidRequest(f"clock must be a callable returning seconds, got {clock!r}")
         if not isinstance(pipeline, bool):
             raise InvalidRequest(f"pipeline must be True or False, got {pipeline!r}")
+        if not isinstance(interleave_prefill, bool):
+            raise InvalidRequest(f"interleave_prefill must be True or False, got {interleave_prefill!r}")
         if provider is not None and hasattr(provider, "bind"):
             provider.bind(target)
         self.target = target
@@ -203,6 +213,7 @@ class SpeculativeEngine:
         self.prefill_step_size = prefill_step_size
         self.clock = clock
         self.pipeline = pipeline
+        self.interleave_prefill = interleave_prefill
         #: the adaptive depth controller (costs persist across sessions of this engine); None: fixed depth
         self.depth = DepthController(draft_depth) if adaptive and provider is not None and draft_depth else None
 
@@ -321,8 +332,9 @@ class DecodeSession:
     """A running batch that requests join and leave between rounds (continuous batching).
 
     ``submit`` checks a request (ValueError / SchemaError, before any model work) and queues it; ``step`` admits
-    queued rows (up to the engine's ``max_rows`` active), runs one verify round for every active row and retires
-    the rows that are done. ``cancel`` ends a row without a finish checkpoint, ``finish`` ends it as done (with
+    queued rows (up to the engine's ``max_rows`` active; one joining cohort at a time, prefilled one chunk per
+    step while others decode), runs one verify round for every active row and retires the rows that are done.
+    A row still prefilling counts in ``waiting_count`` and leaves (``cancel``/``finish``) as a waiting row does. ``cancel`` ends a row without a finish checkpoint, ``finish`` ends it as done (with
     one); outside ``step`` either frees the row at once, inside a callback at the end of the current step.
 
     Per row: ``on_tokens(row_id, tokens)`` after every round that emitted tokens for it, ``on_finish(row_id,
@@ -378,6 +390,8 @@ class DecodeSession:
         self._pipelined = engine.pipeline and engine.plan is None and not self.target.recurrent_layers
         #: the queued round: the KV of every active row already holds its pending token
         self._ahead: _Queued | None = None
+        #: rows on their way in, prefilled chunk by chunk between rounds (``spec_cache.joining``)
+        self._joining: JoiningCohort | None = None
         #: rounds the host consumed from the queue (the next round's forward was in flight as it read them)
         self.pipelined_rounds = 0
 
@@ -417,8 +431,8 @@ class DecodeSession:
 
     @property
     def busy(self) -> bool:
-        """Rows are active or waiting."""
-        return bool(self.active or self.waiting)
+        """Rows are active, joining or waiting."""
+        return bool(self.active or self.waiting or self._joining is not None)
 
     @property
     def active_count(self) -> int:
@@ -426,7 +440,8 @@ class DecodeSession:
 
     @property
     def waiting_count(self) -> int:
-        return len(self.waiting)
+        """Rows not decoding yet: queued, or prefilling to join."""
+        return len(self.waiting) + (0 if self._joining is None else len(self._joining.members))
 
     def step(self) -> bool:
         """Admit what fits, run one round, retire finished rows; True while rows remain."""
@@ -435,10 +450,11 @@ class DecodeSession:
         self._stepping = True
         try:
             free = len(self.waiting) if self.engine.max_rows is None else self.engine.max_rows - len(self.active)
-            if self.waiting and free > 0:
-                self._drop_ahead()  # the batch changes: the queued round is not the one to run
+            if self._joining is None and self.waiting and free > 0:
                 cohort, self.waiting = self.waiting[:free], self.waiting[free:]
                 self._admit(cohort)
+            if self._joining is not None:
+                self._advance()
             if self.active:
                 self._pipelined_round() if self._pipelined else self._round()
             self._retire()
@@ -453,7 +469,10 @@ class DecodeSession:
             return
         self._closed = True
         self._ahead = None
+        joining, self._joining = self._joining, None
         try:
+            if joining is not None:
+                joining.dispose()
             if self.group is not None:
                 self.group.dispose()
         finally:
@@ -476,6 +495,17 @@ class DecodeSession:
                 if row.on_finish is not None:
                     row.on_finish(row.index, row.result(cancelled=not checkpoint, reason="cancelled"))
                 return True
+        joining = self._joining
+        if joining is not None:
+            for i, row in enumerate(joining.members):
+                if row.index == row_id:  # prefilling: it leaves before it joins, as a waiting row does
+                    joining.drop([i])
+                    if not joining.members:
+                        self._joining = None
+                        joining.dispose()
+                    if row.on_finish is not None:
+                        row.on_finish(row.index, row.result(cancelled=not checkpoint, reason="cancelled"))
+                    return True
         if not any(row.index == row_id for row in self.active):
             return False
         self._leaving.setdefault(row_id, checkpoint)
@@ -485,12 +515,14 @@ class DecodeSession:
 
     # -- admission --------------------------------------------------------------------------------------
     def _admit(self, cohort: list[_Row]) -> None:
+        """Plan each joining row (where its target and drafter rows start) and open its target rows; the prefill
+        runs in ``_advance`` (spread over steps while others decode: ``spec_cache.joining``)."""
         group = self.group
         needs_hidden = group is not None and group.prefill_needs_target_hidden
         needs_taps = group is not None and group.prefill_needs_target_taps
         beside = group is not None and getattr(group, "opens_beside_target", False)
         windows = self.target.layer_windows
-        restored_rows, openings = [], []
+        restored_rows = []
         for row in cohort:
             request = row.request
             start = request.restored_tokens
@@ -516,16 +548,34 @@ class DecodeSession:
             # a target-only hit: a drafter that can opens its row cold beside the restored target (its state
             # covers what is forwarded from here on); the others prefill from the first token they lack
             row.beside = beside and cold and start > 0
-            openings.append(ColdRow(start) if row.beside else request.draft_checkpoint)
             row.draft_start = start if row.beside else _draft_start(row)
         joining = self.engine._rows(restored_rows, [row.conversion for row in cohort])
-        prefill_group = None if group is None else self.engine.provider.open_prefill(joining, openings)
-        taps = () if prefill_group is None else tuple(prefill_group.tap_layers)
+        taps = () if group is None else tuple(group.tap_layers)
+        split = self.engine.interleave_prefill and self.engine.plan is None and not self.target.recurrent_layers
+        self._joining = JoiningCohort(cohort, joining, [row.request.prompt[row.target_start : -1] for row in cohort],
+                                      step=self.engine.prefill_step_size, tap_layers=taps, split=split)
+
+    def _advance(self) -> None:
+        """Forward the joining cohort's next chunk (all of it when no row decodes meanwhile) and let it join
+        once its prefill is done."""
+        cohort = self._joining
         try:
-            context = joining.prefill(
-                [row.request.prompt[row.target_start : -1] for row in cohort], step=self.engine.prefill_step_size,
-                tap_layers=taps,
-            )
+            if not cohort.advance(whole=not self.active):
+                return
+            self._drop_ahead()  # the batch changes: the queued round is not the one to run
+            self._join(cohort.members, cohort.rows, cohort.context())
+        except BaseException:
+            self._joining = None
+            cohort.dispose()
+            raise
+        self._joining = None
+        cohort.dispose()
+
+    def _join(self, cohort: list[_Row], joining: TargetRowGroup, context) -> None:
+        """The drafter rows' prefill over the prefilled target rows, then both join the batch (two-phase)."""
+        openings = [ColdRow(row.target_start) if row.beside else row.request.draft_checkpoint for row in cohort]
+        prefill_group = None if self.group is None else self.engine.provider.open_prefill(joining, openings)
+        try:
             captures: list[DraftRowCheckpoint | None] = [None] * len(cohort)
             if prefill_group is not None:
                 tokens = [row.request.prompt[row.draft_start : -1] for row in cohort]
@@ -554,7 +604,6 @@ class DecodeSession:
         finally:
             if prefill_group is not None:
                 prefill_group.dispose()
-            joining.dispose()
 
     def _restored_whole(self, row) -> bool:
         """Whether ``row`` restored its whole prompt boundary, drafter row included (when there is a drafter):
@@ -728,7 +777,10 @@ class DecodeSession:
     def _batch_changes(self) -> bool:
         """Whether the next step will not run the same rows as this one (rows leave, join, or are captured)."""
         max_rows = self.engine.max_rows
-        joins = bool(self.waiting) and (max_rows is None or len(self.active) < max_rows)
+        if self._joining is not None:
+            joins = self._joining.chunks_left <= 1 or not self._joining.split
+        else:
+            joins = bool(self.waiting) and (max_rows is None or len(self.active) < max_rows)
         return joins or bool(self._leaving) or bool(self._snapshots)
 
     def _drop_ahead(self) -> None:

@@ -1,0 +1,184 @@
+"""Rows joining a decoding batch are prefilled chunk by chunk between its rounds
+(``SpeculativeEngine(interleave_prefill=True)``, ``spec_cache.joining``).
+
+The contract: nobody's tokens change (the joining rows' and the decoding rows' equal the target's own greedy
+tokens and the unsplit session's), the boundary checkpoints are bit-identical, the decoding rows keep emitting
+tokens while a long prompt prefills, and a row that leaves while it prefills goes cleanly."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from spec_cache.depth import DepthController
+from spec_cache.engine import RowRequest, SpeculativeEngine
+from spec_cache.errors import InvalidRequest
+from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
+
+STEP = 4  # prefill_step_size: a 30-token prompt takes 8 chunks
+LONG = [(7 * i + 3) % 60 + 2 for i in range(30)]
+OTHER = [(5 * i + 1) % 50 + 3 for i in range(23)]
+
+
+def _owned(caches) -> list:
+    return [(mx.array(c.keys[..., : c.offset, :]), mx.array(c.values[..., : c.offset, :]), int(c.offset))
+            for c in caches]
+
+
+def _engine(target, provider=None, *, interleave=True, pipeline=True, max_rows=None):
+    engine = SpeculativeEngine(target, provider, draft_depth=3, prefill_step_size=STEP, max_rows=max_rows,
+                               pipeline=pipeline, interleave_prefill=interleave)
+    if engine.depth is not None:  # the wall clock must not choose depths (they decide a drafter's checkpoints)
+        engine.depth = DepthController(3, prior_acceptance=0.0, probe_acceptance=0.0)
+    return engine
+
+
+def _session_run(engine, *, cancel_joiner_after: int | None = None) -> dict:
+    """Row A decodes; after its third step B (long) and C (shorter) are submitted together; later D joins alone.
+    Records each row's tokens, the step of each row's first token, and the boundary checkpoints."""
+    streamed, first_step, checkpoints, results = {}, {}, [], {}
+    step_no = 0
+
+    def on_tokens(row, tokens):
+        streamed.setdefault(row, []).extend(tokens)
+        first_step.setdefault(row, step_no)
+
+    def on_finish(row, result):
+        results[row] = result
+
+    def on_checkpoint(row, tokens, caches, draft):
+        checkpoints.append((row, list(tokens), _owned(caches)))
+
+    session = engine.session(on_checkpoint=on_checkpoint)
+
+    def submit(prompt, n):
+        return session.submit(RowRequest(prompt, max_tokens=n, stop_at_eos=False), on_tokens=on_tokens,
+                              on_finish=on_finish)
+
+    rows = {"a": submit([11, 12, 13], 40)}
+    submitted_at = {}
+    while step_no < 80:
+        step_no += 1
+        if not session.step():
+            break
+        if step_no == 3:
+            rows["b"], rows["c"] = submit(LONG, 10), submit(OTHER, 8)
+            submitted_at["b"] = step_no
+        if step_no == 5 and cancel_joiner_after is not None:
+            assert session.cancel(rows["c"])  # C leaves while it prefills
+        if step_no == 6:
+            rows["d"] = submit(LONG[:17], 6)
+    session.close()
+    return {"rows": rows, "streamed": streamed, "first_step": first_step, "checkpoints": checkpoints,
+            "results": results, "submitted_at": submitted_at}
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_joining_rows_prefill_between_rounds_and_change_no_tokens(tiny, pipeline):
+    split = _session_run(_engine(tiny.target, pipeline=pipeline))
+    whole = _session_run(_engine(tiny.target, pipeline=pipeline, interleave=False))
+    rows = split["rows"]
+    for name, prompt, n in [("a", [11, 12, 13], 40), ("b", LONG, 10), ("c", OTHER, 8), ("d", LONG[:17], 6)]:
+        assert split["streamed"][rows[name]] == plain_greedy(tiny.target, prompt, n), name
+        assert whole["streamed"][rows[name]] == split["streamed"][rows[name]], name
+    # the cohort B+C needs 8 chunks of 4 positions (29 tokens for B): A decodes through them
+    a, b = rows["a"], rows["b"]
+    during = [s for s in range(split["submitted_at"]["b"] + 1, split["first_step"][b])]
+    assert len(during) >= 7
+    a_tokens_split = sum(1 for s in during if split["first_step"][a] <= s)
+    assert a_tokens_split == len(during)  # every step of B's prefill ran A's round too
+    # unsplit, B's whole prefill happens in the step after it was submitted: its first token comes then
+    assert whole["first_step"][b] == whole["submitted_at"]["b"] + 1
+    assert split["first_step"][b] > whole["first_step"][b]
+    # boundary (and finish) checkpoints: same rows, same tokens, bit-identical K/V
+    key = lambda calls: sorted(calls, key=lambda c: (c[0], len(c[1])))  # noqa: E731
+    got, want = key(split["checkpoints"]), key(whole["checkpoints"])
+    assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
+    for (_, _, layers_a), (_, _, layers_b) in zip(got, want):
+        for (ka, va, oa), (kb, vb, ob) in zip(layers_a, layers_b, strict=True):
+            assert oa == ob and mx.array_equal(ka, kb).item() and mx.array_equal(va, vb).item()
+
+
+@pytest.mark.parametrize("provider_name", ["ngram", "draft-model", "assistant"])
+def test_drafters_over_interleaved_joins_keep_the_tokens(tiny, provider_name):
+    split = _session_run(_engine(tiny.target, tiny.provider(provider_name)))
+    whole = _session_run(_engine(tiny.target, tiny.provider(provider_name), interleave=False))
+    rows = split["rows"]
+    for name, prompt, n in [("a", [11, 12, 13], 40), ("b", LONG, 10), ("c", OTHER, 8), ("d", LONG[:17], 6)]:
+        assert split["streamed"][rows[name]] == plain_greedy(tiny.target, prompt, n), (provider_name, name)
+    assert split["first_step"][rows["b"]] > whole["first_step"][rows["b"]]
+
+
+def test_projected_drafter_needing_taps_is_prefilled_whole(tiny):
+    """A drafter that reads the target's taps at every prefilled token gets them from one prefill call: the
+    cohort is not split, and the tokens stay the target's."""
+    split = _session_run(_engine(tiny.target, tiny.provider("deepspec")))
+    rows = split["rows"]
+    assert split["first_step"][rows["b"]] == split["submitted_at"]["b"] + 1
+    assert split["streamed"][rows["b"]] == plain_greedy(tiny.target, LONG, 10)
+
+
+def test_a_row_cancelled_while_it_prefills_leaves_and_the_others_go_on(tiny):
+    run = _session_run(_engine(tiny.target), cancel_joiner_after=5)
+    rows, results = run["rows"], run["results"]
+    c = rows["c"]
+    assert results[c].cancelled and results[c].reason == "cancelled" and results[c].tokens == []
+    assert c not in run["streamed"]
+    assert not any(row == c for row, _, _ in run["checkpoints"])  # it never reached its boundary
+    for name, prompt, n in [("a", [11, 12, 13], 40), ("b", LONG, 10), ("d", LONG[:17], 6)]:
+        assert run["streamed"][rows[name]] == plain_greedy(tiny.target, prompt, n), name
+
+
+def test_the_whole_cohort_cancelled_while_it_prefills(tiny):
+    engine = _engine(tiny.target)
+    results = {}
+    session = engine.session()
+    a = session.submit(RowRequest([11, 12, 13], max_tokens=12, stop_at_eos=False),
+                       on_finish=lambda r, res: results.setdefault(r, res))
+    session.step()
+    b = session.submit(RowRequest(LONG, max_tokens=4, stop_at_eos=False),
+                       on_finish=lambda r, res: results.setdefault(r, res))
+    session.step()  # B's first chunk
+    assert session.waiting_count == 1 and session.active_count == 1  # B prefills: counted as not decoding yet
+    assert session.cancel(b) and results[b].cancelled
+    assert session.waiting_count == 0
+    while session.step():
+        pass
+    session.close()
+    assert results[a].tokens == plain_greedy(tiny.target, [11, 12, 13], 12)
+
+
+def test_restored_rows_join_by_chunks_too(tiny):
+    """A row restored from a boundary checkpoint forwards only its new tokens, split the same way."""
+    prompt = LONG + OTHER
+    saved = {}
+
+    def keep(row, tokens, caches, draft):
+        saved.setdefault("tokens", list(tokens))
+        saved.setdefault("caches", caches)
+
+    SpeculativeEngine(tiny.target, prefill_step_size=STEP).run([RowRequest(LONG, max_tokens=1)], on_checkpoint=keep)
+    assert saved["tokens"] == LONG[:-1]
+    engine = _engine(tiny.target)
+    session = engine.session()
+    out = {}
+    session.submit(RowRequest([11, 12, 13], max_tokens=30, stop_at_eos=False),
+                   on_tokens=lambda r, t: out.setdefault(r, []).extend(t))
+    session.step()
+    joiner = session.submit(RowRequest(prompt, restored_caches=saved["caches"], restored_tokens=len(LONG) - 1,
+                                       max_tokens=6, stop_at_eos=False),
+                            on_tokens=lambda r, t: out.setdefault(r, []).extend(t))
+    steps_to_first = 0
+    while joiner not in out:
+        session.step()
+        steps_to_first += 1
+    while session.step():
+        pass
+    session.close()
+    assert steps_to_first == -(-(len(prompt) - 1 - (len(LONG) - 1)) // STEP)  # one chunk per step
+    assert out[joiner] == plain_greedy(tiny.target, prompt, 6)
+
+
+def test_interleave_option_is_checked(tiny):
+    with pytest.raises(InvalidRequest, match="interleave_prefill"):
+        SpeculativeEngine(tiny.target, interleave_prefill="yes")
