@@ -232,6 +232,20 @@ class MemoryTier:
                 self._evict_to(self.budget_bytes)
             return True
 
+    def held_prefix(self, ns_key: bytes, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` a held entry could serve (an entry that is a prefix of them: its length; a
+        trimmable one: the common prefix, down to its minimum reusable offset), 0 for none. A read for planning
+        (``spec-cache serve`` skips rendering message boundaries the cache already covers): no hit is counted,
+        nothing moves in the LRU order, and no caller's usability rule is applied."""
+        query = np.asarray(tokens, dtype=np.uint32)
+        best = 0
+        with self._lock:
+            for entry in self._by_ns.get(ns_key, {}).values():
+                for hit in _candidates(entry, query, None):
+                    best = max(best, hit.length)
+                    break  # candidates come longest first
+        return best
+
     def serving(self, ns_key: bytes, tokens: Sequence[int]) -> tuple[bytes, int] | None:
         """``(entry tokens, bytes)`` of the held entry that serves all of ``tokens`` (the shortest; a longer
         trimmable one serves it by trimming), or None; counts no hit (``pin`` takes the entry's tokens)."""

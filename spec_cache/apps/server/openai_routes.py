@@ -14,9 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from spec_cache.apps.server.auth import tenant_label
+from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.jobs import Requests, error_response, log_request
 from spec_cache.apps.server.protocol import APIError, parse_chat, parse_completion
+from spec_cache.apps.server.scheduler import MIN_CHECKPOINT_GAP
 from spec_cache.apps.server.seam import message_boundaries
 from spec_cache.apps.server.tools import TemplateError, chat_ids, render_chat, uses_tools
 
@@ -24,7 +25,7 @@ __all__ = ["openai_routes"]
 
 
 def openai_routes(requests: Requests) -> list[Route]:
-    prompts = _Prompts(requests.tokenizer)
+    prompts = _Prompts(requests.tokenizer, requests.scheduler)
     return [
         Route("/v1/chat/completions", _generating(requests, prompts, "chat", chat=True), methods=["POST"]),
         Route("/v1/completions", _generating(requests, prompts, "completions", chat=False), methods=["POST"]),
@@ -35,8 +36,10 @@ def openai_routes(requests: Requests) -> list[Route]:
 class _Prompts:
     """Prompt ids from a parsed request (run in a worker thread through ``Requests.tokenize``)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, scheduler=None) -> None:
         self.tokenizer = tokenizer
+        self.scheduler = scheduler  # ``held_prefix``: what the memory tier covers already
+        self.renders = 0  # message heads rendered for boundaries (a counter for tests)
 
     def text(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
@@ -48,18 +51,38 @@ class _Prompts:
         except TemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
 
-    def boundaries(self, messages: list[dict], prompt: list[int], params=None) -> list[int]:
+    def seams(self, messages: list[dict], prompt: list[int], params, tenant: str | None) -> list[int]:
+        """``boundaries`` past what the memory tier holds of ``prompt`` for ``tenant`` (a namespace tenant)."""
+        covered = 0 if self.scheduler is None else self.scheduler.held_prefix(tenant, prompt[:-1])
+        return self.boundaries(messages, prompt, params, covered)
+
+    def boundaries(self, messages: list[dict], prompt: list[int], params=None, covered: int = 0) -> list[int]:
         """Where the last messages end in ``prompt`` (and its end): checkpointed while prefilling (``seam``); each
         head is rendered the way ``chat`` rendered the whole conversation (tool turns included: a head of a
-        conversation that uses tools renders through ``render_chat`` as the whole did)."""
+        conversation that uses tools renders through ``render_chat`` as the whole did).
+
+        ``covered``: prompt tokens the cache already holds (``Scheduler.held_prefix``). The scheduler skips offsets
+        within ``MIN_CHECKPOINT_GAP`` of them, so once a head renders that short, the shorter heads (fewer
+        messages) are not rendered at all: a warm turn renders one head (its history up to the new message)
+        instead of up to ``2 * RENDERED_PREFIXES``; ``renders`` counts them."""
         tokenizer = self.tokenizer
         tools, choice = (None, None) if params is None else (params.tools, params.tool_choice)
         tooled = uses_tools(tools, choice, messages)
+        floor = covered + MIN_CHECKPOINT_GAP - 1 if covered > 0 else 0  # a head this short gives no checkpoint
+        short = 0  # heads of fewer messages than this are within the floor (0: none known yet)
 
         def render(head: list[dict], generation_prompt: bool):
+            nonlocal short
+            if len(head) < short:
+                return []  # shorter than a head already within the floor: no offset (``seam`` keeps none)
+            self.renders += 1
             if tooled:
-                return render_chat(tokenizer, head, tools, choice, add_generation_prompt=generation_prompt)
-            return chat_ids(tokenizer, head, generation_prompt=generation_prompt)
+                ids = render_chat(tokenizer, head, tools, choice, add_generation_prompt=generation_prompt)
+            else:
+                ids = chat_ids(tokenizer, head, generation_prompt=generation_prompt)
+            if floor and not generation_prompt and len(ids) <= floor:
+                short = len(head)
+            return ids
         return message_boundaries(render, messages, prompt)
 
 
@@ -79,7 +102,8 @@ def _generating(requests: Requests, prompts: _Prompts, name: str, chat: bool):
                 params, messages = parse_chat(body, state.models)
                 prompt = await requests.tokenize(prompts.chat, messages, params)
                 if cache is not None:
-                    checkpoint_at = await requests.tokenize(prompts.boundaries, messages, prompt, params)
+                    checkpoint_at = await requests.tokenize(prompts.seams, messages, prompt, params,
+                                                            salted_tenant(tenant, params.cache_salt))
             else:
                 params, text = parse_completion(body, state.models, vocab)
                 prompt = text if isinstance(text, list) else await requests.tokenize(prompts.text, text)

@@ -21,13 +21,15 @@ reusable).
 Checkpoints at chosen offsets (``Job.checkpoint_at``, the template seam): a chat request's message boundaries
 (``seam.message_boundaries``), Anthropic ``cache_control`` breakpoints, anything a caller names. An offset inside
 the prompt goes as a prefill phase like the ``checkpoint_every`` ones; ``len(prompt)`` (the end of the prompt, where
-the next turn of a conversation continues, and where a drafter's exact-length row must be stored) goes as a side
-row: once the job's own row has written its prompt-boundary checkpoint (``len(prompt) - 1``), a one-token row for
-``prompt + [any token]`` restores it, forwards the last prompt token and stores its own prompt boundary, which is
-exactly ``prompt`` (its token and its finish checkpoint, which would hold the placeholder, are dropped); the job's
-first token never waits for it. Costs per offset: one restore, one one-token round of a row, one checkpoint copy
-and its write; bounded by ``MAX_CHECKPOINT_AT`` offsets a request, offsets the restored prefix already covers are
-skipped, and so are offsets within ``MIN_CHECKPOINT_GAP`` tokens of the restored prefix or of the prompt boundary.
+the next turn of a conversation continues, and where a drafter's exact-length row must be stored) is taken from
+the job's own row right after its first token: its state then holds exactly ``prompt`` (``prompt +
+generated[:-1]`` with one token generated), so the scheduler asks the session for a checkpoint there
+(``DecodeSession.checkpoint``, taken at the end of the step that delivered the first token, never before it; a row
+that ends with its first token writes that state as its finish checkpoint anyway). Cost: one checkpoint copy and
+its write, after the first token (no extra row, restore or round). An offset inside the prompt costs one restore
+and one one-token round; at most ``MAX_CHECKPOINT_AT`` offsets a request, offsets the restored prefix already
+covers are skipped, and so are offsets within ``MIN_CHECKPOINT_GAP`` tokens of the restored prefix or of the
+prompt boundary.
 
 Retries (continuation checkpoints, ``spec_cache.continuations``): a job whose tokens are a function of the request
 (greedy, or sampled with an explicit seed: ``RowSampler`` keys each position by the seed) leaves, with each of its
@@ -121,7 +123,7 @@ class Job:
     #: prompt offsets (token counts) to checkpoint while prefilling; ``len(prompt)``: the end of the prompt (see
     #: the module doc; normalised by ``checkpoint_points`` when submitted)
     checkpoint_at: tuple[int, ...] = ()
-    side: bool = False  # an internal end-of-prompt row (no client; its prompt ends with a placeholder token)
+    end_checkpoint: bool = False  # checkpoint ``prompt`` itself right after its first token (see the module doc)
 
     @property
     def sequence(self) -> list[int]:
@@ -175,7 +177,6 @@ class Scheduler:
         if self._continuations is not None:
             self._continuations.memory_records = CONTINUATIONS
         self.replayed_tokens = 0  # tokens answered from continuation records (a gauge of /metrics)
-        self._side_rows: list[Job] = []  # end-of-prompt rows, queued once their job's boundary checkpoint is stored
         self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
         self.error: BaseException | None = None
         cache = generator.cache
@@ -189,6 +190,16 @@ class Scheduler:
         """Start the thread (idempotent)."""
         if self._thread.ident is None:
             self._thread.start()
+
+    def held_prefix(self, tenant: str | None, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the memory tier holds for ``tenant`` (``MemoryTier.held_prefix``; 0 without
+        a cache, or for a tenant this thread has not served yet). Any thread: a planning read (the app skips the
+        message boundaries it covers), never a restore."""
+        cache = self.generator.cache
+        if cache is None or len(tokens) == 0:
+            return 0
+        ns_key = self._ns_keys.get(tenant) if tenant is not None else self.generator.ns_key
+        return 0 if ns_key is None else cache.memory.held_prefix(ns_key, tokens)
 
     @property
     def queue_depth(self) -> int:
@@ -279,9 +290,6 @@ class Scheduler:
             if self._session.busy:
                 self._step()
             self._write_checkpoints()
-            if self._side_rows:  # after the write: they restore the boundary their job just stored
-                self._pending.extend(self._side_rows)
-                self._side_rows.clear()
 
     def _new_session(self):
         generator = self.generator
@@ -379,20 +387,16 @@ class Scheduler:
                 self._decoding += 1
             if job.phase_end is None and not job.started:
                 self._start(job, job.cached_tokens)
-            if job.phase_end is None and not job.side:
-                self._queue_side_row(job)
+            if job.phase_end is None:
+                job.end_checkpoint = self._wants_end_checkpoint(job)
 
-    def _queue_side_row(self, job: Job) -> None:
-        """The end-of-prompt row of ``job`` (its own row was just admitted), when asked for and not stored yet."""
+    def _wants_end_checkpoint(self, job: Job) -> bool:
+        """Whether ``job``'s own row (just admitted) is checkpointed at ``prompt`` after its first token: asked for
+        (``len(prompt)`` in ``checkpoint_at``), not a retry (its replayed tokens are past the prompt), with a cache
+        and full-precision KV (a quantized state depends on the whole prompt's length)."""
         end = len(job.prompt)
-        if (end not in job.checkpoint_at or job.replayed or end < 2 or self.generator.cache is None
-                or self.generator.engine.plan is not None or job.prepared.cached_tokens >= end):
-            return
-        side = Job(prompt=job.prompt + [job.prompt[-1]], max_tokens=1, sampling=job.sampling,
-                   deliver=lambda _event: None, tenant=job.tenant, side=True, arrived=job.arrived)
-        with self._lock:
-            self._outstanding += 1
-        self._side_rows.append(side)
+        return (end in job.checkpoint_at and not job.replayed and end >= 2 and self.generator.cache is not None
+                and self.generator.engine.plan is None)
 
     def _start(self, job: Job, cached_tokens: int) -> None:
         """Deliver ``start`` (and the replayed tokens, for a retry)."""
@@ -414,11 +418,10 @@ class Scheduler:
             return False
         sequence, budget = job.sequence, job.max_tokens - job.replayed
         began = time.perf_counter()
-        if first and not job.side:
+        if first:
             self._observe("queue", began - job.arrived)
         job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key)
-        if not job.side:
-            self._observe("restore", time.perf_counter() - began)
+        self._observe("restore", time.perf_counter() - began)
         job.prepared.request.stop_at_eos = job.stop_at_eos
         if first:  # what the cache held of the prompt before this request
             job.cached_tokens = min(job.prepared.cached_tokens, len(job.prompt) - 1)
@@ -440,7 +443,7 @@ class Scheduler:
                 raise
             # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
             log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
-            job.phase_end = self._phase_end(job) if job.side else None  # a side row stays one (its placeholder)
+            job.phase_end = None
             job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
             job.prepared.request.stop_at_eos = job.stop_at_eos
             if not job.started:  # "start" reports what was restored: nothing now (a replay was reported already)
@@ -458,7 +461,7 @@ class Scheduler:
 
     def _replay(self, job: Job) -> bool:
         """Deliver what an identical earlier request generated; True when that answers the job whole."""
-        if self._continuations is None or job.side:
+        if self._continuations is None:
             return False
         ns_key = self._ns_key(job.tenant)
         previous = self._continuations.get(job.continuation_key(ns_key, self.eos_token_ids), ns_key, len(job.prompt))
@@ -479,10 +482,7 @@ class Scheduler:
         return False
 
     def _phase_end(self, job: Job) -> int | None:
-        """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now (a side row:
-        always its end-of-prompt boundary)."""
-        if job.side:
-            return len(job.prompt) - 1
+        """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now."""
         every = self.checkpoint_every
         if self.generator.engine.plan is not None or (every is None and not job.checkpoint_at):
             return None
@@ -532,6 +532,10 @@ class Scheduler:
         job.output += tokens
         job.deliver(("tokens", list(tokens)))
         self._observe("stream", time.perf_counter() - now)
+        if job.end_checkpoint:  # the row holds exactly the prompt now (its first token is not forwarded yet)
+            job.end_checkpoint = False
+            if len(job.output) == 1:
+                self._session.checkpoint(row)  # taken at the end of this step
         every = self.checkpoint_every
         if every is not None and job.generated - job.checkpointed_at >= every and job.generated < job.max_tokens:
             job.checkpointed_at = job.generated
@@ -543,9 +547,6 @@ class Scheduler:
             return
         with self._lock:
             self._decoding -= 1
-        if job.side:
-            self._done(job, "length")
-            return
         if job.phase_end is not None and not result.cancelled:
             job.prefilled, job.phase_end, job.row = job.phase_end, None, None
             self._pending.appendleft(job)  # the next phase (or the job itself) restores from this one
@@ -566,7 +567,7 @@ class Scheduler:
 
     def _continuation_record(self, job: Job, tokens: list):
         """The continuation record a checkpoint of ``tokens`` supports (held in memory at once), or None."""
-        if not job.replayable or job.side or job.phase_end is not None or self._continuations is None:
+        if not job.replayable or job.phase_end is not None or self._continuations is None:
             return None
         ns_key = job.prepared.ns_key
         record = continuation_record(job.continuation_key(ns_key, self.eos_token_ids), ns_key, job.prompt,
@@ -623,8 +624,6 @@ class Scheduler:
             except Exception:  # pragma: no cover - the session may be broken after a failure
                 self._rows.pop(job.row, None)
                 self._fail(job, APIError(503, "the server is shutting down", code="unavailable"))
-        self._pending.extend(self._side_rows)
-        self._side_rows.clear()
         while self._pending:
             self._done(self._pending.popleft(), "cancelled")
         while True:  # submissions that raced with the stop
