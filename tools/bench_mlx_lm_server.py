@@ -6,6 +6,7 @@ driving modes and the report share its argument set.
 
     .venv/bin/python tools/bench_mlx_lm_server.py [--model DIR] [--servers mlx-lm,spec-cache] [--conversations 8]
         [--turns 3] [--clients 4] [--system-words 1500] [--user-words 150] [--max-tokens 24] [--paired] [--json OUT]
+        [--warmup tiny|shapes] [--serve-arg=ARG ...] [--launcher-arg=ARG ...] [--cwd DIR]
 
 ``tools/bench_serve.py`` is this tool with ``--servers mlx-lm,serve,spec-cache``. Server kinds: ``mlx-lm``
 (``mlx_lm.server``), ``spec-cache`` (``spec_cache.apps.mlx_lm_server``: mlx-lm's server with our cache), ``serve``
@@ -16,7 +17,8 @@ is started on 127.0.0.1, driven with streaming ``/v1/chat/completions`` (TTFT = 
 chunk), then stopped (SIGTERM) and started again on the same store:
 
 * ``turns``: every conversation's turns in order, ``--clients`` conversations at a time; all conversations share
-  one system prompt. TTFT p50/p95 per turn; aggregate output tokens/s = completion tokens of the phase / its wall.
+  one system prompt. TTFT p50/p95/p99 per turn; aggregate output tokens/s = completion tokens of the phase / its
+  wall; per-request decode tok/s = (tokens - 1) / (request seconds - TTFT), p50 and mean.
 * ``after restart``: each conversation's last turn (its whole history) sent to the restarted server. mlx-lm's
   server lost its RAM cache; ours restore the history from the store.
 
@@ -54,6 +56,8 @@ KINDS = ("mlx-lm", "spec-cache", "serve")
 LABELS = {"mlx-lm": "mlx_lm.server", "spec-cache": "mlx-lm-server (ours)", "serve": "spec-cache serve"}
 # every request names "default_model": mlx_lm.server maps it to its --model, serve is started with that model id
 MODEL_NAME = "default_model"
+#: seconds a server may take to answer /health (an 8B model loads from disk, then serve compiles its kernels)
+STARTUP_S = float(os.environ.get("BENCH_SERVER_STARTUP_S", "600"))
 
 
 def free_port() -> int:
@@ -63,13 +67,18 @@ def free_port() -> int:
 
 
 class Server:
+    #: servers started and not yet stopped, so a driver that gives up mid-run (tools/device/serve_8b_bench.py's
+    #: deadline) can kill what is left
+    live: set = set()
+
     def __init__(self, argv: list[str], log: Path, env: dict | None = None):
         self.port = free_port()
         self.out = open(log, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", *argv, "--host", "127.0.0.1", "--port", str(self.port)],
                                      cwd=REPO, stdout=self.out, stderr=subprocess.STDOUT,
                                      env=env or dict(os.environ, PYTHONUNBUFFERED="1"))
-        deadline = time.monotonic() + 120
+        Server.live.add(self)
+        deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"server exited; see {log}")
@@ -93,6 +102,14 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.out.close()
+        Server.live.discard(self)
+
+    def kill(self):
+        """SIGKILL, no drain: for a driver out of time (the store may lose its queued writes)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        Server.live.discard(self)
 
 
 class Reply(NamedTuple):
@@ -198,16 +215,30 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
+def decode_rates(replies: list[Reply]) -> list[float]:
+    """Each request's decode rate: the tokens after the first over the time after the first (prefill and the
+    prompt-cache lookup left out, which the aggregate tokens/s counts)."""
+    return [(r.tokens - 1) / (r.seconds - r.ttft) for r in replies if r.tokens > 1 and r.seconds > r.ttft]
+
+
 def summary(replies: list[Reply], wall: float | None) -> dict:
     ttfts = [r.ttft for r in replies]
     tokens = sum(r.tokens for r in replies)
-    return {"p50": pct(ttfts, 50), "p95": pct(ttfts, 95), "n": len(replies),
+    rates = decode_rates(replies)
+    return {"p50": pct(ttfts, 50), "p95": pct(ttfts, 95), "p99": pct(ttfts, 99), "n": len(replies),
+            "decode_tok_s_p50": statistics.median(rates) if rates else float("nan"),
+            "decode_tok_s_mean": statistics.mean(rates) if rates else float("nan"), "decode_requests": len(rates),
             "cached_mean": statistics.mean(r.cached or 0 for r in replies) if replies else 0,
             "tokens": tokens, "tokens_per_s": tokens / wall if wall else float("nan"),
             "wall_s": wall if wall else float("nan")}
 
 
-def server_argv(kind: str, model: str, store: str) -> list[str]:
+def server_argv(kind: str, model: str, store: str, extra: dict | None = None) -> list[str]:
+    """The server's ``python -m`` command line; ``extra[kind]`` (``--serve-arg``, ``--launcher-arg``) appended."""
+    return base_argv(kind, model, store) + list((extra or {}).get(kind, ()))
+
+
+def base_argv(kind: str, model: str, store: str) -> list[str]:
     if kind == "mlx-lm":
         return ["mlx_lm.server", "--model", model]
     if kind == "spec-cache":
@@ -224,10 +255,35 @@ def server_env(tmp: Path) -> dict:
     return env
 
 
-def start(kind: str, model: str, tmp: Path, name: str) -> Server:
-    s = Server(server_argv(kind, model, str(tmp / f"store-{kind}")), tmp / f"{kind}-{name}.log", server_env(tmp))
+#: prompt lengths (words) of ``--warmup shapes``, up to the longest prompt the workload sends
+WARMUP_WORDS = (1, 3, 6, 12, 24, 48, 96, 192, 384, 768, 1536)
+
+
+def warm_up(port: int, args) -> None:
+    """Before timing: one tiny request (the model load); with ``--warmup shapes`` also one request per prompt length
+    class up to the workload's longest prompt and ``--clients`` requests at once, so MLX's CUDA backend compiles the
+    prefill, decode and batch kernels here, not in a measured TTFT (``spec-cache serve --warmup on`` compiles its
+    own; mlx_lm.server has no such flag). Their words (salt >= 5000) share no prefix with the workload's."""
+    chat(port, [{"role": "user", "content": "w3 w4"}], 2)
+    if getattr(args, "warmup", "tiny") != "shapes":
+        return
+    longest = args.system_words + args.turns * (args.user_words + args.max_tokens)
+    for n in sorted({n for n in WARMUP_WORDS if n < longest} | {longest}):
+        chat(port, [{"role": "user", "content": words(n, 5000 + n)}], 2)
+    pool(args.clients, args.clients,
+         lambda i: chat(port, [{"role": "user", "content": words(args.user_words, 6000 + i)}], args.max_tokens))
+    time.sleep(getattr(args, "warmup_settle", 0.0))  # ours: let the writer store what the warm-up left
+
+
+def start(kind: str, model: str, tmp: Path, name: str, args=None) -> Server:
+    extra = getattr(args, "server_args", None)
+    s = Server(server_argv(kind, model, str(tmp / f"store-{kind}"), extra), tmp / f"{kind}-{name}.log",
+               server_env(tmp))
     try:
-        chat(s.port, [{"role": "user", "content": "w3 w4"}], 2)  # warm up the model load and kernels
+        if args is None:
+            chat(s.port, [{"role": "user", "content": "w3 w4"}], 2)  # warm up the model load and kernels
+        else:
+            warm_up(s.port, args)
     except BaseException:
         s.stop()
         raise
@@ -238,9 +294,14 @@ def stage_totals(port: int) -> dict:
     """``spec-cache serve``'s ``spec_cache_stage_seconds`` sums and counts by stage (``{stage: [sum, count]}``),
     read from its ``/metrics``; {} from a server without them."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    c.request("GET", "/metrics")
-    response = c.getresponse()
-    text = response.read().decode("utf-8", "replace") if response.status == 200 else ""
+    try:
+        c.request("GET", "/metrics")
+        response = c.getresponse()
+        text = response.read().decode("utf-8", "replace") if response.status == 200 else ""
+    except (OSError, http.client.HTTPException):
+        text = ""  # mlx_lm.server (and the launcher) may answer an unknown path by closing the connection
+    finally:
+        c.close()
     totals: dict = {}
     for line in text.splitlines():
         for suffix, slot in (("_sum", 0), ("_count", 1)):
@@ -262,14 +323,14 @@ def stage_breakdown(before: dict, after: dict) -> dict:
 
 
 def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
-    s = start(kind, model, tmp, "1")
+    s = start(kind, model, tmp, "1", args)
     try:
-        before = stage_totals(s.port) if kind == "serve" else {}
+        before = stage_totals(s.port) if kind != BASELINE else {}
         turns = run_turns(s.port, args, system)
-        stages = stage_breakdown(before, stage_totals(s.port)) if kind == "serve" else {}
+        stages = stage_breakdown(before, stage_totals(s.port)) if kind != BASELINE else {}
     finally:
         s.stop()
-    s = start(kind, model, tmp, "2")
+    s = start(kind, model, tmp, "2", args)
     try:
         after = resume(s.port, args, turns["histories"])
     finally:
@@ -279,7 +340,8 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
             "all_turns": summary([r for conv in turns["replies"] for r in conv], turns["wall"]),
             "warm_turns": summary([r for conv in turns["replies"] for r in conv[1:]], None),
             "after_restart": summary(after["replies"], after["wall"]),
-            "texts": [[r.text for r in conv] for conv in turns["replies"]], "stages": stages}
+            "texts": [[r.text for r in conv] for conv in turns["replies"]],
+            "texts_after_restart": [[r.text] for r in after["replies"]], "stages": stages}
 
 
 def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> dict:
@@ -296,7 +358,7 @@ def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> 
         servers = {}
         try:
             for k in kinds:
-                servers[k] = start(k, model, tmp, f"paired-{name}")
+                servers[k] = start(k, model, tmp, f"paired-{name}", args)
         except BaseException:
             for s in servers.values():
                 s.stop()
@@ -337,7 +399,8 @@ def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> 
                 "all_turns": summary([r for conv in got_turns[k] for r in conv], None),
                 "warm_turns": summary([r for conv in got_turns[k] for r in conv[1:]], None),
                 "after_restart": summary(got_after[k], None),
-                "texts": [[r.text for r in conv] for conv in got_turns[k]]} for k in kinds}
+                "texts": [[r.text for r in conv] for conv in got_turns[k]],
+                "texts_after_restart": [[r.text] for r in got_after[k]]} for k in kinds}
 
 
 def visible(text: str) -> str:
@@ -400,6 +463,12 @@ def report(results: dict, kinds: list[str], args) -> dict:
                 line += f"{r:>17.2f}x (X / mlx-lm)"
             print(line)
     print("(c N: mean cached prompt tokens reported; TTFT ratio = mlx-lm / X, > 1: X faster; tok/s ratio = X / mlx-lm)")
+    for name, get in phases + [("warm turns", lambda r: r["warm_turns"])]:
+        print(f"{'p99 ' + name:<19}" + "".join(f"{LABELS[k]} {get(results[k])['p99'] * 1e3:.1f} ms  " for k in kinds))
+    for phase, key in (("turns", "all_turns"), ("after restart", "after_restart")):
+        print(f"decode tok/s per request, {phase} (p50 / mean, n): " + "; ".join(
+            f"{LABELS[k]} {results[k][key]['decode_tok_s_p50']:.1f} / {results[k][key]['decode_tok_s_mean']:.1f}, "
+            f"{results[k][key]['decode_requests']}" for k in kinds))
     stages = {k: results[k].get("stages") for k in kinds if results[k].get("stages")}
     for k, by_stage in stages.items():
         print(f"stages of {k} over the turns (mean ms x count): " + ", ".join(
@@ -411,6 +480,12 @@ def report(results: dict, kinds: list[str], args) -> dict:
             print(f"replies {k} vs mlx-lm: {same[k]['identical']}/{same[k]['total']} identical, "
                   f"{same[k]['identical_visible']}/{same[k]['total']} without special-token text"
                   + (f"; first difference {same[k]['first_difference']}" if same[k]["first_difference"] else ""))
+            if "texts_after_restart" in results[BASELINE] and "texts_after_restart" in results[k]:
+                same[k]["after_restart"] = compare_texts(results[BASELINE]["texts_after_restart"],
+                                                         results[k]["texts_after_restart"])
+                r = same[k]["after_restart"]
+                print(f"  after restart: {r['identical']}/{r['total']} identical, {r['identical_visible']}/{r['total']}"
+                      " without special-token text")
     return {"ratios": ratios, "identical_replies": same, "stages": stages, "figures": figures(results, args)}
 
 
@@ -449,8 +524,17 @@ def parse(argv=None, servers: str = "mlx-lm,spec-cache"):
     p.add_argument("--user-words", type=int, default=150)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--paired", action="store_true", help="all servers at once, every request to each")
+    p.add_argument("--warmup", choices=("tiny", "shapes"), default="tiny",
+                   help="before timing each server: one tiny request (default), or also one per prompt-length class "
+                        "and --clients at once (GPU: kernels compile there, not in a measured TTFT)")
+    p.add_argument("--warmup-settle", type=float, default=0.0, help="seconds to wait after a shapes warm-up")
+    p.add_argument("--serve-arg", action="append", default=[], help="append to serve's command line (repeatable)")
+    p.add_argument("--launcher-arg", action="append", default=[],
+                   help="append to the launcher's (spec-cache) command line (repeatable)")
+    p.add_argument("--cwd", help="start the servers in this directory (where `python -m spec_cache...` resolves)")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    args.server_args = {"serve": args.serve_arg, "spec-cache": args.launcher_arg}
     args.kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
     bad = [k for k in args.kinds if k not in KINDS]
     if bad or not args.kinds:
@@ -461,6 +545,9 @@ def parse(argv=None, servers: str = "mlx-lm,spec-cache"):
 def main(argv=None, servers: str = "mlx-lm,spec-cache") -> int:
     args = parse(argv, servers)
     kinds = args.kinds
+    if args.cwd:
+        global REPO
+        REPO = Path(args.cwd)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mlx-lm-server-"))
     model = args.model
     if model is None:

@@ -1,23 +1,17 @@
-"""tools/bench_serve.py plus each request's decode rate, for issue 27 (does ``spec-cache serve`` decode as fast as
-``mlx_lm.server``?).
+"""tools/bench_serve.py with mlx_lm.server and serve by default, then each request's decode rate as a table, for
+issue 27 (does ``spec-cache serve`` decode as fast as ``mlx_lm.server``?).
 
     python tools/device/serve_decode.py --cwd DIR --json OUT [bench_mlx_lm_server.py options]
 
-Runs ``tools/bench_mlx_lm_server.py``'s ``main`` unchanged, with two additions made here, not in the tool:
-
-* every summary also holds the per-request decode rate, ``(completion tokens - 1) / (request seconds - TTFT)``:
-  the tokens after the first over the time after the first, so prefill and the prompt-cache lookup are left out
-  (the bench's aggregate tok/s counts them);
-* ``--cwd DIR``: the servers are started in DIR, so that ``python -m spec_cache.apps.server`` imports the package laid
-  out there (on a machine without the editable install, the repository root has no ``spec_cache.store``).
-
-``--serve-arg ARG`` (repeatable) appends ARG to ``spec_cache.apps.server``'s command line.
+The tool itself now reports the per-request decode rate (``decode_tok_s_p50``: the tokens after the first over the
+time after the first) and takes ``--cwd DIR`` (where the servers start, so that ``python -m spec_cache.apps.server``
+imports the package laid out there) and ``--serve-arg ARG``; this wrapper only prints the decode table.
+Issue 27's 8B-shaped recipe is ``tools/device/serve_8b_shaped.sh``.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,38 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_mlx_lm_server as bench  # noqa: E402
 
 
-def decode_rates(replies) -> list[float]:
-    return [(r.tokens - 1) / (r.seconds - r.ttft) for r in replies if r.tokens > 1 and r.seconds > r.ttft]
-
-
-def with_decode(summary):
-    def wrapped(replies, wall):
-        out = summary(replies, wall)
-        rates = decode_rates(replies)
-        out["decode_tok_s_p50"] = statistics.median(rates) if rates else float("nan")
-        out["decode_tok_s_mean"] = statistics.mean(rates) if rates else float("nan")
-        out["decode_requests"] = len(rates)
-        return out
-    return wrapped
-
-
-def with_serve_args(server_argv, extra: list[str]):
-    def wrapped(kind, model, store):
-        argv = server_argv(kind, model, store)
-        return argv + extra if kind == "serve" else argv
-    return wrapped
-
-
-def take(argv: list[str], flag: str, many: bool = False):
-    got, rest, i = [], [], 0
-    while i < len(argv):
-        if argv[i] == flag and i + 1 < len(argv):
-            got.append(argv[i + 1])
-            i += 2
-        else:
-            rest.append(argv[i])
-            i += 1
-    return (got if many else (got[-1] if got else None)), rest
+def take_json(argv: list[str]) -> str | None:
+    """The last ``--json OUT`` in ``argv``."""
+    got = [argv[i + 1] for i in range(len(argv) - 1) if argv[i] == "--json"]
+    return got[-1] if got else None
 
 
 def print_decode(path: Path) -> None:
@@ -77,15 +43,9 @@ def print_decode(path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    cwd, argv = take(argv, "--cwd")
-    extra, argv = take(argv, "--serve-arg", many=True)
-    out, _ = take(list(argv), "--json")
+    out = take_json(argv)
     if out is None:
         raise SystemExit("--json OUT is required (the decode table is read back from it)")
-    if cwd:
-        bench.REPO = Path(cwd)
-    bench.summary = with_decode(bench.summary)
-    bench.server_argv = with_serve_args(bench.server_argv, extra)
     rc = bench.main(argv, servers="mlx-lm,serve")
     print_decode(Path(out))
     return rc

@@ -75,6 +75,6 @@ for C in ${CLIENTS:-1 4}; do
   timeout $LEFT $PY tools/device/serve_decode.py --cwd $SC --model $M --servers ${SERVERS:-mlx-lm,serve} \
     --conversations ${CONV:-4} --turns ${TURNS:-3} --clients $C --max-tokens ${MAXTOK:-128} \
     --system-words ${SYSW:-300} --user-words ${USERW:-50} \
-    --serve-arg --cached-tokens-granularity --serve-arg 1 --json "$OUTDIR/serve-c$C.json" 2>&1 | tail -30
+    --json "$OUTDIR/serve-c$C.json" 2>&1 | tail -30
 done
 echo "total $(( $(date +%s) - START )) s"

@@ -1,0 +1,78 @@
+#!/bin/bash
+# Issue 27's GPU serving bench on the lent H200: mlx_lm.server vs `spec-cache serve` vs the launcher
+# (`spec-cache mlx-lm-server`) on a Llama-3-8B-shaped bf16 llama (random weights, tools/device/serve_8b_model.py)
+# carrying SmolLM2's tokenizer and chat template, at 1, 4 and 8 clients (tools/device/serve_8b_bench.py, which runs
+# tools/bench_serve.py's workload one server at a time), into $OUT/serve-8b.json.
+#
+# Calls to one warm machine, back to back (it is released after ~30 s idle; /tmp survives while it is held):
+#   1. carry .gpu/p1:                      mkdir -p /tmp/parts && cp .gpu/p1/* /tmp/parts/
+#   2. carry .gpu/p2 .gpu/p3 .gpu/serve:   bash tools/device/serve_8b_shaped.sh
+#   3. (no carry) the same command again:  bash tools/device/serve_8b_shaped.sh
+# Each call installs what is missing, writes the model if it is not there, then measures the units (one server at
+# one client count) not yet finished, in order, until DEADLINE; the JSON holds every unit finished so far.
+# .gpu/ as in serve_smollm2_shaped.sh (p1: part 00 of the mlx-cuda-13 0.32.4 wheel; p2: part 01 + cp312 wheels;
+# p3: the server's pure-Python wheels; serve/tok: SmolLM2-135M-Instruct's tokenizer files).
+# On the CPU, to check the script (tiny shape, tiny workload):
+#   INSTALL=0 PY=.venv/bin/python LAYERS=2 HIDDEN=64 HEADS=4 KV_HEADS=2 HEAD_DIM=16 INTER=128 CONV=1 TURNS=2 \
+#     MAXTOK=4 SYSW=20 USERW=5 SERVE_ARGS="--warmup off" WORK=/tmp/serve-8b-cpu OUT=/tmp/serve-8b-cpu/out \
+#     bash tools/device/serve_8b_shaped.sh
+# Env: CLIENTS ("1 4 8"), SERVERS (mlx-lm,serve,spec-cache), CONV (4; at least the clients), TURNS (3),
+#      SYSW (300), USERW (50), MAXTOK (48), WARMUP (shapes), SERVE_ARGS ("--warmup on"), LAUNCHER_ARGS (""),
+#      DEADLINE (540 s from this script's start), MIN_UNIT (60 s), FRESH (1: forget earlier calls' units),
+#      WORK (/tmp/serve-8b: model, state, stores, logs), TOK (.gpu/serve/tok), OUT (/tmp/out), and the model shape
+#      (LAYERS HIDDEN HEADS KV_HEADS HEAD_DIM INTER VOCAB DTYPE; serve_8b_model.py).
+set -u
+START=$(date +%s)
+PY=${PY:-python3}
+SITE=/tmp/site
+OUTDIR=${OUT:-/tmp/out}
+TOK=${TOK:-.gpu/serve/tok}
+WORK=${WORK:-/tmp/serve-8b}
+SC=$WORK/sc-site  # this run's own (it is rebuilt each call)
+DEADLINE=${DEADLINE:-540}
+mkdir -p "$OUTDIR" "$WORK"
+if [ "${INSTALL:-1}" = 1 ]; then
+  W=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  if [ ! -e $SITE/mlx/lib/libmlx.so ]; then
+    if [ ! -e /tmp/parts/mlxcuda.whl.part-00 ] || [ ! -e .gpu/p2/mlxcuda.whl.part-01 ]; then
+      echo "FRESH MACHINE: /tmp/parts/mlxcuda.whl.part-00 (call 1, carry .gpu/p1) and .gpu/p2 (carry it here)" \
+        "are both needed to install MLX"; exit 3
+    fi
+    cat /tmp/parts/mlxcuda.whl.part-00 .gpu/p2/mlxcuda.whl.part-01 > $W || exit 1
+    echo "94cb48fba73e5ee39467e51c35c51c691123359ca17bafd1a24cf92ad6732bee  $W" | sha256sum -c - || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $W \
+      .gpu/p2/*.whl .gpu/p3/*.whl || exit 1
+    rm -f $W
+    NV=$($PY -c "import nvidia; print(list(nvidia.__path__)[0])") || exit 1
+    ln -sfn "$NV" $SITE/nvidia  # libmlx.so finds CUDA at $ORIGIN/../../nvidia
+  fi
+  export PYTHONPATH=$SITE:$SC
+else
+  export PYTHONPATH=$SC
+fi
+export PYTHONUNBUFFERED=1
+# spec_cache laid out as it installs (pyproject maps store/ and schemas/ to spec_cache.store / spec_cache.schemas)
+rm -rf $SC && mkdir -p $SC/spec_cache || exit 1
+for e in "$PWD"/spec_cache/*; do ln -s "$e" $SC/spec_cache/; done
+ln -sfn "$PWD/store" $SC/spec_cache/store; ln -sfn "$PWD/schemas" $SC/spec_cache/schemas
+$PY -c "import mlx.core as mx, mlx_lm, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__,
+mx.default_device(), 'mlx_lm', mlx_lm.__version__)" || exit 1
+echo "tree: $(git rev-parse --short HEAD 2>/dev/null) $(git status --short -- spec_cache store schemas 2>/dev/null \
+  | wc -l) changed files under spec_cache/ store/ schemas/"
+$PY tools/device/serve_8b_model.py --tok "$TOK" --out "$WORK/model" || exit 1
+echo "setup took $(( $(date +%s) - START )) s"
+LEFT=$(( DEADLINE - ($(date +%s) - START) ))
+FRESH_FLAG=""; [ "${FRESH:-0}" = 1 ] && FRESH_FLAG=--fresh
+timeout $(( LEFT + 45 )) $PY tools/device/serve_8b_bench.py --cwd $SC --model "$WORK/model" --work "$WORK/work" \
+  --json "$OUTDIR/serve-8b.json" --deadline-at $(( START + DEADLINE )) --min-unit-s ${MIN_UNIT:-60} \
+  --clients "${CLIENTS:-1 4 8}" --servers "${SERVERS:-mlx-lm,serve,spec-cache}" --conversations ${CONV:-4} \
+  --turns ${TURNS:-3} --system-words ${SYSW:-300} --user-words ${USERW:-50} --max-tokens ${MAXTOK:-48} \
+  --warmup ${WARMUP:-shapes} --serve-args="${SERVE_ARGS:---warmup on}" --launcher-args="${LAUNCHER_ARGS:-}" \
+  $FRESH_FLAG 2>&1 | tail -120
+# each server's log, the last 20 kB (server errors, serve's warm-up time)
+mkdir -p "$OUTDIR/logs"
+for f in "$WORK"/work/c*/*.log; do
+  [ -e "$f" ] && tail -c 20000 "$f" > "$OUTDIR/logs/$(basename "$(dirname "$f")")-$(basename "$f")"
+done
+df -h /tmp | tail -1
+echo "total $(( $(date +%s) - START )) s"
