@@ -121,9 +121,11 @@ def from_layer_state(layer: LayerState) -> Any:
 def capture_caches(caches: Sequence[Any], *, defer_copy: bool = False) -> list[LayerState]:
     """Single-row mlx-lm caches as ``LayerState``s.
 
-    ``defer_copy``: leave each tensor's bytes in MLX (evaluated, contiguous, bfloat16 as uint16 words) for
-    ``host_layers`` to copy out later, on another thread: every MLX operation happens here, on the caller's
-    thread; the later copy only reads evaluated buffers (``cuMemcpy`` on CUDA, a numpy view elsewhere).
+    ``defer_copy``: leave each tensor's bytes in MLX (queued for evaluation, contiguous, bfloat16 as uint16
+    words) for ``host_layers`` to copy out later, on another thread: every MLX operation is built here, on the
+    caller's thread, and queued (``mx.async_eval``: the caller never waits for the device); the later copy waits
+    for the evaluation and only reads evaluated buffers (``cuMemcpy`` on CUDA, a numpy view elsewhere). Why: an
+    MLX graph can be evaluated only on the thread whose stream built it; a request thread must not wait for it.
     """
     if not defer_copy:
         return [layer_state(c) for c in caches]
@@ -142,7 +144,7 @@ def capture_caches(caches: Sequence[Any], *, defer_copy: bool = False) -> list[L
         layers = [LayerState(layer.kind, layer.meta,
                              [Tensor(t.dtype, t.shape, next(it)) if isinstance(t.data, mx.array) else t
                               for t in layer.tensors], layer.token_axis) for layer in layers]
-    mx.eval(raws)
+    mx.async_eval(raws)  # queued on the caller's stream; host_layers' reads wait for it (from any thread)
     return layers
 
 

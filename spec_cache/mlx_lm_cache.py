@@ -10,9 +10,13 @@ subclass with the same methods, signatures and return shapes (checked against th
   ``generate_step`` refuses an empty prompt, and its own cache trims a longer entry to ``len(tokens) - 1`` too).
   While LMDB can hold nothing the memory tier lacks (no shared tier, the namespace empty in LMDB when this process
   first met it, no memory-tier entry evicted, demoted or refused since), the memory tier alone answers: no LMDB
-  lookup, so a fetch never waits for the write-behind thread's commit (it holds the store's lock).
+  lookup, so a fetch never waits for the write-behind thread's commit (it holds the store's lock). Otherwise
+  (after a restart, an eviction) a hit on a whole memory-tier entry (the conversation's previous turn) is served
+  without LMDB while a write is queued or committing; a partial hit (a shared system prompt) asks LMDB.
 * ``insert_cache(model_key, tokens, prompt_cache, *, cache_type=...)``: the checkpoint enters the memory tier at
-  once and is written to LMDB behind the request (``SpecCache.save(..., background=True)``), keyed by the
+  once and is written to LMDB behind the request (``SpecCache.save(..., background=True)``: on the request thread
+  only lazy MLX slices and a queued evaluation, never a wait for the device; the device-to-host copy, encoding
+  and commit run on the write-behind thread; the exit drain writes what is queued), keyed by the
   tokens the cache really covers: the layers' offset; with ``--draft-model`` (target and draft layers left at
   different offsets by speculative decoding) every layer cut to the smallest one; for a list of recurrent
   ``ArraysCache`` layers only (no offset), the key's length (exact-length checkpoints, restored only whole).
@@ -200,22 +204,36 @@ class SpecCachePromptCache(LRUPromptCache):
 
     def _restore(self, ns: bytes, tokens: List[int]):
         """The longest stored prefix: from the memory tier alone while it holds everything LMDB could give (see
-        :meth:`_memory_complete`), else ``SpecCache.restore`` (memory tier, then LMDB, then the shared tier).
+        :meth:`_memory_complete`) or while its hit is a whole entry and a write is pending (:meth:`_writing`),
+        else ``SpecCache.restore`` (memory tier, then LMDB, then the shared tier).
 
         Why: an LMDB lookup takes the store's lock, which the write-behind thread holds for a whole commit (the
         previous turn's checkpoint, ~0.5 s for 256 MiB on an H200): the next request's fetch waited for it."""
-        if not self._memory_complete(ns):
+        complete = self._memory_complete(ns)
+        if not complete and not self._writing():
             return self.cache.restore(ns, tokens)
         if self.cache.closed:
             return None
         memory = self.cache.memory
         hit = memory.lookup(ns, tokens)
-        if not self._memory_complete(ns):  # the lookup itself demoted an idle entry: LMDB may hold more now
+        still = complete and self._memory_complete(ns)  # (the lookup may demote an idle entry: LMDB may hold more)
+        whole = hit is not None and hit.length == hit.entry.length  # a previous turn held whole, not a shared part
+        if not still and not (whole and self._writing()):
             return self.cache.restore(ns, tokens)
         if hit is None:
             return None
         caches, _ = memory.take(hit)
         return RestoredPrefix(hit.length, caches, None, [], tier="memory")
+
+    def _writing(self) -> bool:
+        """Whether the write-behind thread has checkpoints queued or in a commit (which holds the store's lock).
+        Then a whole memory-tier entry (a previous turn this process holds: the usual warm turn) is served without
+        asking LMDB, which could hold a longer prefix only from another process or one the memory tier let go
+        (reuse lost then, never correctness); a partial hit (a shared system prompt) still asks LMDB."""
+        if self.cache.shared is not None or self.cache.memory.budget_bytes == 0:
+            return False
+        writes = self.cache.memory_stats()["writes"]  # (pending counts queued jobs; its bytes, the one in flight too)
+        return writes.get("pending", 0) > 0 or writes.get("pending_bytes", 0) > 0
 
     def _memory_complete(self, ns: bytes) -> bool:
         """Whether LMDB can hold no prefix of namespace ``ns`` the memory tier lacks: no shared tier, the namespace
@@ -289,9 +307,10 @@ def _dropped(memory) -> tuple:
 
 
 def _token_ids(tokens: Sequence[Any]) -> bool:
-    """Whether ``tokens`` are plain token ids (mlx-lm's vision keys hold other things)."""
+    """Whether ``tokens`` are plain token ids (mlx-lm's vision keys hold other things). C-speed loops (``set``,
+    ``min``, ``max``): it runs on the request thread for every fetch and insert."""
     try:
-        return all(type(t) is int and 0 <= t <= _MAX_TOKEN for t in tokens)
+        return not tokens or (set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= _MAX_TOKEN)
     except TypeError:
         return False
 
