@@ -1,7 +1,8 @@
 """Issue 27's GPU serving recipe on the CPU: ``tools/device/serve_8b_model.py`` writes a (tiny-shaped) model with a
 given tokenizer, and ``tools/device/serve_8b_bench.py`` runs mlx_lm.server, ``spec-cache serve`` and the launcher
 on it as real server processes into one JSON with the issue's figure keys; a second call resumes from the state
-(finished units are not run again) and a call out of time records its units as skipped, keeping what finished."""
+(finished units are not run again), a fresh machine from the JSON an earlier call returned, and a call out of time
+records its units as skipped, keeping what finished."""
 
 from __future__ import annotations
 
@@ -60,6 +61,14 @@ def test_recipe_writes_the_issue_keys_and_resumes(tmp_path):
     # the same call again: every unit is done, nothing is started, the figures stay
     second = run("serve_8b_bench.py", *common, "--clients", "1", "--deadline-at", str(time.time() + 600))
     assert ": start (" not in second.stdout and "c1 mlx-lm: done" not in second.stdout
+    assert json.loads(out.read_text())["figures"] == data["figures"]
+
+    # a fresh machine (empty work directory) resumes from the JSON an earlier call returned
+    moved = tmp_path / "returned.json"
+    moved.write_text(out.read_text())
+    fresh = [a if a != str(tmp_path / "work") else str(tmp_path / "work2") for a in common]
+    third = run("serve_8b_bench.py", *fresh, "--clients", "1", "--resume-from", str(moved))
+    assert ": start (" not in third.stdout and "resume: 3 finished units" in third.stdout
     assert json.loads(out.read_text())["figures"] == data["figures"]
 
     # out of time for 2 clients: recorded as skipped, 1 client's figures kept

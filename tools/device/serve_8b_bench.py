@@ -76,6 +76,8 @@ def parse(argv=None):
     p.add_argument("--min-unit-s", type=float, default=60.0, help="time a unit needs when none has finished yet")
     p.add_argument("--prefix", default="gpu_", help="prefix of the figure keys")
     p.add_argument("--fresh", action="store_true", help="forget the units earlier calls finished")
+    p.add_argument("--resume-from", help="an earlier call's combined JSON: its finished units count as done here "
+                                         "(when this machine's state is empty: a fresh machine)")
     args = p.parse_args(argv)
     args.client_counts = [int(c) for c in args.clients.replace(",", " ").split()]
     kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
@@ -107,7 +109,7 @@ def bench_args(args, clients: int) -> SimpleNamespace:
 class State:
     """Finished units by client count, in ``work/state.json`` (rewritten whole after every unit)."""
 
-    def __init__(self, work: Path, load: dict, fresh: bool):
+    def __init__(self, work: Path, load: dict, fresh: bool, resume_from: str | None = None):
         self.path = work / "state.json"
         got = {}
         if self.path.exists() and not fresh:
@@ -118,6 +120,26 @@ class State:
                 print("state: an earlier call measured another workload; starting afresh", flush=True)
             got = {"workload": load, "units": {}, "events": []}
         self.data = got
+        if resume_from and not any(self.data["units"].values()):
+            self.resume(Path(resume_from), load)
+
+    def resume(self, path: Path, load: dict) -> None:
+        """Take the finished units of an earlier call's combined JSON (a machine given back lost /tmp)."""
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            self.event(f"resume: {path} not read ({e})")
+            return
+        if old.get("workload") != load:
+            self.event(f"resume: {path} measured another workload; not used")
+            return
+        n = 0
+        for c, section in old.get("clients", {}).items():
+            for kind, result in section.get("results", {}).items():
+                if result.get("status") == "done":
+                    self.units(int(c))[kind] = result
+                    n += 1
+        self.event(f"resume: {n} finished units from {path}")
 
     def units(self, clients: int) -> dict:
         return self.data["units"].setdefault(str(clients), {})
@@ -266,7 +288,7 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     (work / "identity-memo").mkdir(exist_ok=True)  # the model's digest is computed once, not per server start
-    state = State(work, workload(args), args.fresh)
+    state = State(work, workload(args), args.fresh, args.resume_from)
     arm(args.deadline_at)
     try:
         for clients in args.client_counts:

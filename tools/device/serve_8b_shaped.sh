@@ -19,6 +19,7 @@
 # Env: CLIENTS ("1 4 8"), SERVERS (mlx-lm,serve,spec-cache), CONV (4; at least the clients), TURNS (3),
 #      SYSW (300), USERW (50), MAXTOK (48), WARMUP (shapes), SERVE_ARGS ("--warmup on"), LAUNCHER_ARGS (""),
 #      DEADLINE (540 s from this script's start), MIN_UNIT (60 s), FRESH (1: forget earlier calls' units),
+#      RESUME_FROM (an earlier call's serve-8b.json, carried in: on a fresh machine its finished units count),
 #      WORK (/tmp/serve-8b: model, state, stores, logs), TOK (.gpu/serve/tok), OUT (/tmp/out), and the model shape
 #      (LAYERS HIDDEN HEADS KV_HEADS HEAD_DIM INTER VOCAB DTYPE; serve_8b_model.py).
 set -u
@@ -63,6 +64,7 @@ $PY tools/device/serve_8b_model.py --tok "$TOK" --out "$WORK/model" || exit 1
 echo "setup took $(( $(date +%s) - START )) s"
 LEFT=$(( DEADLINE - ($(date +%s) - START) ))
 FRESH_FLAG=""; [ "${FRESH:-0}" = 1 ] && FRESH_FLAG=--fresh
+[ -n "${RESUME_FROM:-}" ] && FRESH_FLAG="$FRESH_FLAG --resume-from=$RESUME_FROM"
 timeout $(( LEFT + 45 )) $PY tools/device/serve_8b_bench.py --cwd $SC --model "$WORK/model" --work "$WORK/work" \
   --json "$OUTDIR/serve-8b.json" --deadline-at $(( START + DEADLINE )) --min-unit-s ${MIN_UNIT:-60} \
   --clients "${CLIENTS:-1 4 8}" --servers "${SERVERS:-mlx-lm,serve,spec-cache}" --conversations ${CONV:-4} \
