@@ -65,7 +65,7 @@ echo "setup took $(( $(date +%s) - START )) s"
 LEFT=$(( DEADLINE - ($(date +%s) - START) ))
 FRESH_FLAG=""; [ "${FRESH:-0}" = 1 ] && FRESH_FLAG=--fresh
 [ -n "${RESUME_FROM:-}" ] && FRESH_FLAG="$FRESH_FLAG --resume-from=$RESUME_FROM"
-timeout $(( LEFT + 45 )) $PY tools/device/serve_8b_bench.py --cwd $SC --model "$WORK/model" --work "$WORK/work" \
+timeout $(( LEFT + 30 )) $PY tools/device/serve_8b_bench.py --cwd $SC --model "$WORK/model" --work "$WORK/work" \
   --json "$OUTDIR/serve-8b.json" --deadline-at $(( START + DEADLINE )) --min-unit-s ${MIN_UNIT:-60} \
   --clients "${CLIENTS:-1 4 8}" --servers "${SERVERS:-mlx-lm,serve,spec-cache}" --conversations ${CONV:-4} \
   --turns ${TURNS:-3} --system-words ${SYSW:-300} --user-words ${USERW:-50} --max-tokens ${MAXTOK:-48} \
