@@ -70,7 +70,7 @@ timeout $(( LEFT + 30 )) $PY tools/device/serve_8b_bench.py --cwd $SC --model "$
   --clients "${CLIENTS:-1 4 8}" --servers "${SERVERS:-mlx-lm,serve,spec-cache}" --conversations ${CONV:-4} \
   --turns ${TURNS:-3} --system-words ${SYSW:-300} --user-words ${USERW:-50} --max-tokens ${MAXTOK:-48} \
   --warmup ${WARMUP:-shapes} --serve-args="${SERVE_ARGS:---warmup on}" --launcher-args="${LAUNCHER_ARGS:-}" \
-  $FRESH_FLAG 2>&1 | tail -120
+  $FRESH_FLAG 2>&1 | tee "$OUTDIR/run.log"  # streamed: a call killed at 600 s still shows what ran
 # each server's log, the last 20 kB (server errors, serve's warm-up time)
 mkdir -p "$OUTDIR/logs"
 for f in "$WORK"/work/c*/*.log; do
