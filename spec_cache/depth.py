@@ -29,7 +29,10 @@ decoding at the measured costs (a compute-bound CPU), it probes at depth 1 (_STA
 ever re-measured by drafting; two unlucky width-2 rounds on a loaded CPU, against plain rounds timed while the
 next one is queued, kept the copy workload at depth 0 for 93 of 95 rounds, 4 tokens drafted, while fixed depth
 ran 1.24-1.26x plain, with and without the two-measurement rule below). Its price where drafting never pays is
-one width-2 round per probe interval (16, 32, 64, then every 128 plain rounds). The two work together: the
+one width-2 round per probe interval (16, 32, 64, then every 128 plain rounds), and a probe waits longer when its
+extra seconds over a plain round would exceed ``probe_budget`` (3%) of the plain rounds since the last one (on a
+compute-bound CPU a width-4 probe at B=8 costs ~1.5 extra plain rounds; the draft model also feeds its backlog).
+The two work together: the
 seed's per-position early stop (``sts.thresholds``/``minConf``, DFlash/DSpark, ``spec_cache.drafters.projected``)
 cuts a drafted block where the drafter's own confidence drops; this controller picks the depth for the whole batch
 from measured acceptance and measured cost.
@@ -44,6 +47,7 @@ depth-0 tokens to one batched feed when drafting resumes; drafters that need the
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
@@ -95,27 +99,43 @@ class _WidthCosts:
     tests/drafters/test_copy_drafting.py), so the estimate keeps the lower of the first two, and later
     measurements move it through the moving average at most ``smoothing`` times its value upwards (a measurement
     counts up to twice the estimate): one outlier can no longer stop drafting, while a real rise is still followed
-    within a few rounds."""
+    within a few rounds.
 
-    def __init__(self, smoothing: float, prior_slope: float) -> None:
+    Staleness (``stale_after`` observations of this batch size without one of the key): a key is only ever
+    re-measured by choosing it, so an estimate that a few bad rounds pushed up would lock its depth out for good
+    (drafting at depth 5 for the rest of a run because width 7 once cost 40x; or never re-measuring plain rounds
+    while drafting). A stale key is left out of the estimates while fresh ones exist (it is interpolated or
+    extrapolated from them, as an unmeasured key is), so the controller tries it again when the fresh costs say
+    it pays; its next measurement counts as a second one (the lower of the old estimate and the new)."""
+
+    def __init__(self, smoothing: float, prior_slope: float, stale_after: int = 64) -> None:
         self.seconds: dict[int, float] = {}
         self.counts: dict[int, int] = {}
+        self.seen: dict[int, int] = {}  # key -> the observation (``ticks``) that last measured it
+        self.ticks = 0
         self.smoothing = smoothing
         self.prior_slope = prior_slope
+        self.stale_after = stale_after
+
+    def _stale(self, key: int) -> bool:
+        return self.ticks - self.seen[key] > self.stale_after
 
     def observe(self, key: int, seconds: float) -> None:
         old, count = self.seconds.get(key), self.counts.get(key, 0)
+        self.ticks += 1
         if count == 0:
             self.seconds[key] = seconds
-        elif count == 1:
+        elif count == 1 or self._stale(key):
             self.seconds[key] = min(old, seconds)  # of a warm-up and one more, the lower (a spike is never low)
         else:
             self.seconds[key] = old + self.smoothing * (min(seconds, 2.0 * old) - old)
         self.counts[key] = count + 1
+        self.seen[key] = self.ticks
 
     def _known(self) -> dict[int, float]:
         trusted = {k: v for k, v in self.seconds.items() if self.counts[k] >= 2}
-        return trusted or self.seconds
+        fresh = {k: v for k, v in trusted.items() if not self._stale(k)}
+        return fresh or trusted or self.seconds
 
     def estimate(self, key: int) -> float:
         known = self._known()
@@ -199,13 +219,16 @@ class DepthController:
 
     def __init__(self, max_depth: int, *, decay: float = 0.9, prior_acceptance: float = 0.5,
                  prior_weight: float = 2.0, prior_slope: float = 0.25, probe_every: int = 16,
-                 probe_limit: int = 128, probe_acceptance: float = 0.8, min_gain: float = 0.05) -> None:
+                 probe_limit: int = 128, probe_acceptance: float = 0.8, min_gain: float = 0.05,
+                 probe_budget: float | None = 0.03) -> None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
             raise InvalidRequest(f"max_depth must be an int >= 0, got {max_depth!r}")
         for name, value in (("decay", decay), ("prior_acceptance", prior_acceptance),
                             ("probe_acceptance", probe_acceptance)):
             if not 0.0 <= value <= 1.0:
                 raise InvalidRequest(f"{name} must be in [0, 1], got {value}")
+        if probe_budget is not None and not 0.0 < probe_budget <= 1.0:
+            raise InvalidRequest(f"probe_budget must be in (0, 1], got {probe_budget}")
         if not 0.0 <= min_gain < 1.0:
             raise InvalidRequest(f"min_gain must be in [0, 1), got {min_gain}")
         if prior_weight <= 0.0:
@@ -216,12 +239,14 @@ class DepthController:
         self.min_gain = min_gain
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
         self.probe_every, self.probe_limit, self.probe_acceptance = probe_every, probe_limit, probe_acceptance
+        self.probe_budget = probe_budget
         self.verify_costs = CostTable(prior_slope=prior_slope)  # key: window width
         self.draft_costs = CostTable(prior_slope=0.0)  # key: requested depth
         self.rounds_at_depth: Counter = Counter()
         self.probes = 0
         self._plain_rounds = 0  # rounds at depth 0 since the last drafting round
         self._probe_interval = probe_every
+        self._probe_at = probe_every  # plain rounds after which the next probe runs (interval, or its cost's due)
         self.last_depth: int | None = None  # what :meth:`choose` returned last
 
     # -- the decision --------------------------------------------------------------------------------------
@@ -292,19 +317,37 @@ class DepthController:
             raise ValueError(f"{len(rows)} rows but {len(caps)} caps / remaining counts")
         depth = self.best_depth(rows, caps, remaining=remaining)
         if depth > 0:
-            self._plain_rounds, self._probe_interval = 0, self.probe_every
+            self._plain_rounds, self._probe_interval, self._probe_at = 0, self.probe_every, self.probe_every
         else:
             self._plain_rounds += 1
-            if self._plain_rounds >= self._probe_interval:
-                self._plain_rounds = 0
-                self._probe_interval = min(2 * self._probe_interval, self.probe_limit)
+            if self._plain_rounds >= self._probe_at:
                 depth = self.best_depth(rows, caps, acceptance=self.probe_acceptance, remaining=remaining)
                 if depth == 0 and max(caps, default=0) > 0 and self.max_depth > 0:
                     depth = 1  # re-measure the narrowest window: its estimate may be stale (see _STALE)
-                self.probes += 1 if depth > 0 else 0
+                due = self._probe_due(rows, caps, depth)
+                if self._plain_rounds < due:
+                    self._probe_at, depth = due, 0  # not yet: the probe would cost more than its share
+                else:
+                    self._plain_rounds = 0
+                    self._probe_interval = min(2 * self._probe_interval, self.probe_limit)
+                    self._probe_at = self._probe_interval
+                    self.probes += 1 if depth > 0 else 0
         self.rounds_at_depth[depth] += 1
         self.last_depth = depth
         return depth
+
+    def _probe_due(self, rows: Sequence[RowAcceptance], caps: Sequence[int], depth: int) -> int:
+        """Plain rounds after which a probe at ``depth`` costs at most ``probe_budget`` of the time spent: its extra
+        seconds over a plain round (every row drafting) over the budget's share of a plain round. On a
+        compute-bound CPU a width-4 probe at B=8 costs ~1.5 extra plain rounds: 50 rounds apart, not 16 (measured:
+        two such probes and the first exploring round were the whole 6% loss of adaptive ngram on chat at B=8,
+        which stayed at depth 0 otherwise); on a GPU, where a window costs about one step, the interval decides."""
+        if depth == 0 or self.probe_budget is None:  # None: the interval alone decides
+            return 0
+        models = [self._row_model(row, None) for row in rows]
+        plain = self._round_seconds(models, caps, 0)
+        probe = self._round_seconds([(self.probe_acceptance, 1.0)] * len(rows), caps, depth)
+        return math.ceil(max(probe - plain, 0.0) / (self.probe_budget * plain))
 
     def predicts_plain(self, rows: int) -> bool:
         """Whether the next round of ``rows`` rows will most likely choose depth 0 too (the engine then queues it
@@ -313,7 +356,7 @@ class DepthController:
         warm-up (the second measurement replaces the first and may change the answer). O(1), unlike
         :meth:`choose`."""
         table = self.verify_costs.table(rows)
-        return (self.last_depth == 0 and self._plain_rounds + 1 < self._probe_interval
+        return (self.last_depth == 0 and self._plain_rounds + 1 < self._probe_at
                 and table is not None and table.counts.get(1, 0) >= 2)
 
     # -- what a round cost and accepted ---------------------------------------------------------------------

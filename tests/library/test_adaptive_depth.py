@@ -78,9 +78,10 @@ def test_compute_bound_costs_choose_plain_decoding_and_probe_only_to_re_measure(
     for row in (accepting_row(), rejecting_row(), RowAcceptance()):
         assert controller.best_depth([row], [10]) == 0
     chosen = [controller.choose([rejecting_row()], [10]) for _ in range(300)]
-    # no depth pays, not even at a probe's acceptance: only depth-1 rounds that re-measure width 2, after 16,
-    # 32, 64 and 128 plain rounds (a stale width-2 estimate must not stop drafting for good)
-    assert [i for i, depth in enumerate(chosen) if depth] == [15, 47, 111, 239] and max(chosen) == 1
+    # no depth pays, not even at a probe's acceptance: only depth-1 rounds that re-measure width 2 (a stale
+    # width-2 estimate must not stop drafting for good), after 16, 32, 64 and 128 plain rounds, or when a probe
+    # would cost more than 3% of the time (probe_budget): width 2 costs one extra step here, so 34 rounds apart
+    assert [i for i, depth in enumerate(chosen) if depth] == [33, 67, 131, 259] and max(chosen) == 1
     assert controller.probes == 4 and controller.rounds_at_depth == {0: 296, 1: 4}
 
 
@@ -136,7 +137,7 @@ def test_without_waiting_requests_the_slowest_row_decides():
 
 
 def test_probes_back_off_and_a_row_that_turns_repetitive_gets_drafting_back():
-    controller = DepthController(4, probe_every=4, probe_limit=16)
+    controller = DepthController(4, probe_every=4, probe_limit=16, probe_budget=None)  # the interval decides
     measured(controller, 1, lambda width: 1.0 + 0.2 * (width - 1))
     row = rejecting_row()
     chosen = [controller.choose([row], [100]) for _ in range(4 + 8 + 16 + 16)]

@@ -25,7 +25,7 @@ class Switching(DepthController):
     Its choices switch between plain decoding and drafting within a run, the same way in both sessions."""
 
     def __init__(self) -> None:
-        super().__init__(3, probe_every=4, probe_limit=8)
+        super().__init__(3, probe_every=4, probe_limit=8, probe_budget=None)  # probes by count, not by cost
 
     def best_depth(self, rows, caps, acceptance=None, remaining=None) -> int:
         limit = min(self.max_depth, max(caps, default=0))
