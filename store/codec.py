@@ -46,6 +46,7 @@ from spec_cache.schemas.dtypes import DTYPE_ITEMSIZE, SAFETENSORS_DTYPE
 
 from .errors import CorruptRecord, InvalidInput
 from .tensors import Tensor, as_numpy, numpy_dtype
+from .xxh3 import xxh3_128_digest
 
 MAGIC = b"SPCR"
 FORMAT_MAJOR = 2  # what new records are written as (XXH3-128 checksum)
@@ -81,9 +82,7 @@ def checksum(view, major: int | None = None) -> bytes:
         h.update(view[:CHECKSUM_OFFSET])
         h.update(view[PREFIX_SIZE:])
         return h.digest()
-    h = xxhash.xxh3_128(view[:CHECKSUM_OFFSET])
-    h.update(view[PREFIX_SIZE:])
-    return h.digest() + _ZERO16
+    return xxh3_128_digest(view[:CHECKSUM_OFFSET], view[PREFIX_SIZE:]) + _ZERO16  # large: without the GIL
 
 
 _ZERO16 = bytes(16)
@@ -98,6 +97,7 @@ class Record:
     meta: dict
     tensors: dict[str, Tensor]
     size: int
+    data_at: int = 0  # where the first tensor's bytes start in the record (``fill`` hashes up to it, then tensors)
 
 
 def encode_record(kind: str, tensors: Iterable[tuple[str, str, Any]], *, schema: str | None = None,
@@ -345,7 +345,7 @@ def decode_record(buf, *, verify: bool = True) -> Record:
         tensors[name] = Tensor(dtype, tuple(shape), view[base + offset:base + offset + nbytes])
     if expect_offset != data_len:
         raise CorruptRecord("record payload holds bytes no tensor accounts for")
-    return Record(kind, schema, meta, tensors, len(view))
+    return Record(kind, schema, meta, tensors, len(view), base)
 
 
 def check_key(rec: Record, key: bytes, what: str = "record") -> None:

@@ -17,8 +17,10 @@ caller). A drafter part with an unknown or invalid schema is not damage: it is s
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -27,16 +29,18 @@ from spec_cache.schemas.errors import UnknownSchemaError
 
 from .codec import Record, check_key, copy_out, decode_record, encode_record, verify_checksum
 from .errors import CorruptRecord
+from .fill import fill_layers, idle_lanes, is_sink
 from .pieces import resolve_tensors, self_contained
 from .spans import span_segments, whole_record
 from .tensors import LayerState, Tensor, numpy_dtype
 
-__all__ = ["ASYNC_VERIFY_BYTES", "BackgroundVerifier", "Concat", "RawRecords", "verified_record", "read_layers",
-           "read_attachment", "assemble_layers", "piece_reader", "whole_draft_record",
+__all__ = ["ASYNC_VERIFY_BYTES", "BackgroundVerifier", "Concat", "Deferred", "RawRecords", "verified_record",
+           "read_layers", "read_attachment", "assemble_layers", "plan_layers", "piece_reader", "whole_draft_record",
            "whole_target_record"]
 
 log = logging.getLogger("spec_cache.store")
-ASYNC_VERIFY_BYTES = 1 << 20  # records at least this big are checksummed on a second thread during a read
+ASYNC_VERIFY_BYTES = 1 << 20  # records at least this big are checksummed on other threads during a read
+VERIFY_THREADS = max(1, min(8, os.cpu_count() or 1))  # threads checksumming (and, into a sink, copying) records
 
 RawRecords = Callable[[str, bytes], Any]
 """``raw(kind, key)``: the stored bytes of the ``kind`` record under ``key`` (a buffer), or None if absent."""
@@ -46,45 +50,95 @@ Concat = Callable[[list, int, str], Any]
 during the call: copy them) and return what ``Tensor.data`` should hold."""
 
 
-class BackgroundVerifier:
-    """Checksums large records on one worker thread while their tensors are copied out (the hash releases the
-    GIL), so a restore costs about one pass over its bytes instead of two. Created lazily; ``close()`` ends it."""
+class Deferred(NamedTuple):
+    """A record whose checksum is checked after decoding: its kind, the key a failure names, its bytes, the
+    piece key (``CorruptRecord.piece``) and the decoded record."""
 
-    def __init__(self, min_bytes: int = ASYNC_VERIFY_BYTES):
+    kind: str
+    key: bytes
+    raw: Any
+    piece: bytes | None
+    record: Record
+
+
+def _check(d: Deferred) -> bool:
+    try:
+        return verify_checksum(d.raw)
+    except Exception:  # anything unexpected while checking bytes: not served
+        return False
+
+
+class Pending:
+    """Checksums under way: ``append(deferred)`` starts one on the verifier's threads at once, so hashing
+    overlaps the decoding of the records after it; ``BackgroundVerifier.wait`` collects them."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool = pool
+        self.items: list[tuple[Deferred, Future]] = []
+
+    def append(self, d: Deferred) -> None:
+        self.items.append((d, self.pool.submit(_check, d)))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def settle(self) -> Deferred | None:
+        """Wait for every checksum (none may still read a record when the read transaction ends); the first
+        failing record in read order, or None."""
+        results = [f.result() for _d, f in self.items]
+        return next((d for (d, _f), ok in zip(self.items, results) if not ok), None)
+
+
+class BackgroundVerifier:
+    """Checksums large records on worker threads while their tensors are copied out. The hash releases the GIL
+    (``xxh3``), so with ``threads`` workers several records are checked at once on several cores, and a restore
+    costs about one pass over its bytes instead of two. Created lazily; ``close()`` ends the threads."""
+
+    def __init__(self, min_bytes: int = ASYNC_VERIFY_BYTES, threads: int | None = None):
         self.min_bytes = min_bytes
+        self.threads = max(1, threads if threads is not None else VERIFY_THREADS)
         self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     def defers(self, raw) -> bool:
         return len(raw) >= self.min_bytes
 
-    def start(self, deferred: list[tuple[str, bytes, Any]]) -> Future | None:
-        """Start checksumming ``deferred`` ``(kind, key, raw)`` records; None when there are none."""
+    def pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="spec-cache-verify")
+            return self._pool
+
+    def pending(self) -> Pending:
+        """A list for ``verified_record(deferred=...)`` whose records are checked as soon as they are added."""
+        return Pending(self.pool())
+
+    def start(self, deferred) -> Pending | None:
+        """Checksum ``deferred`` (``Deferred`` records, or a ``Pending`` already under way); None when empty."""
         if not deferred:
             return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-cache-verify")
-
-        def run():
-            for kind, key, raw, *piece in deferred:
-                if not verify_checksum(raw):
-                    return kind, key, *piece
-            return None
-        return self._pool.submit(run)
+        if isinstance(deferred, Pending):
+            return deferred
+        pending = self.pending()
+        for d in deferred:
+            pending.append(d)
+        return pending
 
     @staticmethod
-    def wait(pending: Future | None) -> None:
+    def wait(pending: Pending | None) -> None:
         """Wait for background checksums; raise ``CorruptRecord`` for the first record that failed."""
         if pending is None:
             return
-        bad = pending.result()
+        bad = pending.settle()
         if bad is not None:
-            raise CorruptRecord(f"{bad[0]} record: record checksum mismatch (bit flip or truncation)", bad[1],
-                                bad[2] if len(bad) > 2 else None)
+            raise CorruptRecord(f"{bad.kind} record: record checksum mismatch (bit flip or truncation)", bad.key,
+                                bad.piece)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def verified_record(raw, kind: str, key: bytes, expect_tokens: np.ndarray | None = None, *,
@@ -100,12 +154,12 @@ def verified_record(raw, kind: str, key: bytes, expect_tokens: np.ndarray | None
     if raw is None:
         raise CorruptRecord(f"{kind} record missing under an indexed key", bad, piece)
     defer = deferred is not None and verifier is not None and verifier.defers(raw)
-    if defer:
-        deferred.append((kind, bad, raw, piece))
     try:
         rec = decode_record(raw, verify=not defer)
     except CorruptRecord as exc:
         raise CorruptRecord(f"{kind} record: {exc}", bad, piece) from None
+    if defer:
+        deferred.append(Deferred(kind, bad, raw, piece, rec))
     if rec.kind != kind:
         raise CorruptRecord(f"{kind} record holds a {rec.kind!r} record", bad, piece)
     try:
@@ -123,16 +177,36 @@ def read_layers(raw: RawRecords, *, packed: np.ndarray, length: int, chunk_token
                 entry: bytes | None, concat: Concat | None = None,
                 verifier: BackgroundVerifier | None = None) -> list[LayerState]:
     """The target layers of ``packed[:length]`` from the chunk records of ``chain[1:]`` and, unless ``entry`` is
-    None (a chunk-boundary prefix), the entry record ``entry``. Raises ``CorruptRecord``."""
-    deferred: list = []
+    None (a chunk-boundary prefix), the entry record ``entry``. Raises ``CorruptRecord``.
+
+    Large records are checksummed on the verifier's threads from the moment they are decoded while the rest is
+    read and assembled; with a ``fill.Sink`` as ``concat`` each record is instead checksummed in the pass that
+    copies its tensors into the sink's buffers (``fill.py``). Either way nothing is returned before every record
+    it came from passed, and no thread reads a record after this returns or raises."""
+    fused = verifier is not None and is_sink(concat)
+    deferred: Any = [] if fused or verifier is None else verifier.pending()
+    records: list[Record] = []
+    try:
+        return _read_layers(raw, packed, length, chunk_tokens, chain, entry, concat, verifier, deferred, records,
+                            fused)
+    finally:
+        if isinstance(deferred, Pending):
+            deferred.settle()  # normally settled already; on an error, wait before the transaction ends
+
+
+def _read_layers(raw, packed, length, chunk_tokens, chain, entry, concat, verifier, deferred, records, fused):
     chunks, segments = [], []
 
+    def verified(raw_rec, kind, key, expect, owner=None) -> Record:
+        rec = verified_record(raw_rec, kind, key, expect, deferred=deferred, verifier=verifier, owner=owner)
+        records.append(rec)
+        return rec
+
     def get_piece(key: bytes, owner: bytes, lo: int, hi: int) -> Record:  # format 1.3 (``spans.py``)
-        return verified_record(raw("piece", key), "piece", key, packed[lo:hi], deferred=deferred, verifier=verifier,
-                               owner=owner)
+        return verified(raw("piece", key), "piece", key, packed[lo:hi], owner=owner)
     for k, key in enumerate(chain[1:], 1):
         expect = packed[(k - 1) * chunk_tokens:k * chunk_tokens]
-        chunks.append(verified_record(raw("chunk", key), "chunk", key, expect, deferred=deferred, verifier=verifier))
+        chunks.append(verified(raw("chunk", key), "chunk", key, expect))
         segments += span_segments(chunks[-1], key, (k - 1) * chunk_tokens, chunk_tokens, get_piece)
     entry_rec = None
     if entry is None:
@@ -144,8 +218,7 @@ def read_layers(raw: RawRecords, *, packed: np.ndarray, length: int, chunk_token
     else:
         bad_key = entry
         base = (len(chain) - 1) * chunk_tokens
-        entry_rec = verified_record(raw("entry", entry), "entry", entry, packed[base:length], deferred=deferred,
-                                    verifier=verifier)
+        entry_rec = verified(raw("entry", entry), "entry", entry, packed[base:length])
         meta = entry_rec.meta
         if meta.get("length") != length or meta.get("chunk_tokens") != chunk_tokens:
             raise CorruptRecord(f"entry record covers {meta.get('length')} tokens in chunks of "
@@ -153,50 +226,97 @@ def read_layers(raw: RawRecords, *, packed: np.ndarray, length: int, chunk_token
         table = meta.get("layers")
         if entry_rec.meta.get("pieces") is not None:  # the tail's chunked tensors are in pieces (format 1.3)
             segments += span_segments(entry_rec, entry, base, length - base, get_piece)
-    pending = verifier.start(deferred) if verifier is not None else None
+    pending = verifier.start(deferred) if verifier is not None and not fused else None
+    entry_tails = entry_rec is not None and entry_rec.meta.get("pieces") is None
     try:
         if table is None:
             raise CorruptRecord("records carry no layer table", bad_key)
-        layers = assemble_layers(table, segments, entry_rec, length, concat=concat,
-                                 entry_tails=entry_rec is not None and entry_rec.meta.get("pieces") is None)
+        plan = plan_layers(table, segments, entry_rec, length, entry_tails=entry_tails)
+        if not fused:
+            layers = _assembled(plan, concat)
     except CorruptRecord as exc:
         BackgroundVerifier.wait(pending)  # a checksum failure explains a broken table best: report that first
+        if fused:
+            _settle_fused(deferred)
         raise CorruptRecord(str(exc), bad_key) from None
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         BackgroundVerifier.wait(pending)
+        if fused:
+            _settle_fused(deferred)
         raise CorruptRecord(f"stored layer table does not match its tensors ({exc})", bad_key) from None
+    if fused:  # copies and checksums in one pass per record, on the verifier's threads
+        by_id = {id(d.record): d for d in deferred}
+        try:
+            return fill_layers(plan, [(rec, by_id.get(id(rec))) for rec in records], concat, verifier.pool(),
+                               idle_lanes(verifier.threads))
+        except CorruptRecord as exc:
+            if exc.key is None:
+                raise CorruptRecord(str(exc), bad_key) from None
+            raise
     BackgroundVerifier.wait(pending)  # nothing is returned before every record it came from passed its checksum
+    return layers
+
+
+def _settle_fused(deferred: list) -> None:
+    """The layer table broke on the fused route: check the deferred records first, as the other route does."""
+    for d in deferred:
+        if not verify_checksum(d.raw):
+            raise CorruptRecord(f"{d.kind} record: record checksum mismatch (bit flip or truncation)", d.key, d.piece)
+
+
+def plan_layers(layer_table, chunks: list[Record], entry_rec: Record | None, length: int, *,
+                entry_tails: bool = True) -> list:
+    """Where each layer's tensors come from: ``[(i, kind, meta, axis, [(dtype, axis or None, full shape,
+    [(record, tensor name), ...]), ...]), ...]``. A chunked tensor's pieces come from ``chunks`` in order (chunk
+    records, target pieces), then from the entry record when ``entry_tails`` (it holds its tail unless it is
+    pieced); an untrimmable layer's tensors come whole from the entry record. Raises ``CorruptRecord`` (without
+    a key) when the pieces do not add up or do not have the table's dtype, KeyError/TypeError/... for a table
+    that does not fit the tensors."""
+    plan = []
+    for i, kind, meta, axis, tensor_specs in layer_table:
+        out = []
+        for j, (dtype, shape) in enumerate(tensor_specs):
+            name = f"L{i}.{j}"
+            if axis is None:
+                whole = entry_rec.tensors[name]
+                if whole.dtype != dtype or list(whole.shape) != list(shape):
+                    raise CorruptRecord(f"layer {i} tensor {j} does not match the stored layer table")
+                out.append((dtype, None, tuple(shape), [(entry_rec, name)]))
+                continue
+            recs = list(chunks) + ([entry_rec] if entry_rec is not None and entry_tails else [])
+            pieces = [r.tensors[name] for r in recs]
+            full = list(shape)
+            full[axis] = sum(p.shape[axis] for p in pieces)
+            if any(len(p.shape) != len(full) or p.dtype != dtype
+                   or any(d != f for a, (d, f) in enumerate(zip(p.shape, full)) if a != axis) for p in pieces):
+                raise CorruptRecord(f"layer {i} pieces do not match the stored layer table")
+            if full[axis] != length:
+                raise CorruptRecord(f"layer {i} pieces cover {full[axis]} tokens, expected {length}")
+            out.append((dtype, axis, tuple(full), [(r, name) for r in recs]))
+        plan.append((i, kind, meta, axis, out))
+    return plan
+
+
+def _assembled(plan: list, concat: Concat | None) -> list[LayerState]:
+    layers = []
+    for i, kind, meta, axis, tensors in plan:
+        out = []
+        for dtype, t_axis, shape, parts in tensors:
+            pieces = [rec.tensors[name] for rec, name in parts]
+            if t_axis is None:
+                out.append(Tensor(dtype, shape, copy_out(pieces[0])))
+            else:
+                out.append(Tensor(dtype, shape, _concatenate(pieces, t_axis, dtype, list(shape), concat)))
+        layers.append(LayerState(kind, meta, out, axis))
     return layers
 
 
 def assemble_layers(layer_table, chunks: list[Record], entry_rec: Record | None, length: int, *,
                     concat: Concat | None = None, entry_tails: bool = True) -> list[LayerState]:
     """Concatenate each chunked layer's pieces along its token axis (one copy out of the map, or ``concat``'s
-    result); untrimmable layers come whole from the entry record. ``chunks``: the records holding the chunked
-    tensors in order (chunk records, target pieces); ``entry_tails``: the entry record holds its tail's too (it
-    does unless it is pieced). Raises ``CorruptRecord`` (without a key) when the pieces do not add up, or
-    KeyError/TypeError/... for a table that does not fit the tensors."""
-    layers = []
-    for i, kind, meta, axis, tensor_specs in layer_table:
-        out = []
-        for j, (dtype, shape) in enumerate(tensor_specs):
-            name = f"L{i}.{j}"
-            if axis is None:
-                out.append(Tensor(dtype, tuple(shape), copy_out(entry_rec.tensors[name])))
-                continue
-            pieces = [c.tensors[name] for c in chunks]
-            if entry_rec is not None and entry_tails:
-                pieces.append(entry_rec.tensors[name])
-            full = list(shape)
-            full[axis] = sum(p.shape[axis] for p in pieces)
-            if any(len(p.shape) != len(full) or any(d != f for a, (d, f) in enumerate(zip(p.shape, full)) if a != axis)
-                   for p in pieces):
-                raise CorruptRecord(f"layer {i} pieces do not match the stored layer table")
-            if full[axis] != length:
-                raise CorruptRecord(f"layer {i} pieces cover {full[axis]} tokens, expected {length}")
-            out.append(Tensor(dtype, tuple(full), _concatenate(pieces, axis, dtype, full, concat)))
-        layers.append(LayerState(kind, meta, out, axis))
-    return layers
+    result); untrimmable layers come whole from the entry record (``plan_layers`` says where each comes from and
+    what raises)."""
+    return _assembled(plan_layers(layer_table, chunks, entry_rec, length, entry_tails=entry_tails), concat)
 
 
 def _concatenate(pieces, axis: int, dtype: str, full: list[int], concat: Concat | None):
