@@ -67,9 +67,9 @@ def restore_concat():
     """The ``concat`` to give ``Store.fetch`` (see ``spec_cache.device_copy``): on MLX's CUDA backend the staging
     loader (one host copy on several threads into a host-resident staging buffer, then a device copy: ~20 GB/s
     on the H200) where its run-time checks pass, else ``mx_concat`` (pieces copied into MLX once and joined on
-    the device); None on the CPU, where numpy's assembly plus one ``mx.array`` copy measured as fast as the
-    alternatives. ``SPEC_CACHE_COPY_ROUTE`` = ``staging`` | ``join`` | ``numpy`` | ``fresh`` forces a route
-    (``staging`` falls back to ``join`` where it is not available)."""
+    the device); on the CPU ``device_copy.HOST_ARRAYS`` (records copied straight into fresh MLX arrays and
+    checksummed in the same pass). ``SPEC_CACHE_COPY_ROUTE`` = ``staging`` | ``join`` | ``numpy`` | ``fresh`` |
+    ``fill`` forces a route (``staging`` falls back to ``join`` where it is not available; ``numpy``: None)."""
     from spec_cache import device_copy
 
     route = os.environ.get("SPEC_CACHE_COPY_ROUTE", "")
@@ -79,10 +79,12 @@ def restore_concat():
         return mx_concat
     if route == "fresh":
         return device_copy.fresh_concat
+    if route == "fill":
+        return device_copy.HOST_ARRAYS
     if route == "staging" or device_copy.is_gpu():
         loader = device_copy.staging_loader() if device_copy.is_cuda() or route == "staging" else None
         return loader if loader is not None else mx_concat
-    return None
+    return device_copy.HOST_ARRAYS
 
 
 def to_mx(t: Any) -> mx.array:

@@ -19,13 +19,15 @@ only during the call) and keeps whatever ``concat(pieces, axis, dtype)`` returns
   Measured there: ~20 GB/s end to end against 1.3-2.0 GB/s for ``mx.array(numpy)`` + a device join.
 * **Join route (other GPUs, or when the staging route is not available):** ``cache_state.mx_concat``: each piece
   copied into MLX once, joined on the device.
-* **CPU:** ``None`` (numpy assembles the tensor, one ``mx.array`` copy), or the single-copy route
-  ``fresh_concat`` below where it measured faster; see ``cache_state.restore_concat``.
+* **CPU:** ``HOST_ARRAYS`` (a ``store.fill.Sink``): the store copies each record's tensors straight into fresh
+  MLX arrays and checksums the record in the same pass, several records at once (one copy of every byte, and the
+  checksums off the critical path); ``None`` (numpy assembly, then one ``mx.array`` copy) or ``fresh_concat``
+  (one copy per tensor, checksums on the verifier's threads) when forced; see ``cache_state.restore_concat``.
 
 The staging route depends on an implementation detail of MLX's CUDA backend (managed memory), so it is detected
 at run time: the buffer must be managed memory, the advice must succeed, and a self-test round trip must give
 the bytes back; otherwise the loader is not offered and the join route is used. ``SPEC_CACHE_COPY_ROUTE``
-(``staging`` | ``join`` | ``numpy`` | ``fresh``) forces a route for benchmarks.
+(``staging`` | ``join`` | ``numpy`` | ``fresh`` | ``fill``) forces a route for benchmarks.
 """
 
 from __future__ import annotations
@@ -465,6 +467,30 @@ def fresh_concat(pieces: list, axis: int, dtype: str) -> mx.array:
     return out.view(mx.bfloat16) if dtype == "bfloat16" else out
 
 
+class HostArrays:
+    """The CPU route of a restore (``store.fill.Sink``): the store writes every token-sliceable tensor straight
+    from LMDB's map into a fresh MLX array through its numpy view, checksumming each record in the same pass on
+    several threads, so each byte is copied once (numpy assembly + ``mx.array`` copied it twice). The arrays are
+    made by a CPU op and evaluated here, and written before anyone else holds them (never again after).
+    Called as a ``concat`` (readers that assemble tensor by tensor) it is ``fresh_concat``."""
+
+    def allocate(self, specs: list) -> list:
+        outs = [mx.zeros(tuple(shape), dtype=mx.uint16 if dtype == "bfloat16" else _MX_DTYPES[dtype], stream=mx.cpu)
+                for dtype, shape in specs]
+        mx.eval(outs)
+        made = []
+        for (dtype, _shape), out in zip(specs, outs):
+            view = np.array(out, copy=False)
+            if not view.flags.writeable:
+                raise RuntimeError("MLX did not give a writable view")
+            made.append((out.view(mx.bfloat16) if dtype == "bfloat16" else out, view.view(_np_dtype(dtype))))
+        return made
+
+    def __call__(self, pieces: list, axis: int, dtype: str) -> mx.array:
+        return fresh_concat(pieces, axis, dtype)
+
+
+HOST_ARRAYS = HostArrays()
 _CPU_COPIER: Copier | None = None
 
 

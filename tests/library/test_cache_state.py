@@ -235,7 +235,7 @@ def test_copier_splits_large_copies_over_threads():
         copier.close()
 
 
-@pytest.mark.parametrize("route", ["staging", "fresh", "numpy", "join"])
+@pytest.mark.parametrize("route", ["staging", "fresh", "numpy", "join", "fill"])
 def test_store_fetch_through_each_route(tmp_path, route, monkeypatch):
     """``Store.fetch(concat=...)`` with each route gives the same caches (bfloat16 KV and a quantized layer)."""
     from spec_cache import device_copy
@@ -260,7 +260,7 @@ def test_store_fetch_through_each_route(tmp_path, route, monkeypatch):
 
 
 def test_restore_concat_on_this_machine_and_route_status(monkeypatch):
-    """On a CPU build: numpy assembly by default, no staging loader offered, and the status says why."""
+    """On a CPU build: the single-copy sink by default, no staging loader offered, and the status says why."""
     from spec_cache import device_copy
     from spec_cache.cache_state import restore_concat
 
@@ -270,4 +270,4 @@ def test_restore_concat_on_this_machine_and_route_status(monkeypatch):
     assert device_copy.staging_loader() is None
     assert "CUDA" in device_copy.status()
     if not device_copy.is_gpu():
-        assert restore_concat() is None
+        assert restore_concat() is device_copy.HOST_ARRAYS

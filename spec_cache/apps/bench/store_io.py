@@ -148,6 +148,7 @@ def bench_put_get(reps: int, tokens: int) -> dict:
     bench = _PutGet(work, caches, arrays, tokens)
     t_put_growing, t_save, t_put = bench.writes(reps)
     t_load, t_get = bench.reads(reps)
+    stages = bench.get_stages(reps)
     tuned = allocator_tuned()
     bench.store.close()
     rates = _rates(nbytes, work, reps)
@@ -159,6 +160,8 @@ def bench_put_get(reps: int, tokens: int) -> dict:
            "mlx_lm_load_s": t_load, "get_s": t_get, "restore_vs_mlx_lm_load": t_load / t_get,
            "put_GBps": gb / t_put, "get_GBps": gb / t_get, "save_GBps": gb / t_save, "load_GBps": gb / t_load,
            "malloc_thresholds_set": tuned}
+    out.update(stages)
+    out["restore_numpy_route_vs_mlx_lm_load"] = t_load / stages["get_numpy_route_s"]
     out.update(_put_phases(bench.phases, gb))
     out.update(rates)
     return out
@@ -221,6 +224,71 @@ class _PutGet:
         mx.eval(out)
         assert r.length == self.tokens
 
+    def get_stages(self, reps: int) -> dict:
+        """Where a restore's time goes, each stage timed alone (medians, seconds): ``fetch`` (lookup, read
+        transaction, every record's header decoded and its tokens checked, no checksum, no copy), ``verify``
+        (every record's checksum on one thread, then spread over the store's verify threads), ``copies`` (the
+        tensors copied from the map into fresh MLX arrays, nothing else); and the whole restore through the route
+        used before issue 21 (numpy assembly, then ``mx.array``: ``SPEC_CACHE_COPY_ROUTE=numpy``)."""
+        import mlx.core as mx
+
+        from spec_cache.cache_state import to_mx
+        from spec_cache.device_copy import HOST_ARRAYS
+        from spec_cache.store import codec, keys, read
+        from spec_cache.store.store import _RECORD_DB
+
+        store, packed = self.store, keys.pack_tokens(self.toks)
+
+        def records(txn):
+            hit = store._lookup(txn, self.ns, packed, None)
+            return hit, [txn.get(k, db=store.env.dbs[_RECORD_DB["chunk"]]) for k in hit.chain[1:]] + (
+                [txn.get(hit.entry, db=store.env.dbs[_RECORD_DB["entry"]])] if hit.entry is not None else [])
+
+        def fetch():
+            with store.env.read() as txn:
+                hit, raws = records(txn)
+                recs = [read.verified_record(r, "chunk", k, packed[i * store.chunk_tokens:(i + 1) * store.chunk_tokens],
+                                             deferred=[], verifier=read.BackgroundVerifier(min_bytes=0))
+                        for i, (k, r) in enumerate(zip(hit.chain[1:], raws))]
+                assert recs
+                if hit.entry is not None:
+                    codec.decode_record(raws[-1], verify=False)
+
+        def verify(pool: bool):
+            with store.env.read() as txn:
+                _hit, raws = records(txn)
+                if pool:
+                    assert all(store._verifier.pool().map(codec.verify_checksum, raws))
+                else:
+                    assert all(codec.verify_checksum(r) for r in raws)
+
+        def copies():
+            with store.env.read() as txn:
+                _hit, raws = records(txn)
+                recs = [codec.decode_record(r, verify=False) for r in raws]
+                names = [n for n in recs[0].tensors if n != "tokens"]
+                out = []
+                for name in names:
+                    parts = [r.tensors[name] for r in recs if name in r.tensors]
+                    full = list(parts[0].shape)
+                    full[2] = sum(p.shape[2] for p in parts)
+                    ((data, view),) = HOST_ARRAYS.allocate([(parts[0].dtype, tuple(full))])
+                    at = 0
+                    for p in parts:
+                        view[:, :, at:at + p.shape[2]] = p.array()
+                        at += p.shape[2]
+                    out.append(data)
+                mx.eval(out)
+
+        def numpy_route():
+            r = store.fetch(self.ns, self.toks)  # no concat: numpy assembly, checksums on the verifier's threads
+            mx.eval([to_mx(t) for layer in r.layers for t in layer.tensors])
+        out = {"get_stage_fetch_s": median_time(fetch, reps), "get_stage_verify_1thread_s": median_time(
+            lambda: verify(False), reps), "get_stage_verify_threads_s": median_time(lambda: verify(True), reps),
+               "get_stage_copies_s": median_time(copies, reps), "get_numpy_route_s": median_time(numpy_route, reps),
+               "verify_threads": store._verifier.threads, "xxh3_gil_free": _gil_free()}
+        return out
+
     def writes(self, reps: int) -> tuple[float, float, float]:
         """(first put into the empty store, median save, median put). Steady state, as in a cache at its budget:
         the previous checkpoint is evicted (untimed) before each put, so LMDB reuses its pages, as the file system
@@ -244,6 +312,12 @@ class _PutGet:
         self.load()
         self.get()
         return median_time(self.load, reps), median_time(self.get, reps)
+
+
+def _gil_free() -> bool:
+    from spec_cache.store import xxh3
+
+    return xxh3.NOGIL
 
 
 def _put_phases(phases: list[dict], gb: float) -> dict:
