@@ -9,7 +9,7 @@ request path, and prints, per warm turn (turn >= 2, one client), the millisecond
     build), prefill (new tokens), checkpoint (boundary extract + save), first round, first SSE chunk at the client.
 
     .venv/bin/python tools/profile_serve_warm.py [--model DIR] [--conversations 4] [--turns 3]
-        [--system-words 1500] [--user-words 150] [--max-tokens 24] [--json OUT]
+        [--system-words 1500] [--user-words 150] [--max-tokens 24] [--pause 0] [--json OUT]
 
 Medians over the warm turns; each column is the summed time inside that function during the request up to its
 first token (nested calls are counted in both). Without ``--model`` the bench's tiny float32 llama is used.
@@ -114,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--system-words", type=int, default=1500)
     p.add_argument("--user-words", type=int, default=150)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--pause", type=float, default=0.0, help="seconds between turns (the bench: 0)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="profile-serve-warm-"))
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
                 history.append({"role": "assistant", "content": got.text})
                 if turn >= 1:
                     rows.append({"ttft": got.ttft, "cached": got.cached, **_now.get("first", {})})
-                time.sleep(0.3)  # the write-behind settles: the next turn's lookup sees a quiet machine
+                time.sleep(args.pause)  # > 0: the write-behind of this turn's checkpoints is done before the next
     finally:
         server.should_exit = True
         thread.join(30)

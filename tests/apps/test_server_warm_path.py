@@ -91,6 +91,63 @@ def test_end_of_prompt_checkpoint_comes_from_the_jobs_own_row(tiny, tmp_path, dr
         cache.close()
 
 
+def test_a_warm_turns_short_tail_is_not_split_at_its_offsets(tiny, tmp_path):
+    """A message boundary inside a warm turn's new tokens (the previous reply re-tokenized differently, then a new
+    message) is not a prefill phase: one restore and one row, the first token after one prefill; a cold prompt's
+    offsets still are (its prefixes are worth storing)."""
+    cache = SpecCache.open(tmp_path / "store")
+    generator = Generator.load(tiny.root / "target", None, cache=cache)
+    log: list[tuple] = []
+    prepare = generator.prepare
+
+    def counted_prepare(*a, **k):
+        log.append(("prepare", len(a[0])))
+        return prepare(*a, **k)
+    generator.prepare = counted_prepare
+    sched = Scheduler(generator, max_rows=4)
+    sched.start()
+    try:
+        first = list(range(3, 63))
+        _run(sched, first, 4, (30, len(first)), log)
+        assert [e for e in log if e[0] == "prepare"] == [("prepare", 60)] * 2  # cold: a phase up to 30 first
+        log.clear()
+        second = first + [200, 201, 202] + list(range(100, 140))  # the reply as other tokens, a new message
+        _, events = _run(sched, second, 4, (len(first) + 3, len(first) + 22, len(second)), log)
+        assert events.cached == len(first)
+        assert [e for e in log if e[0] == "prepare"] == [("prepare", len(second))]  # before: a phase at 82 first
+        assert events.tokens == plain_greedy(tiny.target, second, 4)
+        assert sched.splits_prompt(0, 5) and not sched.splits_prompt(60, 40)
+        assert sched.splits_prompt(60, generator.engine.prefill_step_size)  # a long tail still is
+    finally:
+        sched.stop(5)
+        cache.close()
+
+
+class _Held:
+    """A scheduler as ``_Prompts`` sees it: what the memory tier holds, and the split rule."""
+
+    def __init__(self, covered: int, step: int = 512) -> None:
+        self.covered, self.step = covered, step
+
+    def held_prefix(self, tenant, tokens) -> int:
+        return min(self.covered, len(tokens))
+
+    def splits_prompt(self, cached: int, left: int) -> bool:
+        return cached == 0 or left >= self.step
+
+
+def test_a_warm_turn_renders_no_message_head(smollm2_tokenizer):
+    messages = [{"role": "system", "content": "be brief " * 40}, {"role": "user", "content": "one " * 30},
+                {"role": "assistant", "content": "two " * 30}, {"role": "user", "content": "three " * 30}]
+    warm = _Prompts(smollm2_tokenizer, _Held(covered=100))
+    prompt = warm.chat(messages)
+    assert warm.seams(messages, prompt, None, None) == [len(prompt)] and warm.renders == 0
+    cold = _Prompts(smollm2_tokenizer, _Held(covered=0))
+    assert cold.seams(messages, prompt, None, None) == cold.boundaries(messages, prompt) and cold.renders == 8
+    long_tail = _Prompts(smollm2_tokenizer, _Held(covered=100, step=16))  # a tail of a chunk or more: rendered
+    assert long_tail.seams(messages, prompt, None, None)[-1] == len(prompt) and long_tail.renders >= 1
+
+
 def test_a_row_ending_with_its_first_token_writes_the_prompt_once(tiny, tmp_path):
     """``max_tokens=1``: the finish checkpoint is the end-of-prompt state; no second copy is taken for it."""
     cache = SpecCache.open(tmp_path / "store")

@@ -52,8 +52,12 @@ class _Prompts:
             raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
 
     def seams(self, messages: list[dict], prompt: list[int], params, tenant: str | None) -> list[int]:
-        """``boundaries`` past what the memory tier holds of ``prompt`` for ``tenant`` (a namespace tenant)."""
+        """``boundaries`` past what the memory tier holds of ``prompt`` for ``tenant`` (a namespace tenant); only
+        the end of the prompt for a warm turn whose tail the scheduler will not split (``splits_prompt``): no
+        head is rendered then."""
         covered = 0 if self.scheduler is None else self.scheduler.held_prefix(tenant, prompt[:-1])
+        if covered and not self.scheduler.splits_prompt(covered, len(prompt) - 1 - covered):
+            return [len(prompt)]
         return self.boundaries(messages, prompt, params, covered)
 
     def boundaries(self, messages: list[dict], prompt: list[int], params=None, covered: int = 0) -> list[int]:

@@ -489,10 +489,24 @@ class Scheduler:
         covered = max(job.prepared.cached_tokens, job.prefilled)
         boundary = len(job.sequence) - 1
         ends = [(covered // every + 1) * every] if every is not None else []
-        ends += [k for k in job.checkpoint_at
-                 if k - covered >= MIN_CHECKPOINT_GAP and boundary - k >= MIN_CHECKPOINT_GAP]
+        if self._offsets_split(job, covered, boundary):
+            ends += [k for k in job.checkpoint_at
+                     if k - covered >= MIN_CHECKPOINT_GAP and boundary - k >= MIN_CHECKPOINT_GAP]
         end = min(ends, default=None)
         return end if end is not None and end < boundary else None
+
+    def _offsets_split(self, job: Job, covered: int, boundary: int) -> bool:
+        return self.splits_prompt(job.cached_tokens, boundary - covered)
+
+    def splits_prompt(self, cached: int, left: int) -> bool:
+        """Whether ``checkpoint_at`` offsets inside a prompt split its prefill into phases, for a request the cache
+        held ``cached`` tokens of with ``left`` tokens still to forward: when the cache held nothing (its prefixes
+        are worth storing: a shared system prompt, a resumable prefill), or at least a prefill chunk is left. A
+        warm turn's short tail is not split: a phase would cost its first token a restore and a round, for a
+        state the end-of-prompt checkpoint covers (a previous reply often re-tokenizes differently from what was
+        generated, so its message end is rarely covered already). Any thread (the app skips rendering the
+        message boundaries of a prompt that will not be split)."""
+        return cached == 0 or left >= self.generator.engine.prefill_step_size
 
     def _step(self) -> None:
         began = time.perf_counter()
