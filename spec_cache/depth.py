@@ -30,10 +30,10 @@ ever re-measured by drafting; two unlucky width-2 rounds on a loaded CPU, agains
 next one is queued, kept the copy workload at depth 0 for 93 of 95 rounds, 4 tokens drafted, while fixed depth
 ran 1.24-1.26x plain, with and without the two-measurement rule below). Its price where drafting never pays is
 one width-2 round per probe interval (16, 32, 64, then every 128 plain rounds), and a probe waits longer when its
-extra seconds over a plain round would exceed ``probe_budget`` (3%) of the plain rounds since the last one (on a
-compute-bound CPU a width-4 probe at B=8 costs ~1.5 extra plain rounds; the draft model also feeds its backlog).
-The two work together: the
-seed's per-position early stop (``sts.thresholds``/``minConf``, DFlash/DSpark, ``spec_cache.drafters.projected``)
+extra seconds over a plain round would exceed ``probe_budget`` (4%, less for rows that accepted little: see
+``_probe_due``) of the plain rounds since the last one (on a compute-bound CPU a width-4 probe at B=8 costs ~1.5
+extra plain rounds; the draft model also feeds its backlog). The two work together: the seed's per-position early
+stop (``sts.thresholds``/``minConf``, DFlash/DSpark, ``spec_cache.drafters.projected``)
 cuts a drafted block where the drafter's own confidence drops; this controller picks the depth for the whole batch
 from measured acceptance and measured cost.
 
@@ -220,7 +220,7 @@ class DepthController:
     def __init__(self, max_depth: int, *, decay: float = 0.9, prior_acceptance: float = 0.5,
                  prior_weight: float = 2.0, prior_slope: float = 0.25, probe_every: int = 16,
                  probe_limit: int = 128, probe_acceptance: float = 0.8, min_gain: float = 0.05,
-                 probe_budget: float | None = 0.03) -> None:
+                 probe_budget: float | None = 0.04) -> None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
             raise InvalidRequest(f"max_depth must be an int >= 0, got {max_depth!r}")
         for name, value in (("decay", decay), ("prior_acceptance", prior_acceptance),
@@ -337,17 +337,21 @@ class DepthController:
         return depth
 
     def _probe_due(self, rows: Sequence[RowAcceptance], caps: Sequence[int], depth: int) -> int:
-        """Plain rounds after which a probe at ``depth`` costs at most ``probe_budget`` of the time spent: its extra
-        seconds over a plain round (every row drafting) over the budget's share of a plain round. On a
-        compute-bound CPU a width-4 probe at B=8 costs ~1.5 extra plain rounds: 50 rounds apart, not 16 (measured:
-        two such probes and the first exploring round were the whole 6% loss of adaptive ngram on chat at B=8,
-        which stayed at depth 0 otherwise); on a GPU, where a window costs about one step, the interval decides."""
+        """Plain rounds after which a probe at ``depth`` costs at most its share of the time spent: its extra
+        seconds over a plain round (every row drafting) over the share of a plain round, ``probe_budget`` scaled
+        by ``0.25 + `` the rows' mean expected acceptance (up to 1): a probe is worth more where the rows accepted
+        well and only the costs are in doubt (a copy run frozen at depth 0) than where they rejected (a drafter
+        that accepts nothing). On a compute-bound CPU a width-4 probe at B=8 costs ~1.5 extra plain rounds, the
+        draft model's a width-2 one ~2 with its backlog feed: measured, such probes and the first exploring rounds
+        were the whole 6-10% loss of adaptive drafting on chat at B=8, which stayed at depth 0 otherwise. On a
+        GPU, where a window costs about one step, the interval decides."""
         if depth == 0 or self.probe_budget is None:  # None: the interval alone decides
             return 0
         models = [self._row_model(row, None) for row in rows]
         plain = self._round_seconds(models, caps, 0)
         probe = self._round_seconds([(self.probe_acceptance, 1.0)] * len(rows), caps, depth)
-        return math.ceil(max(probe - plain, 0.0) / (self.probe_budget * plain))
+        worth = min(1.0, 0.25 + sum(a * offers for a, offers in models) / max(len(models), 1))
+        return math.ceil(max(probe - plain, 0.0) / (self.probe_budget * worth * plain))
 
     def predicts_plain(self, rows: int) -> bool:
         """Whether the next round of ``rows`` rows will most likely choose depth 0 too (the engine then queues it

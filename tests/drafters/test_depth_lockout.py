@@ -124,3 +124,29 @@ def test_engine_batch_of_four_recovers_from_terrible_rounds_at_a_trusted_width(t
         assert results[i].tokens == plain_greedy(tiny.target, prompt, 400)
     assert seen[5] > 13 + 10, (seen, engine.depth.rounds_at_depth)  # width 5 chosen again after the terrible round
     assert depths[-10:].count(4) >= 8, depths  # (a plain round re-measures a stale plain estimate)
+
+
+def test_a_probe_for_rows_that_rejected_waits_until_its_cost_is_a_small_share():
+    """The draft model on chat at B=8 (CPU): rows accepted nothing in the exploring rounds, and a probe costs a
+    width-2 verify (1.7 plain rounds) plus the draft model's backlog feed (0.4): probes after 16 and 48 plain
+    rounds cost 10% of a 96-token run before. Now at most one, and rows that accepted well are probed sooner."""
+
+    def probes_in(rounds: int, agreed: int) -> list[int]:
+        controller = DepthController(4)
+        for _ in range(2):
+            controller.observe_round(8, 0, 0.0, 1, 1.0)
+            controller.observe_round(8, 1, 0.4, 2, 1.7)
+        rows = [RowAcceptance() for _ in range(8)]
+        for row in rows:
+            for _ in range(2):
+                controller.observe_row(row, 1, agreed)
+        chosen = []
+        for _ in range(rounds):
+            depth = controller.choose(rows, [50] * 8)
+            chosen.append(depth)
+            controller.observe_round(8, depth, 0.4 if depth else 0.0, depth + 1, 1.0 + 0.7 * depth)
+        return [i for i, depth in enumerate(chosen) if depth]
+
+    assert len(probes_in(96, agreed=0)) <= 1
+    rejected, accepted = probes_in(300, agreed=0), probes_in(300, agreed=1)
+    assert rejected and accepted and accepted[0] < rejected[0]  # never locked out; a good drafter sooner
