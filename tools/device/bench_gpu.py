@@ -12,10 +12,13 @@ what it measured. Sections (``--sections``, in order):
 * ``routes``: ``Store.fetch`` of an 8B-shaped bf16 KV state (32 layers x 8 KV heads x 128, 4k and 16k tokens)
   into MLX by each route (numpy assembly + ``mx.array``; ``mx_concat``; the staging loader with 1/4/8/16
   threads) against mlx-lm's ``load_prompt_cache`` + eval of the same state.
-* ``gpu_8b``: ``spec_cache.apps.bench.ttft.run_tiers`` on a Llama-3-8B-shaped bf16 model with random weights (32
-  layers, hidden 4096, 32 heads / 8 KV heads, head_dim 128, intermediate 14336, vocab 128256; no drafter) at
-  1k, 4k, 16k, 32k tokens: cold vs memory tier vs LMDB (reopened, memory tier off) vs mlx-lm load + last-token
-  forward, warm tokens checked. Figures ``gpu_8b_*`` go to the top-level ``figures``.
+* ``gpu_8b`` (``bench_gpu_8b.py``, issue 21): on a Llama-3-8B-shaped bf16 model with random weights (32 layers,
+  hidden 4096, 32 heads / 8 KV heads, head_dim 128, intermediate 14336, vocab 128256; no drafter; ``--dims tiny``
+  for a CPU check), per length (``--lengths``, default 4k then 16k): ``run_tiers``' stages (cold vs memory tier vs
+  LMDB reopened vs mlx-lm load + last-token forward), a next turn (+256 tokens) from the memory tier vs from LMDB
+  with the LMDB restore's stage breakdown, and at 4k the first request with the cache on vs cold; tokens checked
+  equal to cold. The JSON is rewritten after each step; a step that would not fit in ``--deadline`` is skipped, and
+  SIGTERM (the shell's ``timeout``) saves it and exits. Figures ``gpu_8b_*`` go to the top-level ``figures``.
 * ``ttft``, ``store_io``, ``ttft_big``: the earlier sections (small float32 models; 256 MiB put/get).
 """
 
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,15 +36,19 @@ import tempfile
 import time
 import traceback
 
+import bench_gpu_8b as b8
+from bench_gpu_8b import NEW_TOKENS, STEPS, Deadline
+
 SMALL = {"lengths": [1024, 4096, 16384], "warm_reps": 5, "cold_reps": 3, "hidden": 1024, "layers": 8, "vocab": 32000}
 BIG = {"lengths": [4096, 16384], "warm_reps": 5, "cold_reps": 3, "hidden": 4096, "layers": 16, "vocab": 32000}
 STORE_IO = {"reps": 5, "tokens": 4096}
-GPU_8B = {"model": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
-                    "intermediate": 14336, "vocab": 128256},
-          "lengths": [1024, 4096, 16384, 32768], "cold_reps": 3, "warm_reps": 5}
+GPU_8B = {"model": b8.DIMS_8B, "lengths": [4096, 16384], "cold_reps": 3, "warm_reps": 5}
 ROUTES = {"tokens": [4096, 16384], "reps": 5, "threads": [1, 4, 8, 16]}
 GOALS = {"gpu_8b_memory_vs_cold_4k": 8.0, "gpu_8b_memory_vs_cold_16k": 30.0, "gpu_8b_lmdb_vs_cold_4k": 4.0,
-         "gpu_8b_lmdb_vs_cold_16k": 10.0, "gpu_8b_lmdb_vs_mlx_lm_load": 3.0}
+         "gpu_8b_lmdb_vs_cold_16k": 10.0, "gpu_8b_lmdb_vs_mlx_lm_load": 3.0,
+         "gpu_8b_lmdb_vs_mlx_lm_load_forward_4k": 3.0, "gpu_8b_lmdb_vs_mlx_lm_load_forward_16k": 3.0,
+         "gpu_8b_next_turn_lmdb_vs_memory_4k": 0.8, "gpu_8b_next_turn_lmdb_vs_memory_16k": 0.8}
+GOALS_AT_MOST = {"gpu_8b_first_write_overhead_4k": 1.05}
 
 
 def log(msg: str) -> None:
@@ -318,33 +326,28 @@ def run_routes(cfg: dict) -> dict:
     return out
 
 
-# --- the 8B-shaped model ----------------------------------------------------------------------------------------
-def model_dir() -> str:
-    """Where to write the 16 GB model: /dev/shm when it has room, else /tmp."""
-    try:
-        st = os.statvfs("/dev/shm")
-        if st.f_bavail * st.f_frsize > 40 << 30:
-            return "/dev/shm/spec-cache-8b"
-    except OSError:
-        pass
-    return os.path.join(tempfile.gettempdir(), "spec-cache-8b")
-
-
-def run_gpu_8b(cfg: dict, lengths: list[int]) -> dict:
-    from spec_cache.apps.bench import ttft
-
-    path = model_dir()
+# --- the 8B-shaped model (tools/device/bench_gpu_8b.py) ------------------------------------------------------
+def run_gpu_8b(args, deadline, publish) -> dict:
+    dims = b8.parse_dims(args.dims)
     t0 = time.perf_counter()
-    if not os.path.exists(os.path.join(path, "config.json")):
-        m = cfg["model"]
-        ttft.write_bf16_llama(path, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"],
-                              head_dim=m["head_dim"], intermediate=m["intermediate"], vocab=m["vocab"])
-    write_s = time.perf_counter() - t0
-    log(f"  8B model at {path} ({write_s:.1f} s to write)")
-    work = tempfile.mkdtemp(prefix="bench-8b-", dir="/tmp")
-    r = ttft.run_tiers(path, lengths, cold_reps=cfg["cold_reps"], warm_reps=cfg["warm_reps"], progress=log, work=work)
-    r["model_write_s"] = write_s
-    r["model_dir"] = path
+    path, dims, write_s = b8.ensure_model(dims, args.model_dir)
+    log(f"  model {dims} at {path} ({write_s:.1f} s to write, {time.perf_counter() - t0:.1f} s in all)")
+    holder = {}
+
+    def partial(out):
+        out.update(model_write_s=write_s, model_dir=path, dims=dims)
+        holder["out"] = out
+        publish(out)
+    try:
+        r = b8.run(path, [int(x) for x in args.lengths.split(",") if x], cold_reps=args.cold_reps,
+                   warm_reps=args.warm_reps, steps=[s for s in args.steps.split(",") if s],
+                   first_write_at=[int(x) for x in args.first_write_at.split(",") if x], new_tokens=args.new_tokens,
+                   deadline=deadline, publish=partial)
+    finally:
+        if args.model_dir is None and dims != b8.DIMS_8B:  # a test's small model; the 8B one stays for reuse
+            import shutil
+            shutil.rmtree(path, ignore_errors=True)
+    r.update(model_write_s=write_s, model_dir=path, dims=dims)
     return r
 
 
@@ -362,7 +365,7 @@ def run_stages(n: int, reps: int = 3) -> dict:
     from spec_cache.generator import Generator
     from spec_cache.target import TargetRows, clone_batch_cache
 
-    path = model_dir()
+    path = b8.model_dir(b8.DIMS_8B)
     work = tempfile.mkdtemp(prefix="bench-stages-", dir="/tmp")
     out = {"tokens": n}
     rng = np.random.default_rng(5)
@@ -433,18 +436,6 @@ def run_stages(n: int, reps: int = 3) -> dict:
     return out
 
 
-def figures_8b(r: dict) -> dict:
-    rows = r.get("lengths", {})
-    f = {}
-    for key in ("4k", "16k"):
-        if key in rows:
-            f[f"gpu_8b_memory_vs_cold_{key}"] = rows[key]["memory_vs_cold"]
-            f[f"gpu_8b_lmdb_vs_cold_{key}"] = rows[key]["lmdb_vs_cold"]
-    if "4k" in rows:  # verified LMDB restore vs load_prompt_cache + eval of the same state
-        f["gpu_8b_lmdb_vs_mlx_lm_load"] = rows["4k"]["lmdb_restore_vs_mlx_lm_load"]
-    return f
-
-
 def run_ttft(cfg: dict) -> dict:
     from spec_cache.apps.bench import ttft
 
@@ -458,41 +449,78 @@ def run_store_io(cfg: dict) -> dict:
     return store_io.bench_put_get(cfg["reps"], cfg["tokens"])
 
 
+def goals(figures: dict) -> dict:
+    out = {k: {"goal": f">= {g:g}", "met": figures[k] >= g} for k, g in GOALS.items() if k in figures}
+    out.update({k: {"goal": f"<= {g:g}", "met": figures[k] <= g} for k, g in GOALS_AT_MOST.items() if k in figures})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file, rewritten after each section")
+    p.add_argument("--out", required=True, help="JSON file, rewritten after each section (gpu_8b: after each step)")
     p.add_argument("--sections", default="limits,routes,gpu_8b,store_io")
     p.add_argument("--lengths", default=",".join(str(n) for n in GPU_8B["lengths"]), help="gpu_8b prompt lengths")
-    p.add_argument("--deadline", type=float, default=560.0, help="seconds from start this driver may use")
+    p.add_argument("--deadline", type=float, default=float(os.environ.get("BENCH_DEADLINE", 560.0)),
+                   help="seconds from start this driver may use (a step that would not fit is skipped)")
     p.add_argument("--big-needs", type=float, default=200.0, help="seconds ttft_big needs to be started")
+    g = p.add_argument_group("gpu_8b")
+    g.add_argument("--dims", default="8b", help="model shape: 8b, tiny, or key=value,... over the 8B shape")
+    g.add_argument("--model-dir", default=None, help="model directory (default: /dev/shm/spec-cache-8b for 8b)")
+    g.add_argument("--steps", default=",".join(STEPS), help="per length, in this order")
+    g.add_argument("--first-write-at", default="4096", help="lengths the first_write step runs at")
+    g.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="a next turn's new tokens")
+    g.add_argument("--cold-reps", type=int, default=GPU_8B["cold_reps"])
+    g.add_argument("--warm-reps", type=int, default=GPU_8B["warm_reps"])
     args = p.parse_args(argv)
     start = time.perf_counter()
+    deadline = Deadline(args.deadline)
     lengths = [int(x) for x in args.lengths.split(",") if x]
     result = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv,
               "environment": environment(),
-              "configs": {"ttft": SMALL, "store_io": STORE_IO, "ttft_big": BIG, "gpu_8b": dict(GPU_8B, lengths=lengths),
-                          "routes": ROUTES},
-              "results": {}, "errors": {}, "skipped": {}, "figures": {}, "goals": {}}
+              "configs": {"ttft": SMALL, "store_io": STORE_IO, "ttft_big": BIG, "routes": ROUTES,
+                          "gpu_8b": dict(GPU_8B, lengths=lengths, dims=args.dims, steps=args.steps,
+                                         cold_reps=args.cold_reps, warm_reps=args.warm_reps,
+                                         new_tokens=args.new_tokens, first_write_at=args.first_write_at)},
+              "deadline_s": args.deadline, "results": {}, "errors": {}, "skipped": {}, "figures": {}, "goals": {}}
 
     def save():
         result["seconds"] = time.perf_counter() - start
-        with open(args.out, "w") as f:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
             json.dump(result, f, indent=1)
+        os.replace(tmp, args.out)  # a reader (or a kill) never sees half a file
 
+    def publish_8b(out):
+        result["results"]["gpu_8b"] = out
+        result["figures"].update(b8.figures(out))
+        result["goals"] = goals(result["figures"])
+        for step, why in out.get("skipped", {}).items():
+            result["skipped"][f"gpu_8b.{step}"] = why
+        for step, err in out.get("errors", {}).items():
+            result["errors"][f"gpu_8b.{step}"] = err
+        save()
+
+    def stop(signum, frame):  # the shell's timeout: keep what finished, say where it stopped
+        result["stopped"] = f"signal {signum} after {time.perf_counter() - start:.0f} s"
+        save()
+        log(f"stopped by signal {signum}; figures: {json.dumps(result['figures'])}")
+        os._exit(3)
+    signal.signal(signal.SIGTERM, stop)
     log(f"environment: {json.dumps(result['environment'])}")
     save()
-    jobs = {"limits": run_limits, "routes": lambda: run_routes(ROUTES), "gpu_8b": lambda: run_gpu_8b(GPU_8B, lengths),
-            "stages": lambda: run_stages(16384),
+    jobs = {"limits": run_limits, "routes": lambda: run_routes(ROUTES),
+            "gpu_8b": lambda: run_gpu_8b(args, deadline, publish_8b), "stages": lambda: run_stages(16384),
             "ttft": lambda: run_ttft(SMALL), "store_io": lambda: run_store_io(STORE_IO),
             "ttft_big": lambda: run_ttft(BIG)}
     for name in args.sections.split(","):
-        left = args.deadline - (time.perf_counter() - start)
+        left = deadline.left()
         if name == "ttft_big" and left < args.big_needs:
             result["skipped"][name] = f"only {left:.0f} s left of the {args.deadline:.0f} s budget"
             log(f"skip {name}: {result['skipped'][name]}")
             continue
         if left < 20:
             result["skipped"][name] = f"only {left:.0f} s left"
+            log(f"skip {name}: {result['skipped'][name]}")
             continue
         log(f"section {name} ...")
         t0 = time.perf_counter()
@@ -501,15 +529,14 @@ def main(argv=None) -> int:
             result["results"][name]["section_seconds"] = time.perf_counter() - t0
             result["results"][name]["mlx_peak_memory_bytes"] = peak_memory()
             if name == "gpu_8b":
-                result["figures"].update(figures_8b(result["results"][name]))
-                result["goals"] = {k: {"goal": f">= {g:g}", "met": result["figures"][k] >= g}
-                                   for k, g in GOALS.items() if k in result["figures"]}
+                publish_8b(result["results"][name])
             log(f"{name}: {json.dumps(result['results'][name])}")
         except Exception as e:
             result["errors"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             log(f"{name} FAILED: {traceback.format_exc()}")
         save()
     log(f"figures: {json.dumps(result['figures'])}")
+    log(f"goals: {json.dumps(result['goals'])}")
     log(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 

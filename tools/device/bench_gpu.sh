@@ -2,30 +2,48 @@
 # On the lent H200, from the repo root: installs the carried MLX CUDA build (once per warm machine), lays out
 # spec_cache as it installs (store/ and schemas/ at the repository root become spec_cache.store /
 # spec_cache.schemas: a symlink farm in $SC, as pyproject's package-dir mapping does), then runs
-# tools/device/bench_gpu.py. The MLX CUDA wheel (89 MB) is over the 64 MiB carry limit, so it travels as an
-# xz tarball of its unpacked files split in two: part-00 in an earlier call (tools/device/stage_part.sh copies it
-# to /tmp/parts), part-01 plus the small wheels in .whl/p2 with this call.
+# tools/device/bench_gpu.py within DEADLINE seconds of this script's start, JSON and log in $OUT.
+#
+# Two calls to one warm machine (the MLX CUDA wheel is over the 64 MiB carry limit, so it travels in two parts;
+# the same staging as tools/device/serve_smollm2_shaped.sh):
+#   1. carry .gpu/p1:  mkdir -p /tmp/parts && cp .gpu/p1/* /tmp/parts/
+#   2. carry .gpu/p2:  DEADLINE=530 bash tools/device/bench_gpu.sh --sections gpu_8b
+# .gpu/p1: mlxcuda.whl.part-00 of mlx-cuda-13==0.32.4 (split -b 44m -d); .gpu/p2: part-01 plus the cp312 wheels of
+# mlx 0.32.4, mlx-lm 0.32.2, lmdb, blake3, xxhash, msgpack; .gpu/p3 (optional: installed when carried) the server's
+# wheels. .gpu/src (optional, carried): a `git archive HEAD` snapshot measured instead of the working tree with
+# SPEC_CACHE_BENCH_TREE=head, and the fallback when the working tree does not import.
+# On the CPU, to check the script: INSTALL=0 PY=.venv/bin/python SC=$(mktemp -d) OUT=$(mktemp -d) \
+#   bash tools/device/bench_gpu.sh --sections gpu_8b --dims tiny --lengths 256,512 --first-write-at 256
 # Usage: bash tools/device/bench_gpu.sh [bench_gpu.py options: --sections limits,routes,gpu_8b,store_io ...]
 #        bash tools/device/bench_gpu.sh --profile [profile_warm.py options]   (warm-path stage timings)
 #        bash tools/device/bench_gpu.sh --setup-only                           (install, print the route, exit)
+# Env: DEADLINE (530 s from this script's start: the driver gets what setup leaves, less 15 s, and is stopped by
+#      SIGTERM 5 s before the end; its JSON is rewritten after each step), OUT (/tmp/out), INSTALL (1), PY
+#      (python3), SC (/tmp/sc-site), SPEC_CACHE_BENCH_TREE (head: measure .gpu/src).
 set -u
+START=$(date +%s)
+PY=${PY:-python3}
 SITE=/tmp/site
-SC=/tmp/sc-site
-PARTS=/tmp/parts
-SHA=2d73b14a61cbc10b9297b5f8695810470e143694f829fda6c1efd8ca0a41b475
+SC=${SC:-/tmp/sc-site}
 OUTDIR=${OUT:-/tmp/out}
-mkdir -p "$PARTS" "$OUTDIR"
-if [ ! -e "$SITE/mlx/lib/libmlx.so" ]; then
-  cp .whl/p2/*.whl .whl/p2/mlxcuda.tar.xz.part-* "$PARTS"/ || exit 1
-  cat "$PARTS"/mlxcuda.tar.xz.part-* > /tmp/mlxcuda.tar.xz || exit 1
-  echo "$SHA  /tmp/mlxcuda.tar.xz" | sha256sum -c - || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$PARTS"/*.whl || exit 1
-  tar xJf /tmp/mlxcuda.tar.xz -C "$SITE" || exit 1
-  # libmlx.so finds the CUDA libraries at $ORIGIN/../../nvidia/...: point that at the image's nvidia packages
-  NV=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])") || exit 1
-  ln -sfn "$NV" "$SITE/nvidia"
+mkdir -p "$OUTDIR"
+if [ "${INSTALL:-1}" = 1 ]; then
+  W=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  if [ ! -e $SITE/mlx/lib/libmlx.so ]; then
+    cat /tmp/parts/mlxcuda.whl.part-00 .gpu/p2/mlxcuda.whl.part-01 > $W || exit 1
+    echo "94cb48fba73e5ee39467e51c35c51c691123359ca17bafd1a24cf92ad6732bee  $W" | sha256sum -c - || exit 1
+    EXTRA=$(ls .gpu/p3/*.whl 2>/dev/null)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $W \
+      .gpu/p2/*.whl $EXTRA || exit 1
+    NV=$($PY -c "import nvidia; print(list(nvidia.__path__)[0])") || exit 1
+    ln -sfn "$NV" $SITE/nvidia  # libmlx.so finds CUDA at $ORIGIN/../../nvidia
+  fi
+  ldd "$SITE/mlx/lib/libmlx.so" | grep "not found" && echo "WARNING: libraries not found"
+  export PYTHONPATH=$SITE:$SC
+else
+  export PYTHONPATH=$SC
 fi
-ldd "$SITE/mlx/lib/libmlx.so" | grep "not found" && echo "WARNING: libraries not found"
+export PYTHONUNBUFFERED=1
 
 farm() {  # $1: a source tree holding spec_cache/, store/, schemas/
   rm -rf "$SC" && mkdir -p "$SC/spec_cache" || return 1
@@ -33,30 +51,42 @@ farm() {  # $1: a source tree holding spec_cache/, store/, schemas/
   ln -sfn "$(readlink -f "$1/store")" "$SC/spec_cache/store"
   ln -sfn "$(readlink -f "$1/schemas")" "$SC/spec_cache/schemas"
 }
-export PYTHONPATH=$SITE:$SC PYTHONUNBUFFERED=1
-export SPEC_CACHE_GIT="$(cat .whl/p2/GIT_STATE 2>/dev/null)"
-if [ "${SPEC_CACHE_BENCH_TREE:-}" = head ]; then  # measure the committed snapshot, not others' edits in progress
-  farm "$PWD/.whl/p2/src" || exit 1
-  export SPEC_CACHE_GIT="HEAD snapshot (asked): $SPEC_CACHE_GIT"
+tree_id() {  # what was measured: HEAD (where the copy has git) and a digest of the library's sources
+  local sum
+  sum=$(cd "$1" && find spec_cache store schemas -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
+  echo "$(git rev-parse --short HEAD 2>/dev/null || echo no-git) sources-sha256:$sum"
+}
+IMPORTS="import spec_cache.generator, spec_cache.cache, spec_cache.apps.bench.ttft, spec_cache.store, spec_cache.device_copy"
+if [ "${SPEC_CACHE_BENCH_TREE:-}" = head ] && [ -d .gpu/src ]; then  # the committed snapshot, not edits in progress
+  farm "$PWD/.gpu/src" || exit 1
+  export SPEC_CACHE_GIT="HEAD snapshot (asked): $(tree_id .gpu/src)"
 else
   farm "$PWD" || exit 1
+  export SPEC_CACHE_GIT="working tree: $(tree_id .)"
+  if ! $PY -P -c "$IMPORTS"; then
+    if [ ! -d .gpu/src ]; then echo "the working tree does not import and no .gpu/src was carried"; exit 1; fi
+    echo "working tree does not import: using the HEAD snapshot .gpu/src"
+    farm "$PWD/.gpu/src" || exit 1
+    export SPEC_CACHE_GIT="HEAD snapshot only: $(tree_id .gpu/src)"
+  fi
 fi
-if ! python3 -P -c "import spec_cache.generator, spec_cache.cache, spec_cache.testing.tiny, spec_cache.apps.bench.ttft, spec_cache.apps.bench.store_io, spec_cache.store, spec_cache.device_copy"; then
-  # another session may be mid-edit in the working tree: fall back to the committed snapshot carried in .whl/p2/src
-  echo "working tree does not import: using the HEAD snapshot"
-  farm "$PWD/.whl/p2/src" || exit 1
-  export SPEC_CACHE_GIT="HEAD snapshot only: $SPEC_CACHE_GIT"
+echo "tree: $SPEC_CACHE_GIT"
+$PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device()); print(mx.sum(mx.ones((1024, 1024))).item())" || exit 1
+$PY -P -c "from spec_cache import device_copy; print('copy route:', device_copy.status()); print('capture route:', device_copy.capture_status())"
+if [ "${INSTALL:-1}" = 1 ]; then
+  df -h /tmp /dev/shm | tail -2; free -g | head -2
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 fi
-python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device()); print(mx.sum(mx.ones((1024, 1024))).item())" || exit 1
-python3 -P -c "from spec_cache import device_copy; print('copy route:', device_copy.status()); print('capture route:', device_copy.capture_status())"
-python3 -m pip list 2>/dev/null | grep -iE "^(mlx|transformers|tokenizers|lmdb|blake3|xxhash|msgpack|safetensors|numpy|tqdm) "
-df -h /tmp /dev/shm | tail -2; free -g | head -2
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+LEFT=$(( ${DEADLINE:-530} - ($(date +%s) - START) ))
+echo "setup took $(( $(date +%s) - START )) s; $LEFT s left"
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 elif [ "${1:-}" = "--profile" ]; then
   shift
-  python3 tools/device/profile_warm.py "$@" 2>&1 | tee "$OUTDIR/profile-warm.log"
+  timeout -k 5 $(( LEFT - 5 )) $PY tools/device/profile_warm.py "$@" 2>&1 | tee "$OUTDIR/profile-warm.log"
 else
-  python3 tools/device/bench_gpu.py --out "$OUTDIR/bench-gpu.json" "$@" 2>&1 | tee "$OUTDIR/bench-gpu.log"
+  # the driver skips a step that would not fit in --deadline; SIGTERM (timeout) makes it save its JSON and exit
+  timeout -k 10 $(( LEFT - 5 )) $PY tools/device/bench_gpu.py --out "$OUTDIR/bench-gpu.json" \
+    --deadline $(( LEFT - 15 )) "$@" 2>&1 | tee "$OUTDIR/bench-gpu.log"
+  echo "driver exit ${PIPESTATUS[0]}; total $(( $(date +%s) - START )) s"
 fi
