@@ -20,14 +20,17 @@ Layout of a record (all integers little-endian; documented in the README, a publ
 Formats 1 and 2 differ only in the checksum. The per-read checksum guards against corruption (bit flips, torn
 or misdirected writes), not against someone who can rewrite the checksum too, so it need not be cryptographic:
 XXH3 (what RocksDB verifies its blocks with) runs ~4.7x faster per core than blake3 here (11.8 vs 2.5 GB/s),
-and verifying every byte read bounded restores on small machines. blake3 stays where collision resistance
-matters (artifact identity, content-addressed keys). A spec-cache that knows only format 1 refuses a format 2
-record as unreadable (a miss), never misreads it.
+and verifying every byte read bounded restores on small machines. Large records are hashed by ``xxh3.py``
+(python-xxhash's own compiled XXH3 called without the GIL: the same digests, so several records are checked at
+once), and a restore into a ``fill.Sink`` feeds each record's hash tensor by tensor as it copies them out.
+blake3 stays where collision resistance matters (artifact identity, content-addressed keys). A spec-cache that
+knows only format 1 refuses a format 2 record as unreadable (a miss), never misreads it.
 
-Every read verifies the checksum before anything is parsed; a mismatch, a truncation, or a header that breaks
-any structural rule raises ``CorruptRecord``. The header is at most 256 KiB and msgpack is decoded with hard
-limits, so a crafted header cannot allocate more than about 20 MiB (an empty container costs 64 bytes per
-header byte). No pickle anywhere.
+Every read verifies the checksum before anything is returned (a large record's header is parsed first, under
+the hard limits below, so its tensors can be copied out while it is hashed); a mismatch, a truncation, or a
+header that breaks any structural rule raises ``CorruptRecord``. The header is at most 256 KiB and msgpack is
+decoded with hard limits, so a crafted header cannot allocate more than about 20 MiB (an empty container costs
+64 bytes per header byte). No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -333,7 +336,7 @@ def decode_record(buf, *, verify: bool = True) -> Record:
         name, dtype, shape, offset, nbytes = row
         if (not isinstance(name, str) or name in tensors or not isinstance(dtype, str)
                 or dtype not in DTYPE_ITEMSIZE or not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                or not all(type(d) is int and d >= 0 for d in shape)
                 or not _is_int(offset) or offset != expect_offset or not _is_int(nbytes)):
             raise CorruptRecord(f"record tensor table row for {name!r} is malformed")
         count = 1
@@ -342,7 +345,7 @@ def decode_record(buf, *, verify: bool = True) -> Record:
         if count * DTYPE_ITEMSIZE[dtype] != nbytes or offset + nbytes > data_len:
             raise CorruptRecord(f"record tensor {name!r} does not fit its declared shape or the payload")
         expect_offset = offset + nbytes
-        tensors[name] = Tensor(dtype, tuple(shape), view[base + offset:base + offset + nbytes])
+        tensors[name] = Tensor.checked(dtype, tuple(shape), view[base + offset:base + offset + nbytes])
     if expect_offset != data_len:
         raise CorruptRecord("record payload holds bytes no tensor accounts for")
     return Record(kind, schema, meta, tensors, len(view), base)

@@ -171,8 +171,8 @@ class _RecordPass:
 
     def copy(self, name: str, dst: np.ndarray) -> None:
         try:
-            src = self.rec.tensors[name].array()
-            np.copyto(dst, src if src.dtype == dst.dtype else src.view(dst.dtype), casting="no")
+            flat = np.frombuffer(self.rec.tensors[name].data, dtype=np.uint8)  # the record's bytes, in the map
+            np.copyto(dst, flat.view(dst.dtype).reshape(dst.shape), casting="no")
         except Exception:  # a tensor that does not fit its destination: not served
             self.ok = False
             return
@@ -181,7 +181,9 @@ class _RecordPass:
             if k < self.cursor:
                 self._drop_hasher()
                 return
-            self._hash_to(k + 1)
+            self._hash_to(k)
+            self.hasher.update_bytes(flat)  # just copied: still in cache
+            self.cursor = k + 1
 
     def _hash_to(self, stop: int) -> None:
         for k in range(self.cursor, stop):

@@ -3,8 +3,10 @@
 Whatever a record comes from (an LMDB read transaction, a Redis MULTI), it is returned only after:
 
 * its checksum (XXH3-128, or blake3 in format-1 records) and structure pass (``codec.decode_record``), a large
-  record's checksum on a second thread while its tensors are copied out (``BackgroundVerifier``; nothing is
-  returned before every checksum passed);
+  record's checksum on the verifier's threads from the moment it is decoded, while the rest is read and copied
+  out (``BackgroundVerifier``; the hash releases the GIL, ``xxh3.py``), or, when the caller passes a
+  ``fill.Sink``, in the same pass that copies its tensors into the sink's buffers (``fill.py``); nothing is
+  returned before every checksum passed;
 * it is of the kind asked for (chunk, entry, draft) and names the key it is stored under (``codec.check_key``);
 * it holds the prompt's tokens for the span its key stands for;
 * an entry record covers the length asked for in chunks of the store's size, a chunk-boundary prefix comes

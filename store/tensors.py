@@ -46,6 +46,16 @@ class Tensor:
             raise InvalidInput(f"tensor shape must be non-negative ints, got {shape!r}")
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
 
+    @classmethod
+    def checked(cls, dtype: str, shape: tuple[int, ...], data: Any) -> "Tensor":
+        """A tensor whose canonical dtype name and shape of non-negative ints the caller already checked
+        (``decode_record``: a restore makes hundreds, and ``__post_init__`` would check each again)."""
+        t = object.__new__(cls)
+        object.__setattr__(t, "dtype", dtype)
+        object.__setattr__(t, "shape", shape)
+        object.__setattr__(t, "data", data)
+        return t
+
     @property
     def nbytes(self) -> int:
         n = DTYPE_ITEMSIZE[self.dtype]

@@ -88,6 +88,16 @@ class Hasher:
             raise RuntimeError("XXH3_128bits_update failed")
         del keep
 
+    def update_bytes(self, arr: np.ndarray) -> None:
+        """``update`` for a C-contiguous uint8 numpy array (no buffer wrapping: a restore makes hundreds)."""
+        if self._py is not None:
+            self._py.update(arr)
+            return
+        if self._state is None:
+            raise ValueError("update on a closed Hasher")
+        if arr.size and _LIB[3](self._state, arr.ctypes.data, arr.size) != 0:
+            raise RuntimeError("XXH3_128bits_update failed")
+
     def digest(self) -> bytes:
         if self._py is not None:
             return self._py.digest()
