@@ -7,7 +7,8 @@ kind across checkouts (each ``--tree NAME=DIR`` is a copy of the repository, e.g
 tools pyproject.toml DIR/`` before a change), which is how a change to the serving path is measured.
 
     .venv/bin/python tools/bench_serve_trees.py --tree before=/tmp/before --tree after=. [--clients 1]
-        [--conversations 4] [--turns 3] [--system-words 1500] [--user-words 150] [--max-tokens 24] [--json OUT]
+        [--conversations 4] [--turns 3] [--system-words 1500] [--user-words 150] [--max-tokens 24]
+        [--history mlx-lm|NAME] [--json OUT]
 
 Prints per turn the TTFT p50 of each server and mlx-lm / serve ratios (> 1: serve faster), the warm turns' (turn >=
 2) p50, and each serve tree's ``spec_cache_stage_seconds`` means (queue, restore, prefill, round, checkpoint,
@@ -54,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--system-words", type=int, default=1500)
     p.add_argument("--user-words", type=int, default=150)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--history", default="mlx-lm", help="whose replies the histories carry: mlx-lm, or a tree's NAME "
+                   "(serve leaves special tokens out of its text, so its own replies re-tokenize differently)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     trees = [(name, Path(d).resolve()) for name, d in (t.split("=", 1) for t in args.tree)]
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
                 for n in order:
                     got = bench.chat(servers[n].port, history, args.max_tokens)
                     ttft[n][conv][turn], texts[n][conv][turn] = got.ttft, got.text
-                history.append({"role": "assistant", "content": texts["mlx-lm"][conv][turn]})
+                history.append({"role": "assistant", "content": texts[args.history][conv][turn]})
 
         bench.pool(args.conversations, args.clients, conversation)
         stages = {n: bench.stage_breakdown(before[n], bench.stage_totals(servers[n].port)) for n in names[1:]}
