@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from spec_cache.errors import InvalidRequest
@@ -67,6 +67,9 @@ class RowAcceptance:
     trials: float = 0.0
     offered: float = 0.0
     asked: float = 0.0
+    #: per draft position: decayed rounds that reached it (the target judged it) and that it passed (accepted)
+    reached: list = field(default_factory=list)
+    passed: list = field(default_factory=list)
 
     def observe(self, drafted: int, agreed: int, decay: float) -> None:
         """One round at depth > 0: ``drafted`` tokens proposed (after the engine's cap), ``agreed`` accepted."""
@@ -77,10 +80,27 @@ class RowAcceptance:
         if drafted:
             self.hits = decay * self.hits + agreed
             self.trials = decay * self.trials + agreed + (1 if agreed < drafted else 0)
+            judged = min(agreed + 1, drafted)
+            while len(self.reached) < judged:
+                self.reached.append(0.0)
+                self.passed.append(0.0)
+            for i in range(len(self.reached)):
+                self.reached[i] = decay * self.reached[i] + (1.0 if i < judged else 0.0)
+                self.passed[i] = decay * self.passed[i] + (1.0 if i < agreed else 0.0)
 
     def acceptance(self, prior: float, weight: float) -> float:
         """Per-token acceptance probability (the geometric model's ``a``), shrunk towards ``prior``."""
         return (self.hits + prior * weight) / (self.trials + weight)
+
+    def positions(self, depth: int, prior: float, weight: float) -> list[float]:
+        """Acceptance at each draft position ``0..depth-1`` given the ones before it passed, each shrunk towards
+        the row's geometric :meth:`acceptance`. Why: prompt lookup's acceptance is bimodal (a copied run passes
+        every position, a one-token match fails at the first), so one geometric rate under-rates deep drafts
+        where the first position is the hard one (the copy workload at B=4: adaptive settled at depths 1-2,
+        0.89x of fixed depth 4)."""
+        base = self.acceptance(prior, weight)
+        return [(self.passed[i] + base * weight) / (self.reached[i] + weight) if i < len(self.reached) else base
+                for i in range(depth)]
 
     def availability(self, weight: float = 1.0) -> float:
         """Probability that the row offers a draft at all (prior: it does)."""
@@ -200,11 +220,17 @@ class CostTable:
         return self.by_rows[min(self.by_rows, key=lambda measured: (abs(measured - rows), measured))]
 
 
-def expected_accepted(acceptance: float, depth: int) -> float:
-    """``a + a^2 + ... + a^depth``: expected accepted drafts of ``depth`` under per-token acceptance ``a``."""
+def expected_accepted(acceptance, depth: int) -> float:
+    """``a + a^2 + ... + a^depth``: expected accepted drafts of ``depth`` under per-token acceptance ``a``; or, for
+    a sequence of per-position acceptances, ``a0 + a0*a1 + ...`` up to ``depth``."""
     total, term = 0.0, 1.0
-    for _ in range(max(depth, 0)):
-        term *= acceptance
+    for i in range(max(depth, 0)):
+        if isinstance(acceptance, (int, float)):
+            term *= acceptance
+        elif i < len(acceptance):
+            term *= acceptance[i]
+        else:
+            break
         total += term
     return total
 
@@ -250,10 +276,11 @@ class DepthController:
         self.last_depth: int | None = None  # what :meth:`choose` returned last
 
     # -- the decision --------------------------------------------------------------------------------------
-    def _row_model(self, row: RowAcceptance, acceptance: float | None) -> tuple[float, float]:
+    def _row_model(self, row: RowAcceptance, acceptance: float | None) -> tuple:
+        """``(acceptance, offers)``: per-position acceptances (or one rate: a probe's), and availability."""
         if acceptance is not None:
             return acceptance, 1.0
-        return row.acceptance(self.prior_acceptance, self.prior_weight), row.availability()
+        return row.positions(self.max_depth, self.prior_acceptance, self.prior_weight), row.availability()
 
     def _round_seconds(self, models: Sequence[tuple[float, float]], caps: Sequence[int], depth: int) -> float:
         """Expected seconds of one round at ``depth`` for these rows (width 1 when none of them offers a draft)."""
@@ -350,7 +377,8 @@ class DepthController:
         models = [self._row_model(row, None) for row in rows]
         plain = self._round_seconds(models, caps, 0)
         probe = self._round_seconds([(self.probe_acceptance, 1.0)] * len(rows), caps, depth)
-        worth = min(1.0, 0.25 + sum(a * offers for a, offers in models) / max(len(models), 1))
+        first = [expected_accepted(a, 1) * offers for a, offers in models]  # first-position acceptance
+        worth = min(1.0, 0.25 + sum(first) / max(len(first), 1))
         return math.ceil(max(probe - plain, 0.0) / (self.probe_budget * worth * plain))
 
     def predicts_plain(self, rows: int) -> bool:
