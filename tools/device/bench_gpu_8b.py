@@ -13,7 +13,8 @@ Per length, in this order, so that a run stopped by its deadline keeps every fig
   kept and written behind) against the same prompt with no cache, pairs in alternating order.
 
 Why a module of its own: ``bench_gpu.py`` holds the machine's other sections and the JSON file; this is the one
-measurement issue 21 asks for, with its deadline bookkeeping (``Deadline``, step estimates).
+measurement issue 21 asks for, with its deadline bookkeeping (``Deadline``, step estimates); the restore's stage
+probes are in ``bench_gpu_stages.py``.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 import traceback
-from contextlib import contextmanager
 
 import numpy as np
+from bench_gpu_stages import restore_stages
 
 #: Llama-3-8B's shape (bf16: 8.0 B parameters, 16 GB; KV 128 KiB per token)
 DIMS_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 14336,
@@ -208,153 +208,6 @@ def _turns(plan, turns: list, expect: list, tier: str, deadline: Deadline) -> di
     finally:
         cache.close()
         shutil.rmtree(path, ignore_errors=True)
-    return out
-
-
-# --- where an LMDB restore's time goes --------------------------------------------------------------------------
-class _Probe:
-    """Instrumentation only: seconds spent waiting for the background checksums (``BackgroundVerifier.wait``)
-    and hashing records (``store.read.verify_checksum``, summed over threads), while installed."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        self.wait_s = self.hash_s = 0.0
-        self.hash_calls = 0
-
-    def add_hash(self, seconds: float) -> None:
-        with self.lock:
-            self.hash_s += seconds
-            self.hash_calls += 1
-
-
-@contextmanager
-def _probe():
-    from spec_cache.store import read
-
-    probe = _Probe()
-    undo = []
-    wait = read.BackgroundVerifier.__dict__.get("wait")
-    if isinstance(wait, staticmethod):
-        def timed_wait(pending, _f=wait.__func__):
-            t0 = time.perf_counter()
-            try:
-                return _f(pending)
-            finally:
-                probe.wait_s += time.perf_counter() - t0
-        read.BackgroundVerifier.wait = staticmethod(timed_wait)
-        undo.append(lambda: setattr(read.BackgroundVerifier, "wait", wait))
-    checksum = getattr(read, "verify_checksum", None)
-    if callable(checksum):
-        def timed_checksum(*a, _f=checksum, **k):
-            t0 = time.perf_counter()
-            try:
-                return _f(*a, **k)
-            finally:
-                probe.add_hash(time.perf_counter() - t0)
-        read.verify_checksum = timed_checksum
-        undo.append(lambda: setattr(read, "verify_checksum", checksum))
-    try:
-        yield probe
-    finally:
-        for u in reversed(undo):
-            u()
-
-
-def _no_copy(pieces, axis, dtype):
-    """A ``concat`` that copies nothing: ``Store.fetch`` then costs the reads, decoding and checks only."""
-    return None
-
-
-def restore_stages(cache, ns_key: bytes, key: list, reps: int) -> dict:
-    """Medians over ``reps`` of the stages of ``cache.restore(ns_key, key)`` from LMDB (memory tier off):
-
-    * ``lookup_s``: the index lookup;
-    * ``fetch_s``: ``Store.fetch`` with a concat that copies nothing (LMDB reads, record decode, checks), minus its
-      wait for checksums;
-    * ``verify_wait_s``: the restore's wait for background checksums after its copies; ``checksum_s``: seconds
-      spent hashing per restore, summed over threads (what the wait hides or not);
-    * ``host_copy_s``: copies out of the map: the staging loader's threaded copies (GPU route), else numpy's
-      assembly (``fetch`` with numpy's concat minus ``fetch`` with none);
-    * ``upload_s``: the device side after the host copies: waits for staging regions + the eval after ``restore``
-      returns (GPU route), else the copies into MLX (restore minus numpy's fetch) + that eval;
-    * ``restore_s``: ``cache.restore`` + eval of every array; ``other_s``: what the stages above leave of it
-      (Python per tensor, rebuilding caches; negative where stages overlap).
-    """
-    import mlx.core as mx
-
-    from spec_cache import device_copy
-    from spec_cache.cache_state import restore_concat
-
-    store = cache.store
-    n = len(key)
-    out: dict = {"tokens": n, "reps": reps}
-
-    def median(fn):
-        return statistics.median(fn() for _ in range(reps))
-
-    def timed(fn):
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    out["lookup_s"] = median(lambda: timed(lambda: store.lookup(ns_key, key)))
-    concat = restore_concat()
-    loader = concat if isinstance(concat, device_copy.StagingLoader) else None
-    out["route"] = "staging" if loader is not None else getattr(concat, "__name__", "numpy")
-    with _probe() as probe:
-        def fetch(c):
-            r = store.fetch(ns_key, key, concat=c)
-            if r is None or r.length != n:
-                raise AssertionError(f"fetch of the stored prompt restored {None if r is None else r.length}")
-        fetch(_no_copy)
-        waits = []
-
-        def no_copy():
-            probe.reset()
-            t = timed(lambda: fetch(_no_copy))
-            waits.append(probe.wait_s)
-            return t
-        out["fetch_no_copy_s"] = median(no_copy)
-        out["fetch_s"] = out["fetch_no_copy_s"] - statistics.median(waits)
-        if loader is None:  # numpy's assembly is the CPU route's host copy (on the GPU route: 2 GiB for nothing)
-            out["fetch_numpy_s"] = median(lambda: timed(lambda: fetch(None)))
-        rows = []
-        for _ in range(reps + 1):  # the first one untimed
-            probe.reset()
-            if loader is not None:
-                loader.reset_counters()
-            t0 = time.perf_counter()
-            r = cache.restore(ns_key, key)
-            t1 = time.perf_counter()
-            if r is None or r.length != n or r.tier != "local":
-                raise AssertionError(f"restore of the stored prompt gave {r and (r.length, r.tier)}")
-            mx.eval([c.state for c in r.caches])
-            t2 = time.perf_counter()
-            c = loader.counters() if loader is not None else {}
-            rows.append({"restore_s": t2 - t0, "call_s": t1 - t0, "eval_s": t2 - t1, "verify_wait_s": probe.wait_s,
-                         "checksum_s": probe.hash_s, "checksum_calls": probe.hash_calls,
-                         "copy_s": c.get("copy_s"), "region_wait_s": c.get("wait_s"), "copied_bytes": c.get("bytes")})
-            del r
-    rows = rows[1:]
-
-    def med(name):
-        values = [x[name] for x in rows if x[name] is not None]
-        return statistics.median(values) if values else None
-    for name in ("restore_s", "call_s", "eval_s", "verify_wait_s", "checksum_s", "checksum_calls", "copied_bytes"):
-        out[name] = med(name)
-    if loader is not None:
-        out["host_copy_s"] = med("copy_s")
-        out["upload_s"] = med("region_wait_s") + out["eval_s"]
-    else:
-        out["host_copy_s"] = out["fetch_numpy_s"] - out["fetch_no_copy_s"]
-        out["upload_s"] = out["call_s"] - out["fetch_numpy_s"] + out["eval_s"]
-    if not out["checksum_calls"]:
-        out["checksum_s"] = None  # the verifier does not hash through ``read.verify_checksum`` any more
-    out["other_s"] = out["restore_s"] - sum(out[k] for k in ("lookup_s", "fetch_s", "verify_wait_s", "host_copy_s",
-                                                             "upload_s"))
     return out
 
 
