@@ -84,6 +84,9 @@ def test_at_4k_and_16k_the_figures_have_the_issues_names(run):
     figures = bench_gpu_8b.figures(section)
     assert set(ISSUE_21) <= set(figures)
     assert figures["gpu_8b_lmdb_vs_cold_16k"] == result["figures"]["gpu_8b_lmdb_vs_cold_512"]
+    table = bench_gpu_8b.table({"results": {"gpu_8b": section}}).splitlines()  # docs/bench-gpu.md's rows
+    assert [line.split(" |")[0] for line in table if line.startswith(("| 4k ", "| 16k "))] == ["| 4k", "| 16k"] * 2
+    assert " - |" not in next(line for line in table if line.startswith("| 4k "))  # every cell of 4k measured
 
 
 def test_sigterm_keeps_the_json_of_what_finished(run):

@@ -79,6 +79,7 @@ if [ "${INSTALL:-1}" = 1 ]; then
 fi
 LEFT=$(( ${DEADLINE:-530} - ($(date +%s) - START) ))
 echo "setup took $(( $(date +%s) - START )) s; $LEFT s left"
+if [ $LEFT -lt 40 ]; then echo "only $LEFT s left of DEADLINE=${DEADLINE:-530}: not starting"; exit 1; fi
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 elif [ "${1:-}" = "--profile" ]; then

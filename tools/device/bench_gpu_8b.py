@@ -351,3 +351,47 @@ def figures(out: dict) -> dict:
     for key, row in out.get("first_write", {}).items():
         f[f"gpu_8b_first_write_overhead_{key}"] = row["overhead"]
     return f
+
+
+def table(result: dict) -> str:
+    """Markdown of a driver JSON's ``gpu_8b`` section: issue 21's table (ms, ratio to cold) and the LMDB restore's
+    stages per length, for docs/bench-gpu.md. Missing cells (a step skipped or failed) are ``-``."""
+    section = result.get("results", {}).get("gpu_8b", {})
+    rows, turns, first = section.get("lengths", {}), section.get("next_turn", {}), section.get("first_write", {})
+
+    def ms(row, name, ratio=None):
+        if name not in row:
+            return "-"
+        text = f"{row[name] * 1e3:.0f} ms"
+        return text + (f" ({row[ratio]:.2f}x)" if ratio and ratio in row else "")
+    keys = list(dict.fromkeys(list(rows) + list(turns)))
+    out = ["| tokens | cold | memory tier | LMDB (reopened, memory off) | mlx-lm load + forward (LMDB faster by) | "
+           "next turn +%d: cold / memory / LMDB (LMDB vs memory) | first request, cache on / cold |"
+           % section.get("new_tokens", NEW_TOKENS), "|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in keys:
+        r, t, f = rows.get(k, {}), turns.get(k, {}), first.get(k, {})
+        mlx = ms(r, "mlx_lm_s") + (f" ({r['lmdb_ttft_vs_mlx_lm']:.2f}x)" if "lmdb_ttft_vs_mlx_lm" in r else "")
+        nt = " / ".join(ms(t, n) for n in ("cold_s", "memory_s", "lmdb_s"))
+        nt += f" ({t['lmdb_vs_memory']:.2f}x)" if "lmdb_vs_memory" in t else ""
+        fw = f"{ms(f, 'on_s')} / {ms(f, 'cold_s')} ({f['overhead']:.2f}x)" if "overhead" in f else "-"
+        out.append(f"| {k} | {ms(r, 'cold_s')} | {ms(r, 'memory_s', 'memory_vs_cold')} | "
+                   f"{ms(r, 'lmdb_s', 'lmdb_vs_cold')} | {mlx} | {nt} | {fw} |")
+    names = ("lookup_s", "fetch_s", "verify_s", "verify_wait_s", "checksum_s", "host_copy_s", "upload_s", "other_s",
+             "restore_s", "prefill_s")
+    out += ["", "LMDB restore of the prompt (the next turn's), ms, medians; prefill = the next turn's LMDB TTFT - "
+            "restore:", "", "| tokens | route | " + " | ".join(n[:-2] for n in names) + " |",
+            "|---:|---|" + "---:|" * len(names)]
+    for k, t in turns.items():
+        s = t.get("stages", {})
+        cells = ["-" if not isinstance(s.get(n), float) else f"{s[n] * 1e3:.1f}" for n in names]
+        out.append(f"| {k} | {s.get('route', '-')} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--table":
+        raise SystemExit("usage: python tools/device/bench_gpu_8b.py --table bench-gpu.json")
+    with open(sys.argv[2]) as f:
+        print(table(json.load(f)))
