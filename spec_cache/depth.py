@@ -377,6 +377,11 @@ class DepthController:
         models = [self._row_model(row, None) for row in rows]
         plain = self._round_seconds(models, caps, 0)
         probe = self._round_seconds([(self.probe_acceptance, 1.0)] * len(rows), caps, depth)
+        # its draft call costs at least the dearest one measured (the draft model feeds its whole backlog then;
+        # a single measurement counts here, though the estimates leave it out as a warm-up)
+        drafts = self.draft_costs.table(len(rows))
+        if drafts is not None and drafts.seconds:
+            probe += max(0.0, max(drafts.seconds.values()) - (self.draft_costs.estimate(len(rows), depth) or 0.0))
         first = [expected_accepted(a, 1) * offers for a, offers in models]  # first-position acceptance
         worth = min(1.0, 0.25 + sum(first) / max(len(first), 1))
         return math.ceil(max(probe - plain, 0.0) / (self.probe_budget * worth * plain))
