@@ -348,12 +348,17 @@ class DepthController:
         else:
             self._plain_rounds += 1
             if self._plain_rounds >= self._probe_at:
-                depth = self.best_depth(rows, caps, acceptance=self.probe_acceptance, remaining=remaining)
-                if depth == 0 and max(caps, default=0) > 0 and self.max_depth > 0:
-                    depth = 1  # re-measure the narrowest window: its estimate may be stale (see _STALE)
-                due = self._probe_due(rows, caps, depth)
-                if self._plain_rounds < due:
-                    self._probe_at, depth = due, 0  # not yet: the probe would cost more than its share
+                deepest = self.best_depth(rows, caps, acceptance=self.probe_acceptance, remaining=remaining)
+                if deepest == 0 and max(caps, default=0) > 0 and self.max_depth > 0:
+                    deepest = 1  # re-measure the narrowest window: its estimate may be stale (see _STALE)
+                depth, due = 0, 0
+                for option in range(deepest, 0, -1):  # as deep as its cost allows by now (_probe_due)
+                    due = self._probe_due(rows, caps, option)
+                    if self._plain_rounds >= due:
+                        depth = option
+                        break
+                if deepest and not depth:
+                    self._probe_at = due  # not yet: even a depth-1 probe would cost more than its share
                 else:
                     self._plain_rounds = 0
                     self._probe_interval = min(2 * self._probe_interval, self.probe_limit)

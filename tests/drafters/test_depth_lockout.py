@@ -149,6 +149,6 @@ def test_a_probe_for_rows_that_rejected_waits_until_its_cost_is_a_small_share():
         return [i for i, depth in enumerate(chosen) if depth]
 
     assert len(probes_in(96, agreed=0)) <= 1
-    assert len(probes_in(96, agreed=0, explored=1)) <= 1  # the backlog feed counted though measured once
+    assert probes_in(96, agreed=0, explored=1)[0] >= 30  # one exploring round (a warm-up to the estimates)
     rejected, accepted = probes_in(300, agreed=0), probes_in(300, agreed=1)
     assert rejected and accepted and accepted[0] < rejected[0]  # never locked out; a good drafter sooner

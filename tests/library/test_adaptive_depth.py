@@ -219,7 +219,7 @@ def test_compute_bound_target_decodes_no_slower_than_plain(tiny, monkeypatch):
     fixed, _, _ = modelled_seconds(tiny, monkeypatch, "draft-model", linear, adaptive=False)
     adaptive, engine, results = modelled_seconds(tiny, monkeypatch, "draft-model", linear)
     assert fixed > 1.3 * plain  # drafting at depth 4 loses here (acceptance is partial)
-    assert adaptive <= 1.05 * plain  # two exploring rounds at most
+    assert adaptive <= plain + 2.0  # two drafting rounds at most (exploring, or a depth-1 probe), one step each
     # the first round at a new width is a warm-up (kernels compile): its cost is measured once more before the
     # controller trusts it (tests/drafters/test_copy_drafting.py: trusting a warm-up spike froze the depth at 0)
     assert engine.depth.rounds_at_depth[0] >= sum(engine.depth.rounds_at_depth.values()) - 2
