@@ -421,7 +421,10 @@ def compare_texts(a: list[list[str]], b: list[list[str]]) -> dict:
             if visible(ta) == visible(tb):
                 same_visible += 1
             elif first is None:
-                first = {"conversation": c, "turn": t + 1, "a": ta[:80], "b": tb[:80]}
+                va, vb = visible(ta), visible(tb)
+                at = next((i for i, (x, y) in enumerate(zip(va, vb)) if x != y), min(len(va), len(vb)))
+                first = {"conversation": c, "turn": t + 1, "at_char": at, "of_chars": [len(va), len(vb)],
+                         "a": va[max(0, at - 30) : at + 50], "b": vb[max(0, at - 30) : at + 50]}
     return {"identical": same, "identical_visible": same_visible, "total": total, "first_difference": first}
 
 
