@@ -20,13 +20,15 @@ reusable).
 
 Checkpoints at chosen offsets (``Job.checkpoint_at``, the template seam): a chat request's message boundaries
 (``seam.message_boundaries``), Anthropic ``cache_control`` breakpoints, anything a caller names. An offset inside
-the prompt goes as a prefill phase like the ``checkpoint_every`` ones; ``len(prompt)`` (the end of the prompt, where
-the next turn of a conversation continues, and where a drafter's exact-length row must be stored) is taken from
-the job's own row right after its first token: its state then holds exactly ``prompt`` (``prompt +
-generated[:-1]`` with one token generated), so the scheduler asks the session for a checkpoint there
-(``DecodeSession.checkpoint``, taken at the end of the step that delivered the first token, never before it; a row
-that ends with its first token writes that state as its finish checkpoint anyway). Cost: one checkpoint copy and
-its write, after the first token (no extra row, restore or round). An offset inside the prompt costs one restore
+the prompt goes as a prefill phase like the ``checkpoint_every`` ones, when the prompt is split at all
+(``splits_prompt``: the cache held none of it, or a prefill chunk or more is left; a warm turn's short tail is
+prefilled in one piece); ``len(prompt)`` (the end of the prompt, where the next turn of a conversation continues,
+and where a drafter's exact-length row must be stored) is taken from the job's own row right after its first
+token: its state then holds exactly ``prompt`` (``prompt + generated[:-1]`` with one token generated), so the
+scheduler asks the session for a checkpoint there (``DecodeSession.checkpoint``, taken at the end of the step that
+delivered the first token, never before it; a row that ends with its first token writes that state as its finish
+checkpoint anyway). Cost: one checkpoint copy and its write, after the first token (no extra row, restore or
+round). An offset inside the prompt costs one restore
 and one one-token round; at most ``MAX_CHECKPOINT_AT`` offsets a request, offsets the restored prefix already
 covers are skipped, and so are offsets within ``MIN_CHECKPOINT_GAP`` tokens of the restored prefix or of the
 prompt boundary.
