@@ -121,9 +121,14 @@ class BatchRows:
 
     # -- rounds -----------------------------------------------------------------------------------------
     def prefill(
-        self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = ()
+        self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = (),
+        need_hidden: bool = True,
     ) -> PrefillContext:
         """Append each row's tokens (rows may differ in length, including zero); one forward per chunk.
+
+        ``need_hidden=False`` (no drafter reads it): ``last_hidden`` is None and is never computed. Evaluating it
+        runs the last layer's attention output and MLP over the whole chunk, which no cache needs (mlx-lm's
+        prefill evaluates the cache states only): half the prefill of a 2-layer model, ~3% of a 32-layer one.
 
         Returns the final hidden at each row's last appended token (zeros where a row appended nothing) and,
         for ``tap_layers``, the residual stream at every appended position (``[B, longest, H]``, row ``r``'s
@@ -150,17 +155,19 @@ class BatchRows:
             out = self.model.forward(chunk, caches, tap_layers=tap_layers, with_logits=False)
             local = mx.clip(last_index - start, 0, chunk.shape[1] - 1)
             here = has_tokens & ((last_index >= start) & (last_index < start + chunk.shape[1]))[:, None, None]
-            picked = mx.take_along_axis(out.hidden, local[:, None, None], axis=1)
-            last_hidden = mx.where(here, picked, last_hidden)
+            if need_hidden:
+                picked = mx.take_along_axis(out.hidden, local[:, None, None], axis=1)
+                last_hidden = mx.where(here, picked, last_hidden)
             for layer in taps:
                 taps[layer].append(out.taps[layer])
-            mx.eval(self._arrays(caches) + [last_hidden] + [parts[-1] for parts in taps.values()])
+            wanted = [last_hidden] if need_hidden else []
+            mx.eval(self._arrays(caches) + wanted + [parts[-1] for parts in taps.values()])
         for cache in caches:
             cache.finalize()
         self._lengths = [a + b for a, b in zip(self._lengths, lengths)]
         self.materialize()
         joined = {layer: mx.concatenate(parts, axis=1) for layer, parts in taps.items()}
-        return PrefillContext(last_hidden, lengths, joined)
+        return PrefillContext(last_hidden if need_hidden else None, lengths, joined)
 
     def rollback(self, rejected: Sequence[int]) -> None:
         """Drop the last ``rejected[row]`` tokens of each row (exact; they become left padding)."""

@@ -103,6 +103,10 @@ class RowRequest:
     sampling: RowSampling | None = None
     #: False: generate ``max_tokens`` whatever the EOS ids (vLLM's ``ignore_eos``; benchmarks, tests)
     stop_at_eos: bool = True
+    #: False: no prompt-boundary checkpoint (``on_checkpoint`` at ``prompt[:-1]``) for this row: its owner
+    #: checkpoints ``prompt`` after the first token instead (``DecodeSession.checkpoint``), off the TTFT path (the
+    #: boundary checkpoint extracts the row's whole state between its prefill and its first token)
+    boundary_checkpoint: bool = True
 
 
 @dataclass
@@ -553,7 +557,8 @@ class DecodeSession:
         taps = () if group is None else tuple(group.tap_layers)
         split = self.engine.interleave_prefill and self.engine.plan is None and not self.target.recurrent_layers
         self._joining = JoiningCohort(cohort, joining, [row.request.prompt[row.target_start : -1] for row in cohort],
-                                      step=self.engine.prefill_step_size, tap_layers=taps, split=split)
+                                      step=self.engine.prefill_step_size, tap_layers=taps, split=split,
+                                      need_hidden=group is not None)
 
     def _advance(self) -> None:
         """Forward the joining cohort's next chunk (all of it when no row decodes meanwhile) and let it join
@@ -597,8 +602,8 @@ class DecodeSession:
             self.active.extend(cohort)
             if self.on_checkpoint is not None:
                 for i, row in enumerate(cohort):
-                    if self._restored_whole(row):
-                        continue  # the boundary state is exactly what the row restored: no copy, no checkpoint
+                    if self._restored_whole(row) or not row.request.boundary_checkpoint:
+                        continue  # the boundary state is exactly what the row restored / its owner takes it later
                     self.on_checkpoint(row.index, list(row.request.prompt[:-1]), joining.extract(i),
                                        storable(captures[i]))
         finally:

@@ -173,10 +173,12 @@ class QuantizedTargetRows:
 
     # -- rounds -----------------------------------------------------------------------------------------
     def prefill(
-        self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = ()
+        self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = (),
+        need_hidden: bool = True,
     ) -> PrefillContext:
         """Append each row's tokens: up to its conversion point with the rows before theirs, the rest with the
-        converted rows (each group chunked by ``step``)."""
+        converted rows (each group chunked by ``step``). ``need_hidden`` is accepted and ignored (the hidden is
+        always returned here)."""
         check_per_row(tokens_per_row, self.row_count, "token list")
         tokens_per_row = [list(tokens) for tokens in tokens_per_row]
         lengths = [len(tokens) for tokens in tokens_per_row]

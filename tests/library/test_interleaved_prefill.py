@@ -182,3 +182,53 @@ def test_restored_rows_join_by_chunks_too(tiny):
 def test_interleave_option_is_checked(tiny):
     with pytest.raises(InvalidRequest, match="interleave_prefill"):
         SpeculativeEngine(tiny.target, interleave_prefill="yes")
+
+
+def test_prefill_without_a_reader_of_the_hidden_leaves_the_same_caches(tiny):
+    """``need_hidden=False``: no last hidden (None), the very same K/V bit for bit."""
+    from spec_cache.target import TargetRows
+
+    tokens = [LONG, OTHER]
+    with_hidden, without = (TargetRows.from_row_caches(tiny.target, [None, None]) for _ in range(2))
+    got = with_hidden.prefill(tokens, step=STEP)
+    none = without.prefill(tokens, step=STEP, need_hidden=False)
+    assert got.last_hidden is not None and none.last_hidden is None and none.lengths == got.lengths
+    for i in range(2):
+        for a, b in zip(with_hidden.extract(i), without.extract(i), strict=True):
+            assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :]).item()
+            assert mx.array_equal(a.values[..., : a.offset, :], b.values[..., : b.offset, :]).item()
+
+
+@pytest.mark.parametrize("provider_name", [None, "ngram"])
+def test_the_engine_asks_for_the_hidden_only_for_a_drafter(tiny, provider_name, monkeypatch):
+    from spec_cache.batch_rows import BatchRows
+
+    asked = []
+    original = BatchRows.prefill
+
+    def spy(self, tokens_per_row, step=512, **options):
+        asked.append(options.get("need_hidden", True))
+        return original(self, tokens_per_row, step, **options)
+
+    monkeypatch.setattr(BatchRows, "prefill", spy)
+    run = _session_run(_engine(tiny.target, tiny.provider(provider_name)))
+    assert asked and set(asked) == {provider_name is not None}
+    rows = run["rows"]
+    assert run["streamed"][rows["b"]] == plain_greedy(tiny.target, LONG, 10)
+
+
+def test_a_row_without_boundary_checkpoint_is_not_extracted_at_its_boundary(tiny):
+    calls = []
+    engine = _engine(tiny.target)
+    session = engine.session(on_checkpoint=lambda row, tokens, caches, draft: calls.append((row, len(tokens))))
+    out = {}
+    keep = session.submit(RowRequest(OTHER, max_tokens=3, stop_at_eos=False),
+                          on_tokens=lambda r, t: out.setdefault(r, []).extend(t))
+    skip = session.submit(RowRequest(LONG, max_tokens=3, stop_at_eos=False, boundary_checkpoint=False),
+                          on_tokens=lambda r, t: out.setdefault(r, []).extend(t))
+    while session.step():
+        pass
+    session.close()
+    assert (keep, len(OTHER) - 1) in calls and not any(row == skip and n == len(LONG) - 1 for row, n in calls)
+    assert (skip, len(LONG) + 2) in calls  # its finish checkpoint as usual
+    assert out[skip] == plain_greedy(tiny.target, LONG, 3) and out[keep] == plain_greedy(tiny.target, OTHER, 3)

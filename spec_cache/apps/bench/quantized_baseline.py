@@ -123,9 +123,11 @@ class PerRowQuantizedTargetRows:
                 row.converted = True
 
     def prefill(
-        self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = ()
+        self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = (),
+        need_hidden: bool = True,
     ) -> PrefillContext:
-        """Append each row's tokens in chunks of ``step``, split at the row's conversion point."""
+        """Append each row's tokens in chunks of ``step``, split at the row's conversion point (``need_hidden``
+        is accepted and ignored: the hidden is always returned)."""
         check_per_row(tokens_per_row, self.row_count, "token list")
         lengths = [len(tokens) for tokens in tokens_per_row]
         longest = max(lengths, default=0)

@@ -437,6 +437,8 @@ class Scheduler:
         if job.phase_end is not None:  # the same restored state, a shorter prompt: prefill up to phase_end
             job.prepared.request = dataclasses.replace(job.prepared.request, prompt=sequence[: job.phase_end + 1],
                                                        max_tokens=1, sampling=None)
+        elif self._wants_end_checkpoint(job):
+            job.prepared.request.boundary_checkpoint = False  # `prompt` is checkpointed after the first token
         try:
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
