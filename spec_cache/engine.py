@@ -453,12 +453,13 @@ class DecodeSession:
             raise RuntimeError("the session is closed")
         self._stepping = True
         try:
-            free = len(self.waiting) if self.engine.max_rows is None else self.engine.max_rows - len(self.active)
-            if self._joining is None and self.waiting and free > 0:
-                cohort, self.waiting = self.waiting[:free], self.waiting[free:]
-                self._admit(cohort)
+            short, cohort = self._next_cohorts()
+            if cohort:
+                self._joining = self._admit(cohort)
+            if short:  # one chunk each: they join in this step, beside a long cohort still prefilling
+                self._advance(self._admit(short), whole=True)
             if self._joining is not None:
-                self._advance()
+                self._advance(self._joining, whole=not self.active)
             if self.active:
                 self._pipelined_round() if self._pipelined else self._round()
             self._retire()
@@ -518,7 +519,44 @@ class DecodeSession:
         return True
 
     # -- admission --------------------------------------------------------------------------------------
-    def _admit(self, cohort: list[_Row]) -> None:
+    def _free(self) -> int:
+        """Places for waiting rows (decoding and prefilling rows hold theirs)."""
+        held = len(self.active) + (0 if self._joining is None else len(self._joining.members))
+        return len(self.waiting) if self.engine.max_rows is None else self.engine.max_rows - held
+
+    def _short(self, row: _Row) -> bool:
+        """``row``'s prefill takes one chunk at most (nothing that makes it forward more than its new tokens)."""
+        group = self.group
+        return ((group is None or not group.prefill_needs_target_taps)
+                and len(row.request.prompt) - row.request.restored_tokens <= self.engine.prefill_step_size)
+
+    def _next_cohorts(self) -> tuple[list[_Row], list[_Row]]:
+        """The waiting rows that start their prefill in this step, taken out of ``waiting``: (short rows that join
+        whole in this step, a cohort prefilled chunk by chunk from this step on).
+
+        While rows decode or a cohort prefills, short rows (one chunk) never wait behind a long cohort's chunks:
+        they join in the step they are admitted; the long rows form the next cohort once none is prefilling.
+        With nothing decoding, every row that fits forms one cohort, prefilled whole."""
+        free = self._free()
+        if not self.waiting or free <= 0:
+            return [], []
+        if not (self.active or self._joining is not None):
+            cohort, self.waiting = self.waiting[:free], self.waiting[free:]
+            return [], cohort
+        short, cohort, left = [], [], []
+        for row in self.waiting:
+            if free and self._short(row):
+                short.append(row)
+            elif free and self._joining is None:
+                cohort.append(row)
+            else:
+                left.append(row)
+                continue
+            free -= 1
+        self.waiting = left
+        return short, cohort
+
+    def _admit(self, cohort: list[_Row]) -> JoiningCohort:
         """Plan each joining row (where its target and drafter rows start) and open its target rows; the prefill
         runs in ``_advance`` (spread over steps while others decode: ``spec_cache.joining``)."""
         group = self.group
@@ -556,24 +594,24 @@ class DecodeSession:
         joining = self.engine._rows(restored_rows, [row.conversion for row in cohort])
         taps = () if group is None else tuple(group.tap_layers)
         split = self.engine.interleave_prefill and self.engine.plan is None and not self.target.recurrent_layers
-        self._joining = JoiningCohort(cohort, joining, [row.request.prompt[row.target_start : -1] for row in cohort],
-                                      step=self.engine.prefill_step_size, tap_layers=taps, split=split,
-                                      need_hidden=group is not None)
+        return JoiningCohort(cohort, joining, [row.request.prompt[row.target_start : -1] for row in cohort],
+                             step=self.engine.prefill_step_size, tap_layers=taps, split=split,
+                             need_hidden=group is not None)
 
-    def _advance(self) -> None:
-        """Forward the joining cohort's next chunk (all of it when no row decodes meanwhile) and let it join
-        once its prefill is done."""
-        cohort = self._joining
+    def _advance(self, cohort: JoiningCohort, whole: bool) -> None:
+        """Forward ``cohort``'s next chunk (``whole``: all of it) and let it join once its prefill is done."""
         try:
-            if not cohort.advance(whole=not self.active):
+            if not cohort.advance(whole=whole):
                 return
             self._drop_ahead()  # the batch changes: the queued round is not the one to run
             self._join(cohort.members, cohort.rows, cohort.context())
         except BaseException:
-            self._joining = None
+            if self._joining is cohort:
+                self._joining = None
             cohort.dispose()
             raise
-        self._joining = None
+        if self._joining is cohort:
+            self._joining = None
         cohort.dispose()
 
     def _join(self, cohort: list[_Row], joining: TargetRowGroup, context) -> None:
@@ -781,11 +819,12 @@ class DecodeSession:
 
     def _batch_changes(self) -> bool:
         """Whether the next step will not run the same rows as this one (rows leave, join, or are captured)."""
-        max_rows = self.engine.max_rows
+        free = self._free() > 0
         if self._joining is not None:
-            joins = self._joining.chunks_left <= 1 or not self._joining.split
+            joins = (self._joining.chunks_left <= 1 or not self._joining.split
+                     or free and any(self._short(row) for row in self.waiting))
         else:
-            joins = bool(self.waiting) and (max_rows is None or len(self.active) < max_rows)
+            joins = bool(self.waiting) and free
         return joins or bool(self._leaving) or bool(self._snapshots)
 
     def _drop_ahead(self) -> None:

@@ -232,3 +232,38 @@ def test_a_row_without_boundary_checkpoint_is_not_extracted_at_its_boundary(tiny
     assert (keep, len(OTHER) - 1) in calls and not any(row == skip and n == len(LONG) - 1 for row, n in calls)
     assert (skip, len(LONG) + 2) in calls  # its finish checkpoint as usual
     assert out[skip] == plain_greedy(tiny.target, LONG, 3) and out[keep] == plain_greedy(tiny.target, OTHER, 3)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_short_row_never_waits_behind_a_long_cohort(tiny, together):
+    """A row of one chunk submitted while a long cohort prefills (or beside it) joins in the next step; every
+    row's tokens stay the target's own."""
+    engine = _engine(tiny.target)
+    session = engine.session()
+    first, out, step_no = {}, {}, 0
+
+    def on_tokens(row, tokens):
+        out.setdefault(row, []).extend(tokens)
+        first.setdefault(row, step_no)
+
+    def submit(prompt, n):
+        return session.submit(RowRequest(prompt, max_tokens=n, stop_at_eos=False), on_tokens=on_tokens)
+
+    a = submit([11, 12, 13], 30)
+    step_no += 1
+    session.step()
+    long = submit(LONG, 5)
+    if not together:
+        step_no += 1
+        session.step()  # the long cohort's first chunk
+        assert session.waiting_count == 1
+    short = submit([7, 8, 9], 5)
+    step_no += 1
+    session.step()
+    short_at = step_no
+    while session.step():
+        step_no += 1
+    session.close()
+    assert first[short] == short_at < first[long]
+    for row, prompt, n in ((a, [11, 12, 13], 30), (long, LONG, 5), (short, [7, 8, 9], 5)):
+        assert out[row] == plain_greedy(tiny.target, prompt, n)
