@@ -48,6 +48,7 @@ depth-0 tokens to one batched feed when drafting resumes; drafters that need the
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -126,12 +127,20 @@ class _WidthCosts:
     (drafting at depth 5 for the rest of a run because width 7 once cost 40x; or never re-measuring plain rounds
     while drafting). A stale key is left out of the estimates while fresh ones exist (it is interpolated or
     extrapolated from them, as an unmeasured key is), so the controller tries it again when the fresh costs say
-    it pays; its next measurement counts as a second one (the lower of the old estimate and the new)."""
+    it pays; its next measurement counts as a second one (the lower of the old estimate and the new).
+
+    From the third measurement on, the estimate is the median of the latest ``window`` (5, the trusted estimate
+    among them while they are few). Why: pipelined plain rounds are timed unevenly (the round before a probe only
+    waits for a forward already in flight: 29-40 ms against 120-146 ms; the round after a drafting round also
+    builds its own: 190-280 ms), and a moving average let that pair swing the plain estimate by -23% and +30% right
+    where the controller decides whether to draft."""
 
     def __init__(self, smoothing: float, prior_slope: float, stale_after: int = 64) -> None:
         self.seconds: dict[int, float] = {}
         self.counts: dict[int, int] = {}
         self.seen: dict[int, int] = {}  # key -> the observation (``ticks``) that last measured it
+        self.recent: dict[int, list[float]] = {}  # key -> its estimate, then its latest measurements
+        self.window = 5
         self.ticks = 0
         self.smoothing = smoothing
         self.prior_slope = prior_slope
@@ -147,8 +156,15 @@ class _WidthCosts:
             self.seconds[key] = seconds
         elif count == 1 or self._stale(key):
             self.seconds[key] = min(old, seconds)  # of a warm-up and one more, the lower (a spike is never low)
+            self.recent[key] = [self.seconds[key]]
         else:
-            self.seconds[key] = old + self.smoothing * (min(seconds, 2.0 * old) - old)
+            window = self.recent.setdefault(key, [old])
+            window.append(seconds)
+            del window[:-self.window]
+            if len(window) >= 3:  # the median of the latest: one odd round moves nothing (see the class doc)
+                self.seconds[key] = statistics.median(window)
+            else:
+                self.seconds[key] = old + self.smoothing * (min(seconds, 2.0 * old) - old)
         self.counts[key] = count + 1
         self.seen[key] = self.ticks
 

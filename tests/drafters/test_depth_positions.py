@@ -35,3 +35,18 @@ def test_a_row_that_passes_whole_or_fails_at_once_is_not_drafted_shallow_on_a_cp
     rows = [all_or_nothing() for _ in range(4)]
     assert (1 + rows[0].acceptance(0.5, 2.0)) / 1.7 > 1.05  # what the geometric model predicted
     assert controller.best_depth(rows, [50] * 4) == 0
+
+
+def test_one_odd_plain_round_does_not_move_a_settled_estimate():
+    """Pipelined plain rounds are timed unevenly: the round before a probe only waits for a forward already in
+    flight (29-40 ms against ~130 ms), the one after a drafting round builds its own too (190-280 ms). The
+    estimate is the median of the latest five, so neither moves it (a moving average moved it by -23% / +30%)."""
+    from spec_cache.depth import CostTable
+
+    table = CostTable()
+    for seconds in (0.13, 0.13, 0.12, 0.14, 0.13):
+        table.observe(3, 1, seconds)
+    table.observe(3, 1, 0.03)
+    assert table.estimate(3, 1) == pytest.approx(0.13)
+    table.observe(3, 1, 0.26)
+    assert table.estimate(3, 1) == pytest.approx(0.13)
