@@ -239,12 +239,6 @@ class SpecCache:
         """The artifact-identity memo kept in this cache's store (``spec_cache.identity`` takes it)."""
         return self.store.memo()
 
-    def hold_writes_while(self, busy, max_s: float = 2.0) -> None:
-        """The write-behind thread waits before each batch while ``busy()`` is True, at most ``max_s`` (a server
-        passes "requests are being admitted": see ``CheckpointWriter.hold_while``). No writer: nothing to do."""
-        if self._writer is not None:
-            self._writer.hold_while(busy, max_s)
-
     def memory_stats(self) -> dict:
         """The memory tier's counters (bytes, entries, hits, misses, budget, ...) and the write-behind queue's."""
         stats = self.memory.stats()

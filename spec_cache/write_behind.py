@@ -103,13 +103,6 @@ class CheckpointWriter:
         with self._lock:
             self.counters[name] += n
 
-    def hold_while(self, busy: Callable[[], bool] | None, max_s: float = 2.0) -> None:
-        """Before each batch, wait while ``busy()`` is True (at most ``max_s``; never while anyone drains or
-        closes): a server's admissions (restore, prefill, first token) then never share the device, the GIL and
-        the memory bus with the writer's device-to-host copies and LMDB puts. None: never wait. The wait adds to
-        what a SIGKILL can lose (at most ``max_s`` more of queued checkpoints)."""
-        self._queue.hold, self._queue.hold_max_s = busy, float(max_s)
-
     @property
     def pending(self) -> tuple[int, int]:
         """(checkpoints queued, their bytes incl. the one being written)."""
@@ -139,5 +132,4 @@ class CheckpointWriter:
     def stats(self) -> dict:
         jobs, nbytes = self.pending
         with self._lock:
-            return {**self.counters, "pending": jobs, "pending_bytes": nbytes,
-                    "held_s": round(self._queue.held_s, 3)}
+            return {**self.counters, "pending": jobs, "pending_bytes": nbytes}

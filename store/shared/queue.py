@@ -31,11 +31,6 @@ class WriteBehind:
         self._max_batch = max(1, max_batch)
         self._linger_s = linger_s if batch_handler is not None else 0.0
         self._hurry = 0  # drains waiting: no lingering while someone waits for the queue
-        #: ``hold()`` True: the owner's latency-critical work is running (a server admitting requests); the thread
-        #: waits before its next batch, up to ``hold_max_s``, never while anyone drains or closes
-        self.hold: Callable[[], bool] | None = None
-        self.hold_max_s = 2.0
-        self.held_s = 0.0  # seconds the thread waited on ``hold`` (a figure for the owner's stats)
         self._in_flight = 0  # jobs handed to the handler and not finished
         self._jobs: collections.deque[tuple[Any, int]] = collections.deque()
         self._bytes = 0
@@ -112,24 +107,6 @@ class WriteBehind:
             in_flight = max(1, self._in_flight) if self._thread.is_alive() else 0
         return left, left_bytes, in_flight
 
-    def _wait_for_hold(self) -> None:
-        """Wait (holding ``_cond``'s wait, not the lock) while ``hold()`` says the owner is busy, up to
-        ``hold_max_s``; a drain or close ends it at once."""
-        hold = self.hold
-        if hold is None:
-            return
-        began = time.monotonic()
-        while not self._hurry and not self._closed:
-            try:
-                busy = bool(hold())
-            except Exception:  # a broken hook never stops the writer
-                busy = False
-            left = began + self.hold_max_s - time.monotonic()
-            if not busy or left <= 0:
-                break
-            self._cond.wait(min(left, 0.005))
-        self.held_s += time.monotonic() - began
-
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -142,7 +119,6 @@ class WriteBehind:
                     if left <= 0:
                         break
                     self._cond.wait(left)
-                self._wait_for_hold()
                 if self._closed:
                     return
                 take = 1 if self._batch_handler is None else min(len(self._jobs), self._max_batch)

@@ -174,7 +174,6 @@ class Scheduler:
         self._saves: list[tuple] = []
         self._ns_keys: dict[str | None, bytes | None] = {}
         self._session = None
-        self._submitting = False  # the scheduler thread is restoring / submitting jobs (``admitting``)
         #: continuation records (memory, then LMDB); None without a cache
         self._continuations = None if generator.cache is None else Continuations.of(generator.cache)
         if self._continuations is not None:
@@ -184,10 +183,6 @@ class Scheduler:
         self.error: BaseException | None = None
         cache = generator.cache
         self._prefetcher = None  # shared-tier lookups happen here, never on the scheduler thread
-        if cache is not None and hasattr(cache, "hold_writes_while"):
-            # the LMDB writer waits while requests are admitted (restore, prefill, first token): on the H200 at 8
-            # clients a turn's 8 requests arrive together while the last turn's checkpoints are being written
-            cache.hold_writes_while(self.admitting)
         if cache is not None and getattr(cache, "shared", None) is not None:
             self._prefetcher = concurrent.futures.ThreadPoolExecutor(PREFETCH_WORKERS,
                                                                      thread_name_prefix="spec-cache-prefetch")
@@ -207,11 +202,6 @@ class Scheduler:
             return 0
         ns_key = self._ns_keys.get(tenant) if tenant is not None else self.generator.ns_key
         return 0 if ns_key is None else cache.memory.held_prefix(ns_key, tokens)
-
-    def admitting(self) -> bool:
-        """Whether requests wait to start or are prefilling (any thread; a hint, read without the lock)."""
-        session = self._session
-        return self._submitting or bool(self._pending) or (session is not None and session.waiting_count > 0)
 
     @property
     def queue_depth(self) -> int:
@@ -382,13 +372,6 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
-        self._submitting = True
-        try:
-            self._admit_pending()
-        finally:
-            self._submitting = False
-
-    def _admit_pending(self) -> None:
         session = self._session
         while self._pending and session.active_count + session.waiting_count < self.max_rows:
             job = self._next_ready()
