@@ -5,6 +5,10 @@ CPU backend), so a drafter whose proposals are rarely accepted loses to plain de
 5.3 tok/s, ngram at depth 4 1.8 tok/s). The depth only changes how many tokens each target forward may accept,
 never which tokens come out, so the engine may pick it freely every round.
 
+Why one file of ~430 lines: the acceptance model (``RowAcceptance``), the cost table (``CostTable``) and the
+controller that weighs one against the other (``DepthController``) change together; each rule below (staleness,
+probe pricing, per-position acceptance) touches two of them.
+
 Model (one round, batch-wide: the target verifies one window width for every row):
 
 * each row's drafts are accepted token by token with probability ``a`` (geometric), and the row offers a

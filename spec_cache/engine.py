@@ -1,6 +1,6 @@
 """Batched speculative decoding over rows that join and leave between rounds.
 
-Why one file of ~800 lines: ``SpeculativeEngine`` (request checks) and ``DecodeSession`` (admit / round /
+Why one file of ~900 lines: ``SpeculativeEngine`` (request checks) and ``DecodeSession`` (admit / round /
 retire / snapshots) share the row bookkeeping and the two-phase state changes; split, each half would reach into
 the other's rows.
 
