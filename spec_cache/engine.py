@@ -338,8 +338,9 @@ class DecodeSession:
     ``submit`` checks a request (ValueError / SchemaError, before any model work) and queues it; ``step`` admits
     queued rows (up to the engine's ``max_rows`` active; one joining cohort at a time, prefilled one chunk per
     step while others decode), runs one verify round for every active row and retires the rows that are done.
-    A row still prefilling counts in ``waiting_count`` and leaves (``cancel``/``finish``) as a waiting row does. ``cancel`` ends a row without a finish checkpoint, ``finish`` ends it as done (with
-    one); outside ``step`` either frees the row at once, inside a callback at the end of the current step.
+    A row still prefilling counts in ``waiting_count`` and leaves (``cancel``/``finish``) as a waiting row does.
+    ``cancel`` ends a row without a finish checkpoint, ``finish`` ends it as done (with one); outside ``step``
+    either frees the row at once, inside a callback at the end of the current step.
 
     Per row: ``on_tokens(row_id, tokens)`` after every round that emitted tokens for it, ``on_finish(row_id,
     RowResult)`` once when it leaves (also when cancelled while waiting). ``on_checkpoint`` as in the module doc
@@ -474,10 +475,9 @@ class DecodeSession:
             return
         self._closed = True
         self._ahead = None
-        joining, self._joining = self._joining, None
         try:
-            if joining is not None:
-                joining.dispose()
+            if self._joining is not None:
+                self._release(self._joining)
             if self.group is not None:
                 self.group.dispose()
         finally:
@@ -506,8 +506,7 @@ class DecodeSession:
                 if row.index == row_id:  # prefilling: it leaves before it joins, as a waiting row does
                     joining.drop([i])
                     if not joining.members:
-                        self._joining = None
-                        joining.dispose()
+                        self._release(joining)
                     if row.on_finish is not None:
                         row.on_finish(row.index, row.result(cancelled=not checkpoint, reason="cancelled"))
                     return True
@@ -606,10 +605,13 @@ class DecodeSession:
             self._drop_ahead()  # the batch changes: the queued round is not the one to run
             self._join(cohort.members, cohort.rows, cohort.context())
         except BaseException:
-            if self._joining is cohort:
-                self._joining = None
-            cohort.dispose()
+            self._release(cohort)
             raise
+        self._release(cohort)
+
+    def _release(self, cohort: JoiningCohort) -> None:
+        """``cohort`` is done with (joined, emptied, failed or closed): its target rows go, and it is no longer the
+        cohort prefilling."""
         if self._joining is cohort:
             self._joining = None
         cohort.dispose()

@@ -35,7 +35,6 @@ class JoiningCohort:
     def __init__(self, members: list, rows: Any, tokens: Sequence[Sequence[int]], *, step: int,
                  tap_layers: Sequence[int] = (), split: bool = True, need_hidden: bool = True) -> None:
         self.need_hidden = need_hidden  # False: no drafter reads the last hidden (``BatchRows.prefill``)
-        self._started = False  # a chunk was forwarded
         self.members = list(members)
         self.rows = rows
         self.step = step
@@ -63,31 +62,26 @@ class JoiningCohort:
         call); True once the cohort is ready to join (``context()``)."""
         if self._context is not None:
             return True
-        if self._started and all(d == len(t) for t, d in zip(self._tokens, self._done)):
-            self._context = PrefillContext(self._last, [len(t) for t in self._tokens])  # the rest were dropped
-            return True
-        if not self._started and (whole or not self.split or self.chunks_left <= 1):
+        if not any(self._done) and (whole or not self.split or self.chunks_left <= 1):
             # nothing forwarded yet and all of it now: exactly the one-call prefill
             self._context = self.rows.prefill(self._tokens, step=self.step, tap_layers=self.tap_layers,
                                               need_hidden=self.need_hidden)
             return True
-        width = None if whole else self.step
-        chunk = [t[d:] if width is None else t[d : d + width] for t, d in zip(self._tokens, self._done)]
-        # not None when the hidden is wanted: some row has tokens left
-        last = self.rows.prefill(chunk, step=self.step, need_hidden=self.need_hidden).last_hidden
-        self._started = True
-        moved = [len(c) for c in chunk]
-        self._done = [d + n for d, n in zip(self._done, moved)]
-        if last is None:
-            pass
-        elif self._last is None:
-            self._last = last
-        else:
-            here = mx.array([n > 0 for n in moved])[:, None, None]
-            self._last = mx.where(here, last, self._last)
-        if all(d == len(t) for t, d in zip(self._tokens, self._done)):
+        if not self._forwarded():  # (else the rows with tokens left were dropped)
+            chunk = [t[d:] if whole else t[d : d + self.step] for t, d in zip(self._tokens, self._done)]
+            last = self.rows.prefill(chunk, step=self.step, need_hidden=self.need_hidden).last_hidden
+            moved = [len(c) for c in chunk]
+            self._done = [d + n for d, n in zip(self._done, moved)]
+            if last is not None:  # None when no drafter reads it
+                here = mx.array([n > 0 for n in moved])[:, None, None]
+                self._last = last if self._last is None else mx.where(here, last, self._last)
+        if self._forwarded():
             self._context = PrefillContext(self._last, [len(t) for t in self._tokens])
         return self._context is not None
+
+    def _forwarded(self) -> bool:
+        """Every row's tokens are in its target rows."""
+        return all(d == len(t) for t, d in zip(self._tokens, self._done))
 
     def context(self) -> PrefillContext:
         if self._context is None:
