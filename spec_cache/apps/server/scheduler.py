@@ -389,8 +389,6 @@ class Scheduler:
                 self._decoding += 1
             if job.phase_end is None and not job.started:
                 self._start(job, job.cached_tokens)
-            if job.phase_end is None:
-                job.end_checkpoint = self._wants_end_checkpoint(job)
 
     def _wants_end_checkpoint(self, job: Job) -> bool:
         """Whether ``job``'s own row (just admitted) is checkpointed at ``prompt`` after its first token: asked for
@@ -437,8 +435,9 @@ class Scheduler:
         if job.phase_end is not None:  # the same restored state, a shorter prompt: prefill up to phase_end
             job.prepared.request = dataclasses.replace(job.prepared.request, prompt=sequence[: job.phase_end + 1],
                                                        max_tokens=1, sampling=None)
-        elif self._wants_end_checkpoint(job):
-            job.prepared.request.boundary_checkpoint = False  # `prompt` is checkpointed after the first token
+        # `prompt` is checkpointed from the job's own row after its first token, not at its boundary before it
+        job.end_checkpoint = job.phase_end is None and self._wants_end_checkpoint(job)
+        job.prepared.request.boundary_checkpoint = not job.end_checkpoint
         try:
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
@@ -450,6 +449,7 @@ class Scheduler:
             job.phase_end = None
             job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
             job.prepared.request.stop_at_eos = job.stop_at_eos
+            job.end_checkpoint = self._wants_end_checkpoint(job)  # (its cold prefill keeps its boundary one too)
             if not job.started:  # "start" reports what was restored: nothing now (a replay was reported already)
                 job.cached_tokens = 0
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
@@ -493,14 +493,11 @@ class Scheduler:
         covered = max(job.prepared.cached_tokens, job.prefilled)
         boundary = len(job.sequence) - 1
         ends = [(covered // every + 1) * every] if every is not None else []
-        if self._offsets_split(job, covered, boundary):
+        if self.splits_prompt(job.cached_tokens, boundary - covered):
             ends += [k for k in job.checkpoint_at
                      if k - covered >= MIN_CHECKPOINT_GAP and boundary - k >= MIN_CHECKPOINT_GAP]
         end = min(ends, default=None)
         return end if end is not None and end < boundary else None
-
-    def _offsets_split(self, job: Job, covered: int, boundary: int) -> bool:
-        return self.splits_prompt(job.cached_tokens, boundary - covered)
 
     def splits_prompt(self, cached: int, left: int) -> bool:
         """Whether ``checkpoint_at`` offsets inside a prompt split its prefill into phases, for a request the cache
