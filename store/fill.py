@@ -34,7 +34,7 @@ from .errors import CorruptRecord
 from .tensors import LayerState, Tensor, numpy_dtype
 from .xxh3 import Hasher
 
-__all__ = ["Sink", "is_sink", "fill_layers"]
+__all__ = ["Sink", "is_sink", "fill_layers", "layers_from_plan"]
 
 _ZERO16 = bytes(16)
 
@@ -106,18 +106,23 @@ def fill_layers(plan: list, records: list[tuple[Record, Any]], sink: Sink, pool:
             continue
         if p.deferred is None:  # checked at decode; its copies failed: the table does not fit (read_layers names it)
             raise CorruptRecord(f"{p.rec.kind} record: its tensors do not fit the stored layer table")
-        d = p.deferred
-        raise CorruptRecord(f"{d.kind} record: record checksum mismatch (bit flip or truncation)", d.key, d.piece)
+        raise p.deferred.mismatch()
     data = iter(made)
+    return layers_from_plan(plan, lambda *_: next(data))
+
+
+def layers_from_plan(plan: list, chunked) -> list[LayerState]:
+    """``plan``'s layers (``read.plan_layers``): an untrimmable layer's tensors copied whole out of the entry
+    record, each token-sliceable one's data from ``chunked(dtype, axis, shape, parts)``, in plan order."""
     layers = []
-    for i, kind, meta, axis, tensors in plan:
+    for _i, kind, meta, axis, tensors in plan:
         out = []
         for dtype, t_axis, shape, parts in tensors:
-            if t_axis is None:  # an untrimmable layer's tensor, whole from the entry record (numpy, as before)
+            if t_axis is None:
                 rec, name = parts[0]
                 out.append(Tensor(dtype, tuple(shape), copy_out(rec.tensors[name])))
             else:
-                out.append(Tensor(dtype, tuple(shape), next(data)))
+                out.append(Tensor(dtype, tuple(shape), chunked(dtype, t_axis, shape, parts)))
         layers.append(LayerState(kind, meta, out, axis))
     return layers
 

@@ -29,12 +29,12 @@ import numpy as np
 from spec_cache.schemas import CheckpointAttachment, SchemaError, validate_attachment
 from spec_cache.schemas.errors import UnknownSchemaError
 
-from .codec import Record, check_key, copy_out, decode_record, encode_record, verify_checksum
+from .codec import Record, check_key, decode_record, encode_record, verify_checksum
 from .errors import CorruptRecord
-from .fill import fill_layers, idle_lanes, is_sink
+from .fill import fill_layers, idle_lanes, is_sink, layers_from_plan
 from .pieces import resolve_tensors, self_contained
 from .spans import span_segments, whole_record
-from .tensors import LayerState, Tensor, numpy_dtype
+from .tensors import LayerState, numpy_dtype
 
 __all__ = ["ASYNC_VERIFY_BYTES", "BackgroundVerifier", "Concat", "Deferred", "RawRecords", "verified_record",
            "read_layers", "read_attachment", "assemble_layers", "plan_layers", "piece_reader", "whole_draft_record",
@@ -61,6 +61,11 @@ class Deferred(NamedTuple):
     raw: Any
     piece: bytes | None
     record: Record
+
+    def mismatch(self) -> CorruptRecord:
+        """The error a failed checksum of this record raises."""
+        return CorruptRecord(f"{self.kind} record: record checksum mismatch (bit flip or truncation)", self.key,
+                             self.piece)
 
 
 def _check(d: Deferred) -> bool:
@@ -133,8 +138,7 @@ class BackgroundVerifier:
             return
         bad = pending.settle()
         if bad is not None:
-            raise CorruptRecord(f"{bad.kind} record: record checksum mismatch (bit flip or truncation)", bad.key,
-                                bad.piece)
+            raise bad.mismatch()
 
     def close(self) -> None:
         with self._lock:
@@ -229,6 +233,9 @@ def _read_layers(raw, packed, length, chunk_tokens, chain, entry, concat, verifi
         if entry_rec.meta.get("pieces") is not None:  # the tail's chunked tensors are in pieces (format 1.3)
             segments += span_segments(entry_rec, entry, base, length - base, get_piece)
     pending = verifier.start(deferred) if verifier is not None and not fused else None
+
+    def settle() -> None:  # a checksum failure explains a broken table best: report that first
+        BackgroundVerifier.wait(verifier.start(deferred) if fused else pending)
     entry_tails = entry_rec is not None and entry_rec.meta.get("pieces") is None
     try:
         if table is None:
@@ -237,14 +244,10 @@ def _read_layers(raw, packed, length, chunk_tokens, chain, entry, concat, verifi
         if not fused:
             layers = _assembled(plan, concat)
     except CorruptRecord as exc:
-        BackgroundVerifier.wait(pending)  # a checksum failure explains a broken table best: report that first
-        if fused:
-            _settle_fused(deferred)
+        settle()
         raise CorruptRecord(str(exc), bad_key) from None
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        BackgroundVerifier.wait(pending)
-        if fused:
-            _settle_fused(deferred)
+        settle()
         raise CorruptRecord(f"stored layer table does not match its tensors ({exc})", bad_key) from None
     if fused:  # copies and checksums in one pass per record, on the verifier's threads
         by_id = {id(d.record): d for d in deferred}
@@ -257,13 +260,6 @@ def _read_layers(raw, packed, length, chunk_tokens, chain, entry, concat, verifi
             raise
     BackgroundVerifier.wait(pending)  # nothing is returned before every record it came from passed its checksum
     return layers
-
-
-def _settle_fused(deferred: list) -> None:
-    """The layer table broke on the fused route: check the deferred records first, as the other route does."""
-    for d in deferred:
-        if not verify_checksum(d.raw):
-            raise CorruptRecord(f"{d.kind} record: record checksum mismatch (bit flip or truncation)", d.key, d.piece)
 
 
 def plan_layers(layer_table, chunks: list[Record], entry_rec: Record | None, length: int, *,
@@ -300,17 +296,9 @@ def plan_layers(layer_table, chunks: list[Record], entry_rec: Record | None, len
 
 
 def _assembled(plan: list, concat: Concat | None) -> list[LayerState]:
-    layers = []
-    for i, kind, meta, axis, tensors in plan:
-        out = []
-        for dtype, t_axis, shape, parts in tensors:
-            pieces = [rec.tensors[name] for rec, name in parts]
-            if t_axis is None:
-                out.append(Tensor(dtype, shape, copy_out(pieces[0])))
-            else:
-                out.append(Tensor(dtype, shape, _concatenate(pieces, t_axis, dtype, list(shape), concat)))
-        layers.append(LayerState(kind, meta, out, axis))
-    return layers
+    def joined(dtype, axis, shape, parts):
+        return _concatenate([rec.tensors[name] for rec, name in parts], axis, dtype, list(shape), concat)
+    return layers_from_plan(plan, joined)
 
 
 def assemble_layers(layer_table, chunks: list[Record], entry_rec: Record | None, length: int, *,
