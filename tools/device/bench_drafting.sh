@@ -12,28 +12,19 @@
 #   call 3: carry .gpu/g2  -> cp .gpu/g2/* /tmp/parts/   (the GGUF, part 01)
 #   call 4: carry .gpu/p2 .gpu/p3 -> bash tools/device/bench_drafting.sh [rows ...]
 set -u
-S=/tmp/site
-W=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+PY=python3
+SC=/tmp/sc-site
 G=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 OUTDIR=${OUT:-/tmp/out}
 mkdir -p "$OUTDIR"
-if [ ! -e $S/mlx/lib/libmlx.so ]; then
-  cat /tmp/parts/mlxcuda.whl.part-00 .gpu/p2/mlxcuda.whl.part-01 > $W || exit 1
-  echo "94cb48fba73e5ee39467e51c35c51c691123359ca17bafd1a24cf92ad6732bee  $W" | sha256sum -c - || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $S $W \
-    .gpu/p2/*.whl .gpu/p3/*.whl || exit 1
-  NV=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])") || exit 1
-  ln -sfn "$NV" $S/nvidia
-fi
+. tools/device/site.sh  # install_site, farm
+INSTALL=1 install_site || exit $?
 if [ ! -e $G ]; then
   cat /tmp/parts/gguf.part-00 /tmp/parts/gguf.part-01 > $G || exit 1
 fi
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c - || exit 1
-SC=/tmp/sc-site
-rm -rf $SC && mkdir -p $SC/spec_cache
-for e in "$PWD"/spec_cache/*; do ln -s "$e" $SC/spec_cache/; done
-ln -sfn "$PWD/store" $SC/spec_cache/store; ln -sfn "$PWD/schemas" $SC/spec_cache/schemas
-export PYTHONPATH=$S:$SC PYTHONUNBUFFERED=1 SPEC_CACHE_SMOLLM2_GGUF=$G
+farm "$PWD" || exit 1
+export SPEC_CACHE_SMOLLM2_GGUF=$G
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" || exit 1
 ROWS=${*:-1 4 8}
 for B in $ROWS; do

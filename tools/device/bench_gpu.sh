@@ -23,34 +23,14 @@
 set -u
 START=$(date +%s)
 PY=${PY:-python3}
-SITE=/tmp/site
 SC=${SC:-/tmp/sc-site}
 OUTDIR=${OUT:-/tmp/out}
 mkdir -p "$OUTDIR"
+. tools/device/site.sh  # install_site, farm
+install_site || exit $?
 if [ "${INSTALL:-1}" = 1 ]; then
-  W=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-  if [ ! -e $SITE/mlx/lib/libmlx.so ]; then
-    cat /tmp/parts/mlxcuda.whl.part-00 .gpu/p2/mlxcuda.whl.part-01 > $W || exit 1
-    echo "94cb48fba73e5ee39467e51c35c51c691123359ca17bafd1a24cf92ad6732bee  $W" | sha256sum -c - || exit 1
-    EXTRA=$(ls .gpu/p3/*.whl 2>/dev/null)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $W \
-      .gpu/p2/*.whl $EXTRA || exit 1
-    NV=$($PY -c "import nvidia; print(list(nvidia.__path__)[0])") || exit 1
-    ln -sfn "$NV" $SITE/nvidia  # libmlx.so finds CUDA at $ORIGIN/../../nvidia
-  fi
   ldd "$SITE/mlx/lib/libmlx.so" | grep "not found" && echo "WARNING: libraries not found"
-  export PYTHONPATH=$SITE:$SC
-else
-  export PYTHONPATH=$SC
 fi
-export PYTHONUNBUFFERED=1
-
-farm() {  # $1: a source tree holding spec_cache/, store/, schemas/
-  rm -rf "$SC" && mkdir -p "$SC/spec_cache" || return 1
-  for e in "$1"/spec_cache/*; do ln -s "$(readlink -f "$e")" "$SC/spec_cache/"; done
-  ln -sfn "$(readlink -f "$1/store")" "$SC/spec_cache/store"
-  ln -sfn "$(readlink -f "$1/schemas")" "$SC/spec_cache/schemas"
-}
 tree_id() {  # what was measured: HEAD (where the copy has git) and a digest of the library's sources
   local sum
   sum=$(cd "$1" && find spec_cache store schemas -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)

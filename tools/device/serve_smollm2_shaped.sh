@@ -18,30 +18,13 @@
 set -u
 START=$(date +%s)
 PY=${PY:-python3}
-SITE=/tmp/site
 SC=/tmp/sc-site
 OUTDIR=${OUT:-/tmp/out}
 TOK=${TOK:-.gpu/serve/tok}
 mkdir -p "$OUTDIR"
-if [ "${INSTALL:-1}" = 1 ]; then
-  W=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-  if [ ! -e $SITE/mlx/lib/libmlx.so ]; then
-    cat /tmp/parts/mlxcuda.whl.part-00 .gpu/p2/mlxcuda.whl.part-01 > $W || exit 1
-    echo "94cb48fba73e5ee39467e51c35c51c691123359ca17bafd1a24cf92ad6732bee  $W" | sha256sum -c - || exit 1
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $W \
-      .gpu/p2/*.whl .gpu/p3/*.whl || exit 1
-    NV=$($PY -c "import nvidia; print(list(nvidia.__path__)[0])") || exit 1
-    ln -sfn "$NV" $SITE/nvidia  # libmlx.so finds CUDA at $ORIGIN/../../nvidia
-  fi
-  export PYTHONPATH=$SITE:$SC
-else
-  export PYTHONPATH=$SC
-fi
-export PYTHONUNBUFFERED=1
-# spec_cache laid out as it installs (pyproject maps store/ and schemas/ to spec_cache.store / spec_cache.schemas)
-rm -rf $SC && mkdir -p $SC/spec_cache || exit 1
-for e in "$PWD"/spec_cache/*; do ln -s "$e" $SC/spec_cache/; done
-ln -sfn "$PWD/store" $SC/spec_cache/store; ln -sfn "$PWD/schemas" $SC/spec_cache/schemas
+. tools/device/site.sh
+install_site || exit $?
+farm "$PWD" || exit 1
 $PY -c "import mlx.core as mx, mlx_lm, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__,
 mx.default_device(), 'mlx_lm', mlx_lm.__version__)" || exit 1
 echo "tree: $(git rev-parse --short HEAD 2>/dev/null) $(git status --short -- spec_cache store schemas 2>/dev/null \
