@@ -12,43 +12,19 @@
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from spec_cache.apps.bench import agentic
 from spec_cache.apps.server.openai_routes import _Prompts
-from spec_cache.apps.server.scheduler import MIN_CHECKPOINT_GAP, Job, Scheduler
+from spec_cache.apps.server.scheduler import MIN_CHECKPOINT_GAP, Scheduler
 from spec_cache.cache import SpecCache
 from spec_cache.generator import Generator
 from spec_cache.memory_tier import MemoryTier
-from spec_cache.sampling import RowSampling
 from spec_cache.target import TargetRows
-from tests.apps.test_server_scheduler import Events
+from tests.apps.test_template_seam import _run_job
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
-
-
-def _idle(sched, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while sched.queue_depth or sched.active_rows:
-        assert time.monotonic() < deadline, "the scheduler did not go idle"
-        time.sleep(0.01)
-
-
-def _run(sched, prompt, max_tokens, checkpoint_at, log):
-    events = Events()
-
-    def deliver(event):
-        log.append(("event", event[0]))
-        events(event)
-    job = Job(prompt=list(prompt), max_tokens=max_tokens, sampling=RowSampling(), deliver=deliver,
-              checkpoint_at=checkpoint_at)
-    sched.submit(job)
-    assert events.done.wait(60)
-    _idle(sched)
-    return job, events
 
 
 @pytest.mark.parametrize("memory", [None, 0], ids=["memory-tier", "lmdb-only"])
@@ -71,7 +47,7 @@ def test_end_of_prompt_checkpoint_comes_from_the_jobs_own_row(tiny, tmp_path, dr
     sched.start()
     try:
         first = list(range(3, 53))
-        _, events = _run(sched, first, 5, (len(first),), log)
+        _, events = _run_job(sched, first, 5, (len(first),), log)
         assert events.tokens == plain_greedy(tiny.target, first, 5)
         # one row per request: the old side row made it two (a restore of prompt[:-1], a one-token round)
         assert [e for e in log if e[0] == "prepare"] == [("prepare", len(first))]
@@ -82,7 +58,7 @@ def test_end_of_prompt_checkpoint_comes_from_the_jobs_own_row(tiny, tmp_path, dr
         cache.drain()
         second = first + [200, 201, 202, 90, 91]  # the reply re-rendered as other tokens, then a new message
         assert events.tokens[0] != 200
-        job2, events2 = _run(sched, second, 4, (len(second),), log)
+        job2, events2 = _run_job(sched, second, 4, (len(second),), log)
         assert events2.cached == len(first)
         assert job2.prepared.restored_drafter == (drafter is not None)  # the exact-length drafter row too
         assert events2.tokens == plain_greedy(tiny.target, second, 4)
@@ -108,11 +84,11 @@ def test_a_warm_turns_short_tail_is_not_split_at_its_offsets(tiny, tmp_path):
     sched.start()
     try:
         first = list(range(3, 63))
-        _run(sched, first, 4, (30, len(first)), log)
+        _run_job(sched, first, 4, (30, len(first)), log)
         assert [e for e in log if e[0] == "prepare"] == [("prepare", 60)] * 2  # cold: a phase up to 30 first
         log.clear()
         second = first + [200, 201, 202] + list(range(100, 140))  # the reply as other tokens, a new message
-        _, events = _run(sched, second, 4, (len(first) + 3, len(first) + 22, len(second)), log)
+        _, events = _run_job(sched, second, 4, (len(first) + 3, len(first) + 22, len(second)), log)
         assert events.cached == len(first)
         assert [e for e in log if e[0] == "prepare"] == [("prepare", len(second))]  # before: a phase at 82 first
         assert events.tokens == plain_greedy(tiny.target, second, 4)
@@ -163,7 +139,7 @@ def test_a_row_ending_with_its_first_token_writes_the_prompt_once(tiny, tmp_path
     sched.start()
     try:
         prompt = list(range(5, 45))
-        _, events = _run(sched, prompt, 1, (len(prompt),), [])
+        _, events = _run_job(sched, prompt, 1, (len(prompt),), [])
         assert events.tokens == plain_greedy(tiny.target, prompt, 1)
         assert saved.count(len(prompt)) == 1
     finally:

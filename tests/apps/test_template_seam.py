@@ -106,16 +106,22 @@ def test_checkpoint_points_are_bounded():
 
 # -- the scheduler in-process: every drafter kind, both tiers ---------------------------------------------------
 def _idle(sched, timeout: float = 60) -> None:
-    """Until the job and its end-of-prompt side row are done."""
+    """Until every job (and each of its prefill phases) is done."""
     deadline = time.monotonic() + timeout
     while sched.queue_depth or sched.active_rows:
         assert time.monotonic() < deadline, "the scheduler did not go idle"
         time.sleep(0.01)
 
 
-def _run_job(sched, prompt, max_tokens, checkpoint_at=()):
+def _run_job(sched, prompt, max_tokens, checkpoint_at=(), log: list | None = None):
+    """Run one job to its end; ``log`` (when given) gets ``("event", kind)`` for each event it delivers."""
     events = Events()
-    submitted = Job(prompt=list(prompt), max_tokens=max_tokens, sampling=RowSampling(), deliver=events,
+
+    def deliver(event):
+        if log is not None:
+            log.append(("event", event[0]))
+        events(event)
+    submitted = Job(prompt=list(prompt), max_tokens=max_tokens, sampling=RowSampling(), deliver=deliver,
                     checkpoint_at=checkpoint_at)
     sched.submit(submitted)
     assert events.done.wait(60)
