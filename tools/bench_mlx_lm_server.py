@@ -39,6 +39,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -536,6 +537,8 @@ def parse(argv=None, servers: str = "mlx-lm,spec-cache"):
                    help="append to the launcher's (spec-cache) command line (repeatable)")
     p.add_argument("--cwd", help="start the servers in this directory (where `python -m spec_cache...` resolves)")
     p.add_argument("--json")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the servers' logs and stores (a temporary folder; removed unless the run fails)")
     args = p.parse_args(argv)
     args.server_args = {"serve": args.serve_arg, "spec-cache": args.launcher_arg}
     args.kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
@@ -552,18 +555,25 @@ def main(argv=None, servers: str = "mlx-lm,spec-cache") -> int:
         global REPO
         REPO = Path(args.cwd)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mlx-lm-server-"))
-    model = args.model
-    if model is None:
-        from spec_cache.testing.tiny import write_tiny_target
+    done = False
+    try:
+        model = args.model
+        if model is None:
+            from spec_cache.testing.tiny import write_tiny_target
 
-        model = str(write_tiny_target(tmp / "tiny"))
-    system = words(args.system_words, 999)
-    if args.paired:
-        results = bench_paired(kinds, model, args, system, tmp)
-    else:
-        results = {kind: bench(kind, model, args, system, tmp) for kind in kinds}
+            model = str(write_tiny_target(tmp / "tiny"))
+        system = words(args.system_words, 999)
+        if args.paired:
+            results = bench_paired(kinds, model, args, system, tmp)
+        else:
+            results = {kind: bench(kind, model, args, system, tmp) for kind in kinds}
+        done = True
+    finally:
+        if args.keep or not done:  # a failed run keeps its servers' logs for a look
+            print(f"logs and stores: {tmp}" + ("" if done else " (kept: the run failed)"))
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     extra = report(results, kinds, args)
-    print(f"logs and stores: {tmp}")
     if args.json:
         out = {"args": {k: v for k, v in vars(args).items()}, **extra,
                **{k: {key: v for key, v in results[k].items()} for k in kinds}}
