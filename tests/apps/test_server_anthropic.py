@@ -115,7 +115,10 @@ def test_cache_control_breakpoint_is_counted_and_restored(server, reference):
 def test_breakpoint_inside_a_message_is_restored_after_a_restart(tiny, reference, tmp_path):
     """A breakpoint on the first of two blocks of a user message (not a message boundary): its offset is
     checkpointed, so after a restart (LMDB only) another second block still reads the first block from the cache,
-    exactly to its end; the same conversation without the breakpoint reads nothing there."""
+    exactly to its end; the same conversation without the breakpoint reads nothing there. The cache already holds
+    the chat template's first tokens (an earlier request: every prompt shares them) when the marked request comes;
+    a hit that short once made the prompt count as a warm turn, whose prefill was not split at the breakpoint (CI
+    caught it when the earlier request's checkpoint landed in time)."""
     tokenizer, _ = reference
     head, other = words(100, 50), words(150, 50)  # (the tiny vocabulary ends at w255)
 
@@ -126,6 +129,8 @@ def test_breakpoint_inside_a_message_is_restored_after_a_restart(tiny, reference
 
     srv = Server(tiny, tmp_path / "store", tmp_path)
     try:
+        ask(srv, words(200, 5), words(210, 5), False)
+        srv.wait_durable()
         marked, plain = ask(srv, head, words(20, 30), True), ask(srv, other, words(20, 30), False)
         srv.wait_durable()
     finally:
@@ -141,6 +146,41 @@ def test_breakpoint_inside_a_message_is_restored_after_a_restart(tiny, reference
     end = next(i for i, (x, y) in enumerate(zip(full, cut)) if x != y)  # where the first block ends
     assert end > 50 and marked.cache_read_input_tokens == end, marked
     assert plain.cache_read_input_tokens < 50, plain
+    assert 2 <= marked.cache_read_input_tokens and (marked.cache_read_input_tokens + marked.cache_creation_input_tokens
+                                                     == end), "the marked request read the template's first tokens"
+
+
+def test_a_breakpoint_in_a_warm_turn_is_checkpointed(tiny, reference, tmp_path):
+    """A warm turn (the cache holds its history; its new tokens are shorter than a prefill chunk, so message
+    boundaries do not split its prefill) with a ``cache_control`` breakpoint on the first block of its new message:
+    the breakpoint is checkpointed anyway (the reply counts it as cache creation), so after a restart the same
+    history and block with another second block read the cache exactly to the breakpoint."""
+    tokenizer, _ = reference
+    history = [{"role": "user", "content": words(100, 60)}]
+
+    def turn(srv, second: str, reply: str | None = None):
+        if reply is None:
+            return client(srv).messages.create(model="tiny", max_tokens=2, extra_body=GREEDY, messages=history)
+        block = {"type": "text", "text": words(170, 40), "cache_control": {"type": "ephemeral"}}
+        return client(srv).messages.create(model="tiny", max_tokens=2, extra_body=GREEDY, messages=history + [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": [block, {"type": "text", "text": second}]}])
+
+    srv = Server(tiny, tmp_path / "store", tmp_path)
+    try:
+        reply = turn(srv, "").content[0].text
+        srv.wait_durable()
+        warm = turn(srv, words(220, 20), reply).usage
+        srv.wait_durable()
+    finally:
+        stopped(srv)
+    assert warm.cache_read_input_tokens > 60 and warm.cache_creation_input_tokens > 30, warm
+    srv = Server(tiny, tmp_path / "store", tmp_path)
+    try:
+        again = turn(srv, words(5, 20), reply).usage
+    finally:
+        stopped(srv)
+    assert again.cache_read_input_tokens == warm.cache_read_input_tokens + warm.cache_creation_input_tokens, again
 
 
 def test_stop_sequences_and_max_tokens(server, reference):

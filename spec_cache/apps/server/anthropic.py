@@ -404,6 +404,7 @@ class Prompt:
     ids: list[int]
     checkpoint_at: tuple[int, ...] = ()
     breakpoint_end: int = 0  # where the last cache_control breakpoint ends (0: none)
+    breakpoints: tuple[int, ...] = ()  # where each cache_control breakpoint ends (checkpointed warm or not)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -440,7 +441,8 @@ def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool) -> Promp
     marked = set(points)
     seams = sorted(set(message_boundaries(lambda head, gp: render(head, gp), chat, ids)) - marked)
     keep = max(0, MAX_CHECKPOINT_AT - len(marked))  # the scheduler keeps the largest offsets: breakpoints first
-    return Prompt(ids, tuple(sorted(marked | set(seams[len(seams) - keep:]))), max(points, default=0))
+    return Prompt(ids, tuple(sorted(marked | set(seams[len(seams) - keep:]))), max(points, default=0),
+                  tuple(sorted(marked)))
 
 
 def _breakpoint_end(render: Callable, request: MessagesRequest, point: tuple, ids: list[int]) -> int:
@@ -672,7 +674,7 @@ def messages_routes(ctx) -> list[Route]:
                 parse_style = styles[0] if styles else await ctx.tokenize(style)  # probes the template once
                 shape = MessagesShape(parsed, prompt, parse_style, caching, ctx.granularity)
                 return await ctx.run_job(request, name, parsed.params, prompt.ids, tenant, False, started,
-                                         prompt.checkpoint_at, shape=shape)
+                                         prompt.checkpoint_at, shape=shape, pinned_at=prompt.breakpoints)
             except APIError as error:
                 ctx.count(name, anthropic_status(error), tenant, known)
                 ctx.log_request(f"{request.method} {request.url.path}", anthropic_status(error),

@@ -166,17 +166,18 @@ class Requests:
                            code="context_length_exceeded")
         return max_tokens
 
-    def make_job(self, params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=()) -> Job:
+    def make_job(self, params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=(), pinned_at=()) -> Job:
         max_tokens = self.max_tokens(params, prompt)
         temperature = self.config.default_temperature if params.temperature is None else params.temperature
         seed = params.seed if params.seed is not None else (0 if temperature == 0 else random_seed())
         sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed))
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
                    tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
-                   replayable=temperature == 0 or params.seed is not None, checkpoint_at=tuple(checkpoint_at))
+                   replayable=temperature == 0 or params.seed is not None, checkpoint_at=tuple(checkpoint_at),
+                   pinned_at=tuple(pinned_at))
 
     async def run_job(self, request: Request, endpoint: str, params, prompt: list[int], tenant: str | None,
-                      chat: bool, started: float, checkpoint_at=(), shape=None) -> Response:
+                      chat: bool, started: float, checkpoint_at=(), shape=None, pinned_at=()) -> Response:
         """Submits the job and answers: an event stream (``params.stream``) or one JSON body. ``shape``
         (``anthropic.py``) makes the id, the stream and the body; without it they are OpenAI's."""
         loop = asyncio.get_running_loop()
@@ -186,7 +187,7 @@ class Requests:
             with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        job = self.make_job(params, prompt, tenant, deliver, checkpoint_at)
+        job = self.make_job(params, prompt, tenant, deliver, checkpoint_at, pinned_at)
         self.scheduler.submit(job)
         rid = shape.new_id() if shape is not None else new_id("chatcmpl" if chat else "cmpl")
         run = _Run(job, rid, endpoint, tenant, tenant_label(tenant), f"{request.method} {request.url.path}",

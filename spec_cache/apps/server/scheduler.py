@@ -125,6 +125,10 @@ class Job:
     #: prompt offsets (token counts) to checkpoint while prefilling; ``len(prompt)``: the end of the prompt (see
     #: the module doc; normalised by ``checkpoint_points`` when submitted)
     checkpoint_at: tuple[int, ...] = ()
+    #: the offsets of ``checkpoint_at`` a client asked for by name (Anthropic ``cache_control``): they split the
+    #: prefill warm turn or not (the reply reports them as cache creation); one within ``MIN_CHECKPOINT_GAP`` of
+    #: the prompt's end is left to the end-of-prompt checkpoint, as any offset
+    pinned_at: tuple[int, ...] = ()
     end_checkpoint: bool = False  # checkpoint ``prompt`` itself right after its first token (see the module doc)
 
     @property
@@ -224,6 +228,7 @@ class Scheduler:
                                "waiting); retry later", code="overloaded", headers={"Retry-After": "1"})
             self._outstanding += 1
         job.checkpoint_at = checkpoint_points(job.checkpoint_at, len(job.prompt))
+        job.pinned_at = tuple(k for k in job.pinned_at if k in job.checkpoint_at)
         self._inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
@@ -493,21 +498,22 @@ class Scheduler:
         covered = max(job.prepared.cached_tokens, job.prefilled)
         boundary = len(job.sequence) - 1
         ends = [(covered // every + 1) * every] if every is not None else []
-        if self.splits_prompt(job.cached_tokens, boundary - covered):
-            ends += [k for k in job.checkpoint_at
-                     if k - covered >= MIN_CHECKPOINT_GAP and boundary - k >= MIN_CHECKPOINT_GAP]
+        splits = self.splits_prompt(job.cached_tokens, boundary - covered)
+        ends += [k for k in job.checkpoint_at if k > covered and boundary - k >= MIN_CHECKPOINT_GAP and (
+            k in job.pinned_at or (splits and k - covered >= MIN_CHECKPOINT_GAP))]
         end = min(ends, default=None)
         return end if end is not None and end < boundary else None
 
     def splits_prompt(self, cached: int, left: int) -> bool:
         """Whether ``checkpoint_at`` offsets inside a prompt split its prefill into phases, for a request the cache
-        held ``cached`` tokens of with ``left`` tokens still to forward: when the cache held nothing (its prefixes
-        are worth storing: a shared system prompt, a resumable prefill), or at least a prefill chunk is left. A
-        warm turn's short tail is not split: a phase would cost its first token a restore and a round, for a
-        state the end-of-prompt checkpoint covers (a previous reply often re-tokenizes differently from what was
-        generated, so its message end is rarely covered already). Any thread (the app skips rendering the
-        message boundaries of a prompt that will not be split)."""
-        return cached == 0 or left >= self.generator.engine.prefill_step_size
+        held ``cached`` tokens of with ``left`` tokens still to forward: when the cache held next to nothing (fewer
+        than ``MIN_CHECKPOINT_GAP`` tokens: a chat template's first tokens, which every prompt shares; the prompt's
+        prefixes are worth storing: a shared system prompt, a resumable prefill), or at least a prefill chunk is
+        left. A warm turn's short tail is not split: a phase would cost its first token a restore and a round, for
+        a state the end-of-prompt checkpoint covers (a previous reply often re-tokenizes differently from what was
+        generated, so its message end is rarely covered already). ``Job.pinned_at`` offsets split it anyway. Any
+        thread (the app skips rendering the message boundaries of a prompt that will not be split)."""
+        return cached < MIN_CHECKPOINT_GAP or left >= self.generator.engine.prefill_step_size
 
     def _step(self) -> None:
         began = time.perf_counter()
