@@ -70,6 +70,7 @@ from typing import Any, Callable
 
 from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.protocol import APIError
+from spec_cache.apps.server.trace import scheduler_trace
 from spec_cache.continuations import Continuations, request_key
 from spec_cache.continuations import plan as continuation_plan
 from spec_cache.continuations import record_at as continuation_record
@@ -173,6 +174,7 @@ class Scheduler:
         self._decoding = 0
         self._accepting = True
         self._stop = threading.Event()
+        self._trace = scheduler_trace()  # off unless SPEC_CACHE_SCHED_TRACE names a path (``trace``)
         self._pending: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
         self._saves: list[tuple] = []
@@ -293,10 +295,33 @@ class Scheduler:
             self._take_messages(block=not (self._ready() or self._session.busy))
             if self._stop.is_set():
                 break
-            self._admit()
-            if self._session.busy:
-                self._step()
-            self._write_checkpoints()
+            if self._trace is None:
+                self._admit()
+                if self._session.busy:
+                    self._step()
+                self._write_checkpoints()
+            else:
+                self._traced_iteration(self._trace)
+
+    def _traced_iteration(self, trace) -> None:
+        """``_run``'s body, timed part by part into ``trace`` (``SPEC_CACHE_SCHED_TRACE``)."""
+        session, rows = self._session, len(self._rows)
+        t0 = time.perf_counter()
+        self._admit()
+        t1 = time.perf_counter()
+        shape = {}
+        if self._session.busy:
+            shape = {"short": session.waiting_count, "round": session.active_count}
+            self._step()
+        t2 = time.perf_counter()
+        self._write_checkpoints()
+        t3 = time.perf_counter()
+        admitted = len(self._rows) - rows
+        if admitted or shape:
+            writer = self.generator.cache._writer if self.generator.cache is not None else None
+            trace.record(adm=max(admitted, 0), adm_ms=round((t1 - t0) * 1e3, 3), step_ms=round((t2 - t1) * 1e3, 3),
+                         ck_ms=round((t3 - t2) * 1e3, 3), pend=len(self._pending),
+                         wq=0 if writer is None else writer.pending[1], **shape)
 
     def _new_session(self):
         generator = self.generator
@@ -548,6 +573,10 @@ class Scheduler:
                 for _ in range(following):
                     self.metrics.token_latency.observe((now - job.last_token_at) / following)
             self.metrics.generated_tokens.inc(len(tokens))
+        if self._trace is not None and job.last_token_at is None:
+            self._trace.record(first=1, queue_ms=round(((job.admitted_at or now) - job.arrived) * 1e3, 3),
+                               ttft_ms=round((now - job.arrived) * 1e3, 3), cached=job.cached_tokens,
+                               prompt=len(job.prompt))
         job.last_token_at = now
         job.generated += len(tokens)
         job.output += tokens
@@ -647,6 +676,8 @@ class Scheduler:
                 self._fail(job, APIError(503, "the server is shutting down", code="unavailable"))
         while self._pending:
             self._done(self._pending.popleft(), "cancelled")
+        if self._trace is not None:
+            self._trace.close()
         while True:  # submissions that raced with the stop
             try:
                 kind, job = self._inbox.get_nowait()

@@ -1,0 +1,46 @@
+"""``SPEC_CACHE_SCHED_TRACE``: the scheduler's opt-in JSON-lines trace (``spec_cache.apps.server.trace``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.apps.test_server import Server, stopped, user, words
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from spec_cache.testing.tiny import write_tiny_target
+
+    return write_tiny_target(tmp_path_factory.mktemp("trace-model") / "tiny", seed=7)
+
+
+def test_trace_records_steps_and_first_tokens(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_CACHE_SCHED_TRACE", str(tmp_path / "trace"))
+    srv = Server(tiny_model, tmp_path / "store", tmp_path)
+    try:
+        client = srv.client()
+        for n in (20, 40):
+            client.chat.completions.create(model="tiny", messages=[user(words(10, n))], max_tokens=4, temperature=0)
+    finally:
+        stopped(srv)
+    files = list(tmp_path.glob("trace.*.jsonl"))
+    assert len(files) == 1, files
+    lines = [json.loads(line) for line in files[0].read_text().splitlines()]
+    firsts = [x for x in lines if x.get("first")]
+    steps = [x for x in lines if "step_ms" in x]
+    assert len(firsts) >= 2 and all(x["ttft_ms"] >= x["queue_ms"] >= 0 for x in firsts)
+    assert any(x["prompt"] > 40 for x in firsts)
+    assert sum(x["adm"] for x in steps) >= 2 and all(x["step_ms"] >= 0 and "wq" in x for x in steps)
+    assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+
+
+def test_no_trace_by_default(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPEC_CACHE_SCHED_TRACE", raising=False)
+    srv = Server(tiny_model, tmp_path / "store", tmp_path)
+    try:
+        srv.client().chat.completions.create(model="tiny", messages=[user("w1 w2")], max_tokens=2, temperature=0)
+    finally:
+        stopped(srv)
+    assert not list(tmp_path.glob("*.jsonl"))
