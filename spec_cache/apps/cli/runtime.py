@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from spec_cache.apps import demo_real, gguf_cli, server  # their options only: no MLX until a command runs
+from spec_cache.apps import demo_real, gguf_cli, server, train_drafter  # options only: no MLX until a command runs
 from spec_cache.apps.cli import chat, shared
 from spec_cache.apps.cli.common import (
     EXIT_INTERRUPTED,
@@ -374,6 +374,12 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                        description="Write an mlx-lm model directory from a llama-family GGUF file.")
     gguf_cli.add_arguments(s)
     s.set_defaults(fn=cmd_convert_gguf)
+    s = sub.add_parser("train-drafter", help="train a qwen-mtp drafter head for a model from its own generations",
+                       description="Train a qwen-mtp drafter head for a target model on its own greedy answers to "
+                                   "a prompt set, resumably; then measure held-out acceptance against the "
+                                   "untrained head.")
+    train_drafter.add_arguments(s)
+    s.set_defaults(fn=train_drafter.main)  # loads MLX when it runs
     s = sub.add_parser("export-mlx-lm", parents=[common],
                        help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)",
                        description="Write a stored prefix as a file mlx_lm.generate --prompt-cache-file reads.")

@@ -1,0 +1,109 @@
+"""The self-distillation corpus of a drafter: the target's own greedy continuations of prompts, cut into windows
+of ``(h_j, t_{j+1}) -> t_{j+2}`` pairs.
+
+Why the target's argmax as the label at every position (prompt included): the engine accepts a draft exactly
+when it is the target's greedy token, so that is what the head should predict; inside the generated part the
+argmax is the next generated token, and in the prompt part it is what the target would have said there.
+The hidden ``h_j`` is the target's pre-final-norm residual after its last layer, the tap the ``qwen-mtp`` rows
+read at run time (``TargetModel.forward(tap_layers=(depth - 1,))``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from spec_cache.errors import InvalidRequest
+from spec_cache.target import TargetModel
+
+__all__ = ["Corpus", "greedy_sequences", "build_corpus", "save_corpus", "load_corpus"]
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Corpus:
+    """Windows of ``L`` pairs: ``hiddens`` ``[N, L, H]`` float32, ``tokens``/``labels`` ``[N, L]`` int32 and
+    ``valid`` ``[N, L]`` (False: padding after a sequence's last pair)."""
+
+    hiddens: np.ndarray
+    tokens: np.ndarray
+    labels: np.ndarray
+    valid: np.ndarray
+
+    @property
+    def windows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def pairs(self) -> int:
+        return int(self.valid.sum())
+
+
+def greedy_sequences(generator, prompts: Sequence[Sequence[int]], max_tokens: int, batch: int = 16,
+                     progress: Progress | None = None) -> list[list[int]]:
+    """Each prompt followed by the target's greedy continuation (``generator``: a ``Generator`` without drafter;
+    decoding stops at EOS or ``max_tokens``), in batches of ``batch`` prompts."""
+    sequences = []
+    for start in range(0, len(prompts), batch):
+        chunk = [list(p) for p in prompts[start:start + batch]]
+        for prompt, result in zip(chunk, generator.generate(chunk, max_tokens=max_tokens)):
+            sequences.append(prompt + list(result.tokens))
+        if progress is not None:
+            progress(min(start + batch, len(prompts)), len(prompts))
+    return sequences
+
+
+def _pairs(target: TargetModel, sequence: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(h_j, t_{j+1}, argmax_{j+1})`` for ``j < n - 1`` of one sequence: one target forward."""
+    layer = target.depth - 1
+    out = target.forward(mx.array([list(sequence)]), target.make_caches(), tap_layers=(layer,))
+    hiddens = out.taps[layer][0, :-1].astype(mx.float32)
+    labels = mx.argmax(out.logits[0, 1:], axis=-1).astype(mx.int32)
+    mx.eval(hiddens, labels)
+    return np.array(hiddens), np.array(sequence[1:], dtype=np.int32), np.array(labels)
+
+
+def build_corpus(target: TargetModel, sequences: Sequence[Sequence[int]], seq_len: int,
+                 progress: Progress | None = None) -> Corpus:
+    """The pairs of every sequence (two tokens at least), cut into non-overlapping windows of ``seq_len``."""
+    hidden_size = target.hidden_size
+    hiddens, tokens, labels, valid = [], [], [], []
+    usable = [s for s in sequences if len(s) >= 2]
+    for done, sequence in enumerate(usable, start=1):
+        h, t, y = _pairs(target, sequence)
+        for start in range(0, len(t), seq_len):
+            n = min(seq_len, len(t) - start)
+            pad = seq_len - n
+            hiddens.append(np.concatenate([h[start:start + n], np.zeros((pad, hidden_size), np.float32)]))
+            tokens.append(np.concatenate([t[start:start + n], np.zeros(pad, np.int32)]))
+            labels.append(np.concatenate([y[start:start + n], np.zeros(pad, np.int32)]))
+            valid.append(np.arange(seq_len) < n)
+        if progress is not None:
+            progress(done, len(usable))
+    if not tokens:
+        raise InvalidRequest("no training pairs: every sequence is shorter than two tokens")
+    return Corpus(np.stack(hiddens), np.stack(tokens), np.stack(labels), np.stack(valid))
+
+
+def save_corpus(corpus: Corpus, path: Path) -> None:
+    """Write ``corpus`` to ``path`` (``.npz``) atomically: a temporary file, fsync, rename."""
+    buffer = io.BytesIO()
+    np.savez(buffer, hiddens=corpus.hiddens, tokens=corpus.tokens, labels=corpus.labels, valid=corpus.valid)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(buffer.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_corpus(path: Path) -> Corpus:
+    with np.load(path) as data:
+        return Corpus(data["hiddens"], data["tokens"], data["labels"], data["valid"])
