@@ -294,6 +294,7 @@ class DepthController:
         self._probe_interval = probe_every
         self._probe_at = probe_every  # plain rounds after which the next probe runs (interval, or its cost's due)
         self.last_depth: int | None = None  # what :meth:`choose` returned last
+        self._warm_up: tuple | None = None  # (rows, depth, width) of the last round if it measured a new width
 
     # -- the decision --------------------------------------------------------------------------------------
     def _row_model(self, row: RowAcceptance, acceptance: float | None) -> tuple:
@@ -354,6 +355,11 @@ class DepthController:
             rate = self.expected_rate(rows, caps, depth, acceptance, remaining)
             if rate > best_rate * (1.0 + 1e-9):
                 best, best_rate = depth, rate
+        if best > 0 and acceptance is None and self._re_measure(len(rows), best):
+            # the last round measured a new width dearer than its estimate (which leaves that warm-up out): run
+            # its depth once more before exploring another new width on the same optimistic extrapolation (else:
+            # d1, d2, d1 before learning that width 2 does not pay; one round more than needed)
+            best = max(1, min(self._warm_up[1], limit))
         return best
 
     def choose(self, rows: Sequence[RowAcceptance], caps: Sequence[int],
@@ -362,6 +368,16 @@ class DepthController:
         :meth:`expected_rate`."""
         if len(rows) != len(caps) or (remaining is not None and len(remaining) != len(rows)):
             raise ValueError(f"{len(rows)} rows but {len(caps)} caps / remaining counts")
+        table = self.verify_costs.by_rows.get(len(rows))
+        if table is not None and table.counts.get(1, 0) == 1 and table.seen[1] == table.ticks:
+            # this batch size's plain cost was measured once, by the round just run: a warm-up (at B=4 the first-token
+            # round, the first forward after admission, read 193 ms against 120 ms steady, and every width looked
+            # nearly free against it: four exploring rounds before the second plain one corrected it). Measure
+            # plain once more first.
+            self._plain_rounds += 1
+            self.rounds_at_depth[0] += 1
+            self.last_depth = 0
+            return 0
         depth = self.best_depth(rows, caps, remaining=remaining)
         if depth > 0:
             self._plain_rounds, self._probe_interval, self._probe_at = 0, self.probe_every, self.probe_every
@@ -387,6 +403,19 @@ class DepthController:
         self.rounds_at_depth[depth] += 1
         self.last_depth = depth
         return depth
+
+    def _re_measure(self, rows: int, depth: int) -> bool:
+        """Whether the last round's new width (``_warm_up``) must be measured again before ``depth`` is tried:
+        ``depth``'s width is not trusted either, and the warm-up read dearer than the estimate (a warm-up reading
+        cheap bounds the cost from above: nothing to re-measure)."""
+        warm = self._warm_up
+        if warm is None or warm[0] != rows:
+            return False
+        table = self.verify_costs.by_rows[rows]
+        width = warm[2]
+        if table.counts.get(depth + 1, 0) >= 2 or table.counts.get(width, 0) != 1:
+            return False
+        return table.seconds[width] > (self.verify_costs.estimate(rows, width) or 0.0)
 
     def _probe_due(self, rows: Sequence[RowAcceptance], caps: Sequence[int], depth: int) -> int:
         """Plain rounds after which a probe at ``depth`` costs at most its share of the time spent: its extra
@@ -426,6 +455,22 @@ class DepthController:
         """Record a round of ``rows`` rows: the draft call at ``depth`` and the verify (+ commit) at ``width``."""
         self.draft_costs.observe(rows, depth, draft_seconds)
         self.verify_costs.observe(rows, width, verify_seconds)
+        first = width > 1 and self.verify_costs.by_rows[rows].counts[width] == 1
+        self._warm_up = (rows, depth, width) if first else None
 
     def observe_row(self, row: RowAcceptance, drafted: int, agreed: int) -> None:
         row.observe(drafted, agreed, self.decay)
+
+    def observe_shadow(self, group, rows: Sequence[RowAcceptance]) -> None:
+        """After a round at depth 0: score what a free drafter would have drafted (``group.shadow(max_depth)``:
+        per row, ``(drafted, agreed)`` of its would-be drafts judged since the last call) as if it had drafted.
+        Why: prompt lookup proposes in microseconds, so its acceptance need not wait for a probe (16-128 plain
+        rounds, each a verify of ``depth + 1`` tokens for every row): a turn to copying is seen at once, and a
+        drafter that would be rejected is known to be without paying for a probe. Drafters without ``shadow``
+        (a draft model: proposing costs its forwards) are left alone."""
+        shadow = getattr(group, "shadow", None)
+        if shadow is None or self.max_depth == 0:
+            return
+        for row, seen in zip(rows, shadow(self.max_depth)):
+            for drafted, agreed in seen:
+                row.observe(drafted, agreed, self.decay)

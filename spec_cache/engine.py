@@ -713,6 +713,8 @@ class DecodeSession:
                 for row, draft, agree, cap in zip(active, drafts, agreed, caps):
                     if min(depth, cap) > 0:  # a row its budget kept from drafting says nothing of its drafter
                         controller.observe_row(row.acceptance, len(draft), agree)
+            else:  # a free drafter's would-be drafts, judged (spec_cache.depth)
+                controller.observe_shadow(self.group, [row.acceptance for row in active])
         for row, count in zip(active, kept):  # after the round is committed: a callback may end any row
             if row.on_tokens is not None:
                 row.on_tokens(row.index, row.generated[len(row.generated) - count - 1:])
@@ -776,6 +778,8 @@ class DecodeSession:
             group.draft(pending, 0)
             out = current.out
             group.commit([0] * len(active), RoundContext([[token] for token in pending], out.hidden, out.taps))
+            if controller is not None:  # a free drafter's would-be drafts, judged (spec_cache.depth)
+                controller.observe_shadow(group, [row.acceptance for row in active])
             lazy = list(getattr(group, "lazy_state", list)())
             drafting = self.engine.clock() - hooks
         if min(budgets) > 1 and not self._batch_changes() and self._next_depth() == 0:

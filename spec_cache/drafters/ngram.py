@@ -9,6 +9,12 @@ the int32 history of the tokens the target holds, schema ``ngram-history-v1``, m
 namespace ``ngram-history-v1:<max>:<min>`` (the index is rebuilt from the history on restore; ``max`` no longer
 caps the match). N-gram drafting does not depend on the target's weights, so it also speculates under target
 adapters.
+
+Shadow drafting (:meth:`NgramRows.shadow`): at a round at depth 0 a row still proposes (microseconds) and keeps the
+proposal; the tokens the target then emits judge it, position by position, as a drafting round would have
+(``(drafted, agreed)``, a new proposal once one is judged). The depth controller reads these as the rows'
+acceptance (``DepthController.observe_shadow``), so prompt lookup needs no probe to see a turn to copying.
+Tokens never depend on it.
 """
 
 from __future__ import annotations
@@ -214,8 +220,60 @@ class NgramRows(DraftRows):
     provider: NgramProvider
     supports_external_tokens = True
 
+    #: judged would-be drafts kept per row until :meth:`shadow` collects them (bounded: nobody may collect)
+    SHADOW_KEEP = 64
+
     def _init_state(self) -> None:
         self._history: list[MatchIndex] = []
+        self._shadow_depth = 0  # depth of would-be drafts at depth-0 rounds (0: none until shadow() is called)
+        self._outstanding: list = []  # per row: [proposal, positions passed] being judged, "skip", or None
+        self._judged: list[list[tuple[int, int]]] = []  # per row: (drafted, agreed) not collected yet
+
+    def _shadow_rows(self) -> None:
+        """Per-row shadow lists as long as the history (rows appended since; a dropped append never reaches it)."""
+        missing = len(self._history) - len(self._outstanding)
+        if missing > 0:
+            self._outstanding += [None] * missing
+            self._judged += [[] for _ in range(missing)]
+
+    def _shadow_step(self, pending: Sequence[int]) -> None:
+        """Judge each row's outstanding would-be draft by ``pending`` (what the target emitted last round), and
+        propose anew once it is judged, exactly where a drafting round would have proposed next: after the first
+        rejected position (the target's token there is ``pending``), or after the token that follows a draft
+        passed whole (the bonus token a drafting round emits with it)."""
+        self._shadow_rows()
+        for row, (history, token) in enumerate(zip(self._history, pending)):
+            state, judged, token = self._outstanding[row], self._judged[row], int(token)
+            if state == "skip":  # the last draft passed whole; ``token`` is the bonus token
+                state = None
+            elif state is not None:
+                proposal, passed = state
+                if proposal[passed] == token:
+                    state[1] = passed = passed + 1
+                    if passed == len(proposal):
+                        judged.append((len(proposal), passed))
+                        self._outstanding[row] = "skip"
+                    continue
+                judged.append((len(proposal), passed))
+            proposal = history.propose(token, self._shadow_depth)
+            self._outstanding[row] = [proposal, 0] if proposal else None
+            if not proposal:
+                judged.append((0, 0))
+            del judged[:-self.SHADOW_KEEP]
+
+    def shadow(self, depth: int) -> list[list[tuple[int, int]]]:
+        """Per row, the ``(drafted, agreed)`` of its would-be drafts judged since the last call (rounds at depth
+        0; module doc); later would-be drafts go up to ``depth`` tokens."""
+        self._shadow_rows()
+        self._shadow_depth = max(int(depth), 0)
+        judged, self._judged = self._judged, [[] for _ in self._judged]
+        return judged
+
+    def _forget_shadow(self, rows) -> None:
+        """Drop the outstanding would-be drafts of ``rows`` (tokens reached them by another way)."""
+        self._shadow_rows()
+        for row in rows:
+            self._outstanding[row] = None
 
     def _index(self, tokens=()) -> MatchIndex:
         return MatchIndex(self.provider.max_n, self.provider.min_n, tokens)
@@ -241,6 +299,7 @@ class NgramRows(DraftRows):
         check_per_row(tokens_per_row, self.row_count, "token list")
         for history, tokens in zip(self._history, tokens_per_row):
             history.extend(tokens)
+        self._forget_shadow([row for row, tokens in enumerate(tokens_per_row) if len(tokens)])
 
     def consume(self, tokens_per_row: Sequence[Sequence[int]], context, lengths: Sequence[int]) -> None:
         """Append ``lengths[row]`` externally supplied tokens to each row's history (no target state needed)."""
@@ -250,12 +309,16 @@ class NgramRows(DraftRows):
                 raise ValueError(f"row {row}: consume length {count} for {len(tokens)} tokens")
         for history, tokens, count in zip(self._history, tokens_per_row, lengths):
             history.extend(tokens[:count])
+        self._forget_shadow([row for row, count in enumerate(lengths) if count])
 
     def materialize(self) -> None:
         return None
 
     def _keep_rows(self, keep: list[int]) -> None:
+        self._shadow_rows()
         self._history = [self._history[row] for row in keep]
+        self._outstanding = [self._outstanding[row] for row in keep]
+        self._judged = [self._judged[row] for row in keep]
 
     def capture(self, row: int) -> DraftRowCheckpoint:
         check_row(row, self.row_count)
@@ -265,6 +328,11 @@ class NgramRows(DraftRows):
 
     def draft(self, pending: Sequence[int], depth: int) -> list[list[int]]:
         check_per_row(pending, self.row_count, "pending token")
+        if depth <= 0:
+            if self._shadow_depth:
+                self._shadow_step(pending)
+            return [[] for _ in pending]
+        self._forget_shadow(range(len(self._history)))  # drafting for real: its rounds are observed as they are
         return [history.propose(int(token), depth) for history, token in zip(self._history, pending)]
 
     def commit(self, accepted: Sequence[int], context: RoundContext) -> None:
@@ -274,6 +342,7 @@ class NgramRows(DraftRows):
 
     def dispose(self) -> None:
         self._history = []
+        self._outstanding, self._judged = [], []
 
 
 def _history_of(checkpoint: DraftRowCheckpoint) -> list[int]:

@@ -11,7 +11,8 @@ import pytest
 def test_figures_are_medians_of_rounds_between_plain_runs():
     from spec_cache.apps.bench import drafting
 
-    figures = drafting.run(rows=1, new_tokens=4, tiny=True, drafters=("ngram",), copy=False, repeats=3)
+    figures = drafting.run(rows=1, new_tokens=4, tiny=True, drafters=("ngram",), copy=False,
+                           random_text=False, repeats=3)
     block = figures["tiny"]
     assert block["repeats"] == 3 and len(block["plain_runs_tok_s"]) == 4  # plain, then a plain after each round
     for label in ("adaptive", "fixed"):

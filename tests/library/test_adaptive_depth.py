@@ -233,7 +233,7 @@ def test_cheap_verify_windows_draft_deep_with_an_accepting_drafter(tiny, monkeyp
     adaptive, engine, results = modelled_seconds(tiny, monkeypatch, "draft-model-full", flat)
     assert fixed < 0.5 * plain
     assert adaptive <= fixed + 2.0  # the exploring round(s) at depth 1, then depth 4
-    assert engine.depth.rounds_at_depth[4] >= 3
+    assert engine.depth.rounds_at_depth[4] >= 2  # after two plain rounds (the first-token one is a warm-up)
     assert all(r.accepted == r.drafted > 0 for r in results)
 
 
