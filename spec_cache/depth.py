@@ -26,20 +26,23 @@ Model (one round, batch-wide: the target verifies one window width for every row
   must pay on the rows that set the length of the run (measured: ngram on SmolLM2 float32, per-round rate
   +7% predicted, -4% real, the low-acceptance row setting the run's length).
 
-Probing: while plain decoding wins, rows' acceptance is not observed. Every ``probe_every`` rounds at depth 0
-(doubling after each probe, up to ``probe_limit``; reset when drafting wins on its own) one round drafts at the
-depth that would win if every row's acceptance were ``probe_acceptance``; when even that cannot beat plain
+Shadow acceptance: a drafter that proposes for free (prompt lookup) has its would-be drafts judged at depth-0
+rounds by the tokens that come (:meth:`DepthController.observe_shadow`); those rows are never probed.
+
+Probing: while plain decoding wins, rows' acceptance is not observed (unless shadowed). Every ``probe_every`` rounds
+at depth 0 (doubling after each probe, up to ``probe_limit``; reset when drafting wins on its own) one round drafts
+at the depth that would win if every row's acceptance were ``probe_acceptance``; when even that cannot beat plain
 decoding at the measured costs (a compute-bound CPU), it probes at depth 1 (_STALE: the width-2 estimate is only
-ever re-measured by drafting; two unlucky width-2 rounds on a loaded CPU, against plain rounds timed while the
-next one is queued, kept the copy workload at depth 0 for 93 of 95 rounds, 4 tokens drafted, while fixed depth
-ran 1.24-1.26x plain, with and without the two-measurement rule below). Its price where drafting never pays is
-one width-2 round per probe interval (16, 32, 64, then every 128 plain rounds), and a probe waits longer when its
-extra seconds over a plain round would exceed ``probe_budget`` (4%, less for rows that accepted little: see
+ever re-measured by drafting; two unlucky width-2 rounds on a loaded CPU, against plain rounds timed while the next
+one is queued, kept the copy workload at depth 0 for 93 of 95 rounds, 4 tokens drafted, while fixed depth ran
+1.24-1.26x plain, with and without the two-measurement rule below). Its price where drafting never pays is one
+width-2 round per probe interval (16, 32, 64, then every 128 plain rounds), and a probe waits longer when its extra
+seconds over a plain round would exceed ``probe_budget`` (4%, less for rows that accepted little: see
 ``_probe_due``) of the plain rounds since the last one (on a compute-bound CPU a width-4 probe at B=8 costs ~1.5
 extra plain rounds; the draft model also feeds its backlog). The two work together: the seed's per-position early
-stop (``sts.thresholds``/``minConf``, DFlash/DSpark, ``spec_cache.drafters.projected``)
-cuts a drafted block where the drafter's own confidence drops; this controller picks the depth for the whole batch
-from measured acceptance and measured cost.
+stop (``sts.thresholds``/``minConf``, DFlash/DSpark, ``spec_cache.drafters.projected``) cuts a drafted block where
+the drafter's own confidence drops; this controller picks the depth for the whole batch from measured acceptance and
+measured cost.
 
 Depth-0 rounds cost what plain decoding costs: the engine runs them pipelined (``DecodeSession``: the next
 round is queued before the host reads this one when :meth:`DepthController.predicts_plain`, and discarded if
@@ -75,6 +78,9 @@ class RowAcceptance:
     #: per draft position: decayed rounds that reached it (the target judged it) and that it passed (accepted)
     reached: list = field(default_factory=list)
     passed: list = field(default_factory=list)
+    #: its drafter's would-be drafts are judged at depth-0 rounds (``DepthController.observe_shadow``): its
+    #: acceptance is known without a probe
+    shadowed: bool = False
 
     def observe(self, drafted: int, agreed: int, decay: float) -> None:
         """One round at depth > 0: ``drafted`` tokens proposed (after the engine's cap), ``agreed`` accepted."""
@@ -383,7 +389,7 @@ class DepthController:
             self._plain_rounds, self._probe_interval, self._probe_at = 0, self.probe_every, self.probe_every
         else:
             self._plain_rounds += 1
-            if self._plain_rounds >= self._probe_at:
+            if self._plain_rounds >= self._probe_at and not (rows and all(row.shadowed for row in rows)):
                 deepest = self.best_depth(rows, caps, acceptance=self.probe_acceptance, remaining=remaining)
                 if deepest == 0 and max(caps, default=0) > 0 and self.max_depth > 0:
                     deepest = 1  # re-measure the narrowest window: its estimate may be stale (see _STALE)
@@ -466,11 +472,15 @@ class DepthController:
         per row, ``(drafted, agreed)`` of its would-be drafts judged since the last call) as if it had drafted.
         Why: prompt lookup proposes in microseconds, so its acceptance need not wait for a probe (16-128 plain
         rounds, each a verify of ``depth + 1`` tokens for every row): a turn to copying is seen at once, and a
-        drafter that would be rejected is known to be without paying for a probe. Drafters without ``shadow``
-        (a draft model: proposing costs its forwards) are left alone."""
+        drafter that would be rejected is known to be without paying for a probe. Shadowed rows get no probes
+        (:meth:`choose`): their acceptance is observed, and a width whose cost estimate went stale is estimated
+        from the fresh ones again (``_WidthCosts``), so drafting resumes on its own where it pays (probes were
+        most of adaptive ngram's 5-6% loss on chat at B=8). Drafters without ``shadow`` (a draft model:
+        proposing costs its forwards) are left alone."""
         shadow = getattr(group, "shadow", None)
         if shadow is None or self.max_depth == 0:
             return
         for row, seen in zip(rows, shadow(self.max_depth)):
+            row.shadowed = True
             for drafted, agreed in seen:
                 row.observe(drafted, agreed, self.decay)

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from spec_cache.depth import DepthController
+from spec_cache.depth import DepthController, RowAcceptance
 from spec_cache.drafters.ngram import MatchIndex, NgramProvider
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.rows import RoundContext
@@ -168,3 +168,20 @@ def test_the_engine_with_a_capped_backlog_keeps_plain_greedy_tokens(tiny, monkey
     for prompt, result in zip(prompts, results):
         assert result.tokens == plain_greedy(tiny.target, prompt, MAX)
     assert controller.rounds_at_depth[0] > 0 and sum(r.drafted for r in results) > 0
+
+
+def test_shadowed_rows_are_never_probed(tiny, monkeypatch):  # noqa: F811
+    def probes(shadowed: bool) -> int:
+        controller = DepthController(4)
+        for width in (1, 2):
+            for _ in range(2):
+                controller.observe_round(2, width - 1, 0.0, width, float(width))  # a CPU: drafting never pays
+        rows = [RowAcceptance(shadowed=shadowed) for _ in range(2)]
+        for _ in range(200):
+            if controller.choose(rows, [50, 50]) == 0:
+                controller.observe_round(2, 0, 0.0, 1, 1.0)
+            for row in rows:
+                controller.observe_row(row, 2, 0)  # rejected (as a shadow reports it, or a probe would)
+        return controller.probes
+
+    assert probes(False) > 0 and probes(True) == 0

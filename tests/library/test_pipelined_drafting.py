@@ -33,6 +33,11 @@ class Switching(DepthController):
             return min(1, limit)  # a probe
         return min(2, limit) if max(caps) % 6 == 0 else 0
 
+    def observe_shadow(self, group, rows) -> None:
+        super().observe_shadow(group, rows)
+        for row in rows:
+            row.shadowed = False  # probes by count for every drafter (shadowed rows get none: spec_cache.depth)
+
 
 def never_drafts() -> DepthController:
     """A real controller that expects no acceptance and probes with none: every round at depth 0."""
