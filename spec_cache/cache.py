@@ -278,7 +278,8 @@ class SpecCache:
     def save(self, ns_key: bytes, tokens: Sequence[int], caches: Sequence[Any], *,
              drafter_namespace: str | None = None, draft_checkpoint: DraftRowCheckpoint | None = None,
              minimum_reusable: int = 0, background: bool = False,
-             then: Callable[[PutResult], None] | None = None) -> PutResult | None:
+             then: Callable[[PutResult], None] | None = None,
+             rider: Callable[[Any], None] | None = None) -> PutResult | None:
         """Store a checkpoint: held in the memory tier at once, written to LMDB (and queued for the shared tier).
 
         ``background=False`` writes LMDB now and returns its ``PutResult``: the checkpoint is committed (and, with
@@ -288,7 +289,9 @@ class SpecCache:
         process ending normally or by an exception (the exit drain), not a SIGKILL before it is committed. Under
         ``durability="sync"`` every save writes now, whatever ``background`` says. On any failure: a
         ``CacheWarning``, None. ``then(put_result)`` runs once the checkpoint is committed to LMDB (on the writer
-        thread, or here); never after a failure (``spec_cache.continuations`` writes its record there).
+        thread, or here); never after a failure. ``rider(txn)`` writes rows of its own in the checkpoint's LMDB
+        transaction (``Store.put``'s ``rider``: one commit for both; ``spec_cache.continuations`` writes its
+        record so).
         """
         if self._closed:
             warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: the cache is closed",
@@ -311,7 +314,7 @@ class SpecCache:
         entry = self.memory.put(ns_key, tokens, caches, drafter_namespace=drafter_namespace if drafter else None,
                                 draft_checkpoint=draft_checkpoint if drafter else None,
                                 minimum_reusable=minimum_reusable)
-        job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry, then)
+        job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry, then, rider)
         # behind the request only while the memory tier serves the checkpoint meanwhile (tier off, or the
         # checkpoint over its budget: written now, so the next request finds it)
         if behind and entry is not None:
@@ -331,9 +334,7 @@ class SpecCache:
             except Exception:  # its copy failed: _write tries again and reports it (its entry is released there)
                 alone.append(job)
         try:
-            outcomes = self.store.put_many([(job.ns_key, job.tokens, job.layers,
-                                             dict(drafter=job.drafter, minimum_reusable=job.minimum_reusable))
-                                            for job in ready])
+            outcomes = self.store.put_many([(job.ns_key, job.tokens, job.layers, job.options) for job in ready])
         except Exception:  # pragma: no cover - put_many answers per checkpoint; each alone then
             outcomes = [None] * len(ready)
         for job, outcome in zip(ready, outcomes):
@@ -385,7 +386,7 @@ class SpecCache:
 
     def _put(self, job: "_WriteJob") -> PutResult:
         job.layers = host_layers(job.layers)  # bytes still in MLX (deferred capture) come to the host here
-        put = dict(drafter=job.drafter, minimum_reusable=job.minimum_reusable)
+        put = job.options
         try:
             return self.store.put(job.ns_key, job.tokens, job.layers, **put)
         except NamespaceNotRegistered:
@@ -639,6 +640,12 @@ class _WriteJob:
     minimum_reusable: int
     entry: Any
     then: Callable[[PutResult], None] | None = None  # after the commit (``save``'s ``then``)
+    rider: Callable[[Any], None] | None = None  # rows in the put's own transaction (``save``'s ``rider``)
+
+    @property
+    def options(self) -> dict:
+        """The keywords of its ``Store.put``."""
+        return dict(drafter=self.drafter, minimum_reusable=self.minimum_reusable, rider=self.rider)
 
     @property
     def nbytes(self) -> int:

@@ -63,7 +63,7 @@ def request_key(ns_key: bytes, prompt: Sequence[int], sampling: Any, stop_at_eos
 
 class Continuations:
     """A cache's continuation records: an in-process LRU (newest first, visible at once) over the LMDB table
-    (``store.continuations.ContinuationTable``, written after the checkpoint it refers to is committed).
+    (``store.continuations.ContinuationTable``, written in the commit of the checkpoint it refers to).
     ``SpecCache.continuations`` is the one of a cache."""
 
     def __init__(self, cache, *, memory_records: int = MEMORY_RECORDS, max_records: int = MAX_RECORDS,
@@ -124,6 +124,19 @@ class Continuations:
         except Exception as exc:  # a cache never takes the request down
             self.counters["failed"] += 1
             log.warning("spec-cache: continuation record of %d tokens not stored: %s", len(rec.tokens), exc)
+
+    def rider(self, rec: Continuation):
+        """``rec``'s rows as a rider of the checkpoint it refers to (``SpecCache.save(rider=...)``): written in
+        that checkpoint's own LMDB transaction, so both land in one commit or neither (a separate commit per
+        record cost ~12-20 KiB of pages: issue 21's write amplification). Counted when it runs."""
+        def ride(txn) -> None:
+            try:
+                self.counters["evicted"] += self.table.write_in(txn, rec)
+                self.counters["written"] += 1
+            except Exception:
+                self.counters["failed"] += 1
+                raise  # the store undoes the rider's rows alone and logs it; the checkpoint stands
+        return ride
 
     def stats(self) -> dict:
         return {**self.counters, "memory_records": len(self._memory)}
@@ -260,8 +273,7 @@ def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0
     def write() -> None:
         pending, saves[:] = list(saves), []
         for tokens, caches, draft, rec in pending:
-            then = None if rec is None else (lambda _result, rec=rec: conts.persist(rec))
-            generator.save_checkpoint(tokens, caches, draft, then=then)
+            generator.save_checkpoint(tokens, caches, draft, rider=None if rec is None else conts.rider(rec))
 
     session = generator.engine.session(eos_token_ids=eos, on_checkpoint=None if cache is None else on_checkpoint,
                                        draft_sampling=Sampling(temperature, seed))

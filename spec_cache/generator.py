@@ -195,7 +195,8 @@ class Generator:
         return self._restore([int(t) for t in prompt], self.ns_key if ns_key is None else ns_key)
 
     def save_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any], draft_checkpoint=None, *,
-                        ns_key: bytes | None = None, background: bool | None = None, then=None) -> None:
+                        ns_key: bytes | None = None, background: bool | None = None, then=None,
+                        rider=None) -> None:
         """Store an engine checkpoint (``on_checkpoint``'s ``tokens, target_caches, draft_checkpoint``) under
         ``ns_key`` (default this generator's): the memory tier at once, LMDB behind the request when
         ``background`` (default ``write_behind``). No cache: nothing. Failures are ``CacheWarning``s."""
@@ -205,7 +206,8 @@ class Generator:
                         drafter_namespace=self.drafter_namespace,
                         draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
                         minimum_reusable=converted_at(caches) or 0,
-                        background=self.write_behind if background is None else background, then=then)
+                        background=self.write_behind if background is None else background, then=then,
+                        rider=rider)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32, temperature: float = 0.0,
                  seed: int = 0, top_p: float = 1.0, *, checkpoint_every: int | None = None,

@@ -15,7 +15,11 @@ queue; ``close()`` drains, then stops. A cache that is never closed is drained a
 committed checkpoint survives whole and an interrupted one leaves nothing. The thread lingers ``LINGER_S`` after a
 checkpoint arrives (not while anyone drains) and puts the ones queued by then in one transaction (``write_many``;
 ``Store.put_many``): LMDB's pages per commit are paid once for a request's phases, boundary and finish checkpoints
-(issue 21's write amplification), each keeping the outcome a lone put gives it.
+(issue 21's write amplification), each keeping the outcome a lone put gives it. A small batch (under
+``SMALL_BATCH_BYTES``) waits on while checkpoints keep coming, until ``QUIET_S`` passes without one (at most
+``LINGER_MAX_S``): so a checkpoint of a small model may take up to ``LINGER_MAX_S`` plus its put to become durable
+(the memory tier serves it meanwhile; a SIGKILL loses it with the rest of the queue). A checkpoint's ``rider``
+(its continuation record) is written in the same transaction.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ DEFAULT_QUEUE_BYTES = 1 << 30
 #: prompt-boundary and finish checkpoints arrive within about this of each other); the memory tier serves them
 #: meanwhile, a drain or close cuts it short, and a SIGKILL inside it loses them as it loses any queued checkpoint
 LINGER_S = 0.25
+#: a small batch (under ``SMALL_BATCH_BYTES`` queued) waits on while checkpoints keep coming, until none came for
+#: ``QUIET_S``, at most ``LINGER_MAX_S`` after its first: a request's prefill phases, end-of-prompt and finish
+#: checkpoints (a short reply decodes within it) share one commit (the 20-turn write_amp bench: 59 commits -> 20).
+#: Each LMDB commit costs ~40-60 KiB of b-tree, free-list and meta pages whatever it holds: a large share of a
+#: small batch's bytes, nothing next to a large one (a batch of 64 MiB or more goes after ``LINGER_S``, as before)
+QUIET_S = 1.0
+LINGER_MAX_S = 3.0
+SMALL_BATCH_BYTES = 64 << 20
 
 
 class WriterLeft(NamedTuple):
@@ -60,7 +72,8 @@ class CheckpointWriter:
         self.counters = {"queued": 0, "inline": 0, "written": 0, "failed": 0, "refused": 0, "batches": 0}
         self._queue = WriteBehind(cap_bytes, self._handle, name="spec-cache-write-behind",
                                   batch_handler=None if write_many is None else self._handle_many,
-                                  linger_s=LINGER_S)
+                                  linger_s=LINGER_S, quiet_s=QUIET_S, linger_max_s=LINGER_MAX_S,
+                                  small_bytes=SMALL_BATCH_BYTES)
 
     def submit(self, job, nbytes: int) -> bool:
         """Queue ``job``; when the queue is full, write it now on this thread. True if it was queued.

@@ -211,6 +211,12 @@ class ContinuationTable:
         one (fewer tokens, or as many and not newly finished) is not written (a late write never goes back)."""
         if self.store.env.readonly:
             return 0
+        with self.store._lock:
+            return self.store.env.write(lambda txn: self.write_in(txn, rec))
+
+    def write_in(self, txn, rec: Continuation) -> int:
+        """``put``'s rows inside ``txn``, a write transaction of this store (the checkpoint's own, as its rider:
+        ``Store.put(rider=...)``, so the record and the state it names share one commit)."""
         rec = Continuation(rec.key, rec.ns_key, rec.prompt_tokens, tuple(int(t) for t in rec.tokens), rec.finished,
                            rec.written_ns or time.time_ns())
         value = encode_continuation(rec)
@@ -233,8 +239,7 @@ class ContinuationTable:
             txn.put(_record_row(rec.key), value, db=db)
             txn.put(_lru_row(rec.written_ns, rec.key), struct.pack("<I", len(value)), db=db)
             return self._evict(txn, db, count + 1, total + len(value))
-        with self.store._lock:
-            return self.store.env.write(fn)
+        return fn(txn)
 
     def _evict(self, txn, db, count: int, total: int) -> int:
         """Drop the least recently written records while over a bound; write the new sum."""

@@ -24,8 +24,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
+import lmdb
 import numpy as np
 
 from spec_cache.schemas import CheckpointAttachment
@@ -44,12 +45,14 @@ from .tensors import LayerState
 from .values import Entry, NamespaceInfo
 from .write import Checkpoint, prepare_checkpoint
 
-__all__ = ["Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "ASYNC_VERIFY_BYTES"]
+__all__ = ["Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "Rider", "ASYNC_VERIFY_BYTES"]
 
 log = logging.getLogger("spec_cache.store")
 FLUSH_EVERY = 64
 FLUSH_SECONDS = 1.0
 _RECORD_DB = {"chunk": "chunks", "entry": "edata", "draft": "drafts", "piece": "drafts"}  # kind -> sub-database
+#: rows written in a checkpoint's own transaction (``Store.put``'s ``rider``): called with an LMDB write transaction
+Rider = Callable[[object], None]
 
 
 @dataclass
@@ -169,7 +172,7 @@ class Store:
     # --- put ---------------------------------------------------------------------------------------
     def put(self, ns_key: bytes, tokens, layers: Sequence[LayerState], *,
             drafter: tuple[str, CheckpointAttachment] | None = None, minimum_reusable: int = 0,
-            pin: bool = False) -> PutResult:
+            pin: bool = False, rider: Rider | None = None) -> PutResult:
         """Store the checkpoint of ``tokens`` in one transaction (all of it or none of it).
 
         Every layer with a ``token_axis`` must cover exactly ``len(tokens)`` tokens. ``drafter`` is
@@ -179,29 +182,33 @@ class Store:
         Raises ``NamespaceNotRegistered`` (an ``InvalidInput``) when ``register_namespace`` was not called for
         ``ns_key``, ``InvalidInput``, ``SchemaError``, ``StoreFullError`` (the checkpoint with its chunks is
         over ``max_bytes``, or does not fit next to the pinned entries); the store is unchanged then.
+        ``rider(txn)`` writes rows of its own (a continuation record naming this state) in the checkpoint's
+        transaction, after the checkpoint's rows: both are committed or neither, in one commit (each LMDB commit
+        costs ~12 KiB of pages even for one small row: issue 21's write amplification). It runs in a child
+        transaction: one that raises is undone alone (logged), the checkpoint is stored all the same.
         Cost: one copy of the state into records, one write transaction (plus LRU eviction under a budget).
         """
         checkpoint = prepare_checkpoint(ns_key, tokens, layers, chunk_tokens=self.chunk_tokens, drafter=drafter,
                                         minimum_reusable=minimum_reusable)
         self._check_budget(checkpoint.own_bytes)
-        return self._put_one(checkpoint, pin)
+        return self._put_one(checkpoint, pin, rider)
 
-    def _put_one(self, checkpoint: Checkpoint, pin: bool) -> PutResult:
+    def _put_one(self, checkpoint: Checkpoint, pin: bool, rider: Rider | None = None) -> PutResult:
         """One checkpoint in its own transaction; refused for the budget in the pieced layout (format 1.3: a chunk
         naming an earlier entry's pieces keeps them alive when that entry is evicted to make room), it is tried once
         more written whole, which needs no more than it does in an empty store."""
         try:
-            return self._write_prepared([(checkpoint, pin)])[0]
+            return self._write_prepared([(checkpoint, pin, rider)])[0]
         except StoreFullError:
             if checkpoint.whole:
                 raise
             checkpoint.whole = True
-            return self._write_prepared([(checkpoint, pin)])[0]
+            return self._write_prepared([(checkpoint, pin, rider)])[0]
 
     def put_many(self, puts: Sequence[tuple]) -> list:
         """Several checkpoints in one transaction: each ``(ns_key, tokens, layers, options)`` with ``options`` the
-        keywords :meth:`put` takes. Returns, per checkpoint in order, its ``PutResult`` or the exception a lone
-        ``put`` of it would have raised.
+        keywords :meth:`put` takes (``rider`` included: it rides in this one transaction). Returns, per checkpoint
+        in order, its ``PutResult`` or the exception a lone ``put`` of it would have raised.
 
         Why: every LMDB commit rewrites the b-tree pages it touches in each sub-database plus a meta page (~40-60
         KiB whatever the checkpoint's size), so a conversation's several checkpoints a turn cost that several times
@@ -209,33 +216,33 @@ class Store:
         transaction fails (one checkpoint over the budget, a namespace gone...), nothing of it is kept and each
         checkpoint is put alone. Eviction under the budget runs after each checkpoint, as sequential puts do."""
         outcomes: list = [None] * len(puts)
-        prepared: list[tuple[int, Checkpoint, bool]] = []
+        prepared: list[tuple[int, Checkpoint, bool, Rider | None]] = []
         for i, (ns_key, tokens, layers, options) in enumerate(puts):
             try:
                 checkpoint = prepare_checkpoint(ns_key, tokens, layers, chunk_tokens=self.chunk_tokens,
                                                 drafter=options.get("drafter"),
                                                 minimum_reusable=options.get("minimum_reusable", 0))
                 self._check_budget(checkpoint.own_bytes)
-                prepared.append((i, checkpoint, bool(options.get("pin", False))))
+                prepared.append((i, checkpoint, bool(options.get("pin", False)), options.get("rider")))
             except Exception as exc:  # this checkpoint alone is refused, as its own put would be
                 outcomes[i] = exc
         if len(prepared) > 1:
             try:
-                results = self._write_prepared([(checkpoint, pin) for _, checkpoint, pin in prepared])
+                results = self._write_prepared([(checkpoint, pin, rider) for _, checkpoint, pin, rider in prepared])
             except Exception:  # the batch is undone whole: each checkpoint alone gets its own outcome
                 results = None
             if results is not None:
-                for (i, _, _), result in zip(prepared, results):
+                for (i, *_), result in zip(prepared, results):
                     outcomes[i] = result
                 return outcomes
-        for i, checkpoint, pin in prepared:
+        for i, checkpoint, pin, rider in prepared:
             try:
-                outcomes[i] = self._put_one(checkpoint, pin)
+                outcomes[i] = self._put_one(checkpoint, pin, rider)
             except Exception as exc:
                 outcomes[i] = exc
         return outcomes
 
-    def _write_prepared(self, checkpoints: list[tuple[Checkpoint, bool]]) -> list[PutResult]:
+    def _write_prepared(self, checkpoints: list[tuple[Checkpoint, bool, Rider | None]]) -> list[PutResult]:
         """Commit prepared checkpoints in one transaction, with the batched access times and counters."""
         with self._lock:
             # batched access times and counters ride in the put's own transaction: one commit, not two (each
@@ -244,7 +251,12 @@ class Store:
 
             def fn(txn):
                 _apply_pending(Index(txn, self.env.dbs), *pending)
-                return [self._commit(txn, checkpoint, pin) for checkpoint, pin in checkpoints]
+                results = []
+                for checkpoint, pin, rider in checkpoints:
+                    results.append(self._commit(txn, checkpoint, pin))
+                    if rider is not None:
+                        self._ride(txn, rider)
+                return results
             try:
                 return self.env.write(fn, on_full=self._evict_for_space)
             except BaseException:
@@ -271,6 +283,21 @@ class Store:
                           policy=self.tenants, new_bytes=checkpoint.own_bytes + chain.chain_bytes,
                           exclude=self.leases.held())
         return PutResult(checkpoint.entry_key, chain.written + written, chain.new_chunks, evicted)
+
+    def _ride(self, txn, rider: Rider) -> None:
+        """``rider(child)`` in a child transaction of the put's: undone alone when it raises (logged), except for
+        a full or resized map, which the whole write handles (grown, then run again)."""
+        child = self.env.env.begin(write=True, parent=txn, buffers=True)
+        try:
+            rider(child)
+        except (lmdb.MapFullError, lmdb.MapResizedError):
+            child.abort()
+            raise
+        except Exception as exc:  # a rider's rows never cost the checkpoint its commit
+            child.abort()
+            log.warning("rows riding with a checkpoint not written: %s", exc)
+            return
+        child.commit()
 
     def _check_budget(self, nbytes: int, what: str = "") -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:

@@ -21,15 +21,21 @@ class WriteBehind:
     """A byte-capped FIFO served by a daemon thread that calls ``handler(job)`` for each job."""
 
     def __init__(self, cap_bytes: int, handler: Callable[[Any], None], name: str = "spec-cache-shared-publish", *,
-                 batch_handler: Callable[[list], None] | None = None, max_batch: int = 16, linger_s: float = 0.0):
+                 batch_handler: Callable[[list], None] | None = None, max_batch: int = 16, linger_s: float = 0.0,
+                 quiet_s: float = 0.0, linger_max_s: float = 0.0, small_bytes: int = 0):
         """``batch_handler``: when given, the thread hands it every job queued at that moment (at most
         ``max_batch``) in one call instead of calling ``handler`` job by job (one LMDB commit for several); with
-        ``linger_s``, it first waits that long for more jobs to join the first (``drain``/``close`` cut it short)."""
+        ``linger_s``, it first waits that long for more jobs to join the first (``drain``/``close`` cut it short).
+        A small batch (queued bytes under ``small_bytes``) waits on while jobs keep coming: until none came for
+        ``quiet_s``, at most ``linger_max_s`` after the first (a burst shares one commit; a commit's fixed cost
+        matters only next to small batches)."""
         self.cap_bytes = cap_bytes
         self._handler = handler
         self._batch_handler = batch_handler
         self._max_batch = max(1, max_batch)
         self._linger_s = linger_s if batch_handler is not None else 0.0
+        self._quiet_s, self._linger_max_s, self._small_bytes = quiet_s, max(linger_s, linger_max_s), small_bytes
+        self._last_offer = 0.0
         self._hurry = 0  # drains waiting: no lingering while someone waits for the queue
         self._in_flight = 0  # jobs handed to the handler and not finished
         self._jobs: collections.deque[tuple[Any, int]] = collections.deque()
@@ -59,6 +65,7 @@ class WriteBehind:
                 return False
             self._jobs.append((job, nbytes))
             self._bytes += nbytes
+            self._last_offer = time.monotonic()
             self._cond.notify_all()
             return True
 
@@ -107,15 +114,22 @@ class WriteBehind:
             in_flight = max(1, self._in_flight) if self._thread.is_alive() else 0
         return left, left_bytes, in_flight
 
+    def _linger_until(self, first: float) -> float:
+        """When the batch whose first job the thread took at ``first`` goes (under ``_cond``)."""
+        until = first + self._linger_s
+        if self._quiet_s and self._bytes < self._small_bytes:
+            until = max(until, min(self._last_offer + self._quiet_s, first + self._linger_max_s))
+        return until
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:
                     self._cond.wait()
-                lingered = time.monotonic() + self._linger_s
+                first = time.monotonic()
                 while (self._linger_s and len(self._jobs) < self._max_batch and not self._hurry
                        and not self._closed):
-                    left = lingered - time.monotonic()
+                    left = self._linger_until(first) - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)

@@ -637,11 +637,10 @@ class Scheduler:
 
     def _write(self, saves: list) -> None:
         for tokens, caches, draft, ns_key, *record in saves:
-            # a continuation record goes to LMDB once its checkpoint is there (never claims more than it covers)
-            then = None if not record or record[0] is None else (
-                lambda _result, record=record[0]: self._continuations.persist(record))
+            # a continuation record goes to LMDB in its checkpoint's own commit (never claims more than it covers)
+            rider = None if not record or record[0] is None else self._continuations.rider(record[0])
             try:
-                self.generator.save_checkpoint(tokens, caches, draft, ns_key=ns_key, background=True, then=then)
+                self.generator.save_checkpoint(tokens, caches, draft, ns_key=ns_key, background=True, rider=rider)
             except Exception:  # a cache never takes the server down
                 log.exception("spec-cache: checkpoint of %d tokens not stored", len(tokens))
 
