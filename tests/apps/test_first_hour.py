@@ -165,11 +165,17 @@ def _read_some(proc: subprocess.Popen, deadline: float) -> bytes:
     return b""
 
 
+def _sigint_default() -> None:
+    """Ctrl-C as a terminal delivers it: a suite started in the background (``cmd &`` in a script, ``nohup``)
+    passes SIGINT ignored to its children, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_generate_streams_its_text_and_ctrl_c_keeps_it(target, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "spec_cache", "--cache",
                              str(tmp_path / "store"), "generate", "--no-cache", "--model", str(target), "--prompt",
                              "w5 w6 w7", "--max-tokens", "4000"], cwd=ROOT, env=env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default)
     try:
         first = _read_some(proc, time.monotonic() + 60)
         assert first and proc.poll() is None, "no text arrived while decoding (not streamed)"

@@ -81,9 +81,9 @@ class Server:
         self.stop()
         raise RuntimeError(f"server did not come up:\n{self.log.read_text()}")
 
-    def client(self, key: str | None = None):
+    def client(self, key: str | None = None, timeout: float = 60):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key or "none", max_retries=0,
-                             timeout=60)
+                             timeout=timeout)
 
     def headers(self, key: str | None = None) -> dict:
         key = key or self.key

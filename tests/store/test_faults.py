@@ -49,7 +49,7 @@ def test_corruption_quick(tmp_path):
 
 
 def test_concurrency_quick(tmp_path):
-    result = concurrency.run(8, seed=3, hold_every_s=2.5, writer_kill_every_s=4, workdir=str(tmp_path),
+    result = concurrency.run(8, seed=3, hold_every_s=2.5, writer_kill_every_s=2, workdir=str(tmp_path),
                              roles=("writer", "mixed", "operator"))
     assert result["failures"] == []
     assert result["holders_killed"] >= 1 and result["writers_killed"] >= 1 and result["puts"] > 20

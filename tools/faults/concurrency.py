@@ -159,7 +159,12 @@ def run(seconds: float = 60, procs: int = 4, *, seed: int = 0, hold_every_s: flo
         next_hold = time.monotonic() + hold_every_s
         next_kill = time.monotonic() + writer_kill_every_s
         beats: dict[int, tuple[int, float]] = {}
-        while time.monotonic() < end:
+
+        def owed() -> bool:  # a writer still at work that no kill reached yet (a loaded machine ran late)
+            return result["writers_killed"] == 0 and any(w.role == "writer" and w.proc.poll() is None
+                                                         for w in workers)
+
+        while time.monotonic() < end or owed():
             time.sleep(0.25)
             now = time.monotonic()
             for i, w in enumerate(workers):  # deadlock watch: every live worker keeps printing
@@ -169,12 +174,11 @@ def run(seconds: float = 60, procs: int = 4, *, seed: int = 0, hold_every_s: flo
                 elif now - beats[i][1] > 30 and w.proc.poll() is None:
                     result["failures"].append(f"{w.role} made no progress for 30 s (deadlock?)")
                     beats[i] = (count, now + 1e9)
-            if now >= next_hold and now < end - 3:
-                next_hold = now + hold_every_s
-                _hold_and_kill(path, rng, workers, result)
-            if "writer" in roles and now >= next_kill and now < end - 2:
+            # the first writer kill happens however late a loaded machine gets here (while the writer still runs)
+            victim = next((i for i, w in enumerate(workers) if w.role == "writer"), None)
+            if victim is not None and now >= next_kill and workers[victim].proc.poll() is None and (
+                    now < end - 2 or result["writers_killed"] == 0):
                 next_kill = now + writer_kill_every_s
-                victim = next(i for i, w in enumerate(workers) if w.role == "writer")
                 os.kill(workers[victim].proc.pid, signal.SIGKILL)
                 workers[victim].proc.wait()
                 retired.append(workers[victim])
@@ -182,6 +186,9 @@ def run(seconds: float = 60, procs: int = 4, *, seed: int = 0, hold_every_s: flo
                 workers[victim] = _Proc(path, "writer", seed * 1000 + 100 + result["writers_killed"], remaining,
                                          operator)
                 result["writers_killed"] += 1
+            if now >= next_hold and now < end - 3:
+                next_hold = now + hold_every_s
+                _hold_and_kill(path, rng, workers, result)
         for w in workers:
             try:
                 w.proc.wait(timeout=120)
