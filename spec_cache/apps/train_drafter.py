@@ -19,7 +19,7 @@ from spec_cache.apps.cli.common import CliError, error_line, model_dir_problem, 
 __all__ = ["add_arguments", "main", "bundled_prompts"]
 
 DEFAULTS = {"steps": 300, "batch": 8, "lr": 1e-3, "seq_len": 64, "depth": 3, "seed": 0, "gen_tokens": 128,
-            "save_every": 50, "loss_vocab": "full"}
+            "save_every": 50, "loss_vocab": "full", "prompt_loss": None}
 
 
 def _lr(text: str) -> float:
@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--loss-vocab", choices=["full", "corpus"],
                         help="softmax over the whole vocabulary (default) or only the tokens of the training "
                              "corpus (several times faster on a CPU for 50k vocabularies; a sampled softmax)")
+    parser.add_argument("--prompt-loss", action="store_true", default=None,
+                        help="count prompt positions in the loss too (default: generated positions only, where the "
+                             "head drafts; prompt pairs still feed its attention)")
     parser.add_argument("--intermediate-size", type=positive_int, metavar="N",
                         help="the head's MLP width (default: the target's)")
     parser.add_argument("--prompts", metavar="FILE",
@@ -73,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="continue the run saved in --out (its options; --steps may extend it)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress (default: a bar on a terminal, else one stderr line per save)")
     return parser
 
 
@@ -115,7 +119,8 @@ def _encode(model: str, texts: list[str], raw: bool) -> list[list[int]]:
 def _options(args, stored: dict | None):
     from spec_cache.drafters.train_loop import TrainOptions
 
-    values = dict(DEFAULTS, **(stored or {}))
+    values = dict(DEFAULTS, prompt_loss=False)
+    values.update(stored or {})
     for name in DEFAULTS:
         given = getattr(args, name)
         if given is not None:
@@ -136,16 +141,19 @@ def _stored_options(out: Path) -> dict | None:
         raise CliError(f"cannot resume: {path} is unreadable ({exc})") from None
 
 
-def _progress(enabled: bool):
+def _progress(bar: bool, lines: bool, save_every: int):
+    """A tqdm bar per phase on a terminal (``bar``); else (``lines``) one stderr line per save, for logs."""
     bars = {}
 
     def report(phase: str, done: int, total: int, loss: float | None) -> None:
+        if lines and phase == "train" and (done % save_every == 0 or done == total):
+            print(f"train-drafter: step {done}/{total} loss {loss:.4f} (saved)", file=sys.stderr, flush=True)
         if phase not in bars:
             for _, close in bars.values():
                 close()
-            bars[phase] = progress_bar(enabled, {"generate": "generating", "hiddens": "hidden states",
-                                                 "train": "training"}.get(phase, phase), unit="step"
-                                       if phase == "train" else "prompt")
+            bars[phase] = progress_bar(bar, {"generate": "generating", "hiddens": "hidden states",
+                                             "train": "training"}.get(phase, phase),
+                                       unit="step" if phase == "train" else "prompt")
         update = bars[phase][0]
         if update is not None:
             update(done, total)
@@ -174,7 +182,8 @@ def run(args) -> dict:
     check_target(args.model)  # before the tokenizer: a directory no head fits is named as such
 
     train_prompts = [] if args.resume else _encode(args.model, train_texts, args.raw)
-    report, close = _progress(not args.quiet and not args.json)
+    terminal = sys.stderr.isatty()
+    report, close = _progress(terminal and not args.quiet, not terminal and not args.quiet, options.save_every)
     try:
         result = train_head(args.model, out, train_prompts, options, resume=args.resume, progress=report)
     finally:

@@ -56,6 +56,7 @@ class TrainOptions:
     save_every: int = 50
     intermediate_size: int | None = None  # the head's MLP width (None: the target's)
     loss_vocab: str = "full"  # "corpus": softmax over the corpus's tokens only (train_head.subset_projection)
+    prompt_loss: bool = False  # True: the loss counts prompt positions too (train_data's module doc says why not)
 
     def check(self) -> None:
         for name in ("steps", "batch", "seq_len", "depth", "gen_tokens", "gen_batch", "save_every"):
@@ -226,7 +227,8 @@ def _prepare(target, model_dir: Path, out_dir: Path, prompts, options: TrainOpti
     report = None if progress is None else (lambda done, total: progress("generate", done, total, None))
     sequences = greedy_sequences(generator, prompts, options.gen_tokens, options.gen_batch, report)
     report = None if progress is None else (lambda done, total: progress("hiddens", done, total, None))
-    corpus = build_corpus(target, sequences, options.seq_len, report)
+    lengths = None if options.prompt_loss else [len(p) for p in prompts]
+    corpus = build_corpus(target, sequences, options.seq_len, report, lengths)
     train_dir.mkdir(parents=True, exist_ok=True)
     save_corpus(corpus, train_dir / "data.npz")
     save_drafter(train_dir / "untrained", config, new_head(config, options.seed))
