@@ -19,7 +19,7 @@ from spec_cache.apps.cli.common import CliError, error_line, model_dir_problem, 
 __all__ = ["add_arguments", "main", "bundled_prompts"]
 
 DEFAULTS = {"steps": 300, "batch": 8, "lr": 1e-3, "seq_len": 64, "depth": 3, "seed": 0, "gen_tokens": 128,
-            "save_every": 50, "loss_vocab": "full", "prompt_loss": None}
+            "save_every": 50, "loss_vocab": "full", "prompt_loss": None, "samples": 1, "sample_temperature": 0.8}
 
 
 def _lr(text: str) -> float:
@@ -29,6 +29,16 @@ def _lr(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1): {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 4:
+        raise argparse.ArgumentTypeError(f"must be in (0, 4]: {text!r}")
     return value
 
 
@@ -52,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, metavar="N", help="initialisation and batch-order seed (default 0)")
     parser.add_argument("--gen-tokens", type=positive_int, metavar="N",
                         help=f"greedy tokens the target writes per training prompt (default {DEFAULTS['gen_tokens']})")
+    parser.add_argument("--samples", type=positive_int, metavar="N",
+                        help="continuations per training prompt: the greedy one, then N-1 sampled at "
+                             "--sample-temperature (default 1; more data from a small prompt set; labels stay the "
+                             "target's greedy tokens)")
+    parser.add_argument("--sample-temperature", type=_temperature, metavar="T",
+                        help=f"temperature of the sampled continuations (default {DEFAULTS['sample_temperature']})")
     parser.add_argument("--save-every", type=positive_int, metavar="N",
                         help=f"save weights + optimizer state every N steps (default {DEFAULTS['save_every']}); a "
                              "killed run loses at most N steps")

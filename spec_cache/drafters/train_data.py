@@ -51,16 +51,26 @@ class Corpus:
 
 
 def greedy_sequences(generator, prompts: Sequence[Sequence[int]], max_tokens: int, batch: int = 16,
-                     progress: Progress | None = None) -> list[list[int]]:
+                     progress: Progress | None = None, samples: int = 1, temperature: float = 0.8,
+                     seed: int = 0) -> list[list[int]]:
     """Each prompt followed by the target's greedy continuation (``generator``: a ``Generator`` without drafter;
-    decoding stops at EOS or ``max_tokens``), in batches of ``batch`` prompts."""
+    decoding stops at EOS or ``max_tokens``), in batches of ``batch`` prompts; ``samples`` > 1 adds
+    ``samples - 1`` continuations sampled at ``temperature`` (seeds ``seed + k``) per prompt.
+
+    Why sampled continuations: more varied contexts from the same prompts (a small prompt set overfits a head);
+    their labels stay the target's argmax at each position (``build_corpus``), so the head still learns what
+    greedy decoding accepts."""
+    jobs = [(p, k) for k in range(samples) for p in range(len(prompts))]
     sequences = []
-    for start in range(0, len(prompts), batch):
-        chunk = [list(p) for p in prompts[start:start + batch]]
-        for prompt, result in zip(chunk, generator.generate(chunk, max_tokens=max_tokens)):
-            sequences.append(prompt + list(result.tokens))
+    for start in range(0, len(jobs), batch):
+        chunk = jobs[start:start + batch]
+        for k in sorted({k for _, k in chunk}):
+            rows = [list(prompts[p]) for p, kk in chunk if kk == k]
+            options = {} if k == 0 else {"temperature": temperature, "seed": seed + k}
+            for prompt, result in zip(rows, generator.generate(rows, max_tokens=max_tokens, **options)):
+                sequences.append(prompt + list(result.tokens))
         if progress is not None:
-            progress(min(start + batch, len(prompts)), len(prompts))
+            progress(min(start + batch, len(jobs)), len(jobs))
     return sequences
 
 

@@ -57,9 +57,11 @@ class TrainOptions:
     intermediate_size: int | None = None  # the head's MLP width (None: the target's)
     loss_vocab: str = "full"  # "corpus": softmax over the corpus's tokens only (train_head.subset_projection)
     prompt_loss: bool = False  # True: the loss counts prompt positions too (train_data's module doc says why not)
+    samples: int = 1  # continuations per prompt: the greedy one, then sampled ones (train_data.greedy_sequences)
+    sample_temperature: float = 0.8
 
     def check(self) -> None:
-        for name in ("steps", "batch", "seq_len", "depth", "gen_tokens", "gen_batch", "save_every"):
+        for name in ("steps", "batch", "seq_len", "depth", "gen_tokens", "gen_batch", "save_every", "samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"{name} must be an int >= 1, got {value!r}")
@@ -67,6 +69,8 @@ class TrainOptions:
             raise InvalidRequest(f"lr must be a number in (0, 1), got {self.lr!r}")
         if self.loss_vocab not in ("full", "corpus"):
             raise InvalidRequest(f"loss_vocab must be 'full' or 'corpus', got {self.loss_vocab!r}")
+        if not (isinstance(self.sample_temperature, (int, float)) and 0 < self.sample_temperature <= 4):
+            raise InvalidRequest(f"sample_temperature must be in (0, 4], got {self.sample_temperature!r}")
         if self.depth > 8:
             raise InvalidRequest(f"depth must be <= 8, got {self.depth}")
 
@@ -225,9 +229,10 @@ def _prepare(target, model_dir: Path, out_dir: Path, prompts, options: TrainOpti
 
     generator = Generator.load(model_dir, None, cache=None)
     report = None if progress is None else (lambda done, total: progress("generate", done, total, None))
-    sequences = greedy_sequences(generator, prompts, options.gen_tokens, options.gen_batch, report)
+    sequences = greedy_sequences(generator, prompts, options.gen_tokens, options.gen_batch, report,
+                                 options.samples, options.sample_temperature, options.seed)
     report = None if progress is None else (lambda done, total: progress("hiddens", done, total, None))
-    lengths = None if options.prompt_loss else [len(p) for p in prompts]
+    lengths = None if options.prompt_loss else [len(p) for p in prompts] * options.samples
     corpus = build_corpus(target, sequences, options.seq_len, report, lengths)
     train_dir.mkdir(parents=True, exist_ok=True)
     save_corpus(corpus, train_dir / "data.npz")

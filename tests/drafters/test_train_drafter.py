@@ -17,7 +17,7 @@ import pytest
 from spec_cache.apps.cli import main as cli_main
 from spec_cache.drafters import detect_method, load_provider
 from spec_cache.drafters.projected import ContextKV
-from spec_cache.drafters.train_data import load_corpus
+from spec_cache.drafters.train_data import greedy_sequences, load_corpus
 from spec_cache.drafters.train_eval import compare
 from spec_cache.drafters.train_head import chain_masks, chained_losses, chained_outputs, head_config, new_head
 from spec_cache.drafters.train_loop import STATE_NAME, TrainOptions, train_head, training_dir
@@ -64,6 +64,16 @@ def test_loss_counts_generated_positions_only(trained):
     loss (they still feed the head's attention); pair 5 predicts the first generated token's successor."""
     corpus = load_corpus(training_dir(trained.out) / "data.npz")
     assert not corpus.valid[0, :5].any() and corpus.valid[0, 5]
+
+
+def test_samples_add_sampled_continuations_after_the_greedy_ones(trained):
+    generator = Generator.load(trained.target_dir, None, cache=None)
+    prompts = trained.prompts[:3]
+    sequences = greedy_sequences(generator, prompts, 12, batch=4, samples=3, temperature=1.0, seed=5)
+    greedy = [p + r.tokens for p, r in zip(prompts, generator.generate(prompts, max_tokens=12))]
+    assert len(sequences) == 9 and sequences[:3] == greedy
+    assert [s[:6] for s in sequences] == [p for p in prompts] * 3
+    assert any(s != g for s, g in zip(sequences[3:6], greedy)) and sequences[3:6] != sequences[6:9]
 
 
 def test_trained_head_beats_untrained_and_tokens_equal_plain(trained):
