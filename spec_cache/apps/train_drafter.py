@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"(default {DEFAULTS['depth']})")
     parser.add_argument("--seed", type=int, metavar="N", help="initialisation and batch-order seed (default 0)")
     parser.add_argument("--gen-tokens", type=positive_int, metavar="N",
-                        help=f"greedy tokens the target writes per training prompt (default {DEFAULTS['gen_tokens']})")
+                        help=f"most tokens the target writes per continuation (default {DEFAULTS['gen_tokens']})")
     parser.add_argument("--samples", type=positive_int, metavar="N",
                         help="continuations per training prompt: the greedy one, then N-1 sampled at "
                              "--sample-temperature (default 1; more data from a small prompt set; labels stay the "
