@@ -16,11 +16,13 @@ tokens wait in a per-row backlog and are fed in one batched prefill when the dra
 which costs a cheap drafter most of what adaptive depth saves. The caught-up KV is the one that feeding token by
 token gives (the rows' prefill is exact across chunkings), so checkpoints do not change.
 
-Bounded backlog (``backlog_cap``, 32 tokens): a row's backlog that reaches the cap is fed at that depth-0 round,
-lazily (the engine evaluates it beside the next queued round, ``lazy_state``). Why: the next draft at depth > 0
-feeds the whole backlog first, so a probe after 64-128 plain rounds cost ~2.8 plain rounds at B=8 on the CPU,
-most of it that feed, and its draft-call time read as what drafting costs. With the cap no draft call feeds more
-than ``backlog_cap + 2`` tokens per row. The feed is the same tokens in more chunks: same KV, same drafts.
+Bounded backlog (``backlog_cap``, 32 tokens): a row's backlog that reaches the cap is fed at that depth-0 round
+(in its draft call: the rows' prefill evaluates per chunk; SmolLM2's first 4 layers at B=1 on the CPU: ~43 ms
+per 32 tokens, half a plain round). Why: the next draft at depth > 0 feeds the whole backlog first, so a probe
+after 64-128 plain rounds cost ~2.8 plain rounds at B=8 on the CPU, most of it that feed, and its draft-call time
+read as what drafting costs. With the cap no draft call feeds more than ``backlog_cap + 2`` tokens per row. The
+feed is the same tokens in more chunks: same KV, same drafts. Its price: where no probe or drafting round would
+have come before the row ends, up to ``backlog_cap`` tokens per row fed for nothing.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ class DraftModelRows(BoundDraftRows):
         #: per row, committed tokens not yet fed to the draft KV (rounds at depth 0), oldest first
         self._backlog: list[list[int]] = []
         self._deferred = False  # the last draft() was at depth 0 and fed nothing
-        self._feeding = False  # a capped backlog feed is queued and not evaluated yet (``lazy_state``)
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | None]) -> PreparedStateChange:
         check_checkpoints(checkpoints, self.provider.validate_checkpoint)
@@ -115,14 +116,6 @@ class DraftModelRows(BoundDraftRows):
 
     def materialize(self) -> None:
         self._rows.materialize()
-        self._feeding = False
-
-    def lazy_state(self) -> list:
-        """The draft KV after a capped backlog feed (the engine evaluates it beside the next round); else none."""
-        if not self._feeding:
-            return []
-        self._feeding = False
-        return self._rows._arrays(self._rows._caches or [])
 
     def catch_up(self) -> None:
         """Feed every row's backlog (the tokens of rounds at depth 0) in one batched prefill."""
@@ -162,8 +155,7 @@ class DraftModelRows(BoundDraftRows):
             self._backlog = [held + fed for held, fed in zip(self._backlog, feed)]
             self._fed, self._deferred = 0, True
             if self.backlog_cap is not None and max(map(len, self._backlog)) >= self.backlog_cap:
-                self.catch_up()  # lazily: evaluated beside the next round (module doc)
-                self._feeding = True
+                self.catch_up()  # bounded backlog (module doc)
             return [[] for _ in pending]
         context = self._rows.prefill([held + fed for held, fed in zip(self._backlog, feed)])
         self._backlog = [[] for _ in feed]
