@@ -49,7 +49,7 @@ __all__ = ["Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "Ride
 
 log = logging.getLogger("spec_cache.store")
 FLUSH_EVERY = 64
-FLUSH_SECONDS = 1.0
+FLUSH_SECONDS = 5.0  # access times and hit counters ride in the next put; a timed flush is a commit of its own
 _RECORD_DB = {"chunk": "chunks", "entry": "edata", "draft": "drafts", "piece": "drafts"}  # kind -> sub-database
 #: rows written in a checkpoint's own transaction (``Store.put``'s ``rider``): called with an LMDB write transaction
 Rider = Callable[[object], None]
