@@ -300,6 +300,7 @@ class DepthController:
         self._probe_interval = probe_every
         self._probe_at = probe_every  # plain rounds after which the next probe runs (interval, or its cost's due)
         self.last_depth: int | None = None  # what :meth:`choose` returned last
+        self._shadowed = False  # the last plain choice's rows were all shadowed (no probe is ever due for them)
         self._warm_up: tuple | None = None  # (rows, depth, width) of the last round if it measured a new width
 
     # -- the decision --------------------------------------------------------------------------------------
@@ -389,7 +390,8 @@ class DepthController:
             self._plain_rounds, self._probe_interval, self._probe_at = 0, self.probe_every, self.probe_every
         else:
             self._plain_rounds += 1
-            if self._plain_rounds >= self._probe_at and not (rows and all(row.shadowed for row in rows)):
+            self._shadowed = bool(rows) and all(row.shadowed for row in rows)
+            if self._plain_rounds >= self._probe_at and not self._shadowed:
                 deepest = self.best_depth(rows, caps, acceptance=self.probe_acceptance, remaining=remaining)
                 if deepest == 0 and max(caps, default=0) > 0 and self.max_depth > 0:
                     deepest = 1  # re-measure the narrowest window: its estimate may be stale (see _STALE)
@@ -453,7 +455,7 @@ class DepthController:
         warm-up (the second measurement replaces the first and may change the answer). O(1), unlike
         :meth:`choose`."""
         table = self.verify_costs.table(rows)
-        return (self.last_depth == 0 and self._plain_rounds + 1 < self._probe_at
+        return (self.last_depth == 0 and (self._shadowed or self._plain_rounds + 1 < self._probe_at)
                 and table is not None and table.counts.get(1, 0) >= 2)
 
     # -- what a round cost and accepted ---------------------------------------------------------------------

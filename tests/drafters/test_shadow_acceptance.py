@@ -183,3 +183,19 @@ def test_shadowed_rows_are_never_probed(tiny, monkeypatch):  # noqa: F811
         return controller.probes
 
     assert probes(False) > 0 and probes(True) == 0
+
+
+def test_plain_rounds_of_shadowed_rows_stay_pipelined():
+    """No probe is due for shadowed rows, so every plain round may queue the next one (before: from the 16th plain
+    round on, a probe was 'due' forever and no round was pipelined: adaptive ngram at B=8 read 0.90x plain while
+    never drafting)."""
+    controller = DepthController(4)
+    rows = [RowAcceptance(shadowed=True) for _ in range(2)]
+    predicted = []
+    for _ in range(100):
+        depth = controller.choose(rows, [50, 50])
+        controller.observe_round(2, depth, 0.0, depth + 1, float(depth + 1))  # a CPU: drafting never pays
+        for row in rows:
+            controller.observe_row(row, 2, 0)
+        predicted.append(controller.predicts_plain(2))
+    assert all(predicted[10:]), predicted.index(False, 10)
