@@ -42,6 +42,16 @@ def _temperature(text: str) -> float:
     return value
 
 
+def register(sub) -> None:
+    """The ``train-drafter`` subcommand on the CLI's subparsers (``spec_cache.apps.cli.runtime``)."""
+    s = sub.add_parser("train-drafter", help="train a qwen-mtp drafter head for a model from its own generations",
+                       description="Train a qwen-mtp drafter head for a target model on its own greedy answers to "
+                                   "a prompt set, resumably; then measure held-out acceptance against the "
+                                   "untrained head.")
+    add_arguments(s)
+    s.set_defaults(fn=main)  # loads MLX when it runs
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of ``train-drafter``; the training options default to None so a ``--resume`` takes the run's."""
     parser.add_argument("--model", required=True, help="target model directory (mlx-lm: config.json + safetensors)")

@@ -374,12 +374,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                        description="Write an mlx-lm model directory from a llama-family GGUF file.")
     gguf_cli.add_arguments(s)
     s.set_defaults(fn=cmd_convert_gguf)
-    s = sub.add_parser("train-drafter", help="train a qwen-mtp drafter head for a model from its own generations",
-                       description="Train a qwen-mtp drafter head for a target model on its own greedy answers to "
-                                   "a prompt set, resumably; then measure held-out acceptance against the "
-                                   "untrained head.")
-    train_drafter.add_arguments(s)
-    s.set_defaults(fn=train_drafter.main)  # loads MLX when it runs
+    train_drafter.register(sub)
     s = sub.add_parser("export-mlx-lm", parents=[common],
                        help="write a stored prefix as an mlx-lm prompt-cache file (--prompt-cache-file)",
                        description="Write a stored prefix as a file mlx_lm.generate --prompt-cache-file reads.")
