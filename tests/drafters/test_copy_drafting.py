@@ -38,7 +38,8 @@ class Clock:
         return self.now
 
 
-def run_billed(tiny, monkeypatch, name, cost, prompts, *, adaptive=True, depth=6):
+def billed_engine(tiny, monkeypatch, name, cost, **options) -> SpeculativeEngine:
+    """An engine on ``tiny`` whose clock advances ``cost(width)`` per target forward (a cost model, no wall time)."""
     clock = Clock()
     forward = tiny.target.forward
 
@@ -47,10 +48,14 @@ def run_billed(tiny, monkeypatch, name, cost, prompts, *, adaptive=True, depth=6
         return forward(ids, caches, **kwargs)
 
     monkeypatch.setattr(tiny.target, "forward", billed)
-    engine = SpeculativeEngine(tiny.target, tiny.provider(name), draft_depth=depth, adaptive=adaptive, clock=clock)
+    return SpeculativeEngine(tiny.target, tiny.provider(name), clock=clock, **options)
+
+
+def run_billed(tiny, monkeypatch, name, cost, prompts, *, adaptive=True, depth=6):
+    engine = billed_engine(tiny, monkeypatch, name, cost, draft_depth=depth, adaptive=adaptive)
     results = engine.run([RowRequest(p, max_tokens=MAX, stop_at_eos=False) for p in prompts])
     monkeypatch.undo()
-    return engine, results, clock.now
+    return engine, results, engine.clock()
 
 
 def copy_prompts(rows: int = 4) -> list[list[int]]:

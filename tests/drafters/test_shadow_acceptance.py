@@ -17,7 +17,7 @@ from spec_cache.depth import DepthController, RowAcceptance
 from spec_cache.drafters.ngram import MatchIndex, NgramProvider
 from spec_cache.engine import RowRequest, SpeculativeEngine
 from spec_cache.rows import RoundContext
-from tests.drafters.test_copy_drafting import Clock, copy_prompts
+from tests.drafters.test_copy_drafting import billed_engine, copy_prompts
 from tests.drafters.test_draft_model_deferred import drive, open_rows, same_checkpoint
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401
 
@@ -103,15 +103,7 @@ class NeverDrafts(DepthController):
 
 
 def run(tiny, monkeypatch, name, prompts, controller, pipeline=True):  # noqa: F811
-    clock = Clock()
-    forward = tiny.target.forward
-
-    def billed(ids, caches, **kwargs):
-        clock.now += cost(int(ids.shape[1]))
-        return forward(ids, caches, **kwargs)
-
-    monkeypatch.setattr(tiny.target, "forward", billed)
-    engine = SpeculativeEngine(tiny.target, tiny.provider(name), draft_depth=4, clock=clock, pipeline=pipeline)
+    engine = billed_engine(tiny, monkeypatch, name, cost, draft_depth=4, pipeline=pipeline)
     engine.depth = controller
     results = engine.run([RowRequest(p, max_tokens=LOOPS, stop_at_eos=False) for p in prompts])
     monkeypatch.undo()

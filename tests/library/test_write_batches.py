@@ -49,7 +49,13 @@ def test_checkpoints_queued_while_the_writer_lingers_go_in_one_commit(tmp_path, 
         assert len(commits) == 1, len(commits)
         writes = cache.memory_stats()["writes"]
         assert writes["batches"] == 1 and writes["written"] == 4
-    with SpecCache.open(tmp_path / "store", memory_bytes=0) as cache:  # from LMDB alone
+    assert_restored_from_lmdb(tmp_path / "store", ns, tokens, states)
+
+
+def assert_restored_from_lmdb(path, ns, tokens, states) -> None:
+    """Each ``states[n]`` (the caches saved for ``tokens[:n]``) restores from LMDB alone (memory tier off), bit for
+    bit."""
+    with SpecCache.open(path, memory_bytes=0) as cache:
         for n, caches in states.items():
             got = cache.restore(ns, tokens[:n] + [1])
             assert got is not None and got.length == n

@@ -9,15 +9,13 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
-
 from spec_cache import write_behind
 from spec_cache.cache import SpecCache
 from spec_cache.continuations import Continuations
 from spec_cache.store.continuations import Continuation
 from spec_cache.store.shared.queue import WriteBehind
 from tests.library.test_memory_tier import kv
-from tests.library.test_write_batches import _prefix
+from tests.library.test_write_batches import _prefix, assert_restored_from_lmdb
 
 
 def _wait(predicate, timeout: float = 60.0) -> bool:
@@ -56,13 +54,7 @@ def test_a_turns_checkpoints_and_their_continuation_records_are_one_commit(tmp_p
         assert cache.memory_stats()["writes"]["batches"] == 1
         got = conts.table.get(bytes([7]) * 32)
         assert got is not None and got.finished and got.tokens == records[331].tokens
-    with SpecCache.open(tmp_path / "store", memory_bytes=0) as cache:  # from LMDB alone, bit for bit
-        for n, caches in states.items():
-            got = cache.restore(ns, tokens[:n] + [1])
-            assert got is not None and got.length == n
-            for want, have in zip(caches, got.caches):
-                assert np.array_equal(np.array(want.keys), np.array(have.keys[..., :n, :]))
-                assert np.array_equal(np.array(want.values), np.array(have.values[..., :n, :]))
+    assert_restored_from_lmdb(tmp_path / "store", ns, tokens, states)  # from LMDB alone, bit for bit
 
 
 def test_a_small_batch_waits_while_jobs_keep_coming_a_large_one_does_not():
