@@ -33,14 +33,7 @@ def test_checkpoints_queued_while_the_writer_lingers_go_in_one_commit(tmp_path, 
     with SpecCache.open(tmp_path / "store") as cache:
         ns = cache.namespace("ab" * 32, "prefix")
         tokens = list(range(10, 400))
-        commits = []
-        original = cache.store.env._transaction
-
-        def counted(fn, attempt):
-            commits.append(fn)
-            return original(fn, attempt)
-
-        cache.store.env._transaction = counted
+        commits = counted_commits(cache)
         for n, caches in states.items():  # within the writer's linger: one batch
             cache.save(ns, tokens[:n], caches, background=True)
         started = time.monotonic()
@@ -50,6 +43,19 @@ def test_checkpoints_queued_while_the_writer_lingers_go_in_one_commit(tmp_path, 
         writes = cache.memory_stats()["writes"]
         assert writes["batches"] == 1 and writes["written"] == 4
     assert_restored_from_lmdb(tmp_path / "store", ns, tokens, states)
+
+
+def counted_commits(cache) -> list:
+    """A list that gets one item per LMDB write transaction ``cache``'s store commits from now on."""
+    commits = []
+    original = cache.store.env._transaction
+
+    def counted(fn, attempt):
+        commits.append(fn)
+        return original(fn, attempt)
+
+    cache.store.env._transaction = counted
+    return commits
 
 
 def assert_restored_from_lmdb(path, ns, tokens, states) -> None:

@@ -15,7 +15,7 @@ from spec_cache.continuations import Continuations
 from spec_cache.store.continuations import Continuation
 from spec_cache.store.shared.queue import WriteBehind
 from tests.library.test_memory_tier import kv
-from tests.library.test_write_batches import _prefix, assert_restored_from_lmdb
+from tests.library.test_write_batches import _prefix, assert_restored_from_lmdb, counted_commits
 
 
 def _wait(predicate, timeout: float = 60.0) -> bool:
@@ -38,13 +38,7 @@ def test_a_turns_checkpoints_and_their_continuation_records_are_one_commit(tmp_p
         conts = Continuations.of(cache)
         records = {n: Continuation(bytes([7]) * 32, ns, 300, tuple(tokens[300:n + 1]), finished=n == 331)
                    for n in (300, 331)}
-        commits = []
-        original = cache.store.env._transaction
-
-        def counted(fn, attempt):
-            commits.append(fn)
-            return original(fn, attempt)
-        cache.store.env._transaction = counted
+        commits = counted_commits(cache)
         for n, caches in states.items():
             rider = conts.rider(records[n]) if n in records else None
             cache.save(ns, tokens[:n], caches, background=True, rider=rider)
