@@ -223,23 +223,21 @@ class ContinuationTable:
         if len(value) > self.max_bytes:
             raise InvalidInput(f"continuation record of {len(value)} bytes exceeds max_bytes {self.max_bytes}")
 
-        def fn(txn) -> int:
-            db = self._db
-            old = txn.get(_record_row(rec.key), db=db)
-            count, total = _sum(txn, db)
-            if old is not None:
-                try:
-                    prev = decode_continuation(old, rec.key)
-                except StoreError:
-                    prev = None
-                if prev is not None and (len(prev.tokens), prev.finished) >= (len(rec.tokens), rec.finished):
-                    return 0
-                if prev is not None and txn.delete(_lru_row(prev.written_ns, rec.key), db=db):
-                    count, total = count - 1, total - len(old)
-            txn.put(_record_row(rec.key), value, db=db)
-            txn.put(_lru_row(rec.written_ns, rec.key), struct.pack("<I", len(value)), db=db)
-            return self._evict(txn, db, count + 1, total + len(value))
-        return fn(txn)
+        db = self._db
+        old = txn.get(_record_row(rec.key), db=db)
+        count, total = _sum(txn, db)
+        if old is not None:
+            try:
+                prev = decode_continuation(old, rec.key)
+            except StoreError:
+                prev = None
+            if prev is not None and (len(prev.tokens), prev.finished) >= (len(rec.tokens), rec.finished):
+                return 0
+            if prev is not None and txn.delete(_lru_row(prev.written_ns, rec.key), db=db):
+                count, total = count - 1, total - len(old)
+        txn.put(_record_row(rec.key), value, db=db)
+        txn.put(_lru_row(rec.written_ns, rec.key), struct.pack("<I", len(value)), db=db)
+        return self._evict(txn, db, count + 1, total + len(value))
 
     def _evict(self, txn, db, count: int, total: int) -> int:
         """Drop the least recently written records while over a bound; write the new sum."""
