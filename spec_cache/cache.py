@@ -212,6 +212,11 @@ class SpecCache:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def write_pending(self) -> tuple[int, int]:
+        """(checkpoints queued for their LMDB write, their bytes); (0, 0) without write-behind."""
+        return (0, 0) if self._writer is None else self._writer.pending
+
     def drain(self, timeout: float = 10.0) -> bool:
         """Wait until queued checkpoints are durable in LMDB (and background promotions and publishes are done);
         True if nothing is left."""

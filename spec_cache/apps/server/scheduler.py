@@ -295,33 +295,27 @@ class Scheduler:
             self._take_messages(block=not (self._ready() or self._session.busy))
             if self._stop.is_set():
                 break
-            if self._trace is None:
-                self._admit()
-                if self._session.busy:
-                    self._step()
-                self._write_checkpoints()
-            else:
-                self._traced_iteration(self._trace)
+            self._iteration()
 
-    def _traced_iteration(self, trace) -> None:
-        """``_run``'s body, timed part by part into ``trace`` (``SPEC_CACHE_SCHED_TRACE``)."""
+    def _iteration(self) -> None:
+        """Admit what fits, run one engine step, queue the checkpoints it took; timed into the trace when
+        ``SPEC_CACHE_SCHED_TRACE`` asks for one (``trace``)."""
         session, rows = self._session, len(self._rows)
         t0 = time.perf_counter()
         self._admit()
         t1 = time.perf_counter()
-        shape = {}
-        if self._session.busy:
-            shape = {"short": session.waiting_count, "round": session.active_count}
+        shape = {"waiting": session.waiting_count, "active": session.active_count} if session.busy else None
+        if shape is not None:
             self._step()
         t2 = time.perf_counter()
         self._write_checkpoints()
-        t3 = time.perf_counter()
         admitted = len(self._rows) - rows
-        if admitted or shape:
-            writer = self.generator.cache._writer if self.generator.cache is not None else None
-            trace.record(adm=max(admitted, 0), adm_ms=round((t1 - t0) * 1e3, 3), step_ms=round((t2 - t1) * 1e3, 3),
-                         ck_ms=round((t3 - t2) * 1e3, 3), pend=len(self._pending),
-                         wq=0 if writer is None else writer.pending[1], **shape)
+        if self._trace is not None and (admitted or shape):
+            cache = self.generator.cache
+            self._trace.record(adm=max(admitted, 0), adm_ms=round((t1 - t0) * 1e3, 3),
+                               step_ms=round((t2 - t1) * 1e3, 3), ck_ms=round((time.perf_counter() - t2) * 1e3, 3),
+                               pend=len(self._pending), wq=0 if cache is None else cache.write_pending[1],
+                               **(shape or {}))
 
     def _new_session(self):
         generator = self.generator
@@ -479,7 +473,8 @@ class Scheduler:
             job.phase_end = None
             job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
             job.prepared.request.stop_at_eos = job.stop_at_eos
-            job.end_checkpoint = self._wants_end_checkpoint(job)  # (its cold prefill keeps its boundary one too)
+            job.end_checkpoint = self._wants_end_checkpoint(job)  # taken once, as on the path above
+            job.prepared.request.boundary_checkpoint = not job.end_checkpoint
             if not job.started:  # "start" reports what was restored: nothing now (a replay was reported already)
                 job.cached_tokens = 0
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,

@@ -3,8 +3,8 @@ burst spends its time (issue 27's 8-client turn-2 burst); off unless the variabl
 
 One line per scheduler iteration that did something: ``t`` (seconds since the scheduler started), ``adm`` (jobs
 admitted), ``adm_ms`` / ``step_ms`` / ``ck_ms`` (time admitting, in the engine step, queueing checkpoints), the
-step's shape (``short`` rows joining whole, ``cohort`` rows prefilling chunk by chunk, ``round`` rows decoding),
-``pend`` (jobs waiting), ``wq`` (write-behind bytes queued); and one ``first`` line per job's first token
+session before the step (``waiting``: rows queued or prefilling to join; ``active``: rows decoding), ``pend`` (jobs
+not yet admitted), ``wq`` (write-behind bytes queued); and one ``first`` line per job's first token
 (``queue_ms``, ``ttft_ms``, ``cached``, ``prompt``). The file is ``<prefix>.<pid>.jsonl``, buffered and flushed
 every ``FLUSH_EVERY`` lines and at shutdown. /metrics keeps the aggregate stage histograms; this keeps the order.
 """
