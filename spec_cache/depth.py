@@ -376,22 +376,18 @@ class DepthController:
         if len(rows) != len(caps) or (remaining is not None and len(remaining) != len(rows)):
             raise ValueError(f"{len(rows)} rows but {len(caps)} caps / remaining counts")
         table = self.verify_costs.by_rows.get(len(rows))
-        if table is not None and table.counts.get(1, 0) == 1 and table.seen[1] == table.ticks:
-            # this batch size's plain cost was measured once, by the round just run: a warm-up (at B=4 the first-token
-            # round, the first forward after admission, read 193 ms against 120 ms steady, and every width looked
-            # nearly free against it: four exploring rounds before the second plain one corrected it). Measure
-            # plain once more first.
-            self._plain_rounds += 1
-            self.rounds_at_depth[0] += 1
-            self.last_depth = 0
-            return 0
-        depth = self.best_depth(rows, caps, remaining=remaining)
+        # this batch size's plain cost was measured once, by the round just run: a warm-up (at B=4 the first-token
+        # round, the first forward after admission, read 193 ms against 120 ms steady, and every width looked
+        # nearly free against it: four exploring rounds before the second plain one corrected it). Measure plain
+        # once more first (no probe either).
+        warm_up = table is not None and table.counts.get(1, 0) == 1 and table.seen[1] == table.ticks
+        depth = 0 if warm_up else self.best_depth(rows, caps, remaining=remaining)
         if depth > 0:
             self._plain_rounds, self._probe_interval, self._probe_at = 0, self.probe_every, self.probe_every
         else:
             self._plain_rounds += 1
             self._shadowed = bool(rows) and all(row.shadowed for row in rows)
-            if self._plain_rounds >= self._probe_at and not self._shadowed:
+            if not warm_up and self._plain_rounds >= self._probe_at and not self._shadowed:
                 deepest = self.best_depth(rows, caps, acceptance=self.probe_acceptance, remaining=remaining)
                 if deepest == 0 and max(caps, default=0) > 0 and self.max_depth > 0:
                     deepest = 1  # re-measure the narrowest window: its estimate may be stale (see _STALE)
