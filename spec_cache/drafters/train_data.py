@@ -110,16 +110,21 @@ def build_corpus(target: TargetModel, sequences: Sequence[Sequence[int]], seq_le
     return Corpus(np.stack(hiddens), np.stack(tokens), np.stack(labels), np.stack(valid))
 
 
+def fsync_replace(tmp: Path, path: Path) -> None:
+    """``tmp`` (written whole) fsynced, then renamed over ``path``: a run killed at any point leaves the old file
+    or the new one, never a torn one (every file of a training run is written so)."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def save_corpus(corpus: Corpus, path: Path) -> None:
-    """Write ``corpus`` to ``path`` (``.npz``) atomically: a temporary file, fsync, rename."""
+    """Write ``corpus`` to ``path`` (``.npz``) atomically (``fsync_replace``)."""
     buffer = io.BytesIO()
     np.savez(buffer, hiddens=corpus.hiddens, tokens=corpus.tokens, labels=corpus.labels, valid=corpus.valid)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(buffer.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp.write_bytes(buffer.getvalue())
+    fsync_replace(tmp, path)
 
 
 def load_corpus(path: Path) -> Corpus:

@@ -18,7 +18,6 @@ resumed run takes the same batches as an uninterrupted one and ends with the sam
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -30,7 +29,14 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from spec_cache.drafters.qwen_mtp import QwenMTPConfig, QwenMTPNetwork
-from spec_cache.drafters.train_data import Corpus, build_corpus, greedy_sequences, load_corpus, save_corpus
+from spec_cache.drafters.train_data import (
+    Corpus,
+    build_corpus,
+    fsync_replace,
+    greedy_sequences,
+    load_corpus,
+    save_corpus,
+)
 from spec_cache.drafters.train_head import chain_masks, chained_losses, head_config, new_head, subset_projection
 from spec_cache.errors import InvalidRequest, ModelLoadError, UnsupportedCombination
 
@@ -103,22 +109,16 @@ def training_dir(out_dir: Path) -> Path:
 
 
 # --- files ----------------------------------------------------------------------------------------------------
-def _fsync_replace(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
-    _fsync_replace(tmp, path)
+    fsync_replace(tmp, path)
 
 
 def _write_safetensors(path: Path, arrays: dict, metadata: dict) -> None:
     tmp = path.with_name("tmp-" + path.name)  # still ends in .safetensors: MLX would append the suffix
     mx.save_safetensors(str(tmp), arrays, metadata=metadata)
-    _fsync_replace(tmp, path)
+    fsync_replace(tmp, path)
 
 
 def save_drafter(directory: Path, config: QwenMTPConfig, network: QwenMTPNetwork) -> None:
