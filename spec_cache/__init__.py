@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 logging.getLogger("spec_cache").addHandler(logging.NullHandler())
 
 _LAZY = {
-    "KVOptions": ("spec_cache.namespace", "KVOptions"),
-    "capture_options": ("spec_cache.namespace", "capture_options"),
-    "prefix_namespace": ("spec_cache.namespace", "prefix_namespace"),
-    "resolve_prefix_namespace": ("spec_cache.namespace", "resolve_prefix_namespace"),
-    "check_runnable": ("spec_cache.namespace", "check_runnable"),
-    "namespace_key": ("spec_cache.namespace", "namespace_key"),
-    "artifact_identity": ("spec_cache.identity", "artifact_identity"),
-    "model_identity": ("spec_cache.identity", "model_identity"),
-    "SpecCache": ("spec_cache.cache", "SpecCache"),
-    "Generator": ("spec_cache.generator", "Generator"),
-    "Result": ("spec_cache.generator", "Result"),
+    "KVOptions": ("spec_cache.naming.namespace", "KVOptions"),
+    "capture_options": ("spec_cache.naming.namespace", "capture_options"),
+    "prefix_namespace": ("spec_cache.naming.namespace", "prefix_namespace"),
+    "resolve_prefix_namespace": ("spec_cache.naming.namespace", "resolve_prefix_namespace"),
+    "check_runnable": ("spec_cache.naming.namespace", "check_runnable"),
+    "namespace_key": ("spec_cache.naming.namespace", "namespace_key"),
+    "artifact_identity": ("spec_cache.naming.identity", "artifact_identity"),
+    "model_identity": ("spec_cache.naming.identity", "model_identity"),
+    "SpecCache": ("spec_cache.tiers.cache", "SpecCache"),
+    "Generator": ("spec_cache.decode.generator", "Generator"),
+    "Result": ("spec_cache.decode.generator", "Result"),
 }
 
 

@@ -3,7 +3,7 @@
 Why: a checkpoint holds the KV state of ``prompt + generated[:-1]``, but nothing maps a *request* to the tokens
 it generated. A continuation record does: under a key over everything that determines the tokens, it keeps the
 generated ids up to the newest checkpoint (``finished`` once the row ended). A retried request replays them and
-its row continues from that checkpoint (``spec_cache.continuations``). The seed's ``generationCheckpointKey`` /
+its row continues from that checkpoint (``spec_cache.tiers.continuations``). The seed's ``generationCheckpointKey`` /
 ``ContinuationPersistence`` do the same.
 
 Key (32 bytes; golden vector in tests/golden/continuations.json)::

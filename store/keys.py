@@ -1,6 +1,6 @@
 """Content keys of the prefix index: chain hashes over fixed token chunks.
 
-A namespace key (32 bytes, computed by ``spec_cache.namespace.namespace_key`` from the target identity, the
+A namespace key (32 bytes, computed by ``spec_cache.naming.namespace.namespace_key`` from the target identity, the
 prefix namespace and an optional tenant salt) roots one tree per *layer signature* (the kinds and scalars of
 the chunked layers: a prefix stored as plain KV and the same prefix after quantized-KV conversion are
 different bytes, so they are different chains). Every full chunk of ``chunk_tokens`` tokens extends its

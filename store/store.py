@@ -490,7 +490,7 @@ class Store:
 
     # --- maintenance (see maintenance.py for evict/gc/verify) --------------------------------------
     def memo(self) -> "StoreMemo":
-        """An artifact-identity memo kept in this store (``spec_cache.identity`` takes it as ``memo``)."""
+        """An artifact-identity memo kept in this store (``spec_cache.naming.identity`` takes it as ``memo``)."""
         return StoreMemo(self)
 
 

@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 from spec_cache.drafters import load_provider
-from spec_cache.target import TargetModel
+from spec_cache.rows.target import TargetModel
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 
 #: Drafter variants every engine test runs: name -> (method, write_tiny_drafter options)

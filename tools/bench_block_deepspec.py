@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from spec_cache.drafters import load_provider
-from spec_cache.target import TargetModel, TargetRows
+from spec_cache.rows.target import TargetModel, TargetRows
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 from spec_cache.testing.tiny_writers import set_block_size
 

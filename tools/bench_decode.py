@@ -98,8 +98,8 @@ def stage_costs(target, prompt: list[int], reps: int = 30) -> dict:
     """Per-round host build time and synchronous build + evaluate time, on rows of the engine (B=1)."""
     import mlx.core as mx
 
-    from spec_cache.sampling import RowSampler
-    from spec_cache.target import TargetRows
+    from spec_cache.rows.sampling import RowSampler
+    from spec_cache.rows.target import TargetRows
 
     rows = TargetRows.from_row_caches(target, [None])
     rows.prefill([prompt[:-1]])
@@ -128,7 +128,7 @@ def stage_costs(target, prompt: list[int], reps: int = 30) -> dict:
 def bench_model(name: str, model_dir: Path, max_tokens: int, reps: int) -> dict:
     from mlx_lm.utils import load
 
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
 
     model_dir = Path(model_dir)
     prompt = prompt_ids(model_dir, 32)

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from spec_cache.cache import SpecCache  # noqa: E402
+from spec_cache.tiers.cache import SpecCache  # noqa: E402
 
 SIZES = {"small": (64, 2), "large": (800, 16)}  # tokens, layers
 
@@ -118,7 +118,7 @@ EXIT_CHILD = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 from tools.bench_durability import SIZES, state
-from spec_cache.cache import SpecCache
+from spec_cache.tiers.cache import SpecCache
 cache = SpecCache.open(sys.argv[1])
 ns = cache.namespace("ab" * 32, "{}")
 tokens, layers = SIZES["large"]

@@ -55,8 +55,8 @@ def host_main(conn, index: int, url: str, work: str, target: str, drafter: str, 
               chunk_tokens: int) -> None:
     """One host: serve the jobs of each round, drain its queues, report its results and shared-tier counters."""
     warnings.simplefilter("ignore")
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
+    from spec_cache.tiers.cache import SpecCache
 
     cache = SpecCache.open(os.path.join(work, f"host-{index}"), shared=url, durable=False, shared_options=options,
                            chunk_tokens=chunk_tokens)

@@ -27,8 +27,8 @@ def _model_dir(name: str, tmp: Path) -> Path:
         from spec_cache.testing.tiny import write_tiny_target
 
         return write_tiny_target(tmp / "tiny")
-    from spec_cache import gguf
     from spec_cache.apps.demo_real import INSTALL_HINT, find_smollm2_gguf
+    from spec_cache.convert import gguf
 
     path = find_smollm2_gguf()
     if path is None:
@@ -98,8 +98,8 @@ def main(argv=None) -> int:
     from mlx_lm import load
     from mlx_lm.models.cache import LRUPromptCache
 
-    from spec_cache.cache import SpecCache
-    from spec_cache.mlx_lm_cache import SpecCachePromptCache
+    from spec_cache.convert.mlx_lm_cache import SpecCachePromptCache
+    from spec_cache.tiers.cache import SpecCache
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         _run(pc, loaded, key, drain=pc.drain, **run)  # warm-up (identity memo, imports)
         pc.close()
         result = {"model": args.model, "lru": lru}
-        import spec_cache.cache_state as cache_state
+        import spec_cache.state.cache_state as cache_state
 
         names = ("spec_cache", "spec_cache_sync_capture", "spec_cache_lmdb_every_fetch")
         for name in names:

@@ -68,8 +68,8 @@ def _warm(generator):
 def ttft(model_dir, tokenizer, new_tokens: int) -> dict:
     """Cold vs restored TTFT for the next turn of a chat whose history (prompt + reply) is stored: the three
     chats as one conversation, the model's reply to the last message, then a new question."""
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
+    from spec_cache.tiers.cache import SpecCache
 
     chat = [m for c in CHATS for m in c]
     work = tempfile.mkdtemp(prefix="bench-real-ttft-")
@@ -100,7 +100,7 @@ def ttft(model_dir, tokenizer, new_tokens: int) -> dict:
 
 def _decode(engine, prompts, new_tokens: int) -> tuple[float, list]:
     """Decode tokens/s after the batch's first token, and the results (after a 2-token warm-up run)."""
-    from spec_cache.engine import RowRequest
+    from spec_cache.decode.engine import RowRequest
 
     engine.run([RowRequest([1, 2, 3, 4], max_tokens=2, stop_at_eos=False)])
     start = time.perf_counter()
@@ -112,9 +112,9 @@ def _decode(engine, prompts, new_tokens: int) -> tuple[float, list]:
 
 def drafting(model_dir, tokenizer, rows: int, new_tokens: int, depth: int) -> dict:
     """ngram vs plain decode tokens/s and acceptance (the engine's policy; fixed depth where selectable)."""
+    from spec_cache.decode.engine import SpeculativeEngine
     from spec_cache.drafters import open_provider
-    from spec_cache.engine import SpeculativeEngine
-    from spec_cache.target import TargetModel
+    from spec_cache.rows.target import TargetModel
 
     target = TargetModel.load(model_dir)
     prompts = _prompts(tokenizer, rows)
@@ -141,9 +141,9 @@ def drafting(model_dir, tokenizer, rows: int, new_tokens: int, depth: int) -> di
 
 def kv(model_dir, tokenizer, rows: int, new_tokens: int, bits=(4, 8)) -> dict:
     """kv_bits batched vs per-row (plain decoding, runs interleaved, tokens asserted identical)."""
-    from spec_cache.engine import SpeculativeEngine
-    from spec_cache.namespace import KVOptions
-    from spec_cache.target import TargetModel
+    from spec_cache.decode.engine import SpeculativeEngine
+    from spec_cache.naming.namespace import KVOptions
+    from spec_cache.rows.target import TargetModel
 
     try:
         from spec_cache.apps.bench.quantized_baseline import per_row_engine

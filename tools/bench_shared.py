@@ -83,10 +83,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.store.keys import pack_tokens
     from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+    from spec_cache.tiers.cache import SpecCache
     from tests.redis_servers import ThrowawayServer, server_binaries
 
     binary = args.server or next(iter(server_binaries().values()), None)

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from spec_cache.target import TargetModel, TargetRows
+    from spec_cache.rows.target import TargetModel, TargetRows
 
     model_dir = args.model
     if model_dir is None:

@@ -11,12 +11,16 @@ dependency all the same: it only runs later, which is how circles hide):
   ``spec_cache.testing`` (tiny models and their writers) nor ``spec_cache.apps`` (CLI, servers, bench, demos);
   ``spec_cache.testing`` does not import ``spec_cache.apps``. Entry points (``spec_cache/__main__.py``, which
   runs the CLI) sit above every floor and may import the applications;
+- inside the library, rooms in one order (``ROOMS``): naming < state < rows < drafters < tiers < decode <
+  convert | training. A module imports its own room, the rooms below it and the ground (modules directly in
+  ``spec_cache/``: ``errors``); never a room above it or beside it (convert and training share a rank);
 - neither ``schemas`` nor ``store`` imports ``mlx`` or ``mlx_lm``;
 - nothing imports the bare top-level names ``store`` or ``schemas`` (they install as ``spec_cache.*``);
 - no import circles among the modules of the three packages: module A imports B, directly or through a chain, and
   B imports A. Every import counts (inside functions and under ``TYPE_CHECKING`` too), as a dependency on the
   module it names (not on the packages above it, whose ``__init__`` also runs). Each strongly connected group
-  of modules is one circle, reported on one line with a shortest loop through it;
+  of modules is one circle, reported on one line with a shortest loop through it; the same at folder level
+  (packages as nodes) for every folder below the applications;
 - the inspection modules (``spec_cache``, ``identity``, ``namespace``, ``jsjson``, the CLI package and its
   inspection path) reach no ``mlx``/``mlx_lm`` through their module-level imports, followed transitively through
   spec-cache's own modules (an import inside a function runs only when called, so it is not followed).
@@ -37,7 +41,8 @@ from pathlib import Path
 # folder at the root of the repository -> the package it installs as (pyproject's package-dir mapping)
 PACKAGES = {"spec_cache": "spec_cache", "store": "spec_cache.store", "schemas": "spec_cache.schemas"}
 MLX = ("mlx", "mlx_lm")
-INSPECTION = ("spec_cache", "spec_cache.identity", "spec_cache.namespace", "spec_cache.jsjson", "spec_cache.apps",
+INSPECTION = ("spec_cache", "spec_cache.naming", "spec_cache.naming.identity", "spec_cache.naming.namespace",
+              "spec_cache.naming.jsjson", "spec_cache.apps",
               "spec_cache.apps.cli", "spec_cache.apps.cli.common", "spec_cache.apps.cli.inspect",
               "spec_cache.apps.cli.shared", "spec_cache.apps.cli.repair")
 
@@ -139,17 +144,57 @@ FORBIDDEN = {"the library": ("spec_cache.testing", "spec_cache.apps"), "spec_cac
 ENTRY_POINTS = ("spec_cache.__main__",)
 
 
+# The library's rooms, lowest first: a room may import its own modules and those of the rooms below it. Rooms on
+# one rank (convert, training) stand side by side and import neither. Modules directly in spec_cache/ (errors, the
+# package's lazy public face) are the ground every room stands on; they import no room.
+ROOMS = (("spec_cache.naming",), ("spec_cache.state",), ("spec_cache.rows",), ("spec_cache.drafters",),
+         ("spec_cache.tiers",), ("spec_cache.decode",), ("spec_cache.convert", "spec_cache.training"))
+
+
+def room(name: str) -> str | None:
+    """The library room a module stands in (``spec_cache.tiers`` for ``spec_cache.tiers.cache``); None for the
+    ground (modules directly in ``spec_cache/``) and for modules outside the library."""
+    if _layer(name) != "spec_cache" or _floor(name) != "the library":
+        return None
+    return next((r for rank in ROOMS for r in rank if _within(name, r)), None)
+
+
+def _rank(name: str) -> int:
+    """0 for the ground, else 1 + the index of the module's room in ``ROOMS``."""
+    here = room(name)
+    return 0 if here is None else 1 + next(i for i, rank in enumerate(ROOMS) if here in rank)
+
+
+def _room_violation(module: Module, imp: Import) -> str | None:
+    """Why a library module's import of another library module runs up (or across) the room order, or None."""
+    if _floor(imp.target) != "the library" or _layer(imp.target) != "spec_cache" or imp.target == "spec_cache":
+        return None
+    mine, theirs = room(module.name), room(imp.target)
+    if mine == theirs:
+        return None
+    here, there = _rank(module.name), _rank(imp.target)
+    if there < here:
+        return None
+    where = mine or "the ground (spec_cache/)"
+    relation = "stands beside" if there == here else "stands above"
+    return f"{module.name} imports {imp.target}: room {theirs} {relation} {where}"
+
+
 def _upward(module: Module, imp: Import) -> str | None:
-    """Why ``imp`` runs up a layer or a floor, or None."""
+    """Why ``imp`` runs up a layer, a floor or a room, or None."""
     layer = _layer(module.name)
     if layer in ALLOWED:
         if not any(_within(imp.target, p) for p in ALLOWED[layer]):
             return f"{layer} imports {imp.target} (it may import only {' and '.join(ALLOWED[layer])})"
         return None
+    if module.name in ENTRY_POINTS or module.name == "spec_cache":
+        return None
     floor = _floor(module.name)
     above = next((p for p in FORBIDDEN.get(floor, ()) if _within(imp.target, p)), None)
-    if above and module.name not in ENTRY_POINTS:
+    if above:
         return f"{module.name} imports {imp.target}: {above} stands above {floor}"
+    if floor == "the library":
+        return _room_violation(module, imp)
     return None
 
 
@@ -293,6 +338,41 @@ def circles(known: dict[str, Module], root: Path) -> list[str]:
     return out
 
 
+def folder_of(module: Module) -> str:
+    """The folder (package) a module lies in: itself for a package's ``__init__``."""
+    return module.name if module.is_package else module.name.rpartition(".")[0]
+
+
+def folder_circles(known: dict[str, Module], root: Path) -> list[str]:
+    """One line per circle among the folders below the applications: folder A holds a module importing one of folder B, and B (through a chain
+    of folders) back into A. Module circles are reported apart; this catches two folders leaning on each other
+    through different modules, which no module circle shows."""
+    graph: dict[str, dict[str, int]] = {}
+    where: dict[tuple[str, str], Module] = {}
+    for module in known.values():
+        if module.name in ENTRY_POINTS or _floor(module.name) == "spec_cache.apps":
+            # an entry point stands above every floor (``python -m spec_cache`` runs the CLI); the applications'
+            # folders are not yet in an order of their own (cli and server share cli.common), so only the library,
+            # the store, the schemas and the test fixtures are held to it
+            continue
+        mine = folder_of(module)
+        graph.setdefault(mine, {})
+        for imp in module.imports:
+            if imp.target in known and (theirs := folder_of(known[imp.target])) != mine:
+                graph[mine].setdefault(theirs, imp.line)
+                where.setdefault((mine, theirs), module)
+    for edges in list(graph.values()):
+        for folder in edges:
+            graph.setdefault(folder, {})
+    out = []
+    for group in strongly_connected(graph):
+        loop = shortest_loop(graph, group)
+        hops = " -> ".join(f"{a} ({where[a, b].name} line {graph[a][b]})" for a, b in zip(loop, loop[1:]))
+        rel = where[loop[0], loop[1]].path.relative_to(root)
+        out.append(f"{rel}:{graph[loop[0]][loop[1]]}: folder circle of {len(group)} folders: {hops} -> {loop[0]}")
+    return out
+
+
 @dataclass
 class Report:
     modules: int
@@ -327,7 +407,7 @@ def analyse(root: Path) -> Report:
             hops = " -> ".join(f"{m} (line {at})" if at else m for m, at in chain)
             rel = known[name].path.relative_to(root)
             other.append(f"{rel}:{chain[0][1]}: inspection module {name} imports MLX at module level: {hops}")
-    return Report(len(known), circles(known, root), upward, other)
+    return Report(len(known), circles(known, root) + folder_circles(known, root), upward, other)
 
 
 def check(root: Path) -> list[str]:

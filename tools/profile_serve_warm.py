@@ -54,9 +54,11 @@ def _timed(owner, name: str, label: str) -> None:
 
 
 def instrument() -> None:
-    from spec_cache import cache as cache_mod
-    from spec_cache import engine, generator, memory_tier, target
     from spec_cache.apps.server import openai_routes, scheduler
+    from spec_cache.decode import engine, generator
+    from spec_cache.rows.protocol import target
+    from spec_cache.tiers import cache as cache_mod
+    from spec_cache.tiers import memory_tier
 
     _timed(openai_routes._Prompts, "chat", "tokenize")
     _timed(openai_routes._Prompts, "boundaries", "boundaries")

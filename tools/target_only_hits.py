@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 from spec_cache.drafters import load_provider
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.target import TargetModel
+from spec_cache.rows.target import TargetModel
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 
 DRAFTERS = [("deepspec", {}), ("dflash", {"gamma": 4}), ("dflash2", {"gamma": 4}), ("qwen-mtp", {})]

@@ -96,10 +96,10 @@ def main(args) -> int:
 
 def _main(args, method: str, max_tokens: int, work: str, cache_dir: str) -> int:
     from spec_cache.apps.tables import human_bytes, table
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.store import maintenance
     from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+    from spec_cache.tiers.cache import SpecCache
 
     t0 = time.perf_counter()
     _progress("building a tiny target and drafter (random weights) ...")

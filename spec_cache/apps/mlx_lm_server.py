@@ -3,7 +3,7 @@
 ``python -m spec_cache.apps.mlx_lm_server [mlx_lm.server args] [--cache PATH] [--shared URL] [--memory-bytes N]
 [--tenant SALT]`` runs ``mlx_lm.server``'s own ``main`` (its argument parser, its HTTP handler, its batching)
 with one thing changed: the prompt cache it builds in ``run`` is a
-:class:`spec_cache.mlx_lm_cache.SpecCachePromptCache` (memory tier, LMDB store at ``--cache``, the shared tier
+:class:`spec_cache.convert.mlx_lm_cache.SpecCachePromptCache` (memory tier, LMDB store at ``--cache``, the shared tier
 at ``--shared``) instead of the in-RAM ``LRUPromptCache``. Three names in ``mlx_lm.server`` are patched while it
 runs, and restored after: ``LRUPromptCache`` (the class ``run`` instantiates), ``run`` (wrapped, to read the
 server's KV options from its parsed arguments and to close the cache after the server stops) and
@@ -149,8 +149,8 @@ class patched_server:
         def run(host, port, model_provider, *args, **kwargs):
             import mlx.core as mx
 
-            from spec_cache.cache import SpecCache
-            from spec_cache.mlx_lm_cache import SpecCachePromptCache, kv_options_from_args
+            from spec_cache.convert.mlx_lm_cache import SpecCachePromptCache, kv_options_from_args
+            from spec_cache.tiers.cache import SpecCache
 
             if mx.distributed.init().size() > 1:  # each rank holds its own shard of the KV: never one namespace
                 log.warning("spec-cache: distributed mlx_lm.server keeps mlx-lm's in-RAM prompt cache")

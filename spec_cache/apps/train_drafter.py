@@ -1,6 +1,6 @@
 """``spec-cache train-drafter``: train a ``qwen-mtp`` drafter head for a target from its own greedy answers to a
-prompt set (``spec_cache.drafters.train_loop``), then measure its drafting acceptance on held-out prompts
-through the engine against the untrained head (``spec_cache.drafters.train_eval``).
+prompt set (``spec_cache.training.train_loop``), then measure its drafting acceptance on held-out prompts
+through the engine against the untrained head (``spec_cache.training.train_eval``).
 
 Options are MLX-free (the ``spec-cache`` parser is built without loading MLX); ``main`` loads it.
 ``python -m spec_cache.apps.train_drafter --model DIR --out DIR`` runs it alone.
@@ -132,7 +132,7 @@ def _prompt_texts(args) -> tuple[list[str], list[str]]:
 
 def _encode(model: str, texts: list[str], raw: bool) -> list[list[int]]:
     from spec_cache.apps.cli.loaders import load_tokenizer  # loads MLX
-    from spec_cache.generator import encode_prompt
+    from spec_cache.decode.generator import encode_prompt
 
     tokenizer = load_tokenizer(model)
     prompts = [encode_prompt(tokenizer, text, chat=not raw) for text in texts]
@@ -143,7 +143,7 @@ def _encode(model: str, texts: list[str], raw: bool) -> list[list[int]]:
 
 
 def _options(args, stored: dict | None):
-    from spec_cache.drafters.train_loop import TrainOptions
+    from spec_cache.training.train_loop import TrainOptions
 
     values = dict(DEFAULTS, prompt_loss=False)
     values.update(stored or {})
@@ -202,8 +202,8 @@ def run(args) -> dict:
         raise CliError(f"nothing to resume in {out} (no training/run.json); run without --resume to start")
     options = _options(args, stored)
     train_texts, heldout_texts = _prompt_texts(args)
-    from spec_cache.drafters.train_eval import compare  # loads MLX
-    from spec_cache.drafters.train_loop import check_target, train_head, training_dir
+    from spec_cache.training.train_eval import compare  # loads MLX
+    from spec_cache.training.train_loop import check_target, train_head, training_dir
 
     check_target(args.model)  # before the tokenizer: a directory no head fits is named as such
 

@@ -1,4 +1,4 @@
-"""Draft providers: each one is loaded from a directory and opens grouped draft rows (see ``spec_cache.rows``).
+"""Draft providers: each one is loaded from a directory and opens grouped draft rows (see ``spec_cache.rows.protocol``).
 
 | method        | provider             | row checkpoint schema   | namespace                                  |
 |---------------|----------------------|-------------------------|--------------------------------------------|

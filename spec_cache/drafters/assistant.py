@@ -23,7 +23,7 @@ import mlx.nn as nn
 from spec_cache.drafters.base import PAIRING, BoundDraftRows, NetworkProvider, check_sizes, directory_namespace
 from spec_cache.drafters.layers import MLP, load_weights
 from spec_cache.errors import ModelLoadError, UnsupportedCombination
-from spec_cache.rows import (
+from spec_cache.rows.protocol import (
     PrefillContext,
     PreparedStateChange,
     RoundContext,
@@ -32,6 +32,7 @@ from spec_cache.rows import (
     check_row,
     to_mx,
 )
+from spec_cache.rows.target import DonorView, TargetModel
 from spec_cache.schemas import (
     GEMMA_ASSISTANT_V1,
     CheckpointAttachment,
@@ -39,7 +40,6 @@ from spec_cache.schemas import (
     SchemaError,
     validate_checkpoint,
 )
-from spec_cache.target import DonorView, TargetModel
 
 __all__ = ["AssistantConfig", "AssistantNetwork", "AssistantProvider", "AssistantRows", "METHOD"]
 

@@ -2,7 +2,7 @@
 
 * :class:`DraftRows`: a row group's identity (provider, namespace, schema, ``supports_target_adapters``), its
   per-row coverage (``row_count``/``processed`` over ``_processed``), ``append`` through the two-phase
-  :func:`~spec_cache.rows.apply_state_changes`, and ``filter_rows`` (``[]`` releases everything).
+  :func:`~spec_cache.rows.protocol.apply_state_changes`, and ``filter_rows`` (``[]`` releases everything).
 * :class:`BoundDraftRows`: rows that read a target group (bound to it by ``provider.bind``) and sample drafts.
 * :class:`OpensRows`: a provider's ``open``/``open_prefill`` over its ``rows_class``; :class:`NetworkProvider`
   adds the fields of a provider around a trained network (assistant, DeepSpec, DFlash).
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from spec_cache.errors import UnsupportedCombination
-from spec_cache.rows import PreparedStateChange, apply_state_changes, check_keep
-from spec_cache.sampling import Sampling, TokenSampler
+from spec_cache.rows.protocol import PreparedStateChange, apply_state_changes, check_keep
+from spec_cache.rows.sampling import Sampling, TokenSampler
+from spec_cache.rows.target import TargetRows
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
-from spec_cache.target import TargetRows
 
 __all__ = [
     "PAIRING",
@@ -100,8 +100,8 @@ def check_opening(openings: Sequence[Any], validate: Callable[[DraftRowCheckpoin
 
 def directory_namespace(schema: str, model_dir: Path, config_name: str | None = None) -> str:
     """``<schema>:<model identity of model_dir>`` (``config_name``: see ``model_identity``)."""
-    from spec_cache.identity import model_identity
-    from spec_cache.namespace import drafter_namespace
+    from spec_cache.naming.identity import model_identity
+    from spec_cache.naming.namespace import drafter_namespace
 
     return drafter_namespace(schema, model_identity(model_dir, config_name=config_name))
 

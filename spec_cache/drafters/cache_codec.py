@@ -16,7 +16,7 @@ Restored caches hold the attachment's arrays bit for bit (``restore_kv_caches``)
 is its schema's and provider's rule (projected contexts and Qwen MTP: ``kv`` only).
 
 mlx-bun (the seed) writes the same tensors under its codec id ``mlx-cache-v3`` with slot objects instead of index
-lists; ``spec_cache.seed_codec.from_seed_attachment`` rewrites such an attachment into this codec (``kv`` and
+lists; ``spec_cache.convert.seed_codec.from_seed_attachment`` rewrites such an attachment into this codec (``kv`` and
 ``qkv`` layers; the kinds it refuses and why are listed there) and ``read_mlxkv`` reads them out of the seed's
 ``.mlxkv`` files. This codec itself refuses ``mlx-cache-v3`` (as the seed refuses ours): conversion is explicit.
 """
@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from spec_cache.errors import RestoreRefused
-from spec_cache.rows import to_mx
+from spec_cache.rows.protocol import to_mx
 from spec_cache.schemas import CACHE_CODECS_V1, CheckpointAttachment, encode_cache_headers
 
 __all__ = ["capture_kv_attachment", "restore_kv_caches", "CODEC_KINDS"]

@@ -26,7 +26,7 @@ from spec_cache.drafters.base import directory_namespace
 from spec_cache.drafters.dflash import block_logits
 from spec_cache.drafters.projected import ContextKV, ProjectedConfig, load_network
 from spec_cache.drafters.projected_rows import ProjectedProvider, ProjectedRows
-from spec_cache.rows import check_per_row
+from spec_cache.rows.protocol import check_per_row
 from spec_cache.schemas import DEEPSPEC_CONTEXT_V1
 
 __all__ = ["DeepSpecProvider", "DeepSpecRows", "METHOD"]

@@ -26,7 +26,7 @@ from spec_cache.drafters.base import directory_namespace
 from spec_cache.drafters.dflash_config import DSPARK_NAME, read_dflash_config
 from spec_cache.drafters.projected import ProjectedConfig, load_network
 from spec_cache.drafters.projected_rows import ProjectedProvider, ProjectedRows
-from spec_cache.rows import check_per_row
+from spec_cache.rows.protocol import check_per_row
 from spec_cache.schemas import DFLASH_CONTEXT_V1
 
 __all__ = ["DFlashProvider", "DFlashRows", "METHOD", "CONFIG_NAME", "block_logits", "kept_lengths"]

@@ -55,8 +55,8 @@ class DFlash2Provider(DFlashProvider):
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "DFlash2Provider":
-        from spec_cache.identity import model_identity
-        from spec_cache.namespace import dflash2_namespace
+        from spec_cache.naming.identity import model_identity
+        from spec_cache.naming.namespace import dflash2_namespace
 
         path = Path(model_dir)
         if not (path / "config.json").is_file():

@@ -36,7 +36,7 @@ import mlx.core as mx
 from spec_cache.drafters.base import BoundDraftRows, OpensRows, directory_namespace
 from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
 from spec_cache.errors import UnsupportedCombination
-from spec_cache.rows import (
+from spec_cache.rows.protocol import (
     PrefillContext,
     PreparedStateChange,
     RoundContext,
@@ -44,8 +44,8 @@ from spec_cache.rows import (
     check_per_row,
     check_row,
 )
+from spec_cache.rows.target import TargetModel, TargetRows
 from spec_cache.schemas import STANDALONE_DRAFT_V1, DraftRowCheckpoint, SchemaError, validate_checkpoint
-from spec_cache.target import TargetModel, TargetRows
 
 __all__ = ["DraftModelProvider", "DraftModelRows", "METHOD", "capture_kv_attachment", "restore_kv_caches"]
 

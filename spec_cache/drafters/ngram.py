@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from spec_cache.drafters.base import DraftRows
 from spec_cache.errors import ModelLoadError
-from spec_cache.rows import (
+from spec_cache.rows.protocol import (
     PrefillContext,
     PreparedStateChange,
     RoundContext,
@@ -36,7 +36,8 @@ from spec_cache.rows import (
     check_row,
     to_mx,
 )
-from spec_cache.sampling import Sampling
+from spec_cache.rows.sampling import Sampling
+from spec_cache.rows.target import TargetRows
 from spec_cache.schemas import (
     NGRAM_HISTORY_V1,
     CheckpointAttachment,
@@ -44,7 +45,6 @@ from spec_cache.schemas import (
     SchemaError,
     validate_checkpoint,
 )
-from spec_cache.target import TargetRows
 
 __all__ = ["NgramProvider", "NgramRows", "METHOD", "MatchIndex", "draft_length", "lookup"]
 
@@ -183,7 +183,7 @@ class NgramProvider:
     supports_target_adapters = True
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
-        from spec_cache.namespace import ngram_namespace
+        from spec_cache.naming.namespace import ngram_namespace
 
         self.namespace = ngram_namespace(max_n, min_n)  # validates 1 <= min_n <= max_n
         self.max_n, self.min_n = max_n, min_n

@@ -28,9 +28,16 @@ from spec_cache.drafters.base import (
 from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
 from spec_cache.drafters.projected import ContextKV, ProjectedNetwork
 from spec_cache.errors import UnsupportedCombination
-from spec_cache.rows import PrefillContext, PreparedStateChange, RoundContext, check_accepted, check_per_row, check_row
+from spec_cache.rows.protocol import (
+    PrefillContext,
+    PreparedStateChange,
+    RoundContext,
+    check_accepted,
+    check_per_row,
+    check_row,
+)
+from spec_cache.rows.target import TargetModel, clone_batch_cache
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError, validate_checkpoint
-from spec_cache.target import TargetModel, clone_batch_cache
 
 __all__ = ["ProjectedProvider", "ProjectedRows"]
 

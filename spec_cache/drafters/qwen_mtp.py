@@ -66,9 +66,9 @@ from spec_cache.drafters.base import (
 from spec_cache.drafters.deepspec import _extended
 from spec_cache.drafters.projected import ContextKV, _Layer
 from spec_cache.errors import ModelLoadError, UnsupportedCombination
-from spec_cache.rows import PreparedStateChange, RoundContext, check_accepted, check_per_row, check_row, to_mx
+from spec_cache.rows.protocol import PreparedStateChange, RoundContext, check_accepted, check_per_row, check_row, to_mx
+from spec_cache.rows.target import TargetModel, clone_batch_cache
 from spec_cache.schemas import QWEN_MTP_V1, CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
-from spec_cache.target import TargetModel, clone_batch_cache
 
 __all__ = ["QwenMTPConfig", "QwenMTPNetwork", "QwenMTPProvider", "QwenMTPRows", "METHOD"]
 

@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from spec_cache.target import TargetModel
+from spec_cache.rows.target import TargetModel
 from tests.apps.test_server import KEY_A, KEY_B, OPERATOR, Server, model  # noqa: F401  (model: a fixture)
 
 MEMORY = ["--memory-bytes", "256K", "--max-pin-ttl", "60", "--max-body-bytes", "2000000"]
@@ -332,7 +332,7 @@ def test_a_leased_entry_is_not_evicted_by_the_budget_until_its_lease_ends(tmp_pa
 def test_a_memory_tier_pin_holds_until_its_end_and_survives_a_replacing_put():
     import time
 
-    from spec_cache.memory_tier import MemoryTier
+    from spec_cache.tiers.memory_tier import MemoryTier
 
     def kv(n: int, seed: int) -> KVCache:
         c = KVCache()

@@ -289,7 +289,7 @@ def _model_dir(path: Path) -> Path:
 
 
 def test_identity(cli, cache, tmp_path):
-    from spec_cache.identity import model_identity
+    from spec_cache.naming.identity import model_identity
 
     model = _model_dir(tmp_path / "model")
     expected = model_identity(model, memo=False)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from spec_cache.apps.cli import main as cli_main
-from spec_cache.cache import SpecCache
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+from spec_cache.tiers.cache import SpecCache
 
 ROOT = Path(__file__).resolve().parents[2]
 

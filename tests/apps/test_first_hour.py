@@ -378,7 +378,7 @@ def test_the_demo_keeps_its_models_identity_memo_in_its_own_work_directory(monke
     seen = {}
 
     def fake_main(args, method, max_tokens, work, cache_dir):
-        from spec_cache.identity import default_memo, model_identity
+        from spec_cache.naming.identity import default_memo, model_identity
         from spec_cache.testing.tiny import write_tiny_target
 
         seen["memo"], seen["work"] = os.environ.get("SPEC_CACHE_IDENTITY_DIR"), work

@@ -15,17 +15,17 @@ import threading
 
 import mlx.core as mx
 
-import spec_cache.cache as cache_module
-import spec_cache.cache_state as cache_state
-from spec_cache.cache import SpecCache
-from spec_cache.mlx_lm_cache import SpecCachePromptCache
+import spec_cache.state.cache_state as cache_state
+import spec_cache.tiers.cache as cache_module
+from spec_cache.convert.mlx_lm_cache import SpecCachePromptCache
+from spec_cache.tiers.cache import SpecCache
 from tests.apps.test_mlx_lm_server import _greedy, _prompt_text, _serve, loaded, model_dir  # noqa: F401
 
 HOLD_S = 20  # a held wait gives up after this (the old code then fails its assertion instead of hanging)
 
 
 class _SlowDevice:
-    """``mlx.core`` as ``spec_cache.cache_state`` sees it, except that ``eval`` (a wait for the device) blocks on
+    """``mlx.core`` as ``spec_cache.state.cache_state`` sees it, except that ``eval`` (a wait for the device) blocks on
     ``thread`` until ``release`` is set; ``waited`` records that it was asked to."""
 
     def __init__(self, thread: threading.Thread):

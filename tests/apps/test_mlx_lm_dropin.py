@@ -16,9 +16,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from spec_cache.cache import SpecCache
-from spec_cache.mlx_lm_cache import SpecCachePromptCache
+from spec_cache.convert.mlx_lm_cache import SpecCachePromptCache
 from spec_cache.testing.tiny import write_tiny_tokenizer
+from spec_cache.tiers.cache import SpecCache
 from tests.apps.test_mlx_lm_server import Server
 
 MAX_TOKENS = 8
@@ -52,8 +52,8 @@ def write_tiny_mamba(path: Path, seed: int = 0, vocab_size: int = 256) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> Path:
-    from spec_cache import gguf
     from spec_cache.apps.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
+    from spec_cache.convert import gguf
 
     path = find_smollm2_gguf()
     if path is None:

@@ -23,10 +23,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from spec_cache.cache import SpecCache
-from spec_cache.mlx_lm_cache import SpecCachePromptCache, kv_options_from_args
-from spec_cache.namespace import KVOptions
+from spec_cache.convert.mlx_lm_cache import SpecCachePromptCache, kv_options_from_args
+from spec_cache.naming.namespace import KVOptions
 from spec_cache.testing.tiny import write_tiny_target
+from spec_cache.tiers.cache import SpecCache
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_WORDS = 300

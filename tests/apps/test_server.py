@@ -139,7 +139,7 @@ def cold_reference(target_dir: Path):
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_tokenizer
 
-    from spec_cache.target import TargetModel
+    from spec_cache.rows.target import TargetModel
 
     target = TargetModel.load(target_dir)
     memo = {}

@@ -336,8 +336,8 @@ def test_stream_error_event_and_status_mapping():
 def test_smollm2_messages_whole_streamed_and_cached(tmp_path):
     """SmolLM2-135M-Instruct (real weights and chat template): the streamed reply equals the whole one (greedy), a
     second question under the same system prompt reads the system prompt from the cache."""
-    from spec_cache import gguf
     from spec_cache.apps.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
+    from spec_cache.convert import gguf
 
     path = find_smollm2_gguf()
     if path is None:

@@ -9,9 +9,9 @@ import pytest
 
 from spec_cache.apps.server.protocol import APIError
 from spec_cache.apps.server.scheduler import Job, Scheduler
-from spec_cache.cache import SpecCache
-from spec_cache.generator import Generator
-from spec_cache.sampling import RowSampling
+from spec_cache.decode.generator import Generator
+from spec_cache.rows.sampling import RowSampling
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
 GREEDY = RowSampling()

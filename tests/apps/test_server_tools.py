@@ -240,7 +240,7 @@ def test_smollm2_renders_tool_requests_through_the_fallback(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from spec_cache.apps.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
-    from spec_cache.gguf import _tokenizer_files, read_gguf
+    from spec_cache.convert.gguf import _tokenizer_files, read_gguf
 
     gguf = find_smollm2_gguf()
     if gguf is None:
@@ -293,8 +293,8 @@ def test_smollm2_serves_a_tool_conversation_through_the_openai_client(tmp_path):
     """SmolLM2-135M-Instruct served (real weights, dequantized to float32 for the CPU) with the official openai
     client: a request offering tools goes through the fallback and answers; streamed == whole (greedy); the turn
     that sends a tool result back restores the whole previous prompt from the cache."""
-    from spec_cache import gguf
     from spec_cache.apps.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
+    from spec_cache.convert import gguf
     from tests.apps.test_server import Server
 
     path = find_smollm2_gguf()

@@ -309,7 +309,7 @@ def test_serve_passes_the_store_and_shared_tier_options_to_the_cache(monkeypatch
 
     from spec_cache.apps.cli import build_parser
     from spec_cache.apps.server.cli import build_state
-    from spec_cache.cache import SpecCache
+    from spec_cache.tiers.cache import SpecCache
 
     model = tmp_path / "m"
     model.mkdir()

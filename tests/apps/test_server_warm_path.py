@@ -19,10 +19,10 @@ import pytest
 from spec_cache.apps.bench import agentic
 from spec_cache.apps.server.openai_routes import _Prompts
 from spec_cache.apps.server.scheduler import MIN_CHECKPOINT_GAP, Scheduler
-from spec_cache.cache import SpecCache
-from spec_cache.generator import Generator
-from spec_cache.memory_tier import MemoryTier
-from spec_cache.target import TargetRows
+from spec_cache.decode.generator import Generator
+from spec_cache.rows.target import TargetRows
+from spec_cache.tiers.cache import SpecCache
+from spec_cache.tiers.memory_tier import MemoryTier
 from tests.apps.test_template_seam import _run_job
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 

@@ -14,9 +14,9 @@ import pytest
 from spec_cache.apps.bench import agentic
 from spec_cache.apps.server.scheduler import MAX_CHECKPOINT_AT, Job, Scheduler, checkpoint_points
 from spec_cache.apps.server.seam import message_boundaries
-from spec_cache.cache import SpecCache
-from spec_cache.generator import Generator
-from spec_cache.sampling import RowSampling
+from spec_cache.decode.generator import Generator
+from spec_cache.rows.sampling import RowSampling
+from spec_cache.tiers.cache import SpecCache
 from tests.apps.test_server import Server, chat_ids, cold_reference, expected_text, stopped, user, words
 from tests.apps.test_server_scheduler import Events
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cache.depth import DepthController, RowAcceptance
+from spec_cache.decode.depth import DepthController, RowAcceptance
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 from spec_cache.drafters.ngram import MatchIndex, draft_length
-from spec_cache.engine import RowRequest, SpeculativeEngine
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401
 
 MAX = 24

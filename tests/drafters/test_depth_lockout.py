@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cache.depth import CostTable, DepthController, RowAcceptance
-from spec_cache.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.depth import CostTable, DepthController, RowAcceptance
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cache.depth import DepthController, RowAcceptance, expected_accepted
+from spec_cache.decode.depth import DepthController, RowAcceptance, expected_accepted
 
 
 def all_or_nothing() -> RowAcceptance:
@@ -41,7 +41,7 @@ def test_one_odd_plain_round_does_not_move_a_settled_estimate():
     """Pipelined plain rounds are timed unevenly: the round before a probe only waits for a forward already in
     flight (29-40 ms against ~130 ms), the one after a drafting round builds its own too (190-280 ms). The
     estimate is the median of the latest five, so neither moves it (a moving average moved it by -23% / +30%)."""
-    from spec_cache.depth import CostTable
+    from spec_cache.decode.depth import CostTable
 
     table = CostTable()
     for seconds in (0.13, 0.13, 0.12, 0.14, 0.13):

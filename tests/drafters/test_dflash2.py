@@ -14,15 +14,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from spec_cache.cache import SpecCache
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.generator import Generator
 from spec_cache.drafters import METHODS, detect_method, load_provider
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.generator import Generator
-from spec_cache.identity import model_identity
+from spec_cache.naming.identity import model_identity
+from spec_cache.rows.target import TargetModel
 from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError
-from spec_cache.target import TargetModel
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 from spec_cache.testing.tiny_writers import write_tiny_drafter_extra
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import PROMPTS, CheckpointRecorder, _identity_memo, plain_greedy  # noqa: F401
 
 MAX = 12

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 from spec_cache.drafters.draft_model import DraftModelRows
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.rows import RoundContext
-from spec_cache.target import TargetRows
+from spec_cache.rows.protocol import RoundContext
+from spec_cache.rows.target import TargetRows
 from tests.library.test_adaptive_depth import timed_engine
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401
 
@@ -120,7 +120,7 @@ def test_speculative_equals_plain_greedy(tiny, monkeypatch, adaptive):  # noqa: 
         assert result.tokens == plain_greedy(tiny.target, prompt, MAX)
     if adaptive:
         # two exploring rounds at depth 1: a width's first (warm-up) cost is measured once more before it is
-        # trusted (spec_cache/depth.py; tests/library/test_adaptive_depth.py holds the same bound)
+        # trusted (spec_cache/decode/depth.py; tests/library/test_adaptive_depth.py holds the same bound)
         rounds = engine.depth.rounds_at_depth
         assert rounds[0] >= sum(rounds.values()) - 2 and rounds.get(1, 0) <= 2, dict(rounds)
     else:

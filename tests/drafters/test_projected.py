@@ -12,12 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from spec_cache.cache import SpecCache
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.generator import Generator
 from spec_cache.drafters import detect_method, load_provider
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.generator import Generator
-from spec_cache.identity import model_identity
-from spec_cache.rows import RoundContext
+from spec_cache.naming.identity import model_identity
+from spec_cache.rows.protocol import RoundContext
+from spec_cache.rows.target import TargetModel, TargetRows
 from spec_cache.schemas import (
     CheckpointAttachment,
     DraftRowCheckpoint,
@@ -25,8 +25,8 @@ from spec_cache.schemas import (
     encode_cache_headers,
     validate_checkpoint,
 )
-from spec_cache.target import TargetModel, TargetRows
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401
 
 PROJECTED = ["deepspec", "dflash"]

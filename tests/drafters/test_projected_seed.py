@@ -16,16 +16,16 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from spec_cache.cache import SpecCache
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.generator import Generator
 from spec_cache.drafters import detect_method, load_provider
 from spec_cache.drafters.dflash import DFlashProvider, block_logits
 from spec_cache.drafters.projected import ContextKV, ProjectedConfig
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.generator import Generator
-from spec_cache.identity import model_identity
-from spec_cache.target import TargetRows
+from spec_cache.naming.identity import model_identity
+from spec_cache.rows.target import TargetRows
 from spec_cache.testing.tiny import write_tiny_drafter
 from spec_cache.testing.tiny_writers import set_block_size
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import CheckpointRecorder, _identity_memo, build_tiny, plain_greedy, tiny  # noqa: F401
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 44))]

@@ -13,10 +13,10 @@ import random
 
 import pytest
 
-from spec_cache.depth import DepthController, RowAcceptance
+from spec_cache.decode.depth import DepthController, RowAcceptance
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 from spec_cache.drafters.ngram import MatchIndex, NgramProvider
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.rows import RoundContext
+from spec_cache.rows.protocol import RoundContext
 from tests.drafters.test_copy_drafting import billed_engine, copy_prompts
 from tests.drafters.test_draft_model_deferred import drive, open_rows, same_checkpoint
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401

@@ -1,4 +1,4 @@
-"""``spec-cache train-drafter`` (spec_cache.drafters.train_*): a qwen-mtp head trained on a tiny target's own greedy
+"""``spec-cache train-drafter`` (spec_cache.training.train_*): a qwen-mtp head trained on a tiny target's own greedy
 generations. The loss falls; held-out acceptance at depth 3 through the engine beats the untrained head, with
 tokens identical to plain greedy; the training graph's chained passes are the engine's draft steps; a run killed
 after a save and resumed ends with the weights of an uninterrupted run; the saved directory loads by its
@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 
 from spec_cache.apps.cli import main as cli_main
+from spec_cache.decode.generator import Generator
 from spec_cache.drafters import detect_method, load_provider
 from spec_cache.drafters.projected import ContextKV
-from spec_cache.drafters.train_data import greedy_sequences, load_corpus
-from spec_cache.drafters.train_eval import compare
-from spec_cache.drafters.train_head import chain_masks, chained_losses, chained_outputs, head_config, new_head
-from spec_cache.drafters.train_loop import STATE_NAME, TrainOptions, train_head, training_dir
-from spec_cache.generator import Generator
-from spec_cache.identity import model_identity
-from spec_cache.target import TargetModel
+from spec_cache.naming.identity import model_identity
+from spec_cache.rows.target import TargetModel
 from spec_cache.testing.tiny import write_tiny_target
+from spec_cache.training.train_data import greedy_sequences, load_corpus
+from spec_cache.training.train_eval import compare
+from spec_cache.training.train_head import chain_masks, chained_losses, chained_outputs, head_config, new_head
+from spec_cache.training.train_loop import STATE_NAME, TrainOptions, train_head, training_dir
 
 #: small enough for a loaded 2-core machine: a narrow MLP, short windows, few steps
 #: (held-out acceptance at depth 3 with these: 0.26-0.30 over seeds 0-2 at 80-100 steps; untrained 0)

@@ -1,4 +1,4 @@
-// The node oracle for spec_cache.namespace: mlx-bun's own captureSpeculativeOptions and
+// The node oracle for spec_cache.naming.namespace: mlx-bun's own captureSpeculativeOptions and
 // speculativePrefixNamespace (src/spec/cache-identity.ts, 0.5.0; the seed diff), types removed, behind a
 // JSON-lines protocol on stdin/stdout. Used by tests/test_namespace.py and tests/golden/make_namespaces.py.
 //

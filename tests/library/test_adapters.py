@@ -15,14 +15,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.tuner.utils import load_adapters
 from mlx_lm.utils import load
 
-from spec_cache.adapters import ADAPTER_IDENTITY_SEED, resolve_adapters
-from spec_cache.cache import SpecCache
+from spec_cache.convert.interop import import_prefix_namespace
+from spec_cache.decode.generator import Generator
 from spec_cache.drafters import open_provider
-from spec_cache.generator import Generator
-from spec_cache.identity import artifact_identity
-from spec_cache.interop import import_prefix_namespace
-from spec_cache.namespace import KVLayerConfig, KVOptions, cached_drafter_namespace, resolve_prefix_namespace
+from spec_cache.naming.identity import artifact_identity
+from spec_cache.naming.namespace import KVLayerConfig, KVOptions, cached_drafter_namespace, resolve_prefix_namespace
+from spec_cache.rows.adapters import ADAPTER_IDENTITY_SEED, resolve_adapters
 from spec_cache.testing.tiny import write_tiny_adapter, write_tiny_target
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import _identity_memo, build_tiny  # noqa: F401
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 9, 10]]

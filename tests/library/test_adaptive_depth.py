@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cache.depth import CostTable, DepthController, RowAcceptance, expected_accepted
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.sampling import RowSampling
+from spec_cache.decode.depth import CostTable, DepthController, RowAcceptance, expected_accepted
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.rows.sampling import RowSampling
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401
 
 MAX = 20

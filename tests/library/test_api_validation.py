@@ -9,10 +9,10 @@ import warnings
 import numpy as np
 import pytest
 
-from spec_cache.cache import CacheWarning, SpecCache
-from spec_cache.generation import check_prompts
-from spec_cache.generator import Generator
+from spec_cache.decode.generator import Generator
+from spec_cache.rows.generation import check_prompts
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+from spec_cache.tiers.cache import CacheWarning, SpecCache
 
 VOCAB = 256  # write_tiny_target's default
 

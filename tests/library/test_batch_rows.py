@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import spec_cache.quantized_rows as quantized_rows
-from spec_cache.batch_rows import BatchRows
-from spec_cache.quantized_batch import PhaseRows
-from spec_cache.rows import RoundContext, check_accepted, check_window
-from spec_cache.target import TargetRows
+import spec_cache.rows.quantized_rows as quantized_rows
+from spec_cache.rows.batch_rows import BatchRows
+from spec_cache.rows.protocol import RoundContext, check_accepted, check_window
+from spec_cache.rows.quantized_batch import PhaseRows
+from spec_cache.rows.target import TargetRows
 
 
 def test_check_window_returns_the_width_of_equal_non_empty_windows():

@@ -1,4 +1,4 @@
-"""The table of cache kinds (``spec_cache.cache_kinds``): every kind comes back bit-identical through the store
+"""The table of cache kinds (``spec_cache.state.cache_kinds``): every kind comes back bit-identical through the store
 route (``cache_state`` and LMDB) and the memory-tier route, an unknown cache class or stored kind is refused by a
 named error, stored records keep their format, and the table is the only place that checks cache classes."""
 
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from spec_cache import cache_kinds
-from spec_cache.cache import SpecCache
-from spec_cache.cache_kinds import KINDS, UnknownCacheType, UnknownLayerKind, kind_named, kind_of
-from spec_cache.cache_state import from_layer_state, layer_state, to_mx
 from spec_cache.errors import InvalidRequest, RestoreRefused, UnsupportedCombination
-from spec_cache.memory_tier import MemoryTier
+from spec_cache.state import cache_kinds
+from spec_cache.state.cache_kinds import KINDS, UnknownCacheType, UnknownLayerKind, kind_named, kind_of
+from spec_cache.state.cache_state import from_layer_state, layer_state, to_mx
 from spec_cache.store import LayerState, Tensor
+from spec_cache.tiers.cache import SpecCache
+from spec_cache.tiers.memory_tier import MemoryTier
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 12  # tokens every sample covers
@@ -200,7 +200,7 @@ def test_an_unknown_stored_kind_is_a_named_error():
 
 def test_the_table_is_the_only_place_that_checks_cache_classes():
     """cache_state and the memory tier name no mlx-lm cache class: they look kinds up in the table."""
-    for rel in ("spec_cache/cache_state.py", "spec_cache/memory_tier.py"):
+    for rel in ("spec_cache/state/cache_state.py", "spec_cache/tiers/memory_tier.py"):
         tree = ast.parse((ROOT / rel).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
@@ -212,15 +212,14 @@ def test_the_table_is_the_only_place_that_checks_cache_classes():
             if isinstance(node, ast.Compare):  # no ladder over kind names either
                 consts = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)}
                 assert not consts & set(SAMPLES), f"{rel}:{node.lineno} compares with a kind name"
-    from spec_cache.mlx_lm_cache import _storable_classes
+    from spec_cache.convert.mlx_lm_cache import _storable_classes
 
     assert set(_storable_classes()) == set(cache_kinds.cache_types()) == {
         KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache}
 
 
 def test_one_to_mx():
-    from spec_cache import rows
-
+    from spec_cache.rows.protocol import protocol as rows
     assert rows.to_mx is to_mx
     a = mx.array([1.5, -0.0], dtype=mx.bfloat16)
     assert to_mx(a) is a

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from spec_cache.cache import CacheWarning, SpecCache
-from spec_cache.cache_state import from_layer_state, layer_state
 from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
+from spec_cache.state.cache_state import from_layer_state, layer_state
+from spec_cache.tiers.cache import CacheWarning, SpecCache
 
 TARGET = "ab" * 32
 
@@ -124,7 +124,7 @@ def test_save_re_registers_a_namespace_dropped_behind_its_back(tmp_path):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_mx_concat_restores_bit_identically(tmp_path, dtype):
     """The GPU restore path (pieces copied into MLX once, joined in MLX), exercised here on the CPU."""
-    from spec_cache.cache_state import from_layer_state, mx_concat, to_mx
+    from spec_cache.state.cache_state import from_layer_state, mx_concat, to_mx
 
     caches = [kv(70, dtype, seed=3), kv(70, dtype, seed=4).to_quantized(group_size=64, bits=4)]
     with SpecCache.open(tmp_path / "c", chunk_tokens=16) as cache:
@@ -140,14 +140,14 @@ def test_mx_concat_restores_bit_identically(tmp_path, dtype):
     assert same(to_mx(restored.layers[0].tensors[0]), a.keys)
 
 
-# --- the host -> MLX copy routes (spec_cache.device_copy), exercised here on the CPU ---------------------------
+# --- the host -> MLX copy routes (spec_cache.state.device_copy), exercised here on the CPU ---------------------------
 _ROUTE_DTYPES = ["bool", "uint8", "int8", "uint16", "int16", "float16", "bfloat16", "uint32", "int32", "float32",
                  "uint64", "int64", "complex64"]
 
 
 def _raw(dtype, shape, seed):
     """Random bytes of ``dtype`` (bool: 0/1), with signed zeros and NaN payloads among the floats."""
-    from spec_cache.device_copy import _np_dtype
+    from spec_cache.state.device_copy import _np_dtype
 
     npd = _np_dtype(dtype)
     rng = np.random.default_rng(seed)
@@ -183,8 +183,8 @@ def _pieces(whole, axis, cuts):
 def test_copy_routes_are_bit_identical(dtype, route):
     """Every dtype, pieces of several sizes (one token, odd counts, one piece, a large piece split over
     threads): the staging loader and the CPU single-copy route give back exactly the stored bytes."""
-    from spec_cache import device_copy
-    from spec_cache.cache_state import _MX_DTYPES
+    from spec_cache.state import device_copy
+    from spec_cache.state.cache_state import _MX_DTYPES
 
     loader = device_copy.StagingLoader(capacity=1 << 20, threads=3, advise=False) if route == "staging" else None
     concat = loader if loader is not None else device_copy.fresh_concat
@@ -205,8 +205,7 @@ def test_copy_routes_are_bit_identical(dtype, route):
 
 def test_staging_loader_reuses_its_buffer_without_changing_returned_arrays():
     """Regions are reused (ring) and the buffer grows for a large tensor; arrays already returned never change."""
-    from spec_cache import device_copy
-
+    from spec_cache.state import device_copy
     loader = device_copy.StagingLoader(capacity=4096, threads=2, advise=False)
     kept = []
     try:
@@ -223,8 +222,7 @@ def test_staging_loader_reuses_its_buffer_without_changing_returned_arrays():
 
 
 def test_copier_splits_large_copies_over_threads():
-    from spec_cache import device_copy
-
+    from spec_cache.state import device_copy
     copier = device_copy.Copier(threads=4)
     try:
         whole = _raw("uint16", (1, 8, 4096, 128), 9)
@@ -238,8 +236,8 @@ def test_copier_splits_large_copies_over_threads():
 @pytest.mark.parametrize("route", ["staging", "fresh", "numpy", "join", "fill"])
 def test_store_fetch_through_each_route(tmp_path, route, monkeypatch):
     """``Store.fetch(concat=...)`` with each route gives the same caches (bfloat16 KV and a quantized layer)."""
-    from spec_cache import device_copy
-    from spec_cache.cache_state import restore_concat
+    from spec_cache.state import device_copy
+    from spec_cache.state.cache_state import restore_concat
 
     caches = [kv(70, mx.bfloat16, seed=3), kv(70, mx.float16, seed=4).to_quantized(group_size=64, bits=4)]
     if route == "staging":
@@ -261,8 +259,8 @@ def test_store_fetch_through_each_route(tmp_path, route, monkeypatch):
 
 def test_restore_concat_on_this_machine_and_route_status(monkeypatch):
     """On a CPU build: the single-copy sink by default, no staging loader offered, and the status says why."""
-    from spec_cache import device_copy
-    from spec_cache.cache_state import restore_concat
+    from spec_cache.state import device_copy
+    from spec_cache.state.cache_state import restore_concat
 
     monkeypatch.delenv("SPEC_CACHE_COPY_ROUTE", raising=False)
     if device_copy.is_cuda():

@@ -18,10 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spec_cache.cache import SpecCache
-from spec_cache.continuations import request_key
-from spec_cache.generator import Generator
-from spec_cache.sampling import RowSampling
+from spec_cache.decode.generator import Generator
+from spec_cache.rows.sampling import RowSampling
 from spec_cache.store import Store
 from spec_cache.store.continuations import (
     DB,
@@ -34,6 +32,8 @@ from spec_cache.store.continuations import (
     encode_continuation,
 )
 from spec_cache.store.maintenance import gc, verify
+from spec_cache.tiers.cache import SpecCache
+from spec_cache.tiers.continuations import request_key
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parents[1] / "golden" / "continuations.json"
@@ -91,10 +91,10 @@ def test_golden_keys_and_records_are_unchanged():
 
 CHILD = textwrap.dedent("""
     import sys, threading, time
-    from spec_cache import continuations as C
-    from spec_cache.cache import SpecCache
-    from spec_cache.engine import DecodeSession
-    from spec_cache.generator import Generator
+    from spec_cache.tiers import continuations as C
+    from spec_cache.tiers.cache import SpecCache
+    from spec_cache.decode.engine import DecodeSession
+    from spec_cache.decode.generator import Generator
 
     store, target = sys.argv[1], sys.argv[2]
     after, max_tokens, every = (int(a) for a in sys.argv[3:6])

@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from spec_cache.cache import SpecCache
-from spec_cache.generator import Generator
+from spec_cache.decode.generator import Generator
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import _identity_memo, build_tiny  # noqa: F401  (fixtures)
 
 PROMPTS = [list(range(3, 3 + n)) for n in (12, 20, 31, 45)]
@@ -23,8 +23,8 @@ HANG_GUARD_S = 240  # generous: a child that takes longer is hung, not slow
 # writes are still queued when the script ends, whatever the machine's speed.
 CHILD = """
 import os, sys, time
-from spec_cache.cache import SpecCache
-from spec_cache.generator import Generator
+from spec_cache.tiers.cache import SpecCache
+from spec_cache.decode.generator import Generator
 store_dir, target_dir, how = sys.argv[1:4]
 prompts = [list(range(3, 3 + n)) for n in (12, 20, 31, 45)]
 options = {"durability": "sync"} if how == "sync" else {}
@@ -109,7 +109,7 @@ BLOCKED = """
 import sys, threading, time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from spec_cache.cache import SpecCache
+from spec_cache.tiers.cache import SpecCache
 cache = SpecCache.open(sys.argv[1], exit_timeout_s=1.0)
 ns = cache.namespace("ab" * 32, "{}")
 cache.store.put = cache.store.put_many = lambda *a, **k: threading.Event().wait()
@@ -139,7 +139,7 @@ SHARED_HOST = """
 import sys, time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from spec_cache.cache import SpecCache
+from spec_cache.tiers.cache import SpecCache
 cache = SpecCache.open(sys.argv[1], shared=sys.argv[2], chunk_tokens=16,
                        shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0})
 ns = cache.namespace("ab" * 32, "{}")
@@ -181,8 +181,7 @@ def test_the_exit_registry_holds_caches_weakly_and_close_leaves_it(tmp_path):
     import gc
     import weakref
 
-    from spec_cache import exit_drain
-
+    from spec_cache.tiers import exit_drain
     cache = SpecCache.open(tmp_path / "a")
     assert cache in exit_drain._open
     cache.close()
@@ -201,7 +200,7 @@ LATE_WORKER = """
 import sys, threading, time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from spec_cache.cache import SpecCache
+from spec_cache.tiers.cache import SpecCache
 cache = SpecCache.open(sys.argv[1])
 ns = cache.namespace("ab" * 32, "{}")
 def worker():

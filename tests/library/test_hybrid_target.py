@@ -11,11 +11,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from spec_cache.cache import SpecCache
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.generator import Generator
-from spec_cache.row_caches import prefix_caches
-from spec_cache.target import HybridTargetRows, TargetRows
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.generator import Generator
+from spec_cache.rows.target import HybridTargetRows, TargetRows
+from spec_cache.state.row_caches import prefix_caches
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import _identity_memo, build_tiny, plain_greedy  # noqa: F401
 
 DRAFTERS = {"ngram": ("ngram", {}), "draft-model": ("draft-model", {})}

@@ -1,4 +1,4 @@
-"""Tests for spec_cache.identity: the framing contract, order and byte sensitivity, the memo, and
+"""Tests for spec_cache.naming.identity: the framing contract, order and byte sensitivity, the memo, and
 model directories. The digests appear in stored namespaces, so golden vectors pin them."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spec_cache import identity
-from spec_cache.identity import (
+from spec_cache.naming import identity
+from spec_cache.naming.identity import (
     MODEL_IDENTITY_SEED,
     FileChangedError,
     FileMemo,

@@ -1,5 +1,5 @@
 """Rows joining a decoding batch are prefilled chunk by chunk between its rounds
-(``SpeculativeEngine(interleave_prefill=True)``, ``spec_cache.joining``).
+(``SpeculativeEngine(interleave_prefill=True)``, ``spec_cache.rows.joining``).
 
 The contract: nobody's tokens change (the joining rows' and the decoding rows' equal the target's own greedy
 tokens and the unsplit session's), the boundary checkpoints are bit-identical, the decoding rows keep emitting
@@ -10,8 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from spec_cache.depth import DepthController
-from spec_cache.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.depth import DepthController
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 from spec_cache.errors import InvalidRequest
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
@@ -186,7 +186,7 @@ def test_interleave_option_is_checked(tiny):
 
 def test_prefill_without_a_reader_of_the_hidden_leaves_the_same_caches(tiny):
     """``need_hidden=False``: no last hidden (None), the very same K/V bit for bit."""
-    from spec_cache.target import TargetRows
+    from spec_cache.rows.target import TargetRows
 
     tokens = [LONG, OTHER]
     with_hidden, without = (TargetRows.from_row_caches(tiny.target, [None, None]) for _ in range(2))
@@ -201,7 +201,7 @@ def test_prefill_without_a_reader_of_the_hidden_leaves_the_same_caches(tiny):
 
 @pytest.mark.parametrize("provider_name", [None, "ngram"])
 def test_the_engine_asks_for_the_hidden_only_for_a_drafter(tiny, provider_name, monkeypatch):
-    from spec_cache.batch_rows import BatchRows
+    from spec_cache.rows.batch_rows import BatchRows
 
     asked = []
     original = BatchRows.prefill

@@ -13,10 +13,10 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 from mlx_lm.utils import load_model
 
 from spec_cache.apps.cli import main as cli_main
-from spec_cache.cache import SpecCache
-from spec_cache.generator import Generator
-from spec_cache.interop import InteropError, export_mlx_lm, import_mlx_lm
+from spec_cache.convert.interop import InteropError, export_mlx_lm, import_mlx_lm
+from spec_cache.decode.generator import Generator
 from spec_cache.testing.tiny import write_tiny_target
+from spec_cache.tiers.cache import SpecCache
 
 PROMPT = list(range(3, 60))
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from spec_cache.cache import SpecCache
-from spec_cache.mlx_lm_cache import SpecCachePromptCache
+from spec_cache.convert.mlx_lm_cache import SpecCachePromptCache
+from spec_cache.tiers.cache import SpecCache
 from tests.apps.test_mlx_lm_server import _greedy, _prompt_text, _serve, loaded, model_dir  # noqa: F401
 
 

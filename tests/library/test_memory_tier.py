@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from spec_cache.cache import SpecCache
+from spec_cache.decode.generator import Generator
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
-from spec_cache.generator import Generator
-from spec_cache.memory_tier import HitView, MemoryTier
 from spec_cache.store import Store
+from spec_cache.tiers.cache import SpecCache
+from spec_cache.tiers.memory_tier import HitView, MemoryTier
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
 METHODS = list(DRAFTER_METHODS)
@@ -234,9 +234,9 @@ def test_drain_makes_every_queued_checkpoint_durable(tmp_path):
 
 KILL_SCRIPT = """
 import sys, time
-from spec_cache.cache import SpecCache
+from spec_cache.tiers.cache import SpecCache
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
-from spec_cache.generator import Generator
+from spec_cache.decode.generator import Generator
 cache = SpecCache.open(sys.argv[1])
 gen = Generator.load(sys.argv[2], None, method="ngram", cache=cache)
 prompts = [list(range(3, 3 + n)) for n in (40, 70, 100)]
@@ -273,7 +273,7 @@ STORM_SCRIPT = """
 import sys
 import mlx.core as mx, numpy as np
 from mlx_lm.models.cache import KVCache
-from spec_cache.cache import SpecCache
+from spec_cache.tiers.cache import SpecCache
 cache = SpecCache.open(sys.argv[1])
 ns = cache.namespace("ab" * 32, "{}")
 rng = np.random.default_rng(0)
@@ -311,8 +311,7 @@ def test_write_behind_copies_bytes_to_the_host_on_the_writer_thread(tmp_path, mo
     put) happen on the writer thread, and the stored bytes equal the arrays."""
     import threading
 
-    from spec_cache import cache_state
-
+    from spec_cache.state import cache_state
     seen, real = [], cache_state._host_tensor
 
     def watched(t):
@@ -336,7 +335,7 @@ def test_write_behind_copies_bytes_to_the_host_on_the_writer_thread(tmp_path, mo
 def test_a_row_restored_to_its_whole_boundary_is_not_copied_for_a_boundary_checkpoint(tiny, tmp_path, monkeypatch):
     """The boundary checkpoint of a row that restored exactly ``prompt[:-1]`` (drafter row included) would repeat
     what it restored: the engine neither extracts (copies) nor offers it; the finish checkpoint still comes."""
-    from spec_cache.target import TargetRows
+    from spec_cache.rows.target import TargetRows
 
     calls = []
     real = TargetRows.extract

@@ -1,4 +1,4 @@
-"""Tests for spec_cache.namespace: golden vectors, a node oracle for JSON.stringify, stability, isolation."""
+"""Tests for spec_cache.naming.namespace: golden vectors, a node oracle for JSON.stringify, stability, isolation."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spec_cache import jsjson
-from spec_cache import namespace as ns_module
-from spec_cache.namespace import (
+from spec_cache.naming import jsjson
+from spec_cache.naming import namespace as ns_module
+from spec_cache.naming.namespace import (
     JS_NULL,
     FrozenJSONObject,
     KVLayerConfig,
@@ -285,7 +285,7 @@ def test_blake3_is_the_reference_function():
 _BATCH_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from spec_cache.namespace import prefix_namespace, namespace_key_hex
+from spec_cache.naming.namespace import prefix_namespace, namespace_key_hex
 cases = json.load(open(sys.argv[2], encoding="ascii"))
 out = []
 for case in cases:
@@ -946,7 +946,7 @@ def test_resolve_prefix_namespace():
 
 
 def test_module_does_not_import_mlx():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import spec_cache.namespace; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import spec_cache.naming.namespace; "
             "print(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code, str(REPO_ROOT)], capture_output=True, text=True,
                           timeout=60, check=True)
@@ -966,7 +966,7 @@ def _drafter_cases() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("case", _drafter_cases(), ids=lambda case: case["name"])
 def test_drafter_namespace_golden_vector(case):
-    from spec_cache.namespace import GLM52_NATIVE_MTP_NAMESPACE, dflash2_namespace
+    from spec_cache.naming.namespace import GLM52_NATIVE_MTP_NAMESPACE, dflash2_namespace
 
     kind = case["kind"]
     if kind == "dflash2":
@@ -988,7 +988,7 @@ def test_drafter_golden_cases_cover_each_family():
 
 @pytest.mark.parametrize("bits", [-1, 17, True, 4.0, "4"])
 def test_dflash2_namespace_refuses_bad_bits(bits):
-    from spec_cache.namespace import dflash2_namespace
+    from spec_cache.naming.namespace import dflash2_namespace
 
     with pytest.raises((TypeError, ValueError), match="bits"):
         dflash2_namespace("ab" * 32, bits)

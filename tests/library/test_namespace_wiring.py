@@ -11,11 +11,11 @@ from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 from mlx_lm.utils import load_model
 
 from spec_cache.apps.cli import main as cli_main
-from spec_cache.cache import SpecCache
-from spec_cache.generator import Generator
-from spec_cache.namespace import KVLayerConfig, KVOptions
+from spec_cache.decode.generator import Generator
+from spec_cache.naming.namespace import KVLayerConfig, KVOptions
 from spec_cache.store import maintenance
 from spec_cache.testing.tiny import write_tiny_adapter, write_tiny_target
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import _identity_memo, build_tiny  # noqa: F401
 
 PROMPT = list(range(3, 30))

@@ -8,10 +8,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from spec_cache.depth import DepthController
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.sampling import RowSampling
-from spec_cache.target import TargetModel, TargetRows
+from spec_cache.decode.depth import DepthController
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.rows.sampling import RowSampling
+from spec_cache.rows.target import TargetModel, TargetRows
 from spec_cache.testing.tiny import write_tiny_target
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 

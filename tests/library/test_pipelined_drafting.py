@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cache.depth import DepthController
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.sampling import RowSampling
-from spec_cache.target import TargetRows
+from spec_cache.decode.depth import DepthController
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.rows.sampling import RowSampling
+from spec_cache.rows.target import TargetRows
 from tests.library.test_pipelined_decode import _assert_same_checkpoints, _draft_arrays, _owned
 from tests.runtime_fixtures import PROMPTS, _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 
@@ -36,7 +36,7 @@ class Switching(DepthController):
     def observe_shadow(self, group, rows) -> None:
         super().observe_shadow(group, rows)
         for row in rows:
-            row.shadowed = False  # probes by count for every drafter (shadowed rows get none: spec_cache.depth)
+            row.shadowed = False  # probes by count for every drafter (shadowed rows get none: spec_cache.decode.depth)
 
 
 def never_drafts() -> DepthController:

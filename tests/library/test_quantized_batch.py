@@ -12,12 +12,12 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from spec_cache.apps.bench.quantized_baseline import PerRowQuantizedTargetRows
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.kv_quant import KVPlan, LayerQuant
-from spec_cache.namespace import KVOptions
-from spec_cache.quantized_batch import BatchQuantizedKVCache
-from spec_cache.quantized_rows import QuantizedTargetRows
-from spec_cache.rows import apply_state_changes
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.naming.namespace import KVOptions
+from spec_cache.rows.kv_quant import KVPlan, LayerQuant
+from spec_cache.rows.protocol import apply_state_changes
+from spec_cache.rows.quantized_batch import BatchQuantizedKVCache
+from spec_cache.rows.quantized_rows import QuantizedTargetRows
 from tests.runtime_fixtures import (  # noqa: F401
     CheckpointRecorder,
     _identity_memo,

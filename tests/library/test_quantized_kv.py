@@ -16,12 +16,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from spec_cache.apps.bench.quantized_baseline import PerRowQuantizedTargetRows
-from spec_cache.cache import SpecCache
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.generator import Generator
-from spec_cache.kv_quant import KVPlan, LayerQuant, converted_at, plan_kv, reusable
-from spec_cache.namespace import KVLayerConfig, KVOptions
-from spec_cache.quantized_rows import QuantizedTargetRows
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.generator import Generator
+from spec_cache.naming.namespace import KVLayerConfig, KVOptions
+from spec_cache.rows.kv_quant import KVPlan, LayerQuant, converted_at, plan_kv, reusable
+from spec_cache.rows.quantized_rows import QuantizedTargetRows
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import (  # noqa: F401
     CheckpointRecorder,
     _identity_memo,
@@ -356,8 +356,8 @@ def test_random_batches_restore_points_and_row_churn(qtiny, data):
 def test_an_engine_built_directly_refuses_what_cannot_run():
     """plan_kv applies namespace.check_runnable: a layer named twice or a group size of 0 is refused, not
     silently resolved (last entry wins / 64)."""
-    from spec_cache.kv_quant import plan_kv
-    from spec_cache.namespace import capture_options
+    from spec_cache.naming.namespace import capture_options
+    from spec_cache.rows.kv_quant import plan_kv
 
     with pytest.raises(ValueError, match="more than once"):
         plan_kv(capture_options({"kvConfig": [{"layerIdx": 0, "bits": 4}, {"layerIdx": 0, "bits": 8}]}), 2, [64, 64])

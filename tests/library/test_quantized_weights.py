@@ -1,6 +1,6 @@
 """Quantized-weight targets end to end: the real SmolLM2-135M-Instruct (Q4_1 linear layers, Q8_0 tied embeddings,
-converted by spec_cache.gguf) through Generator + SpecCache: cold == mlx-lm's ``generate_step`` greedy, restored ==
-cold, B in {1, 3}, per drafter.
+converted by spec_cache.convert.gguf) through Generator + SpecCache: cold == mlx-lm's ``generate_step`` greedy,
+restored == cold, B in {1, 3}, per drafter.
 
 Why bit-exactness holds here: MLX's CPU ``quantized_matmul`` computes every output row on its own, in the same
 order whatever the number of rows, so a verify window of ``depth + 1`` tokens, a batch of left-padded rows and
@@ -22,10 +22,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from spec_cache.cache import SpecCache
-from spec_cache.generator import Generator
-from spec_cache.target import TargetModel
+from spec_cache.decode.generator import Generator
+from spec_cache.rows.target import TargetModel
 from spec_cache.testing.tiny import write_tiny_drafter
+from spec_cache.tiers.cache import SpecCache
 from tests.library.test_gguf import FRANCE, smollm2_dir, smollm2_gguf, smollm2_root  # noqa: F401  (fixtures)
 from tests.runtime_fixtures import _identity_memo, plain_greedy  # noqa: F401  (fixtures)
 

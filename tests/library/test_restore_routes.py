@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from spec_cache import device_copy
-from spec_cache.cache import SpecCache
-from spec_cache.cache_state import restore_concat
+from spec_cache.state import device_copy
+from spec_cache.state.cache_state import restore_concat
+from spec_cache.tiers.cache import SpecCache
 
 TARGET = "cd" * 32
 N = 75

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from spec_cache.drafters.ngram import lookup
-from spec_cache.rows import DraftGroup, DraftProvider, PreparedStateChange, RoundContext, apply_state_changes
+from spec_cache.rows.protocol import DraftGroup, DraftProvider, PreparedStateChange, RoundContext, apply_state_changes
+from spec_cache.rows.target import TargetModel, TargetRows, check_kv_options
 from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint, SchemaError, validate_checkpoint
-from spec_cache.target import TargetModel, TargetRows, check_kv_options
 from tests.runtime_fixtures import DRAFTERS, _identity_memo, tiny  # noqa: F401
 
 GROUPS = list(DRAFTERS)
@@ -184,7 +184,7 @@ def test_kv_options_check():
     for field, value in (("kv_bits", 8), ("kv_config", ({"layerIdx": 0},))):
         options = Options()
         setattr(options, field, value)
-        check_kv_options(options)  # affine KV quantization runs (spec_cache.kv_quant)
+        check_kv_options(options)  # affine KV quantization runs (spec_cache.rows.kv_quant)
     options = Options()
     options.turbo_quant = {"kBits": 8}
     with pytest.raises(NotImplementedError, match="no TurboQuant codec"):
@@ -355,9 +355,9 @@ def test_float_and_quantized_target_rows_implement_the_declared_protocol():
     """Both target row kinds speak ``TargetRowGroup`` with compatible signatures (what the engine relies on)."""
     import inspect
 
-    from spec_cache.quantized_rows import QuantizedTargetRows
-    from spec_cache.rows import TargetRowGroup
-    from spec_cache.target import TargetRows
+    from spec_cache.rows.protocol import TargetRowGroup
+    from spec_cache.rows.quantized_rows import QuantizedTargetRows
+    from spec_cache.rows.target import TargetRows
 
     members = [name for name in vars(TargetRowGroup) if not name.startswith("_")]
     assert {"prefill", "verify", "rollback", "extract", "prepare_append", "filter_rows"} <= set(members)

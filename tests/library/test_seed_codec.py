@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from spec_cache.cache_state import checkpoint_from_store
+from spec_cache.convert.seed_codec import SeedFormatError, from_seed_attachment, read_mlxkv, wyhash
 from spec_cache.drafters.cache_codec import restore_kv_caches
 from spec_cache.schemas import CACHE_CODECS_V1, CheckpointAttachment, SchemaError
-from spec_cache.seed_codec import SeedFormatError, from_seed_attachment, read_mlxkv, wyhash
+from spec_cache.state.cache_state import checkpoint_from_store
 from spec_cache.store import Store
 from spec_cache.store.tensors import LayerState, Tensor
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from spec_cache.cache import SpecCache
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.generator import Generator
-from spec_cache.namespace import KVOptions
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.generator import Generator
+from spec_cache.naming.namespace import KVOptions
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import DRAFTERS, CheckpointRecorder, _identity_memo, build_tiny, plain_greedy  # noqa: F401
 
 WINDOW = 6

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cache.cache import SpecCache
+from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+from spec_cache.decode.generator import Generator
 from spec_cache.drafters import load_provider
 from spec_cache.drafters.base import ColdRow, PartialRowCheckpoint
-from spec_cache.engine import RowRequest, SpeculativeEngine
-from spec_cache.generator import Generator
+from spec_cache.rows.target import TargetModel
 from spec_cache.schemas import SchemaError
-from spec_cache.target import TargetModel
 from spec_cache.testing.tiny import write_tiny_adapter, write_tiny_drafter, write_tiny_target
+from spec_cache.tiers.cache import SpecCache
 from tests.runtime_fixtures import CheckpointRecorder, _identity_memo, build_tiny, plain_greedy  # noqa: F401
 
 METHODS = {"deepspec": {}, "dflash": {"gamma": 4}, "dflash2": {"gamma": 4}, "qwen-mtp": {}}

@@ -1,4 +1,4 @@
-"""spec_cache.warmup: the kernel warm-up runs every class it promises, writes nothing, changes no token.
+"""spec_cache.decode.warmup: the kernel warm-up runs every class it promises, writes nothing, changes no token.
 
 On the CPU there is nothing to compile, so these tests check the behaviour that holds everywhere (what runs, what
 it leaves behind), not the GPU compile time it saves (measured on the H200: tools/device/shape_compile.py).
@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spec_cache import warmup
+from spec_cache.decode import warmup
 from spec_cache.store import maintenance
 
 
@@ -51,8 +51,8 @@ def test_warm_up_covers_every_class_and_writes_nothing(models, tmp_path):
 
 
 def test_warm_up_respects_max_rows_and_plain_engines(models):
-    from spec_cache.engine import SpeculativeEngine
-    from spec_cache.target import TargetModel
+    from spec_cache.decode.engine import SpeculativeEngine
+    from spec_cache.rows.target import TargetModel
 
     target, _ = models
     engine = SpeculativeEngine(TargetModel.load(target), None, 0, max_rows=2, prefill_step_size=16)

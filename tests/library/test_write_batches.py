@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from spec_cache import write_behind
-from spec_cache.cache import SpecCache
 from spec_cache.store.shared.queue import WriteBehind
+from spec_cache.tiers import write_behind
+from spec_cache.tiers.cache import SpecCache
 from tests.library.test_memory_tier import kv
 
 
@@ -91,8 +91,7 @@ def test_the_queue_lingers_for_company_but_never_while_drained():
 def test_a_checkpoint_whose_copy_fails_in_a_batch_is_released_and_the_others_stored(tmp_path, monkeypatch):
     """A batch member whose device-to-host copy fails goes alone through the one-checkpoint path (which reports it
     and lets the memory tier evict it); the rest of the batch is stored."""
-    from spec_cache import cache as cache_module
-
+    from spec_cache.tiers import cache as cache_module
     monkeypatch.setattr(write_behind, "LINGER_S", 30.0)
     real = cache_module.host_layers
 

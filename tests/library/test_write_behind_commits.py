@@ -9,11 +9,11 @@ from __future__ import annotations
 import threading
 import time
 
-from spec_cache import write_behind
-from spec_cache.cache import SpecCache
-from spec_cache.continuations import Continuations
 from spec_cache.store.continuations import Continuation
 from spec_cache.store.shared.queue import WriteBehind
+from spec_cache.tiers import write_behind
+from spec_cache.tiers.cache import SpecCache
+from spec_cache.tiers.continuations import Continuations
 from tests.library.test_memory_tier import kv
 from tests.library.test_write_batches import _prefix, assert_restored_from_lmdb, counted_commits
 

@@ -4,9 +4,9 @@ the scheduler's thread once a fixed 1 GiB fills (on the H200 at 4 clients that s
 
 from __future__ import annotations
 
-from spec_cache import cache as cache_module
-from spec_cache import write_behind
-from spec_cache.cache import SpecCache
+from spec_cache.tiers import cache as cache_module
+from spec_cache.tiers import write_behind
+from spec_cache.tiers.cache import SpecCache
 from tests.library.test_memory_tier import kv
 
 

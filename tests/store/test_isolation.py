@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spec_cache.namespace import namespace_key
+from spec_cache.naming.namespace import namespace_key
 from spec_cache.store import LayerState, Store, Tensor, maintenance
 from tools.faults import timing
 

@@ -147,7 +147,7 @@ def test_as_another_user_permission_denied_is_named_and_readonly_inspection_work
 
 
 def test_a_closed_cache_is_a_clear_error_or_a_warned_miss(tmp_path):
-    from spec_cache.cache import CacheClosedError, CacheWarning, SpecCache
+    from spec_cache.tiers.cache import CacheClosedError, CacheWarning, SpecCache
 
     cache = SpecCache.open(tmp_path / "s")
     ns = cache.namespace("ab" * 32, "{}")

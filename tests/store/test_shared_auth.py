@@ -22,11 +22,11 @@ import warnings
 import pytest
 import redis
 
-from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.store import StoreError
 from spec_cache.store.keys import pack_tokens
 from spec_cache.store.shared import SharedConfig
 from spec_cache.store.shared.records import record_checksum
+from spec_cache.tiers.cache import CacheWarning, SpecCache
 from tests.redis_servers import ThrowawayServer, server_binaries
 from tests.runtime_fixtures import _identity_memo, plain_greedy, tiny  # noqa: F401  (fixtures)
 from tests.store.test_shared_tier import (
@@ -331,8 +331,8 @@ def test_a_server_trickling_bytes_costs_a_lookup_its_budget(server, hosts, slow_
 # --- the server's scheduler ---------------------------------------------------------------------------------
 def test_a_slow_shared_lookup_never_stalls_another_stream(tiny, server, hosts, slow_proxy):
     from spec_cache.apps.server.scheduler import Job, Scheduler
-    from spec_cache.generator import Generator
-    from spec_cache.sampling import RowSampling
+    from spec_cache.decode.generator import Generator
+    from spec_cache.rows.sampling import RowSampling
 
     target, drafter = tiny.root / "target", tiny.drafter_dir("assistant")
     b_prompt = list(range(5, 70))

@@ -22,12 +22,12 @@ import redis
 from redis.cluster import RedisCluster, key_slot
 
 from spec_cache.apps.cli import shared as shared_cli
-from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.store import StoreError
 from spec_cache.store.shared import SharedConfig
 from spec_cache.store.shared.auth import SALT_BYTES, TAG_BYTES
 from spec_cache.store.shared.keys import KeyNames
 from spec_cache.store.shared.records import read_outgoing
+from spec_cache.tiers.cache import CacheWarning, SpecCache
 from tests.redis_servers import ThrowawayCluster, cli_for, free_port, server_binaries
 from tests.store.test_shared_tier import (  # noqa: F401  (hosts: a fixture)
     DRAFTER,
@@ -180,7 +180,7 @@ def test_a_cluster_down_at_start_is_a_miss_not_a_crash(tmp_path):
 # --- two hosts -------------------------------------------------------------------------------------------
 HOST_SCRIPT = """
 import json, sys
-from spec_cache.cache import SpecCache
+from spec_cache.tiers.cache import SpecCache
 from tests.store.test_shared_tier import TARGET, PREFIX_NS, SECRET, C, prompt, save
 url, path, seeds = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
 cache = SpecCache.open(path, shared=url, shared_options={"timeout_s": 2.0, "connect_timeout_s": 2.0, "secret": SECRET},

@@ -21,12 +21,12 @@ import redis
 from mlx_lm.models.cache import KVCache
 
 from spec_cache.apps.cli import shared as shared_cli
-from spec_cache.cache import CacheWarning, SpecCache
 from spec_cache.schemas import NGRAM_HISTORY_V1, CheckpointAttachment, DraftRowCheckpoint
 from spec_cache.store import StoreError
 from spec_cache.store.shared import SharedConfig, SharedTier
 from spec_cache.store.shared.publish import PublishJob
 from spec_cache.store.shared.records import read_outgoing
+from spec_cache.tiers.cache import CacheWarning, SpecCache
 from tests.redis_servers import ThrowawayServer, free_port, server_binaries
 
 BINARIES = server_binaries()
@@ -195,7 +195,7 @@ def test_two_hosts_share_prefixes(server, hosts, store_invariants):
 
 
 def test_generator_restores_from_the_shared_tier_identically(server, hosts, tmp_path):
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 
     target = write_tiny_target(tmp_path / "target", tokenizer=False)

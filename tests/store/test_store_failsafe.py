@@ -55,7 +55,7 @@ CHILD = textwrap.dedent("""
         except StoreError as exc:
             answers.append("put:" + type(exc).__name__)
     print("answers", " ".join(answers), flush=True)
-    from spec_cache.cache import SpecCache
+    from spec_cache.tiers.cache import SpecCache
     cache = SpecCache(store, memory_bytes=0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")

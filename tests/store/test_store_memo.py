@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-import spec_cache.identity as identity
-from spec_cache.identity import model_identity
+import spec_cache.naming.identity as identity
+from spec_cache.naming.identity import model_identity
 from spec_cache.store import Store
 
 

@@ -230,7 +230,7 @@ def test_fair_share_invariant_after_random_puts(tmp_path_factory, puts):
 
 # --- tenant labels: one-way, and how the runtime derives them ----------------------------------------------
 def test_tenant_labels_are_one_way_and_a_cache_salt_counts_against_its_tenant(tmp_path):
-    from spec_cache.cache import SpecCache
+    from spec_cache.tiers.cache import SpecCache
 
     assert tenant_id("key:tenant-a").hex() == GOLDEN_A  # a public label: the format pins it
     assert tenant_id("a") == tenant_id(b"a") != tenant_id("b")
@@ -266,7 +266,7 @@ def _kv(n: int, seed: int):
 
 
 def test_memory_tier_fair_share_and_quota():
-    from spec_cache.memory_tier import MemoryTier
+    from spec_cache.tiers.memory_tier import MemoryTier
 
     one = _kv(10, 0).keys.nbytes * 2
     tier = MemoryTier(12 * one, idle_seconds=None)

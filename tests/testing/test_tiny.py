@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.utils import load, load_model
 
 from spec_cache.drafters import detect_method, load_provider
-from spec_cache.target import TargetModel
+from spec_cache.rows.target import TargetModel
 from spec_cache.testing.tiny import ARCHITECTURES, write_tiny_adapter, write_tiny_drafter, write_tiny_target
 from tests.runtime_fixtures import _identity_memo, plain_greedy  # noqa: F401
 
@@ -107,7 +107,7 @@ def test_bad_drafter_arguments(tmp_path, target_dir):
 
 
 def test_mismatched_pairing_is_refused(tmp_path, target_dir):
-    from spec_cache.engine import SpeculativeEngine
+    from spec_cache.decode.engine import SpeculativeEngine
 
     wide = write_tiny_target(tmp_path / "wide", hidden_size=256, num_heads=4, tokenizer=False)
     assistant = load_provider(write_tiny_drafter(tmp_path / "assistant", "assistant", wide))

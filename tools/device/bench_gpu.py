@@ -79,7 +79,7 @@ def environment() -> dict:
     except Exception as e:
         env["mlx_lm"] = f"error: {e}"
     try:
-        from spec_cache import device_copy
+        from spec_cache.state import device_copy
         env["copy_route"] = device_copy.status()
         env["capture_route"] = device_copy.capture_status()
     except Exception as e:
@@ -124,8 +124,8 @@ def run_limits() -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from spec_cache import device_copy
     from spec_cache.apps.bench.timing import median_time
+    from spec_cache.state import device_copy
 
     out = {}
     n = 1 << 30
@@ -240,10 +240,10 @@ def run_routes(cfg: dict) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-    from spec_cache import device_copy
     from spec_cache.apps.bench.timing import median_time
-    from spec_cache.cache_state import mx_concat, to_mx
-    from spec_cache.namespace import namespace_key
+    from spec_cache.naming.namespace import namespace_key
+    from spec_cache.state import device_copy
+    from spec_cache.state.cache_state import mx_concat, to_mx
     from spec_cache.store import LayerState, Store, Tensor
 
     out = {}
@@ -265,7 +265,7 @@ def run_routes(cfg: dict) -> dict:
         ns = namespace_key("0" * 64, "routes")
         store.register_namespace(ns, target="0" * 64, prefix_namespace="routes")
         toks = list(range(tokens))
-        from spec_cache.cache_state import to_tensor
+        from spec_cache.state.cache_state import to_tensor
 
         t0 = time.perf_counter()
         store.put(ns, toks, [LayerState("kv", {}, [to_tensor(k), to_tensor(v)], token_axis=2) for k, v in layers])
@@ -361,9 +361,9 @@ def run_stages(n: int, reps: int = 3) -> dict:
     from mlx_lm.models.cache import KVCache
 
     from spec_cache.apps.bench.timing import median_time
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
-    from spec_cache.target import TargetRows, clone_batch_cache
+    from spec_cache.decode.generator import Generator
+    from spec_cache.rows.target import TargetRows, clone_batch_cache
+    from spec_cache.tiers.cache import SpecCache
 
     path = b8.model_dir(b8.DIMS_8B)
     work = tempfile.mkdtemp(prefix="bench-stages-", dir="/tmp")

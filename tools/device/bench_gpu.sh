@@ -36,7 +36,7 @@ tree_id() {  # what was measured: HEAD (where the copy has git) and a digest of 
   sum=$(cd "$1" && find spec_cache store schemas -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
   echo "$(git rev-parse --short HEAD 2>/dev/null || echo no-git) sources-sha256:$sum"
 }
-IMPORTS="import spec_cache.generator, spec_cache.cache, spec_cache.apps.bench.ttft, spec_cache.store, spec_cache.device_copy"
+IMPORTS="import spec_cache.decode.generator, spec_cache.tiers.cache, spec_cache.apps.bench.ttft, spec_cache.store, spec_cache.state.device_copy"
 if [ "${SPEC_CACHE_BENCH_TREE:-}" = head ] && [ -d .gpu/src ]; then  # the committed snapshot, not edits in progress
   farm "$PWD/.gpu/src" || exit 1
   export SPEC_CACHE_GIT="HEAD snapshot (asked): $(tree_id .gpu/src)"

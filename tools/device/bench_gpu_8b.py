@@ -158,8 +158,8 @@ def _state_bytes_per_token(plan) -> int:
 
 def _turns(plan, turns: list, expect: list, tier: str, deadline: Deadline) -> dict:
     """One tier's next turns (``next_turn``); ``turns[0]`` is the untimed warm-up."""
-    from spec_cache.cache import SpecCache
-    from spec_cache.memory_tier import default_budget
+    from spec_cache.tiers.cache import SpecCache
+    from spec_cache.tiers.memory_tier import default_budget
 
     n, prompt = plan.n, plan.prompt
     path = os.path.join(plan.work, f"turns-{tier}-{plan.key}")
@@ -217,7 +217,7 @@ def first_write(plan, *, reps: int, deadline: Deadline | None = None, seed: int 
     (memory tier + write-behind) that has never seen it: a miss that prefills and keeps its checkpoints, written
     to LMDB behind the request (drained, untimed, before the next pair). Pairs alternate which goes first.
     ``overhead`` = median TTFT on / median TTFT cold (``overhead_wall``: the same for the whole ``generate``)."""
-    from spec_cache.cache import SpecCache
+    from spec_cache.tiers.cache import SpecCache
 
     deadline = deadline or Deadline(None)
     n = plan.n

@@ -94,8 +94,8 @@ def restore_stages(cache, ns_key: bytes, key: list, reps: int) -> dict:
     """
     import mlx.core as mx
 
-    from spec_cache import device_copy
-    from spec_cache.cache_state import restore_concat
+    from spec_cache.state import device_copy
+    from spec_cache.state.cache_state import restore_concat
 
     store = cache.store
     n = len(key)

@@ -35,9 +35,9 @@ def main(argv=None) -> int:
 
     import mlx.core as mx
 
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+    from spec_cache.tiers.cache import SpecCache
 
     work = tempfile.mkdtemp(prefix="profile-warm-")
     h = args.hidden

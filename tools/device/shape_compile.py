@@ -3,7 +3,7 @@
 Usage (on the lent H200, MLX CUDA installed as tools/device/bench_drafting.sh does):
 ``python3 tools/device/shape_compile.py MODEL_DIR``. Each length runs three times on a fresh cache after a
 64-token prefill; the first time includes any kernel NVRTC compiles for that class. Measured with SmolLM2-135M
-4-bit, MLX 0.32.4: 23 tokens took 36.5 s the first time, 8.6 ms after (see spec_cache/warmup.py).
+4-bit, MLX 0.32.4: 23 tokens took 36.5 s the first time, 8.6 ms after (see spec_cache/decode/warmup.py).
 """
 
 from __future__ import annotations

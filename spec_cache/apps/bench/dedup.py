@@ -20,8 +20,8 @@ def run(prompts: int = 100, prefix: int = 4096, suffix: int = 64, *, layers: int
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, save_prompt_cache
 
-    from spec_cache.cache_state import capture_caches
-    from spec_cache.namespace import namespace_key
+    from spec_cache.naming.namespace import namespace_key
+    from spec_cache.state.cache_state import capture_caches
     from spec_cache.store import Store, maintenance
 
     rng = np.random.default_rng(0)

@@ -24,10 +24,10 @@ def _drafter_bytes(store) -> int:
 
 
 def _run_once(work: Path, method: str, prompts: list[list[int]], max_tokens: int, pieces: bool) -> dict:
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.store import maintenance
     from spec_cache.store import pieces as P
+    from spec_cache.tiers.cache import SpecCache
 
     P.WRITE_PIECES = pieces
     try:

@@ -62,7 +62,7 @@ CONVERSATIONS = [
 def converted(gguf: Path, variant: str, cache_dir: Path) -> Path:
     """The GGUF converted once per variant: ``q4`` (quantized, float32 scales), ``float32``/``float16``
     (dequantized)."""
-    from spec_cache.gguf import convert
+    from spec_cache.convert.gguf import convert
 
     if variant not in ("q4", "float32", "float16"):
         raise ValueError(f"variant must be q4, float32 or float16, got {variant!r}")
@@ -105,7 +105,7 @@ def prefilled(target, provider, prompts, restored=None) -> list:
     """Each prompt's boundary state ``(target caches over prompt[:-1], drafter checkpoint or None)``, computed
     once: every timed run restores it, as a cached conversation turn would, so the runs time decoding only (MLX's
     4-bit CPU kernels prefill at ~0.5 s per token on 2 busy cores). ``restored``: target states to start from."""
-    from spec_cache.engine import RowRequest, SpeculativeEngine
+    from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 
     boundaries: dict[int, tuple] = {}
 
@@ -124,7 +124,7 @@ def decode(target, provider, prompts, new_tokens: int, depth: int, adaptive: boo
     second and per process CPU second, tokens, acceptance, chosen depths. ``cpu_clock``: the controller times
     rounds in process CPU seconds (a CPU backend on a shared machine: other processes' load is not this
     decoder's cost)."""
-    from spec_cache.engine import RowRequest, SpeculativeEngine
+    from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 
     clock = time.process_time if cpu_clock else time.perf_counter
     engine = SpeculativeEngine(target, provider, draft_depth=depth if provider is not None else 0,
@@ -163,14 +163,14 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
     throughout read 0.85-1.10x plain), and ``drafting_vs_plain_worst`` is the minimum of several ratios.
     ``warmup``: each configuration runs once untimed first (a GPU backend compiles kernels per new shape once per
     process: a server pays it once, not per request)."""
-    from spec_cache.target import TargetModel
+    from spec_cache.rows.target import TargetModel
 
     target = TargetModel.load(model_dir)
     providers = _providers(model_dir, work, drafters, draft_layers)
     compiled = {}
-    if kernel_warmup:  # what serve --warmup does at start: every kernel class compiled once (spec_cache.warmup)
-        from spec_cache.engine import SpeculativeEngine
-        from spec_cache.warmup import warm_up
+    if kernel_warmup:  # what serve --warmup does at start: every kernel class compiled once (spec_cache.decode.warmup)
+        from spec_cache.decode.engine import SpeculativeEngine
+        from spec_cache.decode.warmup import warm_up
 
         for name, provider in [("plain", None), *providers.items()]:
             compiled[name] = warm_up(SpeculativeEngine(target, provider, depth if provider else 0,
@@ -327,7 +327,8 @@ def main(argv=None) -> None:
                         help="rounds of drafter runs, each between plain runs; figures are medians (default 3)")
     parser.add_argument("--warmup", action="store_true", help="run each configuration once untimed first")
     parser.add_argument("--kernel-warmup", action="store_true",
-                        help="spec_cache.warmup per drafter first (what serve --warmup does), not per configuration")
+                        help="spec_cache.decode.warmup per drafter first (what serve --warmup does), "
+                             "not per configuration")
     parser.add_argument("--cache-dir", help="GGUF conversions kept here (default: $TMPDIR/spec-cache-bench-models)")
     args = parser.parse_args(argv)
     print(json.dumps(run(rows=args.rows, new_tokens=args.new_tokens, depth=args.depth, variants=tuple(args.variants),

@@ -22,7 +22,7 @@ from pathlib import Path
 import blake3
 
 from spec_cache.apps.bench.timing import median_time
-from spec_cache.identity import FileMemo, model_identity
+from spec_cache.naming.identity import FileMemo, model_identity
 
 CHUNK = 64 << 20
 

@@ -21,7 +21,7 @@ import numpy as np
 
 def _engine_classes():
     from spec_cache.apps.bench.quantized_baseline import per_row_engine
-    from spec_cache.engine import SpeculativeEngine
+    from spec_cache.decode.engine import SpeculativeEngine
 
     return SpeculativeEngine, per_row_engine()
 
@@ -31,10 +31,10 @@ def run(*, hidden: int = 512, layers: int = 4, vocab: int = 4096, prompt_tokens:
         reps: int = 3) -> dict:
     """Figures for ``rows`` rows of ``new_tokens`` each (see module doc); ``drafted=False`` skips the drafter runs.
     Raises AssertionError when batched and per-row rows disagree on a token."""
+    from spec_cache.decode.engine import RowRequest
     from spec_cache.drafters import load_provider
-    from spec_cache.engine import RowRequest
-    from spec_cache.namespace import KVOptions
-    from spec_cache.target import TargetModel
+    from spec_cache.naming.namespace import KVOptions
+    from spec_cache.rows.target import TargetModel
     from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 
     work = tempfile.mkdtemp(prefix="bench-quantized-")

@@ -1,6 +1,6 @@
 """The per-row quantized target rows: one forward per row through mlx-lm's single-row caches.
 
-Why it lives in the bench: it is the implementation ``spec_cache.quantized_rows.QuantizedTargetRows`` replaced
+Why it lives in the bench: it is the implementation ``spec_cache.rows.quantized_rows.QuantizedTargetRows`` replaced
 (rows batched by phase) and is kept only as the reference the batched rows must equal token for token
 (``tests/library/test_quantized_batch.py``, ``test_quantized_kv.py``) and as the baseline of
 ``spec-cache bench --only quantized`` and ``tools/bench_real.py``'s ``kv`` section; the runtime never uses it.
@@ -16,11 +16,18 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from spec_cache.errors import RestoreRefused
-from spec_cache.kv_quant import KVPlan
-from spec_cache.quantized_batch import single_arrays
-from spec_cache.quantized_rows import check_restored
-from spec_cache.rows import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row, check_window
-from spec_cache.target import DonorView, ForwardOutput, TargetModel
+from spec_cache.rows.kv_quant import KVPlan
+from spec_cache.rows.protocol import (
+    PrefillContext,
+    PreparedStateChange,
+    check_keep,
+    check_per_row,
+    check_row,
+    check_window,
+)
+from spec_cache.rows.quantized_batch import single_arrays
+from spec_cache.rows.quantized_rows import check_restored
+from spec_cache.rows.target import DonorView, ForwardOutput, TargetModel
 
 __all__ = ["PerRowQuantizedTargetRows", "copy_cache", "per_row_engine"]
 
@@ -253,7 +260,7 @@ def _full_precision(cache: Any) -> tuple[mx.array | None, mx.array | None]:
 
 def per_row_engine() -> type:
     """``SpeculativeEngine`` with quantized rows run one forward per row (the benchmarks' baseline)."""
-    from spec_cache.engine import SpeculativeEngine
+    from spec_cache.decode.engine import SpeculativeEngine
 
     class PerRowEngine(SpeculativeEngine):
         def _rows(self, restored, conversions):

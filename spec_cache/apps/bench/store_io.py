@@ -203,7 +203,7 @@ class _PutGet:
         mx.eval([c.state for c in loaded])
 
     def put(self):  # a new namespace each time, so every chunk is really written
-        from spec_cache.namespace import namespace_key
+        from spec_cache.naming.namespace import namespace_key
 
         key = namespace_key("0" * 64, f"bench-{next(self.fresh)}")
         self.store.register_namespace(key, target="0" * 64, prefix_namespace="bench")
@@ -217,7 +217,7 @@ class _PutGet:
     def get(self) -> None:  # what SpecCache.restore does: one copy out of the map into MLX, joined in MLX
         import mlx.core as mx
 
-        from spec_cache.cache_state import restore_concat, to_mx
+        from spec_cache.state.cache_state import restore_concat, to_mx
 
         r = self.store.fetch(self.ns, self.toks, concat=restore_concat())  # the namespace written last
         out = [to_mx(t) for layer in r.layers for t in layer.tensors]
@@ -233,8 +233,8 @@ class _PutGet:
         restore again (``get_again``) among them, so its share of each stage reads off one round-robin run."""
         import mlx.core as mx
 
-        from spec_cache.cache_state import to_mx
-        from spec_cache.device_copy import HOST_ARRAYS
+        from spec_cache.state.cache_state import to_mx
+        from spec_cache.state.device_copy import HOST_ARRAYS
         from spec_cache.store import codec, keys, read
         from spec_cache.store.store import _RECORD_DB
 
@@ -343,7 +343,7 @@ def _put_phases(phases: list[dict], gb: float) -> dict:
 
 
 def bench_lookup(counts: list[int], reps: int, prompt_tokens: int = 32768) -> dict:
-    from spec_cache.namespace import namespace_key
+    from spec_cache.naming.namespace import namespace_key
     from spec_cache.store import LayerState, Store, Tensor
 
     rng = np.random.default_rng(0)

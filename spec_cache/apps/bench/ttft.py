@@ -38,9 +38,9 @@ def length_key(n: int) -> str:
 
 def run(lengths=(1024, 4096), *, warm_reps: int = 5, cold_reps: int = 1, hidden: int = 1024, layers: int = 8,
         vocab: int = 32000, progress=print) -> dict:
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
+    from spec_cache.tiers.cache import SpecCache
 
     work = tempfile.mkdtemp(prefix="bench-ttft-")
     target = write_tiny_target(os.path.join(work, "target"), hidden_size=hidden, num_layers=layers,
@@ -75,7 +75,7 @@ def run(lengths=(1024, 4096), *, warm_reps: int = 5, cold_reps: int = 1, hidden:
 # --- tiers: cold vs memory tier vs LMDB vs mlx-lm's own files (the GPU driver's 8B-shaped model; any model) ----
 def rebind(gen, cache):
     """A ``Generator`` over ``gen``'s loaded model bound to another cache (no second copy of the weights)."""
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
 
     try:
         return Generator(gen.engine, cache=cache, target_identity=gen.target_identity,
@@ -176,7 +176,7 @@ class _TierPlan:
         return os.path.join(self.work, f"mlx-{self.key}.safetensors")
 
     def generator(self, cache):
-        from spec_cache.generator import Generator
+        from spec_cache.decode.generator import Generator
 
         return rebind(self.cold_gen, cache) or Generator.load(self.target_dir, cache=cache)
 
@@ -190,8 +190,8 @@ def _tiers_setup(target_dir, cold_reps: int, warm_reps: int):
     routes)."""
     import time
 
-    from spec_cache.cache_state import restore_concat
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
+    from spec_cache.state.cache_state import restore_concat
 
     t0 = time.perf_counter()
     cold_gen = Generator.load(target_dir)
@@ -201,7 +201,7 @@ def _tiers_setup(target_dir, cold_reps: int, warm_reps: int):
     out = {"target": str(target_dir), "model_load_s": load_s, "cold_reps": cold_reps, "warm_reps": warm_reps,
            "restore_route": getattr(concat, "__name__", type(concat).__name__), "lengths": {}}
     try:
-        from spec_cache import device_copy
+        from spec_cache.state import device_copy
         out["copy_route_status"] = device_copy.status()
     except Exception as exc:  # reporting only
         out["copy_route_status"] = f"unknown: {exc}"
@@ -229,7 +229,7 @@ def _tiers_row(plan: _TierPlan) -> dict:
 def _memory_tier(plan: _TierPlan, expect) -> dict:
     """The first run (a miss) stores the checkpoint; the next ones restore it from memory. Then the restore alone,
     mlx-lm's file of the same state (trimmed to n - 1 tokens, as stored) for the last stage, and the drain."""
-    from spec_cache.cache import SpecCache
+    from spec_cache.tiers.cache import SpecCache
 
     extra = {} if plan.memory_bytes is None else {"memory_bytes": plan.memory_bytes}
     cache = SpecCache.open(plan.store_dir, **extra)
@@ -296,7 +296,7 @@ def _lmdb_tier(plan: _TierPlan, expect) -> dict:
     import mlx.core as mx
 
     from spec_cache.apps.bench.timing import median_time
-    from spec_cache.cache import SpecCache
+    from spec_cache.tiers.cache import SpecCache
 
     prompt, n = plan.prompt, plan.n
     row: dict = {}
@@ -373,7 +373,7 @@ def _capture_report() -> dict:
     """How checkpoints were captured off the device (the route, and the D2H bytes and seconds when known)."""
     out: dict = {}
     try:
-        from spec_cache import device_copy
+        from spec_cache.state import device_copy
         out["capture_route"] = device_copy.capture_status()
         d2h = device_copy._D2H
         if d2h is not None:
@@ -393,7 +393,7 @@ def memory_restore(reps: int, tokens: int, layers: int = 16, heads: int = 8, dim
     from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
     from spec_cache.apps.bench.timing import median_time
-    from spec_cache.cache import SpecCache
+    from spec_cache.tiers.cache import SpecCache
 
     mx.random.seed(0)
     caches = []
@@ -444,9 +444,9 @@ def write_overhead(prompts: int = 4, prompt_tokens: int = 512, new_tokens: int =
     import shutil
     import time
 
-    from spec_cache.cache import SpecCache
-    from spec_cache.generator import Generator
+    from spec_cache.decode.generator import Generator
     from spec_cache.testing.tiny import write_tiny_target
+    from spec_cache.tiers.cache import SpecCache
 
     work = tempfile.mkdtemp(prefix="bench-writes-")
     target = write_tiny_target(os.path.join(work, "target"), hidden_size=hidden, num_layers=layers,

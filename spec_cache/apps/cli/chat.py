@@ -100,7 +100,7 @@ def cmd_chat(args) -> int:
     if problem is not None:
         raise CliError(problem)
     tokenizer = load_tokenizer(args.model)
-    from spec_cache.generator import Generator, has_chat_template  # loads MLX
+    from spec_cache.decode.generator import Generator, has_chat_template  # loads MLX
 
     if not has_chat_template(tokenizer):
         raise CliError(f"{args.model} has no chat template; use 'spec-cache generate --raw' for plain text")

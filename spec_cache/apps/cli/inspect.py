@@ -1,6 +1,6 @@
 """Inspection and maintenance commands: ls, show, stats, verify, evict, pin, unpin, gc, compact, identity.
 
-Each is a few lines over ``spec_cache.store.maintenance`` and ``spec_cache.identity``; none imports MLX (a test
+Each is a few lines over ``spec_cache.store.maintenance`` and ``spec_cache.naming.identity``; none imports MLX (a test
 runs every one in a fresh process and fails if ``mlx`` or ``mlx_lm`` got imported).
 """
 
@@ -28,7 +28,7 @@ from spec_cache.apps.cli.common import (
     short,
     table,
 )
-from spec_cache.identity import ModelDirError, model_identity
+from spec_cache.naming.identity import ModelDirError, model_identity
 from spec_cache.store import Store, StoreDamaged, StoreError, maintenance
 
 SIZE_FIELDS = ("bytes", "max_bytes", "map_size", "file_bytes")

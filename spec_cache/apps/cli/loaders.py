@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spec_cache.apps.cli.common import CliError
-from spec_cache.namespace import KVOptions
+from spec_cache.naming.namespace import KVOptions
 
 __all__ = ["open_cache", "kv_options", "load_tokenizer"]
 
@@ -18,7 +18,7 @@ __all__ = ["open_cache", "kv_options", "load_tokenizer"]
 def open_cache(args, **kwargs):
     """``SpecCache.open`` on ``--cache`` with ``--memory-bytes`` (passed only when given, so the library's default
     memory tier applies otherwise) and any other keyword in ``kwargs``."""
-    from spec_cache.cache import SpecCache  # loads MLX
+    from spec_cache.tiers.cache import SpecCache  # loads MLX
 
     if getattr(args, "memory_bytes", None) is not None:
         kwargs["memory_bytes"] = args.memory_bytes

@@ -1,7 +1,7 @@
 """Commands that run models: generate, serve, demo, bench, and the mlx-lm file interop (export-mlx-lm,
 import-mlx-lm).
 
-Modules that load MLX (``spec_cache.cache``, ``generator``, ``interop``, the drafters, ``demo``, ``bench``,
+Modules that load MLX (``spec_cache.tiers.cache``, ``generator``, ``interop``, the drafters, ``demo``, ``bench``,
 ``mlx_lm``) are imported inside the command that runs them, never at the top of this module: building the
 parser must stay MLX-free, because ``spec-cache ls`` builds the same parser. Everything else is imported here.
 """
@@ -100,7 +100,7 @@ def cmd_generate(args) -> int:
     token_prompts = [_tokens_arg(t) for t in args.tokens or []]
     tokenizer = load_tokenizer(args.model) if texts or args.stop else None
     if texts:
-        from spec_cache.generator import encode_prompt, has_chat_template
+        from spec_cache.decode.generator import encode_prompt, has_chat_template
 
         chat = not args.raw and has_chat_template(tokenizer)
         try:
@@ -110,7 +110,7 @@ def cmd_generate(args) -> int:
     else:
         chat, prompts = False, token_prompts
     _check_context(args.model, prompts, args.max_tokens)
-    from spec_cache.generator import Generator  # loads MLX
+    from spec_cache.decode.generator import Generator  # loads MLX
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json
     cache = None if args.no_cache else open_cache(args, shared=shared.shared_url(args), max_bytes=args.max_bytes,
@@ -176,7 +176,7 @@ def cmd_generate(args) -> int:
 def _tokens_arg(text: str) -> list[int]:
     """``--tokens``: a file of token ids, or the ids themselves separated by commas."""
     if os.path.isfile(text):
-        from spec_cache.interop import InteropError, read_tokens  # loads MLX
+        from spec_cache.convert.interop import InteropError, read_tokens  # loads MLX
 
         try:
             return read_tokens(text)
@@ -189,7 +189,7 @@ def _tokens_arg(text: str) -> list[int]:
 
 
 def cmd_export_mlx_lm(args) -> int:
-    from spec_cache.interop import InteropError, export_mlx_lm, read_tokens  # loads MLX
+    from spec_cache.convert.interop import InteropError, export_mlx_lm, read_tokens  # loads MLX
 
     try:
         tokens = read_tokens(args.tokens_file)
@@ -211,7 +211,7 @@ def cmd_export_mlx_lm(args) -> int:
 
 
 def cmd_import_mlx_lm(args) -> int:
-    from spec_cache.interop import InteropError, import_mlx_lm, import_prefix_namespace  # loads MLX
+    from spec_cache.convert.interop import InteropError, import_mlx_lm, import_prefix_namespace  # loads MLX
 
     tokens = _tokens_arg(args.tokens)
     if not os.path.isfile(args.file):

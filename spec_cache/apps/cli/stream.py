@@ -34,8 +34,8 @@ def stream_one(generator, prompt: list[int], tokenizer, *, max_tokens: int, temp
                top_p: float, stops: list[str], out=None) -> Streamed:
     """Decode ``prompt`` and write its text to ``out`` (default stdout) as it comes; KeyboardInterrupt ends the
     row (no finish checkpoint), flushes what was decoded and returns with ``interrupted``."""
-    from spec_cache.generation import check_prompts
-    from spec_cache.sampling import RowSampling, Sampling
+    from spec_cache.rows.generation import check_prompts
+    from spec_cache.rows.sampling import RowSampling, Sampling
 
     out = out or sys.stdout
     prompt = check_prompts([prompt], generator.engine.target.vocab_size)[0]

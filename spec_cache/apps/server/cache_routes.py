@@ -1,4 +1,4 @@
-"""``/v1/cache/...``: cache controls over HTTP, per tenant and behind the API key (``spec_cache.cache_controls``).
+"""``/v1/cache/...``: cache controls over HTTP, per tenant and behind the API key (``spec_cache.tiers.cache_controls``).
 
 Routes (all answer OpenAI's error JSON on failure, never a traceback):
 
@@ -35,15 +35,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from spec_cache import cache_controls as controls
-from spec_cache import interop
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.jobs import log_request, read_body
 from spec_cache.apps.server.protocol import APIError, parse_chat
 from spec_cache.apps.server.tools import TemplateError, chat_ids
+from spec_cache.convert import interop
 from spec_cache.errors import SpecCacheError
 from spec_cache.store import StoreError
+from spec_cache.tiers import cache_controls as controls
 
 __all__ = ["cache_routes", "DEFAULT_MAX_PIN_TTL_S"]
 

@@ -177,8 +177,8 @@ def _operator_options(parser: argparse.ArgumentParser) -> None:
                         help="the longest ttl_s a client may give /v1/cache/pin (default 3600)")
     parser.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
                         help="compile the GPU kernels of every prompt-length class, batch size and draft depth before "
-                             "reporting ready (spec_cache.warmup: MLX's CUDA backend otherwise compiles them on the "
-                             "first request that needs one, measured up to 36 s); auto: on a GPU only (default)")
+                             "reporting ready (spec_cache.decode.warmup: MLX's CUDA backend otherwise compiles them on "
+                             "the first request that needs one, measured up to 36 s); auto: on a GPU only (default)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default info)")
 
@@ -217,8 +217,8 @@ def build_state(args):
     from spec_cache.apps.server.auth import Auth
     from spec_cache.apps.server.metrics import Metrics
     from spec_cache.apps.server.scheduler import Scheduler
-    from spec_cache.generator import Generator
-    from spec_cache.namespace import KVOptions
+    from spec_cache.decode.generator import Generator
+    from spec_cache.naming.namespace import KVOptions
 
     check_args(args)
     log = logging.getLogger("spec_cache.apps.server")
@@ -283,7 +283,7 @@ def _open_cache(args, log):
     """``(SpecCache, its path)`` from the store options; the byte budget (given or derived) is logged."""
     from spec_cache.apps.cli.common import default_cache_dir
     from spec_cache.apps.server.limits import default_store_budget
-    from spec_cache.cache import SpecCache
+    from spec_cache.tiers.cache import SpecCache
 
     path = getattr(args, "cache", None) or default_cache_dir()
     shared = getattr(args, "shared", None) or os.environ.get("SPEC_CACHE_SHARED") or None
@@ -302,9 +302,8 @@ def _open_cache(args, log):
 
 
 def _warm_up(generator, mode: str, log) -> None:
-    """``--warmup``: compile the engine's GPU kernels before the server reports ready (``spec_cache.warmup``)."""
-    from spec_cache import warmup
-
+    """``--warmup``: compile the engine's GPU kernels before the server reports ready (``spec_cache.decode.warmup``)."""
+    from spec_cache.decode import warmup
     if mode == "off" or (mode == "auto" and not warmup.wanted(generator.engine)):
         return
     report = warmup.warm_up(generator.engine)

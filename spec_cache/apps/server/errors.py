@@ -15,9 +15,9 @@ it does, that is a bug, so 500.
 from __future__ import annotations
 
 from spec_cache.apps.server.protocol import APIError
-from spec_cache.cache_controls import BadPrefixFile, NotStored, PinQuotaExceeded
 from spec_cache.errors import ModelLoadError, RestoreRefused, UnsupportedCombination
 from spec_cache.store import InvalidInput, StoreError
+from spec_cache.tiers.cache_controls import BadPrefixFile, NotStored, PinQuotaExceeded
 
 __all__ = ["STATUSES", "api_error"]
 

@@ -34,7 +34,7 @@ from spec_cache.apps.server.protocol import (
 )
 from spec_cache.apps.server.scheduler import Job, Scheduler, random_seed
 from spec_cache.apps.server.tools import active_tools, tool_pieces, tool_style
-from spec_cache.sampling import RowSampling
+from spec_cache.rows.sampling import RowSampling
 
 log = logging.getLogger("spec_cache.apps.server")
 

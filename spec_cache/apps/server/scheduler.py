@@ -33,7 +33,7 @@ and one one-token round; at most ``MAX_CHECKPOINT_AT`` offsets a request, offset
 covers are skipped, and so are offsets within ``MIN_CHECKPOINT_GAP`` tokens of the restored prefix or of the
 prompt boundary.
 
-Retries (continuation checkpoints, ``spec_cache.continuations``): a job whose tokens are a function of the request
+Retries (continuation checkpoints, ``spec_cache.tiers.continuations``): a job whose tokens are a function of the request
 (greedy, or sampled with an explicit seed: ``RowSampler`` keys each position by the seed) leaves, with each of its
 checkpoints (every ``checkpoint_every`` generated tokens, and when it finishes, or when its client goes away: then
 its row is finished, checkpoint written, rather than cancelled), a continuation record of the tokens that
@@ -71,13 +71,13 @@ from typing import Any, Callable
 from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.protocol import APIError
 from spec_cache.apps.server.trace import scheduler_trace
-from spec_cache.continuations import Continuations, request_key
-from spec_cache.continuations import plan as continuation_plan
-from spec_cache.continuations import record_at as continuation_record
-from spec_cache.continuations import trim as continuation_trim
 from spec_cache.errors import RestoreRefused
-from spec_cache.sampling import RowSampling
+from spec_cache.rows.sampling import RowSampling
 from spec_cache.schemas import SchemaError
+from spec_cache.tiers.continuations import Continuations, request_key
+from spec_cache.tiers.continuations import plan as continuation_plan
+from spec_cache.tiers.continuations import record_at as continuation_record
+from spec_cache.tiers.continuations import trim as continuation_trim
 
 log = logging.getLogger("spec_cache.apps.server")
 
@@ -138,7 +138,7 @@ class Job:
         return self.prompt + self.output[: self.replayed]
 
     def continuation_key(self, ns_key: bytes, eos_token_ids) -> bytes:
-        """The key of its continuation record (``spec_cache.continuations.request_key``)."""
+        """The key of its continuation record (``spec_cache.tiers.continuations.request_key``)."""
         return request_key(ns_key, self.prompt, self.sampling, self.stop_at_eos, eos_token_ids)
 
 
@@ -153,7 +153,7 @@ def random_seed() -> int:
 
 
 class Scheduler:
-    """See the module doc. ``generator``: a loaded ``spec_cache.generator.Generator``."""
+    """See the module doc. ``generator``: a loaded ``spec_cache.decode.generator.Generator``."""
 
     def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None,
                  checkpoint_every: int | None = None, eos_token_ids=()) -> None:

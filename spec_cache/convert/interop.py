@@ -1,0 +1,152 @@
+"""mlx-lm interop: stored prefixes to and from mlx-lm prompt-cache files.
+
+``export_mlx_lm`` writes what ``mlx_lm.generate --prompt-cache-file`` reads (``save_prompt_cache``: one
+safetensors file of cache states, metadata ``model`` and ``tokenizer_config``), plus the covered token ids and the
+target identity under ``spec_cache_*`` metadata keys. ``import_mlx_lm`` reads such a file into the store. mlx-lm
+files carry no token ids, so the caller gives them; the cache must cover exactly that many tokens and fit the
+model (layer count, KV geometry), and a file written by spec-cache must name the same target identity.
+
+The namespace an import stores under is the one ``Generator.load`` would look up for the same drafter, adapters
+and KV options: :func:`import_prefix_namespace` goes through ``spec_cache.naming.namespace.resolve_prefix_namespace``,
+as ``Generator.load`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from spec_cache.naming.identity import model_identity
+from spec_cache.naming.namespace import KVOptions, check_runnable, resolve_prefix_namespace
+from spec_cache.store import InvalidInput
+from spec_cache.tiers.cache import SpecCache
+from spec_cache.tiers.cache_controls import NotStored
+
+
+class InteropError(ValueError):
+    """The file, tokens or model do not fit together; nothing was written."""
+
+
+def read_tokens(path: str | Path) -> list[int]:
+    """Token ids from a file: a JSON list, or integers separated by commas or whitespace."""
+    text = Path(path).read_text().strip()
+    try:
+        tokens = json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise InteropError(f"{path}: not a list of token ids (JSON list, or integers separated by commas/spaces)")
+    if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise InteropError(f"{path}: token ids must be a non-empty list of non-negative integers")
+    return tokens
+
+
+def export_mlx_lm(cache: SpecCache, ns_key: bytes, tokens: Sequence[int], out_path: str | Path, *,
+                  model: str | None = None, exact: bool = False) -> int:
+    """Write the longest stored prefix of ``tokens`` in namespace ``ns_key`` as an mlx-lm prompt-cache file.
+
+    Returns the number of tokens the file covers (``exact=True``: all of them, else ``InteropError``).
+    ``model`` goes into the file's ``model`` metadata, which ``mlx_lm.generate`` compares with its ``--model``.
+    """
+    from mlx_lm.models.cache import save_prompt_cache
+
+    info = _namespace_info(cache, ns_key)
+    restored = cache.restore(ns_key, tokens)
+    if restored is None:
+        raise InteropError("no stored prefix of these tokens in this namespace")
+    if exact and restored.length != len(tokens):
+        raise InteropError(f"only {restored.length} of the {len(tokens)} tokens are stored")
+    covered = list(tokens[: restored.length])
+    metadata = {"model": model or f"spec-cache:{info.target}", "tokenizer_config": "{}",
+                "spec_cache_tokens": json.dumps(covered, separators=(",", ":")),
+                "spec_cache_target_identity": info.target, "spec_cache_prefix_namespace": info.prefix_namespace}
+    out_path = str(out_path)
+    if not out_path.endswith(".safetensors"):
+        raise InteropError("the output file name must end in .safetensors (mlx-lm's prompt-cache format)")
+    save_prompt_cache(out_path, restored.caches, metadata)
+    return restored.length
+
+
+def import_prefix_namespace(drafter_dir: str | Path | None = None, method: str | None = None, adapters: Any = "",
+                            kv: KVOptions | Mapping[str, Any] = KVOptions(), memo: Any = None) -> str:
+    """The prefix namespace ``Generator.load(target, drafter_dir, method, kv=kv, adapters=adapters)`` stores under,
+    for :func:`import_mlx_lm`'s ``prefix_namespace``.
+
+    ``drafter_dir``/``method`` as ``spec_cache.drafters.open_provider`` takes them (the drafter is loaded to learn
+    its namespace); ``adapters`` as ``spec_cache.rows.adapters.resolve_adapters`` takes them (``""``/None: the base
+    model); ``kv`` is checked with ``check_runnable`` (a namespace no generator can run is refused). ``memo``: an
+    identity memo (``cache.store.memo()``), optional. Raises ValueError, TypeError or FileNotFoundError.
+    """
+    from spec_cache.drafters import open_provider
+    from spec_cache.rows.adapters import resolve_adapters
+
+    options = check_runnable(kv)
+    stack = resolve_adapters(adapters, memo)
+    provider = open_provider(drafter_dir, method)
+    return resolve_prefix_namespace(provider, stack, options)
+
+
+def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tokens: Sequence[int], *,
+                  prefix_namespace: str, tenant: str | None = None) -> bytes:
+    """Store an mlx-lm prompt-cache file as the checkpoint of ``tokens`` for the model in ``model_dir``.
+
+    Returns the namespace key it was stored under. Raises ``InteropError`` (nothing written) when the file
+    does not cover exactly ``len(tokens)`` tokens, does not fit the model's layers, or names another target.
+    """
+    from mlx_lm.models.cache import load_prompt_cache
+    from mlx_lm.utils import load_model
+
+    try:
+        caches, metadata = load_prompt_cache(str(file), return_metadata=True)
+    except Exception as exc:  # mlx raises plain RuntimeError/ValueError for unreadable files
+        raise InteropError(f"{file}: not an mlx-lm prompt-cache file ({exc})") from None
+    identity = model_identity(model_dir, memo=cache.store.memo())
+    named = metadata.get("spec_cache_target_identity")
+    if named is not None and named != identity:
+        raise InteropError(f"{file} was exported for target {named[:16]}…, {model_dir} is {identity[:16]}…")
+    if "spec_cache_tokens" in metadata and json.loads(metadata["spec_cache_tokens"]) != list(tokens):
+        raise InteropError(f"{file} records other token ids than the ones given")
+    model, _config = load_model(Path(model_dir), lazy=True)
+    expected = model.make_cache() if hasattr(model, "make_cache") else None
+    n_layers = len(expected) if expected is not None else len(model.layers)
+    if len(caches) != n_layers:
+        raise InteropError(f"{file} holds {len(caches)} cache layers, {model_dir} has {n_layers}")
+    for i, c in enumerate(caches):
+        offset = getattr(c, "offset", None)
+        if offset is not None and offset != len(tokens):
+            raise InteropError(f"{file} layer {i} covers {offset} tokens, {len(tokens)} token ids were given")
+        if expected is not None and type(c).__name__ not in (type(expected[i]).__name__, "QuantizedKVCache"):
+            raise InteropError(f"{file} layer {i} is a {type(c).__name__}, the model uses {type(expected[i]).__name__}")
+    ns_key = cache.namespace(identity, prefix_namespace, tenant)
+    try:
+        cache.store.put(ns_key, list(tokens), _layer_states(caches))
+    except InvalidInput as exc:
+        raise InteropError(str(exc)) from None
+    return ns_key
+
+
+def _layer_states(caches):
+    from spec_cache.state.cache_state import capture_caches
+
+    return capture_caches(caches)
+
+
+def _namespace_info(cache: SpecCache, ns_key: bytes):
+    info = cache.store.namespace_info(ns_key)
+    if info is None:
+        raise InteropError("unknown namespace")
+    return info
+
+
+def export_prefix(cache, ns_key: bytes, tokens: Sequence[int], *, model: str | None = None) -> tuple[bytes, int]:
+    """The longest stored prefix of ``tokens`` as the bytes of an mlx-lm prompt-cache file (``save_prompt_cache``
+    format, ``spec_cache_tokens`` metadata naming the tokens it covers) and the number of tokens it covers."""
+    with tempfile.TemporaryDirectory(prefix="spec-cache-export-") as tmp:
+        path = os.path.join(tmp, "prefix.safetensors")
+        try:
+            length = export_mlx_lm(cache, ns_key, [int(t) for t in tokens], path, model=model)
+        except InteropError as exc:
+            raise NotStored(str(exc)) from None
+        with open(path, "rb") as f:
+            return f.read(), length

@@ -1,0 +1,350 @@
+"""``Generator``: batched speculative decoding that resumes from stored prefixes.
+
+Per row: look up the longest usable prefix of ``prompt[:-1]`` under (target identity, prefix namespace of the
+drafter + adapters + captured KV options); restore the target state and this drafter's row (or a cold drafter
+row when only the target part is stored); prefill the rest; decode; and write checkpoints back at the prompt
+boundary and when the row finishes, so the next turn of the conversation resumes.
+
+Under KV quantization a stored state is usable only if a cold run of *this* prompt would hold the same thing
+(``spec_cache.rows.kv_quant.reusable``): full precision up to the prompt's conversion point, or converted at exactly
+that point. A quantized checkpoint records its conversion point as the entry's minimum reusable offset; the
+lookup passes that rule down (``usable_rule``) so every tier returns only a prefix this request can use.
+
+Adapters (LoRA, through mlx-lm) enter the namespace as ``id@<blake3 of adapter config and weights>`` joined
+with ``+``. A drafter that is not valid under a target adapter (``supports_target_adapters`` false) still
+drafts, but only the target part is cached: such drafters (and a generator without one) share that namespace,
+and each restores the target part the others stored (its own row opens cold beside it).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from spec_cache.errors import InvalidRequest, ModelLoadError
+from spec_cache.naming.identity import model_identity
+from spec_cache.naming.namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
+from spec_cache.rows.generation import Result, check_prompts  # re-exported (spec_cache.Result)
+from spec_cache.rows.kv_quant import converted_at, reusable
+from spec_cache.tiers.cache import CacheWarning, SpecCache
+
+
+@dataclass
+class PreparedRow:
+    """A prompt made ready for the engine (``Generator.prepare``): its ``RowRequest`` (restored state attached
+    when the cache had a usable prefix), how many prompt tokens came from the cache, and under which namespace
+    key its checkpoints go."""
+
+    request: Any  # engine.RowRequest
+    ns_key: bytes | None
+    cached_tokens: int = 0
+    restored_drafter: bool = False
+    #: (tokens, with drafter row) of the restored checkpoint: writing that one again would change nothing
+    restored_at: tuple[int, bool] | None = None
+
+    def needs_save(self, tokens: Sequence[int], draft_checkpoint, drafter_namespace: str | None) -> bool:
+        """Whether a checkpoint of ``tokens`` (with ``draft_checkpoint``) adds anything to what was restored."""
+        return self.restored_at != (len(tokens), draft_checkpoint is not None or not drafter_namespace)
+
+
+class Generator:
+    """A loaded target (+ optional drafter) bound to a cache, adapters and captured KV options."""
+
+    def __init__(self, engine, *, cache: SpecCache | None, target_identity: str, drafter_namespace: str | None,
+                 prefix_ns: str, ns_key: bytes | None, eos_token_ids: Sequence[int] = (), adapters: tuple = (),
+                 target_dir: str | Path | None = None):
+        self.engine = engine
+        self.target_dir = None if target_dir is None else Path(target_dir)
+        self._tokenizer = None
+        self.cache = cache
+        self.target_identity = target_identity
+        self.drafter_namespace = drafter_namespace
+        self.prefix_namespace = prefix_ns
+        self.ns_key = ns_key
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.adapters = adapters
+        #: write checkpoints to LMDB behind the request (the memory tier holds them meanwhile); False: before
+        #: ``generate`` returns
+        self.write_behind = True
+
+    @classmethod
+    def load(cls, target_dir, drafter_dir=None, method: str | None = None, cache: SpecCache | None = None,
+             kv: KVOptions = KVOptions(), adapters: Any = "", draft_depth: int = 4,
+             tenant: str | bytes | None = None, prefill_step_size: int = 512, adaptive: bool = True) -> "Generator":
+        """Load a target directory (mlx-lm: config.json + safetensors) and a drafter (directory or ``ngram``).
+
+        ``drafter_dir``: a drafter directory, None (no drafter), or the string ``"ngram"`` (prompt lookup, no
+        directory; same as ``method="ngram"``) unless a directory of that name exists.
+
+        ``adapters``: ``""`` for the base model, or mlx-lm LoRA adapter directories (one, or a sequence of
+        directories / ``(id, directory)`` pairs, applied in order; see ``spec_cache.rows.adapters``).
+        ``prefill_step_size`` is the engine's prefill chunk; with KV quantization it also fixes where rows
+        convert, as ``generate_step``'s does. ``adaptive``: draft only as deep as measured acceptance and costs pay
+        (``draft_depth`` is the most; False: always ``draft_depth``; see ``spec_cache.decode.depth``).
+        Refused options (``turbo_quant``, an unsupported ``kv_config``)
+        raise before anything is registered in the cache.
+        """
+        from spec_cache.decode.engine import SpeculativeEngine
+        from spec_cache.drafters import open_provider
+        from spec_cache.rows.adapters import resolve_adapters
+        from spec_cache.rows.target import TargetModel
+
+        options = check_runnable(kv)
+        if isinstance(drafter_dir, str) and drafter_dir == "ngram" and not Path(drafter_dir).is_dir():
+            if method not in (None, "ngram"):
+                raise InvalidRequest(f"drafter 'ngram' with method {method!r}: 'ngram' names the n-gram drafter, "
+                                     "which takes no directory")
+            drafter_dir, method = None, "ngram"
+        target_dir = Path(target_dir)
+        _check_model_dir(target_dir, "target")
+        if drafter_dir is not None and Path(drafter_dir).is_dir():  # some providers take other paths: theirs to check
+            _check_model_dir(Path(drafter_dir), "drafter")
+        memo = cache.memo() if cache is not None else None
+        stack = resolve_adapters(adapters, memo)
+        target = TargetModel.load(target_dir, adapters=stack)
+        identity = model_identity(target_dir, memo=memo)
+        try:
+            provider = open_provider(drafter_dir, method)
+        except KeyError as exc:  # a config without a key this method reads: the wrong kind of drafter
+            kind = f"a {method!r}" if method else "a recognisable"
+            raise ModelLoadError(f"drafter directory {drafter_dir} is not {kind} drafter: its config has no "
+                                 f"{exc.args[0]!r} (check the method)") from None
+        drafter_ns = cached_drafter_namespace(provider, stack)
+        prefix_ns = resolve_prefix_namespace(provider, stack, options)
+        engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options,
+                                   prefill_step_size=prefill_step_size, adaptive=adaptive)  # refuses bad options
+        ns_key = cache.namespace(identity, prefix_ns, tenant) if cache is not None else None
+        eos = _eos_ids(target_dir)
+        return cls(engine, cache=cache, target_identity=identity, drafter_namespace=drafter_ns, prefix_ns=prefix_ns,
+                   ns_key=ns_key, eos_token_ids=eos, adapters=stack, target_dir=target_dir)
+
+    # -- text: the target's tokenizer ----------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The target directory's tokenizer (mlx-lm's ``TokenizerWrapper``), loaded on first use: ``encode`` /
+        ``decode`` / ``apply_chat_template``. ``ValueError`` when the directory has no tokenizer files."""
+        if self._tokenizer is None:
+            if self.target_dir is None:
+                raise InvalidRequest("this generator was built without its target directory: no tokenizer")
+            from mlx_lm.utils import load_tokenizer
+
+            try:
+                self._tokenizer = load_tokenizer(self.target_dir)
+            except Exception as exc:
+                raise ModelLoadError(f"cannot load a tokenizer from {self.target_dir} ({type(exc).__name__}); "
+                                     "pass token ids instead") from None
+        return self._tokenizer
+
+    def encode(self, text: str, *, chat: bool = True) -> list[int]:
+        """``text`` as prompt token ids: as one user message through the model's chat template when it has one
+        and ``chat`` (what ``mlx_lm.generate`` does by default), else the plain encoding."""
+        return encode_prompt(self.tokenizer, text, chat=chat)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Generated ``tokens`` as text: an end-of-sequence id and other special tokens are not shown."""
+        eos = set(self.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", None) or ())
+        ids = [int(t) for t in tokens]
+        while ids and ids[-1] in eos:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate_text(self, prompts: Sequence[str], max_tokens: int = 32, *, chat: bool = True,
+                      **options) -> list[str]:
+        """Text in, text out: ``encode`` each prompt, ``generate`` (``options``: temperature, seed, top_p), and
+        ``decode`` each result."""
+        if isinstance(prompts, str):
+            raise InvalidRequest("generate_text takes a list of prompts: wrap one prompt as [text]")
+        results = self.generate([self.encode(p, chat=chat) for p in prompts], max_tokens=max_tokens, **options)
+        return [self.decode(r.tokens) for r in results]
+
+    # -- seams for servers and other schedulers ------------------------------------------------------------
+    def namespace_key(self, tenant: str | bytes | None = None) -> bytes | None:
+        """The store key of this generator's namespace for ``tenant`` (None: the key ``load`` was given); None
+        without a cache. Prefixes never cross keys: a server maps each API key / cache salt to a tenant."""
+        if self.cache is None:
+            return None
+        if tenant is None:
+            return self.ns_key
+        return self.cache.namespace(self.target_identity, self.prefix_namespace, tenant)
+
+    def prepare(self, prompt: Sequence[int], max_tokens: int = 32, *, sampling: Any = None,
+                ns_key: bytes | None = None, lookup: bool = True) -> PreparedRow:
+        """Look up the longest usable stored prefix of ``prompt[:-1]`` (under ``ns_key``, default this
+        generator's) and build the engine request for ``prompt``: restored when the cache had one, cold
+        otherwise (always cold with ``lookup=False``). ``sampling``: a ``spec_cache.rows.sampling.RowSampling``
+        (None: the run's)."""
+        from spec_cache.decode.engine import RowRequest
+
+        prompt = [int(t) for t in prompt]
+        key = self.ns_key if ns_key is None else ns_key
+        hit = self.restore_for_prompt(prompt, ns_key=key) if lookup else None
+        if hit is None:
+            return PreparedRow(RowRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling), key)
+        request = RowRequest(prompt=prompt, restored_caches=hit.caches, restored_tokens=hit.length,
+                             draft_checkpoint=hit.draft_checkpoint, max_tokens=max_tokens, sampling=sampling)
+        with_drafter = hit.draft_checkpoint is not None
+        return PreparedRow(request, key, hit.length, with_drafter,
+                           (hit.length, with_drafter or not self.drafter_namespace))
+
+    def restore_for_prompt(self, prompt: Sequence[int], *, ns_key: bytes | None = None):
+        """The longest stored prefix of ``prompt[:-1]`` this request may continue from (a
+        ``cache.RestoredPrefix``), or None; ``ns_key`` defaults to this generator's."""
+        return self._restore([int(t) for t in prompt], self.ns_key if ns_key is None else ns_key)
+
+    def save_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any], draft_checkpoint=None, *,
+                        ns_key: bytes | None = None, background: bool | None = None, then=None,
+                        rider=None) -> None:
+        """Store an engine checkpoint (``on_checkpoint``'s ``tokens, target_caches, draft_checkpoint``) under
+        ``ns_key`` (default this generator's): the memory tier at once, LMDB behind the request when
+        ``background`` (default ``write_behind``). No cache: nothing. Failures are ``CacheWarning``s."""
+        if self.cache is None or len(tokens) == 0:
+            return  # no cache; or the boundary of a 1-token prompt (an empty prefix: nothing to resume from)
+        self.cache.save(self.ns_key if ns_key is None else ns_key, list(tokens), caches,
+                        drafter_namespace=self.drafter_namespace,
+                        draft_checkpoint=draft_checkpoint if self.drafter_namespace else None,
+                        minimum_reusable=converted_at(caches) or 0,
+                        background=self.write_behind if background is None else background, then=then,
+                        rider=rider)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32, temperature: float = 0.0,
+                 seed: int = 0, top_p: float = 1.0, *, checkpoint_every: int | None = None,
+                 resume: bool = False) -> list[Result]:
+        """Decode every prompt (one batch); rows resume from the cache where they can.
+
+        ``prompts`` is a list of prompts, each a non-empty list of token ids (ints in ``[0, vocab_size)``);
+        anything else raises ``ValueError`` naming the prompt and position before any lookup. ``temperature``
+        0 is greedy; ``top_p`` < 1 samples from the nucleus; ``seed`` makes sampled rows reproducible (a row's
+        tokens depend only on its own prompt, parameters and seed).
+
+        ``checkpoint_every=N`` checkpoints each row every N generated tokens with a continuation record, and
+        ``resume=True`` continues a row from the record an earlier identical call left (killed part-way, or
+        finished): see ``spec_cache.tiers.continuations`` (results then carry ``resumed``, the tokens replayed)."""
+        if resume or checkpoint_every is not None:
+            from spec_cache.tiers.continuations import generate
+
+            return generate(self, prompts, max_tokens, temperature=temperature, seed=seed, top_p=top_p,
+                            checkpoint_every=checkpoint_every, resume=resume)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise InvalidRequest("max_tokens must be a positive int")
+        rows = check_prompts(prompts, self.engine.target.vocab_size)
+        sampling = None
+        if top_p != 1.0:
+            from spec_cache.rows.sampling import RowSampling
+
+            sampling = RowSampling(temperature, top_p, seed)  # raises on values out of range
+        started = time.perf_counter()  # TTFT counts the lookups and restores too, not only the engine
+        prepared = [self.prepare(prompt, max_tokens, sampling=sampling) for prompt in rows]
+        saves = []
+
+        def on_checkpoint(row, tokens, caches, draft_checkpoint):
+            if self.cache is None or not prepared[row].needs_save(tokens, draft_checkpoint, self.drafter_namespace):
+                return  # no cache, or this exact checkpoint was just restored
+            saves.append((tokens, caches, draft_checkpoint))  # written after decoding, off the TTFT path
+
+        engine_started = time.perf_counter()
+        try:
+            out = self.engine.run([p.request for p in prepared], temperature=temperature, seed=seed,
+                                  eos_token_ids=self.eos_token_ids,
+                                  on_checkpoint=None if self.cache is None else on_checkpoint)  # no copies for none
+        finally:
+            for tokens, caches, draft_checkpoint in saves:  # memory tier now, LMDB behind the request
+                self.save_checkpoint(tokens, caches, draft_checkpoint)
+        before_engine = engine_started - started
+        return [Result(r.tokens, r.cached_tokens, r.drafted, r.accepted, before_engine + r.ttft_s, len(p),
+                       row.restored_drafter)
+                for r, p, row in zip(out, rows, prepared)]
+
+    def _restore(self, prompt: list[int], ns_key: bytes | None = None):
+        """The longest stored prefix of ``prompt[:-1]`` this request may continue from, or None: one call down
+        to the cache with this request's usability rule (``usable_rule``), one result up."""
+        if self.cache is None or len(prompt) < 2:
+            return None
+        usable = self.usable_rule(len(prompt))
+        if usable is None:
+            return None
+        restored = self.cache.restore(self.ns_key if ns_key is None else ns_key, prompt[:-1],
+                                      drafter_namespace=self.drafter_namespace,
+                                      usable=usable)
+        if restored is None:
+            return None
+        conversion = self.engine.conversion_point(len(prompt))
+        if conversion is not None:  # the stored point was checked by the rule; the restored caches must agree
+            try:
+                point = converted_at(restored.caches)
+            except ValueError as exc:
+                point, why = None, str(exc)
+            else:
+                why = None if reusable(restored.length, point, conversion) else (
+                    f"it was converted at {point}, this request converts at {conversion}")
+            if why is not None:
+                warnings.warn(f"spec-cache: restored state is unusable, treated as a miss: {why}", CacheWarning,
+                              stacklevel=3)
+                return None
+        return restored
+
+    def usable_rule(self, prompt_tokens: int):
+        """The rule a stored prefix must meet for a prompt of ``prompt_tokens`` (a predicate over candidates with
+        ``length``, ``has_drafter``, ``minimum_reusable``; callers also accept None: nothing stored can help).
+
+        Under KV quantization only prefixes a cold run of this prompt would hold count (full precision up to its
+        conversion point, or converted exactly there). A prefix without this drafter's row (a target-only hit)
+        is usable with every drafter: the engine opens the drafter row cold beside the restored target (see
+        ``engine.DecodeSession._admit``); among prefixes of one length, the store offers one with the row first.
+        """
+        conversion = self.engine.conversion_point(prompt_tokens)
+
+        def usable(candidate) -> bool:
+            return conversion is None or reusable(candidate.length, candidate.minimum_reusable or None, conversion)
+        return usable
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether ``tokenizer`` (mlx-lm wrapper or Hugging Face tokenizer) carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "has_chat_template", False))
+
+
+def encode_prompt(tokenizer, text: str, *, chat: bool = True) -> list[int]:
+    """``text`` as token ids: one user message through the chat template when ``chat`` and the tokenizer has one,
+    else ``tokenizer.encode(text)``."""
+    if chat and has_chat_template(tokenizer):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(text)]
+
+
+def _check_model_dir(path: Path, what: str) -> None:
+    """A missing directory or an unreadable ``config.json`` named by its path (mlx-lm's errors do not name it)."""
+    import json
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} directory {path} does not exist")
+    config = path / "config.json"
+    if not config.is_file():
+        return  # dspark.json drafters, ngram: their loaders say what is missing
+    try:
+        value = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {config}: {exc}") from None
+    except ValueError as exc:
+        raise ModelLoadError(f"{config} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{config} is not a JSON object")
+
+
+def _eos_ids(target_dir: Path) -> tuple[int, ...]:
+    import json
+
+    try:
+        config = json.loads((target_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return ()
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -1,0 +1,185 @@
+"""mlx-lm cache objects <-> the store's ``LayerState`` (the only place that knows both).
+
+Which class is which stored kind, and what each keeps, is ``spec_cache.state.cache_kinds``' table (the memory tier
+uses the same one): ``kv`` and ``qkv`` sliced to the real offset (token axis 2, so the store may split them into
+shared chunks), ``rotating`` and ``arrays`` whole. This module adds the host side: arrays to store ``Tensor``s
+(``to_tensor``; deferred copies for a background writer) and back (``to_mx``, ``mx_concat``, ``restore_concat``).
+
+Restored arrays are owned copies, bit-identical to what was stored.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from spec_cache.errors import RestoreRefused
+from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint
+from spec_cache.state.cache_kinds import kind_named, kind_of
+from spec_cache.store import LayerState, Tensor
+from spec_cache.store.tensors import numpy_dtype
+
+_MX_DTYPES = {
+    "bool": mx.bool_, "uint8": mx.uint8, "uint16": mx.uint16, "uint32": mx.uint32, "uint64": mx.uint64,
+    "int8": mx.int8, "int16": mx.int16, "int32": mx.int32, "int64": mx.int64, "float16": mx.float16,
+    "bfloat16": mx.bfloat16, "float32": mx.float32, "complex64": mx.complex64,
+}
+
+
+def dtype_of(x: mx.array) -> str:
+    return str(x.dtype).rsplit(".", 1)[-1]
+
+
+def to_tensor(x: mx.array) -> Tensor:
+    """An ``mx.array`` as a store ``Tensor``: a numpy view of its buffer (bfloat16 as uint16 words); on MLX's
+    CUDA backend an owned host copy made by the copy engine instead (``device_copy.device_to_host``): reading
+    managed memory through a view would move the array's pages to the host, and the next kernel that reads it
+    (a memory-tier hit) would pull them back at fault speed."""
+    from spec_cache.state import device_copy
+    name = dtype_of(x)
+    raw = x.view(mx.uint16) if name == "bfloat16" else x
+    if getattr(_DEFER, "on", False) and raw.size:
+        return Tensor(name, tuple(x.shape), raw)  # evaluated by capture_caches, copied out by host_layers
+    mx.eval(raw)
+    if not raw.size:
+        return Tensor(name, tuple(x.shape), np.zeros(raw.shape, dtype=numpy_dtype(name)))
+    d2h = device_copy.device_to_host() if device_copy.is_gpu() else None
+    arr = d2h(raw) if d2h is not None else np.asarray(memoryview(raw))
+    return Tensor(name, tuple(x.shape), arr)
+
+
+def mx_concat(pieces: list, axis: int, dtype: str) -> mx.array:
+    """``Store.fetch``'s ``concat``: copy each piece (a numpy view into the map) into MLX once, join in MLX.
+
+    On a GPU the join runs on the device; the host makes one copy of the stored bytes instead of two.
+    """
+    arrays = [mx.array(p).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(p, dtype=_MX_DTYPES[dtype])
+              for p in pieces]
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=axis)
+
+
+def restore_concat():
+    """The ``concat`` to give ``Store.fetch`` (see ``spec_cache.state.device_copy``): on MLX's CUDA backend the staging
+    loader (one host copy on several threads into a host-resident staging buffer, then a device copy: ~20 GB/s
+    on the H200) where its run-time checks pass, else ``mx_concat`` (pieces copied into MLX once and joined on
+    the device); on the CPU ``device_copy.HOST_ARRAYS`` (records copied straight into fresh MLX arrays and
+    checksummed in the same pass). ``SPEC_CACHE_COPY_ROUTE`` = ``staging`` | ``join`` | ``numpy`` | ``fresh`` |
+    ``fill`` forces a route (``staging`` falls back to ``join`` where it is not available; ``numpy``: None)."""
+    from spec_cache.state import device_copy
+    route = os.environ.get("SPEC_CACHE_COPY_ROUTE", "")
+    if route == "numpy":
+        return None
+    if route == "join":
+        return mx_concat
+    if route == "fresh":
+        return device_copy.fresh_concat
+    if route == "fill":
+        return device_copy.HOST_ARRAYS
+    if route == "staging" or device_copy.is_gpu():
+        loader = device_copy.staging_loader() if device_copy.is_cuda() or route == "staging" else None
+        return loader if loader is not None else mx_concat
+    return device_copy.HOST_ARRAYS
+
+
+def to_mx(t: Any) -> mx.array:
+    """A tensor as an ``mx.array``: an ``mx.array`` as is; a store ``Tensor`` as an owned array of its dtype
+    (bfloat16 from its uint16 words; data ``mx_concat`` already built in MLX checked against the record's dtype);
+    anything else with the buffer protocol (a numpy array) copied into MLX."""
+    if isinstance(t, mx.array):
+        return t
+    if not isinstance(t, Tensor):
+        return mx.array(t)
+    if isinstance(t.data, mx.array):  # already built by mx_concat
+        if dtype_of(t.data) != t.dtype:
+            raise RestoreRefused(f"restored tensor is {dtype_of(t.data)}, its record says {t.dtype}")
+        return t.data
+    arr = t.array()
+    if t.dtype == "bfloat16":
+        return mx.array(arr).view(mx.bfloat16)
+    if t.dtype == "float64":
+        raise RestoreRefused("float64 tensors cannot be restored into MLX")
+    return mx.array(arr, dtype=_MX_DTYPES[t.dtype])
+
+
+def layer_state(cache: Any) -> LayerState:
+    """One mlx-lm cache (single row) as a ``LayerState`` covering exactly its offset (see ``cache_kinds``)."""
+    kind = kind_of(cache)
+    meta, arrays = kind.capture(cache)
+    return LayerState(kind.name, meta, [to_tensor(a) for a in arrays], token_axis=kind.token_axis)
+
+
+def from_layer_state(layer: LayerState) -> Any:
+    """Rebuild the mlx-lm cache a ``LayerState`` came from (owned, bit-identical arrays)."""
+    kind = kind_named(layer.kind)
+    return kind.build(layer.meta, [to_mx(t) for t in layer.tensors])
+
+
+def capture_caches(caches: Sequence[Any], *, defer_copy: bool = False) -> list[LayerState]:
+    """Single-row mlx-lm caches as ``LayerState``s.
+
+    ``defer_copy``: leave each tensor's bytes in MLX (queued for evaluation, contiguous, bfloat16 as uint16
+    words) for ``host_layers`` to copy out later, on another thread: every MLX operation is built here, on the
+    caller's thread, and queued (``mx.async_eval``: the caller never waits for the device); the later copy waits
+    for the evaluation and only reads evaluated buffers (``cuMemcpy`` on CUDA, a numpy view elsewhere). Why: an
+    MLX graph can be evaluated only on the thread whose stream built it; a request thread must not wait for it.
+    """
+    if not defer_copy:
+        return [layer_state(c) for c in caches]
+    from spec_cache.state import device_copy
+    contiguous = device_copy.is_gpu()
+    _DEFER.on = True
+    try:
+        layers = [layer_state(c) for c in caches]
+    finally:
+        _DEFER.on = False
+    raws = [t.data for layer in layers for t in layer.tensors if isinstance(t.data, mx.array)]
+    if contiguous:
+        raws = [mx.contiguous(r) for r in raws]
+        it = iter(raws)
+        layers = [LayerState(layer.kind, layer.meta,
+                             [Tensor(t.dtype, t.shape, next(it)) if isinstance(t.data, mx.array) else t
+                              for t in layer.tensors], layer.token_axis) for layer in layers]
+    mx.async_eval(raws)  # queued on the caller's stream; host_layers' reads wait for it (from any thread)
+    return layers
+
+
+def host_layers(layers: Sequence[LayerState]) -> list[LayerState]:
+    """``capture_caches(..., defer_copy=True)``'s layers with their bytes copied to host memory (safe on a
+    background thread: no MLX graph is built)."""
+    return [LayerState(layer.kind, layer.meta, [_host_tensor(t) for t in layer.tensors], layer.token_axis)
+            for layer in layers]
+
+
+def _host_tensor(t: Tensor) -> Tensor:
+    if not isinstance(t.data, mx.array):
+        return t
+    from spec_cache.state import device_copy
+    d2h = device_copy.device_to_host() if device_copy.is_gpu() else None
+    return Tensor(t.dtype, t.shape, d2h(t.data) if d2h is not None else np.asarray(memoryview(t.data)))
+
+
+_DEFER = threading.local()  # ``on`` while ``capture_caches(defer_copy=True)`` runs: ``to_tensor`` keeps bytes in MLX
+
+
+def restore_caches(layers: Sequence[LayerState]) -> list[Any]:
+    caches = [from_layer_state(layer) for layer in layers]
+    mx.eval([c.state for c in caches if hasattr(c, "keys") and c.keys is not None])
+    return caches
+
+
+def attachment_to_store(cp: DraftRowCheckpoint) -> CheckpointAttachment:
+    """A drafter checkpoint's attachment with its tensors as store Tensors."""
+    a = cp.attachment
+    tensors = tuple(t if isinstance(t, Tensor) else to_tensor(t) for t in a.tensors)
+    return CheckpointAttachment(a.schema, dict(a.metadata), tensors)
+
+
+def checkpoint_from_store(length: int, attachment: CheckpointAttachment) -> DraftRowCheckpoint:
+    """A restored attachment as a ``DraftRowCheckpoint`` with owned ``mx.array`` tensors."""
+    tensors = tuple(to_mx(t) for t in attachment.tensors)
+    mx.eval(list(tensors))
+    return DraftRowCheckpoint(length, CheckpointAttachment(attachment.schema, dict(attachment.metadata), tensors))

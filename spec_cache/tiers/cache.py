@@ -1,0 +1,658 @@
+"""``SpecCache``: the runtime's view of a store — namespaces, save and restore of mlx-lm state.
+
+Why one file: ``SpecCache`` is the one place where a storage failure becomes a miss and a warning; its save and
+restore paths share the namespace, tier and write-behind bookkeeping, and split they would each have to keep that
+rule.
+
+It turns mlx-lm caches and drafter checkpoints into store records and back, and turns every storage
+failure into a miss plus a warning: a cache may miss, it never takes the inference engine down.
+
+Tiers, fastest first: the memory tier (``spec_cache.tiers.memory_tier``: checkpoints as MLX arrays in this process,
+no copy and no re-verification on a hit), the local LMDB store (every record verified on read), and optionally
+the shared tier. A restore is one call down (``restore(..., usable=...)``) and one result up. Checkpoint
+writes can go behind the request (``save(..., background=True)``; ``spec_cache.tiers.write_behind``): the memory tier
+holds a checkpoint until LMDB holds it durably.
+
+With ``shared=`` (a Redis/Valkey URL) the store is the local tier of a fleet: a checkpoint saved here is queued
+for publishing (write-behind, never blocking), and a lookup that the local store cannot serve in full asks the
+shared tier for a longer prefix, verifies it, uses it at once and promotes it into LMDB in the background
+(see docs/SHARED_TIER.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from spec_cache.errors import InvalidRequest
+from spec_cache.naming.namespace import namespace_key
+from spec_cache.rows.kv_quant import converted_at
+from spec_cache.schemas import DraftRowCheckpoint, SchemaError
+from spec_cache.state.cache_state import (
+    attachment_to_store,
+    capture_caches,
+    checkpoint_from_store,
+    host_layers,
+    restore_caches,
+    restore_concat,
+)
+from spec_cache.store import NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
+from spec_cache.store.keys import pack_tokens, tenant_id
+from spec_cache.store.shared.queue import WriteBehind
+from spec_cache.tiers import exit_drain
+from spec_cache.tiers.memory_tier import MemoryHit, MemoryTier, default_budget
+from spec_cache.tiers.shared_prefetch import Handoff
+from spec_cache.tiers.write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter, WriterLeft
+
+log = logging.getLogger("spec_cache")
+#: per thread: the caches whose restores take shared prefixes only from ``prefetch_shared`` (``shared_via_prefetch``)
+_via_prefetch = threading.local()
+_HANDOFF_LOCK = threading.Lock()
+
+#: ``durability`` modes: LMDB writes behind the request (default), or before ``save`` returns
+DURABILITY = ("write-behind", "sync")
+
+
+class CacheWarning(UserWarning):
+    """A stored entry could not be used or written; the request went on without it."""
+
+
+class CacheClosedError(StoreError):
+    """The cache was used after ``close()``."""
+
+
+@dataclass
+class RestoredPrefix:
+    """What a lookup gave back: ``length`` tokens of target state and, if stored, this drafter's row."""
+
+    length: int
+    caches: list[Any]
+    draft_checkpoint: DraftRowCheckpoint | None
+    warnings: list[str] = field(default_factory=list)
+    tier: str = "local"  # where it came from: "memory", "local" (LMDB) or "shared"
+
+
+_SAME = object()  # ``namespace``'s account default: the tenant itself
+_SALTED = "|salt:"  # ``server.auth.salted_tenant``: "<tenant or 'open'>|salt:<digest of the cache_salt>"
+
+
+def _tenant_label(account: str | bytes | None, from_tenant: bool) -> bytes | None:
+    """The store's tenant label for ``account`` (None: the default tenant); a salted server tenant counts
+    against the tenant before its salt."""
+    if from_tenant and isinstance(account, str) and _SALTED in account:
+        account = account.split(_SALTED, 1)[0]
+        if account == "open":  # no API key: unauthenticated salts share the default tenant
+            return None
+    return None if account is None else tenant_id(account)
+
+
+class SpecCache:
+    """A store opened for inference: the memory tier above the local LMDB store (and, optionally, a shared tier).
+
+    ``SpecCache.open(path, max_bytes=None, memory_bytes=<default>, shared=None, durability="write-behind")``;
+    ``close()`` or ``with``. What ``save`` accepted is never lost by a process that ends without ``close()``:
+    normally or by an uncaught exception, queued checkpoints are written at interpreter exit (``exit_timeout_s``).
+    """
+
+    def __init__(self, store: Store, shared=None, *, memory_bytes: int | None = None,
+                 write_queue_bytes: int | None = None, durability: str = "write-behind",
+                 exit_timeout_s: float = exit_drain.DEFAULT_EXIT_TIMEOUT_S):
+        if durability not in DURABILITY:
+            raise InvalidRequest(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+        if isinstance(exit_timeout_s, bool) or not isinstance(exit_timeout_s, (int, float)) or not \
+                0 <= exit_timeout_s < float("inf"):
+            raise InvalidRequest(f"exit_timeout_s must be a number of seconds >= 0, got {exit_timeout_s!r}")
+        self.store = store
+        self.shared = shared  # a store.shared.SharedTier, or None
+        self.memory = MemoryTier(default_budget() if memory_bytes is None else memory_bytes,
+                                 tenant_share=getattr(getattr(store, "tenants", None), "share", None))
+        self.durability = durability
+        self.exit_timeout_s = float(exit_timeout_s)
+        self._registered: dict[bytes, tuple[str, str, bool]] = {}  # key -> what register_namespace was told
+        self._tenant_ids: dict[bytes, bytes | None] = {}  # key -> its tenant label (quotas; None: default tenant)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child must not close its parent's cache at its exit
+        # no writer thread when every save writes before it returns (sync) or nothing can be written (read-only)
+        behind = not store.env.readonly and durability == "write-behind"
+        if write_queue_bytes is None:  # the tier holds what is queued anyway: let the queue match its scale
+            write_queue_bytes = max(DEFAULT_QUEUE_BYTES, self.memory.budget_bytes // 2)
+        self.write_queue_bytes = write_queue_bytes
+        self._writer = (CheckpointWriter(self._write, write_queue_bytes, write_many=self._write_many) if behind
+                        else None)
+        self._promoter = None
+        if shared is not None:  # promotion off the request's path: the restored state is used at once
+            self._promoter = WriteBehind(shared.config.queue_bytes, self._promote, name="spec-cache-promote")
+        exit_drain.track(self)
+
+    @classmethod
+    def open(cls, path, max_bytes: int | None = None, *, memory_bytes: int | None = None, shared=None,
+             shared_options: dict | None = None, write_queue_bytes: int | None = None,
+             durability: str = "write-behind", exit_timeout_s: float = exit_drain.DEFAULT_EXIT_TIMEOUT_S,
+             **kwargs) -> "SpecCache":
+        """Open the local store at ``path``; ``shared`` is a Redis/Valkey URL (or a ``SharedConfig``).
+
+        ``memory_bytes``: the memory tier's budget (None: ``memory_tier.default_budget()``, 1/8 of the device's
+        memory; 0: off). ``write_queue_bytes`` caps checkpoint bytes waiting for their LMDB write: the most a
+        SIGKILL can lose (None: half the memory tier's budget, at least 1 GiB; the memory tier holds those
+        checkpoints meanwhile, so the queue costs no memory of its own; a save that finds it full writes on the
+        caller's thread, which on a server stalls every row: 222 ms per checkpoint at 4 clients on the H200 with
+        a 1 GiB queue). ``durability``: ``"write-behind"`` (default) lets ``save(..., background=True)`` queue
+        the LMDB write; ``"sync"`` makes every ``save`` commit to LMDB before it returns (``background`` is
+        ignored), so a checkpoint survives a SIGKILL right after its request, at the cost of the write on the
+        request's path. ``exit_timeout_s`` bounds how long interpreter exit waits for queued writes of a cache that
+        was never closed (0: not at all; what is left is logged). ``shared_options`` overrides ``SharedConfig``
+        fields (``timeout_s``, ``queue_bytes``, ``prefix``, ...). Other keywords go to ``Store.open``
+        (``durable=False``: no fsync per commit; a commit then survives a crash of the process, not of the machine).
+        A bad URL raises ``StoreError`` here; a server that is down is not an error (lookups miss until it is up).
+        """
+        if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
+                                         or memory_bytes < 0):
+            raise InvalidRequest("memory_bytes must be an int >= 0 (0 turns the memory tier off) or None")
+        if durability not in DURABILITY:  # before anything is opened
+            raise InvalidRequest(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+        options = dict(memory_bytes=memory_bytes, write_queue_bytes=write_queue_bytes, durability=durability,
+                       exit_timeout_s=exit_timeout_s)
+        store = Store.open(path, max_bytes=max_bytes, **kwargs)
+        try:
+            if shared is None:
+                return cls(store, **options)
+            from spec_cache.store.shared import SharedConfig, SharedTier
+
+            tier = SharedTier(SharedConfig.of(shared, **(shared_options or {})), store)
+        except BaseException:
+            store.close()
+            raise
+        try:
+            return cls(store, tier, **options)
+        except BaseException:
+            tier.close()
+            store.close()
+            raise
+
+    def close(self) -> None:
+        """Write every queued checkpoint, stop the background threads, close the store. Idempotent."""
+        self._shutdown(None)
+
+    def _shutdown(self, timeout: float | None) -> WriterLeft | None:
+        """Close, waiting at most ``timeout`` (None: for every queued write); None if already closed.
+
+        Order: the LMDB writer (a written checkpoint is queued for publishing), the promoter, the shared tier's
+        publisher, then the store. A write still in progress when ``timeout`` ends keeps the store open: closing
+        an LMDB environment under a running transaction is not safe, and the process is ending anyway.
+        """
+        with self._close_lock:
+            if self._closed:
+                return None
+            self._closed = True
+        exit_drain.untrack(self)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left_s() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        left = WriterLeft(0, 0, 0, False) if self._writer is None else self._writer.stop(left_s())
+        busy = left.in_flight
+        if self.shared is not None:
+            bound = self.shared.config.close_timeout_s
+            wait = bound if deadline is None else min(bound, left_s())
+            busy |= self._promoter.stop(wait, bounded=deadline is not None)[2]
+            self.shared.close()  # publishes what is queued first (bounded by close_timeout_s)
+        self.memory.clear()
+        if not busy:
+            self.store.close()
+        return left
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def write_pending(self) -> tuple[int, int]:
+        """(checkpoints queued for their LMDB write, their bytes); (0, 0) without write-behind."""
+        return (0, 0) if self._writer is None else self._writer.pending
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until queued checkpoints are durable in LMDB (and background promotions and publishes are done);
+        True if nothing is left."""
+        done = self._writer is None or self._writer.drain(timeout)
+        if done and self._writer is not None:
+            self._flush_counters()
+        if self.shared is None:
+            return done
+        return done and self._promoter.drain(timeout) and self.shared.drain(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def continuations(self):
+        """This cache's continuation records (``spec_cache.tiers.continuations.Continuations``; made on first use)."""
+        from spec_cache.tiers.continuations import Continuations
+
+        return Continuations.of(self)
+
+    def memo(self):
+        """The artifact-identity memo kept in this cache's store (``spec_cache.naming.identity`` takes it)."""
+        return self.store.memo()
+
+    def memory_stats(self) -> dict:
+        """The memory tier's counters (bytes, entries, hits, misses, budget, ...) and the write-behind queue's."""
+        stats = self.memory.stats()
+        stats["writes"] = {} if self._writer is None else self._writer.stats()
+        return stats
+
+    def shared_status(self) -> dict | None:
+        """The shared tier's state and counters as this process sees them (None without a shared tier)."""
+        return None if self.shared is None else self.shared.status()
+
+    def namespace(self, target_identity: str, prefix_namespace: str, tenant: str | bytes | None = None, *,
+                  account: str | bytes | None = _SAME) -> bytes:
+        """The store key for (target, prefix namespace, tenant), registered for ``ls``/``show``.
+
+        ``account`` is whom the namespace's bytes count against for per-tenant quotas and fair-share eviction
+        (stored as a one-way label, ``store.keys.tenant_id``; None: the default tenant). By default it is
+        ``tenant`` itself, except for the server's salted form ``"<tenant>|salt:<digest>"``
+        (``server.auth.salted_tenant``), which counts against ``<tenant>`` (``open``, no API key: the default
+        tenant), so a ``cache_salt`` splits a tenant's prefixes but not its quota.
+        """
+        self._check_open()
+        key = namespace_key(target_identity, prefix_namespace, tenant)
+        if key not in self._registered:
+            label = _tenant_label(tenant if account is _SAME else account, account is _SAME)
+            self.store.register_namespace(key, target=target_identity, prefix_namespace=prefix_namespace,
+                                          tenant=tenant is not None, tenant_id=label)
+            self.memory.set_tenant(key, label)
+            self._registered[key] = (target_identity, prefix_namespace, tenant is not None)
+            self._tenant_ids[key] = label
+        return key
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("the cache is closed")
+
+    # --- save ------------------------------------------------------------------------------------
+    def save(self, ns_key: bytes, tokens: Sequence[int], caches: Sequence[Any], *,
+             drafter_namespace: str | None = None, draft_checkpoint: DraftRowCheckpoint | None = None,
+             minimum_reusable: int = 0, background: bool = False,
+             then: Callable[[PutResult], None] | None = None,
+             rider: Callable[[Any], None] | None = None) -> PutResult | None:
+        """Store a checkpoint: held in the memory tier at once, written to LMDB (and queued for the shared tier).
+
+        ``background=False`` writes LMDB now and returns its ``PutResult``: the checkpoint is committed (and, with
+        the store's default ``durable=True``, fsynced) when this returns, so it survives even a SIGKILL right
+        after. ``background=True`` queues the write (write-behind; ``drain()`` waits for it) and returns None, when
+        the memory tier holds the checkpoint meanwhile (otherwise it is written now); a queued write survives the
+        process ending normally or by an exception (the exit drain), not a SIGKILL before it is committed. Under
+        ``durability="sync"`` every save writes now, whatever ``background`` says. On any failure: a
+        ``CacheWarning``, None. ``then(put_result)`` runs once the checkpoint is committed to LMDB (on the writer
+        thread, or here); never after a failure. ``rider(txn)`` writes rows of its own in the checkpoint's LMDB
+        transaction (``Store.put``'s ``rider``: one commit for both; ``spec_cache.tiers.continuations`` writes its
+        record so).
+        """
+        if self._closed:
+            warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: the cache is closed",
+                          CacheWarning, stacklevel=2)
+            return None
+        behind = background and self._writer is not None
+        try:
+            drafter = None
+            if draft_checkpoint is not None and drafter_namespace is not None:
+                if draft_checkpoint.processed_tokens != len(tokens):
+                    raise InvalidRequest(f"drafter checkpoint covers {draft_checkpoint.processed_tokens} tokens, "
+                                         f"target state {len(tokens)}")
+                drafter = (drafter_namespace, attachment_to_store(draft_checkpoint))
+            # behind the request, the device-to-host copy runs on the writer thread too (``host_layers``)
+            layers = capture_caches(caches, defer_copy=behind)
+        except (StoreError, SchemaError, TypeError, ValueError) as exc:
+            warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: {exc}", CacheWarning,
+                          stacklevel=2)
+            return None
+        entry = self.memory.put(ns_key, tokens, caches, drafter_namespace=drafter_namespace if drafter else None,
+                                draft_checkpoint=draft_checkpoint if drafter else None,
+                                minimum_reusable=minimum_reusable)
+        job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry, then, rider)
+        # behind the request only while the memory tier serves the checkpoint meanwhile (tier off, or the
+        # checkpoint over its budget: written now, so the next request finds it)
+        if behind and entry is not None:
+            self._writer.submit(job, job.nbytes)
+            return None
+        return self._write(job, stacklevel=3)
+
+    def _write_many(self, jobs: list["_WriteJob"]) -> int:
+        """The write-behind thread's batch: the checkpoints queued meanwhile in one LMDB transaction
+        (``Store.put_many``); one the batch could not take (its lone put failed too) goes through :meth:`_write`,
+        which tries it alone once more and reports why. Returns how many failed unexpectedly (logged)."""
+        ready, alone = [], []
+        for job in jobs:
+            try:
+                job.layers = host_layers(job.layers)
+                ready.append(job)
+            except Exception:  # its copy failed: _write tries again and reports it (its entry is released there)
+                alone.append(job)
+        try:
+            outcomes = self.store.put_many([(job.ns_key, job.tokens, job.layers, job.options) for job in ready])
+        except Exception:  # pragma: no cover - put_many answers per checkpoint; each alone then
+            outcomes = [None] * len(ready)
+        for job, outcome in zip(ready, outcomes):
+            if isinstance(outcome, PutResult):
+                self._written(job, outcome)
+            else:
+                alone.append(job)
+        failed = 0
+        for job in alone:
+            try:
+                self._write(job)
+            except Exception:  # one checkpoint's unexpected failure never stops the rest of the batch
+                failed += 1
+                log.exception("spec-cache: checkpoint of %d tokens not stored", len(job.tokens))
+        return failed
+
+    def _write(self, job: "_WriteJob", stacklevel: int = 2) -> PutResult | None:
+        """Put one checkpoint into LMDB (the write-behind thread, or the caller's); mark its memory entry durable."""
+        try:
+            result = self._put(job)
+        except StoreUnavailable:  # the data file went away under us: the store logged it once; go on without it
+            result = None
+        except (StoreError, SchemaError, TypeError, ValueError) as exc:
+            message = f"spec-cache: checkpoint of {len(job.tokens)} tokens not stored: {exc}"
+            if threading.current_thread() is threading.main_thread() or stacklevel > 2:
+                warnings.warn(message, CacheWarning, stacklevel=stacklevel)
+            else:
+                log.warning(message)
+            result = None
+        except BaseException:
+            if job.entry is not None:
+                self.memory.mark_durable(job.entry)  # never in LMDB now: evictable
+            raise
+        return self._written(job, result)
+
+    def _written(self, job: "_WriteJob", result: PutResult | None) -> PutResult | None:
+        """After a checkpoint's put (``result`` None: not stored): its memory entry becomes evictable; the shared
+        tier and ``then`` hear of it."""
+        if job.entry is not None:
+            self.memory.mark_durable(job.entry)  # held in LMDB now, or never will be: evictable either way
+        if result is not None and self.shared is not None:
+            self.shared.enqueue(result.entry, [job.drafter[0]] if job.drafter is not None else [], job.nbytes)
+        if result is not None and job.then is not None:
+            try:
+                job.then(result)
+            except Exception:  # pragma: no cover - a follower's failure never fails the checkpoint
+                log.exception("spec-cache: a write's follow-up failed")
+        return result
+
+    def _put(self, job: "_WriteJob") -> PutResult:
+        job.layers = host_layers(job.layers)  # bytes still in MLX (deferred capture) come to the host here
+        put = job.options
+        try:
+            return self.store.put(job.ns_key, job.tokens, job.layers, **put)
+        except NamespaceNotRegistered:
+            if job.ns_key not in self._registered:
+                raise
+            # gc (or another process's repair) dropped the namespace row since we registered it
+            target, prefix, tenant = self._registered[job.ns_key]
+            self.store.register_namespace(job.ns_key, target=target, prefix_namespace=prefix, tenant=tenant,
+                                          tenant_id=self._tenant_ids.get(job.ns_key))
+            return self.store.put(job.ns_key, job.tokens, job.layers, **put)
+
+    def _flush_counters(self) -> None:
+        try:
+            self.store.flush()
+        except StoreError as exc:
+            log.warning("spec-cache: hit/miss counters not written: %s", exc)
+
+    # --- restore ---------------------------------------------------------------------------------
+    def restore(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
+                usable: Callable[[Any], bool] | None = None) -> RestoredPrefix | None:
+        """The longest usable stored prefix of ``tokens`` as mlx-lm caches (+ drafter row), or None.
+
+        One call down through the tiers: the memory tier first; LMDB only for a longer usable prefix (or the same
+        length with the drafter row the memory tier lacks); with a shared tier, when the local tiers do not cover
+        every token, the shared tier for a longer prefix (verified, returned, promoted into LMDB in the
+        background; ``drain()`` waits for that). ``usable(candidate)`` (fields ``length``, ``has_drafter``,
+        ``minimum_reusable``) rejects prefixes the caller cannot continue from; tiers return only usable ones.
+        A prefix restored from LMDB or the shared tier enters the memory tier.
+        """
+        if self._closed:
+            warnings.warn("spec-cache: the cache is closed; lookup treated as a miss", CacheWarning, stacklevel=2)
+            return None
+        mem = self.memory.lookup(ns_key, tokens, drafter_namespace=drafter_namespace, usable=usable)
+        if mem is not None and mem.length == len(tokens) and (mem.has_drafter or drafter_namespace is None):
+            return self._from_memory(mem, drafter_namespace)
+        floor = (0, False) if mem is None else (mem.length, mem.has_drafter)
+
+        def better(hit) -> bool:  # longer than the memory hit, or as long with the drafter row it lacks
+            if (hit.length, bool(hit.has_drafter)) <= floor:
+                return False
+            return usable is None or usable(hit)
+
+        if self.shared is not None:
+            local = floor[0]
+            try:
+                hit = self.store.lookup(ns_key, tokens, drafter=drafter_namespace, usable=better)
+                local = max(local, 0 if hit is None else hit.length)
+            except (StoreError, ValueError) as exc:
+                warnings.warn(f"spec-cache: local lookup failed, asking the shared tier: {exc}", CacheWarning,
+                              stacklevel=2)
+            if local < len(tokens):
+                restored = self._restore_shared(ns_key, tokens, drafter_namespace, local, better)
+                if restored is not None:
+                    return restored
+        restored = self._restore_local(ns_key, tokens, drafter_namespace, better)
+        if restored is not None:
+            return restored
+        return None if mem is None else self._from_memory(mem, drafter_namespace)
+
+    def _from_memory(self, hit, drafter_namespace: str | None) -> RestoredPrefix:
+        caches, checkpoint = self.memory.take(hit, drafter_namespace)
+        return RestoredPrefix(hit.length, caches, checkpoint, [], tier="memory")
+
+    def _restore_local(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None, usable,
+                       ) -> RestoredPrefix | None:
+        notes: list[str] = []
+        try:
+            restored = self.store.fetch(ns_key, tokens, drafter=drafter_namespace, warnings=notes, usable=usable,
+                                        concat=restore_concat())
+        except (StoreError, SchemaError, ValueError) as exc:
+            warnings.warn(f"spec-cache: lookup failed, treated as a miss: {exc}", CacheWarning, stacklevel=3)
+            return None
+        for message in notes:
+            warnings.warn(f"spec-cache: {message}", CacheWarning, stacklevel=3)
+        if restored is None:
+            return None
+        return self._rebuild(ns_key, tokens, restored.length, restored.layers, restored.attachment,
+                             drafter_namespace, list(restored.warnings), "local",
+                             getattr(restored, "minimum_reusable", None))
+
+    def _restore_shared(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None, floor: int,
+                        usable) -> RestoredPrefix | None:
+        """A prefix longer than ``floor`` from the shared tier, promoted into the local store; None otherwise.
+
+        A prefix ``prefetch_shared`` fetched for these tokens is taken first; inside ``shared_via_prefetch()``
+        that is the only source (this thread never waits on the network)."""
+        notes: list[str] = []
+        try:
+            packed = pack_tokens(tokens)
+        except StoreError as exc:
+            warnings.warn(f"spec-cache: lookup failed, treated as a miss: {exc}", CacheWarning, stacklevel=3)
+            return None
+        handoff = self.__dict__.get("_shared_handoff")
+        got = None if handoff is None else handoff.take(
+            ns_key, drafter_namespace, packed, lambda hit: (hit.length, hit.has_drafter) > (floor, False)
+            and (usable is None or usable(hit)))
+        if got is not None:
+            self.shared.health.add("prefetch_used")
+        elif id(self) in getattr(_via_prefetch, "caches", ()):
+            return None  # fetched ahead (or not at all) by ``prefetch_shared``: never on this thread
+        else:
+            got = self._fetch_shared(ns_key, packed, drafter_namespace, floor, usable, notes, None)
+        for message in notes:
+            warnings.warn(f"spec-cache: {message}", CacheWarning, stacklevel=3)
+        if got is None:
+            return None
+        restored = self._rebuild(ns_key, tokens, got.length, got.layers, got.attachment, drafter_namespace, notes,
+                                 "shared", got.minimum_reusable)
+        if restored is not None:
+            job = (ns_key, packed[:got.length], got, drafter_namespace)
+            if not self._promoter.offer(job, got.nbytes):
+                self.shared.health.add("promote_dropped")
+        return restored
+
+    def _fetch_shared(self, ns_key: bytes, packed, drafter_namespace: str | None, floor: int, usable,
+                      notes: list[str], deadline: float | None):
+        """``SharedTier.restore``, never raising: an unexpected failure is a miss noted in ``notes``."""
+        try:
+            return self.shared.restore(ns_key, packed, chunk_tokens=self.store.chunk_tokens,
+                                       drafter=drafter_namespace, floor=floor, warnings=notes, usable=usable,
+                                       deadline=deadline)
+        except Exception as exc:  # the last line of defence: a value from the network must never stop a request
+            log.exception("spec-cache: shared tier lookup failed unexpectedly")
+            self.shared.health.add("errors")
+            notes.append(f"shared tier lookup failed unexpectedly ({type(exc).__name__}: {exc}), treated as a miss")
+            return None
+
+    def prefetch_shared(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None = None,
+                        deadline: float | None = None, *, usable: Callable[[Any], bool] | None = None) -> bool:
+        """Fetch from the shared tier, on the calling thread, a prefix of ``tokens`` longer than LMDB holds, and
+        hold it (verified host arrays, ``shared_prefetch.Handoff``) for the next ``restore`` of these tokens. For
+        a caller whose restores must not wait on the network (the server's scheduler: its prefetch pool calls
+        this before a job is admitted, its own restores run inside ``shared_via_prefetch()``).
+
+        ``deadline`` (``time.monotonic()``) ends the lookup early if it comes before ``lookup_budget_s``;
+        ``usable`` is the restore's rule (``Generator.usable_rule``). True if a prefix is held. Thread-safe; never
+        raises (failures are misses, logged).
+        """
+        if self.shared is None or self._closed:
+            return False
+        try:
+            packed = pack_tokens(tokens)
+            hit = self.store.lookup(ns_key, packed, drafter=drafter_namespace, usable=usable)
+        except (StoreError, ValueError) as exc:
+            log.warning("spec-cache: shared prefetch skipped, the local lookup failed: %s", exc)
+            return False
+        floor = 0 if hit is None else hit.length
+        if floor >= len(packed):
+            return False  # LMDB covers every token: the shared tier cannot add anything
+        self.shared.health.add("prefetches")
+        notes: list[str] = []
+        got = self._fetch_shared(ns_key, packed, drafter_namespace, floor, usable, notes, deadline)
+        for message in notes:
+            log.warning("spec-cache: %s", message)
+        if got is None:
+            return False
+        handoff = self.__dict__.get("_shared_handoff")
+        if handoff is None:
+            with _HANDOFF_LOCK:
+                handoff = self.__dict__.setdefault("_shared_handoff", Handoff(self.shared.config.queue_bytes))
+        if not handoff.put(ns_key, drafter_namespace, packed[:got.length], got):
+            return False
+        self.shared.health.add("prefetch_hits")
+        return True
+
+    @contextlib.contextmanager
+    def shared_via_prefetch(self):
+        """Within this block, restores on this thread take shared-tier prefixes only from ``prefetch_shared``
+        and never send a request to the shared tier themselves."""
+        caches = getattr(_via_prefetch, "caches", None)
+        if caches is None:
+            caches = _via_prefetch.caches = set()
+        added = id(self) not in caches
+        caches.add(id(self))
+        try:
+            yield self
+        finally:
+            if added:
+                caches.discard(id(self))
+
+    # --- cache controls (``spec_cache.tiers.cache_controls``; ``serve``'s /v1/cache/...) ----------------------------
+    def pin(self, ns_key: bytes, tokens: Sequence[int], ttl_s: float, **options):
+        """Keep the longest stored prefix of ``tokens`` from eviction (memory tier and LMDB) for ``ttl_s`` s."""
+        from spec_cache.tiers import cache_controls
+        return cache_controls.pin(self, ns_key, tokens, ttl_s, **options)
+
+    def unpin(self, pin_id: str, **options):
+        """End a pin now (``cache_controls.unpin``)."""
+        from spec_cache.tiers import cache_controls
+        return cache_controls.unpin(self, pin_id, **options)
+
+    def prefetch(self, ns_key: bytes, tokens: Sequence[int], **options):
+        """Bring the longest stored prefix of ``tokens`` into the memory tier now (``cache_controls.prefetch``)."""
+        from spec_cache.tiers import cache_controls
+        return cache_controls.prefetch(self, ns_key, tokens, **options)
+
+    def _promote(self, job) -> None:
+        """Background: store a prefix restored from the shared tier through the store's own write path."""
+        ns_key, packed, got, drafter_namespace = job
+        drafter = (drafter_namespace, got.attachment) if got.attachment is not None else None
+        try:
+            self.store.put(ns_key, packed, got.layers, drafter=drafter, minimum_reusable=got.minimum_reusable)
+            self.shared.health.add("promoted")
+        except StoreUnavailable:  # logged once by the store
+            self.shared.health.add("promote_failed")
+        except (StoreError, SchemaError, TypeError, ValueError) as exc:
+            self.shared.health.add("promote_failed")
+            log.warning("spec-cache: prefix from the shared tier used but not stored locally: %s", exc)
+
+    def _rebuild(self, ns_key: bytes, tokens, length: int, layers, attachment, drafter_namespace, notes: list[str],
+                 tier: str, minimum_reusable: int | None) -> RestoredPrefix | None:
+        """mlx-lm caches (+ drafter row) from restored layers; they enter the memory tier (as durable when they
+        came from LMDB), and the row gets its own array objects over them."""
+        try:
+            caches = restore_caches(layers)
+            cp = None
+            if attachment is not None:
+                cp = checkpoint_from_store(length, attachment)
+        except (ValueError, TypeError, KeyError) as exc:
+            warnings.warn(f"spec-cache: stored state could not be rebuilt, treated as a miss: {exc}", CacheWarning,
+                          stacklevel=4)
+            return None
+        if minimum_reusable is None:
+            try:
+                minimum_reusable = converted_at(caches) or 0
+            except ValueError:
+                minimum_reusable = 0
+        try:
+            entry = self.memory.put(ns_key, list(tokens[:length]), caches, drafter_namespace=drafter_namespace,
+                                    draft_checkpoint=cp, minimum_reusable=minimum_reusable,
+                                    durable=True)  # LMDB or the shared tier holds it already
+        except (TypeError, ValueError):
+            entry = None
+        if entry is not None:  # hand out new objects over the held arrays, as a memory hit does
+            hit = MemoryHit(length, cp is not None, minimum_reusable, entry)
+            caches, cp = self.memory.take(hit, drafter_namespace)
+        return RestoredPrefix(length, caches, cp, notes, tier=tier)
+
+
+@dataclass
+class _WriteJob:
+    """A checkpoint on its way to LMDB: the captured layers (host views) and its memory-tier entry."""
+
+    ns_key: bytes
+    tokens: list[int]
+    layers: list
+    drafter: tuple | None
+    minimum_reusable: int
+    entry: Any
+    then: Callable[[PutResult], None] | None = None  # after the commit (``save``'s ``then``)
+    rider: Callable[[Any], None] | None = None  # rows in the put's own transaction (``save``'s ``rider``)
+
+    @property
+    def options(self) -> dict:
+        """The keywords of its ``Store.put``."""
+        return dict(drafter=self.drafter, minimum_reusable=self.minimum_reusable, rider=self.rider)
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(layer.nbytes for layer in self.layers)
+        if self.drafter is not None:
+            n += sum(t.nbytes for t in self.drafter[1].tensors)
+        return n
+

@@ -1,0 +1,284 @@
+"""Cache controls: pin / unpin a stored prefix for a while, prefetch it into the memory tier, export / import it
+as an mlx-lm prompt-cache file. ``SpecCache.pin`` etc. are thin calls into here; ``serve`` exposes them as
+``/v1/cache/...`` (``server/cache_routes.py``).
+
+Why pins are leases held by this process (not the store's persisted ``pinned`` flag): a pin has a TTL, and a
+TTL needs a clock that someone watches. Here the memory tier's entry carries the pin's end (``pin_until``) and
+the store holds a lease on the LMDB entry (``store.leases``); both end by themselves when the TTL passes, on
+unpin, or when the process ends. So a pin protects a prefix from eviction while this process serves it and can
+never leak: after a restart nothing is pinned (the prefix itself stays stored until evicted; pin it again).
+
+A pin names the longest stored prefix of the given tokens. Pinning it: the prefix is restored through the tiers
+(that also puts it into the memory tier), an LMDB entry for exactly those tokens is made if there was none (a
+prefix served from a longer entry's chunks would otherwise go with that entry), the LMDB entry gets a lease and
+the memory entry that serves the prefix (that one, or a longer one that serves it by trimming) is pinned until
+the TTL. Pinned bytes are that memory entry's bytes; they count against the owner's ``quota_bytes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from spec_cache.errors import InvalidRequest
+
+__all__ = ["Pin", "Resident", "NotStored", "PinQuotaExceeded", "BadPrefixFile", "pin", "unpin", "pins",
+           "prefetch", "import_prefix"]
+
+
+class NotStored(InvalidRequest):
+    """No stored prefix of the given tokens (or no such pin) in this namespace."""
+
+
+class PinQuotaExceeded(InvalidRequest):
+    """The pin would hold more bytes than its owner may pin."""
+
+
+class BadPrefixFile(InvalidRequest):
+    """An uploaded prompt-cache file that is unreadable or does not fit the model or the tokens."""
+
+
+@dataclass
+class Pin:
+    """One pin: ``length`` tokens of ``ns_key`` held until ``until`` (``time.monotonic()``)."""
+
+    pin_id: str
+    ns_key: bytes
+    tokens: tuple[int, ...]      # the pinned prefix
+    owner: Any                   # whom it counts against (the server's tenant; None: the default tenant)
+    until: float
+    expires_at: float            # the same end as a Unix time (for clients)
+    nbytes: int                  # bytes of the memory entry that serves it (0: the memory tier is off)
+    memory_tokens: bytes | None  # that entry's tokens (uint32 bytes); None when the memory tier does not hold it
+    store_key: bytes | None      # the LMDB entry leased
+    tier: str                    # where the prefix came from when pinned: memory, local or shared
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Resident:
+    """What ``prefetch`` left in the memory tier: ``length`` tokens restored from ``tier`` (None: nothing)."""
+
+    length: int
+    tier: str | None
+    resident: bool               # the memory tier holds an entry serving all ``length`` tokens
+
+
+class _Table:
+    """The pins of one cache (thread-safe); expired pins drop on read."""
+
+    def __init__(self) -> None:
+        self.pins: dict[str, Pin] = {}
+        self.lock = threading.Lock()
+
+    def live(self) -> list[Pin]:
+        now = time.monotonic()
+        with self.lock:
+            for pin_id in [k for k, p in self.pins.items() if p.until <= now]:
+                del self.pins[pin_id]
+            return list(self.pins.values())
+
+
+_TABLE_LOCK = threading.Lock()
+#: pins one owner may hold at once (bytes bound them too; this bounds the table when the memory tier is off)
+MAX_PINS = 1024
+
+
+def _table(cache) -> _Table:
+    table = cache.__dict__.get("_pins")
+    if table is None:
+        with _TABLE_LOCK:
+            table = cache.__dict__.setdefault("_pins", _Table())
+    return table
+
+
+def pin_id(ns_key: bytes, tokens: Sequence[int]) -> str:
+    """A pin's id: the same prefix in the same namespace is the same pin (pinning again sets its TTL)."""
+    return hashlib.sha256(bytes(ns_key) + np.asarray(tokens, dtype=np.uint32).tobytes()).hexdigest()[:24]
+
+
+def prefetch(cache, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
+             usable: Callable[[Any], bool] | None = None) -> Resident:
+    """Restore the longest usable stored prefix of ``tokens`` now (memory, LMDB or the shared tier), which leaves
+    it in the memory tier for the next request. Inside ``SpecCache.shared_via_prefetch()`` (the server's scheduler
+    thread) the shared tier's part is what ``prefetch_shared`` fetched before (``serve`` calls it off the thread)."""
+    resident, _ = _restore(cache, ns_key, tokens, drafter_namespace, usable)
+    return resident
+
+
+def _restore(cache, ns_key, tokens, drafter_namespace, usable):
+    tokens = [int(t) for t in tokens]
+    restored = cache.restore(ns_key, tokens, drafter_namespace=drafter_namespace, usable=usable)
+    if restored is None:
+        return Resident(0, None, False), None
+    held = cache.memory.serving(ns_key, tokens[:restored.length])
+    return Resident(restored.length, restored.tier, held is not None), restored
+
+
+def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any = None,
+        quota_bytes: int | None = None, total_quota_bytes: int | None = None, drafter_namespace: str | None = None,
+        usable: Callable[[Any], bool] | None = None) -> Pin:
+    """Pin the longest stored prefix of ``tokens`` for ``ttl_s`` seconds (see the module doc). Raises
+    ``NotStored`` when nothing is stored, ``PinQuotaExceeded`` when ``owner``'s pins would hold more than
+    ``quota_bytes`` or all pins more than ``total_quota_bytes``."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < float("inf"):
+        raise InvalidRequest(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+    resident, restored = _restore(cache, ns_key, tokens, drafter_namespace, usable)
+    if restored is None:
+        raise NotStored("no stored prefix of these tokens")
+    covered = [int(t) for t in tokens[:restored.length]]
+    store_key = cache.store.entry_key(ns_key, covered)
+    if store_key is None:  # served from a longer entry's chunks: store the prefix as its own entry
+        put = cache.save(ns_key, covered, restored.caches, drafter_namespace=drafter_namespace,
+                         draft_checkpoint=restored.draft_checkpoint, minimum_reusable=_converted(restored.caches))
+        store_key = None if put is None else put.entry
+    held = cache.memory.serving(ns_key, covered)
+    memory_tokens, nbytes = held if held is not None else (None, 0)
+    if store_key is None and memory_tokens is None:
+        raise NotStored("the prefix could be restored but neither tier could hold it")
+    table = _table(cache)
+    pid = pin_id(ns_key, covered)
+    others = [p for p in table.live() if p.pin_id != pid]
+    if sum(p.owner == owner for p in others) >= MAX_PINS:
+        raise PinQuotaExceeded(f"this tenant holds {MAX_PINS} pins already (the most one may hold)")
+    mine = sum(p.nbytes for p in others if p.owner == owner)
+    if quota_bytes is not None and mine + nbytes > quota_bytes:
+        raise PinQuotaExceeded(f"pinning {nbytes} more bytes would hold {mine + nbytes} pinned bytes; this "
+                               f"tenant may pin at most {quota_bytes}")
+    everyone = sum(p.nbytes for p in others)
+    if total_quota_bytes is not None and everyone + nbytes > total_quota_bytes:
+        raise PinQuotaExceeded(f"pinning {nbytes} more bytes would hold {everyone + nbytes} pinned bytes; this "
+                               f"server pins at most {total_quota_bytes} (half its memory tier)")
+    now = time.monotonic()
+    record = Pin(pid, bytes(ns_key), tuple(covered), owner, now + float(ttl_s), time.time() + float(ttl_s), nbytes,
+                 memory_tokens, store_key, restored.tier)
+    with table.lock:
+        table.pins[pid] = record
+    _apply(cache, table, record)
+    return record
+
+
+def unpin(cache, pin_id_: str, *, owner: Any = None, any_owner: bool = False) -> Pin:
+    """End pin ``pin_id_`` now (``owner``'s own only, unless ``any_owner``); ``NotStored`` if there is none."""
+    table = _table(cache)
+    table.live()
+    with table.lock:
+        record = table.pins.get(pin_id_)
+        if record is None or not (any_owner or record.owner == owner):
+            raise NotStored(f"no pin {pin_id_!r}")
+        del table.pins[pin_id_]
+    _apply(cache, table, record)
+    return record
+
+
+def pins(cache, *, owner: Any = None, any_owner: bool = False) -> list[Pin]:
+    """The live pins (``owner``'s, or every one with ``any_owner``), soonest to end first."""
+    return sorted((p for p in _table(cache).live() if any_owner or p.owner == owner), key=lambda p: p.until)
+
+
+def _apply(cache, table: _Table, record: Pin) -> None:
+    """Set the memory pin and the LMDB lease that ``record``'s entries need now: the latest end among the live
+    pins on the same entry, or none."""
+    live = table.live()
+    if record.memory_tokens is not None:
+        ends = [p.until for p in live if p.ns_key == record.ns_key and p.memory_tokens == record.memory_tokens]
+        tokens = np.frombuffer(record.memory_tokens, dtype=np.uint32)
+        cache.memory.pin(record.ns_key, tokens, bool(ends), until=max(ends) if ends else None)
+    if record.store_key is not None:
+        ends = [p.until for p in live if p.store_key == record.store_key]
+        if ends:
+            cache.store.leases.hold(record.store_key, max(ends))
+        else:
+            cache.store.leases.release(record.store_key)
+
+
+def _converted(caches) -> int:
+    from spec_cache.rows.kv_quant import converted_at
+
+    try:
+        return converted_at(caches) or 0
+    except ValueError:
+        return 0
+
+
+# --- import (export: spec_cache.convert.interop.export_prefix) --------------------------------------------------------
+def read_prefix_file(data: bytes):
+    """``(caches, metadata)`` of an mlx-lm prompt-cache file given as bytes; ``BadPrefixFile`` if unreadable."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    with tempfile.TemporaryDirectory(prefix="spec-cache-import-") as tmp:
+        path = os.path.join(tmp, "prefix.safetensors")
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            caches, metadata = load_prompt_cache(path, return_metadata=True)
+        except Exception as exc:  # mlx raises plain RuntimeError/ValueError (and others) for unreadable files
+            raise BadPrefixFile(f"not an mlx-lm prompt-cache file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(metadata, dict):
+        metadata = {}
+    return list(caches), metadata
+
+
+def import_prefix(cache, ns_key: bytes, tokens: Sequence[int] | None, data: bytes, target, *,
+                  target_identity: str | None = None, quantized: bool = False) -> int:
+    """Store the prompt-cache file ``data`` as the checkpoint of ``tokens`` (None: the file's ``spec_cache_tokens``
+    metadata) for ``target`` (a ``spec_cache.rows.target.TargetModel``), in the memory tier and LMDB; the number of
+    tokens stored. ``BadPrefixFile`` (nothing stored) when the file is unreadable, names another target, covers
+    other tokens, or does not fit the model's layers (kind, KV heads, head size, dtype)."""
+    import json
+
+    caches, metadata = read_prefix_file(data)
+    recorded = metadata.get("spec_cache_tokens")
+    if recorded is not None:
+        try:
+            recorded = [int(t) for t in json.loads(recorded)]
+        except (ValueError, TypeError):
+            raise BadPrefixFile("the file's spec_cache_tokens metadata is not a list of token ids") from None
+    if tokens is None:
+        if recorded is None:
+            raise BadPrefixFile("give the tokens the file covers (it records none)")
+        tokens = recorded
+    tokens = [int(t) for t in tokens]
+    if recorded is not None and recorded != tokens:
+        raise BadPrefixFile("the file records other token ids than the ones given")
+    named = metadata.get("spec_cache_target_identity")
+    if named is not None and target_identity is not None and named != target_identity:
+        raise BadPrefixFile(f"the file was exported for target {named[:16]}…, this server's is "
+                            f"{target_identity[:16]}…")
+    if any(t < 0 or t >= target.vocab_size for t in tokens):
+        raise BadPrefixFile(f"token ids must be in 0..{target.vocab_size - 1}")
+    check_fits(target, caches, len(tokens), quantized=quantized)
+    put = cache.save(ns_key, tokens, caches, minimum_reusable=_converted(caches))
+    if put is None:
+        raise BadPrefixFile("the prefix could not be stored (see the server log)")
+    return len(tokens)
+
+
+def check_fits(target, caches, length: int, *, quantized: bool = False) -> None:
+    """``BadPrefixFile`` unless ``caches`` are single-row caches of ``length`` tokens this target continues from."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    try:
+        target.check_restored("the file", caches, length, quantized=quantized)
+    except ValueError as exc:
+        raise BadPrefixFile(str(exc)) from None
+    for layer, c in enumerate(caches):
+        if not isinstance(c, (KVCache, RotatingKVCache)) or c.keys is None:
+            continue
+        heads, head_dim = target.kv_geometry(layer)
+        for name, a in (("keys", c.keys), ("values", c.values)):
+            if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] != heads or (name == "keys" and a.shape[3] != head_dim):
+                raise BadPrefixFile(f"the file's layer {layer} {name} have shape {tuple(a.shape)}; this model's "
+                                    f"are (1, {heads}, tokens, {head_dim})")
+            if a.dtype != target.dtype:
+                raise BadPrefixFile(f"the file's layer {layer} {name} are {a.dtype}; this model's are {target.dtype}")

@@ -1,0 +1,291 @@
+"""Persisted continuations: a generation killed part-way resumes, token-identically, when the same request comes again.
+
+Why: the KV checkpoints a generation leaves (every ``checkpoint_every`` tokens and when it ends) survive a crash,
+but only a record of *which tokens the request had generated* lets a retry continue instead of starting over.
+Each checkpoint of a generating row writes one (``store.continuations``: a versioned record under a key over the
+namespace key (target, drafter, adapters, KV options, tenant), the prompt, the sampling parameters and seed and
+the EOS rule), after the checkpoint itself is committed to LMDB, and claiming no more tokens than it covers: the
+record of a checkpoint of ``prompt + generated[:k-1]`` holds ``generated[:k]`` (the k-th token is the row's
+pending token, never forwarded). In this process the record is visible at once (the memory tier holds the KV).
+
+Resuming (``plan`` / ``trim``): the record's tokens (cut at ``max_tokens``) are replayed; when they end the
+request (``max_tokens`` reached, or an EOS it stops at) nothing runs at all. Otherwise the row restores the
+longest stored prefix of ``prompt + replay`` and replays only as many tokens as that restored state covers
+(``trim``): the KV it continues from is the very state the interrupted run had there, so the tokens after it are
+the ones an uninterrupted run emits (greedy; sampled too: ``RowSampler`` keys each position by the seed and the
+position only). Under KV quantization only whole answers replay (the conversion point depends on the prompt's
+length, so a longer "prompt" would convert elsewhere).
+
+Library: ``Generator.generate(prompts, ..., checkpoint_every=N, resume=True)`` (``generate`` below); the server's
+scheduler reads and writes the same records, so a retry after a restart resumes too.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from spec_cache.errors import InvalidRequest
+from spec_cache.rows.generation import Result
+from spec_cache.store import StoreError
+from spec_cache.store.continuations import (
+    MAX_BYTES,
+    MAX_RECORDS,
+    Continuation,
+    ContinuationTable,
+    continuation_key,
+    continuation_params,
+)
+
+log = logging.getLogger("spec_cache")
+
+#: records the in-process memory tier keeps
+MEMORY_RECORDS = 4096
+
+__all__ = ["Continuations", "Continuation", "request_key", "plan", "trim", "record_at", "generate", "ResumedResult"]
+
+
+def request_key(ns_key: bytes, prompt: Sequence[int], sampling: Any, stop_at_eos: bool,
+                eos_ids: Sequence[int]) -> bytes:
+    """The continuation key of a request: ``sampling`` a ``RowSampling`` (None: greedy); EOS ids count only
+    when the request stops at them."""
+    temperature = 0.0 if sampling is None else sampling.temperature
+    params = continuation_params(temperature=temperature, top_p=1.0 if sampling is None else sampling.top_p,
+                                 seed=None if sampling is None else sampling.seed,
+                                 eos_ids=tuple(eos_ids) if stop_at_eos else None)
+    return continuation_key(ns_key, prompt, params)
+
+
+class Continuations:
+    """A cache's continuation records: an in-process LRU (newest first, visible at once) over the LMDB table
+    (``store.continuations.ContinuationTable``, written in the commit of the checkpoint it refers to).
+    ``SpecCache.continuations`` is the one of a cache."""
+
+    def __init__(self, cache, *, memory_records: int = MEMORY_RECORDS, max_records: int = MAX_RECORDS,
+                 max_bytes: int = MAX_BYTES):
+        self.cache = cache
+        self.table = ContinuationTable(cache.store, max_records=max_records, max_bytes=max_bytes)
+        self.memory_records = memory_records
+        self._memory: collections.OrderedDict[bytes, Continuation] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.counters = {"hits": 0, "misses": 0, "written": 0, "evicted": 0, "failed": 0}
+
+    @classmethod
+    def of(cls, cache) -> "Continuations":
+        """The ``Continuations`` of ``cache`` (made on first use, one per cache)."""
+        with _OF_LOCK:
+            found = cache.__dict__.get("_continuations")
+            if found is None:
+                found = cache.__dict__["_continuations"] = cls(cache)
+            return found
+
+    def get(self, key: bytes, ns_key: bytes, prompt_tokens: int) -> Continuation | None:
+        """The newest record under ``key`` (memory, then LMDB), or None. A record that does not name this
+        namespace and prompt length is a miss (never another request's tokens)."""
+        with self._lock:
+            rec = self._memory.get(key)
+            if rec is not None:
+                self._memory.move_to_end(key)
+        if rec is None and not self.cache.closed:
+            try:
+                rec = self.table.get(key)
+            except StoreError as exc:
+                log.warning("spec-cache: continuation lookup failed, treated as a miss: %s", exc)
+                rec = None
+        if rec is None or rec.ns_key != ns_key or rec.prompt_tokens != prompt_tokens or not rec.tokens:
+            self.counters["misses"] += 1
+            return None
+        self.counters["hits"] += 1
+        return rec
+
+    def remember(self, rec: Continuation) -> None:
+        """Hold ``rec`` in this process (a record never goes back to fewer tokens)."""
+        with self._lock:
+            old = self._memory.get(rec.key)
+            if old is None or (len(old.tokens), old.finished) < (len(rec.tokens), rec.finished):
+                self._memory[rec.key] = rec
+            self._memory.move_to_end(rec.key)
+            while len(self._memory) > self.memory_records:
+                self._memory.popitem(last=False)
+
+    def persist(self, rec: Continuation) -> None:
+        """Write ``rec`` to LMDB (call once the checkpoint it refers to is committed); never raises."""
+        env = self.cache.store.env
+        if env.env is None or env.readonly:  # closed (a write drained at close still lands: the store is open)
+            return
+        try:
+            self.counters["evicted"] += self.table.put(rec)
+            self.counters["written"] += 1
+        except Exception as exc:  # a cache never takes the request down
+            self.counters["failed"] += 1
+            log.warning("spec-cache: continuation record of %d tokens not stored: %s", len(rec.tokens), exc)
+
+    def rider(self, rec: Continuation):
+        """``rec``'s rows as a rider of the checkpoint it refers to (``SpecCache.save(rider=...)``): written in
+        that checkpoint's own LMDB transaction, so both land in one commit or neither (a separate commit per
+        record cost ~12-20 KiB of pages: issue 21's write amplification). Counted when it runs."""
+        def ride(txn) -> None:
+            try:
+                self.counters["evicted"] += self.table.write_in(txn, rec)
+                self.counters["written"] += 1
+            except Exception:
+                self.counters["failed"] += 1
+                raise  # the store undoes the rider's rows alone and logs it; the checkpoint stands
+        return ride
+
+    def stats(self) -> dict:
+        return {**self.counters, "memory_records": len(self._memory)}
+
+
+_OF_LOCK = threading.Lock()
+
+
+def record_at(key: bytes, ns_key: bytes, prompt: Sequence[int], output: Sequence[int], checkpoint_tokens: int,
+              finished: bool = False) -> Continuation | None:
+    """The record a checkpoint of ``checkpoint_tokens`` tokens (``prompt + output[:k-1]``) supports: ``output[:k]``;
+    None for a prompt-boundary (or shorter) checkpoint."""
+    k = checkpoint_tokens - len(prompt) + 1
+    if k < 1 or k > len(output):
+        return None
+    return Continuation(key, ns_key, len(prompt), tuple(int(t) for t in output[:k]), finished and k == len(output),
+                        time.time_ns())
+
+
+def plan(rec: Continuation | None, max_tokens: int, stop_at_eos: bool, eos_ids: Sequence[int], *,
+         partial: bool = True) -> tuple[list[int], bool]:
+    """(tokens to replay, whether they answer the request whole). ``partial`` False (KV quantization): only a
+    whole answer is replayed."""
+    if rec is None:
+        return [], False
+    replay = list(rec.tokens[:max_tokens])
+    eos = set(int(t) for t in eos_ids) if stop_at_eos else set()
+    for i, token in enumerate(replay):
+        if token in eos:
+            replay = replay[: i + 1]
+            break
+    ended = bool(replay) and (len(replay) == max_tokens or replay[-1] in eos)
+    if not ended and not partial:
+        return [], False
+    return replay, ended
+
+
+def trim(prepared, prompt_tokens: int, replayed: int) -> int:
+    """Replay only what the restored state covers: ``prepared`` (``Generator.prepare`` of ``prompt + replay``)
+    restored ``L`` tokens; keep ``L - len(prompt) + 1`` replayed tokens (0..replayed) and shorten its request to
+    ``prompt + replay[:kept]`` (the budget grows by what was dropped). Returns the kept count."""
+    kept = max(0, min(replayed, prepared.cached_tokens - prompt_tokens + 1))
+    if kept < replayed:
+        request = prepared.request
+        prepared.request = dataclasses.replace(request, prompt=list(request.prompt[: prompt_tokens + kept]),
+                                               max_tokens=request.max_tokens + replayed - kept)
+    return kept
+
+
+@dataclass
+class ResumedResult(Result):
+    """``Generator.generate``'s ``Result`` with ``resumed``: tokens replayed from a stored continuation."""
+
+    resumed: int = 0
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    key: bytes | None
+    max_tokens: int
+    output: list[int]
+    replayed: int = 0
+    prepared: Any = None
+    checkpointed_at: int = 0
+    result: Any = None
+    started: float = 0.0
+
+
+def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0.0, seed: int = 0,
+             top_p: float = 1.0, checkpoint_every: int | None = None, resume: bool = True) -> list[ResumedResult]:
+    """``Generator.generate`` with continuations: rows resume from their stored continuation (``resume``) and
+    checkpoint every ``checkpoint_every`` generated tokens (None: at the prompt boundary and the end only), each
+    checkpoint followed by its continuation record. Tokens equal an uninterrupted ``generate``'s."""
+    from spec_cache.rows.generation import check_prompts
+    from spec_cache.rows.sampling import RowSampling, Sampling
+
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidRequest("max_tokens must be a positive int")
+    if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+                                         or checkpoint_every < 1):
+        raise InvalidRequest("checkpoint_every must be None or an int >= 1")
+    prompts = check_prompts(prompts, generator.engine.target.vocab_size)
+    sampling = RowSampling(temperature, top_p, seed)
+    cache, eos = generator.cache, tuple(generator.eos_token_ids)
+    conts = None if cache is None else Continuations.of(cache)
+    ns_key = generator.ns_key
+    partial = generator.engine.plan is None
+    started = time.perf_counter()
+    rows = []
+    for prompt in prompts:
+        key = None if conts is None else request_key(ns_key, prompt, sampling, True, eos)
+        rec = conts.get(key, ns_key, len(prompt)) if resume and conts is not None else None
+        replay, ended = plan(rec, max_tokens, True, eos, partial=partial)
+        row = _Row(prompt, key, max_tokens, list(replay), len(replay), started=started)
+        if ended:
+            row.result = ResumedResult(list(replay), len(prompt) - 1, 0, 0, time.perf_counter() - started,
+                                       len(prompt), False, len(replay))
+        else:
+            row.prepared = generator.prepare(prompt + replay, max_tokens - len(replay), sampling=sampling)
+            row.replayed = trim(row.prepared, len(prompt), len(replay))
+            del row.output[row.replayed:]
+            row.checkpointed_at = row.replayed
+        rows.append(row)
+    live = {}
+    saves: list[tuple] = []
+
+    def on_checkpoint(row_id, tokens, caches, draft):
+        row = live[row_id]
+        rec = None if conts is None else record_at(row.key, ns_key, row.prompt, row.output, len(tokens),
+                                                   finished=len(row.output) >= row.max_tokens or
+                                                   bool(row.output) and row.output[-1] in eos)
+        if rec is not None:
+            conts.remember(rec)
+        if row.prepared.needs_save(tokens, draft, generator.drafter_namespace):
+            saves.append((tokens, caches, draft, rec))
+        elif rec is not None:  # the KV is stored already: only the record is new
+            conts.persist(rec)
+
+    def on_tokens(row_id, tokens):
+        row = live[row_id]
+        row.output += tokens
+        if checkpoint_every is not None and len(row.output) - row.checkpointed_at >= checkpoint_every \
+                and len(row.output) < row.max_tokens:
+            row.checkpointed_at = len(row.output)
+            session.checkpoint(row_id)
+
+    def on_finish(row_id, result):
+        row = live[row_id]
+        cached = min(row.prepared.cached_tokens, len(row.prompt) - 1)
+        row.result = ResumedResult(list(row.output), cached, result.drafted, result.accepted, result.ttft_s,
+                                   len(row.prompt), row.prepared.restored_drafter, row.replayed)
+
+    def write() -> None:
+        pending, saves[:] = list(saves), []
+        for tokens, caches, draft, rec in pending:
+            generator.save_checkpoint(tokens, caches, draft, rider=None if rec is None else conts.rider(rec))
+
+    session = generator.engine.session(eos_token_ids=eos, on_checkpoint=None if cache is None else on_checkpoint,
+                                       draft_sampling=Sampling(temperature, seed))
+    try:
+        for row in rows:
+            if row.result is None:
+                live[session.submit(row.prepared.request, on_tokens=on_tokens, on_finish=on_finish,
+                                    submitted_at=started)] = row
+        while session.busy:
+            session.step()
+            write()
+    finally:
+        session.close()
+        write()
+    return [row.result for row in rows]
