@@ -219,7 +219,7 @@ def test_the_table_is_the_only_place_that_checks_cache_classes():
 
 
 def test_one_to_mx():
-    from spec_cache.rows.protocol import protocol as rows
+    from spec_cache.rows import protocol as rows
     assert rows.to_mx is to_mx
     a = mx.array([1.5, -0.0], dtype=mx.bfloat16)
     assert to_mx(a) is a
