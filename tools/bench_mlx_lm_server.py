@@ -119,6 +119,7 @@ class Reply(NamedTuple):
     cached: int | None   # cached prompt tokens, if reported
     tokens: int          # completion tokens (usage, else content chunks)
     seconds: float       # the whole request
+    prompt_tokens: int | None = None  # prompt tokens the server counted (usage), if reported
 
 
 def chat(port: int, messages: list[dict], max_tokens: int) -> Reply:
@@ -131,7 +132,7 @@ def chat(port: int, messages: list[dict], max_tokens: int) -> Reply:
     r = c.getresponse()
     if r.status != 200:
         raise SystemExit(f"port {port}: HTTP {r.status}: {r.read()[:300]!r}")
-    ttft, parts, cached, tokens = None, [], None, None
+    ttft, parts, cached, tokens, prompt = None, [], None, None, None
     for raw in r:
         line = raw.decode().strip()
         if not line.startswith("data:"):
@@ -143,6 +144,7 @@ def chat(port: int, messages: list[dict], max_tokens: int) -> Reply:
         if d.get("usage"):
             cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             tokens = d["usage"].get("completion_tokens")
+            prompt = d["usage"].get("prompt_tokens")
         for ch in d.get("choices", []):
             text = (ch.get("delta") or {}).get("content")
             if text:
@@ -152,7 +154,7 @@ def chat(port: int, messages: list[dict], max_tokens: int) -> Reply:
     end = time.perf_counter() - t0
     c.close()
     return Reply(ttft if ttft is not None else end, "".join(parts), cached,
-                 tokens if tokens is not None else len(parts), end)
+                 tokens if tokens is not None else len(parts), end, prompt)
 
 
 def words(n: int, salt: int) -> str:
@@ -429,16 +431,20 @@ def compare_texts(a: list[list[str]], b: list[list[str]]) -> dict:
     return {"identical": same, "identical_visible": same_visible, "total": total, "first_difference": first}
 
 
-def report(results: dict, kinds: list[str], args) -> dict:
-    print(f"model {args.model or 'tiny llama (spec_cache.testing.tiny)'}; {args.conversations} conversations x "
-          f"{args.turns} "
-          f"turns, {args.clients} clients, system {args.system_words} words, user {args.user_words} words/turn, "
-          f"{args.max_tokens} tokens/reply{'; paired' if args.paired else ''}")
+def report(results: dict, kinds: list[str], args, title: str | None = None, warm_row: bool = False) -> dict:
+    """Prints the tables; returns the ratios, identical replies, stages and figures. ``title``: the first line
+    (default: this workload's sizes; tools/bench_agent.py gives its own); ``warm_row``: a TTFT row for the turns >= 2
+    pooled (the agent workload's headline; the chat table keeps its rows and ratio keys)."""
+    print(title or f"model {args.model or 'tiny llama (spec_cache.testing.tiny)'}; {args.conversations} conversations"
+          f" x {args.turns} turns, {args.clients} clients, system {args.system_words} words, user {args.user_words} "
+          f"words/turn, {args.max_tokens} tokens/reply{'; paired' if args.paired else ''}")
     others = [k for k in kinds if k != BASELINE]
     head = f"{'TTFT ms':<15}" + "".join(f"{LABELS[k] + ' p50/p95':>30}" for k in kinds) + \
         "".join(f"{'ratio ' + k + ' p50/p95':>26}" for k in others)
     print(head)
     phases = [(f"turn {t}", lambda r, t=t: r["turns"][t]) for t in results[kinds[0]]["turns"]]
+    if warm_row:
+        phases.append(("warm turns", lambda r: r["warm_turns"]))
     phases.append(("after restart", lambda r: r["after_restart"]))
     ratios: dict = {k: {} for k in others}
     for name, get in phases:
@@ -467,7 +473,8 @@ def report(results: dict, kinds: list[str], args) -> dict:
                 line += f"{r:>17.2f}x (X / mlx-lm)"
             print(line)
     print("(c N: mean cached prompt tokens reported; TTFT ratio = mlx-lm / X, > 1: X faster; tok/s ratio = X / mlx-lm)")
-    for name, get in phases + [("warm turns", lambda r: r["warm_turns"])]:
+    pooled = [] if warm_row else [("warm turns", lambda r: r["warm_turns"])]
+    for name, get in phases + pooled:
         print(f"{'p99 ' + name:<19}" + "".join(f"{LABELS[k]} {get(results[k])['p99'] * 1e3:.1f} ms  " for k in kinds))
     for phase, key in (("turns", "all_turns"), ("after restart", "after_restart")):
         print(f"decode tok/s per request, {phase} (p50 / mean, n): " + "; ".join(

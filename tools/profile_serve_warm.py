@@ -56,7 +56,7 @@ def _timed(owner, name: str, label: str) -> None:
 def instrument() -> None:
     from spec_cache.apps.server import openai_routes, scheduler
     from spec_cache.decode import engine, generator
-    from spec_cache.rows.protocol import target
+    from spec_cache.rows import target
     from spec_cache.tiers import cache as cache_mod
     from spec_cache.tiers import memory_tier
 
