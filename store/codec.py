@@ -43,13 +43,12 @@ from typing import Any, Iterable
 import blake3
 import msgpack
 import numpy as np
-import xxhash
 
 from spec_cache.schemas.dtypes import DTYPE_ITEMSIZE, SAFETENSORS_DTYPE
 
 from .errors import CorruptRecord, InvalidInput
 from .tensors import Tensor, as_numpy, numpy_dtype
-from .xxh3 import xxh3_128_digest
+from .xxh3 import Hasher, xxh3_128_digest
 
 MAGIC = b"SPCR"
 FORMAT_MAJOR = 2  # what new records are written as (XXH3-128 checksum)
@@ -198,20 +197,27 @@ def _copy_tensors(out: np.ndarray, base: int, arrays, table, format_major: int) 
     """Copy every tensor into ``out`` from ``base`` on; returns the record's checksum field.
 
     Format 2 hashes each tensor's bytes right after copying them, while they are still in cache: the same
-    digest as one pass over the finished record (tests check it), without reading the record again.
+    digest as one pass over the finished record (tests check it), without reading the record again. The hash
+    releases the GIL (``xxh3.Hasher``; numpy's copy does too): a checkpoint encoded on the write-behind thread
+    (hundreds of MiB for an 8B-shaped model) must not stall the thread that runs the decode rounds.
     """
-    h = xxhash.xxh3_128(out[:CHECKSUM_OFFSET]) if format_major == FORMAT_MAJOR else None
-    if h is not None:
-        h.update(out[PREFIX_SIZE:base])
-    for (name, dtype, arr), row in zip(arrays, table):
-        start, nbytes = base + row[3], row[4]
-        if nbytes:
-            dst = out[start:start + nbytes].view(numpy_dtype(dtype)).reshape(arr.shape)
-            np.copyto(dst, arr.view(numpy_dtype(dtype)) if arr.dtype != numpy_dtype(dtype) else arr,
-                      casting="no")
-            if h is not None:
-                h.update(out[start:start + nbytes])
-    return h.digest() + _ZERO16 if h is not None else checksum(memoryview(out), format_major)
+    h = Hasher() if format_major == FORMAT_MAJOR else None
+    try:
+        if h is not None:
+            h.update_bytes(out[:CHECKSUM_OFFSET])
+            h.update_bytes(out[PREFIX_SIZE:base])
+        for (name, dtype, arr), row in zip(arrays, table):
+            start, nbytes = base + row[3], row[4]
+            if nbytes:
+                dst = out[start:start + nbytes].view(numpy_dtype(dtype)).reshape(arr.shape)
+                np.copyto(dst, arr.view(numpy_dtype(dtype)) if arr.dtype != numpy_dtype(dtype) else arr,
+                          casting="no")
+                if h is not None:
+                    h.update_bytes(out[start:start + nbytes])
+        return h.digest() + _ZERO16 if h is not None else checksum(memoryview(out), format_major)
+    finally:
+        if h is not None:
+            h.close()
 
 
 def wrap_safetensors(kind: str, blob, *, schema: str | None = None, meta: dict | None = None,

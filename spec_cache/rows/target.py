@@ -390,7 +390,11 @@ class TargetRows(BatchRows):
             single.offset = position
             out.append(single)
         held = [cache.cache if isinstance(cache, ArraysCache) else (cache.keys, cache.values) for cache in out]
-        mx.eval([a for arrays in held for a in arrays if a is not None])
+        # queued, not waited for: the copies run on the device behind the current round, and the caller (a
+        # checkpoint on the scheduler thread) goes on at once; whoever reads them later (the memory tier's restore,
+        # the write-behind thread's host copy) waits for exactly these arrays. A blocking eval here made every
+        # checkpoint wait for the whole queued round on a GPU.
+        mx.async_eval([a for arrays in held for a in arrays if a is not None])
         return out
 
     def _join(self, mine: Any, theirs: Any, other: BatchRows) -> Any:

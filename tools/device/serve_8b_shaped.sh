@@ -16,7 +16,7 @@
 #   INSTALL=0 PY=.venv/bin/python LAYERS=2 HIDDEN=64 HEADS=4 KV_HEADS=2 HEAD_DIM=16 INTER=128 CONV=1 TURNS=2 \
 #     MAXTOK=4 SYSW=20 USERW=5 SERVE_ARGS="--warmup off" WORK=/tmp/serve-8b-cpu OUT=/tmp/serve-8b-cpu/out \
 #     bash tools/device/serve_8b_shaped.sh
-# Env: CLIENTS ("1 4 8"), SERVERS (mlx-lm,serve,spec-cache), CONV (4; at least the clients), TURNS (3),
+# Env: TRACE (1: serve's scheduler trace), PYSPY (seconds of py-spy on serve), CLIENTS ("1 4 8"), SERVERS (mlx-lm,serve,spec-cache), CONV (4; at least the clients), TURNS (3),
 #      SYSW (300), USERW (50), MAXTOK (48), WARMUP (shapes), SERVE_ARGS ("--warmup on"), LAUNCHER_ARGS (""),
 #      DEADLINE (540 s from this script's start), MIN_UNIT (60 s), FRESH (1: forget earlier calls' units),
 #      RESUME_FROM (an earlier call's serve-8b.json, carried in: on a fresh machine its finished units count),
@@ -43,6 +43,17 @@ echo "setup took $(( $(date +%s) - START )) s"
 LEFT=$(( DEADLINE - ($(date +%s) - START) ))
 FRESH_FLAG=""; [ "${FRESH:-0}" = 1 ] && FRESH_FLAG=--fresh
 [ -n "${RESUME_FROM:-}" ] && FRESH_FLAG="$FRESH_FLAG --resume-from=$RESUME_FROM"
+# TRACE=1: serve's scheduler trace into $OUT (trace.<pid>.jsonl); PYSPY=N: py-spy samples the first serve process
+# (its threads, idle ones too: a thread waiting for the GIL or the device shows where it waits) for N seconds from
+# its start, into $OUT/serve-pyspy.txt (collapsed stacks; py-spy from .gpu/p3)
+[ "${TRACE:-0}" = 1 ] && export SPEC_CACHE_SCHED_TRACE="$OUTDIR/trace"
+if [ "${PYSPY:-0}" != 0 ]; then
+  (for _ in $(seq 1 900); do
+     pid=$(pgrep -f "spec_cache.apps.server --model" | head -1); [ -n "$pid" ] && break; sleep 1
+   done
+   [ -n "$pid" ] && "$SITE/bin/py-spy" record -p "$pid" -f raw -o "$OUTDIR/serve-pyspy.txt" -d "$PYSPY" -r 50 \
+     --threads --idle --nonblocking > "$OUTDIR/pyspy.log" 2>&1) &
+fi
 timeout $(( LEFT + 30 )) $PY tools/device/serve_8b_bench.py --cwd $SC --model "$WORK/model" --work "$WORK/work" \
   --json "$OUTDIR/serve-8b.json" --deadline-at $(( START + DEADLINE )) --min-unit-s ${MIN_UNIT:-60} \
   --clients "${CLIENTS:-1 4 8}" --servers "${SERVERS:-mlx-lm,serve,spec-cache}" --conversations ${CONV:-4} \
