@@ -25,6 +25,9 @@ dependency all the same: it only runs later, which is how circles hide):
   inspection path) reach no ``mlx``/``mlx_lm`` through their module-level imports, followed transitively through
   spec-cache's own modules (an import inside a function runs only when called, so it is not followed).
 
+Why one file: a script CI runs by path (``.ci/run``), one rule read top to bottom; its parts (the import parser,
+the layer, floor and room rules, the circle search) share the ``Module`` records and nothing else would import them.
+
 Usage: ``python tools/check_layers.py [ROOT]`` (default: this repository). Prints one line per violation,
 ``path:line: message``, then a summary, ``layers: N modules, C circles, U upward imports, O other violations``,
 and exits 1 if there is any violation, else 0. Costs a parse of each file (well under a second).
@@ -344,9 +347,9 @@ def folder_of(module: Module) -> str:
 
 
 def folder_circles(known: dict[str, Module], root: Path) -> list[str]:
-    """One line per circle among the folders below the applications: folder A holds a module importing one of folder B, and B (through a chain
-    of folders) back into A. Module circles are reported apart; this catches two folders leaning on each other
-    through different modules, which no module circle shows."""
+    """One line per circle among the folders below the applications: folder A holds a module importing one of
+    folder B, and B (through a chain of folders) back into A. Module circles are reported apart; this catches two
+    folders leaning on each other through different modules, which no module circle shows."""
     graph: dict[str, dict[str, int]] = {}
     where: dict[tuple[str, str], Module] = {}
     for module in known.values():
