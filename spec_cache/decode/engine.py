@@ -152,6 +152,15 @@ class _Row:
                          self.reason if reason is None else reason)
 
 
+def pipelines_by_default() -> bool:
+    """Whether plain rounds are pipelined when the caller does not say: on a GPU, yes (the host builds round k+1
+    while the device runs round k); on the CPU, no. There the "device" is the same cores, and handing each round to
+    MLX's evaluation thread costs more than it overlaps: the tiny float32 llama decodes 632 tok/s pipelined against
+    1032 synchronously (``tools/bench_decode.py --no-smollm2 --max-tokens 128``, B=1), SmolLM2-135M 4-bit the same
+    both ways (23.0 tok/s)."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 class SpeculativeEngine:
     """Greedy-exact batched speculative decoding with one target and an optional draft provider.
 
@@ -166,7 +175,7 @@ class SpeculativeEngine:
     ``pipeline``: overlap plain rounds (float KV, attention-only target) as mlx-lm's ``generate_step`` does: the
     next round is queued on the device before the host reads this one's tokens, with or without a drafter (a
     drafting session's rounds at depth 0; see ``DecodeSession``); False: one synchronous round at a time (same
-    tokens, same checkpoints).
+    tokens, same checkpoints). None (default): on a GPU only (``pipelines_by_default``).
     ``interleave_prefill``: rows joining a batch that is decoding are prefilled one chunk of
     ``prefill_step_size`` positions per step, between the decoding rows' rounds (``spec_cache.rows.joining``), so no
     decoding row stalls behind a long prompt (float KV, attention-only target, a drafter that needs no taps);
@@ -184,7 +193,7 @@ class SpeculativeEngine:
         prefill_step_size: int = 512,
         adaptive: bool = True,
         clock: Callable[[], float] = time.perf_counter,
-        pipeline: bool = True,
+        pipeline: bool | None = None,
         interleave_prefill: bool = True,
     ) -> None:
         check_kv_options(kv)
@@ -203,8 +212,10 @@ class SpeculativeEngine:
             raise InvalidRequest(f"adaptive must be True or False, got {adaptive!r}")
         if not callable(clock):
             raise InvalidRequest(f"clock must be a callable returning seconds, got {clock!r}")
+        if pipeline is None:
+            pipeline = pipelines_by_default()
         if not isinstance(pipeline, bool):
-            raise InvalidRequest(f"pipeline must be True or False, got {pipeline!r}")
+            raise InvalidRequest(f"pipeline must be True, False or None, got {pipeline!r}")
         if not isinstance(interleave_prefill, bool):
             raise InvalidRequest(f"interleave_prefill must be True or False, got {interleave_prefill!r}")
         if provider is not None and hasattr(provider, "bind"):

@@ -52,7 +52,7 @@ if [ "${PYSPY:-0}" != 0 ]; then
      pid=$(pgrep -f "spec_cache.apps.server --model" | head -1); [ -n "$pid" ] && break; sleep 1
    done
    [ -n "$pid" ] && "$SITE/bin/py-spy" record -p "$pid" -f raw -o "$OUTDIR/serve-pyspy.txt" -d "$PYSPY" -r 50 \
-     --threads --idle --nonblocking > "$OUTDIR/pyspy.log" 2>&1) &
+     --threads --idle --nonblocking > "$OUTDIR/pyspy.log" 2>&1) > /dev/null 2>&1 &
 fi
 timeout $(( LEFT + 30 )) $PY tools/device/serve_8b_bench.py --cwd $SC --model "$WORK/model" --work "$WORK/work" \
   --json "$OUTDIR/serve-8b.json" --deadline-at $(( START + DEADLINE )) --min-unit-s ${MIN_UNIT:-60} \

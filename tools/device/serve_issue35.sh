@@ -1,0 +1,54 @@
+#!/bin/bash
+# Issue 35's serving figures on a lent GPU, one call per part, into $OUT (at most 8 files come back):
+#
+#   call 0 (fresh machine, carry .gpu/p1):         mkdir -p /tmp/parts && cp .gpu/p1/* /tmp/parts/
+#   call 1 (carry .gpu/p2 .gpu/p3 .gpu/serve):     PART=chat bash tools/device/serve_issue35.sh
+#   call 2 (same warm machine, no carry needed):   PART=agent bash tools/device/serve_issue35.sh
+#
+# PART=chat: the tool's defaults (1500-word system prompt, 150-word turns; 8 conversations x 3 turns, 32-token greedy
+# replies, --warmup shapes) on the 8B-shaped bf16 llama with SmolLM2's tokenizer (tools/device/serve_8b_model.py),
+# mlx_lm.server then serve (then the launcher while time is left) at CLIENTS (default "4"; "1 4 8" resumes over
+# calls), with serve's scheduler trace and py-spy on serve's process (where its threads wait: GIL, device, LMDB).
+# PART=agent: tools/bench_serve.py --workload agent at CLIENTS (default 2) on the same model, sized in SmolLM2's
+# tokens as the issue states the workload (its w<N> words are ~3.7 tokens each there): 2200 system words = ~8.1k
+# tokens, tool results of 80-400 words = ~300-1500 tokens, user lines of 3-6 words.
+# Files back: serve-8b.json / agent-c<N>.json, run.log, serve-pyspy.txt, the largest scheduler trace, the tail of
+# serve's log. Env as in serve_8b_shaped.sh (DEADLINE, SERVERS, ...).
+set -u
+PART=${PART:-chat}
+FINAL=${OUT:-/tmp/out}
+WORKOUT=/tmp/issue35-out
+mkdir -p "$FINAL" "$WORKOUT"
+if [ "$PART" = chat ]; then
+  CLIENTS=${CLIENTS:-4} SERVERS=${SERVERS:-mlx-lm,serve,spec-cache} CONV=${CONV:-8} TURNS=${TURNS:-3} \
+    SYSW=${SYSW:-1500} USERW=${USERW:-150} MAXTOK=${MAXTOK:-32} TRACE=1 PYSPY=${PYSPY:-300} \
+    DEADLINE=${DEADLINE:-540} OUT=$WORKOUT bash tools/device/serve_8b_shaped.sh
+  cp "$WORKOUT/serve-8b.json" "$WORKOUT/run.log" "$FINAL/" 2>/dev/null
+else
+  PY=${PY:-python3}
+  SITE=${SITE:-/tmp/site}
+  export PYTHONPATH=$SITE:${WORK:-/tmp/serve-8b}/sc-site PYTHONUNBUFFERED=1 SPEC_CACHE_SCHED_TRACE=$WORKOUT/trace
+  [ -e ${WORK:-/tmp/serve-8b}/model/config.json ] || { echo "run PART=chat first on this machine (model, install)"; exit 3; }
+  # the agent's prompts reach ~17k tokens: the random-weight model's context (8192) is raised in its config
+  $PY -c "import json, sys; p = sys.argv[1]; c = json.load(open(p)); c['max_position_embeddings'] = 32768; \
+json.dump(c, open(p, 'w'))" "${WORK:-/tmp/serve-8b}/model/config.json" || exit 1
+  (for _ in $(seq 1 900); do
+     pid=$(pgrep -f "spec_cache.apps.server --model" | head -1); [ -n "$pid" ] && break; sleep 1
+   done
+   [ -n "$pid" ] && "$SITE/bin/py-spy" record -p "$pid" -f raw -o "$WORKOUT/serve-pyspy.txt" -d "${PYSPY:-240}" \
+     -r 50 --threads --idle --nonblocking > "$WORKOUT/pyspy.log" 2>&1) > /dev/null 2>&1 &
+  SPY=$!
+  C=${CLIENTS:-2}
+  timeout "${DEADLINE:-540}" $PY tools/bench_serve.py --workload agent --model ${WORK:-/tmp/serve-8b}/model \
+    --cwd ${WORK:-/tmp/serve-8b}/sc-site --servers "${SERVERS:-mlx-lm,serve}" --sessions "${SESSIONS:-$C}" --clients "$C" \
+    --system-words "${SYSW:-2200}" --tool-result-words "${TOOLW:-80-400}" --user-words "${USERW:-3-6}" \
+    --warmup shapes --serve-arg=--warmup --serve-arg=on --json "$FINAL/agent-c$C.json" 2>&1 | tee "$WORKOUT/run.log"
+  cp "$WORKOUT/run.log" "$FINAL/agent-run.log"
+  sleep 2; kill "$SPY" 2>/dev/null
+fi
+cp "$WORKOUT/serve-pyspy.txt" "$FINAL/" 2>/dev/null
+largest=$(ls -S "$WORKOUT"/trace.*.jsonl 2>/dev/null | head -1)
+[ -n "$largest" ] && cp "$largest" "$FINAL/serve-trace.jsonl"
+log=$(ls "$WORKOUT"/logs/*serve* 2>/dev/null | head -1)
+[ -n "$log" ] && tail -c 16000 "$log" > "$FINAL/serve-log-tail.txt"
+ls -la "$FINAL"
