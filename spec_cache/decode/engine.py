@@ -107,6 +107,10 @@ class RowRequest:
     #: checkpoints ``prompt`` after the first token instead (``DecodeSession.checkpoint``), off the TTFT path (the
     #: boundary checkpoint extracts the row's whole state between its prefill and its first token)
     boundary_checkpoint: bool = True
+    #: prompt offsets (token counts) whose target state is checkpointed from the prefill chunks themselves
+    #: (``on_checkpoint`` with ``prompt[:k]`` and no drafter state; ``spec_cache.rows.joining``), where the engine
+    #: can (``SpeculativeEngine.prefill_checkpoints``); offsets outside ``(restored, len(prompt) - 1)`` are skipped
+    checkpoint_at: tuple[int, ...] = ()
 
 
 @dataclass
@@ -232,6 +236,14 @@ class SpeculativeEngine:
         #: the adaptive depth controller (costs persist across sessions of this engine); None: fixed depth
         self.depth = DepthController(draft_depth) if adaptive and provider is not None and draft_depth else None
 
+    @property
+    def prefill_checkpoints(self) -> bool:
+        """Whether ``RowRequest.checkpoint_at`` is honoured: no drafter (a drafter's rows are prefilled after the
+        target's, so a state mid-prefill has no drafter part to store beside it), float KV, an attention-only
+        target and interleaved prefill (the chunked path). Elsewhere callers split the prompt into phases."""
+        return (self.provider is None and self.plan is None and not self.target.recurrent_layers
+                and self.interleave_prefill)
+
     def conversion_point(self, prompt_tokens: int) -> int | None:
         """Where a row with a prompt of ``prompt_tokens`` converts its KV (None: no KV quantization)."""
         return None if self.plan is None else self.plan.conversion_point(prompt_tokens, self.prefill_step_size)
@@ -312,6 +324,8 @@ class SpeculativeEngine:
             raise RestoreRefused(f"{where}: restored_tokens={restored} needs restored_caches")
         if request.sampling is not None and not isinstance(request.sampling, RowSampling):
             raise InvalidRequest(f"{where}: sampling must be a RowSampling or None, got {type(request.sampling).__name__}")
+        if any(isinstance(k, bool) or not isinstance(k, int) for k in request.checkpoint_at):
+            raise InvalidRequest(f"{where}: checkpoint_at must hold ints (prompt offsets)")
         conversion = self.conversion_point(len(prompt))
         if caches is not None:
             self._check_restored(where, caches, restored, conversion)
@@ -604,9 +618,22 @@ class DecodeSession:
         joining = self.engine._rows(restored_rows, [row.conversion for row in cohort])
         taps = () if group is None else tuple(group.tap_layers)
         split = self.engine.interleave_prefill and self.engine.plan is None and not self.target.recurrent_layers
-        return JoiningCohort(cohort, joining, [row.request.prompt[row.target_start : -1] for row in cohort],
-                             step=self.engine.prefill_step_size, tap_layers=taps, split=split,
-                             need_hidden=group is not None)
+        stops = None
+        if self.engine.prefill_checkpoints and self.on_checkpoint is not None:
+            stops = [[k - row.target_start for k in row.request.checkpoint_at
+                      if row.target_start < k < len(row.request.prompt) - 1] for row in cohort]
+        joined = JoiningCohort(cohort, joining, [row.request.prompt[row.target_start : -1] for row in cohort],
+                               step=self.engine.prefill_step_size, tap_layers=taps, split=split,
+                               need_hidden=group is not None, stops=stops,
+                               on_stop=lambda i, forwarded: self._prefill_checkpoint(joined, i, forwarded))
+        return joined
+
+    def _prefill_checkpoint(self, cohort: JoiningCohort, i: int, forwarded: int) -> None:
+        """``on_checkpoint`` for a joining row whose prefill stands on one of its ``checkpoint_at`` offsets (its
+        target rows hold exactly ``prompt[:target_start + forwarded]``; no drafter: ``prefill_checkpoints``)."""
+        row = cohort.members[i]
+        end = row.target_start + forwarded
+        self.on_checkpoint(row.index, list(row.request.prompt[:end]), cohort.rows.extract(i), None)
 
     def _advance(self, cohort: JoiningCohort, whole: bool) -> None:
         """Forward ``cohort``'s next chunk (``whole``: all of it) and let it join once its prefill is done."""

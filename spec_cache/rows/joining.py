@@ -11,11 +11,19 @@ positions per chunk, counted from each row's first new token); a row that has no
 nothing, which only moves padding that attention masks out. The decoding rows' tokens cannot change: their caches
 are other objects. Only the plain float path is split (no KV quantization, no recurrent layer, a drafter that
 does not need the target's taps at every prefilled token); anything else is prefilled in one call, as before.
+
+Checkpoints from the chunks themselves (``stops``): a row may name offsets into its tokens where its state is
+wanted (a chat request's message boundaries, a ``cache_control`` breakpoint). A chunk then ends at the row's next
+stop, and once it is forwarded ``on_stop(i, offset)`` runs while the row's target state holds exactly its tokens
+up to there (``rows.extract(i)`` copies it). Before, each such offset was a prefill *phase* of its own: a row with
+``max_tokens=1`` up to the offset, one extra one-token round, its boundary checkpoint, and a restore of it for the
+next phase. A chunk that ends early computes the same K/V for its positions (a restored row's chunks start at its
+restored length anyway; the exactness tests compare both against a cold run).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
@@ -33,7 +41,12 @@ class JoiningCohort:
     """
 
     def __init__(self, members: list, rows: Any, tokens: Sequence[Sequence[int]], *, step: int,
-                 tap_layers: Sequence[int] = (), split: bool = True, need_hidden: bool = True) -> None:
+                 tap_layers: Sequence[int] = (), split: bool = True, need_hidden: bool = True,
+                 stops: Sequence[Sequence[int]] | None = None,
+                 on_stop: Callable[[int, int], None] | None = None) -> None:
+        """``stops[i]``: offsets into row ``i``'s tokens (each in ``1..len - 1``) where ``on_stop(i, offset)`` is
+        called with the row's state holding exactly that many of its tokens (module doc); only on a cohort that may
+        be split (``split``, no taps), else ignored."""
         self.need_hidden = need_hidden  # False: no drafter reads the last hidden (``BatchRows.prefill``)
         self.members = list(members)
         self.rows = rows
@@ -42,6 +55,10 @@ class JoiningCohort:
         self.split = split and not self.tap_layers
         self._tokens = [list(t) for t in tokens]
         self._done = [0] * len(self._tokens)  # tokens forwarded per row
+        self._stops = [sorted({int(k) for k in s if 0 < int(k) < len(t)}) for s, t in
+                       zip(stops or [()] * len(self._tokens), self._tokens)] if self.split and on_stop else \
+            [[] for _ in self._tokens]
+        self.on_stop = on_stop
         self._last: mx.array | None = None  # [B, 1, H]: each row's hidden at its last forwarded token
         self._context: PrefillContext | None = None
 
@@ -62,22 +79,38 @@ class JoiningCohort:
         call); True once the cohort is ready to join (``context()``)."""
         if self._context is not None:
             return True
-        if not any(self._done) and (whole or not self.split or self.chunks_left <= 1):
+        stopping = any(self._stops)
+        if not any(self._done) and not stopping and (whole or not self.split or self.chunks_left <= 1):
             # nothing forwarded yet and all of it now: exactly the one-call prefill
             self._context = self.rows.prefill(self._tokens, step=self.step, tap_layers=self.tap_layers,
                                               need_hidden=self.need_hidden)
             return True
-        if not self._forwarded():  # (else the rows with tokens left were dropped)
-            chunk = [t[d:] if whole else t[d : d + self.step] for t, d in zip(self._tokens, self._done)]
-            last = self.rows.prefill(chunk, step=self.step, need_hidden=self.need_hidden).last_hidden
-            moved = [len(c) for c in chunk]
-            self._done = [d + n for d, n in zip(self._done, moved)]
-            if last is not None:  # None when no drafter reads it
-                here = mx.array([n > 0 for n in moved])[:, None, None]
-                self._last = last if self._last is None else mx.where(here, last, self._last)
+        while not self._forwarded():  # (else the rows with tokens left were dropped)
+            self._forward_chunk(whole)
+            if not (whole and any(self._stops)):
+                break  # ``whole`` without stops forwards everything in one prefill call above
         if self._forwarded():
             self._context = PrefillContext(self._last, [len(t) for t in self._tokens])
         return self._context is not None
+
+    def _forward_chunk(self, whole: bool) -> None:
+        """One forward: each row's next tokens, up to a chunk (all of them when ``whole``), never past its next
+        stop; then ``on_stop`` for every row standing on one."""
+        ends = []
+        for t, d, stops in zip(self._tokens, self._done, self._stops):
+            end = len(t) if whole else min(len(t), d + self.step)
+            ends.append(min(end, stops[0]) if stops else end)
+        chunk = [t[d:e] for t, d, e in zip(self._tokens, self._done, ends)]
+        last = self.rows.prefill(chunk, step=self.step, need_hidden=self.need_hidden).last_hidden
+        moved = [len(c) for c in chunk]
+        self._done = [d + n for d, n in zip(self._done, moved)]
+        if last is not None:  # None when no drafter reads it
+            here = mx.array([n > 0 for n in moved])[:, None, None]
+            self._last = last if self._last is None else mx.where(here, last, self._last)
+        for i, (d, stops) in enumerate(zip(self._done, self._stops)):
+            if stops and d == stops[0]:
+                stops.pop(0)
+                self.on_stop(i, d)
 
     def _forwarded(self) -> bool:
         """Every row's tokens are in its target rows."""
@@ -98,6 +131,7 @@ class JoiningCohort:
         self.members = [self.members[i] for i in keep]
         self._tokens = [self._tokens[i] for i in keep]
         self._done = [self._done[i] for i in keep]
+        self._stops = [self._stops[i] for i in keep]
         if self._last is not None:
             self._last = self._last[mx.array(keep, dtype=mx.int32)] if keep else None
 

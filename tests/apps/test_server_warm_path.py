@@ -69,28 +69,35 @@ def test_end_of_prompt_checkpoint_comes_from_the_jobs_own_row(tiny, tmp_path, dr
 
 def test_a_warm_turns_short_tail_is_not_split_at_its_offsets(tiny, tmp_path):
     """A message boundary inside a warm turn's new tokens (the previous reply re-tokenized differently, then a new
-    message) is not a prefill phase: one restore and one row, the first token after one prefill; a cold prompt's
-    offsets still are (its prefixes are worth storing)."""
+    message) is not checkpointed at all: one restore and one row, the first token after one prefill; a cold
+    prompt's offsets still are (its prefixes are worth storing), from its prefill chunks: one row, no phase."""
     cache = SpecCache.open(tmp_path / "store")
     generator = Generator.load(tiny.root / "target", None, cache=cache)
     log: list[tuple] = []
-    prepare = generator.prepare
+    prepare, save = generator.prepare, generator.save_checkpoint
 
     def counted_prepare(*a, **k):
         log.append(("prepare", len(a[0])))
         return prepare(*a, **k)
-    generator.prepare = counted_prepare
+
+    def logged_save(tokens, *a, **k):
+        log.append(("save", len(tokens)))
+        return save(tokens, *a, **k)
+    generator.prepare, generator.save_checkpoint = counted_prepare, logged_save
     sched = Scheduler(generator, max_rows=4)
     sched.start()
     try:
         first = list(range(3, 63))
         _run_job(sched, first, 4, (30, len(first)), log)
-        assert [e for e in log if e[0] == "prepare"] == [("prepare", 60)] * 2  # cold: a phase up to 30 first
+        # cold: the offset 30 is checkpointed as the prefill passes it (before: a phase row up to 30, restored)
+        assert [e for e in log if e[0] == "prepare"] == [("prepare", 60)]
+        assert ("save", 30) in log and log.index(("save", 30)) < log.index(("event", "tokens"))
         log.clear()
         second = first + [200, 201, 202] + list(range(100, 140))  # the reply as other tokens, a new message
         _, events = _run_job(sched, second, 4, (len(first) + 3, len(first) + 22, len(second)), log)
         assert events.cached == len(first)
         assert [e for e in log if e[0] == "prepare"] == [("prepare", len(second))]  # before: a phase at 82 first
+        assert not [e for e in log if e[0] == "save" and e[1] < len(second)]  # no offset inside the short tail
         assert events.tokens == plain_greedy(tiny.target, second, 4)
         assert sched.splits_prompt(0, 5) and not sched.splits_prompt(60, 40)
         assert sched.splits_prompt(60, generator.engine.prefill_step_size)  # a long tail still is

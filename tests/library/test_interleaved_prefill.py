@@ -267,3 +267,48 @@ def test_a_short_row_never_waits_behind_a_long_cohort(tiny, together):
     assert first[short] == short_at < first[long]
     for row, prompt, n in ((a, [11, 12, 13], 30), (long, LONG, 5), (short, [7, 8, 9], 5)):
         assert out[row] == plain_greedy(tiny.target, prompt, n)
+
+
+@pytest.mark.parametrize("whole_batch", [True, False], ids=["alone", "beside-a-decoding-row"])
+def test_checkpoints_from_the_prefill_chunks_are_the_cold_state_at_each_offset(tiny, whole_batch):
+    """``RowRequest.checkpoint_at``: the state handed to ``on_checkpoint`` at each offset, taken as the prefill
+    passes it (chunks end there), is bit-identical to a cold prefill of exactly that prefix (its boundary
+    checkpoint), and the row's tokens are the target's own greedy ones; offsets outside (restored, boundary) and
+    a drafter session (no ``prefill_checkpoints``) take none."""
+    engine = _engine(tiny.target, pipeline=False)
+    assert engine.prefill_checkpoints
+    offsets = (1, 6, 9, 21, 29, 30, 31)  # 1..29 inside; 29 is the boundary (len - 1): left to the boundary rule
+    got, streamed = [], {}
+    session = engine.session(on_checkpoint=lambda row, tokens, caches, draft: got.append(
+        (row, list(tokens), _owned(caches), draft)))
+    if not whole_batch:
+        session.submit(RowRequest([11, 12, 13], max_tokens=30, stop_at_eos=False))
+        session.step()
+    row = session.submit(RowRequest(LONG, max_tokens=3, stop_at_eos=False, checkpoint_at=offsets),
+                         on_tokens=lambda r, t: streamed.setdefault(r, []).extend(t))
+    while session.step():
+        pass
+    session.close()
+    assert streamed[row] == plain_greedy(tiny.target, LONG, 3)
+    mine = [(tokens, state) for r, tokens, state, draft in got if r == row and len(tokens) < len(LONG) - 1]
+    assert [len(tokens) for tokens, _ in mine] == [1, 6, 9, 21]
+    for tokens, state in mine:
+        assert tokens == LONG[: len(tokens)]
+        cold = []
+        reference = _engine(tiny.target, pipeline=False).session(
+            on_checkpoint=lambda r, t, caches, d: cold.append(_owned(caches)))
+        reference.submit(RowRequest(LONG[: len(tokens) + 1], max_tokens=1, stop_at_eos=False))
+        while reference.step():
+            pass
+        reference.close()
+        for (k, v, n), (ck, cv, cn) in zip(state, cold[0]):
+            assert n == cn == len(tokens)
+            assert mx.array_equal(k, ck).item() and mx.array_equal(v, cv).item()
+    drafting = _engine(tiny.target, tiny.provider("draft-model"))
+    assert not drafting.prefill_checkpoints
+
+
+def test_checkpoint_at_must_hold_ints(tiny):
+    session = _engine(tiny.target).session()
+    with pytest.raises(InvalidRequest, match="checkpoint_at"):
+        session.submit(RowRequest(LONG, max_tokens=2, checkpoint_at=(3.5,)))

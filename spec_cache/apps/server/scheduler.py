@@ -511,18 +511,42 @@ class Scheduler:
         return False
 
     def _phase_end(self, job: Job) -> int | None:
-        """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now."""
+        """Where the next prefill phase of ``job`` ends, or None when the job's own row should go now. Where the
+        engine checkpoints from the prefill chunks themselves (``SpeculativeEngine.prefill_checkpoints``: no
+        drafter, float KV, attention-only), there are no phases: every offset goes on the row as
+        ``RowRequest.checkpoint_at`` and its state is saved as the prefill passes it (no extra one-token round,
+        no restore between phases)."""
+        engine = self.generator.engine
         every = self.checkpoint_every
-        if self.generator.engine.plan is not None or (every is None and not job.checkpoint_at):
+        if engine.plan is not None or (every is None and not job.checkpoint_at):
             return None
         covered = max(job.prepared.cached_tokens, job.prefilled)
         boundary = len(job.sequence) - 1
-        ends = [(covered // every + 1) * every] if every is not None else []
         splits = self.splits_prompt(job.cached_tokens, boundary - covered)
+        if engine.prefill_checkpoints:
+            job.prepared.request.checkpoint_at = self._prefill_offsets(job, covered, boundary, splits)
+            return None
+        ends = [(covered // every + 1) * every] if every is not None else []
         ends += [k for k in job.checkpoint_at if k > covered and boundary - k >= MIN_CHECKPOINT_GAP and (
             k in job.pinned_at or (splits and k - covered >= MIN_CHECKPOINT_GAP))]
         end = min(ends, default=None)
         return end if end is not None and end < boundary else None
+
+    def _prefill_offsets(self, job: Job, covered: int, boundary: int, splits: bool) -> tuple[int, ...]:
+        """The offsets the phases would have ended at, all at once: each ``checkpoint_every`` multiple past what is
+        covered, and the ``checkpoint_at`` offsets the phase rule keeps (pinned ones always; the others when the
+        prompt is split, ``MIN_CHECKPOINT_GAP`` or more past the last one kept), none within the gap of the
+        prompt boundary."""
+        every = self.checkpoint_every
+        points = set(range((covered // every + 1) * every, boundary, every)) if every is not None else set()
+        last = covered
+        for k in sorted(job.checkpoint_at):
+            if k <= covered or boundary - k < MIN_CHECKPOINT_GAP:
+                continue
+            if k in job.pinned_at or (splits and k - last >= MIN_CHECKPOINT_GAP):
+                points.add(k)
+                last = k
+        return tuple(sorted(points))
 
     def splits_prompt(self, cached: int, left: int) -> bool:
         """Whether ``checkpoint_at`` offsets inside a prompt split its prefill into phases, for a request the cache
