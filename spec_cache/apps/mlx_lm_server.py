@@ -257,6 +257,35 @@ def _split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return ours.parse_known_args(list(argv))
 
 
+def _model_of(argv: Sequence[str]) -> str | None:
+    """The ``--model`` value among mlx-lm's arguments (``--model X`` or ``--model=X``; the last one wins), or None."""
+    model = None
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            model = argv[i + 1]
+        elif arg.startswith("--model="):
+            model = arg.split("=", 1)[1]
+    return model
+
+
+def model_problem(model: str | None) -> str | None:
+    """Why ``mlx_lm.server`` cannot load ``--model`` (one line), or None. Checked before anything starts: mlx-lm
+    loads the model on its generation thread, which dies ("generation thread died") while the HTTP server goes on
+    listening and answers every request 404. A file (a GGUF above all: ``serve`` takes one, so users try it here
+    too) is never an mlx-lm model; a local path (``/``, ``.``) that does not exist is not a Hub repo either."""
+    if not model:
+        return None
+    if os.path.isfile(model):
+        if model.lower().endswith(".gguf"):
+            return (f"--model {model} is a GGUF file, which mlx_lm.server cannot load: convert it once with "
+                    f"'spec-cache convert-gguf {model} DIR' and pass --model DIR, or run 'spec-cache serve --model "
+                    f"{model}' (it converts the file itself)")
+        return f"--model {model} is a file; mlx_lm.server loads a model directory (config.json + safetensors)"
+    if model.startswith(("/", ".")) and not os.path.exists(model):
+        return f"--model {model}: model directory {model} does not exist"
+    return None
+
+
 def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None, *, hard_exit: bool = False) -> int:
     """Run the server; returns the exit status. Takes ``argv`` (a list; None: ``sys.argv[1:]``) as
     ``python -m spec_cache.apps.mlx_lm_server`` takes it, or a namespace from a parser given :func:`add_arguments`
@@ -302,6 +331,10 @@ def _main(argv_or_args) -> int:
                 setattr(args, name, getattr(given, name, None))
     else:
         args = given
+    problem = model_problem(_model_of(mlx_argv) if mlx_argv is not None else getattr(args, "model", None))
+    if problem is not None:  # before the store opens or a port is bound
+        print(f"spec-cache mlx-lm-server: error: {problem}", file=sys.stderr)
+        return 2
     path = getattr(args, "cache", None) or default_cache_dir()
     options: dict[str, Any] = {"shared": shared_url(args)}
     if options["shared"]:

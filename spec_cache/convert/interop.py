@@ -43,13 +43,16 @@ def read_tokens(path: str | Path) -> list[int]:
 
 
 def export_mlx_lm(cache: SpecCache, ns_key: bytes, tokens: Sequence[int], out_path: str | Path, *,
-                  model: str | None = None, exact: bool = False) -> int:
+                  model: str | None = None, exact: bool = False, granularity: int = 1) -> int:
     """Write the longest stored prefix of ``tokens`` in namespace ``ns_key`` as an mlx-lm prompt-cache file.
 
     Returns the number of tokens the file covers (``exact=True``: all of them, else ``InteropError``).
     ``model`` goes into the file's ``model`` metadata, which ``mlx_lm.generate`` compares with its ``--model``.
+    ``granularity``: the file covers a multiple of it (the prefix cut down; none that long: ``InteropError``), so
+    a server reporting ``cached_tokens`` rounded down to it tells no more through an export (the file's shapes
+    would give the exact length back).
     """
-    from mlx_lm.models.cache import save_prompt_cache
+    from mlx_lm.models.cache import can_trim_prompt_cache, save_prompt_cache, trim_prompt_cache
 
     info = _namespace_info(cache, ns_key)
     restored = cache.restore(ns_key, tokens)
@@ -57,7 +60,14 @@ def export_mlx_lm(cache: SpecCache, ns_key: bytes, tokens: Sequence[int], out_pa
         raise InteropError("no stored prefix of these tokens in this namespace")
     if exact and restored.length != len(tokens):
         raise InteropError(f"only {restored.length} of the {len(tokens)} tokens are stored")
-    covered = list(tokens[: restored.length])
+    length = restored.length - restored.length % max(1, int(granularity))
+    if length == 0:  # the same answer as nothing stored: shorter than one multiple is not told
+        raise InteropError("no stored prefix of these tokens in this namespace")
+    if length < restored.length:  # the restored caches are new objects over the tiers' arrays: trimmed in place
+        if not can_trim_prompt_cache(restored.caches):
+            raise InteropError(f"the stored prefix cannot be cut to a multiple of {granularity} tokens")
+        trim_prompt_cache(restored.caches, restored.length - length)
+    covered = list(tokens[:length])
     metadata = {"model": model or f"spec-cache:{info.target}", "tokenizer_config": "{}",
                 "spec_cache_tokens": json.dumps(covered, separators=(",", ":")),
                 "spec_cache_target_identity": info.target, "spec_cache_prefix_namespace": info.prefix_namespace}
@@ -65,7 +75,7 @@ def export_mlx_lm(cache: SpecCache, ns_key: bytes, tokens: Sequence[int], out_pa
     if not out_path.endswith(".safetensors"):
         raise InteropError("the output file name must end in .safetensors (mlx-lm's prompt-cache format)")
     save_prompt_cache(out_path, restored.caches, metadata)
-    return restored.length
+    return length
 
 
 def import_prefix_namespace(drafter_dir: str | Path | None = None, method: str | None = None, adapters: Any = "",
@@ -139,13 +149,16 @@ def _namespace_info(cache: SpecCache, ns_key: bytes):
     return info
 
 
-def export_prefix(cache, ns_key: bytes, tokens: Sequence[int], *, model: str | None = None) -> tuple[bytes, int]:
-    """The longest stored prefix of ``tokens`` as the bytes of an mlx-lm prompt-cache file (``save_prompt_cache``
-    format, ``spec_cache_tokens`` metadata naming the tokens it covers) and the number of tokens it covers."""
+def export_prefix(cache, ns_key: bytes, tokens: Sequence[int], *, model: str | None = None,
+                  granularity: int = 1) -> tuple[bytes, int]:
+    """The longest stored prefix of ``tokens`` (cut down to a multiple of ``granularity``) as the bytes of an
+    mlx-lm prompt-cache file (``save_prompt_cache`` format, ``spec_cache_tokens`` metadata naming the tokens it
+    covers) and the number of tokens it covers."""
     with tempfile.TemporaryDirectory(prefix="spec-cache-export-") as tmp:
         path = os.path.join(tmp, "prefix.safetensors")
         try:
-            length = export_mlx_lm(cache, ns_key, [int(t) for t in tokens], path, model=model)
+            length = export_mlx_lm(cache, ns_key, [int(t) for t in tokens], path, model=model,
+                                   granularity=granularity)
         except InteropError as exc:
             raise NotStored(str(exc)) from None
         with open(path, "rb") as f:

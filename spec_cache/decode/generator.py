@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spec_cache.errors import InvalidRequest, ModelLoadError
-from spec_cache.naming.identity import model_identity
+from spec_cache.naming.identity import ModelDirError, model_identity
 from spec_cache.naming.namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
 from spec_cache.rows.generation import Result, check_prompts  # re-exported (spec_cache.Result)
 from spec_cache.rows.kv_quant import converted_at, reusable
@@ -319,13 +319,16 @@ def encode_prompt(tokenizer, text: str, *, chat: bool = True) -> list[int]:
 
 
 def _check_model_dir(path: Path, what: str) -> None:
-    """A missing directory or an unreadable ``config.json`` named by its path (mlx-lm's errors do not name it)."""
+    """A missing directory or an unreadable ``config.json`` named by its path (mlx-lm's errors do not name it), as
+    the documented ``ModelLoadError`` (``ModelDirError``), not the bare ``FileNotFoundError`` the loaders raise."""
     import json
 
     if not path.is_dir():
-        raise FileNotFoundError(f"{what} directory {path} does not exist")
+        raise ModelDirError(f"{what} directory {path} {'is not a directory' if path.exists() else 'does not exist'}")
     config = path / "config.json"
     if not config.is_file():
+        if what == "target":  # an mlx-lm model always has one
+            raise ModelDirError(f"{what} directory {path} has no config.json")
         return  # dspark.json drafters, ngram: their loaders say what is missing
     try:
         value = json.loads(config.read_text())

@@ -346,6 +346,58 @@ def test_unsupported_parameters_and_null_content_are_explicit(server, extra, sta
             assert name in error["message"] and "leave it out" in error["message"]
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+def test_top_k_and_min_p_are_refused_where_they_would_change_the_answer(server, route):
+    """The sampler applies temperature and top_p only: top_k / min_p that would filter a sampled request get a
+    one-line 400 naming them, never a silent no-op; off values, and greedy requests (where the most likely token
+    survives any top-k or min-p filter), are served."""
+    body = {"model": "tiny", "max_tokens": 2}
+    body.update({"prompt": "w5 w6"} if route == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "w5 w6"}]})
+    anthropic = route == "/v1/messages"
+    refused = [{"top_k": 1, "temperature": 0.7}, {"top_k": 40, "temperature": 0.5, "seed": 3}]
+    served = [{"top_k": 0, "temperature": 0.7}, {"top_k": 5}, {"top_k": 1, "temperature": 0}]
+    if not anthropic:  # (Anthropic has no min_p: an unknown field, refused as such)
+        refused += [{"min_p": 0.1, "temperature": 0.7}]
+        served += [{"top_k": -1, "min_p": 0, "temperature": 0.7, "seed": 1}, {"min_p": 0.5, "top_k": 3}]
+    for extra in refused + served:
+        r = httpx.post(server.url + route, headers=server.headers(), json={**body, **extra}, timeout=60)
+        if extra in served:
+            assert r.status_code == 200, (extra, r.text)
+            continue
+        assert r.status_code == 400, (extra, r.text)
+        name = "min_p" if "min_p" in extra else "top_k"
+        error = r.json()["error"]
+        assert name in error["message"] and "temperature" in error["message"] and "\n" not in error["message"]
+        if not anthropic:
+            assert error["param"] == name and error["code"] == "unsupported_parameter", error
+
+
+@pytest.mark.server  # spec-cache serve in a subprocess of its own
+def test_cached_tokens_grow_over_a_three_turn_chat_on_loopback_by_default(target, tmp_path):
+    """First hour, item 1: on 127.0.0.1 with no API key the default granularity is 1 (exact, as mlx_lm.server
+    reports), so a short conversation shows its cache working; the startup log says so and why."""
+    import openai
+
+    from tests.apps.test_server import Server
+
+    srv = Server(target, tmp_path / "store", tmp_path, keys=(), operator=None, granularity=None)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        messages, cached = [], []
+        for text in ("w5 w6 w7", "w8 w9", "w10 w11 w12"):
+            messages.append({"role": "user", "content": text})
+            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            assert cached[-1] < r.usage.prompt_tokens
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        assert 0 < cached[1] < cached[2], cached  # every prompt here is far under the store's 256-token chunk
+        log = srv.log.read_text()
+        assert "cached_tokens exact (default on loopback 127.0.0.1 with no API key" in log
+    finally:
+        srv.stop()
+
+
 # -- chat ----------------------------------------------------------------------------------------------------------
 def test_chat_resumes_each_turn_from_the_cache_and_obeys_its_commands(target, tmp_path):
     saved = tmp_path / "conversation.json"

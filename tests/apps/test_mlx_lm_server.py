@@ -303,6 +303,24 @@ def test_cli_registration_is_mlx_free_and_passes_the_command_line_through():
     assert (args.model, args.cache, args.kv_bits, args.memory_bytes, args.port) == ("m", "/s", 4, 1 << 20, 8080)
 
 
+@pytest.mark.parametrize("entry", [["spec_cache.apps.mlx_lm_server"], ["spec_cache", "mlx-lm-server"]])
+def test_a_model_mlx_lm_cannot_load_is_one_line_and_exit_2_before_anything_starts(entry, tmp_path):
+    """Issue 36 (first hour, item 5): ``--model FILE.gguf`` (``serve`` takes one) made mlx-lm's generation thread
+    die while the server went on listening and answered 404: now one line naming the fix, exit 2, no store opened
+    and no port bound. A missing local directory likewise (mlx-lm would try it as a Hub repo)."""
+    gguf = tmp_path / "SmolLM2.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    port = _free_port()
+    for model, says in ((gguf, f"spec-cache convert-gguf {gguf} DIR"), (tmp_path / "missing", "does not exist")):
+        out = subprocess.run([sys.executable, "-m", *entry, "--cache", str(tmp_path / "store"), "--model", str(model),
+                              "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "Traceback" not in out.stderr, out.stderr
+        assert lines[0].startswith("spec-cache mlx-lm-server: error: --model ")
+        assert not (tmp_path / "store").exists()
+
+
 # --- real servers ------------------------------------------------------------------------------------------
 
 def _free_port() -> int:

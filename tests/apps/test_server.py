@@ -38,15 +38,15 @@ class Server:
     """``python -m spec_cache.apps.server`` in a subprocess on a free port."""
 
     def __init__(self, model: Path, store: Path, tmp: Path, *extra: str, keys=(KEY_A, KEY_B), drafter=None,
-                 operator=OPERATOR, preexec_fn=None, probe_while_loading=True):
+                 operator=OPERATOR, preexec_fn=None, probe_while_loading=True, granularity: str | None = "1"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
         self.store = store
         args = [sys.executable, "-m", "spec_cache.apps.server", "--model", str(model), "--model-id", "tiny",
-                "--cache", str(store), "--port", str(self.port), "--memory-bytes", "64M", "--log-level", "info",
-                "--cached-tokens-granularity", "1"]  # exact counts: what these tests check (tests that need
-        # the default pass their own, later on the command line)
+                "--cache", str(store), "--port", str(self.port), "--memory-bytes", "64M", "--log-level", "info"]
+        if granularity is not None:  # exact counts by default: what these tests check (two keys would round them);
+            args += ["--cached-tokens-granularity", granularity]  # None: the server's own default
         if drafter is not None:
             args += ["--drafter", str(drafter), "--method", "assistant"]
         for key in keys:

@@ -183,6 +183,57 @@ def test_a_breakpoint_in_a_warm_turn_is_checkpointed(tiny, reference, tmp_path):
     assert again.cache_read_input_tokens == warm.cache_read_input_tokens + warm.cache_creation_input_tokens, again
 
 
+def test_cache_creation_is_counted_once_over_a_three_turn_conversation(tiny, reference, tmp_path):
+    """First hour, issue 36 item 3: a conversation under one ``cache_control`` system prompt, three turns on a
+    server with its default settings (loopback, no key): the first turn creates the system prompt, the later ones
+    read it (and the earlier turns) and create nothing, where 149, 149, 149 used to repeat. The third turn is
+    streamed: its usage is the same."""
+    tokenizer, _ = reference
+    system_text = words(100, 100)
+    system = [{"type": "text", "text": system_text, "cache_control": {"type": "ephemeral"}}]
+    system_end = len(chat_ids(tokenizer, [{"role": "system", "content": system_text}], generation_prompt=False))
+    srv = Server(tiny, tmp_path / "store", tmp_path, keys=(), operator=None, granularity=None)
+    try:
+        c = client(srv, "no-key-needed")
+        messages, uses = [], []
+        for turn, question in enumerate((words(10, 5), words(20, 5), words(30, 5))):
+            messages.append({"role": "user", "content": question})
+            if turn < 2:
+                reply = c.messages.create(model="tiny", max_tokens=6, system=system, messages=messages,
+                                          extra_body=GREEDY)
+            else:
+                with c.messages.stream(model="tiny", max_tokens=6, system=system, messages=messages,
+                                       extra_body=GREEDY) as stream:
+                    reply = stream.get_final_message()
+            prompt = chat_ids(tokenizer, [{"role": "system", "content": system_text}] + messages)
+            assert input_total(reply.usage) == len(prompt), reply.usage
+            uses.append(reply.usage)
+            messages.append({"role": "assistant", "content": reply.content[0].text if reply.content else ""})
+    finally:
+        stopped(srv)
+    creation = [u.cache_creation_input_tokens for u in uses]
+    read = [u.cache_read_input_tokens for u in uses]
+    assert creation == [system_end, 0, 0], (creation, read)
+    assert read[0] == 0 and system_end <= read[1] < read[2], read
+
+
+def test_cache_creation_follows_the_granularity():
+    """Unit: under a granularity above 1, creation is counted in the same multiples as the read count (from the
+    exact count it would tell a prober whether a breakpoint of theirs is stored): never the same prefix again."""
+    from spec_cache.apps.server.anthropic import usage_of
+
+    def fields(cached, breakpoint_end, granularity):
+        use = usage_of(400, cached, 3, breakpoint_end, True, granularity)
+        assert use["input_tokens"] + use["cache_read_input_tokens"] + use["cache_creation_input_tokens"] == 400
+        return use["cache_read_input_tokens"], use["cache_creation_input_tokens"]
+
+    assert [fields(c, 149, 1) for c in (0, 149, 170)] == [(0, 149), (149, 0), (170, 0)]  # exact
+    assert fields(100, 149, 1) == (100, 49)  # the new part
+    assert fields(0, 149, 256) == (0, 0)  # within the first chunk: never told (stored or not, the read says 0)
+    assert [fields(c, 300, 256) for c in (0, 256)] == [(0, 256), (256, 0)]
+    assert usage_of(400, 0, 3, 300, False, 1)["cache_creation_input_tokens"] == 0  # no cache
+
+
 def test_stop_sequences_and_max_tokens(server, reference):
     tokenizer, greedy = reference
     question = words(60, 9)

@@ -4,7 +4,8 @@ right key can learn (``/health``, ``/metrics``, ``cached_tokens``).
 
 One server (``guarded``) runs under ``RLIMIT_NOFILE`` 1024:1024 without ``CAP_SYS_RESOURCE`` (as in many
 containers: mlx-lm's import-time ``setrlimit(2048, 4096)`` used to make ``serve`` exit), with two API keys and an
-operator key, short header / body deadlines and the default ``cached_tokens`` granularity (the store's chunk).
+operator key, short header / body deadlines and the default ``cached_tokens`` granularity (with two keys: the store's
+chunk).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def guarded(model, tmp_path_factory):
     _, target, _ = model
     tmp = tmp_path_factory.mktemp("guarded")
     srv = Server(target, tmp / "store", tmp, "--header-timeout", "3", "--body-timeout", "4",
-                 "--cached-tokens-granularity", "chunk", preexec_fn=limited_descriptors)
+                 preexec_fn=limited_descriptors, granularity=None)  # two keys: the default is the store's chunk
     yield srv
     srv.stop()
 
@@ -146,6 +147,8 @@ def test_metrics_show_a_tenant_only_its_own_series(guarded):
 
 
 def test_cached_tokens_are_reported_at_chunk_granularity(guarded):
+    assert ("cached_tokens in multiples of 256 (default with 2 API keys, a server for several users"
+            in guarded.log.read_text())  # the default, and why, in the startup log
     prompt = [3 + (i * 7) % 250 for i in range(300)]  # 300 tokens: one 256-token chunk and a tail
     first = completion(guarded, KEY_B, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     again = completion(guarded, KEY_B, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -155,6 +158,47 @@ def test_cached_tokens_are_reported_at_chunk_granularity(guarded):
     view = series(guarded, KEY_B)
     cached = [v for n, v in view.items() if n.startswith("spec_cache_tenant_cached_prompt_tokens_total")]
     assert cached and all(v % 256 == 0 for v in cached) and max(cached) >= 256
+
+
+def test_cache_controls_follow_the_granularity(guarded, tmp_path):
+    """``/v1/cache/prefetch``, ``/pin`` and ``/export`` tell no more than ``cached_tokens`` (issue 37 item 3: exact
+    counts there gave an 8-token secret back in 901 requests): whole chunks, and below one chunk the same answer as
+    nothing stored; a pin's bytes scaled to the tokens told; the operator key sees exact counts."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    prompt = [11 + (i * 13) % 240 for i in range(300)]
+    assert completion(guarded, KEY_A, prompt).status_code == 200
+    guarded.wait_durable()
+
+    def post(path: str, key: str = KEY_A, **body) -> httpx.Response:
+        return httpx.post(guarded.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    def pins(key: str) -> list[dict]:
+        return httpx.get(guarded.url + "/v1/cache/pins", headers={"Authorization": f"Bearer {key}"},
+                         timeout=30).json()["data"]
+
+    got = post("/v1/cache/prefetch", tokens=prompt).json()
+    assert got["tokens"] == 256 and got["tier"] is not None and got["resident"] is True, got
+    short = post("/v1/cache/prefetch", tokens=prompt[:200]).json()
+    assert (short["tokens"], short["tier"], short["resident"]) == (0, None, False), short
+    for path in ("/v1/cache/pin", "/v1/cache/export"):  # under a chunk: as if nothing were stored
+        r = post(path, tokens=prompt[:200])
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    assert pins(KEY_A) == []  # the short pin was undone
+    pin = post("/v1/cache/pin", tokens=prompt, ttl_s=30).json()
+    (everyone,) = [p for p in pins(OPERATOR) if p["id"] == pin["id"]]
+    exact = everyone["tokens"]
+    assert 256 < exact <= 300 and pin["tokens"] == 256 and pins(KEY_A)[0]["tokens"] == 256, (pin, everyone)
+    assert pin["bytes"] == everyone["bytes"] * 256 // exact  # bytes per token would give the exact count back
+    assert post("/v1/cache/unpin", id=pin["id"]).json()["tokens"] == 256
+    r = post("/v1/cache/export", tokens=prompt)
+    assert r.status_code == 200 and r.headers["x-spec-cache-tokens"] == "256", r.text
+    (tmp_path / "prefix.safetensors").write_bytes(r.content)
+    caches, metadata = load_prompt_cache(str(tmp_path / "prefix.safetensors"), return_metadata=True)
+    assert all(c.offset == 256 for c in caches) and json.loads(metadata["spec_cache_tokens"]) == prompt[:256]
+    tenant = pin["tenant"]
+    assert post("/v1/cache/prefetch", OPERATOR, tokens=prompt, tenant=tenant).json()["tokens"] == exact
+    assert post("/v1/cache/export", OPERATOR, tokens=prompt, tenant=tenant).headers["x-spec-cache-tokens"] == str(exact)
 
 
 # -- oversized prompts --------------------------------------------------------------------------------------------

@@ -342,3 +342,62 @@ def test_serve_passes_the_store_and_shared_tier_options_to_the_cache(monkeypatch
         out = subprocess.run([sys.executable, "-m", "spec_cache", "serve", "--model", str(model), *bad],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "Traceback" not in out.stderr, (bad, out.stderr)
+
+
+@pytest.mark.parametrize("given,host,keys,shared,want", [
+    (None, "127.0.0.1", 0, False, 1), (None, "127.0.0.1", 1, False, 1), (None, "::1", 1, False, 1),
+    (None, "localhost", 0, False, 1), (None, "127.0.0.2", 0, False, 1),  # loopback, one user at most: exact
+    (None, "127.0.0.1", 2, False, 256), (None, "0.0.0.0", 0, False, 256), (None, "::", 1, False, 256),
+    (None, "10.1.2.3", 1, False, 256), (None, "myhost.local", 0, False, 256),  # several keys, reachable: chunk
+    (None, "127.0.0.1", 1, True, 256),  # a shared tier holds other hosts' prompts
+    (1, "0.0.0.0", 5, True, 1), ("chunk", "127.0.0.1", 0, False, 256), (64, "127.0.0.1", 0, False, 64),  # given
+])
+def test_granularity_default_follows_where_the_server_listens(given, host, keys, shared, want):
+    """Issue 36 (first hour, item 1): ``cached_tokens`` read 0, 0, 0 over a chat because the default rounded them to
+    256; exact counts only open prompt probing where someone else's prompts share the namespace. An explicit
+    ``--cached-tokens-granularity`` always wins; the reason is one line for the startup log."""
+    from spec_cache.apps.server.cli import cached_tokens_granularity
+
+    granularity, why = cached_tokens_granularity(given, host, keys, 256, shared=shared)
+    assert granularity == want and why and "\n" not in why
+    assert ("--cached-tokens-granularity" in why) and (why.startswith("default") == (given is None))
+
+
+def test_the_granularity_option_defaults_to_the_decision():
+    import argparse
+
+    from spec_cache.apps.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).cached_tokens_granularity is None  # decided at start (above)
+    assert parser.parse_args(["--model", "m", "--cached-tokens-granularity", "chunk"]).cached_tokens_granularity == \
+        "chunk"
+    assert parser.parse_args(["--model", "m", "--cached-tokens-granularity", "8"]).cached_tokens_granularity == 8
+
+
+@pytest.mark.parametrize("extra,temperature,refused", [
+    ({}, 0.7, None), ({"top_k": 0, "min_p": 0}, 0.7, None), ({"top_k": -1}, 0.7, None),
+    ({"top_k": 1}, 0.0, None), ({"top_k": 50, "min_p": 0.2}, 0.0, None),  # greedy: argmax survives both filters
+    ({"top_k": 1}, 0.7, "top_k"), ({"min_p": 0.05}, 0.7, "min_p"), ({"top_k": 5, "min_p": 0.1}, 1.0, "top_k"),
+])
+def test_top_k_and_min_p_are_refused_where_the_sampler_would_ignore_them(extra, temperature, refused):
+    from spec_cache.apps.server.protocol import check_sampling
+
+    for params in (parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}], **extra}, MODELS)[0],
+                   parse_completion({"model": "tiny", "prompt": "x", **extra}, MODELS, 256)[0]):
+        if refused is None:
+            check_sampling(params, temperature)
+            continue
+        with pytest.raises(APIError) as info:
+            check_sampling(params, temperature)
+        assert (info.value.status, info.value.param, info.value.code) == (400, refused, "unsupported_parameter")
+        assert refused in info.value.message and "leave it out" in info.value.message
+
+
+def test_top_k_and_min_p_values_are_checked():
+    for bad, status in (({"top_k": 1.5}, 400), ({"top_k": True}, 400), ({"min_p": -0.1}, 422), ({"min_p": 1.5}, 422),
+                        ({"min_p": "x"}, 400)):
+        with pytest.raises(APIError) as info:
+            parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}], **bad}, MODELS)
+        assert info.value.status == status and info.value.param == next(iter(bad)), bad

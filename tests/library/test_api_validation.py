@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from spec_cache.decode.generator import Generator
+from spec_cache.errors import ModelLoadError
 from spec_cache.rows.generation import check_prompts
 from spec_cache.testing.tiny import write_tiny_drafter, write_tiny_target
 from spec_cache.tiers.cache import CacheWarning, SpecCache
@@ -87,6 +88,30 @@ def test_top_p_is_validated_and_sampling_is_reproducible(models):
     assert first[0].tokens == again[0].tokens
 
 
+def test_a_missing_model_directory_is_the_documented_model_load_error(tmp_path):
+    """Issue 36 (first hour, item 9): ``ModelLoadError`` (README "Errors"), never a bare ``FileNotFoundError``, for a
+    target directory that is missing, a file, or has no config.json; the CLI prints it as one line (exit 2)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from spec_cache.errors import SpecCacheError
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "file").write_text("x")
+    for path, says in ((tmp_path / "missing", "does not exist"), (tmp_path / "file", "is not a directory"),
+                       (empty, "has no config.json")):
+        with pytest.raises(ModelLoadError, match=f"target directory {path} {says}") as info:
+            Generator.load(path)
+        assert isinstance(info.value, (SpecCacheError, ValueError)) and not isinstance(info.value, OSError)
+    out = subprocess.run([sys.executable, "-m", "spec_cache", "--cache", str(tmp_path / "store"), "generate",
+                          "--model", str(empty), "--tokens", "1,2"], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.strip().splitlines() == [f"spec-cache: error: target directory {empty} has no config.json"]
+
+
 def test_a_corrupt_config_and_a_wrong_drafter_kind_are_named(models, tmp_path):
     target, drafter = models
     bad = tmp_path / "bad-target"
@@ -94,7 +119,7 @@ def test_a_corrupt_config_and_a_wrong_drafter_kind_are_named(models, tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"{bad / 'config.json'} is not valid JSON"):
         Generator.load(bad)
-    with pytest.raises(FileNotFoundError, match="target directory .* does not exist"):
+    with pytest.raises(ModelLoadError, match="target directory .* does not exist"):
         Generator.load(tmp_path / "missing")
     with pytest.raises(ValueError, match="is not a 'draft-model' drafter: its config has no 'model_type'"):
         Generator.load(target, drafter, method="draft-model")

@@ -22,8 +22,10 @@ common prefix with the prompt; those offsets (plus the last message boundaries, 
 Usage, as Anthropic counts it (the three input fields add up to the prompt's tokens):
 ``cache_read_input_tokens``: prompt tokens restored from the cache (rounded down to the server's
 ``--cached-tokens-granularity``); ``cache_creation_input_tokens``: prompt tokens up to the last ``cache_control``
-breakpoint that were not read from the cache (this request checkpoints them; 0 without a breakpoint, without a
-cache, or under KV quantization); ``input_tokens``: the rest of the prompt; ``output_tokens``: generated tokens.
+breakpoint that were not read from the cache (this request checkpoints them: 0 once the breakpoint is stored, the
+new part when an earlier prefix was; 0 without a breakpoint, without a cache, or under KV quantization; under a
+granularity above 1 the breakpoint is rounded down to it too); ``input_tokens``: the rest of the prompt;
+``output_tokens``: generated tokens.
 """
 
 from __future__ import annotations
@@ -284,11 +286,12 @@ def _params(body: dict, model: str, default_temperature: float, counting: bool) 
     temperature = _number(body, "temperature", 0.0, 1.0)
     top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
     top_k = body.get("top_k")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise _bad("top_k: must be an integer >= 1")
-        if (default_temperature if temperature is None else temperature) > 0:
-            raise _bad("top_k: not supported when sampling (temperature > 0); leave it out or use top_p")
+    if top_k is not None:  # 0 (or less): off; greedy: changes nothing (the most likely token is in every top k)
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise _bad("top_k: must be an integer")
+        if top_k > 0 and (default_temperature if temperature is None else temperature) > 0:
+            raise _bad("top_k: not supported by this server when sampling (temperature > 0): it applies temperature "
+                       "and top_p only (leave it out, send 0, or use temperature 0)")
     return GenerationParams(model=model, max_tokens=max_tokens if not counting else None,
                             temperature=temperature, top_p=1.0 if top_p is None else top_p, stop=list(stops),
                             stream=stream, user=(metadata or {}).get("user_id"))
@@ -480,8 +483,15 @@ def tool_use_block(call: ToolCall) -> dict:
             "input": call.arguments_object()}
 
 
-def usage_of(prompt_tokens: int, cached: int, generated: int, breakpoint_end: int, caching: bool) -> dict:
-    creation = max(0, breakpoint_end - cached) if caching else 0
+def usage_of(prompt_tokens: int, cached: int, generated: int, breakpoint_end: int, caching: bool,
+             granularity: int = 1) -> dict:
+    """Anthropic's usage; ``cached``: the restored count as told (rounded down to ``granularity``). Creation is what
+    this request writes up to its last breakpoint beyond what it read, counted in the same multiples: from the exact
+    restored count it would tell a prober whether the breakpoint is stored (the breakpoint is theirs to place), so
+    under a granularity a breakpoint inside the first multiple is never counted, and one already stored is 0 (not
+    the whole prefix again, turn after turn)."""
+    end = breakpoint_end - breakpoint_end % max(1, granularity)
+    creation = max(0, end - cached) if caching else 0
     return {"input_tokens": prompt_tokens - cached - creation, "output_tokens": generated,
             "cache_creation_input_tokens": creation, "cache_read_input_tokens": cached}
 
@@ -511,7 +521,8 @@ class MessagesShape:
         return new_message_id()
 
     def _usage(self, cached: int, generated: int) -> dict:
-        return usage_of(len(self.prompt.ids), cached, generated, self.prompt.breakpoint_end, self.caching)
+        return usage_of(len(self.prompt.ids), cached, generated, self.prompt.breakpoint_end, self.caching,
+                        self.granularity)
 
     def _message(self, rid: str, content: list, reason: str | None, stop: str | None, use: dict) -> dict:
         return {"id": rid, "type": "message", "role": "assistant", "model": self.request.params.model,

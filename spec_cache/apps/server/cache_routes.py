@@ -18,6 +18,11 @@ key acts on its own namespace only (``cache_salt`` splits it as in chat requests
 (``--operator-key``) acts on the namespace of ``"tenant": "<label>"`` (the 8 hex digits ``/metrics`` and
 ``/v1/cache/pins`` show; ``"open"`` or none: the keyless namespace) and sees and ends every pin. Everything that
 touches the cache runs on the scheduler thread (``Scheduler.call``), which owns it.
+
+What a reply tells of stored prefixes follows ``--cached-tokens-granularity`` as ``cached_tokens`` does (else these
+routes would be the token-by-token probe it closes): token counts rounded down to it, a pin's ``bytes`` scaled to
+the tokens told, an export cut to that many tokens, and a prefix shorter than one multiple answered as nothing stored
+(prefetch: ``tokens`` 0, ``tier`` null; pin and export: 404). An operator key sees exact counts.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class _CacheRoutes:
         self.config = state.config
         self.cache = cache = self.generator.cache
         self.max_ttl = float(getattr(self.config, "max_pin_ttl_s", None) or DEFAULT_MAX_PIN_TTL_S)
+        self.granularity = max(1, int(getattr(self.config, "cached_tokens_granularity", 1) or 1))
         self.vocab = self.generator.engine.target.vocab_size
         self.tenants = {tenant_label(t): t for t in (state.auth.check("Bearer " + k.decode("utf-8"))
                                                      for k in state.auth.keys)}
@@ -225,11 +231,17 @@ class _CacheRoutes:
         limits = [q for q in (cache.memory.tenant_quota, store, half) if q is not None]
         return (min(limits) if limits else None), half
 
-    @staticmethod
-    def pin_body(p: controls.Pin) -> dict:
-        return {"object": "cache.pin", "id": p.pin_id, "tenant": tenant_label(p.owner), "tokens": p.length,
+    def told(self, length: int, operator: bool) -> int:
+        """``length`` stored tokens as the caller may learn them: rounded down to the granularity (operator: exact)."""
+        return length if operator else length - length % self.granularity
+
+    def pin_body(self, p: controls.Pin, operator: bool) -> dict:
+        """A pin as its caller sees it; ``bytes`` scaled to the tokens told (bytes per token would give the exact
+        length back)."""
+        told = self.told(p.length, operator)
+        return {"object": "cache.pin", "id": p.pin_id, "tenant": tenant_label(p.owner), "tokens": told,
                 "ttl_s": round(max(0.0, p.until - time.monotonic()), 3), "expires_at": round(p.expires_at, 3),
-                "bytes": p.nbytes, "tier": p.tier}
+                "bytes": p.nbytes if told == p.length else p.nbytes * told // max(1, p.length), "tier": p.tier}
 
     # --- handlers ----------------------------------------------------------------------------------------
     async def pin(self, request: Request, body: dict, tenant, operator: bool) -> Response:
@@ -253,7 +265,10 @@ class _CacheRoutes:
             record = self.cache.pin(self.ns_key(space), tokens, float(ttl), owner=tenant, quota_bytes=per_tenant,
                                     total_quota_bytes=total, drafter_namespace=self.generator.drafter_namespace,
                                     usable=rule)
-            return {**self.pin_body(record), "prompt_tokens": len(tokens)}
+            if self.told(record.length, operator) == 0:  # shorter than one multiple: as if nothing were stored
+                self.cache.unpin(record.pin_id, owner=tenant, any_owner=True)
+                raise controls.NotStored("no stored prefix of these tokens")
+            return {**self.pin_body(record, operator), "prompt_tokens": len(tokens)}
         return JSONResponse(await self.on_scheduler(run))
 
     async def unpin(self, request: Request, body: dict, tenant, operator: bool) -> Response:
@@ -273,7 +288,8 @@ class _CacheRoutes:
                     raise controls.NotStored("no pin of these tokens")
                 target = max(mine, key=lambda p: p.length).pin_id
             record = self.cache.unpin(target, owner=tenant, any_owner=operator)
-            return {"object": "cache.unpin", "id": record.pin_id, "tokens": record.length, "unpinned": True}
+            return {"object": "cache.unpin", "id": record.pin_id, "tokens": self.told(record.length, operator),
+                    "unpinned": True}
         return JSONResponse(await self.on_scheduler(run))
 
     async def prefetch(self, request: Request, body: dict, tenant, operator: bool) -> Response:
@@ -285,16 +301,18 @@ class _CacheRoutes:
             rule = self.usable(tokens)
             got = controls.Resident(0, None, False) if rule is None else self.cache.prefetch(
                 self.ns_key(space), tokens, drafter_namespace=self.generator.drafter_namespace, usable=rule)
-            return {"object": "cache.prefetch", "tokens": got.length, "prompt_tokens": len(tokens), "tier": got.tier,
-                    "resident": got.resident}
+            told = self.told(got.length, operator)
+            return {"object": "cache.prefetch", "tokens": told, "prompt_tokens": len(tokens),
+                    "tier": got.tier if told else None, "resident": got.resident and told > 0}
         return JSONResponse(await self.on_scheduler(run))
 
     async def export(self, request: Request, body: dict, tenant, operator: bool) -> Response:
         tokens = await self.prefix_of(body)
         space = self.salted(tenant, body)
         await self.from_shared(space, tokens, drafter=None)  # the target's state only: what an mlx-lm file holds
-        data, length = await self.on_scheduler(lambda: interop.export_prefix(self.cache, self.ns_key(space), tokens,
-                                                                              model=self.config.model_id))
+        granularity = 1 if operator else self.granularity
+        data, length = await self.on_scheduler(lambda: interop.export_prefix(
+            self.cache, self.ns_key(space), tokens, model=self.config.model_id, granularity=granularity))
         return Response(data, media_type="application/octet-stream", headers={
             "X-Spec-Cache-Tokens": str(length), "Content-Disposition": 'attachment; filename="prefix.safetensors"'})
 
@@ -313,7 +331,7 @@ class _CacheRoutes:
 
     async def pins_route(self, request: Request, body: dict, tenant, operator: bool) -> Response:
         listed = controls.pins(self.cache, owner=tenant, any_owner=operator)
-        return JSONResponse({"object": "list", "data": [self.pin_body(p) for p in listed]})
+        return JSONResponse({"object": "list", "data": [self.pin_body(p, operator) for p in listed]})
 
     # --- around every handler: the body, the caller, errors, metrics, the log line --------------------------
     def route(self, path: str, name: str, handler, method: str = "POST", raw: bool = False) -> Route:

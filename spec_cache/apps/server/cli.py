@@ -22,7 +22,8 @@ from spec_cache.apps.cli.common import error_line, fraction, non_negative_int, p
 from spec_cache.apps.cli.shared import add_shared_secret_options, shared_options
 from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
 
-__all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module"]
+__all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module",
+           "cached_tokens_granularity"]
 
 
 def _size(text: str) -> int:
@@ -156,11 +157,14 @@ def _operator_options(parser: argparse.ArgumentParser) -> None:
                         help="a key for /metrics (every tenant's series and the server-wide ones) and /health's "
                              "details; also $SPEC_CACHE_OPERATOR_KEY")
     parser.add_argument("--operator-key-file", metavar="FILE", help="operator keys, one per line")
-    parser.add_argument("--cached-tokens-granularity", type=_granularity, default="chunk", metavar="N|chunk",
-                        help="report usage.prompt_tokens_details.cached_tokens rounded down to a multiple of N "
-                             "tokens, so a client cannot learn token by token whether a stored prompt starts with "
-                             "what it sends (default 'chunk': the store's chunk size, 256 unless the store was "
-                             "made otherwise; 1: exact)")
+    parser.add_argument("--cached-tokens-granularity", type=_granularity, metavar="N|chunk",
+                        help="report usage.prompt_tokens_details.cached_tokens (and the /v1/cache replies' token "
+                             "counts) rounded down to a multiple of N tokens, so a client cannot learn token by token "
+                             "whether a stored prompt starts with what it sends; 'chunk': the store's chunk size "
+                             "(256 unless the store was made otherwise); 1: exact. Default: 1 when --host is "
+                             "loopback (127.0.0.1, ::1, localhost) with at most one API key and no shared tier "
+                             "(no one else's prompts to probe; behind a local reverse proxy give 'chunk'), else "
+                             "'chunk'; the startup log says which and why")
     parser.add_argument("--max-connections", type=positive_int, metavar="N",
                         help="open connections at most; beyond it the client that waited longest on itself is "
                              "dropped, else the newcomer gets 503 (default: sized from the descriptor limit)")
@@ -248,18 +252,61 @@ def build_state(args):
     scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics,
                           checkpoint_every=args.checkpoint_every or None,
                           eos_token_ids=getattr(tokenizer, "eos_token_ids", None) or ())
-    granularity = args.cached_tokens_granularity
-    if granularity == "chunk":
-        granularity = cache.store.chunk_tokens if cache is not None else 1
+    if cache is None:
+        granularity, why = 1, "--no-cache: nothing is cached"
+    else:
+        granularity, why = cached_tokens_granularity(args.cached_tokens_granularity, args.host, len(set(keys)),
+                                                     cache.store.chunk_tokens, shared=cache.shared is not None)
     config = ServerConfig(model_id=args.model_id or default_id, context_tokens=_context_tokens(model_dir),
                           max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
                           default_temperature=args.default_temperature, max_body_bytes=args.max_body_bytes,
                           cached_tokens_granularity=granularity, max_pin_ttl_s=args.max_pin_ttl)
-    log.info("spec-cache serve: bodies up to %s; cached_tokens reported in multiples of %d; %s", _human(
-        config.max_body_bytes), granularity, _access(keys, operator_keys))
+    reported = "exact" if granularity == 1 else f"in multiples of {granularity}"
+    log.info("spec-cache serve: bodies up to %s; cached_tokens %s (%s); %s", _human(config.max_body_bytes),
+             reported, why, _access(keys, operator_keys))
     return ServerState(generator=generator, tokenizer=tokenizer, scheduler=scheduler, config=config,
                        auth=Auth(keys, operator_keys), metrics=metrics, cache=cache,
                        store_path=None if cache is None else os.path.abspath(path))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (``--host``) reaches this machine only: ``localhost``, 127.0.0.0/8 or ``::1``."""
+    import ipaddress
+
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def cached_tokens_granularity(given, host: str, api_keys: int, chunk: int, shared: bool = False) -> tuple[int, str]:
+    """``(granularity, why)``: the multiple ``cached_tokens`` is rounded down to, and the reason the startup log gives.
+
+    ``given``: ``--cached-tokens-granularity`` (an int, ``"chunk"``, or None when left out: an explicit value always
+    wins). Why the default depends on where the server listens: exact counts let a client recover a stored prompt
+    token by token, which only matters when someone else's prompts are in the caller's namespace (no key, or a key
+    several users share). On loopback with no API key or one (this machine's user) and no shared tier (whose other
+    hosts' prompts the namespace would hold) that is not a risk, while rounding makes the cache look broken (0 for
+    every prompt under 256 tokens): exact, as mlx_lm.server reports. Several keys (a server for several users) or a
+    reachable address: ``chunk``, the store's chunk size."""
+    if given == "chunk":
+        return chunk, "--cached-tokens-granularity chunk"
+    if given is not None:
+        return int(given), f"--cached-tokens-granularity {given}"
+    if not is_loopback(host):
+        return chunk, (f"default for --host {host}, which other machines reach: the store's chunk, so no client "
+                       "learns a stored prompt token by token; --cached-tokens-granularity 1 for exact")
+    if api_keys > 1:
+        return chunk, (f"default with {api_keys} API keys, a server for several users (who may share a key): the "
+                       "store's chunk; --cached-tokens-granularity 1 for exact")
+    if shared:
+        return chunk, ("default with a shared tier (other hosts' prompts): the store's chunk; "
+                       "--cached-tokens-granularity 1 for exact")
+    keys = "one API key" if api_keys else "no API key"
+    return 1, (f"default on loopback {host} with {keys}: no one else's prompts to probe; "
+               "--cached-tokens-granularity chunk to round")
 
 
 def _keys(args) -> tuple[list[str], list[str]]:

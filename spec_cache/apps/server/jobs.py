@@ -27,6 +27,7 @@ from spec_cache.apps.server.protocol import (
     APIError,
     chat_chunk,
     chat_response,
+    check_sampling,
     completion_chunk,
     completion_response,
     new_id,
@@ -169,6 +170,7 @@ class Requests:
     def make_job(self, params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=(), pinned_at=()) -> Job:
         max_tokens = self.max_tokens(params, prompt)
         temperature = self.config.default_temperature if params.temperature is None else params.temperature
+        check_sampling(params, temperature)
         seed = params.seed if params.seed is not None else (0 if temperature == 0 else random_seed())
         sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed))
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
