@@ -86,9 +86,9 @@ class JoiningCohort:
                                               need_hidden=self.need_hidden)
             return True
         while not self._forwarded():  # (else the rows with tokens left were dropped)
-            self._forward_chunk(whole)
-            if not (whole and any(self._stops)):
-                break  # ``whole`` without stops forwards everything in one prefill call above
+            self._forward_chunk(whole)  # ``whole``: up to the next stop, or everything left
+            if not whole:
+                break
         if self._forwarded():
             self._context = PrefillContext(self._last, [len(t) for t in self._tokens])
         return self._context is not None

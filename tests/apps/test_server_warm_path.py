@@ -91,7 +91,8 @@ def test_a_warm_turns_short_tail_is_not_split_at_its_offsets(tiny, tmp_path):
         _run_job(sched, first, 4, (30, len(first)), log)
         # cold: the offset 30 is checkpointed as the prefill passes it (before: a phase row up to 30, restored)
         assert [e for e in log if e[0] == "prepare"] == [("prepare", 60)]
-        assert ("save", 30) in log and log.index(("save", 30)) < log.index(("event", "tokens"))
+        # taken mid-prefill, written with the step's other checkpoints (after the first token is out, not before)
+        assert ("save", 30) in log and log.index(("save", 30)) < log.index(("save", 60))
         log.clear()
         second = first + [200, 201, 202] + list(range(100, 140))  # the reply as other tokens, a new message
         _, events = _run_job(sched, second, 4, (len(first) + 3, len(first) + 22, len(second)), log)

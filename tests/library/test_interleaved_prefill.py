@@ -308,6 +308,25 @@ def test_checkpoints_from_the_prefill_chunks_are_the_cold_state_at_each_offset(t
     assert not drafting.prefill_checkpoints
 
 
+def test_a_short_row_joining_whole_stops_at_each_offset_and_joins_in_the_same_step(tiny):
+    """A row short enough to join in the step it is admitted (beside a decoding row) forwards up to each offset,
+    checkpoints there and goes on within that step: it joins, and its tokens are the target's greedy ones."""
+    engine = SpeculativeEngine(tiny.target, None, prefill_step_size=64, pipeline=False)
+    got, streamed = [], {}
+    session = engine.session(on_checkpoint=lambda row, tokens, caches, draft: got.append((row, len(tokens))))
+    session.submit(RowRequest([11, 12, 13], max_tokens=30, stop_at_eos=False))
+    session.step()
+    row = session.submit(RowRequest(LONG, max_tokens=3, stop_at_eos=False, checkpoint_at=(6, 21)),
+                         on_tokens=lambda r, t: streamed.setdefault(r, []).extend(t))
+    session.step()
+    assert streamed.get(row) == plain_greedy(tiny.target, LONG, 3)[:1]  # joined and emitted in that same step
+    while session.step():
+        pass
+    session.close()
+    assert streamed[row] == plain_greedy(tiny.target, LONG, 3)
+    assert [n for r, n in got if r == row][:2] == [6, 21]
+
+
 def test_checkpoint_at_must_hold_ints(tiny):
     session = _engine(tiny.target).session()
     with pytest.raises(InvalidRequest, match="checkpoint_at"):

@@ -16,7 +16,9 @@ is saved, then the next phase (or the request itself) restores from it; so a cra
 request sharing only the head, resumes part-way. Each phase costs one extra one-token round and a restore. A
 decoding row is checkpointed every N generated tokens (``DecodeSession.checkpoint``). Phases are skipped under KV
 quantization (the conversion point depends on the whole prompt's length, so a phase's state would not be
-reusable).
+reusable). Where the engine checkpoints from its prefill chunks (``SpeculativeEngine.prefill_checkpoints``: no
+drafter, float KV, an attention-only target) there are no phases: the same offsets go on the job's own row as
+``RowRequest.checkpoint_at`` and each state is saved as the prefill passes it (no extra round, no restore).
 
 Checkpoints at chosen offsets (``Job.checkpoint_at``, the template seam): a chat request's message boundaries
 (``seam.message_boundaries``), Anthropic ``cache_control`` breakpoints, anything a caller names. An offset inside
@@ -553,8 +555,9 @@ class Scheduler:
         held ``cached`` tokens of with ``left`` tokens still to forward: when the cache held next to nothing (fewer
         than ``MIN_CHECKPOINT_GAP`` tokens: a chat template's first tokens, which every prompt shares; the prompt's
         prefixes are worth storing: a shared system prompt, a resumable prefill), or at least a prefill chunk is
-        left. A warm turn's short tail is not split: a phase would cost its first token a restore and a round, for
-        a state the end-of-prompt checkpoint covers (a previous reply often re-tokenizes differently from what was
+        left. A warm turn's short tail is not split: a phase would cost its first token a restore and a round (a
+        checkpoint from the prefill chunks, a copy of the row's state and its write), for a state the end-of-prompt
+        checkpoint covers (a previous reply often re-tokenizes differently from what was
         generated, so its message end is rarely covered already). ``Job.pinned_at`` offsets split it anyway. Any
         thread (the app skips rendering the message boundaries of a prompt that will not be split)."""
         return cached < MIN_CHECKPOINT_GAP or left >= self.generator.engine.prefill_step_size
