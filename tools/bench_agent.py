@@ -433,22 +433,8 @@ def parse(argv=None, servers: str = "mlx-lm,serve,spec-cache"):
                    help="tool calls and results as plain text (default) or as the APIs' tool blocks / messages")
     p.add_argument("--no-cache-control", dest="cache_control", action="store_false",
                    help="no cache_control breakpoints in serve's requests")
-    p.add_argument("--warmup", choices=("tiny", "shapes"), default="tiny",
-                   help="as the chat workload's (shapes: prompt-length classes up to the longest prompt)")
-    p.add_argument("--warmup-settle", type=float, default=0.0, help="seconds to wait after a shapes warm-up")
-    p.add_argument("--serve-arg", action="append", default=[], help="append to serve's command line (repeatable)")
-    p.add_argument("--launcher-arg", action="append", default=[],
-                   help="append to the launcher's (spec-cache) command line (repeatable)")
-    p.add_argument("--cwd", help="start the servers in this directory (where `python -m spec_cache...` resolves)")
-    p.add_argument("--json")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the servers' logs and stores (a temporary folder; removed unless the run fails)")
-    args = p.parse_args(argv)
-    args.server_args = {"serve": args.serve_arg, "spec-cache": args.launcher_arg}
-    args.kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
-    bad = [k for k in args.kinds if k not in base.KINDS]
-    if bad or not args.kinds:
-        p.error(f"--servers: unknown {bad}; known: {', '.join(base.KINDS)}")
+    base.add_server_options(p)
+    args = base.server_options(p, p.parse_args(argv))
     if min(args.sessions, args.clients, args.turns, args.max_tokens) < 1:
         p.error("--sessions, --clients, --turns and --max-tokens must be at least 1")
     args.paired = False  # the chat report's and figures' switches

@@ -535,6 +535,13 @@ def parse(argv=None, servers: str = "mlx-lm,spec-cache"):
     p.add_argument("--user-words", type=int, default=150)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--paired", action="store_true", help="all servers at once, every request to each")
+    add_server_options(p)
+    return server_options(p, p.parse_args(argv))
+
+
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    """The options every workload of this tool shares (``tools/bench_agent.py`` too): warm-up, the servers'
+    extra arguments and directory, the JSON and the kept logs."""
     p.add_argument("--warmup", choices=("tiny", "shapes"), default="tiny",
                    help="before timing each server: one tiny request (default), or also one per prompt-length class "
                         "and --clients at once (GPU: kernels compile there, not in a measured TTFT)")
@@ -546,7 +553,10 @@ def parse(argv=None, servers: str = "mlx-lm,spec-cache"):
     p.add_argument("--json")
     p.add_argument("--keep", action="store_true",
                    help="keep the servers' logs and stores (a temporary folder; removed unless the run fails)")
-    args = p.parse_args(argv)
+
+
+def server_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``server_args`` (extra arguments by server kind) and ``kinds`` (``--servers`` checked)."""
     args.server_args = {"serve": args.serve_arg, "spec-cache": args.launcher_arg}
     args.kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
     bad = [k for k in args.kinds if k not in KINDS]
