@@ -23,6 +23,7 @@ from .codec import FORMAT_MAJOR as RECORD_FORMAT_MAJOR
 from .codec import Record, decode_record, encode_record
 from .env import STORE_FORMAT, STORE_MAJOR, STORE_MINOR
 from .errors import (
+    ChunkNotCopied,
     CorruptIndex,
     CorruptRecord,
     InvalidInput,
@@ -43,6 +44,6 @@ __all__ = [
     "Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "LayerState", "Tensor", "Record",
     "encode_record", "decode_record", "StoreError", "StoreFormatError", "StoreOpenError", "StoreDamaged",
     "StoreUnavailable", "StoreUnsafe", "StoreFullError", "CorruptRecord", "CorruptIndex", "InvalidInput",
-    "NamespaceNotRegistered", "STORE_FORMAT",
+    "NamespaceNotRegistered", "ChunkNotCopied", "STORE_FORMAT",
     "STORE_MAJOR", "STORE_MINOR", "RECORD_FORMAT_MAJOR", "Node", "Entry", "NamespaceInfo", "Totals",
 ]

@@ -62,6 +62,7 @@ from .allocator import tune_allocator
 from .datafile import DataFile, reaches_every_page
 from .directory import RESERVE_NAME, check_data_file, first_unenterable, move_aside, prepare_dir, secure
 from .errors import StoreDamaged, StoreError, StoreFormatError, StoreFullError, StoreOpenError
+from .txn_gate import TxnGate
 
 STORE_FORMAT = "spec-cache-store"
 STORE_MAJOR = 1
@@ -115,17 +116,23 @@ class ReadTxn:
     """``with env.read() as txn``: the LMDB read transaction, aborted on exit; LMDB errors raised inside the
     block come out as ``StoreError`` naming the store."""
 
-    __slots__ = ("txn", "path")
+    __slots__ = ("txn", "path", "_gate")
 
-    def __init__(self, txn, path: str):
+    def __init__(self, txn, path: str, gate: TxnGate | None = None):
         self.txn = txn
         self.path = path
+        self._gate = gate  # left on exit (``TxnGate``: a map resize waits for open read transactions)
 
     def __enter__(self):
         return self.txn
 
     def __exit__(self, exc_type, exc, tb):
-        self.txn.abort()
+        try:
+            self.txn.abort()
+        finally:
+            gate, self._gate = self._gate, None
+            if gate is not None:
+                gate.leave_read()
         if exc_type is not None and issubclass(exc_type, lmdb.Error):
             raise StoreError(f"store at {self.path} cannot be read: LMDB reports {exc}; the store may be damaged "
                              f"(run 'spec-cache verify')") from None
@@ -166,6 +173,7 @@ class Environment:
                  map_size: int | None = None, chunk_tokens: int | None = None):
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
+        self.gate = TxnGate()  # read transactions share it; a map resize (``_set_mapsize``) takes it alone
         self._reader_checked = time.monotonic()
         self.last_write: dict = {}
         self.data: DataFile | None = None  # the data.mdb LMDB maps, checked before every transaction
@@ -376,17 +384,27 @@ class Environment:
         reading past the file's end (SIGBUS).
         """
         self.check_data()
+        self.gate.enter_read()
         try:
-            txn = self.env.begin(buffers=True)
-        except lmdb.MapResizedError:
-            self.env.set_mapsize(0)
             try:
                 txn = self.env.begin(buffers=True)
-            except lmdb.Error as exc:
-                raise StoreError(f"store at {self.path}: cannot start a read transaction ({exc})") from None
+            except lmdb.MapResizedError:  # another process grew the map: adopt it, with no reader of ours open
+                self.gate.leave_read()
+                self._set_mapsize(0)
+                self.gate.enter_read()
+                txn = self.env.begin(buffers=True)
         except lmdb.Error as exc:  # e.g. the reader table is full
+            self.gate.leave_read()
             raise StoreError(f"store at {self.path}: cannot start a read transaction ({exc})") from None
-        return ReadTxn(txn, self.path)
+        except BaseException:
+            self.gate.leave_read()
+            raise
+        return ReadTxn(txn, self.path, self.gate)
+
+    def _set_mapsize(self, size: int) -> None:
+        """``set_mapsize`` once no other thread of this process holds a read transaction (``TxnGate``)."""
+        with self.gate.exclusive():
+            self.env.set_mapsize(size)
 
     def write(self, fn: Callable[[lmdb.Transaction], T], *, on_full: Callable[[], bool] | None = None,
               making_room: bool = False) -> T:
@@ -411,7 +429,7 @@ class Environment:
             try:
                 return self._transaction(fn, attempt)
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
+                self._set_mapsize(0)
             except lmdb.MapFullError:
                 if self._clear_stale_readers():
                     continue
@@ -542,7 +560,7 @@ class Environment:
         if target <= current:
             return False
         try:
-            self.env.set_mapsize(target)
+            self._set_mapsize(target)
         except lmdb.Error:
             return False
         return True

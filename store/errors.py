@@ -63,3 +63,9 @@ class InvalidInput(StoreError, ValueError):
 class NamespaceNotRegistered(InvalidInput):
     """A put under a namespace key the store has no row for: call ``register_namespace`` first (and again
     if the store was replaced underneath an open handle)."""
+
+
+class ChunkNotCopied(StoreError):
+    """A put told that the store held its first ``copied_from`` tokens (``Store.put(copied_from=...)``: the caller
+    left them uncopied) needed a chunk of them after all (evicted or dropped since ``Store.held_tokens``). The put
+    wrote nothing; put the checkpoint again with every token copied."""

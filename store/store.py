@@ -43,7 +43,7 @@ from .read import ASYNC_VERIFY_BYTES, BackgroundVerifier, Concat, piece_reader, 
 from .tenants import TenantPolicy, enforce
 from .tensors import LayerState
 from .values import Entry, NamespaceInfo
-from .write import Checkpoint, prepare_checkpoint
+from .write import Checkpoint, layer_signature, prepare_checkpoint
 
 __all__ = ["Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "Rider", "ASYNC_VERIFY_BYTES"]
 
@@ -84,7 +84,8 @@ class Store:
     def __init__(self, env: Environment, max_bytes: int | None):
         self.env = env
         self.max_bytes = max_bytes
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # writers of this process, one at a time (readers need none: ``reading``)
+        self._pending_lock = threading.Lock()  # the batched access times and counters below
         self._touched: dict[bytes, int] = {}
         self._counts: dict[bytes, list[int]] = {}  # ns -> [hits, misses]
         self._pending = 0
@@ -164,15 +165,16 @@ class Store:
 
     @contextlib.contextmanager
     def reading(self):
-        """A read transaction, held under this handle's lock: LMDB map growth (by a put of this process) needs
-        no transaction of the process open, so every in-process reader goes through here or ``fetch``."""
-        with self._lock, self.env.read() as txn:
+        """A read transaction. It never waits for a write of this process (LMDB readers see a snapshot; a reader
+        that waited for the write-behind thread's put cost the server's scheduler seconds, issue 35); LMDB map
+        growth, which needs no transaction of the process open, waits for it instead (``TxnGate``)."""
+        with self.env.read() as txn:
             yield txn
 
     # --- put ---------------------------------------------------------------------------------------
     def put(self, ns_key: bytes, tokens, layers: Sequence[LayerState], *,
             drafter: tuple[str, CheckpointAttachment] | None = None, minimum_reusable: int = 0,
-            pin: bool = False, rider: Rider | None = None) -> PutResult:
+            pin: bool = False, rider: Rider | None = None, copied_from: int = 0) -> PutResult:
         """Store the checkpoint of ``tokens`` in one transaction (all of it or none of it).
 
         Every layer with a ``token_axis`` must cover exactly ``len(tokens)`` tokens. ``drafter`` is
@@ -186,12 +188,36 @@ class Store:
         transaction, after the checkpoint's rows: both are committed or neither, in one commit (each LMDB commit
         costs ~12 KiB of pages even for one small row: issue 21's write amplification). It runs in a child
         transaction: one that raises is undone alone (logged), the checkpoint is stored all the same.
+        ``copied_from`` (a chunk boundary, at most :meth:`held_tokens`): the chunked layers' tensors hold real
+        bytes only from that token on (a caller copying device memory to the host skips what the store holds);
+        when a chunk before it turns out to be missing after all (evicted since), ``ChunkNotCopied`` is raised and
+        nothing is written.
         Cost: one copy of the state into records, one write transaction (plus LRU eviction under a budget).
         """
         checkpoint = prepare_checkpoint(ns_key, tokens, layers, chunk_tokens=self.chunk_tokens, drafter=drafter,
-                                        minimum_reusable=minimum_reusable)
+                                        minimum_reusable=minimum_reusable, copied_from=copied_from)
         self._check_budget(checkpoint.own_bytes)
         return self._put_one(checkpoint, pin, rider)
+
+    def held_tokens(self, ns_key: bytes, tokens, layers: Sequence[LayerState]) -> int:
+        """How many leading tokens of ``tokens`` the store holds as whole chunks for layers shaped like
+        ``layers`` (their signature: kinds, dtypes, shapes without the token axis; no byte of them is read), so a
+        put of them may pass ``copied_from`` up to this. Index reads only: one hash and get per chunk."""
+        packed = K.pack_tokens(tokens)
+        signature, chunked = layer_signature(layers)
+        if not chunked:
+            return 0
+        full = len(packed) // self.chunk_tokens
+        chain = K.chain(K.root_key(ns_key, signature), packed, self.chunk_tokens, max_chunks=full)
+        held = 0
+        with self.reading() as txn:
+            index = Index(txn, self.env.dbs)
+            for key in chain[1:]:
+                node = index.node(key)
+                if node is None or node.broken or key in self._bad:
+                    break
+                held += 1
+        return held * self.chunk_tokens
 
     def _put_one(self, checkpoint: Checkpoint, pin: bool, rider: Rider | None = None) -> PutResult:
         """One checkpoint in its own transaction; refused for the budget in the pieced layout (format 1.3: a chunk
@@ -221,7 +247,8 @@ class Store:
             try:
                 checkpoint = prepare_checkpoint(ns_key, tokens, layers, chunk_tokens=self.chunk_tokens,
                                                 drafter=options.get("drafter"),
-                                                minimum_reusable=options.get("minimum_reusable", 0))
+                                                minimum_reusable=options.get("minimum_reusable", 0),
+                                                copied_from=options.get("copied_from", 0))
                 self._check_budget(checkpoint.own_bytes)
                 prepared.append((i, checkpoint, bool(options.get("pin", False)), options.get("rider")))
             except Exception as exc:  # this checkpoint alone is refused, as its own put would be
@@ -348,25 +375,23 @@ class Store:
         packed = K.pack_tokens(tokens)
         warnings = [] if warnings is None else warnings
         for _ in range(max_attempts):
-            with self._lock:
-                try:
-                    with self.env.read() as txn:
-                        hit = self._lookup(txn, ns_key, packed, drafter, usable)
-                        if hit is None:
-                            self._count(ns_key, hit=False)
-                            return None
-                        restored = self._read(txn, hit, packed, drafter, warnings, concat)
-                except CorruptRecord as exc:
-                    message = f"dropping corrupt record ({exc}); falling back to a shorter prefix"
-                    log.warning(message)
-                    warnings.append(message)
+            try:  # outside the handle's lock: a restore never waits for a put of this process (``reading``)
+                with self.env.read() as txn:
+                    hit = self._lookup(txn, ns_key, packed, drafter, usable)
+                    if hit is None:
+                        self._count(ns_key, hit=False)
+                        return None
+                    restored = self._read(txn, hit, packed, drafter, warnings, concat)
+            except CorruptRecord as exc:
+                message = f"dropping corrupt record ({exc}); falling back to a shorter prefix"
+                log.warning(message)
+                warnings.append(message)
+                with self._lock:
                     self._forget_corrupt(exc.key, exc.piece)
-                    continue
-                if hit.entry is not None:
-                    self._touched[hit.entry] = now_ns()
-                self._count(ns_key, hit=True)
-                restored.warnings = warnings
-                return restored
+                continue
+            self._count(ns_key, hit=True, entry=hit.entry)
+            restored.warnings = warnings
+            return restored
         self._count(ns_key, hit=False)
         return None
 
@@ -406,12 +431,21 @@ class Store:
         self._bad.discard(key)
 
     # --- access times and counters (batched) -------------------------------------------------------
-    def _count(self, ns_key: bytes, *, hit: bool) -> None:
-        c = self._counts.setdefault(ns_key, [0, 0])
-        c[0 if hit else 1] += 1
-        self._pending += 1
-        if self._pending >= FLUSH_EVERY or time.monotonic() - self._last_flush > FLUSH_SECONDS:
-            self.flush_best_effort()
+    def _count(self, ns_key: bytes, *, hit: bool, entry: bytes | None = None) -> None:
+        """Batch a lookup's outcome (and the access time of the ``entry`` it hit). Due for a flush, it is written
+        here only when no put of this process is under way: a put takes the batch into its own transaction."""
+        with self._pending_lock:
+            if entry is not None:
+                self._touched[entry] = now_ns()
+            c = self._counts.setdefault(ns_key, [0, 0])
+            c[0 if hit else 1] += 1
+            self._pending += 1
+            due = self._pending >= FLUSH_EVERY or time.monotonic() - self._last_flush > FLUSH_SECONDS
+        if due and self._lock.acquire(blocking=False):
+            try:
+                self.flush_best_effort()
+            finally:
+                self._lock.release()
 
     def _flush_pending(self) -> None:
         if not self._pending and not self._touched:
@@ -421,14 +455,19 @@ class Store:
 
     def _take_pending(self) -> tuple[dict, dict]:
         """The batched access times and counters, handed over for writing (cleared here)."""
-        pending = self._touched, self._counts
-        self._touched, self._counts, self._pending = {}, {}, 0
-        self._last_flush = time.monotonic()
+        with self._pending_lock:
+            pending = self._touched, self._counts
+            self._touched, self._counts, self._pending = {}, {}, 0
+            self._last_flush = time.monotonic()
         return pending
 
     def _restore_pending(self, pending: tuple[dict, dict]) -> None:
         """Put back what a failed put did not write (newer access times and added counts win)."""
         touched, counts = pending
+        with self._pending_lock:
+            self._merge_pending(touched, counts)
+
+    def _merge_pending(self, touched: dict, counts: dict) -> None:
         for key, when in touched.items():
             self._touched[key] = max(when, self._touched.get(key, when))
         for ns, (hits, misses) in counts.items():

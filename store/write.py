@@ -18,7 +18,7 @@ from spec_cache.schemas import CheckpointAttachment, validate_attachment
 from . import keys
 from . import spans as S
 from .codec import encode_record
-from .errors import InvalidInput
+from .errors import ChunkNotCopied, InvalidInput
 from .index import draft_key
 from .pieces import Piece, split_tensors, token_axes
 from .tensors import LayerState, Tensor
@@ -49,6 +49,9 @@ class Checkpoint:
     #: write tails and chunks whole (no target pieces): the retry of a put refused for the budget, since a pieced
     #: chunk may keep an evicted entry's pieces alive beside it (``Store._put_one``)
     whole: bool = False
+    #: the caller copied only tokens from here on (``Store.put(copied_from=...)``): the chunks before it must be
+    #: in the store already; needing one raises ``ChunkNotCopied`` and the put writes nothing
+    copied_from: int = 0
 
     @property
     def length(self) -> int:
@@ -69,8 +72,13 @@ class Checkpoint:
     def _spans(self) -> bool:
         return S.WRITE_SPANS and not self.whole
 
+    def _copied(self, lo: int) -> None:
+        if lo < self.copied_from:
+            raise ChunkNotCopied(f"tokens from {lo} are needed but only those from {self.copied_from} were copied")
+
     def piece_slices(self, lo: int, hi: int) -> list:
         """The tensors of a target piece of tokens ``[lo, hi)`` (store format 1.3, ``spans.py``)."""
+        self._copied(lo)
         out = [("tokens", "uint32", self.packed[lo:hi])]
         for i in self.chunked:
             _, _, _, axis, specs = self.layer_table[i]
@@ -81,6 +89,7 @@ class Checkpoint:
         """Chunk ``k``'s record, pieced (``(record, [SpanPiece])``) when entries hanging off its parent already
         wrote a prefix of it as pieces (format 1.3), else whole (a record)."""
         lo, hi = (k - 1) * self.chunk_tokens, k * self.chunk_tokens
+        self._copied(lo)
         prior = S.prior_spans(index, self.chain[k - 1], self.packed[lo:hi]) if self._spans else []
         if not prior:
             return self.chunk_record(k)
@@ -111,6 +120,7 @@ class Checkpoint:
     def chunk_record(self, k: int) -> np.ndarray:
         """Encode chunk ``k`` (1-based): its tokens and the chunked layers' slices of it."""
         lo, hi = (k - 1) * self.chunk_tokens, k * self.chunk_tokens
+        self._copied(lo)
 
         def tensors():
             yield "tokens", "uint32", self.packed[lo:hi]
@@ -127,13 +137,18 @@ class Checkpoint:
 
 def prepare_checkpoint(ns_key: bytes, tokens, layers: Sequence[LayerState], *, chunk_tokens: int,
                        drafter: tuple[str, CheckpointAttachment] | None = None,
-                       minimum_reusable: int = 0) -> Checkpoint:
-    """Check, key and encode a checkpoint; raises ``InvalidInput`` or ``SchemaError`` (nothing is written)."""
+                       minimum_reusable: int = 0, copied_from: int = 0) -> Checkpoint:
+    """Check, key and encode a checkpoint; raises ``InvalidInput`` or ``SchemaError`` (nothing is written).
+    ``copied_from``: see ``Store.put``."""
     packed = keys.pack_tokens(tokens)
     layers = _checked_layers(packed, layers, minimum_reusable)
     n = len(packed)
     signature, chunked = layer_signature(layers)
     full = n // chunk_tokens if chunked else 0
+    if not isinstance(copied_from, int) or not 0 <= copied_from <= full * chunk_tokens \
+            or copied_from % chunk_tokens:
+        raise InvalidInput(f"copied_from must be a chunk boundary within the checkpoint's full chunks, got "
+                           f"{copied_from!r}")
     chain = keys.chain(keys.root_key(ns_key, signature), packed, chunk_tokens, max_chunks=full)
     tail_start = full * chunk_tokens
     entry_key = keys.entry_key(chain[-1], packed[tail_start:])
@@ -156,7 +171,8 @@ def prepare_checkpoint(ns_key: bytes, tokens, layers: Sequence[LayerState], *, c
         "layers": table, "length": n, "chunk_tokens": chunk_tokens, "min_reusable": minimum_reusable,
         "key": entry_key})
     return Checkpoint(ns_key, packed, arrays, table, signature, chunked, chunk_tokens, chain, entry_key,
-                      len(chunked) == len(layers), minimum_reusable, entry_record, dns, draft_record, pieces)
+                      len(chunked) == len(layers), minimum_reusable, entry_record, dns, draft_record, pieces,
+                      copied_from=copied_from)
 
 
 def _checked_layers(packed: np.ndarray, layers: Sequence[LayerState], minimum_reusable: int) -> list[LayerState]:

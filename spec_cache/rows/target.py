@@ -377,7 +377,13 @@ class TargetRows(BatchRows):
             if isinstance(cache, ArraysCache):
                 out.append(split_state(cache, row))
                 continue
-            left = int(cache.left_padding[row].item())
+            if window is None and isinstance(cache, BatchKVCache) and getattr(cache, "_right_padding", None) is None:
+                # a full-attention row holds its last ``position`` keys up to ``_idx`` (``_unpadded``'s rule): read
+                # off host-side counts, since ``left_padding[row].item()`` waits for the queued round on a GPU (130
+                # ms a checkpoint in issue 35's H100 trace, on the scheduler thread)
+                left = cache._idx - position
+            else:
+                left = int(cache.left_padding[row].item())
             keys = cache.keys[row : row + 1, :, left : cache._idx]
             values = cache.values[row : row + 1, :, left : cache._idx]
             if window is not None and rotating:

@@ -147,19 +147,35 @@ def capture_caches(caches: Sequence[Any], *, defer_copy: bool = False) -> list[L
     return layers
 
 
-def host_layers(layers: Sequence[LayerState]) -> list[LayerState]:
+def host_layers(layers: Sequence[LayerState], start: int = 0) -> list[LayerState]:
     """``capture_caches(..., defer_copy=True)``'s layers with their bytes copied to host memory (safe on a
-    background thread: no MLX graph is built)."""
-    return [LayerState(layer.kind, layer.meta, [_host_tensor(t) for t in layer.tensors], layer.token_axis)
-            for layer in layers]
+    background thread: no MLX graph is built). ``start`` (where ``copies_bytes()``): the token-axis layers get
+    only their positions from ``start`` on, the rest zeros (for ``Store.put(copied_from=start)``: the store holds
+    the chunks before it)."""
+    return [LayerState(layer.kind, layer.meta, [_host_tensor(t, layer.token_axis, start) for t in layer.tensors],
+                       layer.token_axis) for layer in layers]
 
 
-def _host_tensor(t: Tensor) -> Tensor:
+def copies_bytes() -> bool:
+    """Whether ``host_layers`` copies bytes out of MLX (MLX's CUDA backend: device memory), so skipping what the
+    store holds saves work; elsewhere it hands out numpy views of MLX's (unified) memory, which cost nothing."""
+    return _device_to_host() is not None
+
+
+def _device_to_host():
+    from spec_cache.state import device_copy
+    return device_copy.device_to_host() if device_copy.is_gpu() else None
+
+
+def _host_tensor(t: Tensor, axis: int | None = None, start: int = 0) -> Tensor:
     if not isinstance(t.data, mx.array):
         return t
-    from spec_cache.state import device_copy
-    d2h = device_copy.device_to_host() if device_copy.is_gpu() else None
-    return Tensor(t.dtype, t.shape, d2h(t.data) if d2h is not None else np.asarray(memoryview(t.data)))
+    d2h = _device_to_host()
+    if d2h is None:
+        return Tensor(t.dtype, t.shape, np.asarray(memoryview(t.data)))
+    if axis is not None and start > 0:
+        return Tensor(t.dtype, t.shape, d2h.copy_from(t.data, axis, start))
+    return Tensor(t.dtype, t.shape, d2h(t.data))
 
 
 _DEFER = threading.local()  # ``on`` while ``capture_caches(defer_copy=True)`` runs: ``to_tensor`` keeps bytes in MLX

@@ -30,6 +30,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from spec_cache.errors import InvalidRequest
 from spec_cache.naming.namespace import namespace_key
 from spec_cache.rows.kv_quant import converted_at
@@ -38,11 +40,12 @@ from spec_cache.state.cache_state import (
     attachment_to_store,
     capture_caches,
     checkpoint_from_store,
+    copies_bytes,
     host_layers,
     restore_caches,
     restore_concat,
 )
-from spec_cache.store import NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
+from spec_cache.store import ChunkNotCopied, NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
 from spec_cache.store.keys import pack_tokens, tenant_id
 from spec_cache.store.shared.queue import WriteBehind
 from spec_cache.tiers import exit_drain
@@ -334,7 +337,7 @@ class SpecCache:
         ready, alone = [], []
         for job in jobs:
             try:
-                job.layers = host_layers(job.layers)
+                self._to_host(job, batch_held=self._batch_held(job, ready))
                 ready.append(job)
             except Exception:  # its copy failed: _write tries again and reports it (its entry is released there)
                 alone.append(job)
@@ -390,10 +393,13 @@ class SpecCache:
         return result
 
     def _put(self, job: "_WriteJob") -> PutResult:
-        job.layers = host_layers(job.layers)  # bytes still in MLX (deferred capture) come to the host here
-        put = job.options
+        self._to_host(job)  # bytes still in MLX (deferred capture) come to the host here
         try:
-            return self.store.put(job.ns_key, job.tokens, job.layers, **put)
+            try:
+                return self.store.put(job.ns_key, job.tokens, job.layers, **job.options)
+            except ChunkNotCopied:  # a chunk the store held when the copy began is gone: copy every token
+                self._to_host(job, full=True)
+                return self.store.put(job.ns_key, job.tokens, job.layers, **job.options)
         except NamespaceNotRegistered:
             if job.ns_key not in self._registered:
                 raise
@@ -401,7 +407,41 @@ class SpecCache:
             target, prefix, tenant = self._registered[job.ns_key]
             self.store.register_namespace(job.ns_key, target=target, prefix_namespace=prefix, tenant=tenant,
                                           tenant_id=self._tenant_ids.get(job.ns_key))
-            return self.store.put(job.ns_key, job.tokens, job.layers, **put)
+            self._to_host(job, full=True)
+            return self.store.put(job.ns_key, job.tokens, job.layers, **job.options)
+
+    def _to_host(self, job: "_WriteJob", *, full: bool = False, batch_held: int = 0) -> None:
+        """Copy a job's captured layers to host memory. Where that copy costs (``copies_bytes``: MLX's CUDA
+        backend), only the tokens after the chunks the store already holds, or that a checkpoint before it in the
+        same batch writes (``batch_held``), are copied and the put is told so (``copied_from``): a warm turn's
+        checkpoint copies its new tokens, not its whole history. ``full``: every token (the put found a chunk
+        gone since)."""
+        if job.captured is None:
+            job.captured = job.layers
+        start = 0
+        if not full and copies_bytes() and _deferred(job.captured):
+            try:
+                start = max(self.store.held_tokens(job.ns_key, job.tokens, job.captured), batch_held)
+            except StoreError:
+                start = 0
+        job.layers = host_layers(job.captured, start)
+        job.copied_from = start
+
+    def _batch_held(self, job: "_WriteJob", before: list["_WriteJob"]) -> int:
+        """Tokens of ``job`` whose whole chunks a checkpoint queued before it in one batch writes first (same
+        namespace, layers shaped alike): the common prefix, down to a chunk boundary. 0 unless host copies cost."""
+        if not before or not copies_bytes():
+            return 0
+        chunk = self.store.chunk_tokens
+        shape = _layer_shapes(job.captured or job.layers)
+        best = 0
+        for other in before:
+            if other.ns_key != job.ns_key or _layer_shapes(other.captured or other.layers) != shape:
+                continue
+            n = min(len(job.tokens), len(other.tokens))
+            common = next((i for i in range(n) if job.tokens[i] != other.tokens[i]), n)
+            best = max(best, common // chunk * chunk)
+        return best
 
     def _flush_counters(self) -> None:
         try:
@@ -643,11 +683,14 @@ class _WriteJob:
     entry: Any
     then: Callable[[PutResult], None] | None = None  # after the commit (``save``'s ``then``)
     rider: Callable[[Any], None] | None = None  # rows in the put's own transaction (``save``'s ``rider``)
+    captured: list | None = None  # the layers as captured (bytes maybe still in MLX), kept for a full copy
+    copied_from: int = 0  # the host copy in ``layers`` starts here along the token axis (``_to_host``)
 
     @property
     def options(self) -> dict:
         """The keywords of its ``Store.put``."""
-        return dict(drafter=self.drafter, minimum_reusable=self.minimum_reusable, rider=self.rider)
+        return dict(drafter=self.drafter, minimum_reusable=self.minimum_reusable, rider=self.rider,
+                    copied_from=self.copied_from)
 
     @property
     def nbytes(self) -> int:
@@ -656,3 +699,14 @@ class _WriteJob:
             n += sum(t.nbytes for t in self.drafter[1].tensors)
         return n
 
+
+def _deferred(layers) -> bool:
+    """Whether any tensor's bytes are still in MLX (a deferred capture)."""
+    return any(not isinstance(t.data, np.ndarray) for layer in layers for t in layer.tensors)
+
+
+def _layer_shapes(layers) -> list:
+    """Kinds, dtypes and shapes without the token axis: what makes two checkpoints' chunks interchangeable."""
+    return [(layer.kind, layer.token_axis, [(t.dtype, tuple(d for a, d in enumerate(t.shape)
+                                                         if a != layer.token_axis)) for t in layer.tensors])
+            for layer in layers]

@@ -314,10 +314,10 @@ def test_write_behind_copies_bytes_to_the_host_on_the_writer_thread(tmp_path, mo
     from spec_cache.state import cache_state
     seen, real = [], cache_state._host_tensor
 
-    def watched(t):
+    def watched(t, *rest):
         if isinstance(t.data, mx.array):
             seen.append(threading.current_thread().name)
-        return real(t)
+        return real(t, *rest)
     monkeypatch.setattr(cache_state, "_host_tensor", watched)
     c = kv(12, seed=3)
     with SpecCache.open(tmp_path / "s") as cache:

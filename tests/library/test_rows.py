@@ -371,3 +371,26 @@ def test_float_and_quantized_target_rows_implement_the_declared_protocol():
                           if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD]
                 given = inspect.signature(implemented).parameters
                 assert all(p.name in given for p in wanted), (cls.__name__, name)
+
+
+def test_extract_reads_each_row_where_the_device_left_padding_says(tiny):
+    """``extract`` finds a full-attention row's keys from host-side counts (``_idx - length``), never waiting on the
+    device for ``left_padding``: after a ragged prefill, a rollback of different lengths, a join and a filter,
+    every row's extracted keys are the ones ``left_padding`` (read from the device here) delimits."""
+    target = tiny.target
+    rows = TargetRows.from_row_caches(target, [None] * 3)
+    rows.prefill([[5, 6, 7, 8, 9, 10], [20], [30, 31, 32]], step=4)
+    rows.verify([[11, 12, 13], [21, 22, 23], [33, 34, 35]])
+    rows.rollback([0, 2, 3])
+    joining = TargetRows.from_row_caches(target, [None])
+    joining.prefill([[7, 8, 9, 10, 11]])
+    apply_state_changes([lambda: rows.prepare_append(joining)])
+    rows.filter_rows([3, 0, 1])
+    for row in range(rows.row_count):
+        for layer, got in enumerate(rows.extract(row)):
+            cache = rows._caches[layer]
+            left = int(cache.left_padding[row].item())
+            want = cache.keys[row:row + 1, :, left:cache._idx]
+            assert got.offset == rows.offsets[row] == want.shape[2]
+            values = cache.values[row:row + 1, :, left:cache._idx]
+            assert mx.array_equal(got.keys, want) and mx.array_equal(got.values, values)
