@@ -46,10 +46,10 @@ def _slow_copies(monkeypatch):
     release, entered = threading.Event(), threading.Event()
     original = cache_module.host_layers
 
-    def slow_host_layers(layers):
+    def slow_host_layers(layers, *rest):
         entered.set()
         release.wait(HOLD_S)
-        return original(layers)
+        return original(layers, *rest)
 
     monkeypatch.setattr(cache_module, "host_layers", slow_host_layers)
     return release, entered

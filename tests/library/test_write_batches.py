@@ -95,10 +95,10 @@ def test_a_checkpoint_whose_copy_fails_in_a_batch_is_released_and_the_others_sto
     monkeypatch.setattr(write_behind, "LINGER_S", 30.0)
     real = cache_module.host_layers
 
-    def flaky(layers):
+    def flaky(layers, *rest):
         if any(t.shape[2] == 180 for layer in layers for t in layer.tensors):
             raise RuntimeError("simulated device copy failure")
-        return real(layers)
+        return real(layers, *rest)
 
     monkeypatch.setattr(cache_module, "host_layers", flaky)
     full = [kv(390, seed=1)]

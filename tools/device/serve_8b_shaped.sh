@@ -36,6 +36,7 @@ install_site || exit $?
 farm "$PWD" || exit 1
 $PY -c "import mlx.core as mx, mlx_lm, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__,
 mx.default_device(), 'mlx_lm', mlx_lm.__version__)" || exit 1
+$PY tools/device/check_ranged_copy.py || exit 1  # checkpoints copy only what the store lacks: bytes checked first
 echo "tree: $(git rev-parse --short HEAD 2>/dev/null) $(git status --short -- spec_cache store schemas 2>/dev/null \
   | wc -l) changed files under spec_cache/ store/ schemas/"
 $PY tools/device/serve_8b_model.py --tok "$TOK" --out "$WORK/model" || exit 1
