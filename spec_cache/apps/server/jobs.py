@@ -306,9 +306,13 @@ async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], 
         elif kind == "tokens":
             timing.setdefault("first", time.perf_counter())
             generated += len(event[1])
-            text, stopped = matcher.feed(detokenizer.add(event[1]))
-            if text:
-                yield ("text", text)
+            stopped = False
+            for token in event[1]:  # a piece per token: a replayed answer (or a drafted round) streams as
+                text, stopped = matcher.feed(detokenizer.add([token]))  # generated ones do, not as one chunk
+                if text:
+                    yield ("text", text)
+                if stopped:
+                    break
             if stopped:
                 scheduler.finish(job)  # the row leaves at the end of its round, its finish checkpoint written
                 timing["stop_sequence"] = matcher.matched
