@@ -346,6 +346,18 @@ def test_unsupported_parameters_and_null_content_are_explicit(server, extra, sta
             assert name in error["message"] and "leave it out" in error["message"]
 
 
+def test_completions_logprobs_zero_is_refused_with_the_off_value_of_its_own_form(server):
+    """``/v1/completions`` takes ``logprobs`` as an integer: the refusal names its off value (null), not
+    chat's ``false`` (issue 36)."""
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2, "logprobs": 0}
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+    assert "send null" in r.json()["error"]["message"] and "false" not in r.json()["error"]["message"]
+    body["logprobs"] = None
+    assert httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body,
+                      timeout=60).status_code == 200
+
+
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
 def test_top_k_and_min_p_are_refused_where_they_would_change_the_answer(server, route):
     """The sampler applies temperature and top_p only: top_k / min_p that would filter a sampled request get a

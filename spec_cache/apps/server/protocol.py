@@ -134,6 +134,8 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
         value = body.get(name)
         if value is not None and not any(_same(value, n) for n in neutral):
             off = " or ".join(json.dumps(n) for n in neutral)
+            if isinstance(value, int) and not isinstance(value, bool) and isinstance(neutral[0], bool):
+                off = "null"  # an integer form (/v1/completions' ``logprobs: N``): its "off" is null, not false
             raise APIError(400, f"'{name}' is not supported by this server (leave it out, or send {off})",
                            param=name, code="unsupported_parameter")
     model = body.get("model")
