@@ -108,6 +108,8 @@ class Generator:
         identity = model_identity(target_dir, memo=memo)
         try:
             provider = open_provider(drafter_dir, method)
+        except FileNotFoundError as exc:  # a drafter path its provider could not find: the documented error, named
+            raise ModelDirError(f"drafter {drafter_dir}: {exc.filename or exc} does not exist") from None
         except KeyError as exc:  # a config without a key this method reads: the wrong kind of drafter
             kind = f"a {method!r}" if method else "a recognisable"
             raise ModelLoadError(f"drafter directory {drafter_dir} is not {kind} drafter: its config has no "

@@ -121,5 +121,7 @@ def test_a_corrupt_config_and_a_wrong_drafter_kind_are_named(models, tmp_path):
         Generator.load(bad)
     with pytest.raises(ModelLoadError, match="target directory .* does not exist"):
         Generator.load(tmp_path / "missing")
+    with pytest.raises(ModelLoadError, match="drafter .*missing-drafter.* does not exist"):  # not FileNotFoundError
+        Generator.load(target, tmp_path / "missing-drafter", method="assistant")
     with pytest.raises(ValueError, match="is not a 'draft-model' drafter: its config has no 'model_type'"):
         Generator.load(target, drafter, method="draft-model")
