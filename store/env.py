@@ -250,6 +250,12 @@ class Environment:
                     if attempt == 7:
                         raise
                     self.env.set_mapsize(0)
+                except StoreFormatError:
+                    # a lock-free read is no snapshot while another process writes (one creating this store right
+                    # now): looked at again a moment later before it is called foreign
+                    if attempt >= 3:
+                        raise
+                    time.sleep(0.05)
         except lmdb.Error as exc:
             raise StoreOpenError(f"cannot open store at {self.path}: {_reason(exc)}") from None
         finally:
@@ -316,8 +322,10 @@ class Environment:
                 return None
             known = {name.encode() for name in SUBDBS}
             foreign = StoreFormatError(f"{self.path} holds an LMDB database that is not a spec-cache store")
-            if b"meta" not in names or any(name not in known for name in names):
+            if any(name not in known for name in names):
                 raise foreign
+            if b"meta" not in names:  # only our sub-databases, meta not yet: another process is creating them
+                return None
             try:
                 meta_db = self.env.open_db(b"meta", txn=txn, create=False)
             except lmdb.Error:

@@ -466,6 +466,19 @@ def test_other_lmdb_databases_are_refused_and_left_untouched(tmp_path):
         assert _file_state(path) == before
 
 
+def test_a_store_another_process_is_creating_is_not_taken_for_a_foreign_database(tmp_path):
+    """Several processes opening one new store at once: one may find the sub-databases another is creating, the
+    ``meta`` one not yet among them (test_several_processes_share_one_store failed so under load). That is a store
+    being made, not a foreign LMDB database: it opens, and is a store from then on."""
+    path = tmp_path / "s"
+    env = lmdb.open(str(path), max_dbs=16)
+    env.open_db(b"chunks")  # what the other process got to before its meta sub-database
+    env.close()
+    with Store.open(path) as store:
+        store.register_namespace(NS, target="t", prefix_namespace="p")
+        assert store.env.meta["format"] == "spec-cache-store"
+
+
 def test_unopenable_paths_raise_store_errors(tmp_path):
     from spec_cache.store import StoreOpenError
 
