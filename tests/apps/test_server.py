@@ -241,6 +241,39 @@ def test_chat_and_completions_streaming_and_not_match_a_cold_run(server, referen
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_n_choices_and_batched_prompts_are_each_their_own_row(server, reference):
+    """Issue 36: ``n > 1`` (chat and completions) and several prompts on ``/v1/completions`` (lm-eval's
+    ``batch_size > 1``) answer one body of choices, each a row of its own: greedy choices equal the cold run, a
+    seeded choice ``j`` equals a lone request with ``seed + j``, batched prompts keep their order, and usage counts
+    each prompt once."""
+    tokenizer, greedy = reference
+    client = server.client()
+    messages = [user(words(40, 12))]
+    want = expected_text(tokenizer, greedy(chat_ids(tokenizer, messages), 8))
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [want] * 3
+    assert reply.usage.prompt_tokens == len(chat_ids(tokenizer, messages))
+    assert reply.usage.completion_tokens == 3 * len(greedy(chat_ids(tokenizer, messages), 8))
+
+    sampled = dict(model="tiny", messages=[user(words(70, 9))], max_tokens=10, temperature=1.0)
+    pair = client.chat.completions.create(**sampled, n=2, seed=11)
+    alone = [client.chat.completions.create(**sampled, seed=s).choices[0].message.content for s in (11, 12)]
+    assert [c.message.content for c in pair.choices] == alone and alone[0] != alone[1]
+    assert client.chat.completions.create(**sampled, n=2, seed=11).choices[1].message.content == alone[1]
+
+    prompts = [words(5, 8), [30, 31, 32, 33, 34], words(90, 4)]
+    ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [expected_text(tokenizer, greedy(i, 6)) for i in ids]
+    assert batch.usage.prompt_tokens == sum(len(i) for i in ids)
+    both = client.completions.create(model="tiny", prompt=prompts[:2], max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in both.choices] == [batch.choices[0].text] * 2 + [batch.choices[1].text] * 2
+    with pytest.raises(openai.UnprocessableEntityError, match="stream"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, n=2, stream=True)
+
+
 def test_raw_sse_framing_and_stop_strings(server, reference):
     tokenizer, greedy = reference
     prompt = list(range(40, 52))

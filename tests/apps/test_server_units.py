@@ -7,7 +7,7 @@ import pytest
 
 from spec_cache.apps.server.auth import Auth, salted_tenant
 from spec_cache.apps.server.detokenizer import StopMatcher, StreamingDetokenizer
-from spec_cache.apps.server.protocol import APIError, parse_chat, parse_completion
+from spec_cache.apps.server.protocol import APIError, PromptBatch, parse_chat, parse_completion
 
 
 class ByteTokenizer:
@@ -63,7 +63,9 @@ MODELS = ("tiny",)
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 422),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 422),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, 400),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}, 422),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 17}, 422),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}, 422),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, 422),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, 422),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": 3}, 400),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": True}, 400),
@@ -96,10 +98,14 @@ def test_completion_prompts():
     assert parse_completion({"model": "tiny", "prompt": "w5 w6"}, MODELS, 256)[1] == "w5 w6"
     assert parse_completion({"model": "tiny", "prompt": [5, 6]}, MODELS, 256)[1] == [5, 6]
     assert parse_completion({"model": "tiny", "prompt": ["w5"]}, MODELS, 256)[1] == "w5"
-    for prompt, status in [([5, 256], 422), (["a", "b"], 422), ("", 422), (None, 400), ([True], 400)]:
+    params, batch = parse_completion({"model": "tiny", "prompt": ["w5", [5, 6]], "n": 2}, MODELS, 256)
+    assert isinstance(batch, PromptBatch) and list(batch) == ["w5", [5, 6]] and params.n == 2
+    for body, status in [({"prompt": [5, 256]}, 422), ({"prompt": ["a", ""]}, 422), ({"prompt": ""}, 422),
+                         ({"prompt": None}, 400), ({"prompt": [True]}, 400), ({"prompt": ["a", [5, 999]]}, 422),
+                         ({"prompt": ["a", "b"], "stream": True}, 422), ({"prompt": ["a"] * 9, "n": 2}, 422)]:
         with pytest.raises(APIError) as info:
-            parse_completion({"model": "tiny", "prompt": prompt}, MODELS, 256)
-        assert info.value.status == status, prompt
+            parse_completion({"model": "tiny", **body}, MODELS, 256)
+        assert info.value.status == status, body
 
 
 def test_api_keys_and_tenants():

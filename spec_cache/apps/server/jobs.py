@@ -32,6 +32,7 @@ from spec_cache.apps.server.protocol import (
     completion_response,
     new_id,
     usage,
+    with_choices,
 )
 from spec_cache.apps.server.scheduler import Job, Scheduler, random_seed
 from spec_cache.apps.server.tools import active_tools, tool_pieces, tool_style
@@ -167,11 +168,14 @@ class Requests:
                            code="context_length_exceeded")
         return max_tokens
 
-    def make_job(self, params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=(), pinned_at=()) -> Job:
+    def make_job(self, params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=(), pinned_at=(),
+                 choice: int = 0) -> Job:
+        """``choice``: the index of this job among a request's ``n`` choices of one prompt: an explicit seed is
+        taken as ``seed + choice`` (reproducible, and the choices differ); greedy choices are all the same."""
         max_tokens = self.max_tokens(params, prompt)
         temperature = self.config.default_temperature if params.temperature is None else params.temperature
         check_sampling(params, temperature)
-        seed = params.seed if params.seed is not None else (0 if temperature == 0 else random_seed())
+        seed = params.seed + choice if params.seed is not None else (0 if temperature == 0 else random_seed())
         sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed))
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
                    tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
@@ -200,6 +204,71 @@ class Requests:
         if params.stream:
             return self._stream(run, pieces, params, chat, shape)
         return await self._reply(request, run, pieces, params, chat, shape)
+
+    async def run_choices(self, request: Request, endpoint: str, params, prompts: list[list[int]],
+                          tenant: str | None, chat: bool, started: float, checkpoint_at=()) -> Response:
+        """Several choices in one body: ``params.n`` for each of ``prompts`` (OpenAI's order: prompt by prompt),
+        each a job of its own in the batch; one 499 if the client leaves first (every row ends). Usage counts each
+        prompt once and every choice's tokens."""
+        loop = asyncio.get_running_loop()
+        runs, collects = [], []
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        for p, prompt in enumerate(prompts):
+            for j in range(params.n):
+                events: asyncio.Queue = asyncio.Queue()
+
+                def deliver(event: tuple, events=events) -> None:
+                    with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
+                        loop.call_soon_threadsafe(events.put_nowait, event)
+                job = self.make_job(params, prompt, tenant, deliver, checkpoint_at if p == 0 else (), choice=j)
+                run = _Run(job, rid, endpoint, tenant, tenant_label(tenant), f"{request.method} {request.url.path}",
+                           started, len(prompt) if j == 0 else 0, {})
+                pieces = _pieces(job, events, self.tokenizer, params.stop, self.scheduler, self.granularity,
+                                 run.timing)
+                calls: list = []
+                if chat and active_tools(params.tools, params.tool_choice):
+                    pieces = tool_pieces(pieces, tool_style(self.tokenizer))
+                runs.append((run, calls))
+                collects.append(_collect(pieces, calls))
+        submitted = []
+        try:
+            for run, _ in runs:
+                self.scheduler.submit(run.job)  # 429 when the queue is full: the choices already in go too
+                submitted.append(run.job)
+        except BaseException:
+            for job in submitted:
+                self.scheduler.cancel(job)
+            for c in collects:
+                c.close()
+            raise
+        collect = asyncio.ensure_future(asyncio.gather(*collects))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if collect not in done:
+            collect.cancel()
+            self.count(endpoint, 499, tenant)
+            for run, _ in runs:
+                self.scheduler.cancel(run.job)
+            log_request(runs[0][0].line, 499, runs[0][0].label, started, rid=rid,
+                        prompt=sum(len(p) for p in prompts))
+            return Response(status_code=499)
+        results = collect.result()
+        prompt_tokens = sum(run.prompt_tokens for run, _ in runs)
+        generated = sum(r[2] for r in results)
+        cached = sum(r[3] for (run, _), r in zip(runs, results) if run.prompt_tokens)
+        first = min((run.timing["first"] for run, _ in runs if "first" in run.timing), default=None)
+        self.metrics.account(runs[0][0].label, prompt_tokens, cached, generated)
+        log_request(runs[0][0].line, 200, runs[0][0].label, started, rid=rid, prompt=prompt_tokens, cached=cached,
+                    generated=generated, first=first)
+        use = usage(prompt_tokens, generated, cached)
+        bodies = [chat_response(rid, params.model, text, reason, use, calls) if chat
+                  else completion_response(rid, params.model, text, reason, use)
+                  for (text, reason, _, _), (_, calls) in zip(results, runs)]
+        self.count(endpoint, 200, tenant)
+        return JSONResponse(with_choices(bodies))
 
     def _account(self, run: _Run, generated: int, cached: int) -> None:
         self.metrics.account(run.label, run.prompt_tokens, cached, generated)

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.jobs import Requests, error_response, log_request
-from spec_cache.apps.server.protocol import APIError, parse_chat, parse_completion
+from spec_cache.apps.server.protocol import APIError, PromptBatch, parse_chat, parse_completion
 from spec_cache.apps.server.scheduler import MIN_CHECKPOINT_GAP
 from spec_cache.apps.server.seam import message_boundaries
 from spec_cache.apps.server.tools import TemplateError, chat_ids, render_chat, uses_tools
@@ -110,7 +110,13 @@ def _generating(requests: Requests, prompts: _Prompts, name: str, chat: bool):
                                                             salted_tenant(tenant, params.cache_salt))
             else:
                 params, text = parse_completion(body, state.models, vocab)
+                if isinstance(text, PromptBatch):  # several prompts: choices of one body
+                    batch = [t if isinstance(t, list) else await requests.tokenize(prompts.text, t) for t in text]
+                    return await requests.run_choices(request, name, params, batch, tenant, chat, started)
                 prompt = text if isinstance(text, list) else await requests.tokenize(prompts.text, text)
+            if params.n > 1:
+                return await requests.run_choices(request, name, params, [prompt], tenant, chat, started,
+                                                  checkpoint_at)
             return await requests.run_job(request, name, params, prompt, tenant, chat, started, checkpoint_at)
         except APIError as error:
             requests.count(name, error.status, tenant, known)

@@ -19,9 +19,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["APIError", "GenerationParams", "parse_chat", "parse_completion", "check_sampling", "error_body", "usage",
-           "chat_response", "chat_chunk", "completion_response", "completion_chunk", "new_id"]
+__all__ = ["APIError", "GenerationParams", "PromptBatch", "parse_chat", "parse_completion", "with_choices",
+           "check_sampling", "error_body", "usage", "chat_response", "chat_chunk", "completion_response",
+           "completion_chunk", "new_id"]
 
+#: the most choices one request may ask for (``n`` x prompts): each is a row of the batch
+MAX_CHOICES = 16
 #: the most stop strings a request may give (OpenAI's limit)
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -89,6 +92,12 @@ class GenerationParams:
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the EOS ids
     tools: list[dict] = field(default_factory=list)  # chat: OpenAI function tools, checked
     tool_choice: Any = None  # chat: None (no tools) / "none" / "auto" / "required" / {"type": "function", ...}
+    n: int = 1  # choices per prompt (each its own row; greedy ones are equal, seeded ones use seed + index)
+
+
+class PromptBatch(tuple):
+    """Several prompts of one ``/v1/completions`` request (each a string or token ids), answered as choices
+    ``prompt_index * n + j`` in one body (lm-eval's ``batch_size > 1``)."""
 
 
 def _malformed(message: str, param: str | None = None) -> APIError:
@@ -149,9 +158,9 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
         value = _integer(body, name, 1)
         if value is not None:
             max_tokens = value
-    n = _integer(body, "n", 1)
-    if n is not None and n != 1:
-        raise _bad_value("only n=1 is supported", "n")
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
+    if n > 1 and body.get("stream"):
+        raise _bad_value("n > 1 is answered in one body: send 'stream': false (or n: 1 to stream)", "n")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _malformed("'seed' must be an integer", "seed")
@@ -196,7 +205,7 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(0, top_k or 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=seed, stop=stops, stream=stream, include_usage=include_usage, cache_salt=salt,
-        user=user if isinstance(user, str) else None, ignore_eos=ignore_eos,
+        user=user if isinstance(user, str) else None, ignore_eos=ignore_eos, n=n,
     )
 
 
@@ -371,23 +380,42 @@ def parse_chat(body: Any, models: tuple[str, ...]) -> tuple[GenerationParams, li
     return params, out
 
 
-def parse_completion(body: Any, models: tuple[str, ...], vocab_size: int) -> tuple[GenerationParams, str | list[int]]:
-    """A ``/v1/completions`` body: its parameters and its prompt (text, or token ids)."""
+def parse_completion(body: Any, models: tuple[str, ...], vocab_size: int,
+                     ) -> tuple[GenerationParams, str | list[int] | PromptBatch]:
+    """A ``/v1/completions`` body: its parameters and its prompt (text, or token ids), or a ``PromptBatch`` of
+    several."""
     params = _common(body, models, ("max_tokens",))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        if params.stream:
+            raise _bad_value("several prompts are answered in one body: send 'stream': false (or one prompt to "
+                             "stream)", "prompt")
+        if len(prompt) * params.n > MAX_CHOICES:
+            raise _bad_value(f"{len(prompt)} prompts x n={params.n} choices: at most {MAX_CHOICES} a request",
+                             "prompt")
+        return params, PromptBatch(_one_prompt(p, vocab_size) for p in prompt)
+    return params, _one_prompt(prompt, vocab_size)
+
+
+def _one_prompt(prompt: Any, vocab_size: int) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad_value("'prompt' is empty", "prompt")
-        return params, prompt
+        return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < vocab_size for t in prompt):
             raise _bad_value(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
-        return params, list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise _bad_value("one prompt per request is supported", "prompt")
-    raise _malformed("'prompt' is required: a string or a list of token ids", "prompt")
+        return list(prompt)
+    raise _malformed("'prompt' is required: a string, a list of token ids, or a list of those", "prompt")
+
+
+def with_choices(bodies: list[dict]) -> dict:
+    """One response body of several choices: the first body with every body's choice, indexed in order."""
+    out = dict(bodies[0])
+    out["choices"] = [dict(body["choices"][0], index=i) for i, body in enumerate(bodies)]
+    return out
 
 
 def new_id(prefix: str) -> str:
