@@ -136,6 +136,23 @@ def test_generate_writes_text_to_stdout_and_its_summary_to_stderr(models, tmp_pa
     assert out.strip() and "tok/s" not in out and "tok/s" in err
 
 
+def test_generate_reads_the_prompt_from_stdin_for_a_dash(models, tmp_path, capsys, monkeypatch):
+    """``--prompt -`` reads stdin, as mlx_lm.generate does (issue 36: it was the one-character prompt "-")."""
+    import io
+
+    target, _ = models
+    argv = ["generate", "--no-cache", "--model", str(target), "--max-tokens", "4"]
+    assert cli_main(argv + ["--prompt", "w5 w6 w7"]) == 0
+    direct, err = capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("w5 w6 w7\n"))
+    assert cli_main(argv + ["--prompt", "-"]) == 0
+    piped, piped_err = capsys.readouterr()
+    assert piped == direct and err.split("tokens,")[0] == piped_err.split("tokens,")[0]
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    assert cli_main(argv + ["--prompt", "-"]) == 2
+    assert "stdin held no prompt text" in capsys.readouterr().err
+
+
 def test_generate_several_prompts_in_one_batch(models, tmp_path, capsys):
     target, _ = models
     tokens_file = tmp_path / "tokens.json"

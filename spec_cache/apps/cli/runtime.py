@@ -93,10 +93,20 @@ def _row_line(i: int, r: dict) -> str:
             f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]")
 
 
+def _stdin_prompt() -> str:
+    """``--prompt -``: the prompt is stdin, whole (as mlx_lm.generate reads it), without its final newline."""
+    text = sys.stdin.read()
+    text = text[:-1] if text.endswith("\n") else text
+    if not text.strip():
+        raise CliError("--prompt -: stdin held no prompt text")
+    return text
+
+
 def cmd_generate(args) -> int:
     kv = kv_options(args)
     _check_generate_args(args)
-    texts = list(args.prompt or []) + [p for path in args.prompt_file or [] for p in _prompt_file(path)]
+    texts = [_stdin_prompt() if t == "-" else t for t in args.prompt or []]
+    texts += [p for path in args.prompt_file or [] for p in _prompt_file(path)]
     token_prompts = [_tokens_arg(t) for t in args.tokens or []]
     tokenizer = load_tokenizer(args.model) if texts or args.stop else None
     if texts:
@@ -305,7 +315,8 @@ def _add_generate(sub, common) -> None:
     s.add_argument("--adapter", action="append", default=[], metavar="DIR",
                    help="mlx-lm LoRA adapter directory (repeat to stack, applied in order)")
     s.add_argument("--prompt", action="append", metavar="TEXT",
-                   help="prompt text (needs the model's tokenizer files); repeat for several prompts")
+                   help="prompt text (needs the model's tokenizer files; '-': read it from stdin); repeat for "
+                        "several prompts")
     s.add_argument("--prompt-file", action="append", metavar="FILE",
                    help="a UTF-8 file with one prompt per non-empty line (repeatable)")
     s.add_argument("--tokens", action="append", metavar="IDS|FILE",
