@@ -479,7 +479,7 @@ class SpecCache:
             try:
                 hit = self.store.lookup(ns_key, tokens, drafter=drafter_namespace, usable=better)
                 local = max(local, 0 if hit is None else hit.length)
-            except (StoreError, ValueError) as exc:
+            except StoreError as exc:  # a damaged or refused lookup; a bug elsewhere is no miss
                 warnings.warn(f"spec-cache: local lookup failed, asking the shared tier: {exc}", CacheWarning,
                               stacklevel=2)
             if local < len(tokens):
@@ -501,7 +501,7 @@ class SpecCache:
         try:
             restored = self.store.fetch(ns_key, tokens, drafter=drafter_namespace, warnings=notes, usable=usable,
                                         concat=restore_concat())
-        except (StoreError, SchemaError, ValueError) as exc:
+        except (StoreError, SchemaError) as exc:  # damaged or refused (never a bug's ValueError: issue 34)
             warnings.warn(f"spec-cache: lookup failed, treated as a miss: {exc}", CacheWarning, stacklevel=3)
             return None
         for message in notes:
@@ -575,7 +575,7 @@ class SpecCache:
         try:
             packed = pack_tokens(tokens)
             hit = self.store.lookup(ns_key, packed, drafter=drafter_namespace, usable=usable)
-        except (StoreError, ValueError) as exc:
+        except StoreError as exc:  # a damaged or refused lookup; a bug elsewhere is no miss
             log.warning("spec-cache: shared prefetch skipped, the local lookup failed: %s", exc)
             return False
         floor = 0 if hit is None else hit.length
