@@ -68,8 +68,10 @@ class NewerRecord(StoreError):
 
 
 def continuation_params(*, temperature: float, top_p: float, seed: int | None, eos_ids: Sequence[int] | None,
-                        ) -> bytes:
-    """The canonical parameter bytes of the key (module doc). ``eos_ids`` None: the request ignores EOS."""
+                        top_k: int = 0, min_p: float = 0.0) -> bytes:
+    """The canonical parameter bytes of the key (module doc). ``eos_ids`` None: the request ignores EOS.
+    ``top_k`` / ``min_p`` enter a sampled request's bytes only when set (> 0), so every key made before they
+    existed stays what it was."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
         raise InvalidInput(f"temperature must be a number >= 0, got {temperature!r}")
     if temperature == 0:
@@ -78,6 +80,10 @@ def continuation_params(*, temperature: float, top_p: float, seed: int | None, e
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidInput("a sampled continuation needs an explicit int seed")
         sampling = {"seed": int(seed), "temperature": float(temperature), "top_p": float(top_p)}
+        if top_k:
+            sampling["top_k"] = int(top_k)
+        if min_p:
+            sampling["min_p"] = float(min_p)
     eos = None if eos_ids is None else sorted({int(t) for t in eos_ids})
     return json.dumps({"eos": eos, "sampling": sampling}, sort_keys=True, separators=(",", ":")).encode("ascii")
 

@@ -67,12 +67,17 @@ class TokenSampler:
 
 @dataclass(frozen=True)
 class RowSampling:
-    """One row's sampling: ``temperature`` (0: greedy), ``top_p`` in (0, 1] (1: the whole distribution) and
-    ``seed`` (any int). Raises TypeError / ValueError for values outside those ranges."""
+    """One row's sampling: ``temperature`` (0: greedy), ``top_p`` in (0, 1] (1: the whole distribution),
+    ``seed`` (any int), ``top_k`` (keep the k most likely tokens; 0: off) and ``min_p`` in [0, 1] (keep the tokens
+    at least ``min_p`` times as likely as the most likely one; 0: off). Raises TypeError / ValueError for values
+    outside those ranges. The filters apply to the tempered distribution in that order (top_p, min_p, top_k); a
+    greedy row's token passes every one of them, so they change nothing there."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):
@@ -85,6 +90,14 @@ class RowSampling:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)):
+            raise TypeError(f"min_p must be a number, got {type(self.min_p).__name__}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +119,21 @@ def _nucleus(logprobs: mx.array, top_p: float) -> mx.array:
     keep_ranked = before < top_p
     keep = mx.put_along_axis(mx.zeros(logprobs.shape, dtype=mx.bool_), order, keep_ranked, axis=-1)
     return mx.where(keep, logprobs, -mx.inf)
+
+
+def _min_p(logprobs: mx.array, min_p: float) -> mx.array:
+    """``logprobs [W, V]`` (normalized) with every token less than ``min_p`` times as likely as the most likely one
+    at -inf."""
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(min_p)
+    return mx.where(logprobs >= floor, logprobs, -mx.inf)
+
+
+def _top_k(logprobs: mx.array, k: int) -> mx.array:
+    """``logprobs [W, V]`` with every token outside the ``k`` most likely at -inf (ties at the k-th kept)."""
+    if k >= logprobs.shape[-1]:
+        return logprobs
+    kth = mx.sort(logprobs, axis=-1)[..., -k:][..., :1]
+    return mx.where(logprobs >= kth, logprobs, -mx.inf)
 
 
 class RowSampler:
@@ -131,6 +159,10 @@ class RowSampler:
             scaled = logprobs[b] * (1.0 / sampling.temperature)
             if sampling.top_p < 1.0:
                 scaled = _nucleus(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), sampling.top_p)
+            if sampling.min_p > 0.0:
+                scaled = _min_p(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), sampling.min_p)
+            if sampling.top_k > 0:
+                scaled = _top_k(scaled, sampling.top_k)
             noise = mx.stack([mx.random.gumbel((vocab,), key=position_key(sampling.seed, position + j))
                               for j in range(width)])
             per_row[b] = mx.argmax(scaled + noise, axis=-1)

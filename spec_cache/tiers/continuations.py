@@ -57,7 +57,9 @@ def request_key(ns_key: bytes, prompt: Sequence[int], sampling: Any, stop_at_eos
     temperature = 0.0 if sampling is None else sampling.temperature
     params = continuation_params(temperature=temperature, top_p=1.0 if sampling is None else sampling.top_p,
                                  seed=None if sampling is None else sampling.seed,
-                                 eos_ids=tuple(eos_ids) if stop_at_eos else None)
+                                 eos_ids=tuple(eos_ids) if stop_at_eos else None,
+                                 top_k=0 if sampling is None else getattr(sampling, "top_k", 0),
+                                 min_p=0.0 if sampling is None else getattr(sampling, "min_p", 0.0))
     return continuation_key(ns_key, prompt, params)
 
 

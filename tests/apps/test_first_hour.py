@@ -359,30 +359,31 @@ def test_completions_logprobs_zero_is_refused_with_the_off_value_of_its_own_form
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
-def test_top_k_and_min_p_are_refused_where_they_would_change_the_answer(server, route):
-    """The sampler applies temperature and top_p only: top_k / min_p that would filter a sampled request get a
-    one-line 400 naming them, never a silent no-op; off values, and greedy requests (where the most likely token
-    survives any top-k or min-p filter), are served."""
-    body = {"model": "tiny", "max_tokens": 2}
+def test_top_k_and_min_p_are_applied_when_sampling(server, route):
+    """Issue 36 item 4: top_k and min_p filter a sampled request (they were refused, and before that ignored):
+    ``top_k: 1`` and ``min_p: 1`` leave only the most likely token, so a hot, seeded request answers as a greedy
+    one does; a wider filter is reproducible under its seed; off values are served as before."""
+    body = {"model": "tiny", "max_tokens": 6}
     body.update({"prompt": "w5 w6"} if route == "/v1/completions" else
                 {"messages": [{"role": "user", "content": "w5 w6"}]})
     anthropic = route == "/v1/messages"
-    refused = [{"top_k": 1, "temperature": 0.7}, {"top_k": 40, "temperature": 0.5, "seed": 3}]
-    served = [{"top_k": 0, "temperature": 0.7}, {"top_k": 5}, {"top_k": 1, "temperature": 0}]
-    if not anthropic:  # (Anthropic has no min_p: an unknown field, refused as such)
-        refused += [{"min_p": 0.1, "temperature": 0.7}]
-        served += [{"top_k": -1, "min_p": 0, "temperature": 0.7, "seed": 1}, {"min_p": 0.5, "top_k": 3}]
-    for extra in refused + served:
+
+    def text(extra):
         r = httpx.post(server.url + route, headers=server.headers(), json={**body, **extra}, timeout=60)
-        if extra in served:
-            assert r.status_code == 200, (extra, r.text)
-            continue
-        assert r.status_code == 400, (extra, r.text)
-        name = "min_p" if "min_p" in extra else "top_k"
-        error = r.json()["error"]
-        assert name in error["message"] and "temperature" in error["message"] and "\n" not in error["message"]
-        if not anthropic:
-            assert error["param"] == name and error["code"] == "unsupported_parameter", error
+        assert r.status_code == 200, (extra, r.text)
+        d = r.json()
+        return (d["content"][0]["text"] if d["content"] else "") if anthropic else (
+            d["choices"][0]["text"] if route == "/v1/completions" else d["choices"][0]["message"]["content"])
+    greedy = text({"temperature": 0})
+    assert text({"temperature": 1.0, "top_k": 1}) == greedy  # whatever the seed
+    if not anthropic:  # (Anthropic has no min_p, nor a seed: an unknown field, refused as such)
+        hot = [text({"temperature": 1.0, "seed": s}) for s in (1, 2, 3)]
+        assert text({"top_k": 3, "temperature": 0.9, "seed": 4}) == text({"top_k": 3, "temperature": 0.9,
+                                                                           "seed": 4})
+        assert any(h != greedy for h in hot)  # sampling does change this answer: the filters above did the work
+        assert text({"temperature": 1.0, "min_p": 1.0, "seed": 5}) == greedy
+        assert text({"top_k": -1, "min_p": 0, "temperature": 0.7, "seed": 1}) == text({"temperature": 0.7,
+                                                                                       "seed": 1})
 
 
 @pytest.mark.server  # spec-cache serve in a subprocess of its own

@@ -293,7 +293,7 @@ def test_errors_in_anthropic_shape(server):
     assert isinstance(exc, anthropic.AuthenticationError) and kind == "authentication_error"
     exc, kind = error_of(lambda: c.messages.create(model="nope", max_tokens=2, messages=user))
     assert isinstance(exc, anthropic.NotFoundError) and kind == "not_found_error"
-    for body in ({"max_tokens": 0}, {"messages": []}, {"temperature": 1.5}, {"top_k": 5, "temperature": 0.7},
+    for body in ({"max_tokens": 0}, {"messages": []}, {"temperature": 1.5}, {"top_k": "5", "temperature": 0.7},
                  {"thinking": {"type": "enabled", "budget_tokens": 1024}}, {"unknown_field": 1},
                  {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
                  {"tools": [{"name": "bad name!", "input_schema": {}}]},

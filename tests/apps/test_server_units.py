@@ -382,23 +382,13 @@ def test_the_granularity_option_defaults_to_the_decision():
     assert parser.parse_args(["--model", "m", "--cached-tokens-granularity", "8"]).cached_tokens_granularity == 8
 
 
-@pytest.mark.parametrize("extra,temperature,refused", [
-    ({}, 0.7, None), ({"top_k": 0, "min_p": 0}, 0.7, None), ({"top_k": -1}, 0.7, None),
-    ({"top_k": 1}, 0.0, None), ({"top_k": 50, "min_p": 0.2}, 0.0, None),  # greedy: argmax survives both filters
-    ({"top_k": 1}, 0.7, "top_k"), ({"min_p": 0.05}, 0.7, "min_p"), ({"top_k": 5, "min_p": 0.1}, 1.0, "top_k"),
-])
-def test_top_k_and_min_p_are_refused_where_the_sampler_would_ignore_them(extra, temperature, refused):
-    from spec_cache.apps.server.protocol import check_sampling
-
-    for params in (parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}], **extra}, MODELS)[0],
-                   parse_completion({"model": "tiny", "prompt": "x", **extra}, MODELS, 256)[0]):
-        if refused is None:
-            check_sampling(params, temperature)
-            continue
-        with pytest.raises(APIError) as info:
-            check_sampling(params, temperature)
-        assert (info.value.status, info.value.param, info.value.code) == (400, refused, "unsupported_parameter")
-        assert refused in info.value.message and "leave it out" in info.value.message
+def test_top_k_and_min_p_reach_the_row_sampling():
+    for params in (parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 7,
+                               "min_p": 0.2}, MODELS)[0],
+                   parse_completion({"model": "tiny", "prompt": "x", "top_k": 7, "min_p": 0.2}, MODELS, 256)[0]):
+        assert (params.top_k, params.min_p) == (7, 0.2)
+    assert parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": -1},
+                      MODELS)[0].top_k == 0  # <= 0: off, as OpenAI-compatible servers read it
 
 
 def test_top_k_and_min_p_values_are_checked():

@@ -267,7 +267,7 @@ def parse_messages(body: Any, models: tuple[str, ...], default_temperature: floa
 
 def _params(body: dict, model: str, default_temperature: float, counting: bool) -> GenerationParams:
     """``max_tokens``, stop sequences, streaming, metadata and sampling; the features this server does not offer
-    (extended thinking, structured outputs, containers, ``top_k`` when sampling) refused by name."""
+    (extended thinking, structured outputs, containers) refused by name."""
     max_tokens = body.get("max_tokens")
     if not counting and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise _bad("max_tokens: Field required (an integer >= 1)")
@@ -286,15 +286,11 @@ def _params(body: dict, model: str, default_temperature: float, counting: bool) 
     temperature = _number(body, "temperature", 0.0, 1.0)
     top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
     top_k = body.get("top_k")
-    if top_k is not None:  # 0 (or less): off; greedy: changes nothing (the most likely token is in every top k)
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            raise _bad("top_k: must be an integer")
-        if top_k > 0 and (default_temperature if temperature is None else temperature) > 0:
-            raise _bad("top_k: not supported by this server when sampling (temperature > 0): it applies temperature "
-                       "and top_p only (leave it out, send 0, or use temperature 0)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):  # 0 (or less): off
+        raise _bad("top_k: must be an integer")
     return GenerationParams(model=model, max_tokens=max_tokens if not counting else None,
                             temperature=temperature, top_p=1.0 if top_p is None else top_p, stop=list(stops),
-                            stream=stream, user=(metadata or {}).get("user_id"))
+                            stream=stream, user=(metadata or {}).get("user_id"), top_k=max(0, top_k or 0))
 
 
 def _unsupported(body: dict) -> None:

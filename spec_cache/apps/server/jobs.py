@@ -27,7 +27,6 @@ from spec_cache.apps.server.protocol import (
     APIError,
     chat_chunk,
     chat_response,
-    check_sampling,
     completion_chunk,
     completion_response,
     new_id,
@@ -174,9 +173,9 @@ class Requests:
         taken as ``seed + choice`` (reproducible, and the choices differ); greedy choices are all the same."""
         max_tokens = self.max_tokens(params, prompt)
         temperature = self.config.default_temperature if params.temperature is None else params.temperature
-        check_sampling(params, temperature)
         seed = params.seed + choice if params.seed is not None else (0 if temperature == 0 else random_seed())
-        sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed))
+        sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed), top_k=params.top_k,
+                               min_p=params.min_p)
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
                    tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
                    replayable=temperature == 0 or params.seed is not None, checkpoint_at=tuple(checkpoint_at),

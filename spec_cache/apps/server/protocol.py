@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["APIError", "GenerationParams", "PromptBatch", "parse_chat", "parse_completion", "with_choices",
-           "check_sampling", "error_body", "usage", "chat_response", "chat_chunk", "completion_response",
+           "error_body", "usage", "chat_response", "chat_chunk", "completion_response",
            "completion_chunk", "new_id"]
 
 #: the most choices one request may ask for (``n`` x prompts): each is a row of the batch
@@ -40,10 +40,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
     "best_of": (1,), "echo": (False,), "suffix": ("",), "min_tokens": (0,),
 }
-#: sampling filters the row sampler (``spec_cache.rows.sampling``: temperature and top_p) does not apply: off at
-#: ``top_k <= 0`` / ``min_p: 0`` and when decoding greedily (the most likely token survives any top-k or min-p
-#: filter, so they change nothing there); with temperature > 0 any other value is refused (``check_sampling``)
-SAMPLING_FILTERS = ("top_k", "min_p")
 
 
 class APIError(Exception):
@@ -81,7 +77,7 @@ class GenerationParams:
     max_tokens: int | None = None
     temperature: float | None = None  # None: the server's default
     top_p: float = 1.0
-    top_k: int = 0      # <= 0: off; only greedy requests may set it (``check_sampling``)
+    top_k: int = 0      # <= 0: off (the row sampler applies it, as min_p, top_p and temperature)
     min_p: float = 0.0  # 0: off; likewise
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -207,19 +203,6 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
         seed=seed, stop=stops, stream=stream, include_usage=include_usage, cache_salt=salt,
         user=user if isinstance(user, str) else None, ignore_eos=ignore_eos, n=n,
     )
-
-
-def check_sampling(params: GenerationParams, temperature: float) -> None:
-    """400 ``unsupported_parameter`` for a ``top_k`` / ``min_p`` that would change what a request samples at
-    ``temperature`` (the server's default applied): the row sampler cannot apply them, and ignoring them would be
-    a wrong answer the client cannot see (``SAMPLING_FILTERS``)."""
-    if temperature == 0:
-        return
-    for name in SAMPLING_FILTERS:
-        if getattr(params, name) > 0:
-            raise APIError(400, f"'{name}' is not supported by this server when sampling (temperature > 0): it "
-                           "applies temperature and top_p only (leave it out, send 0, or use temperature 0)",
-                           param=name, code="unsupported_parameter")
 
 
 def _same(value: Any, neutral: Any) -> bool:
