@@ -209,7 +209,8 @@ class _Row:
 
 
 def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0.0, seed: int = 0,
-             top_p: float = 1.0, checkpoint_every: int | None = None, resume: bool = True) -> list[ResumedResult]:
+             top_p: float = 1.0, checkpoint_every: int | None = None, resume: bool = True, top_k: int = 0,
+             min_p: float = 0.0) -> list[ResumedResult]:
     """``Generator.generate`` with continuations: rows resume from their stored continuation (``resume``) and
     checkpoint every ``checkpoint_every`` generated tokens (None: at the prompt boundary and the end only), each
     checkpoint followed by its continuation record. Tokens equal an uninterrupted ``generate``'s."""
@@ -222,7 +223,7 @@ def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0
                                          or checkpoint_every < 1):
         raise InvalidRequest("checkpoint_every must be None or an int >= 1")
     prompts = check_prompts(prompts, generator.engine.target.vocab_size)
-    sampling = RowSampling(temperature, top_p, seed)
+    sampling = RowSampling(temperature, top_p, seed, top_k, min_p)
     cache, eos = generator.cache, tuple(generator.eos_token_ids)
     conts = None if cache is None else Continuations.of(cache)
     ns_key = generator.ns_key

@@ -153,6 +153,22 @@ def test_generate_reads_the_prompt_from_stdin_for_a_dash(models, tmp_path, capsy
     assert "stdin held no prompt text" in capsys.readouterr().err
 
 
+def test_generate_takes_mlx_lm_top_k_and_min_p(models, tmp_path, capsys):
+    """``--top-k`` / ``--min-p`` (mlx_lm.generate's flags, issue 36): a hot ``--top-k 1`` or ``--min-p 1`` run
+    is the greedy one; a bad value is one line, exit 2."""
+    target, _ = models
+    argv = ["generate", "--no-cache", "--model", str(target), "--max-tokens", "6", "--tokens", "5,6,7"]
+    outs = []
+    for extra in ([], ["--temperature", "1.5", "--top-k", "1", "--seed", "3"],
+                  ["--temperature", "1.5", "--min-p", "1", "--seed", "3"], ["--temperature", "1.5", "--seed", "3"]):
+        assert cli_main(argv + extra) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2] != outs[3]
+    for bad in (["--top-k", "-2"], ["--min-p", "2"]):
+        assert cli_main(argv + bad) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_generate_several_prompts_in_one_batch(models, tmp_path, capsys):
     target, _ = models
     tokens_file = tmp_path / "tokens.json"

@@ -93,6 +93,23 @@ def _row_line(i: int, r: dict) -> str:
             f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]")
 
 
+def _top_k(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
+    return value
+
+
+def _min_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
 def _stdin_prompt() -> str:
     """``--prompt -``: the prompt is stdin, whole (as mlx_lm.generate reads it), without its final newline."""
     text = sys.stdin.read()
@@ -138,11 +155,11 @@ def cmd_generate(args) -> int:
 
                 streamed = stream_one(generator, prompts[0], tokenizer, max_tokens=args.max_tokens,
                                       temperature=args.temperature, seed=args.seed, top_p=args.top_p,
-                                      stops=args.stop or [])
+                                      stops=args.stop or [], top_k=args.top_k, min_p=args.min_p)
                 results = [streamed]
             else:
                 results = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-                                             seed=args.seed, top_p=args.top_p)
+                                             seed=args.seed, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
             seconds = time.perf_counter() - started
         except (NotImplementedError, ValueError, TypeError, FileNotFoundError) as exc:
             raise CliError(_one_line(exc)) from None
@@ -330,6 +347,10 @@ def _add_generate(sub, common) -> None:
                    help="sampling temperature (default 0: greedy, exactly the model's argmax tokens)")
     s.add_argument("--top-p", type=fraction, default=1.0, metavar="P",
                    help="nucleus sampling: keep the smallest set of tokens with probability >= P (default 1)")
+    s.add_argument("--top-k", type=_top_k, default=0, metavar="K",
+                   help="keep the K most likely tokens when sampling (default 0: off; mlx_lm.generate's --top-k)")
+    s.add_argument("--min-p", type=_min_p, default=0.0, metavar="P",
+                   help="keep tokens at least P times as likely as the most likely one (default 0: off)")
     s.add_argument("--seed", type=_int, default=0, metavar="N",
                    help="sampling seed (default 0); a prompt's tokens depend only on it, its prompt and options")
     s.add_argument("--stop", action="append", metavar="TEXT",

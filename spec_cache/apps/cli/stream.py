@@ -31,7 +31,7 @@ class Streamed:
 
 
 def stream_one(generator, prompt: list[int], tokenizer, *, max_tokens: int, temperature: float, seed: int,
-               top_p: float, stops: list[str], out=None) -> Streamed:
+               top_p: float, stops: list[str], out=None, top_k: int = 0, min_p: float = 0.0) -> Streamed:
     """Decode ``prompt`` and write its text to ``out`` (default stdout) as it comes; KeyboardInterrupt ends the
     row (no finish checkpoint), flushes what was decoded and returns with ``interrupted``."""
     from spec_cache.rows.generation import check_prompts
@@ -40,7 +40,7 @@ def stream_one(generator, prompt: list[int], tokenizer, *, max_tokens: int, temp
     out = out or sys.stdout
     prompt = check_prompts([prompt], generator.engine.target.vocab_size)[0]
     greedy = temperature == 0
-    sampling = None if greedy and top_p == 1.0 else RowSampling(temperature, top_p, seed)
+    sampling = None if greedy and top_p == 1.0 else RowSampling(temperature, top_p, seed, top_k, min_p)
     started = time.perf_counter()
     prepared = generator.prepare(prompt, max_tokens, sampling=sampling)
     saves = []
