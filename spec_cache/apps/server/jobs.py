@@ -219,7 +219,8 @@ class Requests:
                 def deliver(event: tuple, events=events) -> None:
                     with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
                         loop.call_soon_threadsafe(events.put_nowait, event)
-                job = self.make_job(params, prompt, tenant, deliver, checkpoint_at if p == 0 else (), choice=j)
+                # the prompt's boundaries are checkpointed once (by its first choice), not n times
+                job = self.make_job(params, prompt, tenant, deliver, checkpoint_at if p == j == 0 else (), choice=j)
                 run = _Run(job, rid, endpoint, tenant, tenant_label(tenant), f"{request.method} {request.url.path}",
                            started, len(prompt) if j == 0 else 0, {})
                 pieces = _pieces(job, events, self.tokenizer, params.stop, self.scheduler, self.granularity,
