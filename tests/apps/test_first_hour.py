@@ -432,6 +432,19 @@ def test_chat_resumes_each_turn_from_the_cache_and_obeys_its_commands(target, tm
     assert "[new conversation]" in out.stderr and "unknown command /nope" in out.stderr
 
 
+def test_chat_takes_top_k_and_min_p(target, tmp_path):
+    """``chat --top-k 1`` (and ``--min-p 1``) when sampling hot answers as the greedy chat does (issue 36)."""
+    def reply(*extra: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "spec_cache", "chat", "--no-cache", "--model", str(target),
+                              "--max-tokens", "6", *extra], cwd=ROOT, env=env(tmp_path), input="w5 w6\n",
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    greedy = reply()
+    assert reply("--temperature", "1.5", "--top-k", "1", "--seed", "4") == greedy
+    assert reply("--temperature", "1.5", "--min-p", "1", "--seed", "4") == greedy
+
+
 def test_the_demo_keeps_its_models_identity_memo_in_its_own_work_directory(monkeypatch, tmp_path):
     """The tiny demo's models are deleted at the end: their identity memo must not stay in ~/.cache."""
     import argparse

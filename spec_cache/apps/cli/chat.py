@@ -84,7 +84,7 @@ def run_chat(args, generator, tokenizer, *, stdin=None, out=None, err=None) -> i
             continue
         turn += 1
         r = stream_one(generator, prompt, tokenizer, max_tokens=args.max_tokens, temperature=args.temperature,
-                       seed=args.seed, top_p=args.top_p, stops=[], out=out)
+                       seed=args.seed, top_p=args.top_p, stops=[], out=out, top_k=args.top_k, min_p=args.min_p)
         messages = attempt + [{"role": "assistant", "content": r.text}]
         print(f"[turn {turn}: {len(prompt)} prompt tokens, {r.cached_tokens} from the cache; TTFT "
               f"{r.ttft_s * 1e3:.1f} ms; {len(r.tokens)} tokens{'; interrupted' if r.interrupted else ''}]",
@@ -120,7 +120,7 @@ def cmd_chat(args) -> int:
 
 def register(sub, common, add_kv_options, add_memory_option, temperature, seed) -> None:
     """Add ``chat`` (options shared with ``generate`` come from runtime's helpers)."""
-    from spec_cache.apps.cli.common import fraction, non_negative_int, parse_size, positive_int
+    from spec_cache.apps.cli.common import closed_fraction, fraction, non_negative_int, parse_size, positive_int
     from spec_cache.drafters import METHODS
 
     s = sub.add_parser("chat", parents=[common], help="an interactive multi-turn chat, each turn resumed from the "
@@ -138,6 +138,10 @@ def register(sub, common, add_kv_options, add_memory_option, temperature, seed) 
     s.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="sampling temperature "
                    "(default 0: greedy)")
     s.add_argument("--top-p", type=fraction, default=1.0, metavar="P", help="nucleus sampling (default 1)")
+    s.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
+                   help="keep the K most likely tokens when sampling (default 0: off)")
+    s.add_argument("--min-p", type=closed_fraction, default=0.0, metavar="P",
+                   help="keep tokens at least P times as likely as the most likely one (default 0: off)")
     s.add_argument("--seed", type=seed, default=0, metavar="N", help="sampling seed (default 0)")
     s.add_argument("--draft-depth", type=non_negative_int, default=4, metavar="D",
                    help="most tokens the drafter proposes per round (default 4)")

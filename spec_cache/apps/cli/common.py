@@ -114,6 +114,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def closed_fraction(text: str) -> float:
+    """A number in [0, 1] (``--min-p``: 0 is off)."""
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1]: {text!r}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """A finite number of seconds > 0 (timeouts, budgets)."""
     value = _number(text)

@@ -20,6 +20,7 @@ from spec_cache.apps.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     CliError,
+    closed_fraction,
     context_tokens,
     emit,
     error_line,
@@ -91,23 +92,6 @@ def _row_line(i: int, r: dict) -> str:
     return (f"[prompt {i + 1}: {r['prompt_tokens']} tokens, {r['cached_tokens']} from the cache"
             f"{' (with the drafter row)' if r['restored_drafter'] else ''}; TTFT {r['ttft_s'] * 1e3:.1f} ms; "
             f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]")
-
-
-def _top_k(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
-    return value
-
-
-def _min_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
 
 
 def _stdin_prompt() -> str:
@@ -347,9 +331,9 @@ def _add_generate(sub, common) -> None:
                    help="sampling temperature (default 0: greedy, exactly the model's argmax tokens)")
     s.add_argument("--top-p", type=fraction, default=1.0, metavar="P",
                    help="nucleus sampling: keep the smallest set of tokens with probability >= P (default 1)")
-    s.add_argument("--top-k", type=_top_k, default=0, metavar="K",
+    s.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
                    help="keep the K most likely tokens when sampling (default 0: off; mlx_lm.generate's --top-k)")
-    s.add_argument("--min-p", type=_min_p, default=0.0, metavar="P",
+    s.add_argument("--min-p", type=closed_fraction, default=0.0, metavar="P",
                    help="keep tokens at least P times as likely as the most likely one (default 0: off)")
     s.add_argument("--seed", type=_int, default=0, metavar="N",
                    help="sampling seed (default 0); a prompt's tokens depend only on it, its prompt and options")
