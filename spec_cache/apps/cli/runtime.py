@@ -30,29 +30,15 @@ from spec_cache.apps.cli.common import (
     open_store,
     parse_size,
     positive_int,
-    token_list,
 )
 from spec_cache.apps.cli.loaders import kv_options, load_tokenizer, open_cache
+from spec_cache.apps.cli.prompts import prompt_file, stdin_prompt, tokens_arg
 from spec_cache.drafters import METHODS as DRAFTER_METHODS
 from spec_cache.store import maintenance
 
 
 def _one_line(exc: BaseException) -> str:
     return error_line(exc, first_line=True)
-
-
-def _prompt_file(path: str) -> list[str]:
-    """``--prompt-file``: one prompt per non-empty line (UTF-8)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
-    except FileNotFoundError:
-        raise CliError(f"--prompt-file: no such file: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"--prompt-file: cannot read {path}: {exc}") from None
-    if not prompts:
-        raise CliError(f"--prompt-file: {path} holds no prompt (one prompt per non-empty line)")
-    return prompts
 
 
 def _check_generate_args(args) -> None:
@@ -94,21 +80,12 @@ def _row_line(i: int, r: dict) -> str:
             f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]")
 
 
-def _stdin_prompt() -> str:
-    """``--prompt -``: the prompt is stdin, whole (as mlx_lm.generate reads it), without its final newline."""
-    text = sys.stdin.read()
-    text = text[:-1] if text.endswith("\n") else text
-    if not text.strip():
-        raise CliError("--prompt -: stdin held no prompt text")
-    return text
-
-
 def cmd_generate(args) -> int:
     kv = kv_options(args)
     _check_generate_args(args)
-    texts = [_stdin_prompt() if t == "-" else t for t in args.prompt or []]
-    texts += [p for path in args.prompt_file or [] for p in _prompt_file(path)]
-    token_prompts = [_tokens_arg(t) for t in args.tokens or []]
+    texts = [stdin_prompt() if t == "-" else t for t in args.prompt or []]
+    texts += [p for path in args.prompt_file or [] for p in prompt_file(path)]
+    token_prompts = [tokens_arg(t) for t in args.tokens or []]
     tokenizer = load_tokenizer(args.model) if texts or args.stop else None
     if texts:
         from spec_cache.decode.generator import encode_prompt, has_chat_template
@@ -184,21 +161,6 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
-def _tokens_arg(text: str) -> list[int]:
-    """``--tokens``: a file of token ids, or the ids themselves separated by commas."""
-    if os.path.isfile(text):
-        from spec_cache.convert.interop import InteropError, read_tokens  # loads MLX
-
-        try:
-            return read_tokens(text)
-        except InteropError as exc:
-            raise CliError(str(exc)) from None
-    try:
-        return token_list(text)
-    except argparse.ArgumentTypeError as exc:
-        raise CliError(f"--tokens: {exc} (or the path of a token file)") from None
-
-
 def cmd_export_mlx_lm(args) -> int:
     from spec_cache.convert.interop import InteropError, export_mlx_lm, read_tokens  # loads MLX
 
@@ -224,7 +186,7 @@ def cmd_export_mlx_lm(args) -> int:
 def cmd_import_mlx_lm(args) -> int:
     from spec_cache.convert.interop import InteropError, import_mlx_lm, import_prefix_namespace  # loads MLX
 
-    tokens = _tokens_arg(args.tokens)
+    tokens = tokens_arg(args.tokens)
     if not os.path.isfile(args.file):
         raise CliError(f"no such file: {args.file}")
     try:  # the namespace Generator.load(model, drafter, method, adapters, kv) would store under

@@ -5,6 +5,11 @@ worker thread (one tokenizer call at a time, never on the event loop), checking 
 building its ``Job``, submitting it and answering, streamed (``_EventStream``: server-sent events that notice a
 disconnect) or as one body (waiting for the result or the client's disconnect, whichever comes first), and the
 per-request metrics and log line. Responses are OpenAI's unless the route passes a ``shape`` (``anthropic.py``).
+``run_choices`` answers several choices (``n > 1``, batched prompts) in one body, a job each.
+
+Why one file: every generating route's answer is built from the same parts (the ``_Run`` record, the events a job
+delivers turned into text pieces, the disconnect watch, the accounting); ``run_job`` and ``run_choices`` are two
+answers over them, and splitting them would move those private parts across modules.
 """
 
 from __future__ import annotations
