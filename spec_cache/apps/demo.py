@@ -120,6 +120,7 @@ def _main(args, method: str, max_tokens: int, work: str, cache_dir: str) -> int:
         generator = Generator.load(target_dir, drafter_dir, method=method, cache=cache)
         warm = _run(generator, conversations, max_tokens, "3/3 warm, store reopened")
         _progress("verifying the store ...")
+        cache.store.flush()  # the hit/miss counters are batched: written now, so the summary counts this run's
         stats = maintenance.stats(cache.store)
         verify = maintenance.verify(cache.store).as_dict()
         print(f"target identity   {generator.target_identity}")

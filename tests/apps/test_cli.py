@@ -211,6 +211,10 @@ def test_stats(cli, cache):
     assert (s["hits"], s["misses"]) == (1, 1)
     human = ok(cli("--cache", cache, "stats"))
     assert "entries" in human and "spec-cache-store 1.3" in human
+    # every label stands apart from its value (``drafter_pieces17`` ran together); tenants read as text, not a repr
+    rows = dict(line.split(None, 1) for line in human.splitlines() if line.strip())
+    assert rows["drafter_pieces"].split()[0] == str(s["drafter_pieces"])
+    assert "{" not in rows["tenants"] and "'" not in rows["tenants"] and "default:" in rows["tenants"]
 
 
 def _flip_last_byte(path: Path, db: str) -> None:

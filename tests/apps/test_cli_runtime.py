@@ -43,7 +43,9 @@ def test_demo_runs_and_reports_identical_tokens(tmp_path):
     assert list(temp.glob("spec-cache-demo-*")) == []  # no work directory left behind (MLX keeps its own "mlx")
     ls = subprocess.run([sys.executable, "-m", "spec_cache", "--cache", str(tmp_path / "store"), "ls", "--json"],
                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert ls.returncode == 0 and json.loads(ls.stdout)["namespaces"][0]["hits"] > 0
+    hits = json.loads(ls.stdout)["namespaces"][0]["hits"]
+    assert ls.returncode == 0 and hits > 0
+    assert f"; hits {hits}, misses" in run.stdout  # the summary counts this run's hits (it said 0 before a flush)
 
 
 def test_generate_resumes_on_the_second_call(models, tmp_path, capsys):

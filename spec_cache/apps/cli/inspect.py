@@ -96,14 +96,26 @@ def cmd_show(args) -> int:
 
 #: what the bare figures of ``stats`` count, where a reader could take them for something else
 STATS_NOTES = {"hits": "  (LMDB lookups answered; memory-tier hits of a running process are not counted here)",
-               "misses": "  (LMDB lookups not answered; a memory-tier hit may have served them)"}
+               "misses": "  (LMDB lookups not answered; a memory-tier hit may have served them)",
+               "drafter_pieces": "  (shared pieces: drafter parts' and, from format 1.3, target tails')"}
+
+
+def _stats_value(key: str, value) -> str:
+    if key in SIZE_FIELDS:
+        return human_bytes(value)
+    if key == "tenants":  # one line each, not a Python repr
+        return "; ".join(f"{t['tenant']}: {human_bytes(t['bytes'])} in {t['entries']} entries, {t['namespaces']} "
+                         f"namespace{'s' if t['namespaces'] != 1 else ''}, quota "
+                         f"{'-' if t.get('quota_bytes') is None else human_bytes(t['quota_bytes'])}"
+                         for t in value) or "-"
+    return "-" if value is None else str(value)
 
 
 def cmd_stats(args) -> int:
     with open_store(args) as store:
         s = maintenance.stats(store)
-    human = "\n".join(f"{k:<14}{human_bytes(v) if k in SIZE_FIELDS else v}{STATS_NOTES.get(k, '')}"
-                      for k, v in s.items())
+    width = max(len(k) for k in s) + 2
+    human = "\n".join(f"{k:<{width}}{_stats_value(k, v)}{STATS_NOTES.get(k, '')}" for k, v in s.items())
     human += shared.extend_stats(args, s)
     emit(args, s, human)
     return EXIT_OK
