@@ -203,6 +203,19 @@ def test_show(cli, cache):
     usage_error(cli("--cache", cache, "show", "ab"))
 
 
+def test_an_error_under_json_is_json_on_stdout_too(tmp_path):
+    """A machine reading ``--json`` output gets JSON whatever happened (issue 36: ``--json verify`` on a missing
+    store printed plain text only); people still get the one line on stderr."""
+    out = subprocess.run([sys.executable, "-m", "spec_cache", "--cache", str(tmp_path / "none"), "--json", "verify"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2
+    assert json.loads(out.stdout) == {"error": {"message": out.stderr.strip().removeprefix("spec-cache: error: "),
+                                                "exit_code": 2}}
+    plain = subprocess.run([sys.executable, "-m", "spec_cache", "--cache", str(tmp_path / "none"), "verify"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert plain.returncode == 2 and plain.stdout == "" and plain.stderr.count("\n") == 1
+
+
 def test_stats(cli, cache):
     s = one_json(cli("--cache", cache, "--json", "stats"))
     # format 1.3: the drafter part (1.2) and the entry tails (1.3) are stored in shared pieces, counted apart

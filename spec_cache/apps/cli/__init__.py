@@ -18,6 +18,7 @@ traceback (``SPEC_CACHE_DEBUG=1`` shows it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -83,8 +84,19 @@ def _quiet_broken_pipe() -> int:
     return EXIT_BROKEN_PIPE
 
 
+def _failed(args, exc: BaseException) -> int:
+    """The one error line on stderr; under ``--json`` also ``{"error": {"message", "exit_code"}}`` on stdout, so a
+    machine reading stdout gets JSON whatever happened."""
+    line, code = error_line(exc), exit_code(exc)
+    print(f"spec-cache: error: {line}", file=sys.stderr)
+    if getattr(args, "json", False) is True:
+        print(json.dumps({"error": {"message": line, "exit_code": code}}))
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         args.cache_given = getattr(args, "cache", None) is not None
@@ -94,15 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return code
     except CliError as exc:
-        print(f"spec-cache: error: {error_line(exc)}", file=sys.stderr)
-        return exit_code(exc)
+        return _failed(args, exc)
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except Exception as exc:  # typed errors, unreadable files: one line, never a traceback (common.EXIT_CODES)
         if os.environ.get("SPEC_CACHE_DEBUG"):
             raise
-        print(f"spec-cache: error: {error_line(exc)}", file=sys.stderr)
-        return exit_code(exc)
+        return _failed(args, exc)
     except KeyboardInterrupt as exc:
         print("spec-cache: interrupted", file=sys.stderr)
         return exit_code(exc)
