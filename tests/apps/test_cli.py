@@ -216,6 +216,21 @@ def test_an_error_under_json_is_json_on_stdout_too(tmp_path):
     assert plain.returncode == 2 and plain.stdout == "" and plain.stderr.count("\n") == 1
 
 
+def test_a_warning_on_the_cli_is_one_line_without_python_source(tmp_path, monkeypatch):
+    """A ``CacheWarning`` (a damaged record read as a miss, say) reads as one ``spec-cache: warning:`` line, not
+    Python's ``file:line: Category: ...`` with the source line under it (issue 36 first hour, item 7)."""
+    import warnings
+
+    from spec_cache.apps import cli as cli_module
+    from spec_cache.tiers.cache import CacheWarning
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    cli_module.main(["--cache", str(tmp_path / "none"), "ls"])
+    shown = warnings.formatwarning("lookup failed,\n treated as a miss", CacheWarning, "cache.py", 3,
+                                   "warnings.warn(message, CacheWarning)")
+    assert shown == "spec-cache: warning: lookup failed, treated as a miss\n"
+
+
 def test_stats(cli, cache):
     s = one_json(cli("--cache", cache, "--json", "stats"))
     # format 1.3: the drafter part (1.2) and the entry tails (1.3) are stored in shared pieces, counted apart

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from spec_cache import __version__
 from spec_cache.apps import mlx_lm_server
@@ -94,7 +95,13 @@ def _failed(args, exc: BaseException) -> int:
     return code
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """How a warning reads on the CLI: one line naming it, never the Python source line that raised it."""
+    return f"spec-cache: warning: {' '.join(str(message).split())}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _warning_line
     parser = build_parser()
     args = None
     try:
