@@ -97,12 +97,36 @@ def import_prefix_namespace(drafter_dir: str | Path | None = None, method: str |
     return resolve_prefix_namespace(provider, stack, options)
 
 
-def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tokens: Sequence[int], *,
+def recorded_tokens(file: str | Path) -> list[int] | None:
+    """The token ids an mlx-lm prompt-cache file records (``spec_cache_tokens``, written by ``export_mlx_lm``), or
+    None when it records none. Raises ``InteropError`` for a file mlx-lm cannot read."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    try:
+        _caches, metadata = load_prompt_cache(str(file), return_metadata=True)
+    except Exception as exc:  # mlx raises plain RuntimeError/ValueError for unreadable files
+        raise InteropError(f"{file}: not an mlx-lm prompt-cache file ({exc})") from None
+    return _recorded(metadata, file)
+
+
+def _recorded(metadata: Mapping[str, Any], file) -> list[int] | None:
+    raw = metadata.get("spec_cache_tokens")
+    if raw is None:
+        return None
+    try:
+        return [int(t) for t in json.loads(raw)]
+    except (ValueError, TypeError) as exc:
+        raise InteropError(f"{file}: unreadable spec_cache_tokens ({exc})") from None
+
+
+def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tokens: Sequence[int] | None, *,
                   prefix_namespace: str, tenant: str | None = None) -> bytes:
     """Store an mlx-lm prompt-cache file as the checkpoint of ``tokens`` for the model in ``model_dir``.
 
-    Returns the namespace key it was stored under. Raises ``InteropError`` (nothing written) when the file
-    does not cover exactly ``len(tokens)`` tokens, does not fit the model's layers, or names another target.
+    ``tokens`` None: the ones the file records (``spec_cache_tokens``, written by ``export_mlx_lm``); a file
+    without them needs them given. Returns the namespace key it was stored under. Raises ``InteropError`` (nothing
+    written) when the file does not cover exactly ``len(tokens)`` tokens, does not fit the model's layers, or names
+    another target.
     """
     from mlx_lm.models.cache import load_prompt_cache
     from mlx_lm.utils import load_model
@@ -115,7 +139,13 @@ def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tok
     named = metadata.get("spec_cache_target_identity")
     if named is not None and named != identity:
         raise InteropError(f"{file} was exported for target {named[:16]}…, {model_dir} is {identity[:16]}…")
-    if "spec_cache_tokens" in metadata and json.loads(metadata["spec_cache_tokens"]) != list(tokens):
+    recorded = _recorded(metadata, file)
+    if tokens is None:
+        if recorded is None:
+            raise InteropError(f"{file} does not record its token ids (not written by spec-cache export-mlx-lm): "
+                               "give them (--tokens)")
+        tokens = recorded
+    if recorded is not None and recorded != list(tokens):
         raise InteropError(f"{file} records other token ids than the ones given")
     model, _config = load_model(Path(model_dir), lazy=True)
     expected = model.make_cache() if hasattr(model, "make_cache") else None

@@ -118,3 +118,25 @@ def test_import_cli_and_its_errors(target, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "covers 20 tokens" in err[0]
     assert cli_main(base + ["import-mlx-lm", str(tmp_path / "nope"), "--model", str(target), "--tokens", "1"]) == 2
+    capsys.readouterr()
+    # a file mlx-lm wrote records no token ids: without --tokens, one line saying to give them
+    assert cli_main(base + ["import-mlx-lm", str(f), "--model", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not record its token ids" in err[0] and "--tokens" in err[0]
+
+
+def test_a_file_spec_cache_exported_imports_without_tokens(target, tmp_path, capsys):
+    """Issue 36: ``import-mlx-lm`` demanded ``--tokens`` though ``export-mlx-lm`` had written them into the file
+    (``spec_cache_tokens``); now they are read from it, and a restore from the imported entry is exact."""
+    with SpecCache.open(tmp_path / "a") as cache:
+        gen = Generator.load(target, cache=cache)
+        gen.generate([PROMPT], max_tokens=2)
+        out = tmp_path / "x.safetensors"
+        covered = export_mlx_lm(cache, gen.ns_key, PROMPT[:-1], out)
+    assert cli_main(["--cache", str(tmp_path / "b"), "--json", "import-mlx-lm", str(out), "--model",
+                     str(target)]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == covered
+    with SpecCache.open(tmp_path / "b") as cache:
+        (warm,) = Generator.load(target, cache=cache).generate([PROMPT], max_tokens=6)
+    assert warm.cached_tokens == covered
+    assert warm.tokens == Generator.load(target).generate([PROMPT], max_tokens=6)[0].tokens

@@ -184,11 +184,22 @@ def cmd_export_mlx_lm(args) -> int:
 
 
 def cmd_import_mlx_lm(args) -> int:
-    from spec_cache.convert.interop import InteropError, import_mlx_lm, import_prefix_namespace  # loads MLX
+    from spec_cache.convert.interop import (  # loads MLX
+        InteropError,
+        import_mlx_lm,
+        import_prefix_namespace,
+        recorded_tokens,
+    )
 
-    tokens = tokens_arg(args.tokens)
     if not os.path.isfile(args.file):
         raise CliError(f"no such file: {args.file}")
+    try:  # without --tokens: the ones the file records (spec-cache export-mlx-lm writes them)
+        tokens = tokens_arg(args.tokens) if args.tokens else recorded_tokens(args.file)
+    except InteropError as exc:
+        raise CliError(str(exc)) from None
+    if tokens is None:
+        raise CliError(f"{args.file} does not record its token ids (not written by spec-cache export-mlx-lm): "
+                       "give them with --tokens")
     try:  # the namespace Generator.load(model, drafter, method, adapters, kv) would store under
         pns = import_prefix_namespace(args.drafter, args.method, args.adapter or "", kv_options(args))
     except (TypeError, ValueError, FileNotFoundError) as exc:
@@ -368,7 +379,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                                    "use for the same model, drafter, adapters and KV options.")
     s.add_argument("file", help="the mlx-lm prompt-cache .safetensors file")
     s.add_argument("--model", required=True, help="the target model directory the file was made with")
-    s.add_argument("--tokens", required=True, help="the token ids the file covers: 1,2,3 or a token file")
+    s.add_argument("--tokens", help="the token ids the file covers: 1,2,3 or a token file (default: the ones the "
+                                    "file records, as export-mlx-lm writes it)")
     s.add_argument("--drafter", help="drafter directory whose namespace the entry belongs to")
     s.add_argument("--method", choices=DRAFTER_METHODS, help="drafter method (default: read from its config)")
     s.add_argument("--adapter", action="append", default=[], metavar="DIR",
