@@ -190,13 +190,7 @@ class Requests:
                       chat: bool, started: float, checkpoint_at=(), shape=None, pinned_at=()) -> Response:
         """Submits the job and answers: an event stream (``params.stream``) or one JSON body. ``shape``
         (``anthropic.py``) makes the id, the stream and the body; without it they are OpenAI's."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def deliver(event: tuple) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
-                loop.call_soon_threadsafe(events.put_nowait, event)
-
+        events, deliver = _event_queue()
         job = self.make_job(params, prompt, tenant, deliver, checkpoint_at, pinned_at)
         self.scheduler.submit(job)
         rid = shape.new_id() if shape is not None else new_id("chatcmpl" if chat else "cmpl")
@@ -214,16 +208,11 @@ class Requests:
         """Several choices in one body: ``params.n`` for each of ``prompts`` (OpenAI's order: prompt by prompt),
         each a job of its own in the batch; one 499 if the client leaves first (every row ends). Usage counts each
         prompt once and every choice's tokens."""
-        loop = asyncio.get_running_loop()
         runs, collects = [], []
         rid = new_id("chatcmpl" if chat else "cmpl")
         for p, prompt in enumerate(prompts):
             for j in range(params.n):
-                events: asyncio.Queue = asyncio.Queue()
-
-                def deliver(event: tuple, events=events) -> None:
-                    with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
-                        loop.call_soon_threadsafe(events.put_nowait, event)
+                events, deliver = _event_queue()
                 # the prompt's boundaries are checkpointed once (by its first choice), not n times
                 job = self.make_job(params, prompt, tenant, deliver, checkpoint_at if p == j == 0 else (), choice=j)
                 run = _Run(job, rid, endpoint, tenant, tenant_label(tenant), f"{request.method} {request.url.path}",
@@ -246,21 +235,14 @@ class Requests:
             for c in collects:
                 c.close()
             raise
-        collect = asyncio.ensure_future(asyncio.gather(*collects))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if collect not in done:
-            collect.cancel()
+        answered, results = await _unless_gone(request, asyncio.gather(*collects))
+        if not answered:
             self.count(endpoint, 499, tenant)
             for run, _ in runs:
                 self.scheduler.cancel(run.job)
             log_request(runs[0][0].line, 499, runs[0][0].label, started, rid=rid,
                         prompt=sum(len(p) for p in prompts))
             return Response(status_code=499)
-        results = collect.result()
         prompt_tokens = sum(run.prompt_tokens for run, _ in runs)
         generated = sum(r[2] for r in results)
         cached = sum(r[3] for (run, _), r in zip(runs, results) if run.prompt_tokens)
@@ -297,18 +279,12 @@ class Requests:
 
     async def _reply(self, request: Request, run: _Run, pieces, params, chat: bool, shape) -> Response:
         calls: list = []
-        collect = asyncio.ensure_future(_collect(pieces, calls))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if collect not in done:
-            collect.cancel()
+        answered, result = await _unless_gone(request, _collect(pieces, calls))
+        if not answered:
             self.count(run.endpoint, 499, run.tenant)
             self._gone(run)
             return Response(status_code=499)
-        text, reason, generated, cached = collect.result()
+        text, reason, generated, cached = result
         self._account(run, generated, cached)
         if shape is not None:
             self.count(run.endpoint, 200, run.tenant)
@@ -352,6 +328,32 @@ class _EventStream(StreamingResponse):
         finally:
             if not completed:
                 self.on_disconnect()
+
+
+def _event_queue() -> tuple[asyncio.Queue, Any]:
+    """A job's event queue on this event loop and the thread-safe ``deliver`` the scheduler thread calls."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def deliver(event: tuple) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
+            loop.call_soon_threadsafe(events.put_nowait, event)
+    return events, deliver
+
+
+async def _unless_gone(request: Request, work) -> tuple[bool, Any]:
+    """``(True, result)`` of awaiting ``work``, or ``(False, None)`` when the client disconnects first (``work`` is
+    cancelled then)."""
+    collect = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if collect not in done:
+        collect.cancel()
+        return False, None
+    return True, collect.result()
 
 
 async def _disconnected(request: Request) -> None:
