@@ -23,7 +23,7 @@ from spec_cache.naming.identity import model_identity
 from spec_cache.naming.namespace import KVOptions, check_runnable, resolve_prefix_namespace
 from spec_cache.store import InvalidInput
 from spec_cache.tiers.cache import SpecCache
-from spec_cache.tiers.cache_controls import NotStored
+from spec_cache.tiers.cache_controls import BadPrefixFile, NotStored, check_fits, token_ids
 
 
 class InteropError(ValueError):
@@ -35,10 +35,12 @@ def read_tokens(path: str | Path) -> list[int]:
     text = Path(path).read_text().strip()
     try:
         tokens = json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise InteropError(f"{path}: not a list of token ids (JSON list, or integers separated by commas/spaces)")
-    if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise InteropError(f"{path}: token ids must be a non-empty list of non-negative integers")
+    except (ValueError, RecursionError):
+        raise InteropError(f"{path}: not a list of token ids (JSON list, or integers separated by commas/spaces)") \
+            from None
+    if not isinstance(tokens, list) or not tokens or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens):
+        raise InteropError(f"{path}: token ids must be a non-empty list of non-negative 32-bit integers")
     return tokens
 
 
@@ -105,17 +107,24 @@ def recorded_tokens(file: str | Path) -> list[int] | None:
     try:
         _caches, metadata = load_prompt_cache(str(file), return_metadata=True)
     except Exception as exc:  # mlx raises plain RuntimeError/ValueError for unreadable files
-        raise InteropError(f"{file}: not an mlx-lm prompt-cache file ({exc})") from None
+        raise InteropError(f"{file}: not an mlx-lm prompt-cache file ({_line(exc)})") from None
+    except RecursionError:
+        raise InteropError(f"{file}: not an mlx-lm prompt-cache file (its metadata nests too deeply)") from None
     return _recorded(metadata, file)
+
+
+def _line(exc: BaseException) -> str:
+    """An exception's message on one line (mlx's can span several)."""
+    return " ".join(str(exc).split())[:200] or type(exc).__name__
 
 
 def _recorded(metadata: Mapping[str, Any], file) -> list[int] | None:
     raw = metadata.get("spec_cache_tokens")
     if raw is None:
         return None
-    try:
-        return [int(t) for t in json.loads(raw)]
-    except (ValueError, TypeError) as exc:
+    try:  # a nested or huge list, floats, negative ids: one line (never a RecursionError)
+        return token_ids(raw, None)
+    except BadPrefixFile as exc:
         raise InteropError(f"{file}: unreadable spec_cache_tokens ({exc})") from None
 
 
@@ -125,20 +134,25 @@ def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tok
 
     ``tokens`` None: the ones the file records (``spec_cache_tokens``, written by ``export_mlx_lm``); a file
     without them needs them given. Returns the namespace key it was stored under. Raises ``InteropError`` (nothing
-    written) when the file does not cover exactly ``len(tokens)`` tokens, does not fit the model's layers, or names
-    another target.
+    written) when the file does not cover exactly ``len(tokens)`` tokens, does not fit the model (every layer's
+    kind, keys' and values' shapes, dtype, token length, a rotating layer's max_size/keep: the checks
+    ``/v1/cache/import`` makes, ``cache_controls.check_fits``), names another target, or its token ids are not
+    the model's. Why all before the put: a stored entry that does not fit fails every request that restores it.
     """
     from mlx_lm.models.cache import load_prompt_cache
-    from mlx_lm.utils import load_model
+
+    from spec_cache.rows.target import TargetModel
 
     try:
         caches, metadata = load_prompt_cache(str(file), return_metadata=True)
     except Exception as exc:  # mlx raises plain RuntimeError/ValueError for unreadable files
-        raise InteropError(f"{file}: not an mlx-lm prompt-cache file ({exc})") from None
+        raise InteropError(f"{file}: not an mlx-lm prompt-cache file ({_line(exc)})") from None
+    except RecursionError:
+        raise InteropError(f"{file}: not an mlx-lm prompt-cache file (its metadata nests too deeply)") from None
     identity = model_identity(model_dir, memo=cache.store.memo())
     named = metadata.get("spec_cache_target_identity")
     if named is not None and named != identity:
-        raise InteropError(f"{file} was exported for target {named[:16]}…, {model_dir} is {identity[:16]}…")
+        raise InteropError(f"{file} was exported for target {str(named)[:16]}…, {model_dir} is {identity[:16]}…")
     recorded = _recorded(metadata, file)
     if tokens is None:
         if recorded is None:
@@ -147,17 +161,18 @@ def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tok
         tokens = recorded
     if recorded is not None and recorded != list(tokens):
         raise InteropError(f"{file} records other token ids than the ones given")
-    model, _config = load_model(Path(model_dir), lazy=True)
-    expected = model.make_cache() if hasattr(model, "make_cache") else None
-    n_layers = len(expected) if expected is not None else len(model.layers)
-    if len(caches) != n_layers:
-        raise InteropError(f"{file} holds {len(caches)} cache layers, {model_dir} has {n_layers}")
+    target = TargetModel.load(Path(model_dir), lazy=True)
+    if len(caches) != target.num_layers:
+        raise InteropError(f"{file} holds {len(caches)} cache layers, {model_dir} has {target.num_layers}")
     for i, c in enumerate(caches):
         offset = getattr(c, "offset", None)
         if offset is not None and offset != len(tokens):
             raise InteropError(f"{file} layer {i} covers {offset} tokens, {len(tokens)} token ids were given")
-        if expected is not None and type(c).__name__ not in (type(expected[i]).__name__, "QuantizedKVCache"):
-            raise InteropError(f"{file} layer {i} is a {type(c).__name__}, the model uses {type(expected[i]).__name__}")
+    try:
+        tokens = token_ids(list(tokens), target.vocab_size, "the token ids given")
+        check_fits(target, caches, len(tokens), quantized=True)  # a quantized layer: checked for its shapes
+    except BadPrefixFile as exc:
+        raise InteropError(f"{file}: {exc}") from None
     ns_key = cache.namespace(identity, prefix_namespace, tenant)
     try:
         cache.store.put(ns_key, list(tokens), _layer_states(caches))

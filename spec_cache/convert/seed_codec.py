@@ -187,7 +187,7 @@ def from_seed_attachment(attachment: CheckpointAttachment, processed_tokens: int
             raise SeedFormatError(f"cacheCodecs is {metadata.get('cacheCodecs')!r}, expected {SEED_CODECS!r}")
         try:
             headers = json.loads(metadata["cacheHeaders"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:
             raise SeedFormatError(f"cacheHeaders is not the seed's JSON list ({exc})") from None
         if not isinstance(headers, list):
             raise SeedFormatError("cacheHeaders is not a JSON list")
@@ -211,14 +211,27 @@ class SeedEntry:
     header: dict
 
 
-def read_mlxkv(path_or_bytes, *, verify: bool = True) -> SeedEntry:
+def read_mlxkv(path_or_bytes, *, verify: bool = True, vocab_size: int | None = None) -> SeedEntry:
     """Read a seed ``.mlxkv`` file (a path, or its bytes). ``verify`` also checks every attachment tensor's wyhash
-    (pure Python: slow for large tensors). Raises ``SeedFormatError``."""
+    (pure Python: slow for large tensors). ``vocab_size``: token ids must be below it (else below 2**32, what the
+    store's uint32 keys hold). Raises ``SeedFormatError`` with a one-line message for anything it cannot read: the
+    file comes from elsewhere, so a hostile header (nesting that would exhaust the recursion limit, ids of 10**100,
+    negative offsets, slots of the wrong type) is refused, never raised as a bare Python error or coerced."""
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         data = memoryview(path_or_bytes).cast("B")
     else:
         with open(path_or_bytes, "rb") as f:
             data = memoryview(f.read())
+    try:
+        return _read_mlxkv(data, verify, vocab_size)
+    except SeedFormatError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as exc:  # SchemaError too
+        text = " ".join(str(exc).split())[:200]
+        raise SeedFormatError(f"unreadable seed cache file ({type(exc).__name__}: {text})") from None
+
+
+def _read_mlxkv(data: memoryview, verify: bool, vocab_size: int | None) -> SeedEntry:
     if len(data) < PREFIX.size:
         raise SeedFormatError("not an mlx-bun KV v2 cache file (too short)")
     magic, header_len, data_start, header_hash = PREFIX.unpack_from(data, 0)
@@ -229,18 +242,23 @@ def read_mlxkv(path_or_bytes, *, verify: bool = True) -> SeedEntry:
         raise SeedFormatError("header hash mismatch (truncated or corrupt)")
     try:
         header = json.loads(bytes(raw))
-    except ValueError:
-        raise SeedFormatError("header is not JSON") from None
+    except (ValueError, RecursionError):
+        raise SeedFormatError("header is not JSON (or nests too deeply)") from None
     version = header.get("formatVersion") if isinstance(header, dict) else None
-    if version not in (3, 4):
+    if version not in (3, 4) or isinstance(version, bool):
         raise SeedFormatError(f"unsupported formatVersion {version!r} (spec-cache reads 3 and 4; 5 keeps tensors "
                               f"in a blocks/ folder whose table is not documented)")
     tokens = header.get("tokens")
-    if not isinstance(tokens, list) or not all(_int(t) and t >= 0 for t in tokens):
-        raise SeedFormatError("header tokens are not a list of token ids")
+    top = (vocab_size if vocab_size is not None else 2**32) - 1
+    if not isinstance(tokens, list) or not all(_int(t) and 0 <= t <= top for t in tokens):
+        raise SeedFormatError(f"header tokens are not a list of token ids in 0..{top}")
+    items = header.get("attachments") or []
+    if not isinstance(items, list):
+        raise SeedFormatError("header attachments are not a list")
     attachments = []
-    for k, item in enumerate(header.get("attachments") or []):
-        if not isinstance(item, dict) or not isinstance(item.get("schema"), str):
+    for k, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("schema"), str) \
+                or not isinstance(item.get("metadata") or {}, dict) or not isinstance(item.get("tensors") or [], list):
             raise SeedFormatError(f"attachments[{k}] is malformed")
         tensors = [_read_slot(data, data_start, slot, f"attachments[{k}].tensors[{j}]", verify)
                    for j, slot in enumerate(item.get("tensors") or [])]
@@ -249,15 +267,25 @@ def read_mlxkv(path_or_bytes, *, verify: bool = True) -> SeedEntry:
     return SeedEntry(list(tokens), attachments, header)
 
 
+#: the most dimensions a tensor slot may have (K/V tensors have 4)
+_MAX_NDIM = 8
+
+
 def _read_slot(data: memoryview, data_start: int, slot: Any, where: str, verify: bool) -> Tensor:
     if not isinstance(slot, dict) or not all(_int(slot.get(k)) for k in ("off", "bytes", "dtype")):
         raise SeedFormatError(f"{where}: malformed tensor slot")
+    if slot["off"] < 0 or slot["bytes"] < 0:
+        raise SeedFormatError(f"{where}: negative offset or byte length")
     name = MLX_DTYPES.get(slot["dtype"])
     shape = slot.get("shape")
-    if name is None or not isinstance(shape, list) or not all(_int(d) and d >= 0 for d in shape):
+    if name is None or not isinstance(shape, list) or len(shape) > _MAX_NDIM \
+            or not all(_int(d) and d >= 0 for d in shape):
         raise SeedFormatError(f"{where}: unknown dtype {slot['dtype']!r} or bad shape")
     start, nbytes = data_start + slot["off"], slot["bytes"]
-    if nbytes != int(np.prod(shape, dtype=np.int64)) * numpy_dtype(name).itemsize or start + nbytes > len(data):
+    elements = 1
+    for d in shape:  # Python ints: numpy's int64 product would wrap around for hostile dims
+        elements *= d
+    if nbytes != elements * numpy_dtype(name).itemsize or start + nbytes > len(data):
         raise SeedFormatError(f"{where}: tensor byte-length drift or past the end of the file")
     raw = data[start:start + nbytes]
     if verify and slot.get("hash") and format(wyhash(raw), "016x") != slot["hash"]:

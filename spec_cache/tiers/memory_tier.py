@@ -232,6 +232,17 @@ class MemoryTier:
                 self._evict_to(self.budget_bytes)
             return True
 
+    def discard(self, ns_key: bytes, tokens: Sequence[int]) -> bool:
+        """Drop the entry for exactly ``tokens`` (pinned or not); False if none. Why: a checkpoint LMDB refused
+        (an import answered 4xx) must leave no copy here for the next request to restore."""
+        key = (ns_key, np.asarray(tokens, dtype=np.uint32).tobytes())
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            self._remove(entry)
+            return True
+
     def held_prefix(self, ns_key: bytes, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` a held entry could serve (an entry that is a prefix of them: its length; a
         trimmable one: the common prefix, down to its minimum reusable offset), 0 for none. A read for planning
