@@ -309,12 +309,14 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "has_chat_template", False))
 
 
-def encode_prompt(tokenizer, text: str, *, chat: bool = True) -> list[int]:
-    """``text`` as token ids: one user message through the chat template when ``chat`` and the tokenizer has one,
-    else ``tokenizer.encode(text)``."""
+def encode_prompt(tokenizer, text: str, *, chat: bool = True, system: str | None = None) -> list[int]:
+    """``text`` as token ids: one user message (after a ``system`` message when given, as mlx_lm.generate's
+    ``--system-prompt``) through the chat template when ``chat`` and the tokenizer has one, else
+    ``tokenizer.encode(text)``."""
     if chat and has_chat_template(tokenizer):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        ids = tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]

@@ -9,6 +9,7 @@ reply and keeps what was printed; Ctrl-C at the prompt ends the session (exit 13
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -19,6 +20,7 @@ from spec_cache.apps.cli.common import (
     context_tokens,
     error_line,
     model_args_problem,
+    refuse_max_kv_size,
 )
 
 HELP = "commands: /reset (new conversation), /save FILE (conversation as JSON), /quit (or Ctrl-D)"
@@ -96,6 +98,7 @@ def cmd_chat(args) -> int:
     from spec_cache.apps.cli.loaders import kv_options, load_tokenizer, open_cache
 
     kv = kv_options(args)
+    refuse_max_kv_size(args)
     problem = model_args_problem(args.model, args.drafter, args.method)
     if problem is not None:
         raise CliError(problem)
@@ -131,11 +134,13 @@ def register(sub, common, add_kv_options, add_memory_option, temperature, seed) 
     s.add_argument("--model", required=True, help="target model directory (config.json + safetensors + tokenizer)")
     s.add_argument("--drafter", help="drafter directory")
     s.add_argument("--method", choices=METHODS, help="drafter method ('ngram' needs no directory)")
-    s.add_argument("--adapter", action="append", default=[], metavar="DIR", help="mlx-lm LoRA adapter directory")
-    s.add_argument("--system", metavar="TEXT", help="a system message at the start of every conversation")
-    s.add_argument("--max-tokens", type=positive_int, default=256, metavar="N",
+    s.add_argument("--adapter", "--adapter-path", action="append", default=[], metavar="DIR",
+                   help="mlx-lm LoRA adapter directory")
+    s.add_argument("--system", "--system-prompt", metavar="TEXT",
+                   help="a system message at the start of every conversation")
+    s.add_argument("-m", "--max-tokens", type=positive_int, default=256, metavar="N",
                    help="most tokens per reply (default 256)")
-    s.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="sampling temperature "
+    s.add_argument("--temperature", "--temp", type=temperature, default=0.0, metavar="T", help="sampling temperature "
                    "(default 0: greedy)")
     s.add_argument("--top-p", type=fraction, default=1.0, metavar="P", help="nucleus sampling (default 1)")
     s.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
@@ -145,6 +150,7 @@ def register(sub, common, add_kv_options, add_memory_option, temperature, seed) 
     s.add_argument("--seed", type=seed, default=0, metavar="N", help="sampling seed (default 0)")
     s.add_argument("--draft-depth", type=non_negative_int, default=4, metavar="D",
                    help="most tokens the drafter proposes per round (default 4)")
+    s.add_argument("--max-kv-size", type=positive_int, metavar="N", help=argparse.SUPPRESS)  # refused, one line
     add_kv_options(s)
     s.add_argument("--no-cache", action="store_true", help="run without the store")
     s.add_argument("--max-bytes", type=parse_size, metavar="SIZE", help="byte budget of the store")

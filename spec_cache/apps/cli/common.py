@@ -245,3 +245,11 @@ def context_tokens(model_dir: str, default: int = 4096) -> int:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return default
+
+
+def refuse_max_kv_size(args) -> None:
+    """mlx-lm's ``--max-kv-size`` (a rotating KV window) is refused in one line, not silently ignored: a stored
+    prefix is an exact token history, which a window that dropped early tokens would no longer be."""
+    if getattr(args, "max_kv_size", None) is not None:
+        raise CliError("--max-kv-size is not supported: spec-cache keeps the whole context so that a stored prefix "
+                       "is exact (a sliding-window model keeps its own window); leave it out")

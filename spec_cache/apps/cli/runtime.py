@@ -30,6 +30,7 @@ from spec_cache.apps.cli.common import (
     open_store,
     parse_size,
     positive_int,
+    refuse_max_kv_size,
 )
 from spec_cache.apps.cli.loaders import kv_options, load_tokenizer, open_cache
 from spec_cache.apps.cli.prompts import prompt_file, stdin_prompt, tokens_arg
@@ -60,39 +61,56 @@ def _check_context(model: str, prompts: list[list[int]], max_tokens: int) -> Non
                            f"context of {context} tokens; {fix}")
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """``text`` up to the first of ``stops`` (the stop string itself not included), and whether one was found."""
-    cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return (text[:min(cuts)], True) if cuts else (text, False)
-
-
-def _decode(tokenizer, tokens: list[int], eos: tuple) -> str:
-    """Generated tokens as text, the end-of-sequence id and other special tokens not shown."""
-    ids = list(tokens)
-    while ids and ids[-1] in eos:
-        ids.pop()
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
 def _row_line(i: int, r: dict) -> str:
     return (f"[prompt {i + 1}: {r['prompt_tokens']} tokens, {r['cached_tokens']} from the cache"
             f"{' (with the drafter row)' if r['restored_drafter'] else ''}; TTFT {r['ttft_s'] * 1e3:.1f} ms; "
             f"drafted {r['drafted']}, accepted {r['accepted']}{'; cut at a stop string' if r['stopped'] else ''}]")
 
 
+def _generate_tokenizer(args, needed: bool):
+    """The model's tokenizer: required for text prompts and stop strings (a CliError without it); for token-id
+    prompts only to print text, so a model without one prints the ids instead."""
+    try:
+        return load_tokenizer(args.model)
+    except CliError:
+        if needed:
+            raise
+        return None
+
+
+def _apply_mlx_lm_aliases(args) -> None:
+    """mlx_lm.generate's names for options spec-cache spells its own way: ``--draft-model DIR`` is a draft-model
+    drafter; ``--max-kv-size`` is refused (a rotating window would make a stored prefix depend on where the window
+    stood; ``common.refuse_max_kv_size``)."""
+    if getattr(args, "draft_model", None):
+        if args.drafter and args.drafter != args.draft_model:
+            raise CliError("give the drafter once: --draft-model DIR or --drafter DIR")
+        if args.method not in (None, "draft-model"):
+            raise CliError(f"--draft-model is a draft-model drafter; it cannot be --method {args.method}")
+        args.drafter, args.method = args.draft_model, "draft-model"
+    refuse_max_kv_size(args)
+
+
 def cmd_generate(args) -> int:
     kv = kv_options(args)
+    _apply_mlx_lm_aliases(args)
     _check_generate_args(args)
     texts = [stdin_prompt() if t == "-" else t for t in args.prompt or []]
     texts += [p for path in args.prompt_file or [] for p in prompt_file(path)]
     token_prompts = [tokens_arg(t) for t in args.tokens or []]
-    tokenizer = load_tokenizer(args.model) if texts or args.stop else None
+    if args.system_prompt is not None and not texts:
+        raise CliError("--system-prompt applies to --prompt text; token-id prompts already hold their template")
+    tokenizer = _generate_tokenizer(args, needed=bool(texts or args.stop))
     if texts:
         from spec_cache.decode.generator import encode_prompt, has_chat_template
 
         chat = not args.raw and has_chat_template(tokenizer)
+        if args.system_prompt is not None and not chat:
+            raise CliError("--system-prompt needs the model's chat template (it is off with --raw, or the model "
+                           "has none)")
         try:
-            prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts] + token_prompts
+            prompts = [encode_prompt(tokenizer, t, chat=chat, system=args.system_prompt) for t in texts]
+            prompts += token_prompts
         except Exception as exc:
             raise CliError(f"the chat template refused the prompt ({_one_line(exc)}); try --raw") from None
     else:
@@ -103,23 +121,21 @@ def cmd_generate(args) -> int:
     stream = len(prompts) == 1 and tokenizer is not None and not args.json
     cache = None if args.no_cache else open_cache(args, shared=shared.shared_url(args), max_bytes=args.max_bytes,
                                                    shared_options=shared.shared_options(args))
-    streamed = None
     try:
         try:
             generator = Generator.load(args.model, args.drafter, method=args.method, cache=cache, kv=kv,
                                        draft_depth=args.draft_depth, adapters=args.adapter or "",
                                        prefill_step_size=args.prefill_step_size, adaptive=not args.fixed_depth)
-            eos = tuple(generator.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", None) or ())
             started = time.perf_counter()
-            if stream:
-                from spec_cache.apps.cli.stream import stream_one
+            if tokenizer is not None:  # text per row; a row leaves the batch at its first stop string
+                from spec_cache.apps.cli.stream import decode_rows
 
-                streamed = stream_one(generator, prompts[0], tokenizer, max_tokens=args.max_tokens,
+                decoded = decode_rows(generator, prompts, tokenizer, max_tokens=args.max_tokens,
                                       temperature=args.temperature, seed=args.seed, top_p=args.top_p,
-                                      stops=args.stop or [], top_k=args.top_k, min_p=args.min_p)
-                results = [streamed]
-            else:
-                results = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+                                      stops=args.stop or [], top_k=args.top_k, min_p=args.min_p,
+                                      out=sys.stdout if stream else None)
+            else:  # token ids in, token ids out
+                decoded = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
                                              seed=args.seed, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
             seconds = time.perf_counter() - started
         except (NotImplementedError, ValueError, TypeError, FileNotFoundError) as exc:
@@ -128,13 +144,9 @@ def cmd_generate(args) -> int:
         if cache is not None:
             cache.close()
     rows = []
-    for prompt, result in zip(prompts, results):
-        text, stopped = None, False
-        if streamed is not None:
-            text, stopped = streamed.text, streamed.stopped
-        elif tokenizer is not None:
-            text, stopped = _cut_at_stop(_decode(tokenizer, result.tokens, eos), args.stop or [])
-        rows.append({"tokens": result.tokens, "text": text, "stopped": stopped, "prompt_tokens": len(prompt),
+    for prompt, result in zip(prompts, decoded):
+        rows.append({"tokens": result.tokens, "text": getattr(result, "text", None),
+                     "stopped": getattr(result, "stopped", False), "prompt_tokens": len(prompt),
                      "cached_tokens": result.cached_tokens, "drafted": result.drafted, "accepted": result.accepted,
                      "ttft_s": result.ttft_s, "restored_drafter": result.restored_drafter,
                      "chat_template": chat and len(rows) < len(texts)})  # text prompts come first
@@ -146,16 +158,18 @@ def cmd_generate(args) -> int:
         emit(args, {**rows[0], **run, "results": rows}, "")
         return EXIT_OK
     for i, r in enumerate(rows):
-        if streamed is None:
+        if not stream:
             if len(rows) > 1:
                 print(f"--- prompt {i + 1} ---")
             print(r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])))
-        print(_row_line(i, r), file=sys.stderr)
+        if args.verbose:
+            print(_row_line(i, r), file=sys.stderr)
     rate = f"{run['tokens_per_s']:.1f} tok/s" if run["tokens_per_s"] is not None else "-"
-    print(f"[{generated} tokens in {seconds:.2f} s: {rate}, prefill and lookups included; "
-          f"{len(rows)} prompt{'s' if len(rows) > 1 else ''} in one batch"
-          f"{'; chat template applied (--raw: off)' if chat else ''}]", file=sys.stderr)
-    if streamed is not None and streamed.interrupted:
+    if args.verbose:
+        print(f"[{generated} tokens in {seconds:.2f} s: {rate}, prefill and lookups included; "
+              f"{len(rows)} prompt{'s' if len(rows) > 1 else ''} in one batch"
+              f"{'; chat template applied (--raw: off)' if chat else ''}]", file=sys.stderr)
+    if any(getattr(r, "interrupted", False) for r in decoded):
         print(f"spec-cache: interrupted after {generated} tokens (the text so far is above)", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK
@@ -270,6 +284,16 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _bool(text: str) -> bool:
+    """mlx-lm's spelling of a boolean option value: True/T/true/1 or False/F/false/0."""
+    value = text.strip().lower()
+    if value in ("true", "t", "1", "yes"):
+        return True
+    if value in ("false", "f", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"not True or False: {text!r}")
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -286,21 +310,25 @@ def _add_generate(sub, common) -> None:
     s.add_argument("--drafter", help="drafter directory")
     s.add_argument("--method", choices=DRAFTER_METHODS,
                    help="drafter method (default: read from the drafter's config; 'ngram' needs no directory)")
-    s.add_argument("--adapter", action="append", default=[], metavar="DIR",
+    s.add_argument("--draft-model", metavar="DIR",
+                   help="a draft model directory (mlx_lm.generate's name: --drafter DIR --method draft-model)")
+    s.add_argument("--adapter", "--adapter-path", action="append", default=[], metavar="DIR",
                    help="mlx-lm LoRA adapter directory (repeat to stack, applied in order)")
-    s.add_argument("--prompt", action="append", metavar="TEXT",
+    s.add_argument("-p", "--prompt", action="append", metavar="TEXT",
                    help="prompt text (needs the model's tokenizer files; '-': read it from stdin); repeat for "
                         "several prompts")
     s.add_argument("--prompt-file", action="append", metavar="FILE",
                    help="a UTF-8 file with one prompt per non-empty line (repeatable)")
     s.add_argument("--tokens", action="append", metavar="IDS|FILE",
                    help="prompt token ids, e.g. 1,2,3, or a token file (JSON list or integers); repeatable")
-    s.add_argument("--raw", "--no-chat", dest="raw", action="store_true",
+    s.add_argument("--raw", "--no-chat", "--ignore-chat-template", dest="raw", action="store_true",
                    help="encode --prompt text as it is (default: as one user message through the model's chat "
                         "template when it has one, as mlx_lm.generate does)")
-    s.add_argument("--max-tokens", type=positive_int, default=32, metavar="N",
+    s.add_argument("--system-prompt", metavar="TEXT",
+                   help="a system message before each --prompt (through the chat template)")
+    s.add_argument("-m", "--max-tokens", type=positive_int, default=32, metavar="N",
                    help="tokens to generate per prompt (default 32; prompt + N must fit the model's context)")
-    s.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+    s.add_argument("--temperature", "--temp", type=_temperature, default=0.0, metavar="T",
                    help="sampling temperature (default 0: greedy, exactly the model's argmax tokens)")
     s.add_argument("--top-p", type=fraction, default=1.0, metavar="P",
                    help="nucleus sampling: keep the smallest set of tokens with probability >= P (default 1)")
@@ -311,15 +339,18 @@ def _add_generate(sub, common) -> None:
     s.add_argument("--seed", type=_int, default=0, metavar="N",
                    help="sampling seed (default 0); a prompt's tokens depend only on it, its prompt and options")
     s.add_argument("--stop", action="append", metavar="TEXT",
-                   help="cut the text at this string (repeatable; needs the tokenizer; decoding still runs to "
-                        "--max-tokens or end of sequence)")
-    s.add_argument("--draft-depth", type=non_negative_int, default=4, metavar="D",
+                   help="stop a prompt's decoding where its text reaches this string, which is not shown "
+                        "(repeatable; needs the tokenizer)")
+    s.add_argument("--draft-depth", "--num-draft-tokens", type=non_negative_int, default=4, metavar="D",
                    help="most tokens the drafter proposes per round (default 4; 0: no drafting)")
     s.add_argument("--fixed-depth", action="store_true",
                    help="always draft --draft-depth tokens (default: only as deep as measured acceptance and "
                         "verify cost pay, down to plain decoding)")
     s.add_argument("--prefill-step-size", type=positive_int, default=512, metavar="N",
                    help="prefill chunk in tokens (default 512, as mlx-lm's)")
+    s.add_argument("--verbose", type=_bool, default=True, metavar="BOOL",
+                   help="False: print only the text, not what the cache did (mlx_lm.generate's; default True)")
+    s.add_argument("--max-kv-size", type=positive_int, metavar="N", help=argparse.SUPPRESS)  # refused, one line
     _add_kv_options(s)
     s.add_argument("--no-cache", action="store_true", help="run without the store")
     s.add_argument("--max-bytes", type=parse_size, metavar="SIZE",

@@ -1,9 +1,13 @@
-"""``generate``'s one-prompt path: text on stdout as the tokens arrive, Ctrl-C keeping what was printed.
+"""``generate``'s and ``chat``'s decoding: rows through the engine's session, text through the streaming
+detokenizer, stop strings that stop decoding, Ctrl-C keeping what was printed.
 
-It drives the engine through the generator's seams for schedulers (``prepare``, ``engine.session``,
+``decode_rows`` drives the engine through the generator's seams for schedulers (``prepare``, ``engine.session``,
 ``save_checkpoint``), the same steps ``Generator.generate`` takes for a batch: look up the stored prefix, decode,
-write the checkpoints after decoding. Each round's tokens go through the server's streaming detokenizer (never a
-split multi-byte character, special tokens such as the EOS text never shown) and its stop-string matcher.
+write the checkpoints after decoding. Each row's tokens go through the server's streaming detokenizer (never a
+split multi-byte character, special tokens such as the EOS text never shown) and its stop-string matcher; a row
+whose text reaches a stop string leaves the batch at the end of that round (``session.finish``, its finish
+checkpoint written), as mlx_lm.generate stops, instead of decoding on to ``--max-tokens``. With ``out`` (one row),
+the text is written there as it comes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from spec_cache.apps.server.detokenizer import StopMatcher, StreamingDetokenizer
 
 @dataclass
 class Streamed:
-    """What the streamed row did; ``interrupted``: Ctrl-C ended it (its text so far was printed)."""
+    """What a decoded row did; ``interrupted``: Ctrl-C ended it (its text so far was kept)."""
 
     tokens: list
     text: str
@@ -30,59 +34,79 @@ class Streamed:
     interrupted: bool = False
 
 
-def stream_one(generator, prompt: list[int], tokenizer, *, max_tokens: int, temperature: float, seed: int,
-               top_p: float, stops: list[str], out=None, top_k: int = 0, min_p: float = 0.0) -> Streamed:
-    """Decode ``prompt`` and write its text to ``out`` (default stdout) as it comes; KeyboardInterrupt ends the
-    row (no finish checkpoint), flushes what was decoded and returns with ``interrupted``."""
+class _RowText:
+    """One row's text: detokenized as tokens arrive, cut at the first stop string, written to ``out`` if given."""
+
+    def __init__(self, tokenizer, stops: list[str], eos: set, out) -> None:
+        self.detok, self.matcher = StreamingDetokenizer(tokenizer), StopMatcher(stops)
+        self.eos, self.out = eos, out
+        self.pieces: list[str] = []
+        self.stopped = False
+
+    def write(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
+            if self.out is not None:
+                self.out.write(text)
+                self.out.flush()
+
+    def feed(self, tokens) -> bool:
+        """Take a round's tokens; True when the text reached a stop string (the row should leave)."""
+        if self.stopped:
+            return False
+        text, self.stopped = self.matcher.feed(self.detok.add([t for t in tokens if int(t) not in self.eos]))
+        self.write(text)  # EOS text never shown
+        return self.stopped
+
+    def close(self) -> str:
+        if not self.stopped:
+            text, self.stopped = self.matcher.feed(self.detok.flush())
+            self.write(text + ("" if self.stopped else self.matcher.flush()))
+        return "".join(self.pieces)
+
+
+def decode_rows(generator, prompts: list[list[int]], tokenizer, *, max_tokens: int, temperature: float, seed: int,
+                top_p: float, stops: list[str], out=None, top_k: int = 0, min_p: float = 0.0) -> list[Streamed]:
+    """Decode ``prompts`` in one batch; each row stops at its first stop string. ``out`` (one prompt only): write
+    its text there as it comes, then a newline. KeyboardInterrupt ends every row (no finish checkpoints) and
+    returns what was decoded, each result marked ``interrupted``."""
     from spec_cache.rows.generation import check_prompts
     from spec_cache.rows.sampling import RowSampling, Sampling
 
-    out = out or sys.stdout
-    prompt = check_prompts([prompt], generator.engine.target.vocab_size)[0]
+    if out is not None and len(prompts) != 1:
+        raise ValueError("decode_rows writes text as it comes for one prompt only")
+    prompts = check_prompts(prompts, generator.engine.target.vocab_size)
     greedy = temperature == 0
     sampling = None if greedy and top_p == 1.0 else RowSampling(temperature, top_p, seed, top_k, min_p)
     started = time.perf_counter()
-    prepared = generator.prepare(prompt, max_tokens, sampling=sampling)
+    prepared = [generator.prepare(prompt, max_tokens, sampling=sampling) for prompt in prompts]
     saves = []
 
     def on_checkpoint(row, tokens, caches, draft):
-        if prepared.needs_save(tokens, draft, generator.drafter_namespace):
+        if prepared[row].needs_save(tokens, draft, generator.drafter_namespace):
             saves.append((tokens, caches, draft))
 
-    detok, matcher = StreamingDetokenizer(tokenizer), StopMatcher(stops)
-    state = {"stopped": False, "result": None}
+    eos = set(generator.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
+    texts = [_RowText(tokenizer, stops, eos, out) for _ in prompts]
+    results: dict = {}
     session = generator.engine.session(eos_token_ids=generator.eos_token_ids,
                                        on_checkpoint=None if generator.cache is None else on_checkpoint,
                                        draft_sampling=Sampling(temperature, seed))
 
-    printed = []
-
-    def write(text: str) -> None:
-        if text:
-            printed.append(text)
-            out.write(text)
-            out.flush()
-
-    eos = set(generator.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
-
     def on_tokens(row_id, tokens):
-        if state["stopped"]:
-            return
-        text, stopped = matcher.feed(detok.add([t for t in tokens if int(t) not in eos]))  # EOS text never shown
-        write(text)
-        if stopped:
-            state["stopped"] = True
+        if texts[row_id].feed(tokens):
             session.finish(row_id)  # leaves at the end of this round, its finish checkpoint written
 
     def on_finish(row_id, result):
-        state["result"] = result
+        results[row_id] = result
 
     interrupted = False
     try:
-        session.submit(prepared.request, on_tokens=on_tokens, on_finish=on_finish, submitted_at=started)
+        for prompt, row in zip(prompts, prepared):
+            session.submit(row.request, on_tokens=on_tokens, on_finish=on_finish, submitted_at=started)
         while session.step():
             pass
-    except KeyboardInterrupt:  # the row gets no finish checkpoint; what was printed stays
+    except KeyboardInterrupt:  # the rows get no finish checkpoint; what was printed stays
         interrupted = True
     finally:
         try:
@@ -91,16 +115,24 @@ def stream_one(generator, prompt: list[int], tokenizer, *, max_tokens: int, temp
             if not interrupted:
                 for tokens, caches, draft in saves:
                     generator.save_checkpoint(tokens, caches, draft)
-    if not state["stopped"]:
-        text, stopped = matcher.feed(detok.flush())
-        write(text + ("" if stopped else matcher.flush()))
-        state["stopped"] = stopped
-    text = "".join(printed)
-    out.write("\n")
-    out.flush()
-    r = state["result"]
-    tokens = list(r.tokens) if r is not None else list(detok.tokens)
-    return Streamed(tokens=tokens, text=text, stopped=state["stopped"], cached_tokens=prepared.cached_tokens,
-                    restored_drafter=prepared.restored_drafter, drafted=r.drafted if r else 0,
-                    accepted=r.accepted if r else 0, ttft_s=r.ttft_s if r else time.perf_counter() - started,
-                    interrupted=interrupted)
+    decoded = []
+    for i, (text, row) in enumerate(zip(texts, prepared)):
+        joined = text.close()
+        r = results.get(i)
+        decoded.append(Streamed(
+            tokens=list(r.tokens) if r is not None else list(text.detok.tokens), text=joined, stopped=text.stopped,
+            cached_tokens=row.cached_tokens, restored_drafter=row.restored_drafter,
+            drafted=r.drafted if r else 0, accepted=r.accepted if r else 0,
+            ttft_s=r.ttft_s if r else time.perf_counter() - started, interrupted=interrupted))
+    if out is not None:
+        out.write("\n")
+        out.flush()
+    return decoded
+
+
+def stream_one(generator, prompt: list[int], tokenizer, *, max_tokens: int, temperature: float, seed: int,
+               top_p: float, stops: list[str], out=None, top_k: int = 0, min_p: float = 0.0) -> Streamed:
+    """Decode ``prompt`` and write its text to ``out`` (default stdout) as it comes; KeyboardInterrupt ends the
+    row (no finish checkpoint), flushes what was decoded and returns with ``interrupted``."""
+    return decode_rows(generator, [prompt], tokenizer, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                       top_p=top_p, stops=stops, out=out or sys.stdout, top_k=top_k, min_p=min_p)[0]
