@@ -9,7 +9,10 @@ are named as such.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
+import shutil
 import stat
 import time
 
@@ -18,6 +21,11 @@ from .errors import StoreDamaged, StoreOpenError, StoreUnsafe
 RESERVE_NAME = "reserve"
 COMPACT_WORK_NAME = "compact.tmp"  # ``spec-cache compact``'s work directory (left behind only by a crash)
 STORE_FILES = frozenset({"data.mdb", "lock.mdb", RESERVE_NAME, COMPACT_WORK_NAME})
+#: damaged copies ``move_aside`` keeps per store (the newest); older ones are deleted. Each can be as large as the
+#: store, so more would eat the disk its budget was computed from (``open_environment(keep_aside=...)``)
+KEEP_ASIDE = 2
+_ASIDE = re.compile(r"(.+)\.damaged-([0-9]{8}T[0-9]{6}Z)(?:-([0-9]{1,2}))?")
+log = logging.getLogger("spec_cache.store")
 
 
 def prepare_dir(path: str) -> bool:
@@ -99,8 +107,14 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
-def move_aside(path: str) -> str:
-    """Rename a damaged store directory to ``<path>.damaged-<UTC time>`` (``-N`` added if taken); its path."""
+def move_aside(path: str, *, keep: int = KEEP_ASIDE, budget: int | None = None) -> str | None:
+    """Rename a damaged store directory to ``<path>.damaged-<UTC time>`` (``-N`` added if taken), then bound the
+    copies set aside (``prune_aside``); the new copy's path, or None if the bound deleted it at once.
+
+    Why a bound: every damage-and-restart kept one more copy, and the copies took the disk the fresh store's
+    budget was computed from (5 cycles filled a 48 MiB tmpfs). ``keep`` copies stay, the newest first; with a
+    ``budget`` (the fresh store's ``max_bytes``), copies also go, oldest first, while the file system has less
+    free space than that budget: a copy never takes the room the store was promised."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     for n in range(100):
         aside = f"{path}.damaged-{stamp}" + (f"-{n}" if n else "")
@@ -113,8 +127,98 @@ def move_aside(path: str) -> str:
                 continue
             raise StoreOpenError(f"store at {path} is damaged and cannot be moved aside to {aside}: "
                                  f"{exc.strerror}") from None
-        return aside
+        with contextlib.suppress(OSError):  # disk held for the store's own recovery, not data: no use in a copy
+            os.unlink(os.path.join(aside, RESERVE_NAME))
+        deleted = prune_aside(path, keep=keep, budget=budget)
+        return None if aside in deleted else aside
     raise StoreOpenError(f"store at {path} is damaged and no free name {path}.damaged-{stamp}-N is left")
+
+
+def aside_copies(path: str) -> list[str]:
+    """The damaged copies ``move_aside`` set aside for the store at ``path``, oldest first (by their stamp, then
+    their ``-N``); only names ``move_aside`` makes are listed, so nothing else beside the store is ever touched."""
+    path = os.path.abspath(os.fspath(path))
+    parent, base = os.path.split(path)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = _ASIDE.fullmatch(name)
+        if match is not None and match.group(1) == base and os.path.isdir(os.path.join(parent, name)):
+            found.append((match.group(2), int(match.group(3) or 0), os.path.join(parent, name)))
+    return [p for _stamp, _n, p in sorted(found)]
+
+
+def prune_aside(path: str, *, keep: int = KEEP_ASIDE, budget: int | None = None) -> list[str]:
+    """Delete the oldest aside copies of ``path`` beyond the newest ``keep``, and, with a ``budget``, more (oldest
+    first, the newest last) while the file system holds less free space than ``budget``; one log line names
+    what went. Returns the deleted paths. A copy that cannot be deleted is named in the line and left."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+        raise StoreOpenError(f"keep_aside must be an int >= 0, got {keep!r}")
+    copies = aside_copies(path)
+    doomed = copies[:max(0, len(copies) - keep)]
+    left = copies[len(doomed):]
+    deleted, failed = [], []
+    for victim in doomed:
+        (deleted if _remove(victim) else failed).append(victim)
+    while budget is not None and left and _free_bytes(os.path.dirname(os.path.abspath(path))) < budget:
+        victim = left.pop(0)
+        (deleted if _remove(victim) else failed).append(victim)
+    if deleted or failed:
+        why = f"keeping at most {keep}" + (f" within the store's {budget}-byte budget" if budget is not None else "")
+        log.warning("spec-cache: deleted %d older damaged cop%s of the store at %s (%s): %s%s", len(deleted),
+                    "y" if len(deleted) == 1 else "ies", path, why, ", ".join(os.path.basename(d) for d in deleted)
+                    or "none", f"; could not delete {', '.join(failed)}" if failed else "")
+    return deleted
+
+
+def default_budget(path: str) -> tuple[int, str]:
+    """A byte budget for the store at ``path`` when none is given: half of the disk space the store could have,
+    i.e. the file system's free space plus what the store's directory and its aside copies already hold.
+    Returns (bytes, how it was computed).
+
+    Why this shape: "what the store holds + half the free space" grows at every restart of a full store (24, 34,
+    39 ... MiB on a 48 MiB disk, towards a full disk) and shrinks with every damaged copy set aside (their bytes
+    are not free); counting the store's own files and copies as its room keeps the budget where the first start
+    put it, and ``prune_aside`` deletes copies the budget needs the room of."""
+    path = os.path.abspath(os.fspath(path))
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    free = _free_bytes(probe)
+    own = _bytes_under(path) if os.path.isdir(path) else 0
+    copies = sum(_bytes_under(copy) for copy in aside_copies(path))
+    budget = max((free + own + copies) // 2, 1 << 20)
+    return budget, (f"half of the {free} bytes free on {probe} + the store's {own} bytes + {copies} bytes of "
+                    f"damaged copies set aside")
+
+
+def _bytes_under(folder: str) -> int:
+    """Disk blocks held by the files under ``folder`` (``data.mdb`` is sparse: its length says less)."""
+    total = 0
+    for where, _dirs, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(where, name)).st_blocks * 512
+    return total
+
+
+def _remove(victim: str) -> bool:
+    try:
+        shutil.rmtree(victim)
+    except OSError:
+        return not os.path.lexists(victim)
+    return True
+
+
+def _free_bytes(folder: str) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return 1 << 62  # unknown: the count bound still holds
+    return st.f_bavail * st.f_frsize
 
 
 def secure(path: str) -> None:

@@ -60,7 +60,7 @@ except ImportError:  # pragma: no cover - Windows
 
 from .allocator import tune_allocator
 from .datafile import DataFile, reaches_every_page
-from .directory import RESERVE_NAME, check_data_file, first_unenterable, move_aside, prepare_dir, secure
+from .directory import KEEP_ASIDE, RESERVE_NAME, check_data_file, first_unenterable, move_aside, prepare_dir, secure
 from .errors import StoreDamaged, StoreError, StoreFormatError, StoreFullError, StoreOpenError
 from .txn_gate import TxnGate
 
@@ -81,13 +81,21 @@ T = TypeVar("T")
 log = logging.getLogger("spec_cache.store")
 
 
-def open_environment(path, *, on_damage: str = "refuse", readonly: bool = False, **options) -> "Environment":
+def open_environment(path, *, on_damage: str = "refuse", readonly: bool = False, keep_aside: int = KEEP_ASIDE,
+                     aside_budget: int | None = None, **options) -> "Environment":
     """``Environment(path, ...)``; a store too damaged to open (``StoreDamaged``: ``data.mdb`` truncated or empty)
     is refused (``on_damage="refuse"``) or, for a read-write open with ``on_damage="move-aside"``, renamed to
-    ``<path>.damaged-<UTC time>`` (logged with both paths, nothing deleted: ``spec-cache repair`` can still salvage
-    it) and a fresh empty store opened in its place. A read-only open always refuses (it writes nothing)."""
+    ``<path>.damaged-<UTC time>`` (logged with both paths: ``spec-cache repair`` can still salvage it) and a fresh
+    empty store opened in its place. A read-only open always refuses (it writes nothing).
+
+    Copies set aside are bounded (``directory.prune_aside``): the newest ``keep_aside`` (default ``KEEP_ASIDE``, 2)
+    stay, older ones are deleted; with ``aside_budget`` (the store's ``max_bytes``) copies are deleted too, oldest
+    first, while the disk has less free space than that budget, so damage-and-restart cycles never take the room
+    the fresh store was promised. Each deletion is logged (one line)."""
     if on_damage not in ON_DAMAGE:
         raise StoreError(f"on_damage must be one of {', '.join(ON_DAMAGE)}, got {on_damage!r}")
+    if not isinstance(keep_aside, int) or isinstance(keep_aside, bool) or keep_aside < 0:
+        raise StoreError(f"keep_aside must be an int >= 0, got {keep_aside!r}")
     path = os.path.abspath(os.fspath(path))
     for attempt in range(3):
         seen = _ident(path)
@@ -97,9 +105,10 @@ def open_environment(path, *, on_damage: str = "refuse", readonly: bool = False,
             if readonly or on_damage == "refuse" or attempt == 2:
                 raise
             if _ident(path) == seen:  # else another process set it aside already: open what is there now
-                aside = move_aside(path)
-                log.warning("spec-cache: store at %s was damaged (%s); moved it aside to %s and opened a fresh "
-                            "empty store (on_damage='move-aside')", path, " ".join(str(exc).split()), aside)
+                aside = move_aside(path, keep=keep_aside, budget=aside_budget)
+                kept = f"moved it aside to {aside}" if aside else "deleted it (no room to keep a copy)"
+                log.warning("spec-cache: store at %s was damaged (%s); %s and opened a fresh empty store "
+                            "(on_damage='move-aside')", path, " ".join(str(exc).split()), kept)
     raise AssertionError("unreachable")
 
 

@@ -34,6 +34,7 @@ from spec_cache.schemas import CheckpointAttachment
 from . import keys as K
 from .candidates import Hit, Usable
 from .codec import CorruptRecord
+from .directory import KEEP_ASIDE
 from .env import Environment, open_environment
 from .errors import CorruptIndex, InvalidInput, StoreError, StoreFullError, StoreUnavailable
 from .index import Index, draft_key, now_ns
@@ -99,7 +100,7 @@ class Store:
     @classmethod
     def open(cls, path, *, max_bytes: int | None = None, readonly: bool = False, durable: bool = True,
              chunk_tokens: int | None = None, map_size: int | None = None, tenant_quota_bytes: int | None = None,
-             tenant_share: float | None = None, on_damage: str = "refuse") -> "Store":
+             tenant_share: float | None = None, on_damage: str = "refuse", keep_aside: int = KEEP_ASIDE) -> "Store":
         """Open (creating if needed) the store in directory ``path``.
 
         ``max_bytes`` caps stored bytes (LRU eviction on put) and is recorded in the store's ``meta`` (``budget``)
@@ -111,13 +112,15 @@ class Store:
         ``on_damage``: a store too damaged to open (``data.mdb`` truncated or empty) is refused (``"refuse"``, the
         default: ``StoreDamaged``, ``spec-cache repair`` salvages it) or moved aside to ``<path>.damaged-<time>``
         with a fresh empty store opened in its place (``"move-aside"``: a server starts cold instead of not at
-        all). A store damaged while open raises ``StoreUnavailable`` (a miss to the runtime), never SIGBUS.
+        all; at most ``keep_aside`` copies, the newest, are kept, and none takes the disk room ``max_bytes``
+        needs: ``directory.prune_aside``). A store damaged while open raises ``StoreUnavailable`` (a miss to the
+        runtime), never SIGBUS.
         """
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
             raise InvalidInput("max_bytes must be a positive int or None")
         policy = TenantPolicy.of(tenant_quota_bytes, tenant_share, max_bytes)
         env = open_environment(path, on_damage=on_damage, readonly=readonly, durable=durable, map_size=map_size,
-                               chunk_tokens=chunk_tokens)
+                               chunk_tokens=chunk_tokens, keep_aside=keep_aside, aside_budget=max_bytes)
         if max_bytes is not None and not readonly:
             try:
                 env.record_budget(max_bytes)  # stored with the store, so ``stats`` can show it later
