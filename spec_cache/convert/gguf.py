@@ -49,7 +49,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import os
 import shutil
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -60,8 +63,10 @@ from spec_cache.errors import InvalidRequest, ModelLoadError
 
 __all__ = [
     "ARCHITECTURES",
+    "InvalidGGUF",
     "PRE_TOKENIZERS",
     "UnsupportedGGUF",
+    "check_gguf",
     "convert",
     "read_gguf",
     "unpermute_rows",
@@ -130,6 +135,206 @@ class UnsupportedGGUF(ModelLoadError):
     """The GGUF file uses something this converter does not handle (the message names it)."""
 
 
+class InvalidGGUF(UnsupportedGGUF):
+    """The file is not a well-formed GGUF, or its model description contradicts itself (a count, length, offset,
+    dimension, type id or config value out of bounds or disagreeing with the tensors present). A subclass of
+    :class:`UnsupportedGGUF` so every caller that refuses an unsupported file refuses a hostile one the same way."""
+
+
+# -- structure: checked in Python, bounded by the file's length, before any native reader sees the file ----------
+#
+# Why: ``mx.load``'s GGUF reader (gguflib, C) trusts the header: a metadata count larger than the file, a tensor
+# with 0 or 5 dimensions, a zero alignment, a string length of 2^62 or a removed type id crash the process (SIGSEGV,
+# SIGFPE) or make it allocate without bound; the ``gguf`` package fails with bare numpy errors. ``check_gguf``
+# walks the header with ``struct`` against the file's size, so every count and length is bounded by the bytes that
+# are really there before anything is allocated from it, and refuses with :class:`InvalidGGUF` (one line).
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_VERSIONS = (2, 3)  # v1 (32-bit counts) predates every file llama.cpp writes today; v2 and v3 share a layout
+#: GGUF metadata value types -> (struct format, size) for the fixed-size ones
+_GGUF_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
+                 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_INT_TYPES = (0, 1, 2, 3, 4, 5, 10, 11)
+_GGUF_FLOAT_TYPES = (6, 12)
+#: ggml tensor type id -> (name, values per block, bytes per block): the types ggml still defines
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+}
+#: bounds no real model comes near (the largest vocabularies are ~262k tokens, the largest tensors ~2^31 values):
+#: they stop a hostile header from making the reader loop or allocate for hours before the file runs out
+GGUF_MAX_KV = 1 << 16
+GGUF_MAX_TENSORS = 1 << 16
+GGUF_MAX_KEY = 1 << 16  # the spec's own limit on a key's length
+GGUF_MAX_STRING = 1 << 26  # 64 MiB: a chat template is kilobytes
+GGUF_MAX_ARRAY = 1 << 24  # 16M items: a vocabulary is ~10^5
+GGUF_MAX_NAME = 256  # ggml's GGML_MAX_NAME is 64
+GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
+GGUF_MAX_ELEMENTS = 1 << 40
+GGUF_MAX_ALIGNMENT = 1 << 16
+
+
+class _Cursor:
+    """Bounded reads over the file's bytes: every read names what it reads, so a short file says where it ends."""
+
+    def __init__(self, data, path: Path) -> None:
+        self.data, self.at, self.path = data, 0, path
+
+    def fail(self, message: str) -> InvalidGGUF:
+        return InvalidGGUF(f"{self.path}: not a valid GGUF file: {message}")
+
+    def take(self, size: int, what: str) -> int:
+        start = self.at
+        if size < 0 or start + size > len(self.data):
+            raise self.fail(f"{what} at byte {start} needs {size} bytes, the file has {len(self.data) - start} left")
+        self.at = start + size
+        return start
+
+    def scalar(self, kind: int, what: str):
+        fmt, size = _GGUF_SCALARS[kind]
+        return struct.unpack_from(fmt, self.data, self.take(size, what))[0]
+
+    def u32(self, what: str) -> int:
+        return self.scalar(4, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar(10, what)
+
+    def string(self, what: str, limit: int = GGUF_MAX_STRING) -> str:
+        size = self.u64(f"{what}'s length")
+        if size > limit:
+            raise self.fail(f"{what} claims {size} bytes (at most {limit})")
+        start = self.take(size, what)
+        try:
+            return self.data[start:start + size].decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} at byte {start} is not UTF-8") from None
+
+    def value(self, kind: int, what: str):
+        if kind in _GGUF_SCALARS:
+            return self.scalar(kind, what)
+        if kind == _GGUF_STRING:
+            return self.string(what)
+        if kind != _GGUF_ARRAY:
+            raise self.fail(f"{what} has unknown value type {kind}")
+        item = self.u32(f"{what}'s item type")
+        count = self.u64(f"{what}'s length")
+        if item == _GGUF_ARRAY:
+            raise self.fail(f"{what} is an array of arrays (not supported)")
+        if item not in _GGUF_SCALARS and item != _GGUF_STRING:
+            raise self.fail(f"{what} has unknown item type {item}")
+        smallest = 8 if item == _GGUF_STRING else _GGUF_SCALARS[item][1]
+        if count > GGUF_MAX_ARRAY or count * smallest > len(self.data) - self.at:
+            raise self.fail(f"{what} claims {count} items, more than the file holds")
+        if item == _GGUF_STRING:
+            return [self.string(f"{what}[{i}]") for i in range(count)]
+        fmt, size = _GGUF_SCALARS[item]
+        start = self.take(count * size, what)
+        return list(struct.unpack_from(f"<{count}{fmt[1]}", self.data, start))
+
+
+def check_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
+    """Check the file's whole structure before any native reader sees it; returns its metadata (plain Python
+    values) and its tensors (name -> (type name, dims innermost first, as GGUF lists them)).
+
+    Checked against the file's length: the magic and version; the metadata and tensor counts (each entry needs
+    bytes that must be there); every key, string and array length; value and item type ids (no nested arrays);
+    UTF-8; each tensor's name (unique), number of dims (1-4), dims (>= 1, product bounded, rows a whole number of
+    the type's blocks), type id (a type ggml defines), offset (aligned, inside the data section) and byte size (to
+    the end of the file), with no two tensors' bytes overlapping; ``general.alignment`` a power of two. Raises
+    :class:`InvalidGGUF` (one line) for the first problem, ``FileNotFoundError`` when there is no file."""
+    import mmap
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size < 24:
+            raise InvalidGGUF(f"{path}: not a valid GGUF file: {size} bytes, shorter than a GGUF header (24)")
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _check_structure(_Cursor(data, path))
+
+
+def _check_structure(cursor: _Cursor) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
+    data, size = cursor.data, len(cursor.data)
+    try:
+        if data[:4] != _GGUF_MAGIC:
+            raise cursor.fail(f"magic {data[:4]!r}, not {_GGUF_MAGIC!r}")
+        cursor.take(4, "magic")
+        version = cursor.u32("version")
+        if version not in _GGUF_VERSIONS:
+            raise cursor.fail(f"version {version} (readable: {', '.join(map(str, _GGUF_VERSIONS))}; a big-endian "
+                              "file reads as a huge version)")
+        n_tensors, n_kv = cursor.u64("tensor count"), cursor.u64("metadata count")
+        if n_kv > GGUF_MAX_KV or n_kv * 13 > size - cursor.at:  # a key length, a value type, a 1-byte value
+            raise cursor.fail(f"header claims {n_kv} metadata entries, more than the file holds")
+        if n_tensors > GGUF_MAX_TENSORS or n_tensors * 24 > size - cursor.at:  # name length, n_dims, type, offset
+            raise cursor.fail(f"header claims {n_tensors} tensors, more than the file holds")
+        metadata: dict[str, Any] = {}
+        types: dict[str, int] = {}
+        for index in range(n_kv):
+            key = cursor.string(f"metadata key {index}", GGUF_MAX_KEY)
+            if not key:
+                raise cursor.fail(f"metadata key {index} is empty")
+            if key in metadata:
+                raise cursor.fail(f"metadata key {key!r} appears twice")
+            types[key] = kind = cursor.u32(f"{key}'s value type")
+            metadata[key] = cursor.value(kind, key)
+        alignment = metadata.get("general.alignment", 32)
+        if "general.alignment" in metadata and (types["general.alignment"] != 4 or not (
+                0 < alignment <= GGUF_MAX_ALIGNMENT and alignment & (alignment - 1) == 0)):
+            raise cursor.fail(f"general.alignment {alignment!r} is not a uint32 power of two up to "
+                              f"{GGUF_MAX_ALIGNMENT}")
+        infos = []
+        for index in range(n_tensors):
+            name = cursor.string(f"tensor {index}'s name", GGUF_MAX_NAME)
+            n_dims = cursor.u32(f"tensor {name!r}'s number of dims")
+            if not 1 <= n_dims <= GGUF_MAX_DIMS:
+                raise cursor.fail(f"tensor {name!r} has {n_dims} dims (1 to {GGUF_MAX_DIMS})")
+            dims = tuple(cursor.u64(f"tensor {name!r}'s dims") for _ in range(n_dims))
+            kind, offset = cursor.u32(f"tensor {name!r}'s type"), cursor.u64(f"tensor {name!r}'s offset")
+            if kind not in GGML_TYPES:
+                raise cursor.fail(f"tensor {name!r} has unknown type id {kind}")
+            type_name, block, block_bytes = GGML_TYPES[kind]
+            elements = 1
+            for dim in dims:
+                if not 1 <= dim <= GGUF_MAX_ELEMENTS:
+                    raise cursor.fail(f"tensor {name!r} has dims {list(dims)} (each 1 to {GGUF_MAX_ELEMENTS})")
+                elements *= dim  # exact (Python ints): no overflow to wrap around the bound below
+            if elements > GGUF_MAX_ELEMENTS:
+                raise cursor.fail(f"tensor {name!r} has {elements} values (at most {GGUF_MAX_ELEMENTS})")
+            if dims[0] % block:
+                raise cursor.fail(f"tensor {name!r}: rows of {dims[0]} values are not whole {type_name} blocks "
+                                  f"of {block}")
+            infos.append((name, type_name, dims, offset, elements // block * block_bytes))
+        names = [info[0] for info in infos]
+        if len(set(names)) != len(names):
+            raise cursor.fail(f"tensor {next(n for n in names if names.count(n) > 1)!r} appears twice")
+        data_start = -(-cursor.at // alignment) * alignment
+        if data_start > size:
+            raise cursor.fail(f"the tensor data would start at byte {data_start}, past the end ({size})")
+        end_of_previous, previous = 0, None
+        for name, _, _, offset, nbytes in sorted(infos, key=lambda info: info[3]):
+            if offset % alignment:
+                raise cursor.fail(f"tensor {name!r}'s offset {offset} is not a multiple of the alignment {alignment}")
+            if offset + nbytes > size - data_start:
+                raise cursor.fail(f"tensor {name!r} ({nbytes} bytes at data offset {offset}) runs past the end of "
+                                  f"the file ({size - data_start} data bytes)")
+            if offset < end_of_previous:
+                raise cursor.fail(f"tensors {previous!r} and {name!r} overlap")
+            end_of_previous, previous = offset + nbytes, name
+    except struct.error as error:  # defensive: every read is bounded above, so this is not expected
+        raise cursor.fail(str(error)) from None
+    return metadata, {name: (type_name, dims) for name, type_name, dims, _, _ in infos}
+
+
 def _plain(value: Any) -> Any:
     """A metadata value as a Python scalar / str / list (``mx.load`` gives scalars as 0-d arrays)."""
     if isinstance(value, mx.array):
@@ -138,10 +343,15 @@ def _plain(value: Any) -> Any:
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Tensors (MLX layout; Q4_0/Q4_1/Q8_0 as packed weight + scales + biases) and plain metadata of a GGUF."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
+    """Tensors (MLX layout; Q4_0/Q4_1/Q8_0 as packed weight + scales + biases) and plain metadata of a GGUF, after
+    :func:`check_gguf` has checked its whole structure (a hostile file is refused before a native reader sees it)."""
+    check_gguf(path)
+    return _read_checked(Path(path))
+
+
+def _read_checked(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """``read_gguf`` for a file ``check_gguf`` has passed: ``mx.load``, or the ``gguf`` package for the tensor
+    types mx.load cannot read. A reader's own error (numpy's, the package's) becomes one :class:`InvalidGGUF` line."""
     try:
         weights, metadata = mx.load(str(path), format="gguf", return_metadata=True)
     except Exception as error:  # mlx raises for tensor types it cannot read (Q4_K, Q5_0, Q6_K, ...)
@@ -150,7 +360,13 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
                 f"{path}: mlx cannot read this GGUF ({error}) and the 'gguf' package is not installed "
                 "(pip install gguf: it reads K-quant and Q5 tensors)"
             ) from error
-        return _read_with_gguf_package(path)
+        try:
+            return _read_with_gguf_package(path)
+        except UnsupportedGGUF:
+            raise
+        except Exception as error:  # noqa: BLE001 - any reader failure is the file's fault: one line
+            raise InvalidGGUF(f"{path}: cannot read its tensors: {type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}") from None
     return weights, {key: _plain(value) for key, value in metadata.items()}
 
 
@@ -293,6 +509,118 @@ def _meta(metadata: dict, key: str, default: Any = None, *, required: bool = Fal
     return default
 
 
+#: sane bounds on config values (far beyond any released model; a value outside them is a hostile or broken file)
+_LIMITS = {
+    "block_count": (1, 1024),
+    "attention.head_count": (1, 1024),
+    "attention.head_count_kv": (1, 1024),
+    "embedding_length": (1, 1 << 17),
+    "feed_forward_length": (1, 1 << 20),
+    "attention.key_length": (1, 4096),
+    "attention.value_length": (1, 4096),
+    "rope.dimension_count": (1, 4096),
+    "context_length": (1, 1 << 24),
+    "vocab_size": (1, GGUF_MAX_ARRAY),
+    "attention.sliding_window": (1, 1 << 24),
+    "expert_count": (0, 1 << 16),
+}
+
+
+def _int_meta(metadata: dict, key: str, default: Any = None, *, required: bool = False,
+              bounds: tuple[int, int] | None = None) -> Any:
+    """An integer metadata value (not a string, float or bool), within ``bounds`` (default: ``_LIMITS`` by the
+    key's name after the architecture) else :class:`InvalidGGUF`; ``default`` when absent."""
+    value = _meta(metadata, key, None, required=required)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidGGUF(f"GGUF metadata {key} is {value!r}, not an integer")
+    lo, hi = bounds or _LIMITS.get(key.split(".", 1)[-1], (0, 1 << 62))
+    if not lo <= value <= hi:
+        raise InvalidGGUF(f"GGUF metadata {key} is {value} (expected {lo} to {hi})")
+    return value
+
+
+def _float_meta(metadata: dict, key: str, default: float, *, low: float = 0.0, high: float = 1e15) -> float:
+    """A finite number in ``(low, high]`` (a zero RoPE base or a NaN epsilon makes every logit NaN)."""
+    value = _meta(metadata, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not (
+            low < value <= high):
+        raise InvalidGGUF(f"GGUF metadata {key} is {value!r} (expected a number above {low:g}, at most {high:g})")
+    return float(value)
+
+
+def _epsilon(metadata: dict, arch: str, default: float) -> float:
+    """The RMSNorm epsilon, rounded to 6 digits (the GGUF stores it as float32: 1e-5 reads as 9.99999974e-06)."""
+    return float(f"{_float_meta(metadata, f'{arch}.attention.layer_norm_rms_epsilon', default, high=1.0):.6g}")
+
+
+def _str_meta(metadata: dict, key: str, default: Any = None, *, required: bool = False) -> Any:
+    value = _meta(metadata, key, default, required=required)
+    if value is not None and not isinstance(value, str):
+        raise InvalidGGUF(f"GGUF metadata {key} is {value!r}, not a string")
+    return value
+
+
+def _expected_dims(arch: str, config: dict) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> dims (innermost first, as GGUF lists them) that the config implies, for every tensor a
+    model of ``arch`` may carry; each block's required ones are in ``_REQUIRED``."""
+    hidden, ff = config["hidden_size"], config["intermediate_size"]
+    q_out = config["num_attention_heads"] * config["head_dim"]
+    kv_out = config["num_key_value_heads"] * config["head_dim"]
+    vocab = config["vocab_size"]
+    dims = {"token_embd.weight": (hidden, vocab), "output_norm.weight": (hidden,), "output.weight": (hidden, vocab)}
+    block = {
+        "attn_q.weight": (hidden, q_out), "attn_k.weight": (hidden, kv_out), "attn_v.weight": (hidden, kv_out),
+        "attn_output.weight": (q_out, hidden), "attn_q.bias": (q_out,), "attn_k.bias": (kv_out,),
+        "attn_v.bias": (kv_out,), "attn_output.bias": (hidden,), "attn_norm.weight": (hidden,),
+        "ffn_norm.weight": (hidden,), "ffn_gate.weight": (hidden, ff), "ffn_up.weight": (hidden, ff),
+        "ffn_down.weight": (ff, hidden), "ffn_gate.bias": (ff,), "ffn_up.bias": (ff,), "ffn_down.bias": (hidden,),
+        "attn_q_norm.weight": (config["head_dim"],), "attn_k_norm.weight": (config["head_dim"],),
+        "post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        dims.update({f"blk.{layer}.{name}": shape for name, shape in block.items()})
+    return dims
+
+
+_REQUIRED = {
+    "llama": ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_norm.weight",
+              "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"),
+    "gemma3": ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_norm.weight",
+               "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "ffn_norm.weight",
+               "post_ffw_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"),
+}
+
+
+def _check_model(arch: str, config: dict, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """The config agrees with the tensors present: heads divide evenly, ``block_count`` is the number of blocks
+    there are (a block_count of 10^9 would make the loader build 10^9 layers), and every tensor has the dims the
+    config implies (so no reshape or matmul downstream meets a size it did not expect)."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if kv_heads > heads or heads % kv_heads:
+        raise InvalidGGUF(f"head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    layers = config["num_hidden_layers"]
+    present = {int(name.split(".")[1]) for name in tensors
+               if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if present != set(range(layers)):
+        raise InvalidGGUF(f"block_count is {layers} but the file holds blocks {_ranges(sorted(present))}")
+    expected = _expected_dims(arch, config)
+    for name in ("token_embd.weight", "output_norm.weight") + tuple(
+            f"blk.{layer}.{part}" for layer in range(layers) for part in _REQUIRED[arch]):
+        if name not in tensors:
+            raise InvalidGGUF(f"tensor {name!r} is missing")
+    for name, (_, dims) in tensors.items():
+        if name in expected and tuple(dims) != expected[name]:
+            raise InvalidGGUF(f"tensor {name!r} has dims {list(dims)}, the config implies {list(expected[name])}")
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return "none"
+    return f"{values[0]}..{values[-1]} ({len(values)} of them)" if len(values) > 1 else str(values[0])
+
+
 def _mlx_name(name: str, arch: str = "llama") -> str:
     parts = name.split(".")
     block = _BLOCKS[arch]
@@ -308,50 +636,64 @@ def _mlx_name(name: str, arch: str = "llama") -> str:
 
 def _llama_config(metadata: dict, weights: dict) -> dict:
     arch = "llama"
-    heads = int(_meta(metadata, f"{arch}.attention.head_count", required=True))
-    kv_heads = int(_meta(metadata, f"{arch}.attention.head_count_kv", heads))
-    hidden = int(_meta(metadata, f"{arch}.embedding_length", required=True))
-    head_dim = int(_meta(metadata, f"{arch}.attention.key_length", hidden // heads))
-    value_dim = int(_meta(metadata, f"{arch}.attention.value_length", head_dim))
+    heads = _int_meta(metadata, f"{arch}.attention.head_count", required=True)
+    kv_heads = _int_meta(metadata, f"{arch}.attention.head_count_kv", heads)
+    hidden = _int_meta(metadata, f"{arch}.embedding_length", required=True)
+    head_dim = _int_meta(metadata, f"{arch}.attention.key_length", max(1, hidden // heads))
+    value_dim = _int_meta(metadata, f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim:
         raise UnsupportedGGUF(f"llama with key_length {head_dim} != value_length {value_dim} is not supported")
-    rope_dims = int(_meta(metadata, f"{arch}.rope.dimension_count", head_dim))
+    rope_dims = _int_meta(metadata, f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise UnsupportedGGUF(f"partial rotary embedding (rope.dimension_count {rope_dims} of head_dim {head_dim})")
     if "rope_freqs.weight" in weights:
         raise UnsupportedGGUF("per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling) are not supported")
-    if _meta(metadata, f"{arch}.expert_count", 0):
+    if _int_meta(metadata, f"{arch}.expert_count", 0):
         raise UnsupportedGGUF("mixture-of-experts llama (expert_count > 0) is not supported")
-    tokens = _meta(metadata, "tokenizer.ggml.tokens", required=True)
+    tokens = _tokens(metadata)
     config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "num_hidden_layers": int(_meta(metadata, f"{arch}.block_count", required=True)),
-        "intermediate_size": int(_meta(metadata, f"{arch}.feed_forward_length", required=True)),
+        "num_hidden_layers": _int_meta(metadata, f"{arch}.block_count", required=True),
+        "intermediate_size": _int_meta(metadata, f"{arch}.feed_forward_length", required=True),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(f"{float(_meta(metadata, f'{arch}.attention.layer_norm_rms_epsilon', 1e-5)):.6g}"),
-        "vocab_size": int(_meta(metadata, f"{arch}.vocab_size", len(tokens))),
-        "rope_theta": float(_meta(metadata, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _epsilon(metadata, arch, 1e-5),
+        "vocab_size": _int_meta(metadata, f"{arch}.vocab_size", len(tokens)),
+        "rope_theta": _float_meta(metadata, f"{arch}.rope.freq_base", 10000.0),
         "rope_traditional": False,  # Q/K rows are un-permuted to the Hugging Face layout
-        "max_position_embeddings": int(_meta(metadata, f"{arch}.context_length", 4096)),
+        "max_position_embeddings": _int_meta(metadata, f"{arch}.context_length", 4096),
         "tie_word_embeddings": "output.weight" not in weights,
         "attention_bias": "blk.0.attn_q.bias" in weights,
         "mlp_bias": "blk.0.ffn_up.bias" in weights,
     }
-    scaling = _meta(metadata, f"{arch}.rope.scaling.type")
+    scaling = _str_meta(metadata, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise UnsupportedGGUF(f"RoPE scaling type {scaling!r} is not supported (only linear)")
-        config["rope_scaling"] = {"type": "linear", "factor": float(_meta(metadata, f"{arch}.rope.scaling.factor"))}
+        config["rope_scaling"] = {"type": "linear",
+                                  "factor": _float_meta(metadata, f"{arch}.rope.scaling.factor", 1.0, high=1e6)}
+    _special_ids(metadata, config, len(tokens))
+    return config
+
+
+def _special_ids(metadata: dict, config: dict, vocab: int) -> None:
+    """BOS / EOS / padding ids into ``config``: each an integer inside the vocabulary."""
     for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
-        value = _meta(metadata, f"tokenizer.ggml.{meta_key}")
+        value = _int_meta(metadata, f"tokenizer.ggml.{meta_key}", bounds=(0, vocab - 1))
         if value is not None:
-            config[key] = int(value)
-    return config
+            config[key] = value
+
+
+def _tokens(metadata: dict) -> list[str]:
+    """``tokenizer.ggml.tokens``: a non-empty list of strings (the vocabulary every other tokenizer key indexes)."""
+    tokens = _meta(metadata, "tokenizer.ggml.tokens", required=True)
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise InvalidGGUF("GGUF metadata tokenizer.ggml.tokens is not a non-empty list of strings")
+    return tokens
 
 
 #: llama.cpp's gemma3 constants the GGUF does not carry (src/llama-model.cpp): every 6th layer attends globally,
@@ -366,47 +708,43 @@ def _gemma3_config(metadata: dict, weights: dict) -> dict:
     27B model, hidden 5376 over 32 heads, uses hidden / heads). RoPE is the Hugging Face half-split layout (llama.cpp
     runs gemma3 with NEOX rotation; its converter does not permute Q/K), embeddings are tied."""
     arch = "gemma3"
-    heads = int(_meta(metadata, f"{arch}.attention.head_count", required=True))
-    hidden = int(_meta(metadata, f"{arch}.embedding_length", required=True))
-    head_dim = int(_meta(metadata, f"{arch}.attention.key_length", 256))
-    if int(_meta(metadata, f"{arch}.attention.value_length", head_dim)) != head_dim:
+    heads = _int_meta(metadata, f"{arch}.attention.head_count", required=True)
+    hidden = _int_meta(metadata, f"{arch}.embedding_length", required=True)
+    head_dim = _int_meta(metadata, f"{arch}.attention.key_length", 256)
+    if _int_meta(metadata, f"{arch}.attention.value_length", head_dim) != head_dim:
         raise UnsupportedGGUF("gemma3 with key_length != value_length is not supported")
     if _meta(metadata, f"{arch}.final_logit_softcapping") or _meta(metadata, f"{arch}.attn_logit_softcapping"):
         raise UnsupportedGGUF("gemma3 logit soft-capping is not supported (mlx-lm's gemma3_text has none)")
     if "output.weight" in weights:
         raise UnsupportedGGUF("gemma3 with an untied output head is not supported (mlx-lm's gemma3_text ties it)")
-    layers = int(_meta(metadata, f"{arch}.block_count", required=True))
-    tokens = _meta(metadata, "tokenizer.ggml.tokens", required=True)
+    layers = _int_meta(metadata, f"{arch}.block_count", required=True)
+    tokens = _tokens(metadata)
     config: dict[str, Any] = {
         "model_type": "gemma3_text",
         "architectures": ["Gemma3ForCausalLM"],
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": int(_meta(metadata, f"{arch}.feed_forward_length", required=True)),
+        "intermediate_size": _int_meta(metadata, f"{arch}.feed_forward_length", required=True),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_meta(metadata, f"{arch}.attention.head_count_kv", heads)),
+        "num_key_value_heads": _int_meta(metadata, f"{arch}.attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "rms_norm_eps": float(f"{float(_meta(metadata, f'{arch}.attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),
-        "vocab_size": int(_meta(metadata, f"{arch}.vocab_size", len(tokens))),
-        "rope_theta": float(_meta(metadata, f"{arch}.rope.freq_base", 1_000_000.0)),
+        "rms_norm_eps": _epsilon(metadata, arch, 1e-6),
+        "vocab_size": _int_meta(metadata, f"{arch}.vocab_size", len(tokens)),
+        "rope_theta": _float_meta(metadata, f"{arch}.rope.freq_base", 1_000_000.0),
         "rope_local_base_freq": GEMMA3_ROPE_LOCAL_BASE,
         "query_pre_attn_scalar": hidden // heads if (hidden, heads) == (5376, 32) else head_dim,
-        "sliding_window": int(_meta(metadata, f"{arch}.attention.sliding_window", 512)),
+        "sliding_window": _int_meta(metadata, f"{arch}.attention.sliding_window", 512),
         "sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
-        "max_position_embeddings": int(_meta(metadata, f"{arch}.context_length", 32768)),
+        "max_position_embeddings": _int_meta(metadata, f"{arch}.context_length", 32768),
         "tie_word_embeddings": True,
     }
-    scaling = _meta(metadata, f"{arch}.rope.scaling.type")
+    scaling = _str_meta(metadata, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise UnsupportedGGUF(f"RoPE scaling type {scaling!r} is not supported (only linear)")
         config["rope_scaling"] = {"rope_type": "linear",
-                                  "factor": float(_meta(metadata, f"{arch}.rope.scaling.factor"))}
-    for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                          ("pad_token_id", "padding_token_id")):
-        value = _meta(metadata, f"tokenizer.ggml.{meta_key}")
-        if value is not None:
-            config[key] = int(value)
+                                  "factor": _float_meta(metadata, f"{arch}.rope.scaling.factor", 1.0, high=1e6)}
+    _special_ids(metadata, config, len(tokens))
     return config
 
 
@@ -508,6 +846,35 @@ def _tokenizer_config(metadata: dict, added: list[dict], add_bos: bool, **specia
     if template:
         config["chat_template"] = template
     return config
+
+
+def _check_tokenizer(metadata: dict, vocab_size: int) -> None:
+    """The tokenizer keys are what ``tokenizer.json`` needs, so the ``tokenizers`` library (Rust) is never handed a
+    vocabulary it rejects at load time: tokens fit the embedding, token types and scores match them one for one,
+    every merge is two tokens whose concatenation is a token, the chat template is a string."""
+    tokens = _tokens(metadata)
+    if len(tokens) > vocab_size:
+        raise InvalidGGUF(f"{len(tokens)} tokens but an embedding of {vocab_size} rows")
+    model = _str_meta(metadata, "tokenizer.ggml.model", required=True)
+    _str_meta(metadata, "tokenizer.ggml.pre")
+    _str_meta(metadata, "tokenizer.chat_template")
+    for key, kinds in (("tokenizer.ggml.token_type", (int,)), ("tokenizer.ggml.scores", (int, float))):
+        values = _meta(metadata, key)
+        if values is None:
+            continue
+        if not isinstance(values, list) or len(values) != len(tokens) or not all(
+                isinstance(v, kinds) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            raise InvalidGGUF(f"GGUF metadata {key} is not {len(tokens)} numbers, one per token")
+    if model == "gpt2":
+        merges = _meta(metadata, "tokenizer.ggml.merges", required=True)
+        vocab = set(tokens)
+        if not isinstance(merges, list):
+            raise InvalidGGUF("GGUF metadata tokenizer.ggml.merges is not a list of strings")
+        for index, merge in enumerate(merges):
+            parts = merge.split(" ") if isinstance(merge, str) else []
+            if len(parts) != 2 or parts[0] not in vocab or parts[1] not in vocab or "".join(parts) not in vocab:
+                raise InvalidGGUF(f"tokenizer.ggml.merges[{index}] ({str(merge)[:40]!r}) is not two tokens whose "
+                                  "concatenation is a token")
 
 
 def _tokenizer_files(metadata: dict) -> tuple[dict, dict]:
@@ -675,13 +1042,17 @@ def convert(
     cast = None if dtype is None else getattr(mx, dtype, None)
     if dtype is not None and cast not in (mx.float16, mx.bfloat16, mx.float32):
         raise InvalidRequest(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
-    raw, metadata = read_gguf(gguf_path)
-    arch = _meta(metadata, "general.architecture", required=True)
+    # everything the file says is checked before mx.load (C) or the gguf package reads a tensor
+    metadata, tensors = check_gguf(gguf_path)
+    arch = _str_meta(metadata, "general.architecture", required=True)
     if arch not in ARCHITECTURES:
         raise UnsupportedGGUF(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
-    config = _llama_config(metadata, raw) if arch == "llama" else _gemma3_config(metadata, raw)
+    config = _llama_config(metadata, tensors) if arch == "llama" else _gemma3_config(metadata, tensors)
+    _check_model(arch, config, tensors)
+    _check_tokenizer(metadata, config["vocab_size"])
+    raw, metadata = _read_checked(Path(gguf_path))
     tokenizer, tokenizer_config = _tokenizer_files(metadata)
     weights, quantization = _model_weights(raw, config, cast, dequantize, arch)
     if quantization:
