@@ -612,6 +612,23 @@ class SpecCache:
             if added:
                 caches.discard(id(self))
 
+    def drop(self, ns_key: bytes, tokens: Sequence[int]) -> bool:
+        """Remove the checkpoint of exactly ``tokens`` from the memory tier (the entry that serves them) and LMDB
+        (as a corrupt record is: hidden from lookups where the store is read-only); True if any tier held it.
+        Why: an entry that fails the engine step it is restored into (``serve``'s fault isolation) would fail
+        every later request restoring it. The shared tier keeps its copy (its entries are verified, not
+        deletable from here); a write of it still queued lands after this."""
+        tokens = [int(t) for t in tokens]
+        served = self.memory.serving(ns_key, tokens)
+        held = served is not None and self.memory.discard(ns_key, np.frombuffer(served[0], dtype=np.uint32))
+        if self._closed:
+            return held
+        key = self.store.entry_key(ns_key, tokens)
+        if key is not None:
+            with self.store._lock:
+                self.store._forget_corrupt(key)
+        return held or key is not None
+
     # --- cache controls (``spec_cache.tiers.cache_controls``; ``serve``'s /v1/cache/...) ----------------------------
     def pin(self, ns_key: bytes, tokens: Sequence[int], ttl_s: float, **options):
         """Keep the longest stored prefix of ``tokens`` from eviction (memory tier and LMDB) for ``ttl_s`` s."""

@@ -50,6 +50,19 @@ budget); the job waits in the queue meanwhile while the batch goes on decoding, 
 is done. The scheduler's own restore (inside ``SpecCache.shared_via_prefetch()``) takes the prefetched prefix and
 never asks the network, so a slow or hung server delays only the job that needs it, never a stream in the batch.
 
+Fault isolation: an engine step that raises leaves its session unusable, but fails only the row that caused
+it. The culprit is the one row that had not been through a step yet (just admitted: a restored state that does
+not fit the model fails the step it joins in), or else the one suspect left from an earlier failure; that row is
+failed alone with its own error (500 ``engine_error``) and the prefix it restored is dropped from the memory tier
+and LMDB (``SpecCache.drop``), so no later request restores it. Every other row is resumed in a fresh session
+exactly where its client stands: readmitted as a retry of itself (``continuations.trim``: its row continues
+from the longest stored state of ``prompt + delivered`` a run of it would have held, or from the prompt), and the
+delivered tokens its row generates again are checked, not sent (a row's tokens never depend on its batch, so
+they are the same; one that differs fails the row rather than answer wrongly). When the step cannot tell the
+culprit (several rows new, or none), those rows become suspects, readmitted one at a time, so the next failure
+names one; a row in ``MAX_FAILURES`` failed steps is failed whatever the rule says. Cost: the survivors' lost
+step and the tokens they generate again.
+
 Back-pressure: at most ``max_rows`` jobs decode at once; up to ``max_queue`` more wait; beyond that ``submit``
 raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
 ``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason, generated)`` with reason
@@ -93,8 +106,22 @@ PREFETCH_BUDGETS = 2.0
 MAX_CHECKPOINT_AT = 8
 #: a ``checkpoint_at`` offset this close to what is already covered (or to the prompt boundary) is skipped
 MIN_CHECKPOINT_GAP = 16
+#: a job in this many failed engine steps is failed (fault isolation, module doc), whoever the rule blames
+MAX_FAILURES = 3
 
 __all__ = ["Job", "Scheduler", "checkpoint_points", "MAX_CHECKPOINT_AT", "MIN_CHECKPOINT_GAP"]
+
+
+def _restored(job: Job) -> int:
+    """Tokens ``job``'s current row restored from the cache (0: cold, or not prepared yet)."""
+    request = None if job.prepared is None else job.prepared.request
+    return 0 if request is None else request.restored_tokens
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message as one line of at most ``limit`` characters (an error reply is one line)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @dataclass(eq=False)
@@ -133,6 +160,12 @@ class Job:
     #: the prompt's end is left to the end-of-prompt checkpoint, as any offset
     pinned_at: tuple[int, ...] = ()
     end_checkpoint: bool = False  # checkpoint ``prompt`` itself right after its first token (see the module doc)
+    # fault isolation (``Scheduler._step``): set by the scheduler thread
+    proven: bool = False  # its current row got through a step that emitted tokens for it (or finished it)
+    suspect: bool = False  # in a failed step that could not tell the culprit: readmitted one suspect at a time
+    failures: int = 0  # failed steps it was in
+    resuming: bool = False  # readmitted after a failed step: its next ``_submit`` resumes what it delivered
+    resend: list[int] = field(default_factory=list)  # delivered tokens its resumed row generates again (not sent)
 
     @property
     def sequence(self) -> list[int]:
@@ -386,16 +419,22 @@ class Scheduler:
 
     def _ready(self) -> bool:
         """Whether a waiting job can be admitted now (its prefetch, if any, is done)."""
-        return any(job.prefetch is None or job.prefetch.done() for job in self._pending)
+        return any(self._admissible(job) for job in self._pending)
 
     def _next_ready(self) -> Job | None:
-        """The first waiting job whose prefetch is done (taken off the queue), or None."""
+        """The first waiting job whose prefetch is done (taken off the queue), or None; a suspect (module doc:
+        fault isolation) waits while another one is in the batch."""
         for job in self._pending:
-            if job.prefetch is None or job.prefetch.done():
+            if self._admissible(job):
                 self._pending.remove(job)
                 job.prefetch = None
                 return job
         return None
+
+    def _admissible(self, job: Job) -> bool:
+        if job.prefetch is not None and not job.prefetch.done():
+            return False
+        return not job.suspect or not any(other.suspect for other in self._rows.values())
 
     def _admit(self) -> None:
         session = self._session
@@ -411,6 +450,7 @@ class Scheduler:
                 self._fail(job, api_error(exc, context="the engine refused the request", fallback=400))
                 continue
             self._rows[job.row] = job
+            job.proven = False
             with self._lock:
                 self._decoding += 1
             if job.phase_end is None and not job.started:
@@ -449,6 +489,9 @@ class Scheduler:
         job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key)
         self._observe("restore", time.perf_counter() - began)
         job.prepared.request.stop_at_eos = job.stop_at_eos
+        if job.resuming:
+            self._resume(job)
+            sequence, budget = job.sequence, job.max_tokens - job.replayed
         if first:  # what the cache held of the prompt before this request
             job.cached_tokens = min(job.prepared.cached_tokens, len(job.prompt) - 1)
             if job.replayed:
@@ -479,11 +522,34 @@ class Scheduler:
             job.prepared.request.boundary_checkpoint = not job.end_checkpoint
             if not job.started:  # "start" reports what was restored: nothing now (a replay was reported already)
                 job.cached_tokens = 0
+            if job.failures and job.replayed:  # resumed: a cold prefill of tokens it generated is not exact
+                job.resend, job.output = job.output + job.resend, []
+                job.replayed = job.generated = job.checkpointed_at = 0
+                sequence, budget = job.sequence, job.max_tokens
+                job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
+                job.prepared.request.stop_at_eos = job.stop_at_eos
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
         if job.admitted_at is None:
             job.admitted_at = time.perf_counter()
         return True
+
+    def _resume(self, job: Job) -> None:
+        """``job`` delivered ``job.output`` before a failed step: its row goes on as a retry of itself. Under float
+        KV it keeps the delivered tokens the restored state covers (``continuations.trim``, as a retry does), under
+        KV quantization none (a state converts where its whole prompt says); the rest it generates again, checked
+        against what was sent (``resend``)."""
+        job.resuming = False
+        if self.generator.engine.plan is None:
+            kept = continuation_trim(job.prepared, len(job.prompt), job.replayed)
+        else:
+            kept = 0
+            job.prepared = self.generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling,
+                                                  ns_key=job.prepared.ns_key)
+            job.prepared.request.stop_at_eos = job.stop_at_eos
+        job.resend = job.output[kept:]
+        del job.output[kept:]
+        job.replayed = job.generated = job.checkpointed_at = kept
 
     def _observe(self, stage: str, seconds: float) -> None:
         """One observation of ``spec_cache_stage_seconds{stage=...}`` (see ``metrics``), when metrics are on."""
@@ -568,22 +634,93 @@ class Scheduler:
             self._session.step()
             self._observe("round", time.perf_counter() - began)
         except Exception as exc:
-            log.exception("spec-cache: an engine step failed; failing the rows in the batch")
-            jobs = list(self._rows.values())
-            self._rows.clear()
-            self._saves.clear()
-            try:
-                self._session.close()
-            finally:
-                self._session = self._new_session()
-            for job in jobs:
-                self._fail(job, APIError(500, f"generation failed: {type(exc).__name__}: {exc}",
-                                         code="engine_error"))
+            self._isolate(exc)
+
+    def _isolate(self, exc: Exception) -> None:
+        """A step raised (module doc: fault isolation): fail its culprit alone, drop the prefix that row restored,
+        resume every other row of the batch in a fresh session."""
+        jobs = list(self._rows.values())
+        self._rows.clear()
+        self._saves.clear()  # taken in the failed step: its state is not to be trusted
+        try:
+            self._session.close()
+        except Exception:  # a broken session may fail to close; its state goes anyway
+            log.warning("spec-cache: closing the failed session raised", exc_info=True)
+        finally:
+            self._session = self._new_session()
+        for job in jobs:
+            job.failures += 1
+        culprit = self._culprit(jobs)
+        reason = f"{type(exc).__name__}: {_one_line(exc)}"
+        if culprit is None:
+            log.exception("spec-cache: an engine step failed (%s); %d rows readmitted one at a time to find the "
+                          "culprit", reason, len(jobs), exc_info=exc)
+        else:
+            log.error("spec-cache: an engine step failed (%s); failing its culprit alone, %d other rows resume",
+                      reason, len(jobs) - 1, exc_info=exc)
+        survivors = []
+        for job in jobs:
+            if job is culprit:
+                dropped = self._drop_restored(job)
+                note = f" (the {dropped}-token prefix it restored was dropped from the cache)" if dropped else ""
+                self._fail(job, APIError(500, f"generation failed: {reason}{note}", code="engine_error"))
+                continue
+            with self._lock:
+                self._decoding -= 1
+            job.row = None
+            if job.phase_end is not None:  # a prefill phase: it is simply planned again
+                job.phase_end = None
+            elif job.started:
+                job.replayed, job.resuming = len(job.output), True
+            survivors.append(job)
+        # a suspect that restored a prefix goes first (restored state is what fails a step that a row joins)
+        survivors.sort(key=lambda job: not (job.suspect and _restored(job)))
+        self._pending.extendleft(reversed(survivors))
+
+    def _culprit(self, jobs: list[Job]) -> Job | None:
+        """The job a failed step is blamed on, or None (then the candidates become suspects): the only one, the
+        only one not proven (new in the batch), the only suspect among those, or one in ``MAX_FAILURES`` failed
+        steps."""
+        if len(jobs) == 1:
+            return jobs[0]
+        candidates = [job for job in jobs if not job.proven] or jobs
+        if len(candidates) == 1:
+            return candidates[0]
+        suspects = [job for job in candidates if job.suspect]
+        if len(suspects) == 1:
+            return suspects[0]
+        worn = [job for job in candidates if job.failures >= MAX_FAILURES]
+        if worn:
+            return worn[0]
+        for job in candidates:
+            job.suspect = True
+        return None
+
+    def _drop_restored(self, job: Job) -> int:
+        """Drop from the cache the prefix ``job``'s row restored (a poisoned entry fails every row it is restored
+        into); the number of tokens it covered, 0 for none."""
+        cache, prepared = self.generator.cache, job.prepared
+        if cache is None or not _restored(job):
+            return 0
+        tokens = list(prepared.request.prompt[: _restored(job)])
+        try:
+            cache.drop(prepared.ns_key, tokens)
+        except Exception:  # a cache never takes the server down
+            log.exception("spec-cache: the poisoned prefix of %d tokens could not be dropped", len(tokens))
+            return 0
+        return len(tokens)
 
     def _on_tokens(self, row: int, tokens: list) -> None:
         job = self._rows.get(row)
-        if job is None or job.phase_end is not None:
+        if job is None:
             return
+        job.proven = True
+        if job.phase_end is not None:
+            return
+        if job.resend:
+            tokens = self._resent(job, row, tokens)
+            if not tokens:
+                return
         now = time.perf_counter()
         if self.metrics is not None:
             if job.last_token_at is None:
@@ -608,6 +745,27 @@ class Scheduler:
             job.end_checkpoint = False
             if len(job.output) == 1:
                 self._session.checkpoint(row)  # taken at the end of this step
+        self._checkpoint_due(job, row)
+
+    def _resent(self, job: Job, row: int, tokens: list) -> list:
+        """A resumed row's ``tokens``: those its client has already (``resend``) are taken as generated, not sent;
+        the rest are returned. Ones that differ from what was sent fail the job (never a silent wrong answer)."""
+        again = list(tokens[: len(job.resend)])
+        if again != job.resend[: len(again)]:
+            self._rows.pop(row, None)
+            self._session.cancel(row)
+            self._fail(job, APIError(500, "generation failed: the row resumed after a failed step generated other "
+                                     "tokens than it had sent", code="engine_error"))
+            return []
+        del job.resend[: len(again)]
+        job.output += again
+        job.generated += len(again)
+        job.last_token_at = time.perf_counter()
+        self._checkpoint_due(job, row)
+        return list(tokens[len(again):])
+
+    def _checkpoint_due(self, job: Job, row: int) -> None:
+        """Ask for the row's checkpoint when ``checkpoint_every`` more tokens were generated since its last."""
         every = self.checkpoint_every
         if every is not None and job.generated - job.checkpointed_at >= every and job.generated < job.max_tokens:
             job.checkpointed_at = job.generated
@@ -617,6 +775,7 @@ class Scheduler:
         job = self._rows.pop(row, None)
         if job is None:
             return
+        job.proven = True
         with self._lock:
             self._decoding -= 1
         if job.phase_end is not None and not result.cancelled:
