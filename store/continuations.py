@@ -320,7 +320,8 @@ def check(txn, dbs) -> ContinuationCheck:
             found.newer += 1
             continue
         except CorruptRecord as exc:
-            found.corrupt.append({"db": "continuations", "key": key.hex(), "error": str(exc)})
+            found.corrupt.append({"db": "continuations", "what": "continuation record", "key": key.hex(),
+                                  "error": str(exc)})
             continue
         found.ok += 1
         expected[_lru_row(rec.written_ns, key)] = len(bytes(raw))

@@ -85,7 +85,8 @@ def verify(store: Store, progress: Progress | None = None, *, index: bool = True
                 check_key(rec, key, db)
             except CorruptRecord as exc:
                 report.corrupt += 1
-                report.corrupt_keys.append({"db": db, "key": _hex(key), "error": str(exc)})
+                report.corrupt_keys.append({"db": db, "what": record_kind(db, key), "key": _hex(key),
+                                            "error": str(exc)})
             else:
                 if db == "drafts" and rec.kind != "piece" and rec.schema not in SCHEMAS:
                     report.unknown_schema += 1
@@ -103,6 +104,18 @@ def verify(store: Store, progress: Progress | None = None, *, index: bool = True
     if index:
         report.index_problems = index_problems(store) + conts.problems
     return report
+
+
+#: what a record of each sub-database holds, in the words operators read (``drafts`` holds shared pieces too)
+_RECORD_KINDS = {"chunks": "target chunk", "edata": "entry data", "drafts": "drafter part"}
+
+
+def record_kind(db: str, key: bytes) -> str:
+    """What the record under ``key`` in ``db`` is: a shared piece (32-byte key in ``drafts``: a drafter part's or,
+    from format 1.3, a target tail's) is not a drafter part, whatever sub-database it shares."""
+    if db == "drafts" and len(key) == 32:
+        return "shared piece"
+    return _RECORD_KINDS.get(db, db)
 
 
 SCAN_SLICE_S = 0.2

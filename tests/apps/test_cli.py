@@ -198,6 +198,8 @@ def test_show(cli, cache):
         assert [e["pinned"] for e in obj["entries"] if e["tokens"] == 6] == [True]
     human = ok(cli("--cache", cache, "show", NS_B.hex()[:10]))
     assert NS_B.hex() in human and "tenant      t:" in human
+    # per-entry sizes say they leave out the shared chunks (issue 36 first hour, item 7)
+    assert "OWN BYTES" in human and "counted once, in the namespace's total" in human
     usage_error(cli("--cache", cache, "show", "abcd"), "ambiguous")
     usage_error(cli("--cache", cache, "show", "ffffff"), "ffffff")
     usage_error(cli("--cache", cache, "show", "ab"))
@@ -266,7 +268,7 @@ def test_verify(cli, cache):
     v = one_json(cli("--cache", cache, "--json", "verify"), code=1)
     assert (v["corrupt"], v["ok"]) == (1, v["records"] - 1)
     human = ok(cli("--cache", cache, "verify"), code=1)
-    assert "1 corrupt" in human and "corrupt chunks" in human
+    assert "1 corrupt" in human and "corrupt target chunk" in human
 
 
 # --- changes ------------------------------------------------------------------------------------------------------
