@@ -7,6 +7,12 @@ distribution (greedy: exactly the target's argmax sequence).
 Temperature 0 is greedy (argmax of the log-probabilities, as mlx-lm's ``greedy_sampler``). Temperature > 0 draws
 from ``softmax(logprobs / T)`` (restricted to the ``top_p`` nucleus when ``top_p < 1``).
 
+Below a safe floor a sampling parameter means greedy (``means_greedy``): a temperature under ``MIN_TEMPERATURE``
+(``1 / T`` overflows float32 near 1e-38, and the logits turn to NaN: every token came out as id 0), or a ``top_p``
+under ``MIN_TOP_P`` (a nucleus that small holds the most likely token alone, whose probability is at least
+``1 / vocab``; in float32 a ``top_p`` under ~1e-45 is 0 and kept nothing, id 0 again). Greedy is what either
+asks for in the limit, and its tokens are exactly the target's argmax.
+
 Two samplers:
 
 * ``TokenSampler`` (drafters): one PRNG stream per batch, split per call. Drafts only decide how many tokens a
@@ -27,7 +33,20 @@ import mlx.core as mx
 
 from spec_cache.errors import InvalidRequest
 
-__all__ = ["Sampling", "TokenSampler", "RowSampling", "RowSampler", "position_key"]
+__all__ = ["Sampling", "TokenSampler", "RowSampling", "RowSampler", "position_key", "means_greedy", "MIN_TEMPERATURE",
+           "MIN_TOP_P"]
+
+#: a temperature below this samples greedily (module doc)
+MIN_TEMPERATURE = 1e-5
+#: a ``top_p`` below this keeps the most likely token alone: greedy (module doc; vocabularies up to 1M tokens)
+MIN_TOP_P = 1e-6
+
+
+def means_greedy(temperature: float, top_p: float = 1.0) -> bool:
+    """Whether ``temperature`` / ``top_p`` (checked numbers) sample exactly as greedy does: 0, or below the floors
+    (``MIN_TEMPERATURE``, ``MIN_TOP_P``; module doc). Callers that key on greediness (a retry's replay, the seed a
+    server picks) ask this, not ``temperature == 0``."""
+    return temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P
 
 
 @dataclass(frozen=True)
@@ -44,6 +63,8 @@ class Sampling:
             raise InvalidRequest(f"temperature must be finite and >= 0, got {self.temperature}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if means_greedy(self.temperature):  # below the floor: greedy (module doc)
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +92,8 @@ class RowSampling:
     ``seed`` (any int), ``top_k`` (keep the k most likely tokens; 0: off) and ``min_p`` in [0, 1] (keep the tokens
     at least ``min_p`` times as likely as the most likely one; 0: off). Raises TypeError / ValueError for values
     outside those ranges. The filters apply to the tempered distribution in that order (top_p, min_p, top_k); a
-    greedy row's token passes every one of them, so they change nothing there."""
+    greedy row's token passes every one of them, so they change nothing there. A temperature or ``top_p`` below
+    its floor (``means_greedy``) is greedy: ``temperature`` reads 0 then."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -98,6 +120,8 @@ class RowSampling:
             raise TypeError(f"min_p must be a number, got {type(self.min_p).__name__}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.temperature and means_greedy(self.temperature, self.top_p):  # below a floor: greedy (module doc)
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -116,7 +140,7 @@ def _nucleus(logprobs: mx.array, top_p: float) -> mx.array:
     order = mx.argsort(-logprobs, axis=-1)
     ranked = mx.take_along_axis(logprobs, order, axis=-1)
     before = mx.cumsum(mx.exp(ranked), axis=-1) - mx.exp(ranked)  # mass of the tokens ranked above each one
-    keep_ranked = before < top_p
+    keep_ranked = (before < top_p) | (mx.arange(logprobs.shape[-1]) == 0)  # the top token even if top_p rounds to 0
     keep = mx.put_along_axis(mx.zeros(logprobs.shape, dtype=mx.bool_), order, keep_ranked, axis=-1)
     return mx.where(keep, logprobs, -mx.inf)
 

@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from spec_cache.apps.server.protocol import MAX_STOP_CHARS, APIError, GenerationParams
+from spec_cache.apps.server.protocol import MAX_STOP_CHARS, APIError, GenerationParams, greedy_floor
 from spec_cache.apps.server.scheduler import MAX_CHECKPOINT_AT
 from spec_cache.apps.server.seam import message_boundaries
 from spec_cache.apps.server.tools import TemplateError, ToolCall, ToolCallStream, render_chat, tool_style
@@ -288,8 +288,9 @@ def _params(body: dict, model: str, default_temperature: float, counting: bool) 
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):  # 0 (or less): off
         raise _bad("top_k: must be an integer")
+    top_p = 1.0 if top_p is None else top_p
     return GenerationParams(model=model, max_tokens=max_tokens if not counting else None,
-                            temperature=temperature, top_p=1.0 if top_p is None else top_p, stop=list(stops),
+                            temperature=greedy_floor(temperature, top_p), top_p=top_p, stop=list(stops),
                             stream=stream, user=(metadata or {}).get("user_id"), top_k=max(0, top_k or 0))
 
 

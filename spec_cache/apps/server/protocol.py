@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from spec_cache.rows.sampling import means_greedy
+
 __all__ = ["APIError", "GenerationParams", "PromptBatch", "parse_chat", "parse_completion", "with_choices",
            "error_body", "usage", "chat_response", "chat_chunk", "completion_response",
            "completion_chunk", "new_id"]
@@ -117,6 +119,15 @@ def _number(body: dict, name: str, default: float | None, low: float, high: floa
     return float(value)
 
 
+def greedy_floor(temperature: float | None, top_p: float) -> float | None:
+    """``temperature`` as the sampler reads it: 0 when it or ``top_p`` is below its floor (``means_greedy``: such a
+    request is greedy, so its tokens are a function of it, as a retry's replay and the seed the server picks
+    assume), else unchanged (None: the server's default)."""
+    if temperature is not None and temperature > 0 and means_greedy(temperature, top_p):
+        return 0.0
+    return temperature
+
+
 def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
@@ -195,10 +206,10 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise _malformed("'top_k' must be an integer", "top_k")
+    temperature, top_p = _number(body, "temperature", None, 0.0, 2.0), _number(body, "top_p", 1.0, 0.0, 1.0,
+                                                                              low_open=True)
     return GenerationParams(
-        model=model, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", None, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        model=model, max_tokens=max_tokens, temperature=greedy_floor(temperature, top_p), top_p=top_p,
         top_k=max(0, top_k or 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=seed, stop=stops, stream=stream, include_usage=include_usage, cache_salt=salt,
         user=user if isinstance(user, str) else None, ignore_eos=ignore_eos, n=n,
