@@ -226,7 +226,7 @@ def build_state(args):
 
     check_args(args)
     log = logging.getLogger("spec_cache.apps.server")
-    model_dir, default_id = _model_dir(args.model, log)
+    model_dir, default_id = _model_dir(args.model, log, getattr(args, "_loading", None))
     keys, operator_keys = _keys(args)
     try:
         kv = KVOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
@@ -362,22 +362,115 @@ def _is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.lower().endswith(".gguf")
 
 
-def _model_dir(model: str, log) -> tuple[Path, str]:
+def _model_dir(model: str, log, loading: "_Loading | None" = None) -> tuple[Path, str]:
     """The mlx-lm directory to load and the default model id: ``model`` itself, or for a GGUF file its conversion
     (made once under ``$XDG_CACHE_HOME/spec-cache/models``, as ``demo --real`` does; progress logged) and the
-    file's name without ``.gguf``."""
+    file's name without ``.gguf``.
+
+    The conversion runs in a child process (``_convert_in_child``): a GGUF is a file anyone may hand the server, and
+    whatever a hostile one does to a reader (a native crash, a loop) then costs the child, not the server, which
+    reports one line; and a SIGTERM while it converts stops the child at once (``loading``)."""
     if not _is_gguf(model):
         return Path(model), Path(model).resolve().name
-    from spec_cache.apps.demo_real import converted_model, resolve_weights
+    from spec_cache.apps.demo_real import resolve_weights
 
     gguf = Path(model)
-    try:
-        out = converted_model(gguf, resolve_weights("auto"), progress=lambda m: log.info("spec-cache serve: %s", m))
-    except (ValueError, OSError) as exc:  # UnsupportedGGUF is a ValueError
-        raise _fail(f"cannot convert {gguf}: {error_line(exc, first_line=True)} "
-                    f"(spec-cache convert-gguf {gguf} DIR, then --model DIR, gives the converter's options)") from None
+    log.info("spec-cache serve: converting %s in a child process (once: later starts reuse the result) ...",
+             gguf.name)
+    out = _convert_in_child(gguf, resolve_weights("auto"), loading)
     log.info("spec-cache serve: %s converted into %s (reused by later starts)", gguf.name, out)
     return out, gguf.name[: -len(".gguf")]
+
+
+#: the child's program: ``converted_model`` (the same directory ``demo --real`` reuses); its last stdout line is the
+#: directory, a refusal is one line on stderr and exit 2
+_CONVERT_CHILD = """
+import sys
+from pathlib import Path
+from spec_cache.apps.demo_real import converted_model
+try:
+    print(converted_model(Path(sys.argv[1]), sys.argv[2]), flush=True)
+except (ValueError, OSError) as error:  # UnsupportedGGUF / InvalidGGUF are ValueErrors
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    print(text, file=sys.stderr, flush=True)
+    sys.exit(2)
+"""
+
+
+def _convert_in_child(gguf: Path, weights: str, loading: "_Loading | None") -> Path:
+    """Convert ``gguf`` in a child Python; ``CliError`` (one line) when it refuses the file, dies by a signal or is
+    stopped by a SIGTERM to the server."""
+    import signal
+    import subprocess
+
+    hint = f"(spec-cache convert-gguf {gguf} DIR, then --model DIR, gives the converter's options)"
+    child = subprocess.Popen([sys.executable, "-c", _CONVERT_CHILD, str(gguf), weights], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if loading is not None:
+        loading.watch(child)
+    try:
+        stdout, stderr = child.communicate()
+    finally:
+        if loading is not None:
+            loading.watch(None)
+    if loading is not None and loading.cancelled.is_set():
+        raise _fail(f"stopped while converting {gguf} (SIGTERM)")
+    if child.returncode < 0:
+        name = signal.Signals(-child.returncode).name
+        raise _fail(f"cannot convert {gguf}: the converter died of {name} (a damaged or hostile file) {hint}")
+    lines = stdout.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        why = (stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        raise _fail(f"cannot convert {gguf}: {why} {hint}")
+    return Path(lines[-1])
+
+
+class _Loading:
+    """A SIGTERM / SIGINT while the model loads: ``cancel`` (from the signal handler) kills the converting child
+    and lets ``_cancellable`` give up on the load at once. Why: uvicorn's shutdown waits for the loading thread, so
+    a load that takes minutes (or a converter stuck on a hostile file) made the server ignore SIGTERM."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.cancelled = threading.Event()
+        self._child = None
+
+    def watch(self, child) -> None:
+        self._child = child
+        if child is not None and self.cancelled.is_set():
+            child.kill()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.kill()
+
+
+def _cancellable(load, loading: _Loading):
+    """``load()`` in a thread of its own, abandoned (``CliError``) as soon as ``loading`` is cancelled: a load cannot
+    be interrupted inside native code, but the server need not wait for it to exit."""
+    import threading
+
+    outcome: dict = {}
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            outcome["state"] = load()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread as it is
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="spec-cache-load-work", daemon=True).start()
+    while not done.wait(0.1):
+        if loading.cancelled.is_set():
+            raise _fail("stopped by a signal while loading the model")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["state"]
 
 
 def _human(n: int) -> str:
@@ -458,12 +551,20 @@ def main(args) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = LoadingApp(lambda: build_state(args), on_failure=failed)
+    loading = _Loading()
+    args._loading = loading
+    app = LoadingApp(lambda: _cancellable(lambda: build_state(args), loading), on_failure=failed)
     app.url = f"http://{host}:{port}"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=35, lifespan="on", http=guarded_protocol(guard),
                             backlog=backlog, log_config=None)
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # a signal before the model is ready stops the load too
+            if app.state is None and app.error is None:
+                loading.cancel()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     log.info("spec-cache serve: loading %s; listening on %s (max rows %d, queue %d; connections %d, "
              "descriptor limit %d; header/body timeouts %gs/%gs)", args.model, app.url, args.max_rows,
              args.max_queue, max_connections, soft, args.header_timeout, args.body_timeout)
@@ -471,6 +572,14 @@ def main(args) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if loading.cancelled.is_set() and app.state is None:
+        # stopped while loading: nothing to drain; the abandoned load thread may sit in native code, where the
+        # interpreter's exit could meet it, so leave at once
+        log.info("spec-cache serve: stopped while loading %s; nothing was served", args.model)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if app.error is not None:
         error = app.error
         raise _fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
