@@ -17,8 +17,15 @@ it with BLAKE3's key derivation (each for one job):
 
 A value that fails any check is ``Unauthentic``: the lookup treats it as a miss (never used, never promoted).
 Without a secret (``PlainAuth``, a trusted network only) values pass unchanged: formats 1 and 2.
-Node hashes and signature sets stay unkeyed hints (tail lengths, layer signatures): a forged one only costs a
-miss or a wasted round trip, as every record it leads to is authenticated.
+* signature set members: ``SIG_MEMBER_V1 || keyed_blake3("sig" || set name || signature)[:16] || signature``, so a
+  member written without the secret is told from the fleet's own and ignored (and removed): 100 garbage members
+  used to crowd the genuine one out of the 16 a lookup considers and hid the namespace from the whole fleet.
+  Bare members (written by hosts before this scheme) are still read, after the authenticated ones.
+
+Node hashes stay unkeyed hints (tail lengths): a forged one only costs a miss or a wasted round trip, as every
+record it leads to is authenticated. ``fingerprint()`` names the secret in the tier's ``stats`` hash (a keyed
+digest of a constant: it tells secrets apart, never reveals one), so ``shared-stats`` can say when a host's
+secret is not the one its fleet publishes with.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ TAG_BYTES = 16
 _NONCE = bytes(12)  # every record has its own derived key, so one fixed nonce is safe
 NAME_BYTES = 16     # keyed name digests: 128 bits (32 hex digits)
 MANIFEST_VERSION = b"3"
+#: the first byte of an authenticated signature set member; a layer signature is a msgpack list (0x90-0x9f,
+#: 0xdc, 0xdd) or empty, so a bare (older) member never starts with it
+SIG_MEMBER_V1 = b"\x00"
+SIG_MAC_BYTES = 16
 
 
 class Unauthentic(StoreError):
@@ -72,6 +83,20 @@ class PlainAuth:
     def check_manifest(self, name: bytes, ns_key: bytes, raw: dict) -> None:
         if raw.get(b"v") != b"1" or raw.get(b"ns") != ns_key:
             raise ValueError("unknown version or another namespace")
+
+    def sig_member(self, name: bytes, sig: bytes) -> bytes:
+        """The member of signature set ``name`` that stands for layer signature ``sig`` (formats 1 and 2: itself)."""
+        return sig
+
+    def sig_of(self, name: bytes, member: bytes) -> tuple[bytes, str]:
+        """``(signature, how)`` of a member of set ``name``; ``how`` is ``"ok"`` (authenticated, or unkeyed),
+        ``"bare"`` (no MAC: an older writer or garbage; keyed formats read it last) or ``"forged"`` (a MAC that
+        fails: never used, removable)."""
+        return member, "ok"
+
+    def fingerprint(self) -> str | None:
+        """A short public name of the fleet secret (None without one): ``fp:<it>`` counts publishes in ``stats``."""
+        return None
 
 
 class FleetAuth(PlainAuth):
@@ -146,6 +171,22 @@ class FleetAuth(PlainAuth):
         mac = raw.get(b"mac")
         if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self._manifest_mac(name, ns_key, raw)):
             raise Unauthentic("manifest authentication failed")
+
+
+    # --- signature sets --------------------------------------------------------------------------------
+    def sig_member(self, name: bytes, sig: bytes) -> bytes:
+        return SIG_MEMBER_V1 + self._digest(b"sig", name, sig)[:SIG_MAC_BYTES] + sig
+
+    def sig_of(self, name: bytes, member: bytes) -> tuple[bytes, str]:
+        if member[:1] != SIG_MEMBER_V1:
+            return member, "bare"
+        sig = member[1 + SIG_MAC_BYTES:]
+        if len(member) < 1 + SIG_MAC_BYTES or not hmac.compare_digest(member, self.sig_member(name, sig)):
+            return sig, "forged"
+        return sig, "ok"
+
+    def fingerprint(self) -> str:
+        return self._digest(b"fleet fingerprint").hex()[:16]
 
 
 def auth_for(key_material: bytes | None) -> PlainAuth:

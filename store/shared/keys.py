@@ -14,7 +14,8 @@ hash tag ``keyed_blake3("group" || group key)[:8]`` (16 hex digits), so names re
 token hash; records are sealed and manifests carry a MAC (``v`` 3, no ``ns`` field: ``mac`` covers it). Without a
 secret only formats 1 and 2 are written or read, and only on a trusted network.
 
-    <p>sigs:<ns>        SET   layer signatures stored under the namespace (roots of its chains)
+    <p>sigs:<ns>        SET   layer signatures stored under the namespace (roots of its chains); formats 3 and 4:
+                              each with its MAC (``auth.sig_member``), so forged members are told apart
     <p>node:<chain>     HASH  t:<tail> = 1 per entry tail hanging off the node; c = 1/0 every checkpoint through
                               the node was fully chunked; m = highest minimum reusable offset through it
     <p>man:<entry>      HASH  the checkpoint's manifest: v, ns, len, minr, sum (entry record checksum), bytes,
@@ -22,7 +23,8 @@ secret only formats 1 and 2 are written or read, and only on a trusted network.
     <p>entry:<entry>    STRING entry record (codec bytes)
     <p>chunk:<chain>    STRING chunk record (codec bytes)
     <p>draft:<entry+16> STRING drafter record (codec bytes)
-    <p>stats            HASH  checkpoints / bytes published (cumulative, for ``shared-stats``)
+    <p>stats            HASH  checkpoints / bytes published (cumulative, for ``shared-stats``); formats 3 and 4
+                              also fp:<fingerprint> = checkpoints published with each secret (``auth.fingerprint``)
 
 Groups (format 2): a checkpoint whose chain is root, chunk 1 .. chunk j belongs to the group of its chain key at
 ``min(j, spread)`` chunks (``spread``: ``SharedConfig.spread_chunks``; the root for a checkpoint shorter than one

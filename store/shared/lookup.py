@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from .records import assemble, attachment_of, local_chunks, record_checksum
 log = logging.getLogger("spec_cache.shared")
 
 MAX_SIGNATURES = 16  # signatures considered per namespace (a garbage set cannot make lookups unbounded)
+MAX_PRUNE = 1000     # forged signature set members one lookup removes (the publisher trims the rest)
 
 
 @dataclass
@@ -183,7 +185,8 @@ class LookupMixin:
         if _failed_reply(sigs_now) or not isinstance(sigs_now, (set, list)):
             self._corrupt_key(self.keys.sigs(ns_key), None, "signature set is not a set", warnings, "set")
             sigs_now = set()
-        sigs_now = sorted(s for s in sigs_now if isinstance(s, bytes))[:MAX_SIGNATURES]
+        sigs_now, trusted = self._usable_sigs(ns_key, [s for s in sigs_now if isinstance(s, bytes)], known,
+                                              warnings)
         nodes: dict[tuple, dict] = dict(zip(wanted, res[1:]))
         new = [s for s in sigs_now if s not in chains]
         if new:
@@ -195,7 +198,10 @@ class LookupMixin:
             for group, key in wanted:
                 pipe.hgetall(self.keys.node(key, group))
             nodes.update(zip(wanted, pipe.execute(raise_on_error=False)))
-        self._sigs[ns_key] = sigs_now
+        # remembered for the next lookup's first pipeline: authenticated signatures, and others only where a node
+        # of this prompt was found under them (a garbage member remembered would come first in every lookup)
+        self._sigs[ns_key] = [s for s in sigs_now
+                              if s in trusted or any(nodes.get(w) for w in self._nodes(chains[s]))]
         chains_here, group_of = [], {}
         for sig in sigs_now:
             for group, depth in self.keys.groups(chains[sig]):
@@ -218,6 +224,42 @@ class LookupMixin:
                            K.entry_key(c.chain[-1], packed[c.tail_start(C):c.length]) if c.is_entry else None,
                            c.minimum_reusable, group_of[id(c)])
                 for c in ranked]
+
+    def _usable_sigs(self, ns_key: bytes, members: list[bytes], known: list[bytes], warnings: list[str],
+                     ) -> tuple[list[bytes], set[bytes]]:
+        """The signatures to follow, at most ``MAX_SIGNATURES``, from the members of the namespace's set, and
+        those of them that are authenticated (with a fleet secret).
+
+        Why not simply the first 16: anyone who can write the server could add members that sort first and hide
+        the namespace from every host for good. With a fleet secret, members carry a MAC (``auth.sig_member``):
+        the authenticated ones come first, bare ones (hosts before the MAC) after them, and forged ones are never
+        followed and are removed (one SREM; counted ``unauthenticated``). Without a secret nothing tells members
+        apart: signatures this process found roots under come first, the rest in random order, so a garbage set
+        costs misses, never the namespace for good (publishers trim it: ``publish.SIG_SET_CAP``)."""
+        name = self.keys.sigs(ns_key)
+        auth = self.keys.auth
+        good, bare, forged = [], [], []
+        for member in members:
+            sig, how = auth.sig_of(name, member)
+            (good if how == "ok" else bare if how == "bare" else forged).append(member if how == "forged" else sig)
+        if forged:
+            self.health.add("unauthenticated", len(forged))
+            self._warn_once("unauthentic signature", f"shared tier {self.config.safe_url}: {len(forged)} members of "
+                            "a namespace's signature set failed authentication (tampered with, or written with "
+                            "another secret); ignored and removed (warned once per cause)", warnings)
+            try:
+                self._read.srem(name, *forged[:MAX_PRUNE])
+            except self._failures as exc:
+                log.warning("shared tier: could not prune a signature set: %s", exc)
+        if auth.keyed:
+            ordered = sorted(set(good)) + sorted(set(bare) - set(good))
+        else:
+            members_now = set(good)
+            first = [s for s in known if s in members_now]
+            rest = sorted(members_now - set(first))
+            random.shuffle(rest)
+            ordered = first + rest
+        return ordered[:MAX_SIGNATURES], (set(good) if auth.keyed else set())
 
     def _nodes(self, chain: list[bytes]) -> list[tuple[bytes | None, bytes]]:
         """``(group, chain key)`` of every node hash to read for a prompt's chain (one group on one server)."""

@@ -15,12 +15,18 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from .. import keys as K
 from ..errors import CorruptRecord, StoreError
 from .records import Outgoing, read_chunks, read_outgoing, record_checksum
 
 log = logging.getLogger("spec_cache.shared")
 
 UPLOAD_BATCH_BYTES = 32 << 20
+#: members a namespace's signature set may hold before a publish trims it (a namespace has one signature per
+#: layer structure: a few). Trimmed: members that fail authentication or carry none (keyed formats; bare ones
+#: came from older hosts, which add theirs again), members whose chain has no root node (unkeyed, one server)
+SIG_SET_CAP = 64
+TRIM_SCAN_COUNT = 1000  # members per SSCAN step (and per SREM) while trimming
 
 
 @dataclass(frozen=True)
@@ -94,12 +100,26 @@ class PublishMixin:
                 self._upload(records, group)
             result = self._commit(keys=self._commit_keys(out, group), args=self._commit_args(out, group))
             if result and int(result[0]) == 1:
+                members = int(result[1]) if len(result) > 1 else 0
                 if self.keys.cluster:  # outside the script: other slots (a reader needs the signature first)
+                    sigs = self.keys.sigs(out.ns)
                     pipe = self._write.pipeline(transaction=False)
-                    pipe.sadd(self.keys.sigs(out.ns), out.sig)
+                    pipe.sadd(sigs, self.keys.auth.sig_member(sigs, out.sig))
+                    pipe.scard(sigs)
                     pipe.hincrby(self.keys.stats(), "checkpoints", 1)
                     pipe.hincrby(self.keys.stats(), "bytes", out.nbytes)
-                    pipe.execute()
+                    if self._fingerprint_field:
+                        pipe.hincrby(self.keys.stats(), self._fingerprint_field, 1)
+                    replies = pipe.execute(raise_on_error=False)
+                    for i, reply in enumerate(replies):
+                        if isinstance(reply, Exception) and i != 1:  # SCARD may be refused by an older ACL
+                            raise reply
+                    members = replies[1] if isinstance(replies[1], int) else 0
+                if members > SIG_SET_CAP:
+                    try:
+                        self._trim_sigs(out.ns, out.sig)
+                    except self._failures as exc:  # e.g. an ACL without +sscan/+srem: the commit stands
+                        log.warning("shared tier: could not trim a signature set: %s", exc)
                 self.health.add("published")
                 self.health.add("bytes_published", out.nbytes)
                 self.health.ok()
@@ -107,6 +127,48 @@ class PublishMixin:
             self.health.add("publish_retried")  # chunks evicted between upload and commit: upload again
         self.health.add("publish_failed")
         return False
+
+    @property
+    def _fingerprint_field(self) -> str:
+        """The ``stats`` field counting this secret's publishes (``fp:<fingerprint>``; '' without a secret)."""
+        fp = self.keys.auth.fingerprint()
+        return f"fp:{fp}" if fp else ""
+
+    def _trim_sigs(self, ns: bytes, own: bytes) -> int:
+        """Bring the namespace's signature set back under ``SIG_SET_CAP`` (publisher thread): remove the members a
+        reader would never use first (``SIG_SET_CAP``'s comment). Why here: a reader considers at most
+        ``MAX_SIGNATURES`` members, so a set flooded with garbage would cost every lookup the flood's transfer;
+        the publisher, off the decoding path, holds the secret to tell members apart. Returns members removed."""
+        name = self.keys.sigs(ns)
+        auth = self.keys.auth
+        keep = auth.sig_member(name, own)
+        removed, batch = 0, []
+        for member in self._write.sscan_iter(name, count=TRIM_SCAN_COUNT):
+            if member != keep:
+                batch.append(member)
+            if len(batch) >= TRIM_SCAN_COUNT:
+                removed += self._drop_members(ns, name, batch)
+                batch = []
+        if batch:
+            removed += self._drop_members(ns, name, batch)
+        if removed:
+            log.warning("shared tier: removed %d unusable members from a namespace's signature set (over %d; "
+                        "forged, or written by hosts without this fleet's secret)", removed, SIG_SET_CAP)
+        return removed
+
+    def _drop_members(self, ns: bytes, name: bytes, members: list[bytes]) -> int:
+        """SREM those of ``members`` no reader would use (see ``SIG_SET_CAP``); one or two round trips."""
+        auth = self.keys.auth
+        if auth.keyed:
+            doomed = [m for m in members if auth.sig_of(name, m)[1] != "ok"]
+        elif self.keys.cluster:
+            doomed = []  # a cluster's root nodes lie in the groups' slots: nothing cheap tells garbage apart
+        else:
+            pipe = self._write.pipeline(transaction=False)
+            for member in members:
+                pipe.exists(self.keys.node(K.root_key(ns, member)))
+            doomed = [m for m, there in zip(members, pipe.execute()) if not there]
+        return int(self._write.srem(name, *doomed)) if doomed else 0
 
     def _upload(self, records: dict[bytes, bytes], group: bytes | None = None) -> None:
         pipe, batch = self._write.pipeline(transaction=False), 0
@@ -137,8 +199,9 @@ class PublishMixin:
         pinned = auth.pin(man, b"sum", record_checksum(out.entry_record))
         fields = auth.manifest_fields(man, out.ns, out.length, out.minr, pinned, out.nbytes)
         args = [len(out.drafts), len(out.chain) - 1, auth.seal(k.entry(out.entry_key, group), out.entry_record),
-                len(fields) // 2, out.minr, 1 if out.complete else 0, out.sig, out.tail, self.host_id,
-                time.time_ns() // 1_000_000, out.nbytes, 0 if k.cluster else 1, *fields]
+                len(fields) // 2, out.minr, 1 if out.complete else 0, auth.sig_member(k.sigs(out.ns), out.sig),
+                out.tail, self.host_id, time.time_ns() // 1_000_000, out.nbytes, 0 if k.cluster else 1,
+                self._fingerprint_field, *fields]
         for dns, dkey, record in out.drafts:
             field = b"d:" + auth.drafter_id(dns).encode("utf-8")
             args += [field, auth.pin(man, field, record_checksum(record)), auth.seal(k.draft(dkey, group), record)]

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 #: KEYS: manifest, entry record, sigs set, stats hash, then nd draft keys, nc chunk keys, nc + 1 node keys
 #:       (with index 0 the sigs and stats keys are not touched: pass the manifest key twice in their place)
-#: ARGV: nd, nc, entry record, nm, minr, complete (1/0), sig, tail, host, at, bytes, index (1: also add the
-#:       signature and count the stats), then nm manifest field/value pairs (``auth.manifest_fields``: the format's
-#:       own), then per drafter: manifest field name, its value, record. Records arrive as stored (sealed or not).
+#: ARGV: nd, nc, entry record, nm, minr, complete (1/0), sig (the set member: ``auth.sig_member``), tail, host,
+#:       at, bytes, index (1: also add the signature and count the stats), the stats field counting this secret's
+#:       publishes (``fp:<fingerprint>``, '' for none), then nm manifest field/value pairs
+#:       (``auth.manifest_fields``: the format's own), then per drafter: manifest field name, its value, record.
+#:       Records arrive as stored (sealed or not).
+#: Returns {0, missing chunk indices} or {1, the signature set's size after the add (0 with index 0)}.
 COMMIT = """
 local nd = tonumber(ARGV[1])
 local nc = tonumber(ARGV[2])
@@ -31,14 +34,14 @@ end
 if #missing > 0 then return {0, missing} end
 for i = 1, nc do redis.call('PERSIST', KEYS[ck + i]) end
 redis.call('SET', KEYS[2], ARGV[3])
-local a = 13 + 2 * nm
+local a = 14 + 2 * nm
 for i = 1, nd do
   redis.call('SET', KEYS[dk + i], ARGV[a + 2])
   redis.call('HSET', KEYS[1], ARGV[a], ARGV[a + 1])
   a = a + 3
 end
 local fields = {}
-for i = 13, 12 + 2 * nm do fields[#fields + 1] = ARGV[i] end
+for i = 14, 13 + 2 * nm do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], 'host', ARGV[9], 'at', ARGV[10], unpack(fields))
 local minr = tonumber(ARGV[5])
 for i = 1, nc + 1 do
@@ -53,8 +56,12 @@ if ARGV[12] == '1' then
   redis.call('SADD', KEYS[3], ARGV[7])
   redis.call('HINCRBY', KEYS[4], 'checkpoints', 1)
   redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[11])
+  if ARGV[13] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[13], 1) end
+  local n = redis.pcall('SCARD', KEYS[3])  -- an ACL without +scard: no trimming, still a commit
+  if type(n) ~= 'number' then n = 0 end
+  return {1, n}
 end
-return {1}
+return {1, 0}
 """
 
 #: KEYS: one key. ARGV: the type the key should have (string, hash, set), and the sha1 hex of the string value the

@@ -23,7 +23,7 @@ import time
 
 from ..errors import StoreError
 from .auth import auth_for
-from .config import SECRET_ENV, TRUSTED_ENV, SharedConfig
+from .config import DEFAULT_PREFIX, KEYED_PREFIX, SECRET_ENV, TRUSTED_ENV, SharedConfig
 from .deadline import Budget, cluster_hook, single_server_hook
 from .health import Health
 from .keys import KeyNames
@@ -161,6 +161,40 @@ class SharedTier(LookupMixin, PublishMixin):
             warnings.append(message)
 
     # --- server health (for the CLI) ---------------------------------------------------------------
+    def _secret_problems(self, out: dict) -> list[str]:
+        """One line per sign that this host's secret is not its fleet's: a host with another secret computes
+        other key names and misses silently, which nothing else shows. Signs: publishes under our prefix counted
+        for other fingerprints (``fp:<it>`` in ``stats``) and none for ours; nothing under our (default) prefix
+        but checkpoints under the other default prefix of this server kind (keyed vs unkeyed)."""
+        problems = []
+        ours = out["fingerprint"]
+        others = {fp: n for fp, n in out["secrets"].items() if fp != ours and n > 0}
+        if others:
+            shown = ", ".join(f"{fp} ({n})" for fp, n in sorted(others.items())[:3])
+            if ours is None:  # a custom prefix shared by keyed hosts and this unkeyed one
+                problems.append(f"secret mismatch? {sum(others.values())} checkpoints under {self.config.prefix} "
+                                f"were published with a fleet secret (fingerprints {shown}) and this host has none: "
+                                f"give it the fleet's (--shared-secret-file FILE or ${SECRET_ENV})")
+            elif out["secrets"].get(ours):
+                problems.append(f"another fleet secret publishes under {self.config.prefix} too (fingerprints "
+                                f"{shown}; this host's is {ours}): hosts with different secrets never share; give "
+                                "every host of the fleet the same one")
+            else:
+                problems.append(f"secret mismatch? {sum(others.values())} checkpoints under {self.config.prefix} "
+                                f"were published with another fleet secret (fingerprints {shown}), none with this "
+                                f"host's ({ours}): this host misses everything they publish")
+        if self.config.default_prefix and not out["published_checkpoints"]:
+            other = (DEFAULT_PREFIX if self.config.keyed else KEYED_PREFIX)[self.config.cluster]
+            there = _int_or_0(self._write.hget(other.encode("ascii") + b"stats", "checkpoints"))
+            if there:
+                fix = ("the fleet runs without a secret (trusted network): drop this host's secret, or give every "
+                       "host one" if self.config.keyed else
+                       "the fleet is keyed: give this host its secret (--shared-secret-file FILE or "
+                       f"${SECRET_ENV})")
+                problems.append(f"secret mismatch? nothing published under {self.config.prefix} but {there} "
+                                f"checkpoints under {other}: {fix}")
+        return problems
+
     def probe(self) -> dict:
         """Ask the server how it is: reachability, round-trip time, version, memory, eviction policy, keys.
 
@@ -193,6 +227,14 @@ class SharedTier(LookupMixin, PublishMixin):
         out["keys"] = (info.get(f"db{db}") or {}).get("keys", 0)
         out["published_checkpoints"] = int(stats.get(b"checkpoints", 0))
         out["published_bytes"] = int(stats.get(b"bytes", 0))
+        out["keyed"] = self.config.keyed
+        out["fingerprint"] = self.keys.auth.fingerprint()
+        out["secrets"] = {k[3:].decode("ascii", "replace"): _int_or_0(v) for k, v in stats.items()
+                          if isinstance(k, bytes) and k.startswith(b"fp:")}
+        try:
+            out["problems"] = self._secret_problems(out)
+        except self._failures as exc:
+            out["problems"] = [f"could not compare fleet secrets: {type(exc).__name__}: {exc}"]
         policy = str(out.get("maxmemory_policy") or "")
         out["warnings"] = []
         if not out.get("maxmemory"):
@@ -201,6 +243,13 @@ class SharedTier(LookupMixin, PublishMixin):
             out["warnings"].append(f"maxmemory-policy {policy} does not evict spec-cache keys (they carry no "
                                    "TTL); use allkeys-lru")
         return out
+
+
+def _int_or_0(raw) -> int:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
 
 
 def cluster_client(config: SharedConfig, **options):

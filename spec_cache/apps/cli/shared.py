@@ -2,8 +2,10 @@
 section of ``spec-cache stats``. Nothing here imports MLX.
 
 ``shared-stats`` asks the server (or every primary of a ``redis+cluster://`` cluster) how it is (reachable, round
-trip, version, memory, eviction policy, keys, checkpoints published; a cluster's state and slots) and exits 0
-when it answers, 1 when it does not, 2 on a usage error (no URL, bad URL).
+trip, version, memory, eviction policy, keys, checkpoints published; a cluster's state and slots) under the prefix
+of the fleet secret it is given (``--shared-secret-file`` / ``$SPEC_CACHE_SHARED_SECRET``, as ``serve``), and exits
+0 when it answers, 1 when it does not or a problem is found (a "secret mismatch?": this host's secret is not the
+one its fleet publishes with), 2 on a usage error (no URL, bad URL, unreadable secret file).
 """
 
 from __future__ import annotations
@@ -60,11 +62,14 @@ def shared_url(args) -> str | None:
     return getattr(args, "shared", None) or os.environ.get(ENV) or None
 
 
-def shared_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
-    """Probe the server at ``url`` (see ``SharedTier.probe``); a bad URL raises ``CliError``."""
+def shared_health(url: str, timeout_s: float = PROBE_TIMEOUT_S, options: dict | None = None) -> dict:
+    """Probe the server at ``url`` (see ``SharedTier.probe``) with the fleet secret of ``options``
+    (``shared_options``; else ``$SPEC_CACHE_SHARED_SECRET``), so the prefix read is the one this host's tier
+    uses; a bad URL or an unreadable secret file raises ``CliError``."""
+    options = {k: v for k, v in (options or {}).items() if k in ("secret", "secret_file", "trusted_network")}
     try:
         tier = SharedTier(SharedConfig(url, timeout_s=timeout_s, connect_timeout_s=timeout_s,
-                                       publish_timeout_s=timeout_s), probe_only=True)
+                                       publish_timeout_s=timeout_s, **options), probe_only=True)
     except StoreError as exc:
         raise CliError(str(exc)) from None
     try:
@@ -89,6 +94,7 @@ def format_health(d: dict) -> str:
               f"  keys        {d['keys']} in the database; {d['published_checkpoints']} checkpoints "
               f"({human_bytes(d['published_bytes'])}) published so far"]
     lines += [f"  warning     {w}" for w in d.get("warnings", [])]
+    lines += [f"  problem     {p}" for p in d.get("problems", [])]
     return "\n".join(lines)
 
 
@@ -97,7 +103,7 @@ def extend_stats(args, stats: dict) -> str:
     url = shared_url(args)
     if url is None:
         return ""
-    stats["shared"] = shared_health(url)
+    stats["shared"] = shared_health(url, options=shared_options(args))
     return "\n" + format_health(stats["shared"])
 
 
@@ -105,9 +111,9 @@ def cmd_shared_stats(args) -> int:
     url = shared_url(args)
     if url is None:
         raise CliError(f"shared-stats needs --shared URL (or ${ENV})")
-    d = shared_health(url)
+    d = shared_health(url, options=shared_options(args))
     print(json.dumps(d, sort_keys=True) if getattr(args, "json", False) else format_health(d))
-    return EXIT_OK if d.get("reachable") else EXIT_PROBLEMS
+    return EXIT_OK if d.get("reachable") and not d.get("problems") else EXIT_PROBLEMS
 
 
 def register(subparsers, common: argparse.ArgumentParser) -> None:
