@@ -69,6 +69,7 @@ def export_mlx_lm(cache: SpecCache, ns_key: bytes, tokens: Sequence[int], out_pa
         if not can_trim_prompt_cache(restored.caches):
             raise InteropError(f"the stored prefix cannot be cut to a multiple of {granularity} tokens")
         trim_prompt_cache(restored.caches, restored.length - length)
+        _drop_past_offset(restored.caches)
     covered = list(tokens[:length])
     metadata = {"model": model or f"spec-cache:{info.target}", "tokenizer_config": "{}",
                 "spec_cache_tokens": json.dumps(covered, separators=(",", ":")),
@@ -78,6 +79,22 @@ def export_mlx_lm(cache: SpecCache, ns_key: bytes, tokens: Sequence[int], out_pa
         raise InteropError("the output file name must end in .safetensors (mlx-lm's prompt-cache format)")
     save_prompt_cache(out_path, restored.caches, metadata)
     return length
+
+
+def _drop_past_offset(caches) -> None:
+    """Cut trimmed caches' buffers to what they cover: ``save_prompt_cache`` writes a cache's whole buffer, and the
+    rows past a trimmed offset are the K/V of the tokens the cut was meant to hide (and the file's size counts
+    them)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+    for c in caches:
+        if isinstance(c, (KVCache, QuantizedKVCache)) and c.keys is not None:
+            end = int(c.offset)
+            cut = (lambda a: tuple(x[..., :end, :] for x in a)) if isinstance(c.keys, tuple) else \
+                (lambda a: a[..., :end, :])
+            c.keys, c.values = cut(c.keys), cut(c.values)
+        elif isinstance(c, RotatingKVCache) and c.keys is not None and c.offset < c.max_size:
+            c.keys, c.values = c.keys[..., :c._idx, :], c.values[..., :c._idx, :]
 
 
 def import_prefix_namespace(drafter_dir: str | Path | None = None, method: str | None = None, adapters: Any = "",

@@ -128,25 +128,36 @@ def _restore(cache, ns_key, tokens, drafter_namespace, usable):
 
 def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any = None,
         quota_bytes: int | None = None, total_quota_bytes: int | None = None, drafter_namespace: str | None = None,
-        usable: Callable[[Any], bool] | None = None) -> Pin:
+        usable: Callable[[Any], bool] | None = None, granularity: int = 1) -> Pin:
     """Pin the longest stored prefix of ``tokens`` for ``ttl_s`` seconds (see the module doc). Raises
     ``NotStored`` when nothing is stored, ``PinQuotaExceeded`` when ``owner``'s pins would hold more than
-    ``quota_bytes`` or all pins more than ``total_quota_bytes``."""
+    ``quota_bytes`` or all pins more than ``total_quota_bytes``.
+
+    ``granularity``: the pin covers the stored prefix cut down to a multiple of it (none that long: ``NotStored``,
+    the answer for nothing stored). Why: a server that reports ``cached_tokens`` rounded must not tell more
+    through a pin, and a pin of the exact length would (its id is a digest of the tokens it covers, its bytes
+    grow with them, and pinning the same prefix twice is one pin): probing guesses would come apart token by
+    token. A pin's bytes are the K/V of exactly the tokens it covers (:func:`_kv_bytes`), whichever tier holds
+    them: what it keeps from eviction, memory tier on or off."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < float("inf"):
         raise InvalidRequest(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
     resident, restored = _restore(cache, ns_key, tokens, drafter_namespace, usable)
-    if restored is None:
+    length = 0 if restored is None else _cut(restored, granularity)
+    if length == 0:
         raise NotStored("no stored prefix of these tokens")
-    covered = [int(t) for t in tokens[:restored.length]]
+    covered = [int(t) for t in tokens[:length]]
     store_key = cache.store.entry_key(ns_key, covered)
     if store_key is None:  # served from a longer entry's chunks: store the prefix as its own entry
-        put = cache.save(ns_key, covered, restored.caches, drafter_namespace=drafter_namespace,
-                         draft_checkpoint=restored.draft_checkpoint, minimum_reusable=_converted(restored.caches))
+        whole = length == restored.length
+        put = cache.save(ns_key, covered, restored.caches, drafter_namespace=drafter_namespace if whole else None,
+                         draft_checkpoint=restored.draft_checkpoint if whole else None,
+                         minimum_reusable=_converted(restored.caches))
         store_key = None if put is None else put.entry
     held = cache.memory.serving(ns_key, covered)
-    memory_tokens, nbytes = held if held is not None else (None, 0)
+    memory_tokens = held[0] if held is not None else None
     if store_key is None and memory_tokens is None:
         raise NotStored("the prefix could be restored but neither tier could hold it")
+    nbytes = _kv_bytes(restored.caches, length)
     table = _table(cache)
     pid = pin_id(ns_key, covered)
     others = [p for p in table.live() if p.pin_id != pid]
@@ -159,7 +170,7 @@ def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any
     everyone = sum(p.nbytes for p in others)
     if total_quota_bytes is not None and everyone + nbytes > total_quota_bytes:
         raise PinQuotaExceeded(f"pinning {nbytes} more bytes would hold {everyone + nbytes} pinned bytes; this "
-                               f"server pins at most {total_quota_bytes} (half its memory tier)")
+                               f"server pins at most {total_quota_bytes} in all")
     now = time.monotonic()
     record = Pin(pid, bytes(ns_key), tuple(covered), owner, now + float(ttl_s), time.time() + float(ttl_s), nbytes,
                  memory_tokens, store_key, restored.tier)
@@ -167,6 +178,38 @@ def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any
         table.pins[pid] = record
     _apply(cache, table, record)
     return record
+
+
+def _cut(restored, granularity: int) -> int:
+    """The restored prefix's length cut down to a multiple of ``granularity`` (its caches trimmed in place: they
+    are new objects over the tiers' arrays); 0 when it cannot be cut (a recurrent layer) or is shorter."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    length = restored.length - restored.length % max(1, int(granularity))
+    if 0 < length < restored.length:
+        if not can_trim_prompt_cache(restored.caches):
+            return 0
+        trim_prompt_cache(restored.caches, restored.length - length)
+    return length
+
+
+def _kv_bytes(caches, length: int) -> int:
+    """Bytes of the state of the first ``length`` tokens: per K/V layer the positions it holds (a ring: at most its
+    window) times its bytes per position; a recurrent layer's arrays whole."""
+    total = 0
+    for c in caches:
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        parts = [a for a in (*_parts(keys), *_parts(values)) if _is_array(a)]
+        if parts and parts[0].ndim == 4 and parts[0].shape[2] > 0:
+            positions = min(length, int(parts[0].shape[2]))
+            total += sum(a.nbytes // a.shape[2] for a in parts if a.ndim == 4 and a.shape[2]) * positions
+        elif hasattr(c, "cache"):
+            total += sum(a.nbytes for a in c.cache if _is_array(a))
+    return int(total)
+
+
+def _parts(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def unpin(cache, pin_id_: str, *, owner: Any = None, any_owner: bool = False) -> Pin:

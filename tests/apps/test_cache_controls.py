@@ -35,8 +35,8 @@ def post(srv: Server, path: str, key: str | None = KEY_A, **body) -> httpx.Respo
     return httpx.post(srv.url + path, json=body, headers=headers, timeout=60)
 
 
-def complete(srv: Server, tokens: list[int], key: str = KEY_A, max_tokens: int = 4) -> dict:
-    r = post(srv, "/v1/completions", key, model="tiny", prompt=tokens, max_tokens=max_tokens, temperature=0)
+def complete(srv: Server, tokens: list[int], key: str = KEY_A, max_tokens: int = 4, **extra) -> dict:
+    r = post(srv, "/v1/completions", key, model="tiny", prompt=tokens, max_tokens=max_tokens, temperature=0, **extra)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -177,8 +177,8 @@ def test_auth_and_bad_inputs(server):
     error_of(post(server, "/v1/cache/import", file=base64.b64encode(b"x" * 1_600_000).decode()), 413,
              "request_too_large")
     error_of(post(server, "/v1/cache/import", tokens=tokens, file="%%%"), 400)
-    error_of(post(server, "/v1/cache/import", tokens=tokens, file=base64.b64encode(b"not a file").decode()), 400,
-             "invalid_prefix_file")
+    error_of(post(server, "/v1/cache/import", tokens=tokens, file=base64.b64encode(b"not a file").decode(),
+                  cache_salt="s"), 400, "invalid_prefix_file")
     error_of(post(server, "/v1/cache/nothing", tokens=tokens), 404)
 
 
@@ -256,19 +256,20 @@ def test_import_is_restored_by_the_next_request(server, model, tmp_path):
     path = tmp_path / "made.safetensors"
     save_prompt_cache(str(path), caches, {"model": "elsewhere"})
     data = base64.b64encode(path.read_bytes()).decode()
-    error_of(post(server, "/v1/cache/import", tokens=tokens[:-1], file=data), 400, "invalid_prefix_file")
-    r = post(server, "/v1/cache/import", tokens=tokens, file=data)
+    error_of(post(server, "/v1/cache/import", tokens=tokens[:-1], file=data, cache_salt="mine"), 400,
+             "invalid_prefix_file")
+    r = post(server, "/v1/cache/import", tokens=tokens, file=data, cache_salt="mine")
     assert r.status_code == 200 and r.json() == {"object": "cache.import", "tokens": len(tokens), "stored": True}
-    answer = complete(server, tokens + [7], max_tokens=6)
+    answer = complete(server, tokens + [7], max_tokens=6, cache_salt="mine")
     assert cached(answer) == len(tokens)
     assert answer["choices"][0]["text"] == text_of(target, greedy(target, tokens + [7], 6))
     # B's namespace holds none of it; an exported file goes back in as the raw body (its tokens in its metadata)
-    assert cached(complete(server, tokens + [7], KEY_B, max_tokens=1)) < len(tokens)
-    exported = post(server, "/v1/cache/export", tokens=tokens).content
-    raw = httpx.post(server.url + "/v1/cache/import", content=exported, timeout=60,
+    assert cached(complete(server, tokens + [7], KEY_B, max_tokens=1, cache_salt="mine")) < len(tokens)
+    exported = post(server, "/v1/cache/export", tokens=tokens, cache_salt="mine").content
+    raw = httpx.post(server.url + "/v1/cache/import?cache_salt=mine", content=exported, timeout=60,
                      headers={"Authorization": f"Bearer {KEY_B}", "Content-Type": "application/octet-stream"})
     assert raw.status_code == 200 and raw.json()["tokens"] == len(tokens), raw.text
-    assert cached(complete(server, tokens + [7], KEY_B, max_tokens=1)) == len(tokens)
+    assert cached(complete(server, tokens + [7], KEY_B, max_tokens=1, cache_salt="mine")) == len(tokens)
 
 
 def test_import_refuses_files_that_do_not_fit_the_model(server, tmp_path):
@@ -277,7 +278,8 @@ def test_import_refuses_files_that_do_not_fit_the_model(server, tmp_path):
     def upload(caches) -> httpx.Response:
         path = tmp_path / "bad.safetensors"
         save_prompt_cache(str(path), caches)
-        return post(server, "/v1/cache/import", tokens=tokens, file=base64.b64encode(path.read_bytes()).decode())
+        return post(server, "/v1/cache/import", tokens=tokens, file=base64.b64encode(path.read_bytes()).decode(),
+                    cache_salt="fits")
 
     def kv(heads: int, dim: int, dtype=mx.float32) -> KVCache:
         c = KVCache()

@@ -9,7 +9,10 @@ Routes (all answer OpenAI's error JSON on failure, never a traceback):
 * ``POST /v1/cache/prefetch`` — restore the longest stored prefix into the memory tier now (from LMDB or the
   shared tier), so the next request restores from memory.
 * ``POST /v1/cache/export`` — the stored prefix as an mlx-lm prompt-cache file (``save_prompt_cache`` format).
-* ``POST /v1/cache/import`` — such a file (+ the tokens it covers) stored as a checkpoint.
+* ``POST /v1/cache/import`` — such a file (+ the tokens it covers) stored as a checkpoint, once every layer is
+  checked against the model (``cache_controls.check_fits``). An API key imports only with a ``cache_salt`` (a
+  namespace only requests with that salt reach); into a namespace other callers share, only the operator key
+  (403 ``operator_key_required``): imported KV is continued from as it is, so it would answer for them.
 
 A prefix is named by ``messages`` (rendered through the chat template as ``/v1/chat/completions`` renders them:
 with the generation prompt, unless ``"add_generation_prompt": false``; ``tools`` passed to the template when
@@ -20,9 +23,14 @@ key acts on its own namespace only (``cache_salt`` splits it as in chat requests
 touches the cache runs on the scheduler thread (``Scheduler.call``), which owns it.
 
 What a reply tells of stored prefixes follows ``--cached-tokens-granularity`` as ``cached_tokens`` does (else these
-routes would be the token-by-token probe it closes): token counts rounded down to it, a pin's ``bytes`` scaled to
-the tokens told, an export cut to that many tokens, and a prefix shorter than one multiple answered as nothing stored
-(prefetch: ``tokens`` 0, ``tier`` null; pin and export: 404). An operator key sees exact counts.
+routes would be the token-by-token probe it closes): token counts rounded down to it, a tenant's pin covering (and
+its ``id`` and ``bytes`` naming) only that many tokens, an export cut to that many tokens, and a prefix shorter than
+one multiple answered as nothing stored (prefetch: ``tokens`` 0, ``tier`` null; pin and export: 404). An operator
+key sees exact counts.
+
+Pins count against the caller's share even without tenant quotas (``quotas``): one tenant pins at most
+``--max-bytes`` / its API keys (at least 2), all pins together at most half the memory tier and half of
+``--max-bytes``; so one tenant's pins never make LMDB's budget evict another tenant within its fair share.
 """
 
 from __future__ import annotations
@@ -223,25 +231,29 @@ class _CacheRoutes:
         return self.generator.usable_rule(len(tokens) + 1)  # what a request continuing this prefix may restore
 
     def quotas(self) -> tuple[int | None, int | None]:
-        """(bytes one tenant may pin, bytes all pins may hold): the tenant quotas of the memory tier and the
-        store, and half the memory tier (the rest stays for unpinned traffic)."""
+        """(bytes one tenant may pin, bytes all pins may hold). All pins: half the memory tier and half of LMDB's
+        ``--max-bytes`` (the rest stays for unpinned traffic). One tenant, even without tenant quotas: also its
+        fair share of LMDB, ``--max-bytes`` / the tenants this server knows (its API keys, at least 2), besides the
+        tenant quotas of the memory tier and the store. Why: a pinned LMDB entry is never evicted, so pins beyond
+        a tenant's share would make the budget evict another tenant that stays within its own share."""
         cache = self.cache
-        half = cache.memory.budget_bytes // 2 if cache.memory.budget_bytes else None
-        store = cache.store.tenants.quota(cache.store.max_bytes)
-        limits = [q for q in (cache.memory.tenant_quota, store, half) if q is not None]
-        return (min(limits) if limits else None), half
+        memory, store = cache.memory.budget_bytes or None, cache.store.max_bytes or None
+        halves = [b // 2 for b in (memory, store) if b]
+        total = min(halves) if halves else None
+        share = store // max(2, len(self.tenants)) if store else None
+        limits = [q for q in (cache.memory.tenant_quota, cache.store.tenants.quota(store), total, share)
+                  if q is not None]
+        return (min(limits) if limits else None), total
 
     def told(self, length: int, operator: bool) -> int:
         """``length`` stored tokens as the caller may learn them: rounded down to the granularity (operator: exact)."""
         return length if operator else length - length % self.granularity
 
     def pin_body(self, p: controls.Pin, operator: bool) -> dict:
-        """A pin as its caller sees it; ``bytes`` scaled to the tokens told (bytes per token would give the exact
-        length back)."""
-        told = self.told(p.length, operator)
-        return {"object": "cache.pin", "id": p.pin_id, "tenant": tenant_label(p.owner), "tokens": told,
-                "ttl_s": round(max(0.0, p.until - time.monotonic()), 3), "expires_at": round(p.expires_at, 3),
-                "bytes": p.nbytes if told == p.length else p.nbytes * told // max(1, p.length), "tier": p.tier}
+        """A pin as its caller sees it (a tenant's pins cover a multiple of the granularity: ``controls.pin``)."""
+        return {"object": "cache.pin", "id": p.pin_id, "tenant": tenant_label(p.owner),
+                "tokens": self.told(p.length, operator), "ttl_s": round(max(0.0, p.until - time.monotonic()), 3),
+                "expires_at": round(p.expires_at, 3), "bytes": p.nbytes, "tier": p.tier}
 
     # --- handlers ----------------------------------------------------------------------------------------
     async def pin(self, request: Request, body: dict, tenant, operator: bool) -> Response:
@@ -264,10 +276,7 @@ class _CacheRoutes:
             per_tenant, total = self.quotas()
             record = self.cache.pin(self.ns_key(space), tokens, float(ttl), owner=tenant, quota_bytes=per_tenant,
                                     total_quota_bytes=total, drafter_namespace=self.generator.drafter_namespace,
-                                    usable=rule)
-            if self.told(record.length, operator) == 0:  # shorter than one multiple: as if nothing were stored
-                self.cache.unpin(record.pin_id, owner=tenant, any_owner=True)
-                raise controls.NotStored("no stored prefix of these tokens")
+                                    usable=rule, granularity=1 if operator else self.granularity)
             return {**self.pin_body(record, operator), "prompt_tokens": len(tokens)}
         return JSONResponse(await self.on_scheduler(run))
 
@@ -317,6 +326,14 @@ class _CacheRoutes:
             "X-Spec-Cache-Tokens": str(length), "Content-Disposition": 'attachment; filename="prefix.safetensors"'})
 
     async def import_(self, request: Request, body: dict, tenant, operator: bool, data: bytes) -> Response:
+        """Imported KV is what every request of its namespace continues from, unchecked against any prompt: a
+        tenant's import goes to a namespace of its own (``cache_salt`` required: only requests with the same salt
+        reach it); the operator key imports into a tenant's shared namespace (``tenant``, or the keyless one)."""
+        if not operator and body.get("cache_salt") is None:
+            raise APIError(403, "an import into a namespace other callers share needs the operator key "
+                           "(--operator-key); give a 'cache_salt' to import into a namespace only requests with "
+                           "that salt reach", type="permission_error", param="cache_salt",
+                           code="operator_key_required")
         tokens = await self.prefix_of(body, required=False)
         space = self.salted(tenant, body)
         generator = self.generator
@@ -325,7 +342,7 @@ class _CacheRoutes:
         def run():
             length = controls.import_prefix(self.cache, self.ns_key(space), tokens, data, engine.target,
                                             target_identity=generator.target_identity,
-                                            quantized=engine.plan is not None)
+                                            quantized=engine.plan is not None, plan=engine.plan)
             return {"object": "cache.import", "tokens": length, "stored": True}
         return JSONResponse(await self.on_scheduler(run))
 
