@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.set_defaults(fn=_cli_main)  # main(args, hard_exit=True): the process ends when the server does
     parser.add_argument("mlx_lm_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="mlx_lm.server arguments and --cache PATH --shared URL --shared-secret-file FILE "
+                             "--shared-password-file FILE "
                              "--shared-trusted-network --memory-bytes N --tenant SALT")
     return parser
 
@@ -253,6 +254,7 @@ def _split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ours.add_argument("--memory-bytes", type=parse_size, default=None)
     ours.add_argument("--tenant", default=None)
     ours.add_argument("--shared-secret-file", default=None)
+    ours.add_argument("--shared-password-file", default=None)
     ours.add_argument("--shared-trusted-network", action="store_true", default=None)
     return ours.parse_known_args(list(argv))
 
@@ -326,7 +328,8 @@ def _main(argv_or_args) -> int:
             full_parser().print_help()
             return 0
         args, mlx_argv = _split(argv)
-        for name in ("cache", "shared", "shared_secret_file", "shared_trusted_network"):  # given before the command
+        for name in ("cache", "shared", "shared_secret_file", "shared_password_file",
+                     "shared_trusted_network"):  # given before the command
             if getattr(args, name, None) is None and given is not None:
                 setattr(args, name, getattr(given, name, None))
     else:
@@ -335,8 +338,15 @@ def _main(argv_or_args) -> int:
     if problem is not None:  # before the store opens or a port is bound
         print(f"spec-cache mlx-lm-server: error: {problem}", file=sys.stderr)
         return 2
+    from spec_cache.apps.cli.common import CliError
+
+    try:
+        shared = shared_url(args)  # a password in --shared is refused: every local user reads a command line
+    except CliError as exc:
+        print(f"spec-cache mlx-lm-server: error: {exc}", file=sys.stderr)
+        return 2
     path = getattr(args, "cache", None) or default_cache_dir()
-    options: dict[str, Any] = {"shared": shared_url(args)}
+    options: dict[str, Any] = {"shared": shared}
     if options["shared"]:
         options["shared_options"] = shared_options(args)
     if getattr(args, "memory_bytes", None) is not None:

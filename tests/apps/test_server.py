@@ -49,14 +49,15 @@ class Server:
             args += ["--cached-tokens-granularity", granularity]  # None: the server's own default
         if drafter is not None:
             args += ["--drafter", str(drafter), "--method", "assistant"]
-        for key in keys:
-            args += ["--api-key", key]
-        if operator is not None:
-            args += ["--operator-key", operator]
         self.operator = operator
         env = dict(os.environ, SPEC_CACHE_IDENTITY_DIR=str(tmp / "identity-memo"), PYTHONUNBUFFERED="1")
-        env.pop("SPEC_CACHE_API_KEY", None)
-        env.pop("SPEC_CACHE_OPERATOR_KEY", None)
+        for kind in ("API", "OPERATOR"):
+            env.pop(f"SPEC_CACHE_{kind}_KEY", None)
+            env.pop(f"SPEC_CACHE_{kind}_KEYS", None)
+        if keys:  # keys come from the environment or files only (issue 37): never on the command line
+            env["SPEC_CACHE_API_KEYS"] = " ".join(keys)
+        if operator is not None:
+            env["SPEC_CACHE_OPERATOR_KEY"] = operator
         self.proc = subprocess.Popen(args + list(extra), cwd=ROOT, env=env, stdout=self.log.open("wb"),
                                      stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         self.key = keys[0] if keys else None

@@ -107,7 +107,7 @@ class ServerProcess:
 
     def __init__(self, target: Path, drafter: Path | None, store: Path, log: Path, method: str = "draft-model"):
         self.args = [sys.executable, "-m", "spec_cache.apps.server", "--model", str(target), "--model-id", "tiny",
-                     "--cache", str(store), "--api-key", KEY, "--cached-tokens-granularity", "1",
+                     "--cache", str(store), "--cached-tokens-granularity", "1",
                      "--log-level", "warning", "--max-tokens", "16"]
         if drafter is not None:
             self.args += ["--drafter", str(drafter), "--method", method]
@@ -119,8 +119,9 @@ class ServerProcess:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        for name in ("SPEC_CACHE_API_KEY", "SPEC_CACHE_OPERATOR_KEY"):
+        for name in ("SPEC_CACHE_API_KEYS", "SPEC_CACHE_OPERATOR_KEY", "SPEC_CACHE_OPERATOR_KEYS"):
             env.pop(name, None)
+        env["SPEC_CACHE_API_KEY"] = KEY  # keys come from the environment or files, never the command line
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.args + ["--port", str(port)], env=env, stdout=log,
                                          stderr=subprocess.STDOUT)

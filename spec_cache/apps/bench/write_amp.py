@@ -109,11 +109,13 @@ def _start(model: Path, store: Path, port: int, checkpoint_every: int, log, whol
            ) -> subprocess.Popen:
     entry = ["-c", _WHOLE_TAILS] if whole_tails else ["-m", "spec_cache.apps.server"]
     args = [sys.executable, *entry, "--model", str(model), "--model-id", "tiny",
-            "--cache", str(store), "--port", str(port), "--operator-key", OPERATOR_KEY, "--api-key", OPERATOR_KEY,
+            "--cache", str(store), "--port", str(port),
             "--checkpoint-every", str(checkpoint_every), "--cached-tokens-granularity", "1", "--log-level", "warning"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("SPEC_CACHE_API_KEY", None)
-    env.pop("SPEC_CACHE_OPERATOR_KEY", None)
+    for name in ("SPEC_CACHE_API_KEYS", "SPEC_CACHE_OPERATOR_KEYS"):
+        env.pop(name, None)
+    # keys come from the environment or files, never the command line (every local user reads it)
+    env.update(SPEC_CACHE_API_KEY=OPERATOR_KEY, SPEC_CACHE_OPERATOR_KEY=OPERATOR_KEY)
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

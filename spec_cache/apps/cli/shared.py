@@ -19,6 +19,8 @@ from spec_cache.store import StoreError
 from spec_cache.store.shared import SharedConfig, SharedTier
 
 ENV = "SPEC_CACHE_SHARED"
+#: the shared tier's Redis password, when the URL given on the command line carries none (it must not: see shared_url)
+PASSWORD_ENV = "SPEC_CACHE_SHARED_PASSWORD"
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -40,6 +42,9 @@ def add_shared_secret_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-secret-file", default=argparse.SUPPRESS, metavar="FILE",
                         help="the shared tier's fleet secret, in a file (default: $SPEC_CACHE_SHARED_SECRET); "
                              "every host of a fleet holds the same one")
+    parser.add_argument("--shared-password-file", default=argparse.SUPPRESS, metavar="FILE",
+                        help="the shared tier's Redis/Valkey password, in a file (default: $SPEC_CACHE_SHARED_PASSWORD"
+                             "); a password in --shared URL is refused, as every local user can read a command line")
     parser.add_argument("--shared-trusted-network", action="store_true", default=argparse.SUPPRESS,
                         help="run the shared tier without a fleet secret (unkeyed, unauthenticated entries: only "
                              "where every Redis writer and reader is trusted; also $SPEC_CACHE_SHARED_TRUSTED=1)")
@@ -57,9 +62,63 @@ def shared_options(args) -> dict:
     return options
 
 
+def _netloc_and_query(url: str) -> tuple[str, str]:
+    """A URL's netloc and query, split by hand: a cluster URL's comma-separated hosts are not for ``urlsplit``."""
+    rest = url.partition("://")[2]
+    netloc = rest.split("/", 1)[0].split("?", 1)[0]
+    return netloc, rest.partition("?")[2]
+
+
+def url_has_password(url: str) -> bool:
+    """Whether ``url`` carries a password (``redis://user:PASSWORD@host``, or a ``password=`` query option)."""
+    from urllib.parse import parse_qs
+
+    netloc, query = _netloc_and_query(url)
+    userinfo = netloc.rpartition("@")[0]
+    return ":" in userinfo or "password" in parse_qs(query)
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` as its userinfo's password (percent-encoded; redis-py decodes it), keeping a
+    username it names; a ``unix://`` socket URL takes it as the ``password`` query option."""
+    from urllib.parse import quote
+
+    scheme, _, rest = url.partition("://")
+    netloc, query = _netloc_and_query(url)
+    if scheme == "unix":  # redis-py: unix://[username@]/path?db=N&password=...
+        return f"{url}{'&' if query else '?'}password={quote(password, safe='')}"
+    userinfo, at, hosts = netloc.rpartition("@")
+    user = userinfo.split(":", 1)[0] if at else ""
+    return f"{scheme}://{user}:{quote(password, safe='')}@{hosts}{rest[len(netloc):]}"
+
+
 def shared_url(args) -> str | None:
-    """The shared tier URL from ``--shared`` or ``$SPEC_CACHE_SHARED`` (None when neither is set)."""
-    return getattr(args, "shared", None) or os.environ.get(ENV) or None
+    """The shared tier URL from ``--shared`` or ``$SPEC_CACHE_SHARED`` (None when neither is set), with the password
+    of ``--shared-password-file`` / ``$SPEC_CACHE_SHARED_PASSWORD`` when one is given.
+
+    A password inside ``--shared`` is refused (``CliError``): secrets come from files or the environment only, as
+    every local user reads any process's command line (/proc/PID/cmdline, ps); ``$SPEC_CACHE_SHARED`` may carry one."""
+    given = getattr(args, "shared", None)
+    if given and url_has_password(given):
+        raise CliError("--shared URL carries a password, which every local user can read on the command line "
+                       f"(/proc/PID/cmdline, ps): give it with --shared-password-file FILE or ${PASSWORD_ENV}, or "
+                       f"the whole URL in ${ENV}")
+    url = given or os.environ.get(ENV) or None
+    password = _password(args)
+    return with_password(url, password) if url and password else url
+
+
+def _password(args) -> str | None:
+    """The password of ``--shared-password-file`` (its first line) or ``$SPEC_CACHE_SHARED_PASSWORD``."""
+    path = getattr(args, "shared_password_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return handle.readline().rstrip("\r\n") or None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read --shared-password-file {path}: {getattr(exc, 'strerror', None) or exc}") \
+                from None
+    return os.environ.get(PASSWORD_ENV) or None
 
 
 def shared_health(url: str, timeout_s: float = PROBE_TIMEOUT_S, options: dict | None = None) -> dict:

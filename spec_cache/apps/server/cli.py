@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from spec_cache.apps.cli.common import error_line, fraction, non_negative_int, positive_int, positive_seconds
-from spec_cache.apps.cli.shared import add_shared_secret_options, shared_options
+from spec_cache.apps.cli.shared import add_shared_secret_options, shared_options, shared_url
 from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
 
 __all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module",
@@ -113,9 +113,13 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
 def _request_options(parser: argparse.ArgumentParser) -> None:
     """API keys and what a request gets by default or at most."""
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' (repeat for several keys; each key is its own "
-                             "cache tenant); also $SPEC_CACHE_API_KEY")
-    parser.add_argument("--api-keys-file", metavar="FILE", help="one API key per line")
+                        help="refused: every local user can read a command line; give keys with --api-keys-file, "
+                             "$SPEC_CACHE_API_KEY or $SPEC_CACHE_API_KEYS")
+    parser.add_argument("--api-keys-file", metavar="FILE",
+                        help="require 'Authorization: Bearer KEY' with one of the keys in FILE, one per line (each "
+                             "key is its own cache tenant); also $SPEC_CACHE_API_KEY (one key) and "
+                             "$SPEC_CACHE_API_KEYS (several, comma- or space-separated). Keys are never taken on "
+                             "the command line, which every local user can read")
     parser.add_argument("--max-tokens", type=positive_int, default=512, dest="default_max_tokens",
                         help="max_tokens when a request gives none (default 512)")
     parser.add_argument("--temperature", type=float, default=0.0, dest="default_temperature",
@@ -154,9 +158,12 @@ def _budget_options(parser: argparse.ArgumentParser) -> None:
 def _operator_options(parser: argparse.ArgumentParser) -> None:
     """Operator keys, what usage reveals, connection limits, checkpoints, pins, warm-up, logging."""
     parser.add_argument("--operator-key", action="append", default=[], metavar="KEY",
-                        help="a key for /metrics (every tenant's series and the server-wide ones) and /health's "
-                             "details; also $SPEC_CACHE_OPERATOR_KEY")
-    parser.add_argument("--operator-key-file", metavar="FILE", help="operator keys, one per line")
+                        help="refused: every local user can read a command line; give keys with --operator-key-file, "
+                             "$SPEC_CACHE_OPERATOR_KEY or $SPEC_CACHE_OPERATOR_KEYS")
+    parser.add_argument("--operator-key-file", metavar="FILE",
+                        help="keys for /metrics (every tenant's series and the server-wide ones) and /health's "
+                             "details, one per line; also $SPEC_CACHE_OPERATOR_KEY (one key) and "
+                             "$SPEC_CACHE_OPERATOR_KEYS (several)")
     parser.add_argument("--cached-tokens-granularity", type=_granularity, metavar="N|chunk",
                         help="report usage.prompt_tokens_details.cached_tokens (and the /v1/cache replies' token "
                              "counts) rounded down to a multiple of N tokens, so a client cannot learn token by token "
@@ -309,18 +316,42 @@ def cached_tokens_granularity(given, host: str, api_keys: int, chunk: int, share
                "--cached-tokens-granularity chunk to round")
 
 
+#: a secret option on the command line -> where it goes instead (issue 37: /proc/PID/cmdline is world-readable)
+SECRET_OPTIONS = {
+    "api_key": ("--api-key", "--api-keys-file FILE, $SPEC_CACHE_API_KEY or $SPEC_CACHE_API_KEYS"),
+    "operator_key": ("--operator-key", "--operator-key-file FILE, $SPEC_CACHE_OPERATOR_KEY or "
+                                       "$SPEC_CACHE_OPERATOR_KEYS"),
+}
+
+
+def secrets_in_argv_problem(args) -> str | None:
+    """Why the command line cannot carry these options (one line), or None. Secrets come from files or the
+    environment only: every local user reads any process's command line in /proc/PID/cmdline (and ``ps``), while
+    a process's environment and a 0600 file are its owner's alone."""
+    for attr, (option, instead) in SECRET_OPTIONS.items():
+        if getattr(args, attr, None):
+            return (f"{option} puts the key on the command line, which every local user can read "
+                    f"(/proc/PID/cmdline, ps): give it with {instead}")
+    return None
+
+
+def _env_keys(one: str, several: str) -> list[str]:
+    """``$ONE`` as one key, ``$SEVERAL`` split on commas and whitespace."""
+    keys = [os.environ[one]] if os.environ.get(one) else []
+    return keys + [key for key in os.environ.get(several, "").replace(",", " ").split() if key]
+
+
 def _keys(args) -> tuple[list[str], list[str]]:
-    """(API keys, operator keys): the options', the environment's, the files'."""
+    """(API keys, operator keys): the environment's and the files' (``CliError`` for a key on the command line)."""
     from spec_cache.apps.server.auth import read_keys_file
 
-    keys = list(args.api_key)
-    if os.environ.get("SPEC_CACHE_API_KEY"):
-        keys.append(os.environ["SPEC_CACHE_API_KEY"])
+    problem = secrets_in_argv_problem(args)
+    if problem is not None:
+        raise _fail(problem)
+    keys = _env_keys("SPEC_CACHE_API_KEY", "SPEC_CACHE_API_KEYS")
     if args.api_keys_file:
         keys += read_keys_file(args.api_keys_file)
-    operator_keys = list(args.operator_key)
-    if os.environ.get("SPEC_CACHE_OPERATOR_KEY"):
-        operator_keys.append(os.environ["SPEC_CACHE_OPERATOR_KEY"])
+    operator_keys = _env_keys("SPEC_CACHE_OPERATOR_KEY", "SPEC_CACHE_OPERATOR_KEYS")
     if args.operator_key_file:
         operator_keys += read_keys_file(args.operator_key_file)
     return keys, operator_keys
@@ -333,7 +364,7 @@ def _open_cache(args, log):
     from spec_cache.tiers.cache import SpecCache
 
     path = getattr(args, "cache", None) or default_cache_dir()
-    shared = getattr(args, "shared", None) or os.environ.get("SPEC_CACHE_SHARED") or None
+    shared = shared_url(args)  # --shared, else $SPEC_CACHE_SHARED, with the password file's / env's password
     options = {} if args.memory_bytes is None else {"memory_bytes": args.memory_bytes}
     if shared:
         options["shared_options"] = shared_options(args)
@@ -493,9 +524,11 @@ def check_args(args) -> None:
     ``CliError``."""
     from spec_cache.apps.cli.common import model_args_problem
 
-    problem = model_args_problem(None if _is_gguf(args.model) else args.model, args.drafter, args.method)
+    problem = secrets_in_argv_problem(args) or model_args_problem(
+        None if _is_gguf(args.model) else args.model, args.drafter, args.method)
     if problem is not None:
         raise _fail(problem)
+    shared_url(args)  # a password in --shared: refused (CliError) before the port is bound
 
 
 def listen(host: str, port: int, backlog: int):
