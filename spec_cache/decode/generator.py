@@ -270,7 +270,7 @@ class Generator:
             return None
         restored = self.cache.restore(self.ns_key if ns_key is None else ns_key, prompt[:-1],
                                       drafter_namespace=self.drafter_namespace,
-                                      usable=usable)
+                                      usable=usable, next_token=prompt[-1])  # a stored whole prompt serves too
         if restored is None:
             return None
         conversion = self.engine.conversion_point(len(prompt))

@@ -28,6 +28,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -451,7 +452,8 @@ class SpecCache:
 
     # --- restore ---------------------------------------------------------------------------------
     def restore(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
-                usable: Callable[[Any], bool] | None = None) -> RestoredPrefix | None:
+                usable: Callable[[Any], bool] | None = None, next_token: int | None = None,
+                ) -> RestoredPrefix | None:
         """The longest usable stored prefix of ``tokens`` as mlx-lm caches (+ drafter row), or None.
 
         One call down through the tiers: the memory tier first; LMDB only for a longer usable prefix (or the same
@@ -460,6 +462,12 @@ class SpecCache:
         background; ``drain()`` waits for that). ``usable(candidate)`` (fields ``length``, ``has_drafter``,
         ``minimum_reusable``) rejects prefixes the caller cannot continue from; tiers return only usable ones.
         A prefix restored from LMDB or the shared tier enters the memory tier.
+
+        ``next_token``: the prompt's token after ``tokens`` (a caller looks up a prompt without its last token,
+        which it must forward). An LMDB entry of exactly ``tokens + [next_token]``, the whole prompt an earlier
+        request stored (a repeated question, another process's turn), then serves ``tokens`` by trimming its last
+        token, target only, when every layer is trimmable, as the memory tier serves a shorter prefix of a longer
+        entry (``_restore_whole``). Without it LMDB can serve only a shorter stored prefix.
         """
         if self._closed:
             warnings.warn("spec-cache: the cache is closed; lookup treated as a miss", CacheWarning, stacklevel=2)
@@ -474,6 +482,10 @@ class SpecCache:
                 return False
             return usable is None or usable(hit)
 
+        if next_token is not None:
+            whole = self._restore_whole(ns_key, tokens, int(next_token), better)
+            if whole is not None:
+                return whole
         if self.shared is not None:
             local = floor[0]
             try:
@@ -490,6 +502,29 @@ class SpecCache:
         if restored is not None:
             return restored
         return None if mem is None else self._from_memory(mem, drafter_namespace)
+
+    def _restore_whole(self, ns_key: bytes, tokens: Sequence[int], next_token: int, better) -> RestoredPrefix | None:
+        """``tokens`` from an LMDB entry of exactly ``tokens + [next_token]``, its last token trimmed (target only;
+        None unless such an entry exists, ``better`` accepts the trimmed prefix and every layer is trimmable).
+        The index is probed first (no read, no miss counted) so a prompt without such an entry costs one walk."""
+        length = len(tokens)
+        whole = [int(t) for t in tokens] + [next_token]
+
+        def exactly(hit) -> bool:
+            trimmed = SimpleNamespace(length=length, has_drafter=False,
+                                      minimum_reusable=getattr(hit, "minimum_reusable", 0) or 0)
+            return hit.length == length + 1 and trimmed.minimum_reusable <= length and better(trimmed)
+        try:
+            if self.store.lookup(ns_key, whole, usable=exactly) is None:
+                return None
+        except StoreError:
+            return None
+        got = self._restore_local(ns_key, whole, None, exactly)
+        if got is None or not all(_trimmable(c) for c in got.caches):
+            return None
+        for c in got.caches:
+            c.trim(1)
+        return RestoredPrefix(length, got.caches, None, got.warnings, tier=got.tier)
 
     def _from_memory(self, hit, drafter_namespace: str | None) -> RestoredPrefix:
         caches, checkpoint = self.memory.take(hit, drafter_namespace)
@@ -686,6 +721,13 @@ class SpecCache:
             hit = MemoryHit(length, cp is not None, minimum_reusable, entry)
             caches, cp = self.memory.take(hit, drafter_namespace)
         return RestoredPrefix(length, caches, cp, notes, tier=tier)
+
+
+def _trimmable(cache) -> bool:
+    """Whether an mlx-lm cache can drop its last tokens (KV and quantized KV; not a ring buffer past its size, a
+    recurrent state or a drafter's hidden vectors)."""
+    check = getattr(cache, "is_trimmable", None)
+    return bool(check()) if callable(check) else False
 
 
 @dataclass
