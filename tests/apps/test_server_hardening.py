@@ -187,10 +187,12 @@ def test_cache_controls_follow_the_granularity(guarded, tmp_path):
     assert pins(KEY_A) == []  # the short pin was undone
     pin = post("/v1/cache/pin", tokens=prompt, ttl_s=30).json()
     (everyone,) = [p for p in pins(OPERATOR) if p["id"] == pin["id"]]
-    exact = everyone["tokens"]
-    assert 256 < exact <= 300 and pin["tokens"] == 256 and pins(KEY_A)[0]["tokens"] == 256, (pin, everyone)
-    assert pin["bytes"] == everyone["bytes"] * 256 // exact  # bytes per token would give the exact count back
+    # a tenant's pin covers whole chunks only: its id and bytes would name the exact length (issue 37 item 3)
+    assert pin["tokens"] == everyone["tokens"] == 256 and pins(KEY_A)[0]["tokens"] == 256, (pin, everyone)
+    assert pin["bytes"] == everyone["bytes"]
     assert post("/v1/cache/unpin", id=pin["id"]).json()["tokens"] == 256
+    exact = post("/v1/cache/prefetch", OPERATOR, tokens=prompt, tenant=pin["tenant"]).json()["tokens"]
+    assert 256 < exact <= 300
     r = post("/v1/cache/export", tokens=prompt)
     assert r.status_code == 200 and r.headers["x-spec-cache-tokens"] == "256", r.text
     (tmp_path / "prefix.safetensors").write_bytes(r.content)

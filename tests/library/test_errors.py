@@ -229,7 +229,8 @@ def test_a_real_server_answers_400_through_the_mapping(tmp_path):
     server = Server(target, tmp_path / "store", tmp_path)
     try:
         r = httpx.post(server.url + "/v1/cache/import", headers=server.headers(), timeout=60,
-                       json={"tokens": [5, 6, 7], "file": base64.b64encode(b"not a file").decode()})
+                       json={"tokens": [5, 6, 7], "file": base64.b64encode(b"not a file").decode(),
+                             "cache_salt": "mine"})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["code"] == "invalid_prefix_file" and error["param"] == "file", error
