@@ -9,7 +9,6 @@ reply and keeps what was printed; Ctrl-C at the prompt ends the session (exit 13
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -150,7 +149,8 @@ def register(sub, common, add_kv_options, add_memory_option, temperature, seed) 
     s.add_argument("--seed", type=seed, default=0, metavar="N", help="sampling seed (default 0)")
     s.add_argument("--draft-depth", type=non_negative_int, default=4, metavar="D",
                    help="most tokens the drafter proposes per round (default 4)")
-    s.add_argument("--max-kv-size", type=positive_int, metavar="N", help=argparse.SUPPRESS)  # refused, one line
+    s.add_argument("--max-kv-size", type=positive_int, metavar="N",
+                   help="mlx-lm's rotating KV window: refused (a stored prefix is an exact token history)")
     add_kv_options(s)
     s.add_argument("--no-cache", action="store_true", help="run without the store")
     s.add_argument("--max-bytes", type=parse_size, metavar="SIZE", help="byte budget of the store")

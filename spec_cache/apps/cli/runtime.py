@@ -350,7 +350,8 @@ def _add_generate(sub, common) -> None:
                    help="prefill chunk in tokens (default 512, as mlx-lm's)")
     s.add_argument("--verbose", type=_bool, default=True, metavar="BOOL",
                    help="False: print only the text, not what the cache did (mlx_lm.generate's; default True)")
-    s.add_argument("--max-kv-size", type=positive_int, metavar="N", help=argparse.SUPPRESS)  # refused, one line
+    s.add_argument("--max-kv-size", type=positive_int, metavar="N",
+                   help="mlx-lm's rotating KV window: refused (a stored prefix is an exact token history)")
     _add_kv_options(s)
     s.add_argument("--no-cache", action="store_true", help="run without the store")
     s.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
