@@ -12,7 +12,8 @@ A pin names the longest stored prefix of the given tokens. Pinning it: the prefi
 (that also puts it into the memory tier), an LMDB entry for exactly those tokens is made if there was none (a
 prefix served from a longer entry's chunks would otherwise go with that entry), the LMDB entry gets a lease and
 the memory entry that serves the prefix (that one, or a longer one that serves it by trimming) is pinned until
-the TTL. Pinned bytes are that memory entry's bytes; they count against the owner's ``quota_bytes``.
+the TTL. Pinned bytes are the K/V of exactly the pinned tokens (whichever tier holds them); they count against the
+owner's ``quota_bytes`` (the server derives it from ``--max-bytes`` and its tenants: ``cache_routes.quotas``).
 """
 
 from __future__ import annotations
