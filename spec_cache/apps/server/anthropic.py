@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from spec_cache.apps.server.protocol import MAX_STOP_CHARS, APIError, GenerationParams, greedy_floor
+from spec_cache.apps.server.protocol import MAX_STOP_CHARS, APIError, GenerationParams, check_text, greedy_floor
 from spec_cache.apps.server.scheduler import MAX_CHECKPOINT_AT
 from spec_cache.apps.server.seam import message_boundaries
 from spec_cache.apps.server.tools import TemplateError, ToolCall, ToolCallStream, render_chat, tool_style
@@ -246,6 +246,10 @@ def parse_messages(body: Any, models: tuple[str, ...], default_temperature: floa
     parameters, the tools, the system prompt, the messages and their breakpoints, a final prefill."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
+    try:
+        check_text(body)
+    except APIError as error:
+        raise _bad(error.message) from None
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise _bad(f"{unknown[0]}: Extra inputs are not permitted (this server takes {', '.join(sorted(FIELDS))})")

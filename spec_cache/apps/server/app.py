@@ -9,7 +9,11 @@ and read its events from an asyncio queue (``jobs.py``); the scheduler thread ho
 413 from its Content-Length, or as soon as that many bytes arrived, before anything is tokenized; tokenizing (and
 decoding a large body) runs in a worker thread, never on the event loop, so one big prompt does not stall every other
 client's stream. A client that disconnects (streaming or not) ends its row at once (cancelled; or finished with its
-checkpoint when a retry could resume it). Errors are OpenAI's error JSON with the right status (see ``protocol``).
+checkpoint when a retry could resume it). Errors are OpenAI's error JSON with the right status (see ``protocol``);
+``/v1/messages`` answers Anthropic's. Whatever a handler raises past its own error handling is answered in that
+JSON too (``JSONErrors``, the catch-all): 400 for what only a client's body causes (text that is not Unicode,
+nesting deeper than Python recurses), the library's own statuses (``errors.api_error``), else 500; never
+Starlette's plain-text "Internal Server Error".
 ``LoadingApp`` answers 503 while the model loads, then serves ``create_app(state)``.
 """
 
@@ -23,13 +27,16 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from spec_cache.apps.server.anthropic import error_response as anthropic_error_response
 from spec_cache.apps.server.anthropic import messages_routes
 from spec_cache.apps.server.auth import Auth
 from spec_cache.apps.server.cache_routes import cache_routes
+from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.jobs import Requests, error_response
 from spec_cache.apps.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from spec_cache.apps.server.openai_routes import openai_routes
@@ -38,7 +45,7 @@ from spec_cache.apps.server.scheduler import Scheduler
 
 log = logging.getLogger("spec_cache.apps.server")
 
-__all__ = ["ServerConfig", "ServerState", "create_app", "LoadingApp"]
+__all__ = ["ServerConfig", "ServerState", "create_app", "LoadingApp", "JSONErrors"]
 
 
 @dataclass
@@ -99,8 +106,62 @@ def create_app(state: ServerState) -> Starlette:
         *cache_routes(state, requests.tokenize),  # /v1/cache/... (cache_routes.py)
         *messages_routes(requests),  # /v1/messages (anthropic.py), over the same machinery
     ]
-    return Starlette(routes=routes, lifespan=_lifespan(state),
+    return Starlette(routes=routes, lifespan=_lifespan(state), middleware=[Middleware(JSONErrors)],
                      exception_handlers={404: _not_found, 405: _not_found})
+
+
+class JSONErrors:
+    """ASGI middleware, the catch-all (module doc): an exception a route lets out before its response started is
+    answered as the API's error JSON (Anthropic's under ``/v1/messages``, OpenAI's elsewhere) and logged once;
+    after the response started (a stream), nothing can be answered any more, and it propagates as before."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            error = caught_error(exc)
+            where = f"{scope.get('method', '?')} {scope.get('path', '?')}"
+            if error.status >= 500:
+                log.error("spec-cache serve: %s: unhandled %s answered %d: %s", where, type(exc).__name__,
+                          error.status, error.message, exc_info=exc)
+            else:
+                log.warning("spec-cache serve: %s: %s answered %d: %s", where, type(exc).__name__, error.status,
+                            error.message)
+            anthropic = str(scope.get("path", "")).startswith("/v1/messages")
+            response = anthropic_error_response(error) if anthropic else error_response(error)
+            await response(scope, receive, send)
+
+
+def caught_error(exc: BaseException) -> APIError:
+    """The ``APIError`` the catch-all answers for ``exc``: a client's body that is not Unicode text (a lone
+    surrogate some check missed) or nests deeper than Python recurses is 400; the library's errors keep their
+    statuses (``api_error``); anything else is a 500 with one line naming the exception."""
+    if isinstance(exc, UnicodeError):
+        return APIError(400, "the request holds text that is not valid Unicode (a lone surrogate?)",
+                        code="invalid_text")
+    if isinstance(exc, RecursionError):
+        return APIError(400, "the request nests too deeply", code="too_deep")
+    error = api_error(exc, context="the request failed")
+    if error.status >= 500 and error.code is None:
+        line = " ".join(str(exc).split())[:300] or type(exc).__name__
+        error = APIError(500, f"the request failed: {type(exc).__name__}: {line}", code="internal_error")
+    return error
 
 
 def _register_gauges(metrics: Metrics, scheduler: Scheduler, cache) -> None:

@@ -128,6 +128,34 @@ def greedy_floor(temperature: float | None, top_p: float) -> float | None:
     return temperature
 
 
+#: a lone UTF-16 surrogate: JSON's ``"\\ud800"`` decodes to one, and no UTF-8 text (a tokenizer's input, a digest's
+#: bytes) can hold it
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(body: Any) -> None:
+    """400 when a string of ``body`` (a key or a value, at any depth) holds a lone surrogate. Why here, once: every
+    string of a request ends up encoded as UTF-8 somewhere (the tokenizer, the ``cache_salt`` digest, the chat
+    template), and each of those raised its own non-HTTP error (a plain-text 500). Iterative: a body nests as deep
+    as the JSON decoder allowed."""
+    stack: list[tuple[Any, str | None]] = [(body, None)]
+    while stack:
+        value, field_name = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                where = f"'{field_name}'" if field_name is not None else "the request body"
+                raise _malformed(f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+                                 field_name)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = key if field_name is None and isinstance(key, str) and not _SURROGATE.search(key) \
+                    else field_name
+                stack.append((key, field_name))
+                stack.append((item, name))
+        elif isinstance(value, list):
+            stack.extend((item, field_name) for item in value)
+
+
 def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
@@ -144,6 +172,7 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
             supported: tuple[str, ...] = ()) -> GenerationParams:
     if not isinstance(body, dict):
         raise _malformed("the request body must be a JSON object")
+    check_text(body)
     for name, neutral in UNSUPPORTED.items():
         if name in supported:
             continue
@@ -323,8 +352,9 @@ def _parse_tool_calls(calls: Any, where: str) -> list[dict]:
         try:
             if arguments.strip():
                 json.loads(arguments)
-        except ValueError:
-            raise _tool_error(f"{at}.function.arguments is not valid JSON", "messages") from None
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
+            raise _tool_error(f"{at}.function.arguments is not valid JSON (or nests too deeply)", "messages") \
+                from None
         out.append({"id": call["id"], "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out

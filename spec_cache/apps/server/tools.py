@@ -89,7 +89,7 @@ def _call_from(obj: Any, keys: tuple[str, ...]) -> ToolCall | None:
     if isinstance(arguments, str):  # some models emit the arguments already as JSON text
         try:
             decoded = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the decoder goes
             return None
         arguments = decoded
     if not isinstance(arguments, dict):
@@ -257,7 +257,7 @@ class ToolCallStream:
 def _hermes_call(body: str) -> ToolCall | None:
     try:
         obj = json.loads(body.strip())
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the decoder goes
         return None
     return _call_from(obj, ("arguments", "parameters"))
 
@@ -349,7 +349,7 @@ def _arguments_object(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the decoder goes
             return arguments
     return arguments
 
