@@ -94,21 +94,11 @@ def connection_budget(soft: int, asked: int | None = None) -> tuple[int, int]:
 
 
 def default_store_budget(path) -> tuple[int, str]:
-    """``serve``'s default ``--max-bytes`` for the store at ``path``: what its ``data.mdb`` occupies on disk (blocks
-    allocated: the file is sparse) plus half the free space of its file system now, so the store can never fill
-    the disk (a tmpfs went to 100% without a budget). Returns (bytes, how it was computed)."""
-    import os
-    from pathlib import Path
+    """``serve``'s default ``--max-bytes`` for the store at ``path``: half of the disk room the store could have
+    (free space + what the store and its damaged copies set aside hold; ``spec_cache.store.directory.default_budget``),
+    so the store can never fill the disk (a tmpfs went to 100% without a budget). It used to be "the store's bytes
+    + half the free space", which grew at every restart of a full store and shrank with every copy set aside
+    (issue 37 item 7). Returns (bytes, how it was computed)."""
+    from spec_cache.store.directory import default_budget
 
-    where = Path(path)
-    probe = where
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    st = os.statvfs(probe)
-    free = st.f_bavail * st.f_frsize
-    try:
-        held = os.stat(where / "data.mdb").st_blocks * 512
-    except OSError:
-        held = 0
-    budget = max(held + free // 2, 1 << 20)
-    return budget, f"the store's {held} bytes + half of the {free} bytes free on {probe} at start"
+    return default_budget(path)
