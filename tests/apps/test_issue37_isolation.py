@@ -174,3 +174,37 @@ def test_a_failed_step_that_names_no_culprit_fails_nobody(tiny, served, monkeypa
         assert events.tokens == plain_greedy(tiny.target, prompt, 40)
     assert not armed.is_set()  # the fault did happen
     assert sched.queue_depth == 0 and sched.active_rows == 0
+
+
+def test_a_row_that_fails_later_is_found_and_failed_alone(tiny, served, monkeypatch):
+    """A row that fails the step only after decoding a while (as a rotating cache past its window would): the
+    first failure names nobody (every row is proven), the rows are readmitted one suspect at a time, and the next
+    failure has the bad row alone to blame. The others answer exactly."""
+    from spec_cache.decode.engine import DecodeSession
+
+    sched, _, _ = served
+    prompts = [list(range(5 + 7 * i, 17 + 7 * i)) for i in range(3)]
+    bad_prompt = prompts[1]
+    jobs = [job(p, 30, tenant=f"t{i}") for i, p in enumerate(prompts)]
+    step = DecodeSession.step
+
+    def failing(session):
+        if any(row.request.prompt[: len(bad_prompt)] == bad_prompt and len(row.generated) >= 6
+               for row in session.active):
+            raise RuntimeError("injected fault of one row")
+        return step(session)
+    monkeypatch.setattr(DecodeSession, "step", failing)
+    gate = threading.Event()
+    sched.call(gate.wait)
+    for j, _ in jobs:
+        sched.submit(j)
+    gate.set()
+    for (j, events), prompt in zip(jobs, prompts):
+        assert events.done.wait(60)
+        if prompt is bad_prompt:
+            assert events.last[0] == "error" and events.last[1].code == "engine_error", events.items
+            assert "injected fault of one row" in events.last[1].message
+        else:
+            assert events.last[:2] == ("done", "length"), events.items
+            assert events.tokens == plain_greedy(tiny.target, prompt, 30)
+    assert sched.queue_depth == 0 and sched.active_rows == 0

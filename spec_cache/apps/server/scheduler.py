@@ -52,7 +52,8 @@ never asks the network, so a slow or hung server delays only the job that needs 
 
 Fault isolation: an engine step that raises leaves its session unusable, but fails only the row that caused
 it. The culprit is the one row that had not been through a step yet (just admitted: a restored state that does
-not fit the model fails the step it joins in), or else the one suspect left from an earlier failure; that row is
+not fit the model fails the step it joins in), or else the one suspect left from an earlier failure
+(``Scheduler._culprit``); that row is
 failed alone with its own error (500 ``engine_error``) and the prefix it restored is dropped from the memory tier
 and LMDB (``SpecCache.drop``), so no later request restores it. Every other row is resumed in a fresh session
 exactly where its client stands: readmitted as a retry of itself (``continuations.trim``: its row continues
@@ -678,17 +679,19 @@ class Scheduler:
         self._pending.extendleft(reversed(survivors))
 
     def _culprit(self, jobs: list[Job]) -> Job | None:
-        """The job a failed step is blamed on, or None (then the candidates become suspects): the only one, the
-        only one not proven (new in the batch), the only suspect among those, or one in ``MAX_FAILURES`` failed
-        steps."""
+        """The job a failed step is blamed on, or None (then the candidates become suspects, readmitted one at a
+        time). The only row; else the only row new in the batch (not proven) if it restored a prefix (what fails a
+        step a row joins) or no suspect shares the batch; else the only suspect, unless a new row restored a
+        prefix; else one in ``MAX_FAILURES`` failed steps."""
         if len(jobs) == 1:
             return jobs[0]
-        candidates = [job for job in jobs if not job.proven] or jobs
-        if len(candidates) == 1:
-            return candidates[0]
-        suspects = [job for job in candidates if job.suspect]
-        if len(suspects) == 1:
+        fresh = [job for job in jobs if not job.proven]
+        suspects = [job for job in jobs if job.suspect]
+        if len(fresh) == 1 and (_restored(fresh[0]) or not suspects):
+            return fresh[0]
+        if len(suspects) == 1 and not any(_restored(job) for job in fresh):
             return suspects[0]
+        candidates = [job for job in jobs if job in fresh or job in suspects] or jobs
         worn = [job for job in candidates if job.failures >= MAX_FAILURES]
         if worn:
             return worn[0]
