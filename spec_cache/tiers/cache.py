@@ -482,10 +482,15 @@ class SpecCache:
                 return False
             return usable is None or usable(hit)
 
-        if next_token is not None:
-            whole = self._restore_whole(ns_key, tokens, int(next_token), better)
-            if whole is not None:
-                return whole
+        if next_token is not None and floor[0] < len(tokens):
+            try:  # index only: a stored prefix as long as ``tokens`` (with the drafter row, maybe) comes first
+                probe = self.store.lookup(ns_key, tokens, drafter=drafter_namespace, usable=better)
+            except StoreError:
+                probe = None
+            if probe is None or probe.length < len(tokens):
+                whole = self._restore_whole(ns_key, tokens, int(next_token), better)
+                if whole is not None:
+                    return whole
         if self.shared is not None:
             local = floor[0]
             try:

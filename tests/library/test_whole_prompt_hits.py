@@ -70,3 +70,17 @@ def test_no_whole_prompt_entry_leaves_the_lookup_as_it_was(tiny, tmp_path):
         cache.close()
     assert hit is not None and hit.length < len(other) - 1
     assert result.tokens == plain_greedy(tiny.target, other, 4)
+
+
+def test_a_stored_prefix_with_the_drafter_row_beats_a_trimmed_whole_prompt(tiny, tmp_path):
+    """A prompt decoded for one token stores both its boundary (with the drafter row) and its whole prompt: the
+    repeat restores the boundary with the row, not the trimmed whole (target only)."""
+    for _ in range(2):
+        cache = SpecCache.open(tmp_path / "store", memory_bytes=0)
+        try:
+            gen = Generator.load(tiny.root / "target", tiny.root / "draft-model", cache=cache)
+            gen.write_behind = False
+            result = gen.generate([PROMPT], max_tokens=1)[0]
+        finally:
+            cache.close()
+    assert result.cached_tokens == len(PROMPT) - 1 and result.restored_drafter
