@@ -271,8 +271,24 @@ def test_n_choices_and_batched_prompts_are_each_their_own_row(server, reference)
     assert batch.usage.prompt_tokens == sum(len(i) for i in ids)
     both = client.completions.create(model="tiny", prompt=prompts[:2], max_tokens=6, temperature=0, n=2)
     assert [c.text for c in both.choices] == [batch.choices[0].text] * 2 + [batch.choices[1].text] * 2
-    with pytest.raises(openai.UnprocessableEntityError, match="stream"):
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, n=2, stream=True)
+    # streamed n > 1 and batched prompts (issue 36): each chunk names its choice; the texts equal the body's
+    streamed: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    use = None
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, n=3,
+                                                stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+        use = chunk.usage or use
+    assert streamed == {0: want, 1: want, 2: want} and set(finished) == {0, 1, 2}
+    assert use.prompt_tokens == len(chat_ids(tokenizer, messages)) and use.completion_tokens == reply.usage.completion_tokens
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == [c.text for c in batch.choices]
 
 
 def test_raw_sse_framing_and_stop_strings(server, reference):

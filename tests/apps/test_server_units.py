@@ -64,7 +64,6 @@ MODELS = ("tiny",)
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 422),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, 400),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 17}, 422),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}, 422),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, 422),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, 422),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": 3}, 400),
@@ -100,9 +99,11 @@ def test_completion_prompts():
     assert parse_completion({"model": "tiny", "prompt": ["w5"]}, MODELS, 256)[1] == "w5"
     params, batch = parse_completion({"model": "tiny", "prompt": ["w5", [5, 6]], "n": 2}, MODELS, 256)
     assert isinstance(batch, PromptBatch) and list(batch) == ["w5", [5, 6]] and params.n == 2
+    params, batch = parse_completion({"model": "tiny", "prompt": ["a", "b"], "stream": True}, MODELS, 256)
+    assert isinstance(batch, PromptBatch) and params.stream  # streamed with each chunk's index (issue 36)
     for body, status in [({"prompt": [5, 256]}, 422), ({"prompt": ["a", ""]}, 422), ({"prompt": ""}, 422),
                          ({"prompt": None}, 400), ({"prompt": [True]}, 400), ({"prompt": ["a", [5, 999]]}, 422),
-                         ({"prompt": ["a", "b"], "stream": True}, 422), ({"prompt": ["a"] * 9, "n": 2}, 422)]:
+                         ({"prompt": ["a"] * 9, "n": 2}, 422)]:
         with pytest.raises(APIError) as info:
             parse_completion({"model": "tiny", **body}, MODELS, 256)
         assert info.value.status == status, body

@@ -5,7 +5,8 @@ worker thread (one tokenizer call at a time, never on the event loop), checking 
 building its ``Job``, submitting it and answering, streamed (``_EventStream``: server-sent events that notice a
 disconnect) or as one body (waiting for the result or the client's disconnect, whichever comes first), and the
 per-request metrics and log line. Responses are OpenAI's unless the route passes a ``shape`` (``anthropic.py``).
-``run_choices`` answers several choices (``n > 1``, batched prompts) in one body, a job each.
+``run_choices`` answers several choices (``n > 1``, batched prompts), a job each: in one body, or streamed with
+each chunk's choice ``index`` (``_sse_choices``).
 
 Why one file: every generating route's answer is built from the same parts (the ``_Run`` record, the events a job
 delivers turned into text pieces, the disconnect watch, the accounting); ``run_job`` and ``run_choices`` are two
@@ -208,7 +209,7 @@ class Requests:
         """Several choices in one body: ``params.n`` for each of ``prompts`` (OpenAI's order: prompt by prompt),
         each a job of its own in the batch; one 499 if the client leaves first (every row ends). Usage counts each
         prompt once and every choice's tokens."""
-        runs, collects = [], []
+        runs, streams = [], []
         rid = new_id("chatcmpl" if chat else "cmpl")
         for p, prompt in enumerate(prompts):
             for j in range(params.n):
@@ -223,7 +224,7 @@ class Requests:
                 if chat and active_tools(params.tools, params.tool_choice):
                     pieces = tool_pieces(pieces, tool_style(self.tokenizer))
                 runs.append((run, calls))
-                collects.append(_collect(pieces, calls))
+                streams.append(pieces)
         submitted = []
         try:
             for run, _ in runs:
@@ -232,9 +233,10 @@ class Requests:
         except BaseException:
             for job in submitted:
                 self.scheduler.cancel(job)
-            for c in collects:
-                c.close()
             raise
+        if params.stream:
+            return self._stream_choices([run for run, _ in runs], streams, params, chat)
+        collects = [_collect(pieces, calls) for pieces, (_, calls) in zip(streams, runs)]
         answered, results = await _unless_gone(request, asyncio.gather(*collects))
         if not answered:
             self.count(endpoint, 499, tenant)
@@ -256,6 +258,34 @@ class Requests:
                   for (text, reason, _, _), (_, calls) in zip(results, runs)]
         self.count(endpoint, 200, tenant)
         return JSONResponse(with_choices(bodies))
+
+    def _stream_choices(self, runs: list, streams: list, params, chat: bool) -> Response:
+        """Several choices as one event stream: each chunk carries its choice's ``index`` (OpenAI's ``n`` streamed),
+        choices interleaved as their rows deliver; the usage chunk (when asked) counts each prompt once and every
+        choice's tokens, after the last choice ends. A client that leaves ends every row."""
+        first = runs[0]
+        self.count(first.endpoint, 200, first.tenant)
+        prompt_tokens = sum(run.prompt_tokens for run in runs)
+
+        def account(ended: list[tuple[int, int]]) -> tuple[int, int]:
+            """Metrics and the log line; returns (generated, cached): a prompt's cached tokens counted once."""
+            generated = sum(g for g, _ in ended)
+            cached = sum(c for run, (_, c) in zip(runs, ended) if run.prompt_tokens)
+            self.metrics.account(first.label, prompt_tokens, cached, generated)
+            stamps = [run.timing["first"] for run in runs if "first" in run.timing]
+            log_request(first.line, 200, first.label, first.started, rid=first.rid, prompt=prompt_tokens,
+                        cached=cached, generated=generated, first=min(stamps, default=None))
+            return generated, cached
+
+        def cancel_all() -> None:
+            for run in runs:
+                self.scheduler.cancel(run.job)
+
+        def gone() -> None:
+            cancel_all()
+            log_request(first.line, 499, first.label, first.started, rid=first.rid, prompt=prompt_tokens)
+        out = _sse_choices(streams, first.rid, params, int(time.time()), chat, prompt_tokens, account, cancel_all)
+        return _EventStream(out, on_disconnect=gone)
 
     def _account(self, run: _Run, generated: int, cached: int) -> None:
         self.metrics.account(run.label, run.prompt_tokens, cached, generated)
@@ -457,4 +487,61 @@ async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, cha
             break
     except APIError as error:
         yield _event(error.body())
+    yield b"data: [DONE]\n\n"
+
+
+async def _sse_choices(streams: list, rid: str, params, created: int, chat: bool, prompt_tokens: int, account,
+                       cancel_all):
+    """``_sse`` for several choices: each choice's pieces pumped into one queue by a task of its own, every chunk
+    tagged with the choice's index; ``account`` gets each choice's (generated, cached) once all have ended. An
+    error met in any choice is one error event (the other rows end) before ``[DONE]``."""
+    model = params.model
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, pieces) -> None:
+        try:
+            async for piece in pieces:
+                await queue.put((index, piece))
+                if piece[0] == "end":
+                    return
+        except APIError as error:
+            await queue.put((index, ("error", error)))
+        except Exception as exc:  # a bug in one choice's pieces: the stream says so instead of hanging
+            log.exception("spec-cache serve: a streamed choice failed")
+            await queue.put((index, ("error", APIError(500, f"internal error: {type(exc).__name__}",
+                                                       code="internal_error"))))
+
+    tasks = [asyncio.create_task(pump(i, pieces)) for i, pieces in enumerate(streams)]
+    ended: dict[int, tuple[int, int]] = {}
+    calls = [0] * len(streams)
+    try:
+        if chat:
+            for i in range(len(streams)):
+                yield _event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=i))
+        while len(ended) < len(streams):
+            i, piece = await queue.get()
+            if piece[0] == "text":
+                yield _event(chat_chunk(rid, model, created, {"content": piece[1]}, index=i) if chat
+                             else completion_chunk(rid, model, created, piece[1], index=i))
+            elif piece[0] == "tool_call":
+                yield _event(chat_chunk(rid, model, created, {"tool_calls": [piece[1].openai(calls[i])]}, index=i))
+                calls[i] += 1
+            elif piece[0] == "error":
+                cancel_all()
+                yield _event(piece[1].body())
+                break
+            else:
+                _, reason, generated, cached = piece
+                ended[i] = (generated, cached)
+                yield _event(chat_chunk(rid, model, created, {}, reason, index=i) if chat
+                             else completion_chunk(rid, model, created, "", reason, index=i))
+        else:
+            generated, cached = account([ended[i] for i in range(len(streams))])
+            if params.include_usage:
+                use = usage(prompt_tokens, generated, cached)
+                yield _event(chat_chunk(rid, model, created, None, use=use) if chat
+                             else completion_chunk(rid, model, created, None, use=use))
+    finally:
+        for task in tasks:
+            task.cancel()
     yield b"data: [DONE]\n\n"

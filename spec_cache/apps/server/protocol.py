@@ -6,7 +6,7 @@ checkers (``_number``, ``_integer``, ``_common``) and error helpers.
 ``parse_chat`` / ``parse_completion`` turn a decoded JSON body into a ``GenerationParams`` (plus the messages or
 the prompt) or raise ``APIError`` with the status OpenAI-compatible clients expect: 400 for a malformed body
 (not an object, a missing field, a wrong type), 422 for a value out of range or a feature this server does not
-offer (``n > 1``, several prompts), 404 for an unknown model. Nothing here touches the model or the engine.
+offer, 404 for an unknown model. Nothing here touches the model or the engine.
 """
 
 from __future__ import annotations
@@ -195,8 +195,6 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
         if value is not None:
             max_tokens = value
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
-    if n > 1 and body.get("stream"):
-        raise _bad_value("n > 1 is answered in one body: send 'stream': false (or n: 1 to stream)", "n")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _malformed("'seed' must be an integer", "seed")
@@ -413,9 +411,6 @@ def parse_completion(body: Any, models: tuple[str, ...], vocab_size: int,
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        if params.stream:
-            raise _bad_value("several prompts are answered in one body: send 'stream': false (or one prompt to "
-                             "stream)", "prompt")
         if len(prompt) * params.n > MAX_CHOICES:
             raise _bad_value(f"{len(prompt)} prompts x n={params.n} choices: at most {MAX_CHOICES} a request",
                              "prompt")
@@ -465,8 +460,8 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-               use: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+               use: dict | None = None, index: int = 0) -> dict:
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": None,
                                          "finish_reason": finish_reason}]
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if use is not None:
@@ -481,8 +476,9 @@ def completion_response(rid: str, model: str, text: str, finish_reason: str, use
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
-                     use: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+                     use: dict | None = None, index: int = 0) -> dict:
+    choices = [] if text is None else [{"index": index, "text": text, "logprobs": None,
+                                        "finish_reason": finish_reason}]
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if use is not None:
         chunk["usage"] = use
