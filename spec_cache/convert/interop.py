@@ -153,7 +153,7 @@ def import_mlx_lm(cache: SpecCache, file: str | Path, model_dir: str | Path, tok
     without them needs them given. Returns the namespace key it was stored under. Raises ``InteropError`` (nothing
     written) when the file does not cover exactly ``len(tokens)`` tokens, does not fit the model (every layer's
     kind, keys' and values' shapes, dtype, token length, a rotating layer's max_size/keep: the checks
-    ``/v1/cache/import`` makes, ``cache_controls.check_fits``), names another target, or its token ids are not
+    ``/v1/cache/import`` makes, ``prefix_files.check_fits``), names another target, or its token ids are not
     the model's. Why all before the put: a stored entry that does not fit fails every request that restores it.
     """
     from mlx_lm.models.cache import load_prompt_cache

@@ -10,7 +10,7 @@ Routes (all answer OpenAI's error JSON on failure, never a traceback):
   shared tier), so the next request restores from memory.
 * ``POST /v1/cache/export`` — the stored prefix as an mlx-lm prompt-cache file (``save_prompt_cache`` format).
 * ``POST /v1/cache/import`` — such a file (+ the tokens it covers) stored as a checkpoint, once every layer is
-  checked against the model (``cache_controls.check_fits``). An API key imports only with a ``cache_salt`` (a
+  checked against the model (``prefix_files.check_fits``). An API key imports only with a ``cache_salt`` (a
   namespace only requests with that salt reach); into a namespace other callers share, only the operator key
   (403 ``operator_key_required``): imported KV is continued from as it is, so it would answer for them.
 
