@@ -12,6 +12,7 @@ Key (32 bytes; golden vector in tests/golden/continuations.json)::
                  || u64 len(prompt) || u32le prompt tokens)
     params = canonical JSON (sorted keys, no spaces) of {"eos": [sorted EOS ids] or null (EOS ignored),
              "sampling": "greedy" or {"seed": int, "temperature": float, "top_p": float}}
+    (and "processors": {...} when a request has logits processors: they change greedy tokens too)
 
 ``ns_key`` is the prefix namespace key: target identity, drafter namespace, adapters, KV options and tenant, so a
 record never crosses tenants or models. Greedy ignores seed and top_p (the engine does).
@@ -68,10 +69,11 @@ class NewerRecord(StoreError):
 
 
 def continuation_params(*, temperature: float, top_p: float, seed: int | None, eos_ids: Sequence[int] | None,
-                        top_k: int = 0, min_p: float = 0.0) -> bytes:
+                        top_k: int = 0, min_p: float = 0.0, processors: dict | None = None) -> bytes:
     """The canonical parameter bytes of the key (module doc). ``eos_ids`` None: the request ignores EOS.
     ``top_k`` / ``min_p`` enter a sampled request's bytes only when set (> 0), so every key made before they
-    existed stays what it was."""
+    existed stays what it was. ``processors`` (a JSON-able mapping: the request's logits processors, greedy or not)
+    enters only when non-empty, likewise."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
         raise InvalidInput(f"temperature must be a number >= 0, got {temperature!r}")
     if temperature == 0:
@@ -85,7 +87,10 @@ def continuation_params(*, temperature: float, top_p: float, seed: int | None, e
         if min_p:
             sampling["min_p"] = float(min_p)
     eos = None if eos_ids is None else sorted({int(t) for t in eos_ids})
-    return json.dumps({"eos": eos, "sampling": sampling}, sort_keys=True, separators=(",", ":")).encode("ascii")
+    params: dict = {"eos": eos, "sampling": sampling}
+    if processors:
+        params["processors"] = processors
+    return json.dumps(params, sort_keys=True, separators=(",", ":")).encode("ascii")
 
 
 def continuation_key(ns_key: bytes, prompt: Sequence[int], params: bytes) -> bytes:

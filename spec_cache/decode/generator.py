@@ -213,14 +213,17 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32, temperature: float = 0.0,
                  seed: int = 0, top_p: float = 1.0, *, checkpoint_every: int | None = None,
-                 resume: bool = False, top_k: int = 0, min_p: float = 0.0) -> list[Result]:
+                 resume: bool = False, top_k: int = 0, min_p: float = 0.0, **processors: Any) -> list[Result]:
         """Decode every prompt (one batch); rows resume from the cache where they can.
 
         ``prompts`` is a list of prompts, each a non-empty list of token ids (ints in ``[0, vocab_size)``);
         anything else raises ``ValueError`` naming the prompt and position before any lookup. ``temperature``
         0 is greedy; ``top_p`` < 1 samples from the nucleus, ``min_p`` / ``top_k`` filter further
         (``spec_cache.rows.sampling.RowSampling``); ``seed`` makes sampled rows reproducible (a row's tokens depend
-        only on its own prompt, parameters and seed).
+        only on its own prompt, parameters and seed). ``processors``: mlx-lm's logits processors, greedy rows
+        included, by ``RowSampling``'s names (``logit_bias={id: value}``, ``repetition_penalty``,
+        ``repetition_context_size``, ``presence_penalty``, ``frequency_penalty`` and their ``*_context_size``): the
+        tokens equal ``generate_step``'s with ``make_logits_processors`` of the same values.
 
         ``checkpoint_every=N`` checkpoints each row every N generated tokens with a continuation record, and
         ``resume=True`` continues a row from the record an earlier identical call left (killed part-way, or
@@ -229,15 +232,17 @@ class Generator:
             from spec_cache.tiers.continuations import generate
 
             return generate(self, prompts, max_tokens, temperature=temperature, seed=seed, top_p=top_p,
-                            checkpoint_every=checkpoint_every, resume=resume, top_k=top_k, min_p=min_p)
+                            checkpoint_every=checkpoint_every, resume=resume, top_k=top_k, min_p=min_p,
+                            **processors)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidRequest("max_tokens must be a positive int")
         rows = check_prompts(prompts, self.engine.target.vocab_size)
         sampling = None
-        if top_p != 1.0 or top_k or min_p:
+        if top_p != 1.0 or top_k or min_p or processors:
             from spec_cache.rows.sampling import RowSampling
 
-            sampling = RowSampling(temperature, top_p, seed, top_k, min_p)  # raises on values out of range
+            # raises on values out of range (and TypeError on a name RowSampling does not have)
+            sampling = RowSampling(temperature, top_p, seed, top_k, min_p, **processors)
         started = time.perf_counter()  # TTFT counts the lookups and restores too, not only the engine
         prepared = [self.prepare(prompt, max_tokens, sampling=sampling) for prompt in rows]
         saves = []

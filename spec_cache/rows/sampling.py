@@ -20,6 +20,16 @@ Two samplers:
 * ``RowSampler`` (the target's verification): each row samples the token at absolute position ``p`` of its
   sequence with the key ``position_key(seed, p)``, so a row's tokens depend only on its own prompt, parameters
   and seed, never on what else is in the batch, on how many drafts were accepted, or on a restore.
+
+Logits processors (``RowSampling.logit_bias``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``): exactly mlx-lm's (``mlx_lm.sample_utils.make_logits_processors``: the same operations in
+the same order, bias, repetition, presence, frequency), applied to the raw logits before everything else, greedy
+rows included (they move the argmax). mlx-lm's ``generate_step`` hands a processor every token before the one it
+chooses, prompt included, and each penalty looks at the last ``*_context_size`` of them (0: all of them, as
+mlx-lm's ``tokens[-0:]``). A verify window's position ``j`` chooses the token at ``p + j``, so it sees the row's
+tokens and the window's drafts before it: the history the row has if those drafts are accepted, and when one is
+rejected, every later position is discarded. So the tokens equal ``generate_step``'s with
+``make_logits_processors(...)`` whatever was drafted, restored or batched beside the row.
 """
 
 from __future__ import annotations
@@ -27,14 +37,14 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
 
 from spec_cache.errors import InvalidRequest
 
-__all__ = ["Sampling", "TokenSampler", "RowSampling", "RowSampler", "position_key", "means_greedy", "MIN_TEMPERATURE",
-           "MIN_TOP_P"]
+__all__ = ["Sampling", "TokenSampler", "RowSampling", "RowSampler", "position_key", "means_greedy", "process_logits",
+           "MIN_TEMPERATURE", "MIN_TOP_P"]
 
 #: a temperature below this samples greedily (module doc)
 MIN_TEMPERATURE = 1e-5
@@ -100,8 +110,21 @@ class RowSampling:
     seed: int = 0
     top_k: int = 0
     min_p: float = 0.0
+    #: logits processors (module doc), mlx-lm's ``make_logits_processors`` arguments: ``logit_bias`` a mapping (or
+    #: pairs) token id -> finite value added to its logit, kept as sorted ``(id, value)`` pairs; ``repetition_penalty``
+    #: > 0 (1: off) divides a positive logit of a token seen in the last ``repetition_context_size`` tokens and
+    #: multiplies a negative one; ``presence_penalty`` (0: off) is subtracted once from each token seen in its
+    #: context, ``frequency_penalty`` (0: off) once per occurrence. A context size 0 means the whole sequence.
+    logit_bias: Any = ()
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
 
     def __post_init__(self) -> None:
+        self._check_processors()
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -123,9 +146,71 @@ class RowSampling:
         if self.temperature and means_greedy(self.temperature, self.top_p):  # below a floor: greedy (module doc)
             object.__setattr__(self, "temperature", 0.0)
 
+    def _check_processors(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        if not isinstance(pairs, (list, tuple)) and not isinstance(bias, Mapping):
+            raise TypeError(f"logit_bias must be a mapping of token id to number, got {type(bias).__name__}")
+        checked: dict[int, float] = {}
+        for pair in pairs:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise TypeError("logit_bias must be a mapping of token id to number")
+            token, value = pair
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise TypeError(f"logit_bias keys must be int token ids, got {type(token).__name__}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"logit_bias values must be numbers, got {type(value).__name__}")
+            if token < 0:
+                raise InvalidRequest(f"logit_bias: token id {token} is negative")
+            if not math.isfinite(value):
+                raise InvalidRequest(f"logit_bias: the value for token {token} must be finite, got {value}")
+            if token in checked:
+                raise InvalidRequest(f"logit_bias: token id {token} is given twice")
+            checked[token] = float(value)
+        object.__setattr__(self, "logit_bias", tuple(sorted(checked.items())))
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise InvalidRequest(f"{name} must be finite, got {value}")
+        if not self.repetition_penalty > 0:
+            raise InvalidRequest(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise InvalidRequest(f"{name} must be >= 0 (0: the whole sequence), got {value}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes(self) -> bool:
+        """Whether a logits processor is on (module doc): the sampler then needs the row's tokens."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(
+            self.frequency_penalty)
+
+    def processor_params(self) -> dict:
+        """The logits processors that are on, as a JSON-able mapping (a continuation key's part: empty when none,
+        so every older key stays what it was)."""
+        params: dict = {}
+        if self.logit_bias:
+            params["logit_bias"] = [[token, value] for token, value in self.logit_bias]
+        for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            value = getattr(self, name)
+            if value != off:
+                context = name.replace("_penalty", "_context_size")
+                params[name] = [float(value), getattr(self, context)]
+        return params
+
+    def max_logit_bias_id(self) -> int:
+        """The largest token id ``logit_bias`` names (-1: none); the engine checks it against the vocabulary."""
+        return self.logit_bias[-1][0] if self.logit_bias else -1
 
 
 def position_key(seed: int, position: int) -> mx.array:
@@ -160,27 +245,84 @@ def _top_k(logprobs: mx.array, k: int) -> mx.array:
     return mx.where(logprobs >= kth, logprobs, -mx.inf)
 
 
+def _context_pairs(tokens: Sequence[int], position: int, width: int, size: int) -> tuple[list[int], list[int]]:
+    """The ``(window position, token)`` pairs of every window position's penalty context: position ``j`` sees the
+    last ``size`` (0: all) of ``tokens[:position + j]`` (module doc), one pair per occurrence."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for j in range(width):
+        end = min(position + j, len(tokens))  # past the row's drafts (padding): never read, any context will do
+        context = tokens[max(0, end - size) if size else 0:end]
+        rows.extend([j] * len(context))
+        ids.extend(context)
+    return rows, ids
+
+
+def process_logits(logits: mx.array, sampling: RowSampling, tokens: Sequence[int], position: int) -> mx.array:
+    """One row's window logits ``[W, V]`` through its logits processors (module doc): window position ``j`` chooses
+    the token at ``position + j`` and its penalties see ``tokens[:position + j]``. The operations are mlx-lm's
+    (``make_logits_processors``), row by row."""
+    width = logits.shape[0]
+    if sampling.logit_bias:
+        ids = mx.array([token for token, _ in sampling.logit_bias])
+        values = mx.array([value for _, value in sampling.logit_bias])
+        logits = logits.at[:, ids].add(values)
+    penalties = ((sampling.repetition_penalty, sampling.repetition_context_size, "repetition"),
+                 (sampling.presence_penalty, sampling.presence_context_size, "presence"),
+                 (sampling.frequency_penalty, sampling.frequency_context_size, "frequency"))
+    for penalty, size, kind in penalties:
+        if (kind == "repetition" and penalty == 1.0) or not penalty:
+            continue  # 1 (repetition) and 0 (the others) change no logit: mlx-lm's defaults
+        rows, ids = _context_pairs(tokens, position, width, size)
+        if not ids:
+            continue
+        js, ts = mx.array(rows), mx.array(ids)
+        if kind == "repetition":
+            selected = logits[js, ts]
+            logits[js, ts] = mx.where(selected < 0, selected * penalty, selected / penalty)
+        elif kind == "presence":
+            logits[js, ts] = logits[js, ts] - penalty
+        else:
+            logits = logits.at[js, ts].subtract(penalty)
+    return logits
+
+
 class RowSampler:
     """Samples a verify window ``logits [B, W, V]`` row by row (see module doc)."""
 
-    def __call__(self, logits: mx.array, rows: Sequence[tuple[RowSampling | None, int]]) -> list[list[int]]:
-        """``rows[b] = (sampling, position)``: row ``b``'s sampling (None: greedy) and the absolute position of
-        the token its window's first logits choose. Returns ``[B][W]`` token ids."""
+    def __call__(self, logits: mx.array, rows: Sequence[tuple]) -> list[list[int]]:
+        """``rows[b] = (sampling, position[, tokens])``: row ``b``'s sampling (None: greedy), the absolute
+        position of the token its window's first logits choose and, when its sampling has logits processors,
+        its tokens followed by the window's drafts (``tokens[:position + j]`` is what window position ``j``
+        follows). Returns ``[B][W]`` token ids."""
         return self.sample(logits, rows).tolist()
 
-    def sample(self, logits: mx.array, rows: Sequence[tuple[RowSampling | None, int]]) -> mx.array:
+    def sample(self, logits: mx.array, rows: Sequence[tuple]) -> mx.array:
         """``__call__`` left on the device: the ``[B, W]`` token ids as a lazy array (same operations, same
         tokens), so a pipelined round can feed them to the next forward before the host reads them."""
+        processed = {}
+        for b, (sampling, position, *rest) in enumerate(rows):
+            if sampling is not None and sampling.processes:
+                if not rest or rest[0] is None:
+                    raise ValueError(f"row {b}: a sampling with logits processors needs the row's tokens")
+                processed[b] = process_logits(logits[b], sampling, rest[0], position)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = mx.argmax(logprobs, axis=-1)
-        sampled = [b for b, (sampling, _) in enumerate(rows) if sampling is not None and not sampling.greedy]
-        if not sampled:
+        special = [b for b, (sampling, *_) in enumerate(rows)
+                   if b in processed or (sampling is not None and not sampling.greedy)]
+        if not special:
             return chosen
         width, vocab = logprobs.shape[1], logprobs.shape[2]
         per_row = [chosen[b] for b in range(len(rows))]
-        for b in sampled:
-            sampling, position = rows[b]
-            scaled = logprobs[b] * (1.0 / sampling.temperature)
+        for b in special:
+            sampling, position, *_ = rows[b]
+            row = logprobs[b]
+            if b in processed:
+                row = processed[b] - mx.logsumexp(processed[b], axis=-1, keepdims=True)
+            if sampling.greedy:
+                per_row[b] = mx.argmax(row, axis=-1)
+                continue
+            scaled = row * (1.0 / sampling.temperature)
             if sampling.top_p < 1.0:
                 scaled = _nucleus(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), sampling.top_p)
             if sampling.min_p > 0.0:

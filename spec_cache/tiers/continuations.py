@@ -59,7 +59,8 @@ def request_key(ns_key: bytes, prompt: Sequence[int], sampling: Any, stop_at_eos
                                  seed=None if sampling is None else sampling.seed,
                                  eos_ids=tuple(eos_ids) if stop_at_eos else None,
                                  top_k=0 if sampling is None else getattr(sampling, "top_k", 0),
-                                 min_p=0.0 if sampling is None else getattr(sampling, "min_p", 0.0))
+                                 min_p=0.0 if sampling is None else getattr(sampling, "min_p", 0.0),
+                                 processors=None if sampling is None else getattr(sampling, "processor_params", dict)())
     return continuation_key(ns_key, prompt, params)
 
 
@@ -210,7 +211,7 @@ class _Row:
 
 def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0.0, seed: int = 0,
              top_p: float = 1.0, checkpoint_every: int | None = None, resume: bool = True, top_k: int = 0,
-             min_p: float = 0.0) -> list[ResumedResult]:
+             min_p: float = 0.0, **processors: Any) -> list[ResumedResult]:
     """``Generator.generate`` with continuations: rows resume from their stored continuation (``resume``) and
     checkpoint every ``checkpoint_every`` generated tokens (None: at the prompt boundary and the end only), each
     checkpoint followed by its continuation record. Tokens equal an uninterrupted ``generate``'s."""
@@ -223,7 +224,7 @@ def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0
                                          or checkpoint_every < 1):
         raise InvalidRequest("checkpoint_every must be None or an int >= 1")
     prompts = check_prompts(prompts, generator.engine.target.vocab_size)
-    sampling = RowSampling(temperature, top_p, seed, top_k, min_p)
+    sampling = RowSampling(temperature, top_p, seed, top_k, min_p, **processors)
     cache, eos = generator.cache, tuple(generator.eos_token_ids)
     conts = None if cache is None else Continuations.of(cache)
     ns_key = generator.ns_key
