@@ -72,6 +72,7 @@ from spec_cache.drafters.base import ColdRow, storable
 from spec_cache.errors import InvalidRequest, RestoreRefused
 from spec_cache.rows.joining import JoiningCohort
 from spec_cache.rows.kv_quant import converted_at, plan_kv, reusable
+from spec_cache.rows.logprobs import RowLogprobs, check_top, score
 from spec_cache.rows.protocol import RoundContext, TargetRowGroup, apply_state_changes
 from spec_cache.rows.quantized_rows import QuantizedTargetRows
 from spec_cache.rows.sampling import RowSampler, RowSampling, Sampling
@@ -111,6 +112,14 @@ class RowRequest:
     #: (``on_checkpoint`` with ``prompt[:k]`` and no drafter state; ``spec_cache.rows.joining``), where the engine
     #: can (``SpeculativeEngine.prefill_checkpoints``); offsets outside ``(restored, len(prompt) - 1)`` are skipped
     checkpoint_at: tuple[int, ...] = ()
+    #: the logprob of each generated token and its ``logprobs`` most likely alternatives (0..20; None: off;
+    #: ``spec_cache.rows.logprobs``): delivered as ``on_tokens``' third argument (``RowLogprobs``) and in
+    #: ``RowResult.logprobs``. Its rounds are not pipelined while it decodes
+    logprobs: int | None = None
+    #: score the prompt tokens the target forwards too (``prompt[target_start + 1:]``; a cold row: all but the
+    #: first) with this many alternatives (0..20; None: off): ``RowResult.prompt_logprobs`` and the row's first
+    #: ``on_tokens`` call. Not with KV quantization
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -127,6 +136,11 @@ class RowResult:
     ttft_s: float
     cancelled: bool = False
     reason: str = ""
+    #: one ``TokenLogprob`` per generated token (``RowRequest.logprobs``; None: not asked)
+    logprobs: list | None = None
+    #: per prompt position, its ``TokenLogprob`` or None where nothing scored it (the first token, a restored
+    #: prefix); None: not asked (``RowRequest.prompt_logprobs``)
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -149,11 +163,16 @@ class _Row:
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # what the depth controller knows of it
     beside: bool = False  # its drafter row opened cold beside a restored target (a target-only hit)
     draft_start: int = 0  # the first prompt token its drafter row takes at admission
+    scored: list | None = None  # ``TokenLogprob`` per generated token (``RowRequest.logprobs``)
+    prompt_scored: list | None = None  # per prompt position (``RowRequest.prompt_logprobs``), once prefilled
+    prompt_sent: bool = False  # ``prompt_scored`` went with an ``on_tokens`` call
 
     def result(self, cancelled: bool = False, reason: str | None = None) -> RowResult:
         return RowResult(list(self.generated), self.target_start, self.drafted, self.accepted,
                          self.ttft_s if self.ttft_s is not None else 0.0, cancelled,
-                         self.reason if reason is None else reason)
+                         self.reason if reason is None else reason,
+                         None if self.scored is None else list(self.scored),
+                         None if self.prompt_scored is None else list(self.prompt_scored))
 
 
 def pipelines_by_default() -> bool:
@@ -324,11 +343,12 @@ class SpeculativeEngine:
             raise RestoreRefused(f"{where}: restored_tokens={restored} needs restored_caches")
         if request.sampling is not None and not isinstance(request.sampling, RowSampling):
             raise InvalidRequest(f"{where}: sampling must be a RowSampling or None, got {type(request.sampling).__name__}")
-        if request.sampling is not None and request.sampling.max_logit_bias_id() >= vocab:
-            raise InvalidRequest(f"{where}: logit_bias token {request.sampling.max_logit_bias_id()} is not an id in "
-                                 f"[0, {vocab})")
         if any(isinstance(k, bool) or not isinstance(k, int) for k in request.checkpoint_at):
             raise InvalidRequest(f"{where}: checkpoint_at must hold ints (prompt offsets)")
+        check_top(request.logprobs, f"{where}: logprobs")
+        check_top(request.prompt_logprobs, f"{where}: prompt_logprobs")
+        if request.prompt_logprobs is not None and self.plan is not None:
+            raise InvalidRequest(f"{where}: prompt_logprobs is not supported with KV quantization")
         conversion = self.conversion_point(len(prompt))
         if caches is not None:
             self._check_restored(where, caches, restored, conversion)
@@ -348,7 +368,8 @@ class SpeculativeEngine:
                     f"{where}: the draft checkpoint covers {checkpoint.processed_tokens} tokens but the restored "
                     f"target covers {restored}",
                 )
-        return _Row(index, request, list(prompt), conversion=conversion)
+        return _Row(index, request, list(prompt), conversion=conversion,
+                    scored=None if request.logprobs is None else [])
 
     def _check_restored(self, where: str, caches, restored: int, conversion: int | None) -> None:
         self.target.check_restored(where, caches, restored, quantized=self.plan is not None)
@@ -493,11 +514,7 @@ class DecodeSession:
                 # not after all of it (issue 35's H100 trace: 3.3 s in the queue behind a 5.9k-token prefill)
                 self._advance(self._joining, whole=not self.active and not self.engine.interleave_prefill)
             if self.active:
-                if self._pipelined and not self._processing():
-                    self._pipelined_round()
-                else:  # a row with logits processors needs its tokens on the host: synchronous rounds
-                    self._drop_ahead()
-                    self._round()
+                self._pipelined_round() if self._pipelined else self._round()
             self._retire()
             self._take_snapshots()
         finally:
@@ -633,10 +650,13 @@ class DecodeSession:
         if self.engine.prefill_checkpoints and self.on_checkpoint is not None:
             stops = [[k - row.target_start for k in row.request.checkpoint_at
                       if row.target_start < k < len(row.request.prompt) - 1] for row in cohort]
+        scores = [None if row.request.prompt_logprobs is None else
+                  (row.request.prompt[row.target_start + 1:], row.request.prompt_logprobs) for row in cohort]
         joined = JoiningCohort(cohort, joining, [row.request.prompt[row.target_start : -1] for row in cohort],
                                step=self.engine.prefill_step_size, tap_layers=taps, split=split,
                                need_hidden=group is not None, stops=stops,
-                               on_stop=lambda i, forwarded: self._prefill_checkpoint(joined, i, forwarded))
+                               on_stop=lambda i, forwarded: self._prefill_checkpoint(joined, i, forwarded),
+                               scores=scores)
         return joined
 
     def _prefill_checkpoint(self, cohort: JoiningCohort, i: int, forwarded: int) -> None:
@@ -652,6 +672,9 @@ class DecodeSession:
             if not cohort.advance(whole=whole):
                 return
             self._drop_ahead()  # the batch changes: the queued round is not the one to run
+            for row, scored in zip(cohort.members, cohort.scored):
+                if scored is not None:  # position p scored by the forward of p - 1 (nothing before target_start)
+                    row.prompt_scored = [None] * (row.target_start + 1) + scored
             self._join(cohort.members, cohort.rows, cohort.context())
         except BaseException:
             self._release(cohort)
@@ -708,11 +731,6 @@ class DecodeSession:
                 and (self.group is None or request.draft_checkpoint is not None or row.beside))
 
     # -- one verify round -------------------------------------------------------------------------------
-    def _processing(self) -> bool:
-        """Whether an active row has logits processors (``RowSampling.processes``): each position's penalties
-        read the row's tokens on the host, so its rounds are not pipelined (the queued round's token is unread)."""
-        return any(row.sampling is not None and row.sampling.processes for row in self.active)
-
     def _limits(self, lead: int) -> tuple[list[int], list[int]]:
         """Each row's remaining budget and draft cap ``lead`` rounds of one token from now: a row proposes at
         most its remaining budget minus one, and no further than its window limit (a quantized row stops at its
@@ -746,13 +764,16 @@ class DecodeSession:
         window = [[p] + d + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts)]
         taps = () if self.group is None else tuple(self.group.tap_layers)
         out = self.rows.verify(window, tap_layers=taps)
-        sampled = self.sampler(out.logits, [_sampled_row(row, draft) for row, draft in zip(active, drafts)])
+        sampled = self.sampler(out.logits, [(row.sampling, len(row.tokens)) for row in active])
         clock = time.perf_counter()
         kept, agreed = [], []
         for row, draft, choice, budget in zip(active, drafts, sampled, budgets):
             count, agree = self._emit(row, draft, choice, budget, clock)
             kept.append(count)
             agreed.append(agree)
+        for b, (row, count) in enumerate(zip(active, kept)):
+            if row.scored is not None:  # the logprob of each emitted token at its window position
+                row.scored += _score_window(out.logits[b], row, count + 1)
         self.rows.rollback([width - 1 - k for k in kept])
         if self.group is not None:
             self.group.commit(kept, RoundContext(window, out.hidden, out.taps))
@@ -771,7 +792,7 @@ class DecodeSession:
                 controller.observe_shadow(self.group, [row.acceptance for row in active])
         for row, count in zip(active, kept):  # after the round is committed: a callback may end any row
             if row.on_tokens is not None:
-                row.on_tokens(row.index, row.generated[len(row.generated) - count - 1:])
+                _deliver(row, row.generated[len(row.generated) - count - 1:])
 
     def _emit(self, row: _Row, draft: list, choice: list, budget: int, clock: float) -> tuple[int, int]:
         """Append what row ``row`` emits this round (its drafts up to the first disagreement with the target's
@@ -800,7 +821,13 @@ class DecodeSession:
     # -- pipelined plain rounds (class doc) -------------------------------------------------------------
     def _pipelined_round(self) -> None:
         """This round's depth decides, as in the synchronous session: 0 runs a plain round (the queued one, if
-        any), more discards the queued round and runs the synchronous verify round."""
+        any), more discards the queued round and runs the synchronous verify round. While a row asks for
+        logprobs (``RowRequest.logprobs``), every round is synchronous: its scores are read from each round's
+        logits."""
+        if any(row.scored is not None for row in self.active):
+            self._drop_ahead()
+            self._round()
+            return
         if self.group is not None:
             budgets, caps = self._limits(0)
             depth = self._depth(budgets, caps, any(row.ttft_s is None for row in self.active))
@@ -856,7 +883,7 @@ class DecodeSession:
             controller.observe_round(len(active), 0, drafting, 1, max(total - drafting, 0.0))
         for row in active:  # after the round is committed: a callback may end any row
             if row.on_tokens is not None:
-                row.on_tokens(row.index, row.generated[-1:])
+                _deliver(row, row.generated[-1:])
 
     def _next_depth(self) -> int:
         """0 when the next round will most likely be plain too (class doc); the next step chooses for itself."""
@@ -943,13 +970,29 @@ class _Queued:
     built_s: float = 0.0
 
 
-def _sampled_row(row: _Row, draft: list) -> tuple:
-    """What the row sampler takes for ``row`` this verify round: its sampling, the position its window's first
-    logits choose, and, when it has logits processors, its tokens followed by the round's drafts (each window
-    position's history: ``spec_cache.rows.sampling`` module doc)."""
-    if row.sampling is not None and row.sampling.processes:
-        return row.sampling, len(row.tokens), row.tokens + draft
-    return row.sampling, len(row.tokens)
+def _score_window(logits: mx.array, row: _Row, count: int) -> list:
+    """The ``TokenLogprob`` of the last ``count`` tokens ``row`` emitted, from its window's logits ``[W, V]``
+    (position ``j`` chose the ``j``-th of them): through the row's logits processors first when it has any, as
+    its sampler saw them (mlx-lm's ``generate_step`` yields the processed logprobs, before temperature)."""
+    tokens = row.generated[len(row.generated) - count:]
+    position = len(row.tokens) - count  # the position the window's first logits chose
+    if row.sampling is not None and getattr(row.sampling, "processes", False):
+        from spec_cache.rows.sampling import process_logits
+        logits = process_logits(logits, row.sampling, row.tokens, position)
+    return score(logits, tokens, row.request.logprobs)
+
+
+def _deliver(row: _Row, tokens: list) -> None:
+    """``row.on_tokens`` for ``tokens`` (its latest): with a ``RowLogprobs`` third argument when it asked for
+    logprobs (``RowRequest.logprobs`` / ``prompt_logprobs``), the prompt's on its first call."""
+    if row.scored is None and row.prompt_scored is None:
+        row.on_tokens(row.index, tokens)
+        return
+    prompt = None
+    if row.prompt_scored is not None and not row.prompt_sent:
+        row.prompt_sent, prompt = True, row.prompt_scored
+    scored = [] if row.scored is None else row.scored[len(row.scored) - len(tokens):]
+    row.on_tokens(row.index, tokens, RowLogprobs(scored, prompt))
 
 
 def _draft_start(row: _Row) -> int:

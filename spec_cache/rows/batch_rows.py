@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
+from spec_cache.rows.logprobs import score
 from spec_cache.rows.protocol import PrefillContext, PreparedStateChange, check_keep, check_per_row
 
 __all__ = ["BatchRows", "DonorView", "clone_batch_cache"]
@@ -122,9 +123,14 @@ class BatchRows:
     # -- rounds -----------------------------------------------------------------------------------------
     def prefill(
         self, tokens_per_row: Sequence[Sequence[int]], step: int = 512, *, tap_layers: Sequence[int] = (),
-        need_hidden: bool = True,
+        need_hidden: bool = True, scores: Sequence[tuple[Sequence[int], int] | None] | None = None,
     ) -> PrefillContext:
         """Append each row's tokens (rows may differ in length, including zero); one forward per chunk.
+
+        ``scores[row]``: ``(next_tokens, top)`` for a row whose tokens are to be scored (``next_tokens[i]`` is
+        the token after ``tokens_per_row[row][i]``), None for the others: the context's ``scores[row]`` is then
+        the ``TokenLogprob`` of each next token (``spec_cache.rows.logprobs.score``), from the target's logits
+        at each forwarded position (computed for those rows only).
 
         ``need_hidden=False`` (no drafter reads it): ``last_hidden`` is None and is never computed. Evaluating it
         runs the last layer's attention output and MLP over the whole chunk, which no cache needs (mlx-lm's
@@ -137,7 +143,8 @@ class BatchRows:
         lengths = self._check_rows(tokens_per_row)
         longest = max(lengths, default=0)
         if longest == 0:
-            return PrefillContext(None, lengths)
+            empty = [None if s is None else [] for s in scores] if scores else None
+            return PrefillContext(None, lengths, scores=empty)
         caches = self._ensure_caches()
         ids = mx.array([list(t) + [0] * (longest - len(t)) for t in tokens_per_row], dtype=mx.uint32)
         padding = [longest - n for n in lengths]
@@ -150,9 +157,16 @@ class BatchRows:
         has_tokens = mx.array([n > 0 for n in lengths])[:, None, None]
         last_hidden = mx.zeros((len(lengths), 1, self.model.hidden_size), dtype=self.model.dtype)
         taps: dict[int, list[mx.array]] = {layer: [] for layer in tap_layers}
+        scored: list = [None if s is None else [] for s in (scores or [None] * len(lengths))]
         for start in range(0, longest, step):
             chunk = ids[:, start : start + step]
             out = self.model.forward(chunk, caches, tap_layers=tap_layers, with_logits=False)
+            for row, wanted_scores in enumerate(scores or ()):
+                count = min(max(lengths[row] - start, 0), chunk.shape[1])
+                if wanted_scores is not None and count:
+                    next_tokens, top = wanted_scores
+                    logits = self.model.logits(out.hidden[row : row + 1, :count])[0]
+                    scored[row] += score(logits, next_tokens[start : start + count], top)
             local = mx.clip(last_index - start, 0, chunk.shape[1] - 1)
             here = has_tokens & ((last_index >= start) & (last_index < start + chunk.shape[1]))[:, None, None]
             if need_hidden:
@@ -167,7 +181,7 @@ class BatchRows:
         self._lengths = [a + b for a, b in zip(self._lengths, lengths)]
         self.materialize()
         joined = {layer: mx.concatenate(parts, axis=1) for layer, parts in taps.items()}
-        return PrefillContext(last_hidden if need_hidden else None, lengths, joined)
+        return PrefillContext(last_hidden if need_hidden else None, lengths, joined, scored if scores else None)
 
     def rollback(self, rejected: Sequence[int]) -> None:
         """Drop the last ``rejected[row]`` tokens of each row (exact; they become left padding)."""

@@ -43,10 +43,12 @@ class JoiningCohort:
     def __init__(self, members: list, rows: Any, tokens: Sequence[Sequence[int]], *, step: int,
                  tap_layers: Sequence[int] = (), split: bool = True, need_hidden: bool = True,
                  stops: Sequence[Sequence[int]] | None = None,
-                 on_stop: Callable[[int, int], None] | None = None) -> None:
+                 on_stop: Callable[[int, int], None] | None = None,
+                 scores: Sequence[tuple[Sequence[int], int] | None] | None = None) -> None:
         """``stops[i]``: offsets into row ``i``'s tokens (each in ``1..len - 1``) where ``on_stop(i, offset)`` is
         called with the row's state holding exactly that many of its tokens (module doc); only on a cohort that may
-        be split (``split``, no taps), else ignored."""
+        be split (``split``, no taps), else ignored. ``scores[i]``: ``(next_tokens, top)`` for a row whose
+        forwarded tokens are scored (``BatchRows.prefill``), None for the others; ``scored[i]`` collects them."""
         self.need_hidden = need_hidden  # False: no drafter reads the last hidden (``BatchRows.prefill``)
         self.members = list(members)
         self.rows = rows
@@ -59,6 +61,9 @@ class JoiningCohort:
                        zip(stops or [()] * len(self._tokens), self._tokens)] if self.split and on_stop else \
             [[] for _ in self._tokens]
         self.on_stop = on_stop
+        self._scores = list(scores) if scores is not None and any(s is not None for s in scores) else None
+        #: per row, the ``TokenLogprob`` of each forwarded token's next token so far (None: not asked)
+        self.scored: list = [None if s is None else [] for s in (self._scores or [None] * len(self._tokens))]
         self._last: mx.array | None = None  # [B, 1, H]: each row's hidden at its last forwarded token
         self._context: PrefillContext | None = None
 
@@ -82,8 +87,10 @@ class JoiningCohort:
         stopping = any(self._stops)
         if not any(self._done) and not stopping and (whole or not self.split or self.chunks_left <= 1):
             # nothing forwarded yet and all of it now: exactly the one-call prefill
+            extra = {} if self._scores is None else {"scores": self._scores}
             self._context = self.rows.prefill(self._tokens, step=self.step, tap_layers=self.tap_layers,
-                                              need_hidden=self.need_hidden)
+                                              need_hidden=self.need_hidden, **extra)
+            self._collect(self._context.scores)
             return True
         while not self._forwarded():  # (else the rows with tokens left were dropped)
             self._forward_chunk(whole)  # ``whole``: up to the next stop, or everything left
@@ -101,7 +108,11 @@ class JoiningCohort:
             end = len(t) if whole else min(len(t), d + self.step)
             ends.append(min(end, stops[0]) if stops else end)
         chunk = [t[d:e] for t, d, e in zip(self._tokens, self._done, ends)]
-        last = self.rows.prefill(chunk, step=self.step, need_hidden=self.need_hidden).last_hidden
+        extra = {} if self._scores is None else {"scores": [
+            None if s is None else (s[0][d:e], s[1]) for s, d, e in zip(self._scores, self._done, ends)]}
+        forwarded = self.rows.prefill(chunk, step=self.step, need_hidden=self.need_hidden, **extra)
+        self._collect(forwarded.scores)
+        last = forwarded.last_hidden
         moved = [len(c) for c in chunk]
         self._done = [d + n for d, n in zip(self._done, moved)]
         if last is not None:  # None when no drafter reads it
@@ -111,6 +122,11 @@ class JoiningCohort:
             if stops and d == stops[0]:
                 stops.pop(0)
                 self.on_stop(i, d)
+
+    def _collect(self, scores) -> None:
+        for i, entries in enumerate(scores or ()):
+            if entries is not None:
+                self.scored[i] += entries
 
     def _forwarded(self) -> bool:
         """Every row's tokens are in its target rows."""
@@ -132,6 +148,9 @@ class JoiningCohort:
         self._tokens = [self._tokens[i] for i in keep]
         self._done = [self._done[i] for i in keep]
         self._stops = [self._stops[i] for i in keep]
+        self.scored = [self.scored[i] for i in keep]
+        if self._scores is not None:
+            self._scores = [self._scores[i] for i in keep]
         if self._last is not None:
             self._last = self._last[mx.array(keep, dtype=mx.int32)] if keep else None
 

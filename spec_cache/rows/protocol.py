@@ -128,6 +128,8 @@ class PrefillContext:
     last_hidden: "mx.array | None"
     lengths: list[int]
     taps: dict = field(default_factory=dict)
+    #: per row, the ``TokenLogprob`` of each forwarded token's next token (rows that asked; None: none did)
+    scores: list | None = None
 
 
 @dataclass

@@ -446,9 +446,10 @@ class HybridTargetRows(TargetRows):
         self._recurrent = model.recurrent_layers
         self._replay: _Replay | None = None
 
-    def prefill(self, tokens_per_row, step: int = 512, *, tap_layers: Sequence[int] = (), need_hidden: bool = True):
+    def prefill(self, tokens_per_row, step: int = 512, *, tap_layers: Sequence[int] = (), need_hidden: bool = True,
+                scores=None):
         self._replay = None
-        return super().prefill(tokens_per_row, step, tap_layers=tap_layers, need_hidden=need_hidden)
+        return super().prefill(tokens_per_row, step, tap_layers=tap_layers, need_hidden=need_hidden, scores=scores)
 
     def verify(self, window: Sequence[Sequence[int]], *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
         width = check_window(window, self.row_count)
