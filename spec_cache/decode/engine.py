@@ -343,6 +343,9 @@ class SpeculativeEngine:
             raise RestoreRefused(f"{where}: restored_tokens={restored} needs restored_caches")
         if request.sampling is not None and not isinstance(request.sampling, RowSampling):
             raise InvalidRequest(f"{where}: sampling must be a RowSampling or None, got {type(request.sampling).__name__}")
+        if request.sampling is not None and request.sampling.max_logit_bias_id() >= vocab:
+            raise InvalidRequest(f"{where}: logit_bias token {request.sampling.max_logit_bias_id()} is not an id in "
+                                 f"[0, {vocab})")
         if any(isinstance(k, bool) or not isinstance(k, int) for k in request.checkpoint_at):
             raise InvalidRequest(f"{where}: checkpoint_at must hold ints (prompt offsets)")
         check_top(request.logprobs, f"{where}: logprobs")
@@ -514,7 +517,11 @@ class DecodeSession:
                 # not after all of it (issue 35's H100 trace: 3.3 s in the queue behind a 5.9k-token prefill)
                 self._advance(self._joining, whole=not self.active and not self.engine.interleave_prefill)
             if self.active:
-                self._pipelined_round() if self._pipelined else self._round()
+                if self._pipelined and not self._processing():
+                    self._pipelined_round()
+                else:  # a row with logits processors needs its tokens on the host: synchronous rounds
+                    self._drop_ahead()
+                    self._round()
             self._retire()
             self._take_snapshots()
         finally:
@@ -731,6 +738,11 @@ class DecodeSession:
                 and (self.group is None or request.draft_checkpoint is not None or row.beside))
 
     # -- one verify round -------------------------------------------------------------------------------
+    def _processing(self) -> bool:
+        """Whether an active row has logits processors (``RowSampling.processes``): each position's penalties
+        read the row's tokens on the host, so its rounds are not pipelined (the queued round's token is unread)."""
+        return any(row.sampling is not None and row.sampling.processes for row in self.active)
+
     def _limits(self, lead: int) -> tuple[list[int], list[int]]:
         """Each row's remaining budget and draft cap ``lead`` rounds of one token from now: a row proposes at
         most its remaining budget minus one, and no further than its window limit (a quantized row stops at its
@@ -764,7 +776,7 @@ class DecodeSession:
         window = [[p] + d + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts)]
         taps = () if self.group is None else tuple(self.group.tap_layers)
         out = self.rows.verify(window, tap_layers=taps)
-        sampled = self.sampler(out.logits, [(row.sampling, len(row.tokens)) for row in active])
+        sampled = self.sampler(out.logits, [_sampled_row(row, draft) for row, draft in zip(active, drafts)])
         clock = time.perf_counter()
         kept, agreed = [], []
         for row, draft, choice, budget in zip(active, drafts, sampled, budgets):
@@ -968,6 +980,15 @@ class _Queued:
     tokens: mx.array
     out: Any = None
     built_s: float = 0.0
+
+
+def _sampled_row(row: _Row, draft: list) -> tuple:
+    """What the row sampler takes for ``row`` this verify round: its sampling, the position its window's first
+    logits choose, and, when it has logits processors, its tokens followed by the round's drafts (each window
+    position's history: ``spec_cache.rows.sampling`` module doc)."""
+    if row.sampling is not None and row.sampling.processes:
+        return row.sampling, len(row.tokens), row.tokens + draft
+    return row.sampling, len(row.tokens)
 
 
 def _score_window(logits: mx.array, row: _Row, count: int) -> list:
