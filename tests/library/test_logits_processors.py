@@ -172,3 +172,35 @@ def test_sampled_processors_match_mlx_lm_distribution_shape(tiny):
     want = mlx_lm_tokens(tiny.target, PROMPTS[0], MAX_TOKENS, make_logits_processors(None, 2.0),
                          sampler=make_sampler(0.7, top_k=1))
     assert ours.tokens == want
+
+
+@pytest.mark.parametrize("drafter", ["draft-model-full", "ngram"])
+def test_generator_with_processors_restored_from_the_store_equals_mlx_lm(tiny, tmp_path, drafter):
+    """``Generator.generate(..., repetition_penalty=...)``: a cold call stores the prefix, a second call restores it
+    from the store, and both equal mlx-lm's tokens (a call's rows all take its processors); the
+    continuation records of two calls with different processors never stand in for each other."""
+    from spec_cache.decode.generator import Generator
+    from spec_cache.tiers.cache import SpecCache
+
+    fields, processors = CASES["combined"]
+    drafter_dir = "ngram" if drafter == "ngram" else tiny.drafter_dir(drafter)
+    cache = SpecCache.open(tmp_path / "store")
+    gen = Generator.load(tiny.root / "target", drafter_dir, cache=cache, adaptive=False)
+    prompt = PROMPTS[2] + PROMPTS[0]
+    want = mlx_lm_tokens(tiny.target, prompt, MAX_TOKENS, processors())
+    cold = gen.generate([prompt], max_tokens=MAX_TOKENS, **fields)
+    cache.drain()
+    warm = gen.generate([prompt, PROMPTS[1]], max_tokens=MAX_TOKENS, **fields)
+    assert cold[0].tokens == warm[0].tokens == want
+    assert warm[1].tokens == mlx_lm_tokens(tiny.target, PROMPTS[1], MAX_TOKENS, processors())
+    assert warm[0].cached_tokens > 0
+    plain = gen.generate([PROMPTS[1]], max_tokens=MAX_TOKENS)[0].tokens
+    assert plain == plain_greedy(tiny.target, PROMPTS[1], MAX_TOKENS)
+    with pytest.raises(TypeError):
+        gen.generate([prompt], max_tokens=4, repetition_penality=1.5)  # a misspelt name is refused, not ignored
+    # continuations: a record written under one set of processors is not replayed for another
+    first = gen.generate([prompt], max_tokens=MAX_TOKENS, checkpoint_every=4, **fields)[0].tokens
+    other = gen.generate([prompt], max_tokens=MAX_TOKENS, checkpoint_every=4, resume=True,
+                         logit_bias={42: 100})[0].tokens
+    assert first == want and other == [42] * MAX_TOKENS
+    cache.close()
