@@ -103,7 +103,7 @@ def _generating(requests: Requests, prompts: _Prompts, name: str, chat: bool):
             known = True
             body = await requests.read_json(request)
             if chat:
-                params, messages = parse_chat(body, state.models)
+                params, messages = parse_chat(body, state.models, vocab)
                 prompt = await requests.tokenize(prompts.chat, messages, params)
                 if cache is not None:
                     checkpoint_at = await requests.tokenize(prompts.seams, messages, prompt, params,

@@ -37,7 +37,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 #: e.g. ``frequency_penalty: 0``); any other value is refused with 400 ``unsupported_parameter``, never ignored
 #: (silently ignoring a penalty or a JSON schema would be a wrong answer the client cannot see).
 UNSUPPORTED: dict[str, tuple] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
     "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
     "best_of": (1,), "echo": (False,), "suffix": ("",), "min_tokens": (0,),
@@ -91,6 +90,9 @@ class GenerationParams:
     tools: list[dict] = field(default_factory=list)  # chat: OpenAI function tools, checked
     tool_choice: Any = None  # chat: None (no tools) / "none" / "auto" / "required" / {"type": "function", ...}
     n: int = 1  # choices per prompt (each its own row; greedy ones are equal, seeded ones use seed + index)
+    #: logits processors as mlx_lm.server applies them, by ``RowSampling``'s names (only those set: ``logit_bias``,
+    #: ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, their ``*_context_size``)
+    processors: dict = field(default_factory=dict)
 
 
 class PromptBatch(tuple):
@@ -168,8 +170,58 @@ def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | 
     return value
 
 
+def _processors(body: dict, vocab_size: int | None) -> dict:
+    """The logits processors a body sets, checked, as ``RowSampling`` keyword arguments (``spec_cache.rows.sampling``:
+    exactly mlx-lm's ``make_logits_processors``, over the last ``*_context_size`` tokens, prompt included, default
+    20, as mlx_lm.server). Ranges: ``frequency_penalty`` / ``presence_penalty`` in [-2, 2] (OpenAI's; 0: off),
+    ``repetition_penalty`` > 0 (1, and mlx_lm.server's default 0: off), ``logit_bias`` token ids (as strings) of the
+    vocabulary -> values in [-100, 100]."""
+    out: dict = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = _number(body, name, 0.0, -2.0, 2.0)
+        if value:
+            out[name] = value
+    repetition = body.get("repetition_penalty")
+    if repetition is not None:
+        if isinstance(repetition, bool) or not isinstance(repetition, (int, float)):
+            raise _malformed("'repetition_penalty' must be a number", "repetition_penalty")
+        if not math.isfinite(repetition) or repetition < 0:
+            raise _bad_value(f"'repetition_penalty' must be > 0 (1: off), got {repetition}", "repetition_penalty")
+        if repetition not in (0, 1):  # 0 is mlx_lm.server's "off"
+            out["repetition_penalty"] = float(repetition)
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        value = _integer(body, name, 0)
+        if value is not None:
+            out[name] = value
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _malformed("'logit_bias' must be an object of token ids (strings) to numbers", "logit_bias")
+        checked: dict[int, float] = {}
+        for key, value in bias.items():
+            if not isinstance(key, str) or not re.fullmatch(r"[0-9]{1,10}", key):
+                raise _bad_value(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+            token = int(key)
+            if vocab_size is not None and token >= vocab_size:
+                raise _bad_value(f"'logit_bias' token {token} is not in [0, {vocab_size})", "logit_bias")
+            if token in checked:
+                raise _bad_value(f"'logit_bias' names token {token} twice", "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _malformed(f"'logit_bias' values must be numbers (token {key})", "logit_bias")
+            if not math.isfinite(value) or not -100 <= value <= 100:
+                raise _bad_value(f"'logit_bias' values must be in [-100, 100], got {value} for token {key}",
+                                 "logit_bias")
+            checked[token] = float(value)
+        if checked:
+            out["logit_bias"] = checked
+    if not any(name in out for name in ("frequency_penalty", "presence_penalty", "repetition_penalty",
+                                        "logit_bias")):
+        return {}  # context sizes alone change nothing
+    return out
+
+
 def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...],
-            supported: tuple[str, ...] = ()) -> GenerationParams:
+            supported: tuple[str, ...] = (), vocab_size: int | None = None) -> GenerationParams:
     if not isinstance(body, dict):
         raise _malformed("the request body must be a JSON object")
     check_text(body)
@@ -240,6 +292,7 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
         top_k=max(0, top_k or 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=seed, stop=stops, stream=stream, include_usage=include_usage, cache_salt=salt,
         user=user if isinstance(user, str) else None, ignore_eos=ignore_eos, n=n,
+        processors=_processors(body, vocab_size),
     )
 
 
@@ -358,11 +411,13 @@ def _parse_tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def parse_chat(body: Any, models: tuple[str, ...]) -> tuple[GenerationParams, list[dict]]:
+def parse_chat(body: Any, models: tuple[str, ...], vocab_size: int | None = None,
+               ) -> tuple[GenerationParams, list[dict]]:
     """A ``/v1/chat/completions`` body: its parameters (``tools`` / ``tool_choice`` checked) and its messages as
     ``{"role", "content": str}``, plus ``tool_calls`` on an assistant message that called tools and
     ``tool_call_id`` / ``name`` on a tool result (which must answer a call of the assistant message before it)."""
-    params = _common(body, models, ("max_tokens", "max_completion_tokens"), supported=("tools", "tool_choice"))
+    params = _common(body, models, ("max_tokens", "max_completion_tokens"), supported=("tools", "tool_choice"),
+                     vocab_size=vocab_size)
     params.tools = _parse_tools(body)
     params.tool_choice = _parse_tool_choice(body, params.tools)
     messages = body.get("messages")
@@ -406,7 +461,7 @@ def parse_completion(body: Any, models: tuple[str, ...], vocab_size: int,
                      ) -> tuple[GenerationParams, str | list[int] | PromptBatch]:
     """A ``/v1/completions`` body: its parameters and its prompt (text, or token ids), or a ``PromptBatch`` of
     several."""
-    params = _common(body, models, ("max_tokens",))
+    params = _common(body, models, ("max_tokens",), vocab_size=vocab_size)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
