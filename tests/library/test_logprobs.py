@@ -152,3 +152,19 @@ def test_refused_values(tiny):
     quantized = SpeculativeEngine(tiny.target, None, kv={"kvBits": 8, "kvGroupSize": 32})
     with pytest.raises(InvalidRequest, match="KV quantization"):
         quantized.run([RowRequest(PROMPTS[0], prompt_logprobs=0)])
+
+
+def test_logprobs_after_logits_processors_equal_generate_steps(tiny):
+    """mlx-lm (and mlx_lm.server) yields the logprobs of the processed logits (logit_bias, penalties): so does the
+    engine, with drafting on."""
+    from mlx_lm.sample_utils import make_logits_processors
+    prompt = PROMPTS[0]
+    processors = make_logits_processors(logit_bias={3: 2.5, 9: -1.0}, repetition_penalty=1.3)
+    steps = generate_step(mx.array(prompt), tiny.target.model, max_tokens=MAX_TOKENS, logits_processors=processors)
+    reference = [(token, logprobs.astype(mx.float32).tolist()) for token, logprobs in steps]
+    sampling = RowSampling(logit_bias={3: 2.5, 9: -1.0}, repetition_penalty=1.3)
+    engine = SpeculativeEngine(tiny.target, tiny.provider("draft-model-full"), draft_depth=3, adaptive=False)
+    result = engine.run([RowRequest(prompt, max_tokens=MAX_TOKENS, sampling=sampling, logprobs=3)])[0]
+    assert result.tokens == [token for token, _ in reference]
+    for entry, (token, distribution) in zip(result.logprobs, reference):
+        check_entry(entry, token, distribution, 3)

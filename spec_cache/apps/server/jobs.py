@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.detokenizer import StopMatcher, StreamingDetokenizer
+from spec_cache.apps.server.logprobs import Scoring, chat_logprobs, completion_logprobs
 from spec_cache.apps.server.protocol import (
     APIError,
     chat_chunk,
@@ -174,38 +175,48 @@ class Requests:
         return max_tokens
 
     def make_job(self, params, prompt: list[int], tenant: str | None, deliver, checkpoint_at=(), pinned_at=(),
-                 choice: int = 0) -> Job:
+                 choice: int = 0, scoring: Scoring = Scoring()) -> Job:
         """``choice``: the index of this job among a request's ``n`` choices of one prompt: an explicit seed is
-        taken as ``seed + choice`` (reproducible, and the choices differ); greedy choices are all the same."""
+        taken as ``seed + choice`` (reproducible, and the choices differ); greedy choices are all the same.
+        ``scoring``: the request's logprob options (``logprobs``); a job with logprobs is never answered from a
+        stored answer (which has none)."""
         max_tokens = self.max_tokens(params, prompt)
+        if scoring.prompt_logprobs is not None and self.scheduler.generator.engine.plan is not None:
+            raise APIError(422, "'echo' with 'logprobs' (prompt logprobs) is not supported with KV quantization",
+                           param="echo", code="unsupported_parameter")
         temperature = self.config.default_temperature if params.temperature is None else params.temperature
         seed = params.seed + choice if params.seed is not None else (0 if temperature == 0 else random_seed())
         sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed), top_k=params.top_k,
                                min_p=params.min_p)
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
                    tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
-                   replayable=temperature == 0 or params.seed is not None, checkpoint_at=tuple(checkpoint_at),
-                   pinned_at=tuple(pinned_at))
+                   replayable=(temperature == 0 or params.seed is not None) and scoring.logprobs is None,
+                   checkpoint_at=tuple(checkpoint_at), pinned_at=tuple(pinned_at), logprobs=scoring.logprobs,
+                   prompt_logprobs=scoring.prompt_logprobs)
 
     async def run_job(self, request: Request, endpoint: str, params, prompt: list[int], tenant: str | None,
-                      chat: bool, started: float, checkpoint_at=(), shape=None, pinned_at=()) -> Response:
+                      chat: bool, started: float, checkpoint_at=(), shape=None, pinned_at=(),
+                      scoring: Scoring = Scoring()) -> Response:
         """Submits the job and answers: an event stream (``params.stream``) or one JSON body. ``shape``
-        (``anthropic.py``) makes the id, the stream and the body; without it they are OpenAI's."""
+        (``anthropic.py``) makes the id, the stream and the body; without it they are OpenAI's. ``scoring``: the
+        logprob options (``logprobs``; OpenAI's routes only)."""
         events, deliver = _event_queue()
-        job = self.make_job(params, prompt, tenant, deliver, checkpoint_at, pinned_at)
+        job = self.make_job(params, prompt, tenant, deliver, checkpoint_at, pinned_at, scoring=scoring)
         self.scheduler.submit(job)
         rid = shape.new_id() if shape is not None else new_id("chatcmpl" if chat else "cmpl")
         run = _Run(job, rid, endpoint, tenant, tenant_label(tenant), f"{request.method} {request.url.path}",
                    started, len(prompt), {})
-        pieces = _pieces(job, events, self.tokenizer, params.stop, self.scheduler, self.granularity, run.timing)
+        pieces = _pieces(job, events, self.tokenizer, params.stop, self.scheduler, self.granularity, run.timing,
+                         scoring)
         if chat and active_tools(params.tools, params.tool_choice):  # tool calls parsed out of the text
             pieces = tool_pieces(pieces, tool_style(self.tokenizer))
         if params.stream:
-            return self._stream(run, pieces, params, chat, shape)
-        return await self._reply(request, run, pieces, params, chat, shape)
+            return self._stream(run, pieces, params, chat, shape, scoring)
+        return await self._reply(request, run, pieces, params, chat, shape, scoring)
 
     async def run_choices(self, request: Request, endpoint: str, params, prompts: list[list[int]],
-                          tenant: str | None, chat: bool, started: float, checkpoint_at=()) -> Response:
+                          tenant: str | None, chat: bool, started: float, checkpoint_at=(),
+                          scoring: Scoring = Scoring()) -> Response:
         """Several choices in one body: ``params.n`` for each of ``prompts`` (OpenAI's order: prompt by prompt),
         each a job of its own in the batch; one 499 if the client leaves first (every row ends). Usage counts each
         prompt once and every choice's tokens."""
@@ -215,11 +226,12 @@ class Requests:
             for j in range(params.n):
                 events, deliver = _event_queue()
                 # the prompt's boundaries are checkpointed once (by its first choice), not n times
-                job = self.make_job(params, prompt, tenant, deliver, checkpoint_at if p == j == 0 else (), choice=j)
+                job = self.make_job(params, prompt, tenant, deliver, checkpoint_at if p == j == 0 else (), choice=j,
+                                    scoring=scoring)
                 run = _Run(job, rid, endpoint, tenant, tenant_label(tenant), f"{request.method} {request.url.path}",
                            started, len(prompt) if j == 0 else 0, {})
                 pieces = _pieces(job, events, self.tokenizer, params.stop, self.scheduler, self.granularity,
-                                 run.timing)
+                                 run.timing, scoring)
                 calls: list = []
                 if chat and active_tools(params.tools, params.tool_choice):
                     pieces = tool_pieces(pieces, tool_style(self.tokenizer))
@@ -235,8 +247,9 @@ class Requests:
                 self.scheduler.cancel(job)
             raise
         if params.stream:
-            return self._stream_choices([run for run, _ in runs], streams, params, chat)
-        collects = [_collect(pieces, calls) for pieces, (_, calls) in zip(streams, runs)]
+            return self._stream_choices([run for run, _ in runs], streams, params, chat, scoring)
+        scores: list[list] = [[] for _ in runs]
+        collects = [_collect(pieces, calls, entries) for pieces, (_, calls), entries in zip(streams, runs, scores)]
         answered, results = await _unless_gone(request, asyncio.gather(*collects))
         if not answered:
             self.count(endpoint, 499, tenant)
@@ -253,13 +266,14 @@ class Requests:
         log_request(runs[0][0].line, 200, runs[0][0].label, started, rid=rid, prompt=prompt_tokens, cached=cached,
                     generated=generated, first=first)
         use = usage(prompt_tokens, generated, cached)
-        bodies = [chat_response(rid, params.model, text, reason, use, calls) if chat
-                  else completion_response(rid, params.model, text, reason, use)
-                  for (text, reason, _, _), (_, calls) in zip(results, runs)]
+        bodies = [_scored(chat_response(rid, params.model, text, reason, use, calls) if chat
+                          else completion_response(rid, params.model, text, reason, use), chat, scoring, entries)
+                  for (text, reason, _, _), (_, calls), entries in zip(results, runs, scores)]
         self.count(endpoint, 200, tenant)
         return JSONResponse(with_choices(bodies))
 
-    def _stream_choices(self, runs: list, streams: list, params, chat: bool) -> Response:
+    def _stream_choices(self, runs: list, streams: list, params, chat: bool, scoring: Scoring = Scoring()
+                        ) -> Response:
         """Several choices as one event stream: each chunk carries its choice's ``index`` (OpenAI's ``n`` streamed),
         choices interleaved as their rows deliver; the usage chunk (when asked) counts each prompt once and every
         choice's tokens, after the last choice ends. A client that leaves ends every row."""
@@ -284,7 +298,8 @@ class Requests:
         def gone() -> None:
             cancel_all()
             log_request(first.line, 499, first.label, first.started, rid=first.rid, prompt=prompt_tokens)
-        out = _sse_choices(streams, first.rid, params, int(time.time()), chat, prompt_tokens, account, cancel_all)
+        out = _sse_choices(streams, first.rid, params, int(time.time()), chat, prompt_tokens, account, cancel_all,
+                           scoring)
         return _EventStream(out, on_disconnect=gone)
 
     def _account(self, run: _Run, generated: int, cached: int) -> None:
@@ -298,18 +313,20 @@ class Requests:
         log_request(run.line, 499, run.label, run.started, rid=run.rid, prompt=run.prompt_tokens,
                     first=run.timing.get("first"))
 
-    def _stream(self, run: _Run, pieces, params, chat: bool, shape) -> Response:
+    def _stream(self, run: _Run, pieces, params, chat: bool, shape, scoring: Scoring = Scoring()) -> Response:
         self.count(run.endpoint, 200, run.tenant)
 
         def account(generated: int, cached: int) -> None:
             self._account(run, generated, cached)
         out = (shape.stream(pieces, run.rid, run.timing, account) if shape is not None
-               else _sse(pieces, run.rid, params, int(time.time()), chat, run.prompt_tokens, account))
+               else _sse(pieces, run.rid, params, int(time.time()), chat, run.prompt_tokens, account, scoring))
         return _EventStream(out, on_disconnect=lambda: self._gone(run))
 
-    async def _reply(self, request: Request, run: _Run, pieces, params, chat: bool, shape) -> Response:
+    async def _reply(self, request: Request, run: _Run, pieces, params, chat: bool, shape,
+                     scoring: Scoring = Scoring()) -> Response:
         calls: list = []
-        answered, result = await _unless_gone(request, _collect(pieces, calls))
+        entries: list = []
+        answered, result = await _unless_gone(request, _collect(pieces, calls, entries))
         if not answered:
             self.count(run.endpoint, 499, run.tenant)
             self._gone(run)
@@ -323,7 +340,7 @@ class Requests:
         body = (chat_response(run.rid, params.model, text, reason, use, calls) if chat
                 else completion_response(run.rid, params.model, text, reason, use))
         self.count(run.endpoint, 200, run.tenant)
-        return JSONResponse(body)
+        return JSONResponse(_scored(body, chat, scoring, entries))
 
 
 class _EventStream(StreamingResponse):
@@ -394,11 +411,19 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler,
-                  granularity: int = 1, timing: dict | None = None) -> AsyncIterator[tuple]:
+def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler,
+            granularity: int = 1, timing: dict | None = None, scoring: Scoring = Scoring()) -> AsyncIterator[tuple]:
     """Text pieces of a job as ``("text", str)``, then ``("end", finish_reason, completion_tokens, cached)``;
     ``cached`` rounded down to a multiple of ``granularity`` (what clients may learn about stored prefixes).
-    ``timing["first"]``: when the first tokens arrived; ``timing["cached"]``: the exact cached count."""
+    ``timing["first"]``: when the first tokens arrived; ``timing["cached"]``: the exact cached count. A request
+    with logprobs or echo (``scoring``) gets ``_scored_pieces`` instead."""
+    if scoring.active:
+        return _scored_pieces(job, events, tokenizer, stops, scheduler, granularity, timing, scoring)
+    return _plain_pieces(job, events, tokenizer, stops, scheduler, granularity, timing)
+
+
+async def _plain_pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler,
+                        granularity: int = 1, timing: dict | None = None) -> AsyncIterator[tuple]:
     timing = {} if timing is None else timing
     detokenizer = StreamingDetokenizer(tokenizer)
     matcher = StopMatcher(stops)
@@ -438,13 +463,128 @@ async def _pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], 
             raise event[1]
 
 
-async def _collect(pieces: AsyncIterator[tuple], calls: list | None = None) -> tuple[str, str, int, int]:
+class _TokenTexts:
+    """Each token's text for logprobs: ``tokenizer.decode([id])`` (special tokens kept), memoized per request."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.memo: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self.memo.get(token)
+        if text is None:
+            text = self.memo[token] = self.tokenizer.decode([int(token)], skip_special_tokens=False)
+        return text
+
+    def entry(self, scored, offset: int) -> dict:
+        """One scored token (a ``TokenLogprob``; None: the prompt's first token, which nothing scores)."""
+        if scored is None:
+            return {"token": None, "logprob": None, "top": [], "offset": offset}
+        return {"token": self(scored.token), "logprob": scored.logprob, "offset": offset,
+                "top": [(self(t), t, lp) for t, lp in scored.top]}
+
+
+def _echo(job: Job, tokenizer, texts: _TokenTexts, scores: list | None, scoring: Scoring) -> tuple[str, list]:
+    """The echoed prompt's text and, with logprobs, one entry per prompt token (``scores``: the engine's, one per
+    position, None at the first)."""
+    detokenizer = StreamingDetokenizer(tokenizer)
+    entries = []
+    for position, token in enumerate(job.prompt):
+        offset = len(detokenizer.text)
+        detokenizer.add([token])
+        if scoring.logprobs is not None:
+            entry = texts.entry(None if scores is None else scores[position], offset)
+            if entry["token"] is None:
+                entry["token"] = texts(token)
+            entries.append(entry)
+    detokenizer.flush()
+    if scoring.logprobs is not None and (scores is None or len(scores) != len(job.prompt)):
+        raise APIError(500, "the prompt's logprobs did not come back whole", code="engine_error")
+    return detokenizer.text, entries
+
+
+async def _scored_pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list[str], scheduler: Scheduler,
+                         granularity: int, timing: dict | None, scoring: Scoring) -> AsyncIterator[tuple]:
+    """``_pieces`` for a request with logprobs or echo: text pieces are ``("text", str, entries)``, ``entries``
+    the scored tokens whose text the piece completes (``_TokenTexts.entry``; ``text_offset`` counts characters
+    of the answer, the echoed prompt included). The echoed prompt comes first, as one piece; every delivered
+    token has an entry (an end-of-sequence token and the one that completed a stop string included), and one
+    whose text is held (an incomplete character, a possible stop string) goes with the next piece. With
+    ``scoring.zero`` the row's one token is not part of the answer."""
+    timing = {} if timing is None else timing
+    texts = _TokenTexts(tokenizer)
+    detokenizer = StreamingDetokenizer(tokenizer)
+    matcher = StopMatcher(stops)
+    generated = cached = base = 0
+    prompt_scores, echoed, waiting = None, not scoring.echo, []
+    while True:
+        event = await events.get()
+        kind = event[0]
+        if (kind == "tokens" or kind == "done" and event[1] != "cancelled") and not echoed:
+            echoed = True
+            text, entries = _echo(job, tokenizer, texts, prompt_scores, scoring)
+            base = len(text)
+            yield ("text", text, entries)
+        if kind == "start":
+            timing["cached"] = event[1]
+            cached = event[1] - event[1] % granularity
+        elif kind == "prompt_logprobs":
+            prompt_scores = event[1]
+        elif kind == "tokens":
+            timing.setdefault("first", time.perf_counter())
+            if scoring.zero:
+                continue
+            scores = event[2] if len(event) > 2 else None
+            if scoring.logprobs is not None and (scores is None or len(scores) != len(event[1])):
+                raise APIError(500, "the tokens' logprobs did not come back", code="engine_error")
+            generated += len(event[1])
+            stopped = False
+            for i, token in enumerate(event[1]):
+                offset = base + len(detokenizer.text)
+                text, stopped = matcher.feed(detokenizer.add([token]))
+                if scores is not None:
+                    waiting.append(texts.entry(scores[i], offset))
+                if text or (stopped and waiting):
+                    yield ("text", text, waiting)
+                    waiting = []
+                if stopped:
+                    break
+            if stopped:
+                scheduler.finish(job)
+                timing["stop_sequence"] = matcher.matched
+                yield ("end", "stop", generated, cached)
+                return
+        elif kind == "done":
+            _, reason, _ = event
+            text, stopped = matcher.feed(detokenizer.flush())
+            text += "" if stopped else matcher.flush()
+            if text or waiting:
+                yield ("text", text, waiting)
+            if reason == "cancelled":
+                raise APIError(503, "the request was cancelled (the server is shutting down)", code="cancelled")
+            yield ("end", "length" if reason == "length" or scoring.zero else "stop", generated, cached)
+            return
+        elif kind == "error":
+            raise event[1]
+
+
+def _scored(body: dict, chat: bool, scoring: Scoring, entries: list) -> dict:
+    """``body`` (a whole answer or a chunk, one choice) with its choice's ``logprobs`` when asked."""
+    if scoring.logprobs is not None and body["choices"]:
+        body["choices"][0]["logprobs"] = chat_logprobs(entries) if chat else completion_logprobs(entries)
+    return body
+
+
+async def _collect(pieces: AsyncIterator[tuple], calls: list | None = None,
+                   entries: list | None = None) -> tuple[str, str, int, int]:
     """The text, finish reason, completion tokens and cached tokens; ``("tool_call", call)`` pieces go to
-    ``calls``."""
+    ``calls``, the scored tokens of text pieces (``_scored_pieces``) to ``entries``."""
     parts = []
     async for piece in pieces:
         if piece[0] == "text":
             parts.append(piece[1])
+            if entries is not None and len(piece) > 2:
+                entries.extend(piece[2])
         elif piece[0] == "tool_call":
             if calls is not None:
                 calls.append(piece[1])
@@ -458,7 +598,7 @@ def _event(obj: dict) -> bytes:
 
 
 async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, chat: bool, prompt_tokens: int,
-               account=None):
+               account=None, scoring: Scoring = Scoring()):
     """OpenAI's stream: ``chat.completion.chunk`` / ``text_completion`` events, the usage chunk when asked,
     ``data: [DONE]``; an error met midway is one error event before ``[DONE]``."""
     model = params.model
@@ -468,8 +608,9 @@ async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, cha
         calls = 0
         async for piece in pieces:
             if piece[0] == "text":
-                yield _event(chat_chunk(rid, model, created, {"content": piece[1]}) if chat
-                             else completion_chunk(rid, model, created, piece[1]))
+                yield _event(_scored(chat_chunk(rid, model, created, {"content": piece[1]}) if chat
+                                     else completion_chunk(rid, model, created, piece[1]), chat, scoring,
+                                     piece[2] if len(piece) > 2 else []))
                 continue
             if piece[0] == "tool_call":  # one delta per call, whole (index, id, type, name, arguments)
                 yield _event(chat_chunk(rid, model, created, {"tool_calls": [piece[1].openai(calls)]}))
@@ -491,7 +632,7 @@ async def _sse(pieces: AsyncIterator[tuple], rid: str, params, created: int, cha
 
 
 async def _sse_choices(streams: list, rid: str, params, created: int, chat: bool, prompt_tokens: int, account,
-                       cancel_all):
+                       cancel_all, scoring: Scoring = Scoring()):
     """``_sse`` for several choices: each choice's pieces pumped into one queue by a task of its own, every chunk
     tagged with the choice's index; ``account`` gets each choice's (generated, cached) once all have ended. An
     error met in any choice is one error event (the other rows end) before ``[DONE]``."""
@@ -521,8 +662,9 @@ async def _sse_choices(streams: list, rid: str, params, created: int, chat: bool
         while len(ended) < len(streams):
             i, piece = await queue.get()
             if piece[0] == "text":
-                yield _event(chat_chunk(rid, model, created, {"content": piece[1]}, index=i) if chat
-                             else completion_chunk(rid, model, created, piece[1], index=i))
+                yield _event(_scored(chat_chunk(rid, model, created, {"content": piece[1]}, index=i) if chat
+                                     else completion_chunk(rid, model, created, piece[1], index=i), chat, scoring,
+                                     piece[2] if len(piece) > 2 else []))
             elif piece[0] == "tool_call":
                 yield _event(chat_chunk(rid, model, created, {"tool_calls": [piece[1].openai(calls[i])]}, index=i))
                 calls[i] += 1

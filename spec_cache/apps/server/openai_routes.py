@@ -16,10 +16,11 @@ from starlette.routing import Route
 
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.jobs import Requests, error_response, log_request
+from spec_cache.apps.server.logprobs import take as take_logprobs
 from spec_cache.apps.server.protocol import APIError, PromptBatch, parse_chat, parse_completion
 from spec_cache.apps.server.scheduler import MIN_CHECKPOINT_GAP
 from spec_cache.apps.server.seam import message_boundaries
-from spec_cache.apps.server.tools import TemplateError, chat_ids, render_chat, uses_tools
+from spec_cache.apps.server.tools import TemplateError, active_tools, chat_ids, render_chat, uses_tools
 
 __all__ = ["openai_routes"]
 
@@ -101,7 +102,7 @@ def _generating(requests: Requests, prompts: _Prompts, name: str, chat: bool):
         try:
             tenant = requests.tenant_of(request)
             known = True
-            body = await requests.read_json(request)
+            body, scoring = take_logprobs(await requests.read_json(request), chat)  # logprobs / echo: theirs
             if chat:
                 params, messages = parse_chat(body, state.models, vocab)
                 prompt = await requests.tokenize(prompts.chat, messages, params)
@@ -112,12 +113,17 @@ def _generating(requests: Requests, prompts: _Prompts, name: str, chat: bool):
                 params, text = parse_completion(body, state.models, vocab)
                 if isinstance(text, PromptBatch):  # several prompts: choices of one body
                     batch = [t if isinstance(t, list) else await requests.tokenize(prompts.text, t) for t in text]
-                    return await requests.run_choices(request, name, params, batch, tenant, chat, started)
+                    return await requests.run_choices(request, name, params, batch, tenant, chat, started,
+                                                      scoring=scoring)
                 prompt = text if isinstance(text, list) else await requests.tokenize(prompts.text, text)
+            if scoring.logprobs is not None and chat and active_tools(params.tools, params.tool_choice):
+                raise APIError(422, "'logprobs' with tools is not supported (tool calls are parsed out of the "
+                               "text)", param="logprobs", code="unsupported_parameter")
             if params.n > 1:
                 return await requests.run_choices(request, name, params, [prompt], tenant, chat, started,
-                                                  checkpoint_at)
-            return await requests.run_job(request, name, params, prompt, tenant, chat, started, checkpoint_at)
+                                                  checkpoint_at, scoring=scoring)
+            return await requests.run_job(request, name, params, prompt, tenant, chat, started, checkpoint_at,
+                                          scoring=scoring)
         except APIError as error:
             requests.count(name, error.status, tenant, known)
             log_request(f"{request.method} {request.url.path}", error.status,

@@ -167,6 +167,14 @@ class Job:
     failures: int = 0  # failed steps it was in
     resuming: bool = False  # readmitted after a failed step: its next ``_submit`` resumes what it delivered
     resend: list[int] = field(default_factory=list)  # delivered tokens its resumed row generates again (not sent)
+    #: logprobs of each generated token with this many alternatives (None: off; ``RowRequest.logprobs``): its
+    #: ``tokens`` events carry them as a third item
+    logprobs: int | None = None
+    #: score the prompt too (echo; ``RowRequest.prompt_logprobs``): the job restores nothing and is never split
+    #: into prefill phases (a restored prefix has no logits to score), and delivers ``("prompt_logprobs", list)``
+    #: once, before its first tokens
+    prompt_logprobs: int | None = None
+    prompt_sent: bool = False  # its prompt logprobs were delivered
 
     @property
     def sequence(self) -> list[int]:
@@ -487,7 +495,8 @@ class Scheduler:
         began = time.perf_counter()
         if first:
             self._observe("queue", began - job.arrived)
-        job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key)
+        job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key,
+                                         lookup=job.prompt_logprobs is None)
         self._observe("restore", time.perf_counter() - began)
         job.prepared.request.stop_at_eos = job.stop_at_eos
         if job.resuming:
@@ -508,6 +517,7 @@ class Scheduler:
         # `prompt` is checkpointed from the job's own row after its first token, not at its boundary before it
         job.end_checkpoint = job.phase_end is None and self._wants_end_checkpoint(job)
         job.prepared.request.boundary_checkpoint = not job.end_checkpoint
+        self._score(job)
         try:
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
@@ -529,11 +539,18 @@ class Scheduler:
                 sequence, budget = job.sequence, job.max_tokens
                 job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
                 job.prepared.request.stop_at_eos = job.stop_at_eos
+            self._score(job)
             job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
                                            on_finish=self._on_finish, submitted_at=job.arrived)
         if job.admitted_at is None:
             job.admitted_at = time.perf_counter()
         return True
+
+    def _score(self, job: Job) -> None:
+        """The logprobs ``job`` asks for, on its own row (not on a prefill phase's); the prompt's until sent."""
+        if job.phase_end is None:
+            job.prepared.request.logprobs = job.logprobs
+            job.prepared.request.prompt_logprobs = None if job.prompt_sent else job.prompt_logprobs
 
     def _resume(self, job: Job) -> None:
         """``job`` delivered ``job.output`` before a failed step: its row goes on as a retry of itself. Under float
@@ -587,8 +604,8 @@ class Scheduler:
         no restore between phases)."""
         engine = self.generator.engine
         every = self.checkpoint_every
-        if engine.plan is not None or (every is None and not job.checkpoint_at):
-            return None
+        if engine.plan is not None or (every is None and not job.checkpoint_at) or job.prompt_logprobs is not None:
+            return None  # (a scored prompt is forwarded whole by the job's own row)
         covered = max(job.prepared.cached_tokens, job.prefilled)
         boundary = len(job.sequence) - 1
         splits = self.splits_prompt(job.cached_tokens, boundary - covered)
@@ -713,13 +730,16 @@ class Scheduler:
             return 0
         return len(tokens)
 
-    def _on_tokens(self, row: int, tokens: list) -> None:
+    def _on_tokens(self, row: int, tokens: list, scored=None) -> None:
         job = self._rows.get(row)
         if job is None:
             return
         job.proven = True
         if job.phase_end is not None:
             return
+        if scored is not None and scored.prompt is not None and not job.prompt_sent:
+            job.prompt_sent = True
+            job.deliver(("prompt_logprobs", scored.prompt))
         if job.resend:
             tokens = self._resent(job, row, tokens)
             if not tokens:
@@ -742,7 +762,10 @@ class Scheduler:
         job.last_token_at = now
         job.generated += len(tokens)
         job.output += tokens
-        job.deliver(("tokens", list(tokens)))
+        if scored is not None and job.logprobs is not None:
+            job.deliver(("tokens", list(tokens), scored.tokens[len(scored.tokens) - len(tokens):]))
+        else:
+            job.deliver(("tokens", list(tokens)))
         self._observe("stream", time.perf_counter() - now)
         if job.end_checkpoint:  # the row holds exactly the prompt now (its first token is not forwarded yet)
             job.end_checkpoint = False
