@@ -35,11 +35,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 #: OpenAI parameters this server does not implement, each with the values that mean "off". A request that leaves
 #: one out or sends one of those values is served (OpenAI clients and frameworks often send the neutral defaults,
 #: e.g. ``frequency_penalty: 0``); any other value is refused with 400 ``unsupported_parameter``, never ignored
-#: (silently ignoring a penalty or a JSON schema would be a wrong answer the client cannot see).
+#: (silently ignoring a penalty or a JSON schema would be a wrong answer the client cannot see). ``logprobs``, chat's
+#: ``top_logprobs`` and ``echo`` are served: ``logprobs.take`` reads them before these parsers see the body.
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+    "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "min_tokens": (0,),
+    "best_of": (1,), "suffix": ("",), "min_tokens": (0,),
 }
 
 
