@@ -131,10 +131,12 @@ def cmd_generate(args) -> int:
                 decoded = decode_rows(generator, prompts, tokenizer, max_tokens=args.max_tokens,
                                       temperature=args.temperature, seed=args.seed, top_p=args.top_p,
                                       stops=args.stop or [], top_k=args.top_k, min_p=args.min_p,
+                                      processors=_processors(args),
                                       out=sys.stdout if stream else None)
             else:  # token ids in, token ids out
                 decoded = generator.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-                                             seed=args.seed, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+                                             seed=args.seed, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                             **_processors(args))
             seconds = time.perf_counter() - started
         except (NotImplementedError, ValueError, TypeError, FileNotFoundError) as exc:
             raise CliError(_one_line(exc)) from None
@@ -171,6 +173,24 @@ def cmd_generate(args) -> int:
         print(f"spec-cache: interrupted after {generated} tokens (the text so far is above)", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK
+
+
+def _penalty(text: str) -> float:
+    """``--repetition-penalty``: a finite number > 0 (1: off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0: {text!r}")
+    return value
+
+
+def _processors(args) -> dict:
+    """The logits processors the options set (``RowSampling``'s names; empty when off)."""
+    if args.repetition_penalty == 1.0:
+        return {}
+    return {"repetition_penalty": args.repetition_penalty, "repetition_context_size": args.repetition_context_size}
 
 
 def _bool(text: str) -> bool:
@@ -218,6 +238,11 @@ def register(sub, common, add_kv_options, add_memory_option, temperature, seed) 
                    help="keep the K most likely tokens when sampling (default 0: off; mlx_lm.generate's --top-k)")
     s.add_argument("--min-p", type=closed_fraction, default=0.0, metavar="P",
                    help="keep tokens at least P times as likely as the most likely one (default 0: off)")
+    s.add_argument("--repetition-penalty", type=_penalty, default=1.0, metavar="R",
+                   help="mlx-lm's repetition penalty over the last --repetition-context-size tokens, prompt "
+                        "included (default 1: off; greedy decoding too)")
+    s.add_argument("--repetition-context-size", type=non_negative_int, default=20, metavar="N",
+                   help="tokens the repetition penalty looks back over (default 20, as mlx-lm; 0: all)")
     s.add_argument("--seed", type=seed, default=0, metavar="N",
                    help="sampling seed (default 0); a prompt's tokens depend only on it, its prompt and options")
     s.add_argument("--stop", action="append", metavar="TEXT",

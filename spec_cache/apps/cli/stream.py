@@ -66,8 +66,10 @@ class _RowText:
 
 
 def decode_rows(generator, prompts: list[list[int]], tokenizer, *, max_tokens: int, temperature: float, seed: int,
-                top_p: float, stops: list[str], out=None, top_k: int = 0, min_p: float = 0.0) -> list[Streamed]:
-    """Decode ``prompts`` in one batch; each row stops at its first stop string. ``out`` (one prompt only): write
+                top_p: float, stops: list[str], out=None, top_k: int = 0, min_p: float = 0.0,
+                processors: dict | None = None) -> list[Streamed]:
+    """Decode ``prompts`` in one batch; each row stops at its first stop string. ``processors``: logits processors
+    by ``RowSampling``'s names (``repetition_penalty``, ...). ``out`` (one prompt only): write
     its text there as it comes, then a newline. KeyboardInterrupt ends every row (no finish checkpoints) and
     returns what was decoded, each result marked ``interrupted``."""
     from spec_cache.rows.generation import check_prompts
@@ -77,7 +79,8 @@ def decode_rows(generator, prompts: list[list[int]], tokenizer, *, max_tokens: i
         raise ValueError("decode_rows writes text as it comes for one prompt only")
     prompts = check_prompts(prompts, generator.engine.target.vocab_size)
     greedy = temperature == 0
-    sampling = None if greedy and top_p == 1.0 else RowSampling(temperature, top_p, seed, top_k, min_p)
+    sampling = None if greedy and top_p == 1.0 and not processors else RowSampling(temperature, top_p, seed, top_k,
+                                                                                   min_p, **(processors or {}))
     started = time.perf_counter()
     prepared = [generator.prepare(prompt, max_tokens, sampling=sampling) for prompt in prompts]
     saves = []
