@@ -293,12 +293,14 @@ def test_import_refuses_files_that_do_not_fit_the_model(server, tmp_path):
 
 
 def text_of(model_dir, ids: list[int]) -> str:
-    """What the server answers for greedy ``ids``: cut after the first EOS (2), special tokens skipped."""
+    """What the server answers for greedy ``ids``: cut after the first EOS (2), written as mlx_lm.server does."""
     from mlx_lm.utils import load_tokenizer
+
+    from tests.apps.test_server import expected_text
 
     if 2 in ids:
         ids = ids[: ids.index(2) + 1]
-    return load_tokenizer(model_dir).decode(ids, skip_special_tokens=True)
+    return expected_text(load_tokenizer(model_dir), ids)
 
 
 # -- LMDB leases (what a pin holds in the store) ------------------------------------------------------------------

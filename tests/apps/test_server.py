@@ -186,7 +186,10 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 
 def expected_text(tokenizer, tokens) -> str:
-    return tokenizer.decode(tokens, skip_special_tokens=True)
+    """What the server answers for ``tokens``, as mlx_lm.server writes it: every token's text, special tokens
+    included, but the end-of-sequence ids (the tokens a row stops at)."""
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=False)
 
 
 def user(text: str) -> dict:
@@ -283,7 +286,8 @@ def test_n_choices_and_batched_prompts_are_each_their_own_row(server, reference)
                 finished[c.index] = c.finish_reason
         use = chunk.usage or use
     assert streamed == {0: want, 1: want, 2: want} and set(finished) == {0, 1, 2}
-    assert use.prompt_tokens == len(chat_ids(tokenizer, messages)) and use.completion_tokens == reply.usage.completion_tokens
+    assert use.prompt_tokens == len(chat_ids(tokenizer, messages))
+    assert use.completion_tokens == reply.usage.completion_tokens
     texts: dict[int, str] = {}
     for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, stream=True):
         for c in chunk.choices:

@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from tests.apps.test_server import KEY_A, KEY_B, Server, cold_reference, stopped, words
+from tests.apps.test_server import KEY_A, KEY_B, Server, cold_reference, expected_text, stopped, words
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -66,7 +66,7 @@ def test_text_streamed_equals_whole_and_a_cold_run(server, reference):
                                            extra_body=GREEDY)
     assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
     assert [b.type for b in reply.content] == ["text"]
-    assert reply.content[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert reply.content[0].text == expected_text(tokenizer, want)
     assert reply.stop_reason == ("end_turn" if want[-1] == EOS else "max_tokens") and reply.stop_sequence is None
     assert reply.usage.output_tokens == len(want) and input_total(reply.usage) == len(prompt)
     assert reply.usage.cache_creation_input_tokens == 0  # no cache_control breakpoint
@@ -241,7 +241,7 @@ def test_stop_sequences_and_max_tokens(server, reference):
     prompt = chat_ids(tokenizer, [{"role": "user", "content": question}])
     want = greedy(prompt, 16)
     assert EOS not in want[:6], want  # this prompt's greedy reply runs past 6 tokens
-    text = tokenizer.decode(want, skip_special_tokens=True)
+    text = expected_text(tokenizer, want)
     stop_word = text.split()[3]
     cut = text[: text.index(stop_word)]
     messages = [{"role": "user", "content": question}]
@@ -256,7 +256,7 @@ def test_stop_sequences_and_max_tokens(server, reference):
 
     short = client(server).messages.create(model="tiny", max_tokens=6, messages=messages, extra_body=GREEDY)
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 6
-    assert short.content[0].text == tokenizer.decode(want[:6], skip_special_tokens=True)
+    assert short.content[0].text == expected_text(tokenizer, want[:6])
 
 
 def test_auth_x_api_key_and_bearer_share_a_tenant(server):

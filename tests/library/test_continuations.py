@@ -281,7 +281,9 @@ def test_serve_retry_after_sigkill_and_restart_resumes(target, env, plain, tmp_p
         assert replayed == stored < max_tokens  # every token the record held, no more
         from mlx_lm.utils import load_tokenizer
 
-        text = load_tokenizer(target).decode(want, skip_special_tokens=True)
+        from tests.apps.test_server import expected_text
+
+        text = expected_text(load_tokenizer(target), want)
         assert reply["choices"][0]["text"] == text
         assert other.json()["choices"][0]["text"] == text
     finally:

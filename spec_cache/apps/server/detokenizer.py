@@ -19,10 +19,18 @@ __all__ = ["StreamingDetokenizer", "StopMatcher"]
 REPLACEMENT = "\ufffd"
 class StreamingDetokenizer:
     """``add(tokens) -> str`` (new text, possibly empty); ``flush() -> str`` (what is held at the end);
-    ``text``: everything emitted so far. ``tokenizer.decode(ids, skip_special_tokens=True)`` is all it uses."""
+    ``text``: everything emitted so far. ``tokenizer.decode(ids)`` is all it uses.
 
-    def __init__(self, tokenizer: Any) -> None:
+    Special tokens keep their text, as mlx_lm.server's detokenizer writes them (``"w5 <s> w6"``), except the ids in
+    ``hidden`` (default: the tokenizer's end-of-sequence ids, the tokens a row stops at, which mlx_lm.server never
+    decodes either). Why: the client sends the reply back in the next turn; text without a special token the model
+    generated re-tokenizes to another prompt than the tokens the cache holds (and than mlx_lm.server's reply), so the
+    next turn restored fewer tokens (issue 35, chat at 1 client)."""
+
+    def __init__(self, tokenizer: Any, hidden: Sequence[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.hidden = frozenset(int(t) for t in (
+            getattr(tokenizer, "eos_token_ids", None) or () if hidden is None else hidden))
         self.tokens: list[int] = []
         self._prefix = 0  # decoded as context only
         self._read = 0  # tokens whose text is emitted
@@ -30,10 +38,10 @@ class StreamingDetokenizer:
         self.text = ""
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def add(self, tokens: Sequence[int]) -> str:
-        self.tokens.extend(int(t) for t in tokens)
+        self.tokens.extend(int(t) for t in tokens if int(t) not in self.hidden)
         return self._advance(final=False)
 
     def flush(self) -> str:
