@@ -349,16 +349,25 @@ def test_unsupported_parameters_and_null_content_are_explicit(server, extra, sta
             assert name in error["message"] and "leave it out" in error["message"]
 
 
-def test_completions_logprobs_zero_is_refused_with_the_off_value_of_its_own_form(server):
-    """``/v1/completions`` takes ``logprobs`` as an integer: the refusal names its off value (null), not
-    chat's ``false`` (issue 36)."""
+def test_completions_logprobs_zero_is_served_and_null_is_off(server):
+    """``/v1/completions`` takes ``logprobs`` as an integer (issue 36 items 2 and 6): 0 is served (each token's
+    logprob, the chosen token its only alternative), null and ``false`` are off, ``true`` (chat's form) is a 400
+    naming the integer form."""
     body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2, "logprobs": 0}
     r = httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
-    assert "send null" in r.json()["error"]["message"] and "false" not in r.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == 2
+    assert [list(top) for top in logprobs["top_logprobs"]] == [[token] for token in logprobs["tokens"]]
     body["logprobs"] = None
-    assert httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body,
-                      timeout=60).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+    body["logprobs"] = False
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+    body["logprobs"] = True
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body, timeout=60)
+    assert r.status_code == 400 and "integer" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])

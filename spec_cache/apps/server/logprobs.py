@@ -68,8 +68,8 @@ def _int(value: Any, name: str, high: int) -> int | None:
 def take(body: Any, chat: bool) -> tuple[Any, Scoring]:
     """``body`` without its logprob options, and those options checked (400 for a wrong type, 422 for a value out
     of range). Chat: ``logprobs`` (boolean), ``top_logprobs`` (0..20, only with ``logprobs: true``). Completions:
-    ``logprobs`` (0..5), ``echo`` (boolean), and ``max_tokens: 0``, taken only with ``echo`` (the body then asks
-    one token, which the answer leaves out)."""
+    ``logprobs`` (0..5; null or false: off), ``echo`` (boolean), and ``max_tokens: 0``, taken only with ``echo``
+    (the body then asks one token, which the answer leaves out)."""
     if not isinstance(body, dict):
         return body, Scoring()
     body = dict(body)
@@ -81,7 +81,8 @@ def take(body: Any, chat: bool) -> tuple[Any, Scoring]:
         if top and not flag:
             raise _malformed("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return body, Scoring(logprobs=(top or 0) if flag else None)
-    logprobs = _int(body.pop("logprobs", None), "logprobs", MAX_COMPLETION_TOP)
+    logprobs = body.pop("logprobs", None)
+    logprobs = None if logprobs is False else _int(logprobs, "logprobs", MAX_COMPLETION_TOP)  # false: off, as before
     echo = body.pop("echo", None)
     if echo is not None and not isinstance(echo, bool):
         raise _malformed("'echo' must be a boolean", "echo")
