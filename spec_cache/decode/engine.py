@@ -394,7 +394,8 @@ class DecodeSession:
     ``cancel`` ends a row without a finish checkpoint, ``finish`` ends it as done (with one); outside ``step``
     either frees the row at once, inside a callback at the end of the current step.
 
-    Per row: ``on_tokens(row_id, tokens)`` after every round that emitted tokens for it, ``on_finish(row_id,
+    Per row: ``on_tokens(row_id, tokens)`` after every round that emitted tokens for it (a row that asks for
+    logprobs, ``RowRequest.logprobs`` / ``prompt_logprobs``: ``on_tokens(row_id, tokens, RowLogprobs)``), ``on_finish(row_id,
     RowResult)`` once when it leaves (also when cancelled while waiting). ``on_checkpoint`` as in the module doc
     (``row_index`` is the row id ``submit`` returned).
 
