@@ -187,7 +187,7 @@ class Requests:
         temperature = self.config.default_temperature if params.temperature is None else params.temperature
         seed = params.seed + choice if params.seed is not None else (0 if temperature == 0 else random_seed())
         sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed), top_k=params.top_k,
-                               min_p=params.min_p)
+                               min_p=params.min_p, **params.processors)
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
                    tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
                    replayable=(temperature == 0 or params.seed is not None) and scoring.logprobs is None,

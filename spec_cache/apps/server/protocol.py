@@ -38,9 +38,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 #: (silently ignoring a penalty or a JSON schema would be a wrong answer the client cannot see). ``logprobs``, chat's
 #: ``top_logprobs`` and ``echo`` are served: ``logprobs.take`` reads them before these parsers see the body.
 UNSUPPORTED: dict[str, tuple] = {
-    # parsed and checked (``_processors``), refused until ``jobs.Requests.make_job`` hands ``params.processors`` to
-    # its ``RowSampling`` (issue 36 item 4): delete this line then
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
     "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
     "best_of": (1,), "suffix": ("",), "min_tokens": (0,),
