@@ -33,8 +33,6 @@ ANSWER = "It is sunny in Paris."
 CALL_TEXT = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'  # no tools offered
 RESPONSE_FORMAT_400 = ("the server refuses 'response_format' with 400 unsupported_parameter (\"'response_format' is "
                        "not supported by this server (leave it out, or send {\"type\": \"text\"})\"); issue 36 item 1")
-LOGPROBS_400 = ("the server refuses 'logprobs': true with 400 unsupported_parameter (\"'logprobs' is not supported by "
-                "this server (leave it out, or send false)\"); issue 36 item 2")
 
 
 def get_weather(city: str) -> str:
@@ -296,14 +294,8 @@ def test_langchain_structured_output_default_method(server):
 
 
 def test_langchain_logprobs(server):
-    """Chat logprobs as LangChain reads them (``response_metadata["logprobs"]["content"]``). A server that still
-    refuses ``'logprobs': true`` (issue 36 item 2, being served now) xfails here rather than fails."""
-    try:
-        with refusal("logprobs"):
-            reply = chat_openai(server, logprobs=True, top_logprobs=2).invoke("Hello")
-    except Refused:
-        pytest.xfail("ChatOpenAI(logprobs=True, top_logprobs=2) sends 'logprobs': true, 'top_logprobs': 2: "
-                     + LOGPROBS_400)
+    """Chat logprobs as LangChain reads them (``response_metadata["logprobs"]["content"]``; issue 36 item 2)."""
+    reply = chat_openai(server, logprobs=True, top_logprobs=2).invoke("Hello")
     tokens = reply.response_metadata["logprobs"]["content"]
     # (the tiny WordLevel tokenizer puts the spaces between tokens in decoding, not in the tokens: no join check)
     assert tokens and reply.content.startswith(tokens[0]["token"])

@@ -508,7 +508,8 @@ async def _scored_pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list
     """``_pieces`` for a request with logprobs or echo: text pieces are ``("text", str, entries)``, ``entries``
     the scored tokens whose text the piece completes (``_TokenTexts.entry``; ``text_offset`` counts characters
     of the answer, the echoed prompt included). The echoed prompt comes first, as one piece; every delivered
-    token has an entry (an end-of-sequence token and the one that completed a stop string included), and one
+    token has an entry (the one that completed a stop string included; not the end-of-sequence token a row stops
+    at, whose text the answer leaves out, as OpenAI's logprobs do), and one
     whose text is held (an incomplete character, a possible stop string) goes with the next piece. With
     ``scoring.zero`` the row's one token is not part of the answer."""
     timing = {} if timing is None else timing
@@ -542,7 +543,7 @@ async def _scored_pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list
             for i, token in enumerate(event[1]):
                 offset = base + len(detokenizer.text)
                 text, stopped = matcher.feed(detokenizer.add([token]))
-                if scores is not None:
+                if scores is not None and int(token) not in detokenizer.hidden:  # the stop token has no text
                     waiting.append(texts.entry(scores[i], offset))
                 if text or (stopped and waiting):
                     yield ("text", text, waiting)
