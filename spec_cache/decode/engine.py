@@ -988,7 +988,7 @@ def _sampled_row(row: _Row, draft: list) -> tuple:
     logits choose, and, when it has logits processors, its tokens followed by the round's drafts (each window
     position's history: ``spec_cache.rows.sampling`` module doc)."""
     if row.sampling is not None and row.sampling.processes:
-        return row.sampling, len(row.tokens), row.tokens + draft
+        return row.sampling, len(row.tokens), row.tokens + draft, len(row.tokens) - len(row.generated)
     return row.sampling, len(row.tokens)
 
 
@@ -1000,7 +1000,7 @@ def _score_window(logits: mx.array, row: _Row, count: int) -> list:
     position = len(row.tokens) - count  # the position the window's first logits chose
     if row.sampling is not None and getattr(row.sampling, "processes", False):
         from spec_cache.rows.sampling import process_logits
-        logits = process_logits(logits, row.sampling, row.tokens, position)
+        logits = process_logits(logits, row.sampling, row.tokens, position, len(row.tokens) - len(row.generated))
     return score(logits, tokens, row.request.logprobs)
 
 

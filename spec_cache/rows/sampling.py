@@ -122,6 +122,9 @@ class RowSampling:
     presence_context_size: int = 20
     frequency_penalty: float = 0.0
     frequency_context_size: int = 20
+    #: a ``spec_cache.rows.grammar.Grammar`` (None: off): every token it does not allow after the row's generated
+    #: tokens is masked, after the processors above (``spec_cache.rows.grammar`` module doc)
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self._check_processors()
@@ -170,6 +173,8 @@ class RowSampling:
                 raise InvalidRequest(f"logit_bias: token id {token} is given twice")
             checked[token] = float(value)
         object.__setattr__(self, "logit_bias", tuple(sorted(checked.items())))
+        if self.grammar is not None and not callable(getattr(self.grammar, "window_masks", None)):
+            raise TypeError(f"grammar must be a spec_cache.rows.grammar.Grammar, got {type(self.grammar).__name__}")
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -193,7 +198,7 @@ class RowSampling:
     def processes(self) -> bool:
         """Whether a logits processor is on (module doc): the sampler then needs the row's tokens."""
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(
-            self.frequency_penalty)
+            self.frequency_penalty) or self.grammar is not None
 
     def processor_params(self) -> dict:
         """The logits processors that are on, as a JSON-able mapping (a continuation key's part: empty when none,
@@ -206,6 +211,8 @@ class RowSampling:
             if value != off:
                 context = name.replace("_penalty", "_context_size")
                 params[name] = [float(value), getattr(self, context)]
+        if self.grammar is not None:
+            params["grammar"] = self.grammar.key
         return params
 
     def max_logit_bias_id(self) -> int:
@@ -258,10 +265,12 @@ def _context_pairs(tokens: Sequence[int], position: int, width: int, size: int) 
     return rows, ids
 
 
-def process_logits(logits: mx.array, sampling: RowSampling, tokens: Sequence[int], position: int) -> mx.array:
+def process_logits(logits: mx.array, sampling: RowSampling, tokens: Sequence[int], position: int,
+                   start: int | None = None) -> mx.array:
     """One row's window logits ``[W, V]`` through its logits processors (module doc): window position ``j`` chooses
     the token at ``position + j`` and its penalties see ``tokens[:position + j]``. The operations are mlx-lm's
-    (``make_logits_processors``), row by row."""
+    (``make_logits_processors``), row by row. Then the grammar's mask (``RowSampling.grammar``) over the generated
+    tokens ``tokens[start:position + j]``: ``start`` (where the prompt ends) is required with a grammar."""
     width = logits.shape[0]
     if sampling.logit_bias:
         ids = mx.array([token for token, _ in sampling.logit_bias])
@@ -284,6 +293,11 @@ def process_logits(logits: mx.array, sampling: RowSampling, tokens: Sequence[int
             logits[js, ts] = logits[js, ts] - penalty
         else:
             logits = logits.at[js, ts].subtract(penalty)
+    if sampling.grammar is not None:
+        if start is None:
+            raise ValueError("a sampling with a grammar needs where the row's prompt ends (start)")
+        masks = sampling.grammar.window_masks(tokens, start, position, width, logits.shape[-1])
+        logits = mx.where(mx.array(masks), logits, -mx.inf)
     return logits
 
 
@@ -294,7 +308,7 @@ class RowSampler:
         """``rows[b] = (sampling, position[, tokens])``: row ``b``'s sampling (None: greedy), the absolute
         position of the token its window's first logits choose and, when its sampling has logits processors,
         its tokens followed by the window's drafts (``tokens[:position + j]`` is what window position ``j``
-        follows). Returns ``[B][W]`` token ids."""
+        follows), and with a grammar, where its prompt ends in them. Returns ``[B][W]`` token ids."""
         return self.sample(logits, rows).tolist()
 
     def sample(self, logits: mx.array, rows: Sequence[tuple]) -> mx.array:
@@ -305,7 +319,7 @@ class RowSampler:
             if sampling is not None and sampling.processes:
                 if not rest or rest[0] is None:
                     raise ValueError(f"row {b}: a sampling with logits processors needs the row's tokens")
-                processed[b] = process_logits(logits[b], sampling, rest[0], position)
+                processed[b] = process_logits(logits[b], sampling, rest[0], position, *rest[1:2])
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = mx.argmax(logprobs, axis=-1)
         special = [b for b, (sampling, *_) in enumerate(rows)
