@@ -91,7 +91,9 @@ def _listen_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=non_negative_int, default=8080, help="TCP port (default 8080; 0: any free port)")
     parser.add_argument("--max-rows", type=positive_int, default=8, help="rows decoded at once (default 8)")
     parser.add_argument("--max-queue", type=non_negative_int, default=64,
-                        help="requests that may wait for a row; beyond it the answer is 429 (default 64)")
+                        help="requests that may wait for a row; beyond it the answer is 429 (default 64). With "
+                        "several API keys a key may hold at most half of --max-rows + --max-queue (less once more "
+                        "keys hold some), and waiting requests are taken in turn across keys")
 
 
 def _decode_options(parser: argparse.ArgumentParser) -> None:
@@ -132,8 +134,9 @@ def _request_options(parser: argparse.ArgumentParser) -> None:
 def _budget_options(parser: argparse.ArgumentParser) -> None:
     """The store's budget, damage, tenant quotas, durability and the shared tier's lookups."""
     parser.add_argument("--max-bytes", type=_size, metavar="SIZE",
-                        help="byte budget of the store (LRU eviction beyond it), e.g. 8GiB (default: what the store "
-                             "holds + half the disk's free space at start, printed at start)")
+                        help="byte budget of the store (LRU eviction beyond it), e.g. 8GiB (default: half of the "
+                             "disk's free space + the bytes of the store and of its damaged copies set aside, at "
+                             "start; printed at start)")
     parser.add_argument("--on-damaged-store", choices=["move-aside", "refuse"], default="move-aside",
                         help="a store too damaged to open (data.mdb truncated or empty): move it aside to "
                              "<dir>.damaged-<time> (kept for 'spec-cache repair') and start cold with a fresh one "
@@ -258,7 +261,7 @@ def build_state(args):
     metrics = Metrics()
     scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics,
                           checkpoint_every=args.checkpoint_every or None,
-                          eos_token_ids=getattr(tokenizer, "eos_token_ids", None) or ())
+                          eos_token_ids=getattr(tokenizer, "eos_token_ids", None) or (), tenants=len(set(keys)))
     if cache is None:
         granularity, why = 1, "--no-cache: nothing is cached"
     else:

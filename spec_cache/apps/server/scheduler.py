@@ -65,7 +65,13 @@ names one; a row in ``MAX_FAILURES`` failed steps is failed whatever the rule sa
 step and the tokens they generate again.
 
 Back-pressure: at most ``max_rows`` jobs decode at once; up to ``max_queue`` more wait; beyond that ``submit``
-raises ``APIError(429)``. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
+raises ``APIError(429)``. Fairness (``tenants`` > 1: a server with several API keys): a tenant (its key; a
+``cache_salt`` does not make another) may hold at most ``fair_share`` of those ``max_rows + max_queue`` slots,
+``capacity // max(2, tenants holding slots)`` and at least 1; its next job is refused (429) while other tenants
+are admitted, so one key's ``n=16`` requests never fill every slot. Waiting jobs are admitted round-robin across
+tenants (the one admitted least recently first; FIFO within a tenant), so another tenant's job joins the next
+batch ahead of the 60th of a tenant that queued 64. One tenant (no keys, or one key) is served exactly FIFO, with
+no share but the global cap. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
 ``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason, generated)`` with reason
 ``length``/``eos``/``stop``/``cancelled``, or ``("error", APIError)``.
 """
@@ -110,7 +116,7 @@ MIN_CHECKPOINT_GAP = 16
 #: a job in this many failed engine steps is failed (fault isolation, module doc), whoever the rule blames
 MAX_FAILURES = 3
 
-__all__ = ["Job", "Scheduler", "checkpoint_points", "MAX_CHECKPOINT_AT", "MIN_CHECKPOINT_GAP"]
+__all__ = ["Job", "Scheduler", "checkpoint_points", "fair_key", "MAX_CHECKPOINT_AT", "MIN_CHECKPOINT_GAP"]
 
 
 def _restored(job: Job) -> int:
@@ -192,6 +198,12 @@ def checkpoint_points(offsets, prompt_tokens: int, limit: int = MAX_CHECKPOINT_A
     return tuple(points[-limit:]) if limit > 0 else ()
 
 
+def fair_key(tenant: str | None) -> str:
+    """The tenant a job counts against for fairness: its API key's part of ``Job.tenant`` (a ``cache_salt`` does not
+    make another tenant: ``auth.salted_tenant``); ``open`` without keys."""
+    return "open" if tenant is None else tenant.split("|", 1)[0]
+
+
 def random_seed() -> int:
     return secrets.randbits(62)
 
@@ -200,9 +212,11 @@ class Scheduler:
     """See the module doc. ``generator``: a loaded ``spec_cache.decode.generator.Generator``."""
 
     def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None,
-                 checkpoint_every: int | None = None, eos_token_ids=()) -> None:
+                 checkpoint_every: int | None = None, eos_token_ids=(), tenants: int = 1) -> None:
         if max_rows < 1 or max_queue < 0:
             raise ValueError("max_rows must be >= 1 and max_queue >= 0")
+        #: the API keys the server takes (module doc: fairness); more than one: each holds at most its share
+        self.tenants = tenants
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError("checkpoint_every must be None or >= 1")
         self.checkpoint_every = checkpoint_every if generator.cache is not None else None
@@ -215,6 +229,9 @@ class Scheduler:
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._outstanding = 0  # submitted and not finished (waiting + decoding)
+        self._held: collections.Counter = collections.Counter()  # the same, by ``fair_key`` (tenant)
+        self._turn = 0  # admissions so far: round-robin's clock
+        self._last_turn: dict[str, int] = {}  # ``fair_key`` -> the turn its last job was admitted at
         self._decoding = 0
         self._accepting = True
         self._stop = threading.Event()
@@ -264,15 +281,37 @@ class Scheduler:
         with self._lock:
             return self._decoding
 
+    @property
+    def capacity(self) -> int:
+        """Jobs accepted at once (decoding and waiting): ``max_rows + max_queue``."""
+        return self.max_rows + self.max_queue
+
+    def fair_share(self, key: str) -> int | None:
+        """The most slots tenant ``key`` (a ``fair_key``) may hold now, or None (one tenant: no share but the
+        global cap): ``capacity // max(2, tenants holding slots, itself included)``, at least 1 (module doc). Call
+        with the lock held."""
+        if self.tenants <= 1:
+            return None
+        holders = len({k for k, n in self._held.items() if n > 0} | {key})
+        return max(1, self.capacity // max(2, holders))
+
     def submit(self, job: Job) -> None:
-        """Queue ``job``; ``APIError(429)`` when ``max_rows + max_queue`` jobs are already in, 503 when stopping."""
+        """Queue ``job``; ``APIError(429)`` when ``max_rows + max_queue`` jobs are already in, or its tenant holds
+        its ``fair_share`` already (several tenants); 503 when stopping."""
+        key = fair_key(job.tenant)
         with self._lock:
             if not self._accepting or not self._thread.is_alive():
                 raise APIError(503, "the server is shutting down", code="unavailable")
-            if self._outstanding >= self.max_rows + self.max_queue:
+            if self._outstanding >= self.capacity:
                 raise APIError(429, f"the server is overloaded ({self.max_rows} rows decoding, {self.max_queue} "
                                "waiting); retry later", code="overloaded", headers={"Retry-After": "1"})
+            share = self.fair_share(key)
+            if share is not None and self._held[key] >= share:
+                raise APIError(429, f"this API key holds its share of the server ({share} of {self.capacity} "
+                               "requests decoding or waiting, shared with the other keys); retry later",
+                               code="overloaded", headers={"Retry-After": "1"})
             self._outstanding += 1
+            self._held[key] += 1
         job.checkpoint_at = checkpoint_points(job.checkpoint_at, len(job.prompt))
         job.pinned_at = tuple(k for k in job.pinned_at if k in job.checkpoint_at)
         self._inbox.put(("submit", job))
@@ -431,14 +470,28 @@ class Scheduler:
         return any(self._admissible(job) for job in self._pending)
 
     def _next_ready(self) -> Job | None:
-        """The first waiting job whose prefetch is done (taken off the queue), or None; a suspect (module doc:
-        fault isolation) waits while another one is in the batch."""
+        """The next waiting job whose prefetch is done (taken off the queue), or None; a suspect (module doc:
+        fault isolation) waits while another one is in the batch. A job back in the queue after its admission (a
+        prefill phase's next, a row resumed after a failed step: at the front) goes first; new ones round-robin
+        across tenants (module doc: fairness): the first of the tenant admitted least recently (FIFO with one)."""
+        best, best_turn = None, None
         for job in self._pending:
-            if self._admissible(job):
-                self._pending.remove(job)
-                job.prefetch = None
-                return job
-        return None
+            if not self._admissible(job):
+                continue
+            if job.admitted_at is not None or self.tenants <= 1:
+                best = job
+                break
+            turn = self._last_turn.get(fair_key(job.tenant), -1)
+            if best_turn is None or turn < best_turn:
+                best, best_turn = job, turn
+        if best is None:
+            return None
+        self._pending.remove(best)
+        best.prefetch = None
+        if best.admitted_at is None:
+            self._turn += 1
+            self._last_turn[fair_key(best.tenant)] = self._turn
+        return best
 
     def _admissible(self, job: Job) -> bool:
         if job.prefetch is not None and not job.prefetch.done():
@@ -856,7 +909,7 @@ class Scheduler:
             return
         job.finished = True
         with self._lock:
-            self._outstanding -= 1
+            self._release(job)
         job.deliver(("done", reason, job.generated))
 
     def _fail(self, job: Job, error: APIError) -> None:
@@ -864,10 +917,18 @@ class Scheduler:
             return
         job.finished = True
         with self._lock:
-            self._outstanding -= 1
+            self._release(job)
             if job.row is not None:
                 self._decoding -= 1
         job.deliver(("error", error))
+
+    def _release(self, job: Job) -> None:
+        """``job`` is finished: its slot goes back (globally and its tenant's). Call with the lock held."""
+        self._outstanding -= 1
+        key = fair_key(job.tenant)
+        self._held[key] -= 1
+        if self._held[key] <= 0:
+            del self._held[key]
 
     def _shutdown(self) -> None:
         """Cancel what is left (a drain that timed out), write the checkpoints taken so far, free the batch."""
