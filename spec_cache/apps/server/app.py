@@ -184,17 +184,22 @@ def _register_gauges(metrics: Metrics, scheduler: Scheduler, cache) -> None:
 
 
 def _health(state: ServerState):
-    """``GET /health``: ``{"status": "ok" | "failed"}`` (503 once the scheduler failed); with a known key, the
-    model, rows, queue and the write-behind backlog too."""
+    """``GET /health``: ``{"status": "ok" | "failed"}`` (503 once the scheduler failed); with an API key, the model
+    too; with an operator key (or on an open server), the rows, queue and the write-behind backlog as well. Those
+    are server-wide: shown to an API key they would tell a tenant when another one decodes, and whether its prompt
+    was new to the cache (issue 37)."""
     config, scheduler, cache = state.config, state.scheduler, state.generator.cache
 
     async def health(request: Request) -> Response:
         ok = scheduler.error is None
         body = {"status": "ok" if ok else "failed"}
-        if not state.auth.viewer(request.headers.get("authorization")).known:  # liveness only, without a key
+        viewer = state.auth.viewer(request.headers.get("authorization"))
+        if not viewer.known:  # liveness only, without a key
             return JSONResponse(body, status_code=200 if ok else 503)
-        body.update({"model": config.model_id, "active_rows": scheduler.active_rows,
-                     "queue_depth": scheduler.queue_depth})
+        body["model"] = config.model_id
+        if not viewer.operator:  # an API key: nothing server-wide
+            return JSONResponse(body, status_code=200 if ok else 503)
+        body.update({"active_rows": scheduler.active_rows, "queue_depth": scheduler.queue_depth})
         if cache is not None:
             stats = cache.memory_stats()
             body["checkpoints_not_durable"] = stats.get("not_durable", 0)
