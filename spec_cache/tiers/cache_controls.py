@@ -11,9 +11,12 @@ never leak: after a restart nothing is pinned (the prefix itself stays stored un
 A pin names the longest stored prefix of the given tokens. Pinning it: the prefix is restored through the tiers
 (that also puts it into the memory tier), an LMDB entry for exactly those tokens is made if there was none (a
 prefix served from a longer entry's chunks would otherwise go with that entry), the LMDB entry gets a lease and
-the memory entry that serves the prefix (that one, or a longer one that serves it by trimming) is pinned until
-the TTL. Pinned bytes are the K/V of exactly the pinned tokens (whichever tier holds them); they count against the
-owner's ``quota_bytes`` (the server derives it from ``--max-bytes`` and its tenants: ``cache_routes.quotas``).
+the memory entry of exactly those tokens is pinned until the TTL: where only a longer entry served the prefix (by
+trimming), one is made from a copy of the prefix's arrays (never the longer entry pinned, nor views of its
+buffers, which would keep all of it alive). So a pin's bytes are the bytes of the memory entry it pins (the K/V of
+exactly the pinned tokens, also when the memory tier holds none), what it keeps from eviction;
+they count against the owner's ``quota_bytes`` and all pins against ``total_quota_bytes`` (the server derives
+both from its tiers and tenants: ``cache_routes.quotas``).
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ class Pin:
     owner: Any                   # whom it counts against (the server's tenant; None: the default tenant)
     until: float
     expires_at: float            # the same end as a Unix time (for clients)
-    nbytes: int                  # bytes of the memory entry that serves it (0: the memory tier is off)
-    memory_tokens: bytes | None  # that entry's tokens (uint32 bytes); None when the memory tier does not hold it
+    nbytes: int                  # bytes of the memory entry it pins (no such entry: the K/V of its tokens)
+    memory_tokens: bytes | None  # that entry's tokens (uint32 bytes: ``tokens``); None when the tier holds none
     store_key: bytes | None      # the LMDB entry leased
     tier: str                    # where the prefix came from when pinned: memory, local or shared
 
@@ -132,8 +135,8 @@ def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any
     the answer for nothing stored). Why: a server that reports ``cached_tokens`` rounded must not tell more
     through a pin, and a pin of the exact length would (its id is a digest of the tokens it covers, its bytes
     grow with them, and pinning the same prefix twice is one pin): probing guesses would come apart token by
-    token. A pin's bytes are the K/V of exactly the tokens it covers (:func:`_kv_bytes`), whichever tier holds
-    them: what it keeps from eviction, memory tier on or off."""
+    token. A pin's bytes are those of the memory entry of exactly the tokens it covers (made here when only a
+    longer one held them), else their K/V (:func:`_kv_bytes`): what it keeps from eviction."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < float("inf"):
         raise InvalidRequest(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
     resident, restored = _restore(cache, ns_key, tokens, drafter_namespace, usable)
@@ -141,31 +144,35 @@ def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any
     if length == 0:
         raise NotStored("no stored prefix of these tokens")
     covered = [int(t) for t in tokens[:length]]
+    table = _table(cache)
+    pid = pin_id(ns_key, covered)
+    quota = _Quota(table, pid, owner, quota_bytes, total_quota_bytes)
+    quota.check(_kv_bytes(restored.caches, length))  # before anything is stored for it
+    whole = length == restored.length
+    owned = None
     store_key = cache.store.entry_key(ns_key, covered)
     if store_key is None:  # served from a longer entry's chunks: store the prefix as its own entry
-        whole = length == restored.length
-        put = cache.save(ns_key, covered, restored.caches, drafter_namespace=drafter_namespace if whole else None,
+        owned = _owned(restored.caches)
+        put = cache.save(ns_key, covered, owned, drafter_namespace=drafter_namespace if whole else None,
                          draft_checkpoint=restored.draft_checkpoint if whole else None,
                          minimum_reusable=_converted(restored.caches))
         store_key = None if put is None else put.entry
-    held = cache.memory.serving(ns_key, covered)
-    memory_tokens = held[0] if held is not None else None
+    made = False
+    held = _exactly(cache.memory, ns_key, covered)
+    if held is None:  # only a longer entry serves it (by trimming), or none: hold exactly these tokens, pinned
+        made = cache.memory.put(ns_key, covered, owned or _owned(restored.caches), durable=True, pinned=True,
+                                minimum_reusable=_converted(restored.caches)) is not None
+        held = _exactly(cache.memory, ns_key, covered)
+    memory_tokens = None if held is None else held[0]
     if store_key is None and memory_tokens is None:
         raise NotStored("the prefix could be restored but neither tier could hold it")
-    nbytes = _kv_bytes(restored.caches, length)
-    table = _table(cache)
-    pid = pin_id(ns_key, covered)
-    others = [p for p in table.live() if p.pin_id != pid]
-    if sum(p.owner == owner for p in others) >= MAX_PINS:
-        raise PinQuotaExceeded(f"this tenant holds {MAX_PINS} pins already (the most one may hold)")
-    mine = sum(p.nbytes for p in others if p.owner == owner)
-    if quota_bytes is not None and mine + nbytes > quota_bytes:
-        raise PinQuotaExceeded(f"pinning {nbytes} more bytes would hold {mine + nbytes} pinned bytes; this "
-                               f"tenant may pin at most {quota_bytes}")
-    everyone = sum(p.nbytes for p in others)
-    if total_quota_bytes is not None and everyone + nbytes > total_quota_bytes:
-        raise PinQuotaExceeded(f"pinning {nbytes} more bytes would hold {everyone + nbytes} pinned bytes; this "
-                               f"server pins at most {total_quota_bytes} in all")
+    nbytes = _kv_bytes(restored.caches, length) if held is None else held[1]
+    try:
+        quota.check(nbytes)
+    except PinQuotaExceeded:
+        if made:
+            cache.memory.pin(ns_key, covered, False)
+        raise
     now = time.monotonic()
     record = Pin(pid, bytes(ns_key), tuple(covered), owner, now + float(ttl_s), time.time() + float(ttl_s), nbytes,
                  memory_tokens, store_key, restored.tier)
@@ -173,6 +180,52 @@ def pin(cache, ns_key: bytes, tokens: Sequence[int], ttl_s: float, *, owner: Any
         table.pins[pid] = record
     _apply(cache, table, record)
     return record
+
+
+class _Quota:
+    """What ``owner`` may still pin: its other pins against ``quota_bytes``, everyone's against ``total``. A
+    refusal names only the caller's own share and pins (never other tenants' or the server's total: another
+    tenant's pins are none of its business)."""
+
+    def __init__(self, table: _Table, pid: str, owner: Any, quota_bytes: int | None, total: int | None) -> None:
+        others = [p for p in table.live() if p.pin_id != pid]
+        if sum(p.owner == owner for p in others) >= MAX_PINS:
+            raise PinQuotaExceeded(f"this tenant holds {MAX_PINS} pins already (the most one may hold)")
+        self.mine = sum(p.nbytes for p in others if p.owner == owner)
+        self.everyone = sum(p.nbytes for p in others)
+        self.quota, self.total = quota_bytes, total
+
+    def check(self, nbytes: int) -> None:
+        mine = self.mine + nbytes
+        share = "" if self.quota is None else f"; this tenant may pin at most {self.quota}"
+        if self.quota is not None and mine > self.quota:
+            raise PinQuotaExceeded(f"pinning {nbytes} more bytes would hold {mine} pinned bytes{share}")
+        if self.total is not None and self.everyone + nbytes > self.total:
+            raise PinQuotaExceeded(f"pinning {nbytes} more bytes is refused: the server pins no more now (this "
+                                   f"tenant holds {self.mine} pinned bytes{share})")
+
+
+def _exactly(memory, ns_key: bytes, tokens: list[int]) -> tuple[bytes, int] | None:
+    """``(tokens, bytes)`` of the memory entry for exactly ``tokens``, or None (none, or only a longer one)."""
+    held = memory.serving(ns_key, tokens)
+    return held if held is not None and len(held[0]) == 4 * len(tokens) else None
+
+
+def _owned(caches) -> list:
+    """New caches over copies of exactly the tokens ``caches`` cover: a trimmed cache's arrays are views of the
+    longer state's buffers, which an entry holding them would keep alive while counting only its own tokens."""
+    import mlx.core as mx
+
+    from spec_cache.state.cache_kinds import kind_of
+
+    out = []
+    for c in caches:
+        kind = kind_of(c)
+        meta, arrays = kind.capture(c)
+        arrays = [mx.contiguous(a) if is_array(a) else a for a in arrays]
+        mx.eval([a for a in arrays if is_array(a)])
+        out.append(kind.build(meta, arrays))
+    return out
 
 
 def _cut(restored, granularity: int) -> int:

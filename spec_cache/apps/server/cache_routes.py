@@ -28,9 +28,10 @@ its ``id`` and ``bytes`` naming) only that many tokens, an export cut to that ma
 one multiple answered as nothing stored (prefetch: ``tokens`` 0, ``tier`` null; pin and export: 404). An operator
 key sees exact counts.
 
-Pins count against the caller's share even without tenant quotas (``quotas``): one tenant pins at most
-``--max-bytes`` / its API keys (at least 2), all pins together at most half the memory tier and half of
-``--max-bytes``; so one tenant's pins never make LMDB's budget evict another tenant within its fair share.
+Pins count against the caller's share even without tenant quotas (``quotas``): all pins together hold at most half
+the memory tier and half of ``--max-bytes``, one tenant at most that divided by the API keys (at least 2); so one
+tenant's pins never make a budget evict another tenant within its fair share, nor leave another tenant no room to
+pin. A refusal (409) names the caller's own share and pins only.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from starlette.routing import Route
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.jobs import log_request, read_body
-from spec_cache.apps.server.protocol import APIError, parse_chat
+from spec_cache.apps.server.protocol import APIError, check_text, parse_chat
 from spec_cache.apps.server.tools import TemplateError, chat_ids
 from spec_cache.convert import interop
 from spec_cache.errors import SpecCacheError
@@ -232,17 +233,17 @@ class _CacheRoutes:
 
     def quotas(self) -> tuple[int | None, int | None]:
         """(bytes one tenant may pin, bytes all pins may hold). All pins: half the memory tier and half of LMDB's
-        ``--max-bytes`` (the rest stays for unpinned traffic). One tenant, even without tenant quotas: also its
-        fair share of LMDB, ``--max-bytes`` / the tenants this server knows (its API keys, at least 2), besides the
-        tenant quotas of the memory tier and the store. Why: a pinned LMDB entry is never evicted, so pins beyond
-        a tenant's share would make the budget evict another tenant that stays within its own share."""
+        ``--max-bytes``, the smaller (the rest stays for unpinned traffic). One tenant, even without tenant quotas:
+        that total divided by the tenants this server knows (its API keys, at least 2), and within the tenant
+        quotas of the memory tier and the store. Why: a pinned entry is never evicted, so pins beyond a tenant's
+        share would make a budget evict another tenant that stays within its own share, and a tenant allowed the
+        whole total would leave the others no pin at all."""
         cache = self.cache
         memory, store = cache.memory.budget_bytes or None, cache.store.max_bytes or None
         halves = [b // 2 for b in (memory, store) if b]
         total = min(halves) if halves else None
-        share = store // max(2, len(self.tenants)) if store else None
-        limits = [q for q in (cache.memory.tenant_quota, cache.store.tenants.quota(store), total, share)
-                  if q is not None]
+        share = None if total is None else total // max(2, len(self.tenants))
+        limits = [q for q in (cache.memory.tenant_quota, cache.store.tenants.quota(store), share) if q is not None]
         return (min(limits) if limits else None), total
 
     def told(self, length: int, operator: bool) -> int:
@@ -358,6 +359,7 @@ class _CacheRoutes:
             started, label, known = time.perf_counter(), "-", False
             try:
                 data, body = await self._body(request, method, raw)
+                check_text(body)  # a lone surrogate is no text: a 400 here, not the tokenizer's TypeError (a 500)
                 tenant, operator = self.caller(request, body)
                 label, known = tenant_label(tenant), True
                 if self.cache is None:
