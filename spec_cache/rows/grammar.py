@@ -91,6 +91,8 @@ class Grammar:
         if failed:
             raise GrammarError(f"the grammar is refused: {' '.join(messages)[:500]}")
         self.eos = sorted(set(self.tokenizer.eos_tokens))  # ``llg_tokenizer`` took ``eos_token_ids`` in
+        if not self.allowed(self.matcher()).any():
+            raise GrammarError("this tokenizer cannot spell any output the grammar allows")
         #: the continuation key's part (``RowSampling.processor_params``)
         self.key = hashlib.sha256(grammar.encode()).hexdigest()
         self._states: list[_State] = []
@@ -189,6 +191,8 @@ class Grammar:
                     raise RuntimeError("a constrained row's tokens do not follow its grammar")
             for j in range(width):
                 allowed = self.allowed(state.matcher)
+                if j == 0 and not allowed[:vocab].any():
+                    raise RuntimeError("a constrained row reached a point where its grammar allows no token")
                 n = min(vocab, allowed.shape[0])
                 masks[j, :n] = allowed[:n]
                 if j + 1 == width or position + j >= len(tokens):

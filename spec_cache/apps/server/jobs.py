@@ -42,6 +42,7 @@ from spec_cache.apps.server.protocol import (
 )
 from spec_cache.apps.server.scheduler import Job, Scheduler, random_seed
 from spec_cache.apps.server.tools import active_tools, tool_pieces, tool_style
+from spec_cache.rows.grammar import Grammar, GrammarError
 from spec_cache.rows.sampling import RowSampling
 
 log = logging.getLogger("spec_cache.apps.server")
@@ -187,12 +188,34 @@ class Requests:
         temperature = self.config.default_temperature if params.temperature is None else params.temperature
         seed = params.seed + choice if params.seed is not None else (0 if temperature == 0 else random_seed())
         sampling = RowSampling(temperature=temperature, top_p=params.top_p, seed=int(seed), top_k=params.top_k,
-                               min_p=params.min_p, **params.processors)
+                               min_p=params.min_p, grammar=self.grammar(params), **params.processors)
         return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, deliver=deliver,
                    tenant=salted_tenant(tenant, params.cache_salt), stop_at_eos=not params.ignore_eos,
                    replayable=(temperature == 0 or params.seed is not None) and scoring.logprobs is None,
                    checkpoint_at=tuple(checkpoint_at), pinned_at=tuple(pinned_at), logprobs=scoring.logprobs,
                    prompt_logprobs=scoring.prompt_logprobs)
+
+    def grammar(self, params) -> Grammar | None:
+        """The grammar of ``params.response_format`` (None: plain text) over the served tokenizer, its EOS ids those
+        the scheduler stops at; a schema llguidance refuses is a 422, ``ignore_eos`` beside it a 400."""
+        spec = getattr(params, "response_format", None)
+        if spec is None:
+            return None
+        if params.ignore_eos:
+            raise APIError(400, "'ignore_eos' cannot be combined with 'response_format' (the output ends where the "
+                           "JSON does)", param="ignore_eos", code="unsupported_parameter")
+        eos = self.scheduler.eos_token_ids
+        try:
+            if spec["type"] == "json_object":
+                return Grammar.json_object(self.tokenizer, eos_token_ids=eos)
+            return Grammar.json_schema(self.tokenizer, spec["schema"], eos_token_ids=eos)
+        except GrammarError as exc:
+            raise APIError(422, f"'response_format': {str(exc).splitlines()[0] if str(exc) else 'refused'}",
+                           param="response_format", code="invalid_schema") from None
+        except Exception as exc:  # a tokenizer llguidance cannot read: refused, never ignored
+            raise APIError(422, f"'response_format' is not available for this model's tokenizer "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})",
+                           param="response_format", code="unsupported_parameter") from None
 
     async def run_job(self, request: Request, endpoint: str, params, prompt: list[int], tenant: str | None,
                       chat: bool, started: float, checkpoint_at=(), shape=None, pinned_at=(),

@@ -39,7 +39,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 #: ``top_logprobs`` and ``echo`` are served: ``logprobs.take`` reads them before these parsers see the body.
 UNSUPPORTED: dict[str, tuple] = {
     "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-    "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
+    "function_call": ("none", "auto"), "parallel_tool_calls": (True, False),
     "best_of": (1,), "suffix": ("",), "min_tokens": (0,),
 }
 
@@ -94,6 +94,9 @@ class GenerationParams:
     #: logits processors as mlx_lm.server applies them, by ``RowSampling``'s names (only those set: ``logit_bias``,
     #: ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, their ``*_context_size``)
     processors: dict = field(default_factory=dict)
+    #: ``response_format`` checked: None (text), ``{"type": "json_object"}`` or ``{"type": "json_schema", "schema":
+    #: {...}}``; ``jobs.make_job`` turns it into the row's grammar (``spec_cache.rows.grammar``)
+    response_format: dict | None = None
 
 
 class PromptBatch(tuple):
@@ -221,6 +224,33 @@ def _processors(body: dict, vocab_size: int | None) -> dict:
     return out
 
 
+def _response_format(body: dict) -> dict | None:
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (or none) is plain text; ``json_object`` and
+    ``json_schema`` (``{"name", "schema"?, "strict"?, "description"?}``) constrain the output (``make_job``)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _malformed("'response_format' must be an object with a 'type'", "response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise _bad_value(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                         "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _malformed("'response_format.json_schema' must be an object with a 'name' (a string)", "response_format")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise _malformed("'response_format.json_schema.schema' must be a JSON Schema object", "response_format")
+    if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+        raise _malformed("'response_format.json_schema.strict' must be a boolean", "response_format")
+    return {"type": "json_schema", "schema": schema}
+
+
 def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...],
             supported: tuple[str, ...] = (), vocab_size: int | None = None) -> GenerationParams:
     if not isinstance(body, dict):
@@ -293,7 +323,7 @@ def _common(body: Any, models: tuple[str, ...], max_tokens_names: tuple[str, ...
         top_k=max(0, top_k or 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=seed, stop=stops, stream=stream, include_usage=include_usage, cache_salt=salt,
         user=user if isinstance(user, str) else None, ignore_eos=ignore_eos, n=n,
-        processors=_processors(body, vocab_size),
+        processors=_processors(body, vocab_size), response_format=_response_format(body),
     )
 
 
