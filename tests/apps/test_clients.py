@@ -194,8 +194,24 @@ def test_llm_python_api_conversation_and_tool_chain(llm_home):
 @known_gap("llm --schema 'city str' sends response_format {'type': 'json_schema', 'json_schema': {'name': "
            "'output', 'schema': {...}}} (and -o json_object 1: {'type': 'json_object'}): " + RESPONSE_FORMAT_400)
 def test_llm_schema(llm_home):
-    out = llm_cli("-m", "spec-cache-tiny", "--schema", "city str", QUESTION)
+    with unspellable():
+        out = llm_cli("-m", "spec-cache-tiny", "--schema", "city str", QUESTION)
     assert isinstance(json.loads(out)["city"], str)
+
+
+class unspellable(refusal):
+    """response_format is served (issue 36 item 1: llguidance grammars), but the scripted model's WordLevel
+    tokenizer is one llguidance cannot read: the server's one-line 422 for it stands for ``Refused`` here (a model
+    with a byte-level tokenizer answers: tests/apps/test_server_response_format.py)."""
+
+    def __init__(self):
+        super().__init__("response_format")
+
+    def __exit__(self, kind, error, tb):
+        text = "" if error is None else str(error)
+        if error is not None and not isinstance(error, Refused) and "422" in text and "response_format" in text:
+            raise Refused(f"response_format: {text}")
+        return False
 
 
 # -- LangChain ----------------------------------------------------------------------------------------------------
@@ -289,7 +305,7 @@ def test_langchain_structured_output_by_function_calling(server):
            "{'name': 'Weather', 'schema': {...}, 'strict': True}}: " + RESPONSE_FORMAT_400)
 def test_langchain_structured_output_default_method(server):
     Weather = weather_model()
-    with refusal("response_format"):
+    with unspellable():
         assert chat_openai(server).with_structured_output(Weather).invoke(QUESTION) == Weather(city="Paris")
 
 
@@ -393,7 +409,7 @@ def test_instructor_tools_mode(server):
 def test_instructor_json_modes(server, mode, sent, request):
     request.applymarker(known_gap(f"instructor {mode} mode sends {sent}: " + RESPONSE_FORMAT_400))
     Weather = weather_model()
-    with refusal("response_format"):
+    with unspellable():
         weather = instructor_client(server, mode).chat.completions.create(
             model="tiny", response_model=Weather, messages=[{"role": "user", "content": QUESTION}], max_retries=0)
     assert isinstance(weather, Weather) and weather.city == "Paris"
