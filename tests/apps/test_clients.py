@@ -31,8 +31,9 @@ KEY = "test-client-key"
 QUESTION = "What is the weather in Paris?"
 ANSWER = "It is sunny in Paris."
 CALL_TEXT = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'  # no tools offered
-RESPONSE_FORMAT_400 = ("the server refuses 'response_format' with 400 unsupported_parameter (\"'response_format' is "
-                       "not supported by this server (leave it out, or send {\"type\": \"text\"})\"); issue 36 item 1")
+RESPONSE_FORMAT_400 = ("'response_format' is served (llguidance), but not for the scripted test model, whose WordLevel "
+                       "tokenizer llguidance cannot read: 422 unsupported_parameter (tested on SmolLM2 in "
+                       "tests/apps/test_server_response_format.py); issue 36 item 1")
 
 
 def get_weather(city: str) -> str:
