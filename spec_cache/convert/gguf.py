@@ -851,10 +851,19 @@ def _tokenizer_config(metadata: dict, added: list[dict], add_bos: bool, **specia
 def _check_tokenizer(metadata: dict, vocab_size: int) -> None:
     """The tokenizer keys are what ``tokenizer.json`` needs, so the ``tokenizers`` library (Rust) is never handed a
     vocabulary it rejects at load time: tokens fit the embedding, token types and scores match them one for one,
-    every merge is two tokens whose concatenation is a token, the chat template is a string."""
+    every merge is two tokens whose concatenation is a token, the chat template is a string, no token string twice
+    (``tokenizer.json``'s vocabulary maps a string to one id: a repeated one would leave ids nothing encodes to;
+    llama.cpp's converter never writes one, and neither real file tested has one), the unknown token's id inside
+    the vocabulary (as BOS / EOS / padding: ``_special_ids``)."""
     tokens = _tokens(metadata)
     if len(tokens) > vocab_size:
         raise InvalidGGUF(f"{len(tokens)} tokens but an embedding of {vocab_size} rows")
+    if len(set(tokens)) != len(tokens):
+        seen: set[str] = set()
+        index, repeated = next((i, t) for i, t in enumerate(tokens) if t in seen or seen.add(t))
+        raise InvalidGGUF(f"GGUF metadata tokenizer.ggml.tokens holds {str(repeated)[:40]!r} twice (again at id "
+                          f"{index}): every token string must be distinct")
+    _int_meta(metadata, "tokenizer.ggml.unknown_token_id", bounds=(0, len(tokens) - 1))
     model = _str_meta(metadata, "tokenizer.ggml.model", required=True)
     _str_meta(metadata, "tokenizer.ggml.pre")
     _str_meta(metadata, "tokenizer.chat_template")

@@ -208,6 +208,11 @@ def metadata_cases() -> dict[str, dict]:
         "merges-no-space": {"tokenizer.ggml.merges": ["Ġt"]},
         "merges-not-in-vocab": {"tokenizer.ggml.merges": ["x y"]},
         "bos-1e9": {"tokenizer.ggml.bos_token_id": u32(10**9)},
+        # the attacker's pass: an unknown token past the vocabulary (260), a token string twice
+        "unk-99999": {"tokenizer.ggml.unknown_token_id": u32(99999)},
+        "tokens-duplicate": {"tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>"] + ["a"] * 254 + ["Ġ", "t", "Ġt"]},
+        "tokens-duplicate-one": {"tokenizer.ggml.tokens": ["<unk>", "<s>", "<s>"] + [f"c{i}" for i in range(254)]
+                                 + ["Ġ", "t", "Ġt"]},
         "alignment-0": {"general.alignment": u32(0)},
         "alignment-3": {"general.alignment": u32(3)},
         "alignment-2^31": {"general.alignment": u32(1 << 31)},

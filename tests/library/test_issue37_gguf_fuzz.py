@@ -127,6 +127,20 @@ def test_check_gguf_reads_the_base_file_and_names_the_first_problem(corpus):
             check_gguf(by_name[name])
 
 
+def test_the_tokenizer_check_refuses_an_unknown_token_past_the_vocabulary_and_a_token_twice(corpus, tmp_path):
+    """The attacker's pass: both converted and loaded before (the padding id out of range was already refused)."""
+    from spec_cache.convert.gguf import InvalidGGUF, convert
+
+    _, files = corpus
+    by_name = {f.stem: f for f in files}
+    for name, message in (("meta-unk-99999", r"unknown_token_id is 99999 \(expected 0 to 259\)"),
+                          ("meta-tokens-duplicate", "holds 'a' twice"),
+                          ("meta-tokens-duplicate-one", r"holds '<s>' twice \(again at id 2\)")):
+        with pytest.raises(InvalidGGUF, match=message):
+            convert(by_name[name], tmp_path / name)
+        assert not (tmp_path / name).exists()
+
+
 def test_convert_gguf_cli_exits_2_with_one_line_for_crafted_files(corpus, tmp_path):
     """The command line an attacker's file reaches: exit 2, one ``convert-gguf:`` line on stderr, nothing written."""
     _, files = corpus
@@ -139,6 +153,24 @@ def test_convert_gguf_cli_exits_2_with_one_line_for_crafted_files(corpus, tmp_pa
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("convert-gguf: "), (name, done.stderr)
         assert not (tmp_path / name).exists()
+
+
+def test_the_real_files_have_distinct_tokens_and_in_range_special_ids():
+    """The refusals of the attacker's pass (a token string twice, an unknown token id past the vocabulary) refuse
+    nothing a real file has: SmolLM2's and Gemma 3's GGUFs (each skipped when absent) pass the tokenizer check."""
+    from spec_cache.apps.demo_real import find_smollm2_gguf
+    from spec_cache.convert.gguf import _check_tokenizer, check_gguf
+    from tests.library.test_gguf import find_gemma3_gguf
+
+    paths = [p for p in (find_smollm2_gguf(), find_gemma3_gguf()) if p is not None]
+    if not paths:
+        pytest.skip("no real GGUF file here")
+    for path in paths:
+        metadata, tensors = check_gguf(path)
+        tokens = metadata["tokenizer.ggml.tokens"]
+        assert len(set(tokens)) == len(tokens)
+        assert 0 <= metadata["tokenizer.ggml.unknown_token_id"] < len(tokens)
+        _check_tokenizer(metadata, len(tokens))
 
 
 def test_the_real_file_passes_the_structure_check():
