@@ -8,8 +8,9 @@ to ``SpecCache.namespace(..., tenant=...)``, so stored prefixes never cross keys
 
 Who may look at ``/metrics`` and ``/health``'s details (``viewer``): an operator key (``--operator-key-file``) sees
 everything; an API key sees its own tenant's series (and ``/health``'s ``model``, never the server-wide counters,
-which would show when another tenant decodes); nobody else sees more than ``/health``'s ``{"status": ...}``. With no API key and no operator key configured the server is open: every caller
-is an operator (the default bind address, 127.0.0.1, keeps that to this machine).
+which would show when another tenant decodes); nobody else sees more than ``/health``'s ``{"status": ...}``. With
+no API key and no operator key configured the server is open: every caller is an operator (the default bind
+address, 127.0.0.1, keeps that to this machine).
 
 Keys come from files (``read_keys_file``) or the environment, never the command line: every local user reads any
 process's command line in /proc/PID/cmdline (``serve`` refuses ``--api-key`` / ``--operator-key``).
