@@ -46,6 +46,8 @@ import urllib.request
 from pathlib import Path
 
 KEY = "bench-agentic-key"
+#: /health's counters (durable checkpoints, active rows) are the operator's (an API key sees only status and model)
+OPERATOR_KEY = "bench-agentic-operator"
 TRANSCRIPT = Path(__file__).resolve().parent / "data" / "agentic_transcript.json"
 
 
@@ -122,6 +124,7 @@ class ServerProcess:
         for name in ("SPEC_CACHE_API_KEYS", "SPEC_CACHE_OPERATOR_KEY", "SPEC_CACHE_OPERATOR_KEYS"):
             env.pop(name, None)
         env["SPEC_CACHE_API_KEY"] = KEY  # keys come from the environment or files, never the command line
+        env["SPEC_CACHE_OPERATOR_KEY"] = OPERATOR_KEY
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.args + ["--port", str(port)], env=env, stdout=log,
                                          stderr=subprocess.STDOUT)
@@ -141,7 +144,7 @@ class ServerProcess:
     def wait_durable(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            health = post(self.url + "/health", None)[1]
+            health = post(self.url + "/health", None, {"Authorization": f"Bearer {OPERATOR_KEY}"})[1]
             if health.get("checkpoints_not_durable") == 0 and health.get("active_rows") == 0:
                 return
             time.sleep(0.05)

@@ -9,24 +9,23 @@ Routes (all answer OpenAI's error JSON on failure, never a traceback):
 * ``POST /v1/cache/prefetch`` — restore the longest stored prefix into the memory tier now (from LMDB or the
   shared tier), so the next request restores from memory.
 * ``POST /v1/cache/export`` — the stored prefix as an mlx-lm prompt-cache file (``save_prompt_cache`` format).
-* ``POST /v1/cache/import`` — such a file (+ the tokens it covers) stored as a checkpoint, once every layer is
-  checked against the model (``prefix_files.check_fits``). An API key imports only with a ``cache_salt`` (a
-  namespace only requests with that salt reach); into a namespace other callers share, only the operator key
-  (403 ``operator_key_required``): imported KV is continued from as it is, so it would answer for them.
+* ``POST /v1/cache/import`` — such a file (+ its tokens) stored once every layer fits the model (``prefix_files``).
+  An API key imports only with a ``cache_salt`` (a namespace only requests with that salt reach); into a namespace
+  others share, only the operator key (403 ``operator_key_required``): imported KV would answer for them.
 
-A prefix is named by ``messages`` (rendered through the chat template as ``/v1/chat/completions`` renders them:
-with the generation prompt, unless ``"add_generation_prompt": false``; ``tools`` passed to the template when
-given), by ``prompt`` (text, encoded as ``/v1/completions`` encodes it) or by ``tokens`` (ids). Tenants: an API
-key acts on its own namespace only (``cache_salt`` splits it as in chat requests); an operator key
-(``--operator-key``) acts on the namespace of ``"tenant": "<label>"`` (the 8 hex digits ``/metrics`` and
-``/v1/cache/pins`` show; ``"open"`` or none: the keyless namespace) and sees and ends every pin. Everything that
-touches the cache runs on the scheduler thread (``Scheduler.call``), which owns it.
+A prefix is named by ``messages`` (rendered through the chat template as ``/v1/chat/completions`` renders them: with the
+generation prompt, unless ``"add_generation_prompt": false``; ``tools`` passed to the template when given), by
+``prompt`` (text, encoded as ``/v1/completions`` encodes it) or by ``tokens`` (ids). Tenants: an API key acts on its own
+namespace only (``cache_salt`` splits it as in chat requests); an operator key (``--operator-key-file``) acts on the
+namespace of ``"tenant": "<label>"`` (the 8 hex digits ``/metrics`` and ``/v1/cache/pins`` show; ``"open"`` or none: the
+keyless namespace) and sees and ends every pin. Everything that touches the cache runs on the scheduler thread
+(``Scheduler.call``), which owns it.
 
 What a reply tells of stored prefixes follows ``--cached-tokens-granularity`` as ``cached_tokens`` does (else these
-routes would be the token-by-token probe it closes): token counts rounded down to it, a tenant's pin covering (and
-its ``id`` and ``bytes`` naming) only that many tokens, an export cut to that many tokens, and a prefix shorter than
-one multiple answered as nothing stored (prefetch: ``tokens`` 0, ``tier`` null; pin and export: 404). An operator
-key sees exact counts.
+routes would be the token-by-token probe it closes): token counts rounded down to it, a tenant's pin covering (and its
+``id`` and ``bytes`` naming) only that many tokens, an export cut to that many tokens, and a prefix shorter than one
+multiple answered as nothing stored (prefetch: ``tokens`` 0, ``tier`` null; pin and export: 404). An operator key sees
+exact counts.
 
 Pins count against the caller's share even without tenant quotas (``quotas``): all pins together hold at most half
 the memory tier and half of ``--max-bytes``, one tenant at most that divided by the API keys (at least 2); so one
