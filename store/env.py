@@ -265,6 +265,14 @@ class Environment:
                     if attempt >= 3:
                         raise
                     time.sleep(0.05)
+                except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError):
+                    # the same hazard on a busy store: a page a writer recycled under this lock-free read (seen
+                    # as "Located page was wrong type" while another process wrote). Looked at again; if it stays
+                    # so, the peek gives way: the locked open below reads the format again from a real snapshot
+                    # (and still refuses a foreign or newer store there), and a damaged page is its to report
+                    if attempt >= 3:
+                        return
+                    time.sleep(0.05)
         except lmdb.Error as exc:
             raise StoreOpenError(f"cannot open store at {self.path}: {_reason(exc)}") from None
         finally:

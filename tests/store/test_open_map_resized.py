@@ -32,3 +32,26 @@ def test_open_retries_with_a_map_covering_the_file_when_another_process_grew_it(
         store.close()
     assert len(sizes) == 2
     assert sizes[1] >= max(sizes[0], 2 * (path / "data.mdb").stat().st_size)
+
+
+def test_a_page_recycled_under_the_lock_free_peek_does_not_fail_the_open(tmp_path, monkeypatch):
+    """The peek at an existing store reads without LMDB's lock table: while another process writes, it may meet a
+    page recycled under it ("MDB_CORRUPTED: Located page was wrong type", seen in the concurrency harness). That is
+    no damage: the peek gives way and the locked open reads the format from a real snapshot."""
+    path = tmp_path / "store"
+    Store.open(path).close()
+    real = store_env.Environment._existing_format
+    peeks = []
+
+    def recycled(self):
+        if self.env is not None and self.env.flags().get("lock") is False:  # the lock-free peek
+            peeks.append(1)
+            raise lmdb.CorruptedError("mdb_get: MDB_CORRUPTED: Located page was wrong type")
+        return real(self)
+
+    monkeypatch.setattr(store_env.Environment, "_existing_format", recycled)
+    store = Store.open(path)
+    try:
+        assert store.chunk_tokens > 0 and len(peeks) == 4  # looked at again, then left to the locked open
+    finally:
+        store.close()
