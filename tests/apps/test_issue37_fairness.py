@@ -169,3 +169,22 @@ def test_serve_gives_each_api_key_a_share_of_the_slots(model, tmp_path):  # noqa
         assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
     finally:
         one.stop()
+
+
+def test_a_tenant_leaves_a_row_for_another_key_while_its_long_generations_run(make):
+    """Second attacker pass: A's rows took every decode row and B waited ~400x its solo time for one of A's
+    4000-token generations to end. Now a key decodes in at most ``row_cap`` rows (``max_rows`` less one per other
+    key): B's request joins the next round while A's generations go on."""
+    import time
+
+    sched = make(max_rows=2, max_queue=6, tenants=2)
+    assert sched.row_cap == 1
+    seen = Admissions()
+    sched.submit(seen.job("A0", A, max_tokens=300))
+    sched.submit(seen.job("A1", A, max_tokens=300))
+    deadline = time.monotonic() + 60
+    while "A0" not in seen.order and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sched.submit(seen.job("B0", B, max_tokens=2))
+    seen.wait()
+    assert seen.order == ["A0", "B0", "A1"]  # before: A0 and A1 in both rows, B0 after one of them ended

@@ -70,10 +70,12 @@ raises ``APIError(429)``. Fairness (``tenants`` > 1: a server with several API k
 ``capacity // max(2, tenants holding slots)`` and at least 1; its next job is refused (429) while other tenants
 are admitted, so one key's ``n=16`` requests never fill every slot. Waiting jobs are admitted round-robin across
 tenants (the one admitted least recently first; FIFO within a tenant), so another tenant's job joins the next
-batch ahead of the 60th of a tenant that queued 64. One tenant (no keys, or one key) is served exactly FIFO, with
-no share but the global cap. A cancelled job (client gone) leaves the batch before the next round. Events, in order:
-``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason, generated)`` with reason
-``length``/``eos``/``stop``/``cancelled``, or ``("error", APIError)``.
+batch ahead of the 60th of a tenant that queued 64; and a tenant decodes in at most ``row_cap`` rows (``max_rows``
+less one per other key, at most half kept), so a row is always free for another key's request, which a generation
+of thousands of tokens would otherwise hold for its whole length. One tenant (no keys, or one key) is served
+exactly FIFO, with no share but the global cap. A cancelled job (client gone) leaves the batch before the next
+round. Events, in order: ``("start", cached_tokens)``, ``("tokens", [ids])`` ..., then ``("done", reason,
+generated)`` with reason ``length``/``eos``/``stop``/``cancelled``, or ``("error", APIError)``.
 """
 
 from __future__ import annotations
@@ -286,6 +288,15 @@ class Scheduler:
         """Jobs accepted at once (decoding and waiting): ``max_rows + max_queue``."""
         return self.max_rows + self.max_queue
 
+    @property
+    def row_cap(self) -> int:
+        """The most decoding rows one tenant takes when the server has several (module doc: fairness):
+        ``max_rows`` less one row per other key (at most half the rows), at least 1, so another key's request
+        joins the next round instead of waiting for one of them to finish its generation."""
+        if self.tenants <= 1:
+            return self.max_rows
+        return max(1, self.max_rows - min(self.tenants - 1, self.max_rows // 2))
+
     def fair_share(self, key: str) -> int | None:
         """The most slots tenant ``key`` (a ``fair_key``) may hold now, or None (one tenant: no share but the
         global cap): ``capacity // max(2, tenants holding slots, itself included)``, at least 1 (module doc). Call
@@ -475,12 +486,15 @@ class Scheduler:
         prefill phase's next, a row resumed after a failed step: at the front) goes first; new ones round-robin
         across tenants (module doc: fairness): the first of the tenant admitted least recently (FIFO with one)."""
         best, best_turn = None, None
+        rows = collections.Counter(fair_key(job.tenant) for job in self._rows.values()) if self.tenants > 1 else None
         for job in self._pending:
             if not self._admissible(job):
                 continue
             if job.admitted_at is not None or self.tenants <= 1:
                 best = job
                 break
+            if rows[fair_key(job.tenant)] >= self.row_cap:
+                continue  # the rows kept for the other keys (module doc: fairness)
             turn = self._last_turn.get(fair_key(job.tenant), -1)
             if best_turn is None or turn < best_turn:
                 best, best_turn = job, turn
