@@ -75,6 +75,15 @@ def plant_poison(tiny, generator, cache, tenant: str = "mallory") -> bytes:
     return ns_key
 
 
+def submit_together(sched, jobs) -> None:
+    """Submit every ``(job, events)`` while the scheduler thread is held, so they are admitted in one batch."""
+    gate = threading.Event()
+    sched.call(gate.wait)
+    for j, _ in jobs:
+        sched.submit(j)
+    gate.set()
+
+
 def held(cache, ns_key) -> tuple[bool, bool]:
     """Whether the memory tier / LMDB still hold the poisoned entry."""
     return (cache.memory.serving(ns_key, POISON) is not None, cache.store.entry_key(ns_key, POISON) is not None)
@@ -126,11 +135,7 @@ def test_rows_joining_with_the_poisoned_one_go_on(tiny, served):
     bad, bad_events = job(POISON + [3], 5, tenant="mallory")
     with_bad = dict(rows)
     with_bad["bad"] = (bad, bad_events)
-    gate = threading.Event()
-    sched.call(gate.wait)  # hold the scheduler so that all three are admitted together
-    for j, _ in with_bad.values():
-        sched.submit(j)
-    gate.set()
+    submit_together(sched, with_bad.values())
     for _, events in with_bad.values():
         assert events.done.wait(60)
     assert bad_events.last[0] == "error" and bad_events.last[1].code == "engine_error"
@@ -163,11 +168,7 @@ def test_a_failed_step_that_names_no_culprit_fails_nobody(tiny, served, monkeypa
             raise RuntimeError("injected fault")
         return step(session)
     monkeypatch.setattr(DecodeSession, "step", failing_once)
-    gate = threading.Event()
-    sched.call(gate.wait)
-    for j, _ in jobs:
-        sched.submit(j)
-    gate.set()
+    submit_together(sched, jobs)
     for (j, events), prompt in zip(jobs, prompts):
         assert events.done.wait(60)
         assert events.last[:2] == ("done", "length"), events.items
@@ -194,11 +195,7 @@ def test_a_row_that_fails_later_is_found_and_failed_alone(tiny, served, monkeypa
             raise RuntimeError("injected fault of one row")
         return step(session)
     monkeypatch.setattr(DecodeSession, "step", failing)
-    gate = threading.Event()
-    sched.call(gate.wait)
-    for j, _ in jobs:
-        sched.submit(j)
-    gate.set()
+    submit_together(sched, jobs)
     for (j, events), prompt in zip(jobs, prompts):
         assert events.done.wait(60)
         if prompt is bad_prompt:

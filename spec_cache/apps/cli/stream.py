@@ -105,7 +105,7 @@ def decode_rows(generator, prompts: list[list[int]], tokenizer, *, max_tokens: i
 
     interrupted = False
     try:
-        for prompt, row in zip(prompts, prepared):
+        for row in prepared:
             session.submit(row.request, on_tokens=on_tokens, on_finish=on_finish, submitted_at=started)
         while session.step():
             pass
