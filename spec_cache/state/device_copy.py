@@ -155,6 +155,7 @@ _LOCATION_DEVICE = 1
 _LOCATION_HOST = 2
 _CU_DEVICE_CPU = -1
 _CU_POINTER_ATTRIBUTE_IS_MANAGED = 8
+_CU_STREAM_NON_BLOCKING = 0x1
 
 
 def _load(names) -> ctypes.CDLL | None:
@@ -529,6 +530,13 @@ class DeviceToHost:
     Reading MLX's managed memory through a numpy view instead migrates its pages to the host: the next kernel
     that reads the array (a memory-tier hit, or a buffer MLX recycles for a later request) pulls them back at
     fault speed (~3 GB/s on the H200). ``threads`` copies run at once for large arrays.
+
+    Each copying thread has its own non-blocking CUDA stream (``cuStreamCreate(CU_STREAM_NON_BLOCKING)``) and
+    issues ``cuMemcpyAsync`` on it, then waits for that stream alone. A plain ``cuMemcpy`` runs on the legacy default
+    stream, which waits for every kernel queued on MLX's (blocking) streams first: the write-behind thread's copy
+    of a checkpoint then waited behind the next forwards (issue 35's H100 trace). The source is complete before
+    the copy is issued (``mx.eval`` waits for the array's own event), so nothing else is needed to order them.
+    Where a stream cannot be made, the synchronous ``cuMemcpy`` is used (``stream_copies`` False).
     """
 
     def __init__(self, advice: CudaAdvice, threads: int = 4, part_bytes: int = 64 << 20, mode: str | None = None):
@@ -546,6 +554,13 @@ class DeviceToHost:
             raise RuntimeError("no libcuda")
         self._memcpy = cu.cuMemcpy
         self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t]
+        self._memcpy_async = getattr(cu, "cuMemcpyAsync", None)
+        if self._memcpy_async is not None:
+            self._memcpy_async.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._streams: dict[int, int] = {}
+        #: copies go on a non-blocking stream of their own (False: no stream could be made; plain cuMemcpy)
+        self.stream_copies = self._memcpy_async is not None \
+            and os.environ.get("SPEC_CACHE_D2H_STREAM", "1") != "0"
         self.bytes = 0
         self.seconds = 0.0
 
@@ -563,21 +578,48 @@ class DeviceToHost:
             got = self._bounce[key] = (int(ptr.value), view)
         return got
 
+    def _stream(self) -> int | None:
+        """This thread's non-blocking stream (made on first use); None where none can be made."""
+        if not self.stream_copies:
+            return None
+        key = threading.get_ident()
+        got = self._streams.get(key)
+        if got is None:
+            handle = ctypes.c_void_p()
+            rc = self.advice._driver.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(_CU_STREAM_NON_BLOCKING))
+            if rc != 0 or not handle.value:
+                log.warning("spec-cache: no CUDA stream for device-to-host copies (cuStreamCreate -> %s): "
+                            "plain cuMemcpy, which waits for queued kernels", rc)
+                self.stream_copies = False
+                return None
+            got = self._streams[key] = int(handle.value)
+        return got
+
+    def _memcpy_now(self, dst: int, src: int, n: int) -> None:
+        """Copy ``n`` bytes and return when they are there: on this thread's own stream where it has one."""
+        stream = self._stream()
+        if stream is None:
+            rc = self._memcpy(dst, src, n)
+            if rc != 0:
+                raise RuntimeError(f"cuMemcpy failed ({rc})")
+            return
+        rc = self._memcpy_async(dst, src, n, stream)
+        if rc == 0:
+            rc = self.advice._driver.cuStreamSynchronize(ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyAsync failed ({rc})")
+
     def _copy(self, dst: int, src: int, n: int) -> None:
         if not self.advice._driver_context():
             raise RuntimeError("no CUDA context for cuMemcpy")
         if self.mode != "pinned":
-            rc = self._memcpy(dst, src, n)
-            if rc != 0:
-                raise RuntimeError(f"cuMemcpy failed ({rc})")
+            self._memcpy_now(dst, src, n)
             return
         ptr, view = self._pinned()
         at = 0
         while at < n:
             step = min(self.part_bytes, n - at)
-            rc = self._memcpy(ptr, src + at, step)
-            if rc != 0:
-                raise RuntimeError(f"cuMemcpy failed ({rc})")
+            self._memcpy_now(ptr, src + at, step)
             ctypes.memmove(dst + at, ptr, step)
             at += step
 
@@ -655,7 +697,8 @@ def device_to_host() -> DeviceToHost | None:
                     if not np.array_equal(d2h(probe), np.arange(3000, dtype=np.int32) * 7):
                         raise RuntimeError("device-to-host self-test failed")
                     _D2H = d2h
-                    _D2H_STATE["why"] = f"cuMemcpy, {d2h.threads} threads"
+                    _D2H_STATE["why"] = (f"cuMemcpyAsync on its own non-blocking stream, {d2h.threads} threads"
+                                         if d2h.stream_copies else f"cuMemcpy, {d2h.threads} threads")
                 except Exception as exc:
                     _D2H_STATE["why"] = f"off: {type(exc).__name__}: {exc}"
         return _D2H

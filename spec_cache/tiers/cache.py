@@ -119,6 +119,8 @@ class SpecCache:
         self.durability = durability
         self.exit_timeout_s = float(exit_timeout_s)
         self._registered: dict[bytes, tuple[str, str, bool]] = {}  # key -> what register_namespace was told
+        self._queued: dict[bytes, list[_WriteJob]] = {}  # checkpoints waiting for the writer, by namespace
+        self._queued_lock = threading.Lock()
         self._tenant_ids: dict[bytes, bytes | None] = {}  # key -> its tenant label (quotas; None: default tenant)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -327,9 +329,47 @@ class SpecCache:
         # behind the request only while the memory tier serves the checkpoint meanwhile (tier off, or the
         # checkpoint over its budget: written now, so the next request finds it)
         if behind and entry is not None:
-            self._writer.submit(job, job.nbytes)
+            self._submit(job)
             return None
         return self._write(job, stacklevel=3)
+
+    def _submit(self, job: "_WriteJob") -> None:
+        """Queue a checkpoint the memory tier holds. It counts against the queue's cap as what the writer will copy
+        and write: the tokens after the chunks the store holds or a checkpoint queued before it writes first (a warm
+        turn's checkpoint of a 6k-token 8B row counts its ~300 new tokens, not ~800 MB: counting the whole row
+        filled the queue at two checkpoints and sent every later one to be written on the scheduler's thread, 41-46%
+        of it in issue 35's H100 trace). A full queue still takes it while the memory tier's checkpoints fit the
+        tier's budget (nothing of them can be evicted before LMDB holds it): the caller's thread does not write."""
+        held = self._held_estimate(job)
+        with self._queued_lock:
+            self._queued.setdefault(job.ns_key, []).append(job)
+        job.held_estimate = held
+        may_wait = self.memory.bytes <= self.memory.budget_bytes
+        if not self._writer.submit(job, job.tail_bytes(held), may_wait=may_wait):
+            self._unqueued(job)  # written inline (or refused): nothing of it waits any more
+
+    def _held_estimate(self, job: "_WriteJob") -> int:
+        """Leading tokens of ``job`` that will be in the store when the writer gets to it: whole chunks the store
+        holds now, or that a checkpoint queued before it (same namespace, layers alike) writes first. An estimate
+        for the queue's accounting only; the writer looks again (``_to_host``)."""
+        try:
+            held = self.store.held_tokens(job.ns_key, job.tokens, job.layers)
+        except StoreError:
+            held = 0
+        with self._queued_lock:
+            before = list(self._queued.get(job.ns_key, ()))[-8:]  # the latest are the longest, in practice
+        return max(held, _common_chunks(job, before, self.store.chunk_tokens))
+
+    def _unqueued(self, job: "_WriteJob") -> None:
+        with self._queued_lock:
+            waiting = self._queued.get(job.ns_key)
+            if waiting is not None:
+                try:
+                    waiting.remove(job)
+                except ValueError:
+                    pass
+                if not waiting:
+                    del self._queued[job.ns_key]
 
     def _write_many(self, jobs: list["_WriteJob"]) -> int:
         """The write-behind thread's batch: the checkpoints queued meanwhile in one LMDB transaction
@@ -382,6 +422,7 @@ class SpecCache:
     def _written(self, job: "_WriteJob", result: PutResult | None) -> PutResult | None:
         """After a checkpoint's put (``result`` None: not stored): its memory entry becomes evictable; the shared
         tier and ``then`` hear of it."""
+        self._unqueued(job)
         if job.entry is not None:
             self.memory.mark_durable(job.entry)  # held in LMDB now, or never will be: evictable either way
         if result is not None and self.shared is not None:
@@ -433,16 +474,7 @@ class SpecCache:
         namespace, layers shaped alike): the common prefix, down to a chunk boundary. 0 unless host copies cost."""
         if not before or not copies_bytes():
             return 0
-        chunk = self.store.chunk_tokens
-        shape = _layer_shapes(job.captured or job.layers)
-        best = 0
-        for other in before:
-            if other.ns_key != job.ns_key or _layer_shapes(other.captured or other.layers) != shape:
-                continue
-            n = min(len(job.tokens), len(other.tokens))
-            common = next((i for i in range(n) if job.tokens[i] != other.tokens[i]), n)
-            best = max(best, common // chunk * chunk)
-        return best
+        return _common_chunks(job, before, self.store.chunk_tokens)
 
     def _flush_counters(self) -> None:
         try:
@@ -749,6 +781,7 @@ class _WriteJob:
     rider: Callable[[Any], None] | None = None  # rows in the put's own transaction (``save``'s ``rider``)
     captured: list | None = None  # the layers as captured (bytes maybe still in MLX), kept for a full copy
     copied_from: int = 0  # the host copy in ``layers`` starts here along the token axis (``_to_host``)
+    held_estimate: int = 0  # leading tokens the store was expected to hold by its write (``_held_estimate``)
 
     @property
     def options(self) -> dict:
@@ -762,6 +795,42 @@ class _WriteJob:
         if self.drafter is not None:
             n += sum(t.nbytes for t in self.drafter[1].tensors)
         return n
+
+    def tail_bytes(self, held: int) -> int:
+        """Bytes of the checkpoint after its first ``held`` tokens (the token-sliceable layers' share of them; other
+        layers and the drafter's tensors whole): what its write copies and stores when the store holds those."""
+        total = len(self.tokens)
+        n = 0
+        for layer in self.layers:
+            if layer.token_axis is None or total == 0:
+                n += layer.nbytes
+            else:
+                n += layer.nbytes * (total - min(held, total)) // total
+        if self.drafter is not None:
+            n += sum(t.nbytes for t in self.drafter[1].tensors)
+        return n
+
+
+def _common_chunks(job: _WriteJob, before, chunk: int) -> int:
+    """The longest prefix of ``job``'s tokens, down to a chunk boundary, that a checkpoint in ``before`` shares with
+    it (same namespace, layers shaped alike): those chunks are written by that one first."""
+    if not before:
+        return 0
+    shape = None
+    mine = np.asarray(job.tokens, dtype=np.int64)
+    best = 0
+    for other in before:
+        if other is job or other.ns_key != job.ns_key:
+            continue
+        if shape is None:
+            shape = _layer_shapes(job.captured or job.layers)
+        if _layer_shapes(other.captured or other.layers) != shape:
+            continue
+        n = min(len(job.tokens), len(other.tokens))
+        differ = np.flatnonzero(mine[:n] != np.asarray(other.tokens[:n], dtype=np.int64))
+        common = int(differ[0]) if differ.size else n
+        best = max(best, common // chunk * chunk)
+    return best
 
 
 def _deferred(layers) -> bool:

@@ -5,13 +5,19 @@ yet), puts it in the memory tier, and queues the LMDB write here. One daemon thr
 (the device-to-host copy happens there) and commits it in one LMDB transaction, then marks the memory-tier entry
 durable (from then on it may be evicted from memory) and hands it to the shared tier's publisher.
 
-Bounds: the queue holds at most ``cap_bytes`` of checkpoint state; a checkpoint that does not fit is written on
-the caller's thread instead (back-pressure, counted as ``inline``), so nothing is ever dropped. Under light load a
+Bounds: the queue holds at most ``cap_bytes`` of checkpoint state, counted as what the writer will copy and
+write (a checkpoint whose first chunks the store holds, or a checkpoint queued before it writes, counts only the
+tokens after them: ``SpecCache.save`` estimates it). A checkpoint that does not fit waits past the cap when the
+caller says its state is held meanwhile (``submit(..., may_wait=True)``: the memory tier holds it and its
+checkpoints waiting for LMDB fit the tier's budget; counted as ``waited``), so the request's thread never writes
+while the tier can hold on; otherwise it is written on the caller's thread (back-pressure, counted as
+``inline``). Nothing is ever dropped. Under light load a
 checkpoint is durable within the time of one ``Store.put`` of its size after its request returns (milliseconds
 for small states; ~0.1-1 s for hundreds of MiB): the thread starts on it at once. ``drain()`` waits for the
 queue; ``close()`` drains, then stops. A cache that is never closed is drained at interpreter exit
 (``spec_cache.tiers.exit_drain``; bounded by ``exit_timeout_s``, then ``stop`` drops and reports what is left). A crash
-(SIGKILL) loses only what was still queued (at most ``cap_bytes``): every put is one LMDB transaction, so a
+(SIGKILL) loses only what was still queued (at most ``cap_bytes``, plus what waited past it: at most the memory
+tier's budget): every put is one LMDB transaction, so a
 committed checkpoint survives whole and an interrupted one leaves nothing. The thread lingers ``LINGER_S`` after a
 checkpoint arrives (not while anyone drains) and puts the ones queued by then in one transaction (``write_many``;
 ``Store.put_many``): LMDB's pages per commit are paid once for a request's phases, boundary and finish checkpoints
@@ -69,19 +75,26 @@ class CheckpointWriter:
         self._write = write
         self._write_many = write_many
         self._lock = threading.Lock()
-        self.counters = {"queued": 0, "inline": 0, "written": 0, "failed": 0, "refused": 0, "batches": 0}
+        self.counters = {"queued": 0, "inline": 0, "waited": 0, "written": 0, "failed": 0, "refused": 0,
+                         "batches": 0}
         self._queue = WriteBehind(cap_bytes, self._handle, name="spec-cache-write-behind",
                                   batch_handler=None if write_many is None else self._handle_many,
                                   linger_s=LINGER_S, quiet_s=QUIET_S, linger_max_s=LINGER_MAX_S,
                                   small_bytes=SMALL_BATCH_BYTES)
 
-    def submit(self, job, nbytes: int) -> bool:
-        """Queue ``job``; when the queue is full, write it now on this thread. True if it was queued.
+    def submit(self, job, nbytes: int, *, may_wait: bool = False) -> bool:
+        """Queue ``job``; when the queue is full, write it now on this thread, unless ``may_wait`` (its state is
+        held meanwhile by someone who bounds it: the memory tier), when it is queued past the cap instead. True if
+        it was queued.
 
         After ``close``/``stop`` (the cache is closing, perhaps at interpreter exit while another thread still
         saves) nothing is written: the store may be closing under it. Counted as ``refused``."""
         if self._queue.offer(job, nbytes):
             self._count("queued")
+            return True
+        if may_wait and self._queue.offer(job, nbytes, over_cap=True):
+            self._count("queued")
+            self._count("waited")
             return True
         if self._queue.closed:
             self._count("refused")

@@ -58,10 +58,11 @@ class WriteBehind:
         with self._cond:
             return self._closed
 
-    def offer(self, job: Any, nbytes: int) -> bool:
-        """Queue ``job`` (about ``nbytes`` to send); False (dropped) if it does not fit under the cap."""
+    def offer(self, job: Any, nbytes: int, *, over_cap: bool = False) -> bool:
+        """Queue ``job`` (about ``nbytes`` to send); False (dropped) if it does not fit under the cap. ``over_cap``:
+        queue it even past the cap (the caller bounds what waits by other means); never once closed."""
         with self._cond:
-            if self._closed or self._bytes + nbytes > self.cap_bytes:
+            if self._closed or (self._bytes + nbytes > self.cap_bytes and not over_cap):
                 return False
             self._jobs.append((job, nbytes))
             self._bytes += nbytes
