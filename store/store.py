@@ -43,7 +43,7 @@ from .lookup import lookup
 from .read import ASYNC_VERIFY_BYTES, BackgroundVerifier, Concat, piece_reader, read_attachment, read_layers
 from .tenants import TenantPolicy, enforce
 from .tensors import LayerState
-from .values import Entry, NamespaceInfo
+from .values import Entry, NamespaceInfo, decode_typed
 from .write import Checkpoint, layer_signature, prepare_checkpoint
 
 __all__ = ["Store", "StoreMemo", "Hit", "Usable", "Restored", "PutResult", "Rider", "ASYNC_VERIFY_BYTES"]
@@ -165,6 +165,21 @@ class Store:
         """The namespace row of ``ns_key`` (what it stands for, its counters), or None if not registered."""
         with self.reading() as txn:
             return Index(txn, self.env.dbs).namespace(ns_key)
+
+    def prefix_namespaces(self, target: str) -> set[str]:
+        """The prefix namespaces registered under the target identity ``target``, any tenant (issue 38: the
+        members of a target-only namespace). One pass over the ``nsinfo`` rows, which are few (one per
+        (drafter, adapters, options, tenant) used); a damaged row is skipped (``verify`` reports it)."""
+        found: set[str] = set()
+        with self.reading() as txn:
+            for key, raw in txn.cursor(db=self.env.dbs["nsinfo"]):
+                try:
+                    info = decode_typed("nsinfo", raw, bytes(key))
+                except (CorruptIndex, InvalidInput, KeyError, TypeError):
+                    continue
+                if info is not None and info.target == target and isinstance(info.prefix_namespace, str):
+                    found.add(info.prefix_namespace)
+        return found
 
     @contextlib.contextmanager
     def reading(self):

@@ -14,6 +14,13 @@ Adapters (LoRA, through mlx-lm) enter the namespace as ``id@<blake3 of adapter c
 with ``+``. A drafter that is not valid under a target adapter (``supports_target_adapters`` false) still
 drafts, but only the target part is cached: such drafters (and a generator without one) share that namespace,
 and each restores the target part the others stored (its own row opens cold beside it).
+
+Target-only lookups across drafters (issue 38): the target part of a checkpoint depends on the target, the adapters
+and the KV options, never on the drafter. So when this generator's own namespace holds no prefix as long as one
+stored under another prefix namespace of the same target-only namespace (``naming.namespace.target_namespace``:
+another drafter of this target, none, ngram, ...), that prefix's target part is restored and the drafter row opens
+cold beside it (``SpecCache.restore(target_only=...)``). Its checkpoints go under this generator's own namespace,
+so the next turn of the conversation finds them there.
 """
 
 from __future__ import annotations
@@ -26,7 +33,13 @@ from typing import Any, Sequence
 
 from spec_cache.errors import InvalidRequest, ModelLoadError
 from spec_cache.naming.identity import ModelDirError, model_identity
-from spec_cache.naming.namespace import KVOptions, cached_drafter_namespace, check_runnable, resolve_prefix_namespace
+from spec_cache.naming.namespace import (
+    KVOptions,
+    cached_drafter_namespace,
+    check_runnable,
+    resolve_prefix_namespace,
+    resolve_target_namespace,
+)
 from spec_cache.rows.generation import Result, check_prompts  # re-exported (spec_cache.Result)
 from spec_cache.rows.kv_quant import converted_at, reusable
 from spec_cache.tiers.cache import CacheWarning, SpecCache
@@ -55,7 +68,8 @@ class Generator:
 
     def __init__(self, engine, *, cache: SpecCache | None, target_identity: str, drafter_namespace: str | None,
                  prefix_ns: str, ns_key: bytes | None, eos_token_ids: Sequence[int] = (), adapters: tuple = (),
-                 target_dir: str | Path | None = None):
+                 target_dir: str | Path | None = None, target_ns: str | None = None,
+                 tenant: str | bytes | None = None):
         self.engine = engine
         self.target_dir = None if target_dir is None else Path(target_dir)
         self._tokenizer = None
@@ -64,6 +78,11 @@ class Generator:
         self.drafter_namespace = drafter_namespace
         self.prefix_namespace = prefix_ns
         self.ns_key = ns_key
+        #: the target-only namespace (``naming.namespace.target_namespace``); None: no lookups across drafters
+        self.target_namespace = target_ns
+        #: namespace key -> the tenant it was made for (``namespace_key``): a target-only lookup reads the other
+        #: members of the target-only namespace under the same tenant only
+        self._tenants: dict[bytes, str | bytes | None] = {} if ns_key is None else {ns_key: tenant}
         self.eos_token_ids = tuple(eos_token_ids)
         self.adapters = adapters
         #: write checkpoints to LMDB behind the request (the memory tier holds them meanwhile); False: before
@@ -116,12 +135,14 @@ class Generator:
                                  f"{exc.args[0]!r} (check the method)") from None
         drafter_ns = cached_drafter_namespace(provider, stack)
         prefix_ns = resolve_prefix_namespace(provider, stack, options)
+        target_ns = resolve_target_namespace(stack, options)
         engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options,
                                    prefill_step_size=prefill_step_size, adaptive=adaptive)  # refuses bad options
         ns_key = cache.namespace(identity, prefix_ns, tenant) if cache is not None else None
         eos = _eos_ids(target_dir)
         return cls(engine, cache=cache, target_identity=identity, drafter_namespace=drafter_ns, prefix_ns=prefix_ns,
-                   ns_key=ns_key, eos_token_ids=eos, adapters=stack, target_dir=target_dir)
+                   ns_key=ns_key, eos_token_ids=eos, adapters=stack, target_dir=target_dir, target_ns=target_ns,
+                   tenant=tenant)
 
     # -- text: the target's tokenizer ----------------------------------------------------------------------
     @property
@@ -170,7 +191,19 @@ class Generator:
             return None
         if tenant is None:
             return self.ns_key
-        return self.cache.namespace(self.target_identity, self.prefix_namespace, tenant)
+        key = self.cache.namespace(self.target_identity, self.prefix_namespace, tenant)
+        self._tenants.setdefault(key, tenant)
+        return key
+
+    def target_members(self, ns_key: bytes | None = None) -> list[bytes]:
+        """The other namespace keys whose target part a request under ``ns_key`` (default this generator's) may
+        restore (``SpecCache.target_members``, same tenant); ``[]`` without a cache, a target-only namespace, or
+        for a key this generator did not make."""
+        key = self.ns_key if ns_key is None else ns_key
+        if self.cache is None or self.target_namespace is None or key not in self._tenants:
+            return []
+        members = self.cache.target_members(self.target_identity, self.target_namespace, self._tenants[key])
+        return [member for member in members if member != key]
 
     def prepare(self, prompt: Sequence[int], max_tokens: int = 32, *, sampling: Any = None,
                 ns_key: bytes | None = None, lookup: bool = True) -> PreparedRow:
@@ -273,9 +306,10 @@ class Generator:
         usable = self.usable_rule(len(prompt))
         if usable is None:
             return None
-        restored = self.cache.restore(self.ns_key if ns_key is None else ns_key, prompt[:-1],
-                                      drafter_namespace=self.drafter_namespace,
-                                      usable=usable, next_token=prompt[-1])  # a stored whole prompt serves too
+        key = self.ns_key if ns_key is None else ns_key
+        restored = self.cache.restore(key, prompt[:-1], drafter_namespace=self.drafter_namespace,
+                                      usable=usable, next_token=prompt[-1],  # a stored whole prompt serves too
+                                      target_only=self.target_members(key))  # other drafters' target parts
         if restored is None:
             return None
         conversion = self.engine.conversion_point(len(prompt))

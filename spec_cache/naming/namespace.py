@@ -65,6 +65,10 @@ __all__ = [
     "ngram_namespace",
     "prefix_namespace",
     "resolve_prefix_namespace",
+    "resolve_target_namespace",
+    "TARGET_NAMESPACE_TAG",
+    "target_namespace",
+    "target_namespace_of",
 ]
 
 #: The group size the prefix namespace writes when ``kv_group_size`` is None (mlx-bun: ``kvGroupSize ?? 64``).
@@ -435,6 +439,75 @@ def resolve_prefix_namespace(provider: Any, adapters: Sequence[Any], options: KV
         raise TypeError(f"adapters must be the resolved adapter stack (a sequence), not {type(adapters).__name__}")
     adapter_text = adapter_namespace([(a.id, a.revision) for a in adapters])
     return prefix_namespace(cached_drafter_namespace(provider, adapters), adapter_text, capture_options(options))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The target-only namespace (issue 38): the target part of every drafter's checkpoints of one target
+
+#: Opens every target-only namespace string. No prefix namespace (a JSON object: ``{``) and no drafter namespace
+#: (``<schema>:``, ``ngram-history-v1:``) starts so: the two can never be the same string, nor the same key.
+TARGET_NAMESPACE_TAG = "spec-cache/target-only/v1:"
+
+
+def target_namespace(adapters: str | Sequence[str], options: KVOptions | Mapping[str, Any]) -> str:
+    """The target-only namespace: ``"spec-cache/target-only/v1:" + prefix_namespace(None, adapters, options)``.
+
+    It names what the target part of a checkpoint depends on besides the target's own identity (which
+    :func:`namespace_key` adds, as for every namespace): the adapter stack (a LoRA changes the target's KV) and
+    the captured KV options; never the drafter. Every prefix namespace of those adapters and options, whatever
+    its ``method`` (:func:`target_namespace_of`), holds target state a lookup under this namespace may use: two
+    drafters of one target share the target part of their prefixes through it (``SpecCache.target_members``).
+
+    Domain-separated (the tag above; versioned by its ``v1``) and byte-stable: ``tests/golden/target_namespaces.json``.
+    The seed's prefix namespace strings are untouched: this is a second name beside them, not a new spelling.
+    """
+    return TARGET_NAMESPACE_TAG + prefix_namespace(None, adapters, options)
+
+
+def resolve_target_namespace(adapters: Sequence[Any], options: KVOptions | Mapping[str, Any]) -> str:
+    """:func:`target_namespace` for a resolved adapter stack (items with ``id`` and ``revision``; ``()`` for the
+    base model), as :func:`resolve_prefix_namespace` writes adapters."""
+    if isinstance(adapters, (str, bytes, Mapping)) or not isinstance(adapters, Sequence):
+        raise TypeError(f"adapters must be the resolved adapter stack (a sequence), not {type(adapters).__name__}")
+    return target_namespace(adapter_namespace([(a.id, a.revision) for a in adapters]), capture_options(options))
+
+
+_METHOD_OPEN = '{"method":'
+
+
+def target_namespace_of(prefix_ns: str) -> str | None:
+    """The target-only namespace a prefix namespace's target part belongs to: its ``method`` dropped, tagged
+    (``target_namespace_of(prefix_namespace(m, a, o)) == target_namespace(a, o)`` for every method ``m``,
+    None included). None for a string that is no prefix namespace this module writes (it then shares with none).
+
+    Pure string work on the stored bytes (no JSON round trip that could respell a number): the method is the
+    first member, a JSON string; what follows it is the method-less namespace after ``{``.
+    """
+    if not isinstance(prefix_ns, str) or not prefix_ns.startswith("{"):
+        return None
+    if not prefix_ns.startswith(_METHOD_OPEN):
+        return TARGET_NAMESPACE_TAG + prefix_ns if prefix_ns.startswith('{"adapters":') else None
+    end = _json_string_end(prefix_ns, len(_METHOD_OPEN))
+    if end is None or prefix_ns[end:end + 1] != ",":
+        return None
+    rest = "{" + prefix_ns[end + 1:]
+    return TARGET_NAMESPACE_TAG + rest if rest.startswith('{"adapters":') else None
+
+
+def _json_string_end(text: str, start: int) -> int | None:
+    """The index just past the JSON string literal opening at ``text[start]`` (None if there is none)."""
+    if text[start:start + 1] != '"':
+        return None
+    i = start + 1
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == '"':
+            return i + 1
+        i += 1
+    return None
 
 
 _SCHEMA_NAME = re.compile("[a-z0-9-]+-v[0-9]+")

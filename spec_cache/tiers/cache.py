@@ -485,7 +485,7 @@ class SpecCache:
     # --- restore ---------------------------------------------------------------------------------
     def restore(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
                 usable: Callable[[Any], bool] | None = None, next_token: int | None = None,
-                ) -> RestoredPrefix | None:
+                target_only: Sequence[bytes] = ()) -> RestoredPrefix | None:
         """The longest usable stored prefix of ``tokens`` as mlx-lm caches (+ drafter row), or None.
 
         One call down through the tiers: the memory tier first; LMDB only for a longer usable prefix (or the same
@@ -500,10 +500,20 @@ class SpecCache:
         request stored (a repeated question, another process's turn), then serves ``tokens`` by trimming its last
         token, target only, when every layer is trimmable, as the memory tier serves a shorter prefix of a longer
         entry (``_restore_whole``). Without it LMDB can serve only a shorter stored prefix.
+
+        ``target_only``: other namespace keys whose target part this request may continue from (the members of its
+        target-only namespace, :meth:`target_members`: the same target, adapters and KV options under another
+        drafter, or none). When this namespace's memory tier and LMDB hold no prefix as long as the longest usable
+        one among them, that one is restored instead, target only (``draft_checkpoint`` None: the engine opens
+        the drafter row cold beside it); see :meth:`_restore_target_only`.
         """
         if self._closed:
             warnings.warn("spec-cache: the cache is closed; lookup treated as a miss", CacheWarning, stacklevel=2)
             return None
+        if target_only:
+            other = self._restore_target_only(ns_key, tokens, drafter_namespace, usable, next_token, target_only)
+            if other is not None:
+                return other
         mem = self.memory.lookup(ns_key, tokens, drafter_namespace=drafter_namespace, usable=usable)
         if mem is not None and mem.length == len(tokens) and (mem.has_drafter or drafter_namespace is None):
             return self._from_memory(mem, drafter_namespace)
@@ -540,7 +550,111 @@ class SpecCache:
             return restored
         return None if mem is None else self._from_memory(mem, drafter_namespace)
 
+    def target_members(self, target_identity: str, target_namespace: str, tenant: str | bytes | None = None,
+                       ) -> list[bytes]:
+        """The namespace keys (under ``tenant``) of every prefix namespace of ``target_identity`` whose target part
+        is ``target_namespace`` (``naming.namespace.target_namespace_of``): the keys ``restore(target_only=...)``
+        may take a target prefix from (issue 38). Found among this process's registrations and the store's
+        ``nsinfo`` rows (any process, any version: a store written before the target-only namespace serves it
+        too), re-read at most every ``MEMBERS_TTL_S``. Keys never cross tenants: each member's key is made with
+        ``tenant``, so another tenant's prefixes stay invisible. Never raises for the store (a failure: the
+        members this process knows)."""
+        from spec_cache.naming.namespace import target_namespace_of
+
+        cached = self.__dict__.setdefault("_members", {})
+        now = time.monotonic()
+        known = cached.get(target_identity)
+        if (known is None or now - known[0] > MEMBERS_TTL_S) and not self._closed:
+            try:
+                known = (now, self.store.prefix_namespaces(target_identity))
+            except StoreError as exc:
+                log.warning("spec-cache: target-only members not read from the store: %s", exc)
+                known = (now, set() if known is None else known[1])
+            cached[target_identity] = known
+        prefixes = set(known[1]) if known is not None else set()
+        prefixes.update(prefix for target, prefix, _ in list(self._registered.values()) if target == target_identity)
+        return [namespace_key(target_identity, prefix, tenant) for prefix in sorted(prefixes)
+                if target_namespace_of(prefix) == target_namespace]
+
+    def _restore_target_only(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None, usable,
+                             next_token: int | None, members: Sequence[bytes]) -> RestoredPrefix | None:
+        """The longest usable target prefix among ``members`` (memory tier and LMDB of each), restored target only,
+        when it is longer than anything ``ns_key``'s own memory tier and LMDB hold (its drafter part or not); else
+        None (the caller's own lookup runs). Index and memory probes first (no read, no counter), then one restore.
+
+        Why a lookup across keys and not a second copy under one target-only key: the store roots every chunk
+        chain at its namespace key (``store.keys.root_key``), so a copy of each checkpoint's target part under a
+        target-only key would share no chunk with the drafter namespace's and double every stored byte. Each
+        checkpoint is written once, under its own prefix namespace (the seed's string, unchanged); the target-only
+        namespace names the set of namespaces whose target parts are interchangeable, and this reads them."""
+        own = self._held_length(ns_key, tokens, drafter_namespace, usable, next_token)
+        if own >= len(tokens):
+            return None
+
+        def longer(hit) -> bool:
+            return hit.length > own and (usable is None or usable(hit))
+        best: tuple | None = None  # (length, key, how)
+        for key in members:
+            if key == ns_key:
+                continue
+            mem = self.memory.lookup(key, tokens, usable=longer, count=False)
+            if mem is not None and (best is None or mem.length > best[0]):
+                best = (mem.length, key, mem)
+            try:
+                hit = self.store.lookup(key, tokens, usable=longer)
+            except StoreError:
+                hit = None
+            if hit is not None and (best is None or hit.length > best[0]):
+                best = (hit.length, key, "local")
+            if next_token is not None and (best is None or best[0] < len(tokens)) and \
+                    self._whole_held(key, tokens, next_token, longer):
+                best = (len(tokens), key, "whole")
+        if best is None:
+            return None
+        length, key, how = best
+        if isinstance(how, MemoryHit):
+            self.memory.counters["hits"] += 1
+            return self._from_memory(how, None)
+        if how == "whole":
+            got = self._restore_whole(key, tokens, int(next_token), longer)
+            if got is not None:
+                return got
+        return self._restore_local(key, tokens, None, lambda hit: hit.length >= min(length, len(tokens))
+                                   and longer(hit))
+
+    def _held_length(self, ns_key: bytes, tokens: Sequence[int], drafter_namespace: str | None, usable,
+                     next_token: int | None) -> int:
+        """How many tokens ``ns_key``'s memory tier and LMDB could restore (index and memory only; no counter)."""
+        mem = self.memory.lookup(ns_key, tokens, drafter_namespace=drafter_namespace, usable=usable, count=False)
+        held = 0 if mem is None else mem.length
+        if held >= len(tokens):
+            return held
+        try:
+            hit = self.store.lookup(ns_key, tokens, drafter=drafter_namespace, usable=usable)
+        except StoreError:
+            hit = None
+        held = max(held, 0 if hit is None else hit.length)
+        if held < len(tokens) and next_token is not None and self._whole_held(
+                ns_key, tokens, next_token, lambda hit: usable is None or usable(hit)):
+            held = len(tokens)
+        return held
+
+    def _whole_held(self, ns_key: bytes, tokens: Sequence[int], next_token: int, better) -> bool:
+        """Whether LMDB's index has an entry of exactly ``tokens + [next_token]`` that ``_restore_whole`` could
+        trim to ``tokens`` (``better`` accepting the trimmed prefix)."""
+        length = len(tokens)
+
+        def exactly(hit) -> bool:
+            trimmed = SimpleNamespace(length=length, has_drafter=False,
+                                      minimum_reusable=getattr(hit, "minimum_reusable", 0) or 0)
+            return hit.length == length + 1 and trimmed.minimum_reusable <= length and better(trimmed)
+        try:
+            return self.store.lookup(ns_key, [int(t) for t in tokens] + [int(next_token)], usable=exactly) is not None
+        except StoreError:
+            return False
+
     def _restore_whole(self, ns_key: bytes, tokens: Sequence[int], next_token: int, better) -> RestoredPrefix | None:
+
         """``tokens`` from an LMDB entry of exactly ``tokens + [next_token]``, its last token trimmed (target only;
         None unless such an entry exists, ``better`` accepts the trimmed prefix and every layer is trimmable).
         The index is probed first (no read, no miss counted) so a prompt without such an entry costs one walk."""
@@ -758,6 +872,10 @@ class SpecCache:
             hit = MemoryHit(length, cp is not None, minimum_reusable, entry)
             caches, cp = self.memory.take(hit, drafter_namespace)
         return RestoredPrefix(length, caches, cp, notes, tier=tier)
+
+
+#: how long ``SpecCache.target_members`` trusts the store's namespace rows it read (other processes register too)
+MEMBERS_TTL_S = 2.0
 
 
 def _trimmable(cache) -> bool:

@@ -287,8 +287,9 @@ class MemoryTier:
 
     # --- lookup / take ---------------------------------------------------------------------------
     def lookup(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
-               usable: Callable[[Any], bool] | None = None) -> MemoryHit | None:
-        """The longest usable prefix of ``tokens`` held here (see the module doc), or None."""
+               usable: Callable[[Any], bool] | None = None, count: bool = True) -> MemoryHit | None:
+        """The longest usable prefix of ``tokens`` held here (see the module doc), or None. ``count=False``: a
+        probe (``SpecCache``'s target-only lookup compares namespaces first): no hit/miss counted, no LRU touch."""
         query = np.asarray(tokens, dtype=np.uint32)
         best: MemoryHit | None = None
         with self._lock:
@@ -301,6 +302,8 @@ class MemoryTier:
                     if best is None or (hit.length, hit.has_drafter) > (best.length, best.has_drafter):
                         best = hit
                     break  # candidates come longest first
+            if not count:
+                return best
             if best is None:
                 self.counters["misses"] += 1
                 return None
