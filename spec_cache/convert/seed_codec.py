@@ -27,8 +27,10 @@ refused: its block table is not part of the documented layout.
 from __future__ import annotations
 
 import json
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -36,8 +38,8 @@ import numpy as np
 from spec_cache.schemas import CACHE_CODECS_V1, CheckpointAttachment, encode_cache_headers, validate_attachment
 from spec_cache.store.tensors import Tensor, numpy_dtype
 
-__all__ = ["SEED_CODECS", "SeedFormatError", "SeedEntry", "from_seed_attachment", "read_mlxkv", "wyhash",
-           "MLX_DTYPES"]
+__all__ = ["SEED_CODECS", "SeedFormatError", "SeedEntry", "SeedImport", "SeedLayer", "from_seed_attachment",
+           "import_seed", "read_mlxkv", "wyhash", "MLX_DTYPES"]
 
 SEED_CODECS = "mlx-cache-v3"
 MAGIC = b"MLXBUNKV2\n"
@@ -202,13 +204,28 @@ def from_seed_attachment(attachment: CheckpointAttachment, processed_tokens: int
 # --- .mlxkv files --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class SeedLayer:
+    """One of the target caches of a seed ``.mlxkv`` file (``header.caches[i]``), its tensors read and checked
+    against their slots. ``kind`` is the seed's (``kv``, ``qkv``, ``rotating``, ...); ``tensors`` are read for the
+    kinds :func:`import_seed` converts (``kv``, ``qkv``, ``rotating``) and empty for the others; ``params`` holds
+    the header's integer fields (``idx``, ``maxSize``, ``groupSize``, ``bits``, ``minimumReusableOffset``)."""
+
+    kind: str
+    offset: int
+    tensors: list[Tensor]
+    params: dict
+
+
+@dataclass(frozen=True)
 class SeedEntry:
     """What a seed ``.mlxkv`` file holds that spec-cache reads: its tokens, its drafter attachments (converted,
-    validated for ``len(tokens)``) and the raw header (target caches, identity fields) for the caller."""
+    validated for ``len(tokens)``), its target caches (:class:`SeedLayer`, one per layer) and the raw header
+    (identity fields: ``ns``, ``tokenizerHash``, ``configFingerprint``, ``modelId``) for the caller."""
 
     tokens: list[int]
     attachments: list[CheckpointAttachment]
     header: dict
+    caches: list[SeedLayer] = field(default_factory=list)
 
 
 def read_mlxkv(path_or_bytes, *, verify: bool = True, vocab_size: int | None = None) -> SeedEntry:
@@ -264,7 +281,39 @@ def _read_mlxkv(data: memoryview, verify: bool, vocab_size: int | None) -> SeedE
                    for j, slot in enumerate(item.get("tensors") or [])]
         seed = CheckpointAttachment(item["schema"], item.get("metadata") or {}, tensors)
         attachments.append(from_seed_attachment(seed, len(tokens)))
-    return SeedEntry(list(tokens), attachments, header)
+    layers = header.get("caches") or []
+    if not isinstance(layers, list):
+        raise SeedFormatError("header caches are not a list")
+    caches = [_target_layer(i, entry, data, data_start, verify) for i, entry in enumerate(layers)]
+    return SeedEntry(list(tokens), attachments, header, caches)
+
+
+#: the target cache kinds :func:`import_seed` converts, and their tensor count (K, V; qkv: K's packed, scales,
+#: biases then V's, the attachment codec's order)
+_TARGET_READABLE = {"kv": 2, "qkv": 6, "rotating": 2}
+_TARGET_PARAMS = ("idx", "maxSize", "groupSize", "bits", "minimumReusableOffset")
+
+
+def _target_layer(index: int, entry: Any, data: memoryview, data_start: int, verify: bool) -> SeedLayer:
+    where = f"caches[{index}]"
+    if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
+        raise SeedFormatError(f"{where}: expected an object with a kind")
+    kind, offset, slots = entry["kind"], entry.get("offset"), entry.get("tensors")
+    if not _int(offset) or offset < 0:
+        raise SeedFormatError(f"{where}: offset {offset!r} is not a non-negative integer")
+    params = {}
+    for name in _TARGET_PARAMS:
+        value = entry.get(name)
+        if value is not None:
+            if not _int(value) or value < 0:
+                raise SeedFormatError(f"{where}: {name} {value!r} is not a non-negative integer")
+            params[name] = value
+    if kind not in _TARGET_READABLE:  # refused by import_seed, with its reason; read_mlxkv itself reads on
+        return SeedLayer(kind, offset, [], params)
+    if not isinstance(slots, list) or len(slots) != _TARGET_READABLE[kind]:
+        raise SeedFormatError(f"{where}: {kind} needs {_TARGET_READABLE[kind]} tensor slots")
+    tensors = [_read_slot(data, data_start, slot, f"{where}.tensors[{j}]", verify) for j, slot in enumerate(slots)]
+    return SeedLayer(kind, offset, tensors, params)
 
 
 #: the most dimensions a tensor slot may have (K/V tensors have 4)
@@ -292,3 +341,198 @@ def _read_slot(data: memoryview, data_start: int, slot: Any, where: str, verify:
         raise SeedFormatError(f"{where}: tensor hash mismatch at offset {slot['off']}")
     arr = np.frombuffer(bytes(raw), dtype=numpy_dtype(name)).reshape(shape)
     return Tensor(name, tuple(shape), arr)
+
+
+# --- importing a seed file's target caches -------------------------------------------------------------------
+
+#: why a target cache kind is not imported (``kv``, ``qkv`` and a ``rotating`` layer that has not wrapped are)
+_TARGET_WHY = {**_WHY,
+               "rotating-qkv": "mlx-lm has no quantized rotating (sliding-window) cache",
+               "ssm": "mlx-bun's conv/recurrent state layout is not proven equal to mlx-lm's ArraysCache"}
+#: the seed's namespace of generation checkpoints (a replayable answer, not a prefix)
+_GENERATION_NS = "__generation_checkpoint__:"
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}-(bf16|kv(\d+)(?:-g(\d+))?(?:-start(\d+))?|config(?:-start\d+)?|"
+                          r"turbo-k\d+v\d+(?:-start\d+)?)-[0-9a-f]+(?:-[0-9a-f]{64})?")
+
+
+@dataclass(frozen=True)
+class SeedImport:
+    """What :func:`import_seed` stored: the namespace key and prefix namespace, the tokens, and how many drafter
+    attachments the file carried (not imported: a drafter's row opens cold beside the imported target prefix)."""
+
+    ns_key: bytes
+    prefix_namespace: str
+    tokens: int
+    attachments_skipped: int
+
+
+def import_seed(cache, file, model_dir, *, kv: Any = None, adapters: Any = "", tenant: str | None = None,
+                verify: bool = True) -> SeedImport:
+    """Store the target caches of a seed (mlx-bun) ``.mlxkv`` file as the checkpoint of its tokens for the model
+    in ``model_dir``, under the prefix namespace ``Generator.load(model_dir, kv=kv, adapters=adapters)`` uses
+    (no drafter: every drafter of this target, adapters and KV options restores it through the target-only
+    namespace, its own rows opening cold).
+
+    Everything is read and checked before anything is stored (the shape of ``import-mlx-lm``, issue 37): the
+    framing and header hash, every tensor's wyhash (``verify``), the header's ``codecProvider``, its ``ns``
+    (a generation checkpoint is refused; a prefix namespace must name the same adapters and KV options as this
+    import), its ``tokenizerHash`` against ``model_dir/tokenizer.json`` (``Bun.hash`` of its bytes), the KV
+    scheme its ``configFingerprint`` names (when it has the documented shape), the token ids against the
+    vocabulary, and every layer against the model (``prefix_files.check_fits``: kind, K/V shapes, dtype, length,
+    a ring's window, a quantized layer's bits and group size against the KV plan).
+
+    Converted: ``kv`` (``KVCache``), ``qkv`` (``QuantizedKVCache``, its ``minimumReusableOffset`` as the
+    conversion point) and ``rotating`` before its ring wraps (``RotatingKVCache``, offset <= maxSize). Refused,
+    one line naming the layer and why: a wrapped ring, ``rotating-qkv``, ``ssm``, ``turboquant``, ``paged``,
+    ``mla``. Raises ``SeedFormatError`` (a ValueError; nothing stored)."""
+    from spec_cache.convert.interop import import_prefix_namespace
+    from spec_cache.naming.identity import model_identity
+    from spec_cache.naming.namespace import check_runnable
+    from spec_cache.rows.kv_quant import plan_kv
+    from spec_cache.rows.target import TargetModel
+    from spec_cache.tiers.prefix_files import BadPrefixFile, check_fits
+
+    model_dir = Path(model_dir)
+    try:
+        options = check_runnable(kv if kv is not None else {})
+        memo = cache.store.memo()
+        prefix_ns = import_prefix_namespace(None, None, adapters, options, memo)
+        identity = model_identity(model_dir, memo=memo)
+        target = TargetModel.load(model_dir, lazy=True)
+        head_dims = [target.kv_geometry(layer)[1] for layer in range(target.num_layers)]
+        plan = plan_kv(options, target.num_layers, head_dims, target.layer_windows)
+    except (OSError, ValueError, TypeError, NotImplementedError) as exc:
+        raise SeedFormatError(f"cannot import into {model_dir}: {_one_line(exc)}") from None
+    entry = read_mlxkv(file, verify=verify, vocab_size=target.vocab_size)
+    _check_header(entry.header, prefix_ns, options, model_dir)
+    if not entry.tokens:
+        raise SeedFormatError("the file covers no tokens")
+    if len(entry.caches) != target.num_layers:
+        raise SeedFormatError(f"the file holds {len(entry.caches)} target cache layers; {model_dir} has "
+                              f"{target.num_layers}")
+    caches = [_to_cache(i, layer, len(entry.tokens)) for i, layer in enumerate(entry.caches)]
+    try:
+        check_fits(target, caches, len(entry.tokens), quantized=plan is not None, plan=plan)
+    except BadPrefixFile as exc:
+        raise SeedFormatError(str(exc)) from None
+    points = {c.converted_at for c in caches if hasattr(c, "converted_at")}
+    if len(points) > 1:
+        raise SeedFormatError(f"quantized layers were converted at different offsets: {sorted(points)}")
+    ns_key = cache.namespace(identity, prefix_ns, tenant)
+    put = cache.save(ns_key, entry.tokens, caches, minimum_reusable=points.pop() if points else 0)
+    if put is None:  # LMDB refused it (budget, quota): no trace left in the memory tier either
+        cache.memory.discard(ns_key, entry.tokens)
+        raise SeedFormatError("the store refused the entry (see the warning above)")
+    return SeedImport(ns_key, prefix_ns, len(entry.tokens), len(entry.attachments))
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200] or type(exc).__name__
+
+
+def _check_header(header: dict, prefix_ns: str, options, model_dir: Path) -> None:
+    """The header's identity fields against this import: codec provider, namespace, tokenizer, KV scheme."""
+    from spec_cache.naming.namespace import target_namespace_of
+
+    provider = header.get("codecProvider")
+    if provider != SEED_CODECS:
+        raise SeedFormatError(f"codecProvider is {str(provider)[:40]!r}, expected {SEED_CODECS!r}")
+    ns = header.get("ns", "")
+    if not isinstance(ns, str):
+        raise SeedFormatError("header ns is not a string")
+    if ns.startswith(_GENERATION_NS):
+        raise SeedFormatError("the file is a generation checkpoint (a replayable answer), not a prompt prefix")
+    if ns:  # a drafter's prefix namespace: its adapters and KV options must be this import's
+        theirs, ours = target_namespace_of(ns), target_namespace_of(prefix_ns)
+        if theirs is None:
+            raise SeedFormatError(f"header ns {ns[:80]!r} is not a prefix namespace")
+        if theirs != ours:
+            raise SeedFormatError(f"the file was made with other adapters or KV options: its namespace "
+                                  f"{theirs[theirs.index('{'):][:120]}, this import's {ours[ours.index('{'):][:120]}")
+    _check_tokenizer(header.get("tokenizerHash"), model_dir)
+    _check_scheme(header.get("configFingerprint"), options)
+
+
+def _check_tokenizer(recorded: Any, model_dir: Path) -> None:
+    tokenizer = model_dir / "tokenizer.json"
+    if not tokenizer.is_file():
+        return
+    try:
+        theirs = int(str(recorded), 16)
+    except ValueError:
+        raise SeedFormatError(f"header tokenizerHash {str(recorded)[:40]!r} is not a hex hash") from None
+    ours = wyhash(tokenizer.read_bytes())
+    if theirs != ours:
+        raise SeedFormatError(f"the file was made with another tokenizer (tokenizerHash {theirs:x}; "
+                              f"{tokenizer} hashes to {ours:x})")
+
+
+def _check_scheme(fingerprint: Any, options) -> None:
+    """The KV scheme ``configFingerprint`` names (``<16 hex>-<scheme>-<hex>``, scheme ``bf16``,
+    ``kv<bits>[-g<group>][-start<n>]``, ...) against the import's options; a fingerprint of another shape (an older
+    seed) says nothing and is not checked."""
+    match = _FINGERPRINT.fullmatch(fingerprint) if isinstance(fingerprint, str) else None
+    if match is None:
+        return
+    scheme, bits, group, start = match.groups()
+    if scheme == "bf16":
+        theirs = (None, None, None)
+    elif bits is not None:
+        theirs = (int(bits), int(group or 64), int(start) if start is not None else 5000)
+    else:
+        raise SeedFormatError(f"the file's KV scheme {scheme!r} (kvConfig or TurboQuant) is not imported")
+    ours = (None, None, None) if options.kv_bits is None and not options.kv_config else (
+        options.kv_bits, options.kv_group_size or 64,
+        options.quantized_kv_start if options.quantized_kv_start is not None else 5000)
+    if theirs != ours:
+        def show(s):
+            return "full precision" if s[0] is None else f"{s[0]}-bit, group {s[1]}, start {s[2]}"
+        raise SeedFormatError(f"the file's KV scheme is {show(theirs)}; this import's is {show(ours)}")
+
+
+def _to_cache(index: int, layer: SeedLayer, length: int):
+    """The mlx-lm cache of one seed target layer (its tensors as owned MLX arrays)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+    from spec_cache.state.cache_state import to_mx
+
+    where = f"caches[{index}]"
+    if layer.kind not in _TARGET_READABLE:
+        raise SeedFormatError(f"{where}: seed cache kind {layer.kind[:40]!r} is not imported: "
+                              f"{_TARGET_WHY.get(layer.kind, 'unknown to mlx-cache-v3 as documented')}")
+    if layer.offset != length:
+        raise SeedFormatError(f"{where} holds {layer.offset} tokens; the file's token list has {length}")
+    arrays = [to_mx(t) for t in layer.tensors]
+    if any(a.ndim != 4 or a.shape[0] != 1 for a in arrays):
+        raise SeedFormatError(f"{where}: expected tensors [1, heads, tokens, ...], got "
+                              f"{[list(a.shape) for a in arrays]}")
+    if layer.kind == "rotating":
+        size, idx = layer.params.get("maxSize"), layer.params.get("idx")
+        if size is None or idx is None:
+            raise SeedFormatError(f"{where}: rotating layer without maxSize and idx")
+        if layer.offset > size or idx != layer.offset:
+            raise SeedFormatError(f"{where}: rotating layer past its window (offset {layer.offset}, maxSize {size}, "
+                                  f"idx {idx}): a wrapped ring's order is not in the documented layout")
+        keys, values = arrays
+        if keys.shape[2] < length or values.shape[2] < length:
+            raise SeedFormatError(f"{where}: rotating layer holds {keys.shape[2]} positions for offset {length}")
+        c = RotatingKVCache(max_size=size, keep=0)
+        c.keys, c.values = keys[..., :length, :], values[..., :length, :]
+        c.offset, c._idx = length, length
+        return c
+    if any(a.shape[2] != length for a in arrays):
+        raise SeedFormatError(f"{where}: tensors hold {[a.shape[2] for a in arrays]} positions for offset {length}")
+    if layer.kind == "kv":
+        c = KVCache()
+        c.keys, c.values, c.offset = arrays[0], arrays[1], length
+        return c
+    bits, group, point = (layer.params.get(k) for k in ("bits", "groupSize", "minimumReusableOffset"))
+    if not bits or not group:
+        raise SeedFormatError(f"{where}: qkv layer without bits and groupSize")
+    if not point:
+        raise SeedFormatError(f"{where}: qkv layer without minimumReusableOffset: where it was converted is "
+                              "unknown, so no request can tell it equals its own")
+    c = QuantizedKVCache(group_size=group, bits=bits)
+    c.keys, c.values, c.offset = tuple(arrays[:3]), tuple(arrays[3:]), length
+    c.converted_at = point
+    return c

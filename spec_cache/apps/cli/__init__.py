@@ -7,7 +7,8 @@ One module per kind of command, each with a ``register(subparsers, common)`` tha
   ``store.compact``, ``identity``);
 - ``shared``  the ``--shared URL`` option, shared-stats, the shared section of stats;
 - ``repair``  repair --to DIR, the salvage run in a child process;
-- ``runtime`` demo, bench, generate, serve, export-mlx-lm, import-mlx-lm (these load MLX when they run).
+- ``runtime`` demo, bench, generate, serve, export-mlx-lm, import-mlx-lm, import-seed (these load MLX when they
+  run).
 
 Dependencies go one way: this module -> inspect/shared/repair/runtime -> common. Inspection commands never
 import MLX. Exit codes: 0 ok, 1 problems found (verify, repair, shared-stats), 2 usage error or unreadable store,

@@ -1,4 +1,5 @@
-"""Commands that run models: serve, demo, bench, and the mlx-lm file interop (export-mlx-lm, import-mlx-lm);
+"""Commands that run models: serve, demo, bench, the mlx-lm file interop (export-mlx-lm, import-mlx-lm) and the
+seed's files (import-seed);
 ``generate`` and ``chat`` register from their own modules (``generate.py``, ``chat.py``).
 
 Modules that load MLX (``spec_cache.tiers.cache``, ``generator``, ``interop``, the drafters, ``demo``, ``bench``,
@@ -87,6 +88,25 @@ def cmd_import_mlx_lm(args) -> int:
     return EXIT_OK
 
 
+def cmd_import_seed(args) -> int:
+    from spec_cache.convert.seed_codec import SeedFormatError, import_seed  # loads MLX
+
+    if not os.path.isfile(args.file):
+        raise CliError(f"no such file: {args.file}")
+    with open_cache(args) as cache:
+        try:
+            done = import_seed(cache, args.file, args.model, kv=kv_options(args), adapters=args.adapter or "",
+                               verify=not args.no_verify)
+        except (SeedFormatError, ValueError, FileNotFoundError) as exc:
+            raise CliError(f"{args.file}: {_one_line(exc)}") from None
+    skipped = f"; {done.attachments_skipped} drafter attachment(s) not imported (drafter rows open cold)" \
+        if done.attachments_skipped else ""
+    emit(args, {"namespace": done.ns_key.hex(), "tokens": done.tokens, "prefix_namespace": done.prefix_namespace,
+                "attachments_skipped": done.attachments_skipped},
+         f"stored {done.tokens} tokens under namespace {done.ns_key.hex()[:16]} ({done.prefix_namespace}){skipped}")
+    return EXIT_OK
+
+
 def cmd_convert_gguf(args) -> int:
     return gguf_cli.main(args)  # loads MLX
 
@@ -151,7 +171,7 @@ def _int(text: str) -> int:
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
-    """Add demo, bench, generate, serve, convert-gguf, export-mlx-lm and import-mlx-lm."""
+    """Add demo, bench, generate, serve, convert-gguf, export-mlx-lm, import-mlx-lm and import-seed."""
     s = sub.add_parser("demo", parents=[common], help="the main job: a cold then warm run on tiny local models",
                        description="The main job on tiny local models (random weights, nothing downloaded): "
                                    "multi-turn conversations cold, through the cache, and warm after a reopen.")
@@ -210,3 +230,17 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     _add_kv_options(s)
     _add_memory_option(s)
     s.set_defaults(fn=cmd_import_mlx_lm)
+    s = sub.add_parser("import-seed", parents=[common], help="store the target caches of a seed (mlx-bun) .mlxkv file",
+                       description="Store the target caches of a seed (mlx-bun) .mlxkv file under the namespace "
+                                   "Generator.load uses for the model, adapters and KV options with no drafter "
+                                   "(every drafter of the target restores it through the target-only namespace). "
+                                   "The whole file is checked first; a refused file stores nothing.")
+    s.add_argument("file", help="the .mlxkv file (formats 3 and 4)")
+    s.add_argument("--model", required=True, help="the target model directory the file was made with")
+    s.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                   help="mlx-lm LoRA adapter directory the file was made with (repeat to stack)")
+    s.add_argument("--no-verify", action="store_true",
+                   help="skip the per-tensor wyhash check (pure Python, ~1 MB/s); the header hash is always checked")
+    _add_kv_options(s)
+    _add_memory_option(s)
+    s.set_defaults(fn=cmd_import_seed)
