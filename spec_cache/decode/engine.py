@@ -28,7 +28,9 @@ last prompt token again (it needs that hidden), the draft model and ngram rebuil
 tokens, and the drafters that read the target's taps (``opens_beside_target``: DeepSpec, DFlash, DFlash 2, the
 Qwen MTP head) open their row cold beside the restored target (``drafters.base.ColdRow``): it covers the tokens
 the target forwards from there on (the MTP head, like the assistant, has the last restored token forwarded again
-when nothing else would be), and its checkpoints carry the target part only. A ``"full"``-prefill drafter
+when nothing else would be); its checkpoints carry that partial row in its schema's layout, the head it never
+had as zero rows (``drafters.base.storable``; none while it holds nothing yet), so a restore of them opens the same
+partial row again (``drafters.base.opened``: issue 38). A ``"full"``-prefill drafter
 (the MTP head) takes the tokens appended to a row that already has state (restored, or opened beside the target)
 through ``consume``, as the seed feeds externally supplied tokens.
 
@@ -42,7 +44,8 @@ Persistence hooks: ``on_checkpoint(row_index, tokens, target_caches, draft_check
 ``target_caches`` are single-row mlx-lm caches (one per layer) with ``offset == len(tokens)``: ``KVCache``, a
 ``RotatingKVCache`` snapshot for a sliding-window layer, a ``QuantizedKVCache`` (recording ``converted_at``) for a
 layer converted under KV quantization. ``draft_checkpoint`` is the drafter state at the same boundary (None
-without a provider, and for a row opened beside a restored target: its state lacks the restored head). Both
+without a provider, and for a row opened beside a restored target that holds no row yet; such a row's later
+checkpoints hold its missing head as zero rows: ``drafters.base.padded``). Both
 are owned snapshots. A request restored from such a checkpoint
 (``restored_caches``/``restored_tokens``/``draft_checkpoint``) skips the target prefill of the restored part and
 continues token-identically.

@@ -13,13 +13,19 @@
 * :class:`ColdRow` and :class:`PartialRowCheckpoint`: a drafter row opened cold beside a restored target (a
   target-only hit) by rows that declare ``opens_beside_target``: its state covers only the tokens the target
   forwards from then on (the tail), at their true positions; drafting may start weaker, tokens never change.
+* :func:`storable` / :func:`opened` (issue 38): such a row's checkpoint is stored in its schema's own layout, the
+  head it never had written as zero rows (:func:`padded`), and read back as the partial row it was
+  (:func:`opened`), so the next turn of a conversation that began with a target-only hit restores both parts.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
+
+import mlx.core as mx
 
 from spec_cache.errors import UnsupportedCombination
 from spec_cache.rows.protocol import PreparedStateChange, apply_state_changes, check_keep
@@ -38,6 +44,9 @@ __all__ = [
     "check_sizes",
     "check_opening",
     "directory_namespace",
+    "opened",
+    "opened_all",
+    "padded",
     "storable",
 ]
 
@@ -64,8 +73,9 @@ class PartialRowCheckpoint(DraftRowCheckpoint):
     """A live row's state that starts at token ``start`` (it was opened as a :class:`ColdRow`): it covers
     ``processed_tokens`` tokens as the target does, but holds state only from ``start`` on. ``attachment`` is the
     schema's checkpoint of that part alone (covering ``base_tokens``), so it validates as one. It moves rows
-    between groups of one engine (prefill group to decode group); it is never stored: the schemas have no field
-    for a missing head, so a checkpoint of such a row stores the target part only (:func:`storable`)."""
+    between groups of one engine (prefill group to decode group) as it is; a store gets it through
+    :func:`storable` (:func:`padded`: the missing head as zero rows) and a restore reads that back as one
+    (:func:`opened`)."""
 
     start: int = 0
     #: ``processed_tokens`` of the attachment's own checkpoint (the part held)
@@ -77,8 +87,104 @@ class PartialRowCheckpoint(DraftRowCheckpoint):
 
 
 def storable(checkpoint: DraftRowCheckpoint | None) -> DraftRowCheckpoint | None:
-    """``checkpoint`` when a store may keep it as this drafter's part; None for a partial row (target only)."""
-    return None if isinstance(checkpoint, PartialRowCheckpoint) else checkpoint
+    """``checkpoint`` as a store may keep it as this drafter's part: a partial row :func:`padded` (None when it
+    holds nothing yet: the target part is stored alone)."""
+    return padded(checkpoint) if isinstance(checkpoint, PartialRowCheckpoint) else checkpoint
+
+
+# A partial row in its schema's layout (issue 38). The projected contexts (deepspec/dflash/dflash2-context-v1)
+# and the Qwen MTP head (qwen-mtp-v1) hold per token one K/V row (the MTP head: one per token after the first);
+# a partial row lacks the rows of the head it never saw, ``start`` of them. Stored, those rows are zeros: a real
+# row is never all zeros (a projection of a real hidden, normed, rotated), so the zero head says "missing" in the
+# layout the schema already has, and :func:`opened` reads it back as the same partial row, exactly. The other
+# schemas never have partial rows. A spec-cache older than this reads the zero rows as context: its drafts from
+# such a row differ (tokens never do: drafts only change how many tokens come per forward).
+
+def _kv_rows(checkpoint: DraftRowCheckpoint) -> tuple[str, list] | None:
+    """``(layout, [(k index, v index), ...])`` of a checkpoint with per-token K/V rows; None for other layouts."""
+    metadata = checkpoint.attachment.metadata
+    if "cacheHeaders" in metadata and "processedTokens" in metadata:
+        headers = json.loads(metadata["cacheHeaders"])
+        if not headers or any(h is None or h.get("kind") != "kv" for h in headers):
+            return None
+        return "projected", [tuple(h["tensors"]) for h in headers]
+    if "draftOffset" in metadata and len(checkpoint.attachment.tensors) == 3:
+        return "mtp", [(0, 1)]
+    return None
+
+
+def _with_rows(checkpoint: DraftRowCheckpoint, layout: str, pairs: list, change: Callable[[Any], Any],
+               rows: int) -> Any:
+    """The attachment with every K/V of ``pairs`` replaced by ``change(tensor)`` (``rows`` rows each)."""
+    from spec_cache.schemas import CheckpointAttachment
+
+    attachment = checkpoint.attachment
+    tensors = list(attachment.tensors)
+    for k, v in pairs:
+        tensors[k], tensors[v] = change(tensors[k]), change(tensors[v])
+    metadata = dict(attachment.metadata)
+    if layout == "projected":
+        headers = json.loads(metadata["cacheHeaders"])
+        for header in headers:
+            header["offset"] = rows
+        metadata["cacheHeaders"] = json.dumps(headers, separators=(",", ":"))
+        metadata["processedTokens"] = rows
+    else:
+        metadata["draftOffset"] = rows
+    return CheckpointAttachment(attachment.schema, metadata, tuple(tensors))
+
+
+def padded(checkpoint: PartialRowCheckpoint) -> DraftRowCheckpoint | None:
+    """A partial row as a checkpoint of its schema covering all ``processed_tokens``: its ``start`` missing head
+    rows written as zeros. None when it holds no row yet (nothing but the target part to store)."""
+    layout = _kv_rows(checkpoint)
+    if layout is None or checkpoint.start < 1:
+        return None
+    kind, pairs = layout
+    held = int(checkpoint.attachment.tensors[pairs[0][0]].shape[2])
+    if held < 1:
+        return None
+    start = checkpoint.start
+
+    def pad(tensor):
+        tensor = mx.array(tensor) if not isinstance(tensor, mx.array) else tensor
+        head = mx.zeros((*tensor.shape[:2], start, tensor.shape[3]), dtype=tensor.dtype)
+        return mx.concatenate([head, tensor], axis=2)
+    attachment = _with_rows(checkpoint, kind, pairs, pad, held + start)
+    mx.eval(list(attachment.tensors))
+    return DraftRowCheckpoint(checkpoint.processed_tokens, attachment)
+
+
+def opened(checkpoint: Any) -> Any:
+    """A restored checkpoint as the row it was: a :func:`padded` one (leading all-zero K and V rows) becomes its
+    :class:`PartialRowCheckpoint` again; anything else (None, a :class:`ColdRow`, a full checkpoint) is returned
+    as it is. Cost for a full checkpoint: one comparison of its first row."""
+    if checkpoint is None or isinstance(checkpoint, (ColdRow, PartialRowCheckpoint)) or \
+            not isinstance(checkpoint, DraftRowCheckpoint):
+        return checkpoint
+    layout = _kv_rows(checkpoint)
+    if layout is None:
+        return checkpoint
+    kind, pairs = layout
+    tensors = checkpoint.attachment.tensors
+    k, v = (mx.array(tensors[i]) if not isinstance(tensors[i], mx.array) else tensors[i] for i in pairs[0])
+    if k.ndim != 4 or k.shape[2] == 0 or not bool(mx.all(k[:, :, 0, :] == 0) & mx.all(v[:, :, 0, :] == 0)):
+        return checkpoint
+    missing = (mx.all(k == 0, axis=(0, 1, 3)) & mx.all(v == 0, axis=(0, 1, 3))).tolist()
+    start = next((i for i, gone in enumerate(missing) if not gone), len(missing))
+    held = len(missing) - start
+    if held < 1:
+        return checkpoint  # nothing held: not a padded row (the schema check decides what it is)
+    attachment = _with_rows(checkpoint, kind, pairs, lambda t: mx.array(t)[:, :, start:, :], held)
+    base = held if kind == "projected" else held + 1
+    return PartialRowCheckpoint(checkpoint.processed_tokens, attachment, start=start, base_tokens=base)
+
+
+def opened_all(checkpoints: Any) -> Any:
+    """:func:`opened` over a ``prepare_append`` argument (anything but a sequence is left for its check)."""
+    if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Sequence):
+        return checkpoints
+    return [opened(cp) for cp in checkpoints]
 
 
 def check_opening(openings: Sequence[Any], validate: Callable[[DraftRowCheckpoint], None]) -> None:

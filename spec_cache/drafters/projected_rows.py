@@ -4,8 +4,9 @@ growth, capture, drafting inputs) that DeepSpec and DFlash share; see ``projecte
 A target-only hit (the target restored without this drafter's context): the row opens cold beside it
 (``base.ColdRow``) and its context covers only the tokens the target forwards from then on, projected at their
 true positions; the restored prefix is not forwarded again. The context of a full row is the taps at every
-token, so such a row drafts from less (acceptance may start lower, tokens never change), and its checkpoints
-carry the target part only (``deepspec-context-v1`` and its kin cannot say that the head is missing).
+token, so such a row drafts from less (acceptance may start lower, tokens never change). Its checkpoints carry
+its context in ``deepspec-context-v1``'s (and its kin's) layout with the missing head as zero rows
+(``base.padded``), which a restore opens as the same partial row (``base.opened``; issue 38).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from spec_cache.drafters.base import (
     PartialRowCheckpoint,
     check_opening,
     check_sizes,
+    opened_all,
 )
 from spec_cache.drafters.cache_codec import capture_kv_attachment, restore_kv_caches
 from spec_cache.drafters.projected import ContextKV, ProjectedNetwork
@@ -115,6 +117,7 @@ class ProjectedRows(BoundDraftRows):
         self._start: list[int] = []  # per row: the first token its context covers (0 but for target-only hits)
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | ColdRow | None]) -> PreparedStateChange:
+        checkpoints = opened_all(checkpoints)  # a stored partial row (zero head) opens as the partial row it was
         check_opening(checkpoints, self.provider.validate_checkpoint)
         if not checkpoints:
             return PreparedStateChange(lambda: None, lambda: None)
@@ -207,7 +210,8 @@ class ProjectedRows(BoundDraftRows):
     # -- checkpoints ------------------------------------------------------------------------------------
     def capture(self, row: int) -> DraftRowCheckpoint:
         """The row's context checkpoint (owned); a row opened beside a restored target gives a
-        ``PartialRowCheckpoint`` (its context from ``start`` on), which moves between groups but is not stored."""
+        ``PartialRowCheckpoint`` (its context from ``start`` on), which moves between groups as it is and is
+        stored through ``base.storable`` (its head as zero rows)."""
         check_row(row, self.row_count)
         processed, start = self._processed[row], self._start[row]
         held = processed - start

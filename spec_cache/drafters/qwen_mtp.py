@@ -27,7 +27,9 @@ its hidden unknown; its K/V then holds the pairs of the tokens the target forwar
 positions (the first such token has no known hidden before it: no pair). The engine forwards the last restored
 token again when nothing else would be forwarded (``prefill_needs_target_hidden``: the head needs the hidden that
 precedes the pending token, as the assistant does). Such a row drafts from fewer pairs (acceptance may start
-lower, tokens never change) and its checkpoints carry the target part only.
+lower, tokens never change); its checkpoints carry its pairs in ``qwen-mtp-v1``'s layout with the missing early
+pairs as zero rows (``base.padded``; the target part alone while it holds no pair), and a restore opens them as the
+same partial row (``base.opened``; issue 38).
 
 The row checkpoint is ``qwen-mtp-v1``: ``[k, v, hidden]`` (``[hidden]`` while ``draftOffset == 0``), metadata
 ``{draftOffset}``. The namespace is ``qwen-mtp-v1:<identity of config.json + weights>``.
@@ -62,6 +64,7 @@ from spec_cache.drafters.base import (
     PartialRowCheckpoint,
     check_opening,
     directory_namespace,
+    opened_all,
 )
 from spec_cache.drafters.deepspec import _extended
 from spec_cache.drafters.projected import ContextKV, _Layer
@@ -177,6 +180,7 @@ class QwenMTPRows(BoundDraftRows):
         self._start: list[int] = []  # per row: the first token its state covers (0 but for target-only hits)
 
     def prepare_append(self, checkpoints: Sequence[DraftRowCheckpoint | ColdRow | None]) -> PreparedStateChange:
+        checkpoints = opened_all(checkpoints)  # a stored partial row (zero head) opens as the partial row it was
         check_opening(checkpoints, self.provider.validate_checkpoint)
         if not checkpoints:
             return PreparedStateChange(lambda: None, lambda: None)

@@ -12,7 +12,7 @@ import pytest
 from spec_cache.decode.engine import RowRequest, SpeculativeEngine
 from spec_cache.decode.generator import Generator
 from spec_cache.drafters import load_provider
-from spec_cache.drafters.base import ColdRow, PartialRowCheckpoint
+from spec_cache.drafters.base import ColdRow, PartialRowCheckpoint, opened
 from spec_cache.rows.target import TargetModel
 from spec_cache.schemas import SchemaError
 from spec_cache.testing.tiny import write_tiny_adapter, write_tiny_drafter, write_tiny_target
@@ -68,17 +68,25 @@ def test_second_drafter_restores_the_first_ones_target_in_a_mixed_batch(two, met
     assert [r.cached_tokens for r in results] == [len(OTHER) - 1, len(LONG) - 1 - back, 0]
     # the target-only row drafted all along, from its tail
     assert results[1].drafted > 0
-    # its checkpoints store the target part only (a partial row never reaches a store); the others keep theirs
-    # (finish only: the boundary was restored; the MTP row forwarded one token again, so a boundary one too)
-    assert [call[3] for call in recorder.calls if call[0] == 1] == [None] * (1 + back)
+    # its checkpoints: the MTP row's boundary one (it holds no row yet) is the target part only; its finish one
+    # carries the partial row in its schema's layout, the missing head as zero rows (issue 38, item 2), which
+    # opens as that partial row again; the others keep their full rows
+    partial = [call[3] for call in recorder.calls if call[0] == 1]
+    assert partial[:back] == [None] * back and len(partial) == 1 + back
+    assert partial[-1] is not None and not isinstance(partial[-1], PartialRowCheckpoint)
+    second.provider.validate_checkpoint(partial[-1])  # a checkpoint of its schema: a store takes it as it is
+    reopened = opened(partial[-1])
+    assert isinstance(reopened, PartialRowCheckpoint) and reopened.start == len(LONG) - 1 - back
     assert all(call[3] is not None for call in recorder.calls if call[0] != 1)
-    # next turn of that conversation: prompt + answer + new tokens, from its target-only finish checkpoint
-    _, done, done_caches, _ = recorder.finish(1)
+    # next turn of that conversation: prompt + answer + new tokens, from its finish checkpoint, target only and
+    # with the partial drafter row: the same tokens either way
+    _, done, done_caches, done_draft = recorder.finish(1)
     follow = LONG + results[1].tokens + [7, 8]
-    (turn,) = second.run([RowRequest(follow, restored_caches=done_caches, restored_tokens=len(done),
-                                     max_tokens=MAX)])
-    assert turn.tokens == plain_greedy(two.target, follow, MAX)
-    assert turn.cached_tokens == len(done)
+    for draft in (None, done_draft):
+        (turn,) = second.run([RowRequest(follow, restored_caches=done_caches, restored_tokens=len(done),
+                                         draft_checkpoint=draft, max_tokens=MAX)])
+        assert turn.tokens == plain_greedy(two.target, follow, MAX)
+        assert turn.cached_tokens == len(done)
 
 
 @pytest.mark.parametrize("method", list(METHODS))

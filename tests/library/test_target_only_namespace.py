@@ -213,3 +213,88 @@ def test_a_store_written_without_the_target_only_namespace_serves_it(model, tmp_
     with SpecCache.open(tmp_path / "store", memory_bytes=0) as cache:
         (r,) = model.load(cache, "dflash", 32).generate([p], max_tokens=MAX)
         assert r.cached_tokens == len(p) - 1 and r.tokens == plain_greedy(model.target, p, MAX)
+
+
+# --- item 2: the drafter part after a target-only hit -------------------------------------------------------------
+
+@pytest.mark.parametrize("reopen", [False, True], ids=["memory", "lmdb"])
+@pytest.mark.parametrize("method", list(TAPS))
+def test_turn_two_after_a_target_only_hit_restores_both_parts(model, tmp_path, method, reopen):
+    """Turn 1 of the second drafter starts from the first one's target part; its finish checkpoint stores its own
+    (partial) row with it, so turns 2 and 3 restore both parts, tokens unchanged."""
+    p = PROMPTS[1]
+    store = tmp_path / "store"
+    memory = 0 if reopen else None
+    with SpecCache.open(store, memory_bytes=memory) as cache:
+        model.load(cache, method, 31).generate([p], max_tokens=MAX)
+    conversation, turns = list(p), []
+    for turn in range(3):
+        with SpecCache.open(store, memory_bytes=memory) as cache:
+            (r,) = model.load(cache, method, 32).generate([conversation], max_tokens=MAX)
+        assert r.tokens == plain_greedy(model.target, conversation, MAX)
+        turns.append((r.cached_tokens, r.restored_drafter))
+        conversation = conversation + r.tokens + [11 + turn, 12 + turn]
+    first, second, third = turns
+    assert first == (len(p) - 1 - back(method), False)
+    assert second[1] and third[1]  # the drafter part came back with the target part
+    assert second[0] == len(p) + MAX - 1 and third[0] == second[0] + 2 + MAX
+
+
+@pytest.mark.parametrize("method", list(TAPS))
+def test_a_stored_partial_row_opens_as_the_row_it_was(model, tmp_path, method):
+    """What a partial row holds comes back bit for bit, through the memory tier and LMDB: ``padded`` writes the
+    missing head as zero rows in the schema's own layout, ``opened`` reads it back."""
+    import mlx.core as mx
+    import numpy as np
+
+    from spec_cache.decode.engine import RowRequest, SpeculativeEngine
+    from spec_cache.drafters import load_provider
+    from spec_cache.drafters.base import PartialRowCheckpoint, opened, padded
+    from tests.runtime_fixtures import CheckpointRecorder
+
+    p = PROMPTS[0]
+    first = SpeculativeEngine(model.target, load_provider(model.dirs[method, 31]), draft_depth=3, adaptive=False)
+    recorder = CheckpointRecorder()
+    first.run([RowRequest(p, max_tokens=3)], on_checkpoint=recorder)
+    _, tokens, caches, _ = recorder.boundary(0)
+    provider = load_provider(model.dirs[method, 32])
+    session = SpeculativeEngine(model.target, provider, draft_depth=3, adaptive=False).session()
+    session.submit(RowRequest(p + [9, 10, 11], restored_caches=caches, restored_tokens=len(tokens), max_tokens=MAX))
+    session.step()
+    session.step()
+    live = session.group.capture(0)
+    assert isinstance(live, PartialRowCheckpoint)
+    stored = padded(live)
+    provider.validate_checkpoint(stored)  # its schema's checkpoint of every token the target covers
+    assert stored.processed_tokens == live.processed_tokens
+
+    def same(a, b):
+        assert isinstance(b, PartialRowCheckpoint)
+        assert (a.processed_tokens, a.start, a.base_tokens) == (b.processed_tokens, b.start, b.base_tokens)
+        assert dict(a.attachment.metadata) == dict(b.attachment.metadata)
+        for x, y in zip(a.attachment.tensors, b.attachment.tensors, strict=True):
+            assert np.array_equal(np.array(mx.array(x)), np.array(mx.array(y)))
+    same(live, opened(stored))
+    session.close()
+    # through the tiers: a finished row's checkpoint (what a store gets), restored after reopening
+    recorder = CheckpointRecorder()
+    SpeculativeEngine(model.target, provider, draft_depth=3, adaptive=False).run(
+        [RowRequest(p + [9, 10, 11], restored_caches=caches, restored_tokens=len(tokens), max_tokens=MAX)],
+        on_checkpoint=recorder)
+    _, done, done_caches, done_draft = recorder.finish(0)
+    held = opened(done_draft)
+    assert isinstance(held, PartialRowCheckpoint) and held.start == len(tokens)  # where the target was restored
+    for memory in (None, 0):
+        with SpecCache.open(tmp_path / f"store-{memory}", memory_bytes=memory) as cache:
+            key = cache.namespace("ab" * 32, "partial")
+            cache.save(key, done, done_caches, drafter_namespace=provider.namespace, draft_checkpoint=done_draft)
+        with SpecCache.open(tmp_path / f"store-{memory}", memory_bytes=memory) as cache:
+            back_again = cache.restore(key, done, drafter_namespace=provider.namespace)
+            assert back_again.length == len(done) and back_again.tier == "local"
+            same(held, opened(back_again.draft_checkpoint))
+    # a full checkpoint is not mistaken for a partial one
+    recorder = CheckpointRecorder()
+    SpeculativeEngine(model.target, provider, draft_depth=3, adaptive=False).run(
+        [RowRequest(p, max_tokens=3)], on_checkpoint=recorder)
+    full = recorder.boundary(0)[3]
+    assert opened(full) is full
