@@ -27,12 +27,13 @@ from spec_cache.apps.server.protocol import UNSUPPORTED
 ROOT = Path(__file__).resolve().parents[2]
 
 #: the README's "Runtime" example, as the README should hold it between the markers below (the lead pastes it);
-#: models/target is the tiny target here (a symlink in the test's working directory)
+#: smollm2 is the tiny target here (a symlink in the test's working directory; tests/apps/test_readme_blocks.py
+#: runs it on the real SmolLM2)
 README_EXAMPLE = '''\
 from spec_cache import SpecCache, Generator, KVOptions
 
 cache = SpecCache.open("spec-cache-store", max_bytes=8 << 30)
-gen = Generator.load("models/target", "ngram", cache=cache, kv=KVOptions(), draft_depth=4)
+gen = Generator.load("smollm2", "ngram", cache=cache, kv=KVOptions(), draft_depth=4)
 prompts = [gen.encode("What is the capital of France?"), gen.encode("Name a prime number.")]  # chat template
 results = gen.generate(prompts, max_tokens=32, temperature=0.0, seed=0, top_p=1.0)
 for r in results:  # r.tokens end with the EOS id when the row stopped there; decode() leaves it out
@@ -200,8 +201,7 @@ def test_the_readme_example_runs_as_written(target, tmp_path):
     if BEGIN in readme:  # once pasted, the README holds exactly this example
         block = readme.split(BEGIN, 1)[1].split(END, 1)[0]
         assert block.strip().removeprefix("```python").removesuffix("```").strip() == README_EXAMPLE.strip()
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "target").symlink_to(target, target_is_directory=True)
+    (tmp_path / "smollm2").symlink_to(target, target_is_directory=True)
     (tmp_path / "example.py").write_text(README_EXAMPLE)
     out = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env(tmp_path), capture_output=True,
                          text=True, timeout=120)
