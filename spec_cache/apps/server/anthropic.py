@@ -270,8 +270,8 @@ def parse_messages(body: Any, models: tuple[str, ...], default_temperature: floa
 
 
 def _params(body: dict, model: str, default_temperature: float, counting: bool) -> GenerationParams:
-    """``max_tokens``, stop sequences, streaming, metadata and sampling; the features this server does not offer
-    (extended thinking, structured outputs, containers) refused by name."""
+    """``max_tokens``, stop sequences, streaming, metadata and sampling; ``thinking`` checked and ignored; the
+    features this server does not offer (structured outputs, containers) refused by name."""
     max_tokens = body.get("max_tokens")
     if not counting and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise _bad("max_tokens: Field required (an integer >= 1)")
@@ -286,6 +286,7 @@ def _params(body: dict, model: str, default_temperature: float, counting: bool) 
     metadata = body.get("metadata")
     if metadata is not None and (not isinstance(metadata, dict) or not isinstance(metadata.get("user_id", ""), str)):
         raise _bad("metadata: must be an object with an optional 'user_id' string")
+    _thinking(body.get("thinking"), None if counting else max_tokens)
     _unsupported(body)
     temperature = _number(body, "temperature", 0.0, 1.0)
     top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
@@ -298,11 +299,31 @@ def _params(body: dict, model: str, default_temperature: float, counting: bool) 
                             stream=stream, user=(metadata or {}).get("user_id"), top_k=max(0, top_k or 0))
 
 
+#: the smallest ``thinking.budget_tokens`` Anthropic takes
+MIN_THINKING_BUDGET = 1024
+
+
+def _thinking(thinking: Any, max_tokens: int | None) -> None:
+    """``thinking`` as Anthropic checks it (``enabled`` with an integer ``budget_tokens`` >= 1024 and below
+    ``max_tokens``, ``adaptive``, ``disabled``), then ignored: the served model does not think in a separate
+    channel, so a reply carries no ``thinking`` blocks: a client that asks for thinking gets the answer alone,
+    as from a turn in which the model did not think (a 400 here broke its first call)."""
+    if thinking is None:
+        return
+    kinds = ("enabled", "adaptive", "disabled")
+    if not isinstance(thinking, dict) or thinking.get("type") not in kinds:
+        raise _bad("thinking: must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} or "
+                   "{\"type\": \"disabled\"}")
+    if thinking["type"] != "enabled":
+        return
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+        raise _bad(f"thinking.budget_tokens: must be an integer >= {MIN_THINKING_BUDGET}")
+    if max_tokens is not None and budget >= max_tokens:
+        raise _bad("max_tokens: must be greater than thinking.budget_tokens")
+
+
 def _unsupported(body: dict) -> None:
-    thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
-        raise _bad("thinking: extended thinking is not supported by this server (leave it out, or send "
-                   "{\"type\": \"disabled\"})")
     output = body.get("output_config")
     if output is not None and (not isinstance(output, dict) or output.get("format") is not None):
         raise _bad("output_config.format: structured outputs are not supported by this server")
