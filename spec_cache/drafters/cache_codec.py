@@ -12,8 +12,10 @@ trip the same set on the drafter side):
   flags per slot; ``offset`` 0 (a recurrent state has no token axis: it is an exact-boundary snapshot whose
   coverage is the checkpoint's ``processedTokens``; never trimmed).
 
-Restored caches hold the attachment's arrays bit for bit (``restore_kv_caches``). Which kinds a drafter accepts
-is its schema's and provider's rule (projected contexts and Qwen MTP: ``kv`` only).
+Which cache class is which kind, and how each is written and read back, is the table of cache kinds'
+(``spec_cache.state.cache_kinds``: ``encode`` / ``decode`` of the kinds with ``codec`` set); this module assembles
+the headers. Restored caches hold the attachment's arrays bit for bit (``restore_kv_caches``). Which kinds a
+drafter accepts is its schema's and provider's rule (projected contexts and Qwen MTP: ``kv`` only).
 
 mlx-bun (the seed) writes the same tensors under its codec id ``mlx-cache-v3`` with slot objects instead of index
 lists; ``spec_cache.convert.seed_codec.from_seed_attachment`` rewrites such an attachment into this codec (``kv`` and
@@ -27,45 +29,39 @@ import json
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from spec_cache.errors import RestoreRefused
 from spec_cache.rows.protocol import to_mx
 from spec_cache.schemas import CACHE_CODECS_V1, CheckpointAttachment, encode_cache_headers
+from spec_cache.state.cache_kinds import CacheKindError, kind_named, kind_of, kinds
 
-__all__ = ["capture_kv_attachment", "restore_kv_caches", "CODEC_KINDS"]
+__all__ = ["capture_kv_attachment", "restore_kv_caches", "CODEC_KINDS", "codec_kinds"]
 
-#: the layer kinds this codec writes and reads
-CODEC_KINDS = ("kv", "qkv", "arrays")
+
+def codec_kinds() -> tuple[str, ...]:
+    """The layer kinds this codec writes and reads: the table's kinds with ``codec`` set."""
+    return tuple(kind.name for kind in kinds() if kind.codec)
+
+
+#: the layer kinds this codec writes and reads (as the table had them at import)
+CODEC_KINDS = codec_kinds()
 
 
 def _layer(cache: Any, first: int) -> tuple[dict | None, list[mx.array]]:
     """One layer's header (tensor indices from ``first``) and tensors; ``(None, [])`` for an empty layer."""
-    if isinstance(cache, QuantizedKVCache):
-        offset = int(cache.offset)
-        if offset == 0 or cache.keys is None:
-            return None, []
-        tensors = [part[..., :offset, :] for part in (*cache.keys, *cache.values)]
-        header = {"kind": "qkv", "offset": offset, "tensors": list(range(first, first + 6)),
-                  "groupSize": int(cache.group_size), "bits": int(cache.bits)}
-        if getattr(cache, "converted_at", None) is not None:
-            header["minimumReusableOffset"] = int(cache.converted_at)
-        return header, tensors
-    if type(cache) is KVCache:
-        offset = int(cache.offset)
-        if offset == 0:
-            return None, []
-        return ({"kind": "kv", "offset": offset, "tensors": [first, first + 1]},
-                [cache.keys[..., :offset, :], cache.values[..., :offset, :]])
-    if isinstance(cache, ArraysCache):
-        present = [array is not None for array in cache.cache]
-        if not any(present):
-            return None, []
-        tensors = [array for array in cache.cache if array is not None]
-        return ({"kind": "arrays", "offset": 0, "tensors": list(range(first, first + len(tensors))),
-                 "present": "".join("1" if p else "0" for p in present)}, tensors)
-    raise NotImplementedError(f"cache codec {CACHE_CODECS_V1} writes {', '.join(CODEC_KINDS)} layers "
-                              f"(KVCache, QuantizedKVCache, ArraysCache), got {type(cache).__name__}")
+    try:
+        kind = kind_of(cache)
+    except CacheKindError:
+        kind = None
+    if kind is None or not kind.codec:
+        names = [k for k in kinds() if k.codec]
+        raise NotImplementedError(f"cache codec {CACHE_CODECS_V1} writes {', '.join(k.name for k in names)} layers "
+                                  f"({', '.join(k.cache_class for k in names)}), got {type(cache).__name__}")
+    encoded = kind.encode(cache)
+    if encoded is None:
+        return None, []
+    offset, fields, tensors = encoded
+    return {"kind": kind.name, "offset": offset, "tensors": list(range(first, first + len(tensors))), **fields}, tensors
 
 
 def capture_kv_attachment(schema: str, caches: Sequence[Any], metadata: dict) -> CheckpointAttachment:
@@ -87,26 +83,15 @@ def restore_kv_caches(attachment: CheckpointAttachment) -> list[Any]:
     caches: list[Any] = []
     for header in json.loads(attachment.metadata["cacheHeaders"]):
         if header is None:
-            caches.append(KVCache())
+            caches.append(kind_named("kv").fresh())
             continue
         arrays = [to_mx(attachment.tensors[index]) for index in header["tensors"]]
         kind = header["kind"]
-        if kind == "kv":
-            cache = KVCache()
-            cache.keys, cache.values = arrays
-            cache.offset = int(header["offset"])
-        elif kind == "qkv":
-            cache = QuantizedKVCache(group_size=int(header["groupSize"]), bits=int(header["bits"]))
-            cache.keys, cache.values = tuple(arrays[:3]), tuple(arrays[3:])
-            cache.offset = int(header["offset"])
-            if "minimumReusableOffset" in header:
-                cache.converted_at = int(header["minimumReusableOffset"])
-        elif kind == "arrays":
-            present = header["present"]
-            cache = ArraysCache(len(present))
-            slots = iter(arrays)
-            cache.cache = [next(slots) if flag == "1" else None for flag in present]
-        else:
+        try:
+            entry = kind_named(kind)
+        except CacheKindError:
+            entry = None
+        if entry is None or not entry.codec:
             raise RestoreRefused(f"cache codec {CACHE_CODECS_V1} cannot restore a {kind!r} layer")
-        caches.append(cache)
+        caches.append(entry.decode(header, arrays))
     return caches

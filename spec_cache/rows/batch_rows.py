@@ -4,9 +4,11 @@ Why a module of its own: ``target.TargetRows`` (float KV, sliding windows; recur
 ``recurrent_rows.HybridTargetRows``) and ``quantized_batch.PhaseRows`` (one phase of quantized rows) hold their
 rows the same way: per cache layer one left-padded batch cache (mlx-lm's ``BatchKVCache``, a cache with its
 interface such as ``BatchQuantizedKVCache``, or a batched ``ArraysCache``) and a token count per row. Prefill,
-per-row rollback, the two-phase append, filtering and the donor view are therefore one piece of code,
-:class:`BatchRows`; a subclass says how its caches are made, copied and read (``_ensure_caches``, ``_clone``,
-``_join``, ``_layer_arrays``, ``_donor_kv``) and brings its own construction, verify and extract.
+per-row rollback, the two-phase append, filtering, the donor view and moving rows in (``merge_rows``) and out
+(``split_row``) are therefore one piece of code, :class:`BatchRows`. How each layer's batch cache is made, merged,
+split, copied and read is its kind's, looked up in the table of cache kinds (``spec_cache.state.cache_kinds``;
+the kind of the layer's single-row cache names the kind whose batch cache it joins): nothing here tests a cache
+class. A subclass says which single-row cache each layer holds (``templates``) and brings its own verify.
 
 Rows are right-justified behind left padding, so one forward appends the same number of tokens to every row; a
 row that keeps fewer (rejected drafts, a shorter prompt chunk) rolls its discarded tail round to its left padding
@@ -20,10 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
+from spec_cache.errors import RestoreRefused
 from spec_cache.rows.logprobs import score
-from spec_cache.rows.protocol import PrefillContext, PreparedStateChange, check_keep, check_per_row
+from spec_cache.rows.protocol import PrefillContext, PreparedStateChange, check_keep, check_per_row, check_row
+from spec_cache.state.batch_caches import clone_batch_cache
+from spec_cache.state.cache_kinds import batch_kind_of
+from spec_cache.state.row_caches import row_position
 
 __all__ = ["BatchRows", "DonorView", "clone_batch_cache"]
 
@@ -43,57 +48,29 @@ class DonorView:
     positions: mx.array
 
 
-def clone_batch_cache(cache: BatchKVCache) -> BatchKVCache:
-    """A BatchKVCache with its own array objects (mlx-lm mutates some of them in place, e.g. ``+=``)."""
-    clone = BatchKVCache.__new__(BatchKVCache)
-    clone.keys = None if cache.keys is None else cache.keys[...]
-    clone.values = None if cache.values is None else cache.values[...]
-    clone.offset = cache.offset[...]
-    clone.left_padding = cache.left_padding[...]
-    clone._idx = cache._idx
-    clone._right_padding = None
-    return clone
-
-
 class BatchRows:
     """A group of rows of one model sharing every forward: per cache layer one left-padded batch cache, and
     ``offsets[row]`` tokens held per row. Membership changes are two-phase (:meth:`prepare_append`);
     :meth:`filter_rows` and the round operations act in place between rounds.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, templates: Sequence[Any] | None = None) -> None:
+        """``templates``: per cache layer a single-row cache of the kind the layer holds (only read; default: the
+        model's ``cache_templates``, as ``make_caches()`` makes them). Each layer's batch cache is the batch kind
+        of its template's kind (``cache_kinds.batch_kind_of``)."""
         self.model = model
         self._windows = model.layer_windows
+        self._templates = tuple(model.cache_templates if templates is None else templates)
+        self._kinds = tuple(batch_kind_of(template) for template in self._templates)
         self._caches: list | None = None
         self._lengths: list[int] = []
 
-    # -- what a subclass says about its caches ----------------------------------------------------------
     def _ensure_caches(self) -> list:
         """The live caches, made empty for every row on first use."""
-        raise NotImplementedError
-
-    def _clone(self, cache: Any) -> Any:
-        """A batch cache with its own array objects (``update_and_fetch`` and ``+=`` write in place)."""
-        return clone_batch_cache(cache)
-
-    def _join(self, mine: Any, theirs: Any, other: "BatchRows") -> Any:
-        """One layer of this group's rows followed by ``other``'s, built from copies (neither is changed)."""
-        joined = self._clone(mine)
-        joined.extend(self._clone(theirs))
-        return joined
-
-    def _layer_arrays(self, cache: Any) -> list[mx.array]:
-        """The arrays one batch cache holds (what ``mx.eval`` materializes)."""
-        if isinstance(cache, ArraysCache):
-            return [a for a in cache.cache if a is not None]
-        arrays = [cache.offset, cache.left_padding]
-        if cache.keys is not None:
-            arrays += [cache.keys, cache.values]
-        return arrays
-
-    def _donor_kv(self, cache: Any) -> tuple[mx.array, mx.array]:
-        """Full-precision keys and values of the filled positions of a K/V layer."""
-        return cache.keys_and_values()
+        if self._caches is None:
+            self._caches = [kind.empty_batch(template, self.row_count)
+                            for kind, template in zip(self._kinds, self._templates)]
+        return self._caches
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -114,7 +91,7 @@ class BatchRows:
         self._lengths = []
 
     def _arrays(self, caches: Sequence[Any]) -> list[mx.array]:
-        return [a for cache in caches for a in self._layer_arrays(cache)]
+        return [a for kind, cache in zip(self._kinds, caches) for a in kind.batch_arrays(cache)]
 
     def _check_rows(self, per_row: Sequence[Sequence[int]]) -> list[int]:
         check_per_row(per_row, self.row_count, "token list")
@@ -148,11 +125,8 @@ class BatchRows:
         caches = self._ensure_caches()
         ids = mx.array([list(t) + [0] * (longest - len(t)) for t in tokens_per_row], dtype=mx.uint32)
         padding = [longest - n for n in lengths]
-        for cache in caches:
-            if isinstance(cache, ArraysCache):
-                cache.prepare(lengths=lengths)  # the recurrent state stops at each row's last token
-            else:
-                cache.prepare(right_padding=padding)
+        for kind, cache in zip(self._kinds, caches):
+            kind.start_round(cache, lengths, padding)  # K/V: right padding; recurrent: each row's length
         last_index = mx.array([max(n - 1, 0) for n in lengths])
         has_tokens = mx.array([n > 0 for n in lengths])[:, None, None]
         last_hidden = mx.zeros((len(lengths), 1, self.model.hidden_size), dtype=self.model.dtype)
@@ -192,14 +166,42 @@ class BatchRows:
                 raise ValueError(f"row {row}: cannot roll back {count} of its {held} tokens")
         if not any(rejected):
             return
-        for cache in self._caches or ():
-            if isinstance(cache, ArraysCache):
+        for kind, cache in zip(self._kinds, self._caches or ()):
+            if not kind.trimmable:
                 continue  # HybridTargetRows rolls recurrent state back by replay
             cache.prepare(right_padding=rejected)
             cache.finalize()
         self._lengths = [n - r for n, r in zip(self._lengths, rejected)]
 
     # -- rows in and out --------------------------------------------------------------------------------
+    def merge_rows(self, rows: Sequence[Sequence[Any] | None]) -> None:
+        """Hold exactly ``rows`` (per row its single-row caches, one per layer; None: an empty row), each layer
+        merged by its batch kind (``CacheKind.merge``: a cache whose kind joins another batch is refused). The
+        caches are only read (copied into the batch)."""
+        rows = [None if layers is None else list(layers) for layers in rows]
+        for row, layers in enumerate(rows):
+            if layers is not None and len(layers) != len(self._kinds):
+                raise RestoreRefused(f"row {row}: expected {len(self._kinds)} layer caches, got {len(layers)}")
+        lengths = [0 if layers is None else row_position(layers, row) for row, layers in enumerate(rows)]
+        self._lengths = lengths
+        if not rows:
+            return
+        self._caches = [kind.merge([None if layers is None else layers[layer] for layers in rows], lengths,
+                                   template, window, layer)
+                        for layer, (kind, template, window) in enumerate(zip(self._kinds, self._templates,
+                                                                             self._windows))]
+
+    def split_row(self, row: int, *, ring: bool = True) -> list:
+        """Owned single-row caches holding exactly row ``row``'s tokens (each layer's batch kind's ``split``;
+        ``ring``: a sliding layer as mlx-lm's ``RotatingKVCache`` snapshot, else a ``KVCache`` of its whole
+        history, which the row must hold). Not evaluated: the caller decides when."""
+        check_row(row, self.row_count)
+        position = self._lengths[row]
+        if position == 0 or self._caches is None:
+            return [kind.fresh(template) for kind, template in zip(self._kinds, self._templates)]
+        return [kind.split(cache, row, position, window, ring=ring, where=f"row {row} layer {layer}")
+                for layer, (kind, cache, window) in enumerate(zip(self._kinds, self._caches, self._windows))]
+
     def prepare_append(self, other: "BatchRows") -> PreparedStateChange:
         """Build this group's state with ``other``'s rows appended (``other`` is only read: its caches are
         copied)."""
@@ -208,9 +210,10 @@ class BatchRows:
         if other.row_count == 0:
             return PreparedStateChange(lambda: None, lambda: None)
         if self.row_count == 0 or self._caches is None:
-            caches = [self._clone(c) for c in other._ensure_caches()]
+            caches = [kind.clone_batch(c) for kind, c in zip(self._kinds, other._ensure_caches())]
         else:
-            caches = [self._join(mine, theirs, other) for mine, theirs in zip(self._caches, other._ensure_caches())]
+            caches = [kind.join_batch(mine, self.row_count, theirs, other.row_count)
+                      for kind, mine, theirs in zip(self._kinds, self._caches, other._ensure_caches())]
         lengths = self._lengths + other._lengths
 
         def put(state: tuple) -> None:
@@ -235,12 +238,13 @@ class BatchRows:
         """Read-only K/V of ``layer`` for every row (full precision), with the mask of the keys each row may
         attend to (its own positions, within the layer's window)."""
         positions = mx.array(self._lengths, dtype=mx.int32)
+        kind = self._kinds[layer]
         cache = None if self._caches is None else self._caches[layer]
-        if isinstance(cache, ArraysCache):
+        if cache is not None and not kind.holds_kv:
             raise ValueError(f"layer {layer} is recurrent: it holds no K/V to donate")
         if cache is None or cache.keys is None or cache._idx == 0:
             return DonorView(None, None, None, positions)
-        keys, values = self._donor_kv(cache)
+        keys, values = kind.donor_kv(cache)
         index = mx.arange(cache._idx)[None, :]
         valid = index >= cache.left_padding[:, None]
         window = self._windows[layer]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from spec_cache.errors import InvalidRequest, RestoreRefused, UnsupportedCombination
+from spec_cache.state.cache_kinds import kind_of
 
 __all__ = [
     "DEFAULT_QUANTIZED_KV_START",
@@ -157,7 +158,7 @@ def converted_at(caches: Sequence[Any]) -> int | None:
     """
     points = set()
     for layer, cache in enumerate(caches):
-        if hasattr(cache, "bits"):
+        if kind_of(cache).quantized:
             point = getattr(cache, "converted_at", None)
             if point is None:
                 raise RestoreRefused(f"quantized layer {layer} does not record where it was converted")

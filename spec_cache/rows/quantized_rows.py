@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import QuantizedKVCache
 
 from spec_cache.errors import RestoreRefused
 from spec_cache.rows.kv_quant import KVPlan, converted_at, reusable
@@ -41,6 +40,7 @@ from spec_cache.rows.protocol import (
 )
 from spec_cache.rows.quantized_batch import PhaseRows
 from spec_cache.rows.target import DonorView, ForwardOutput, TargetModel, row_position
+from spec_cache.state.cache_kinds import kind_of
 
 __all__ = ["QuantizedTargetRows", "check_restored"]
 
@@ -53,7 +53,7 @@ def check_restored(layers: Sequence[Any], plan: KVPlan, point: int, row: int) ->
     if len(layers) != len(plan.layers):
         raise RestoreRefused(f"row {row}: expected {len(plan.layers)} layer caches, got {len(layers)}")
     length = row_position(layers, row)
-    quantized = [hasattr(cache, "bits") for cache in layers]
+    quantized = [kind_of(cache).quantized for cache in layers]
     if any(quantized):
         for layer, (cache, quant) in enumerate(zip(layers, plan.layers)):
             where = f"row {row} layer {layer}"
@@ -263,7 +263,7 @@ class QuantizedTargetRows:
             return self._before.extract(self._index(row))
         caches = self._after.extract(self._index(row))
         for cache in caches:
-            if isinstance(cache, QuantizedKVCache):
+            if kind_of(cache).quantized:
                 cache.converted_at = self._points[row]
         return caches
 

@@ -36,19 +36,19 @@ trimmable). **Cache layers**: ``num_layers`` counts the layers that hold a cache
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from spec_cache.errors import RestoreRefused
 from spec_cache.rows.batch_rows import BatchRows, DonorView, clone_batch_cache
 from spec_cache.rows.ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
-from spec_cache.rows.protocol import PreparedStateChange, check_per_row, check_row, check_window
-from spec_cache.rows.recurrent_rows import clone_states, join_states, merge_states, split_state, state_content
-from spec_cache.state.row_caches import merge_rows, prefix_caches, rotating_snapshot, row_content, row_position
+from spec_cache.rows.protocol import PreparedStateChange, check_per_row, check_window
+from spec_cache.state.cache_kinds import UnknownCacheType, batch_kind_of, kind_of, kinds
+from spec_cache.state.row_caches import prefix_caches, rotating_snapshot, row_position
 
 __all__ = [
     "TargetModel",
@@ -230,13 +230,18 @@ class TargetModel:
 
     def make_caches(self, batch: int | None = None) -> list:
         """Fresh caches: the model's own single-row caches (``batch=None``: ``KVCache``, ``RotatingKVCache`` for
-        sliding layers, ``ArraysCache`` for recurrent ones, as mlx-lm's ``make_prompt_cache``), else one
-        ``BatchKVCache`` per attention layer and an (empty) batched ``ArraysCache`` per recurrent layer."""
+        sliding layers, ``ArraysCache`` for recurrent ones, as mlx-lm's ``make_prompt_cache``), else each
+        layer's empty batch cache as its kind makes it (``cache_kinds``: a ``BatchKVCache`` per attention layer,
+        an empty batched ``ArraysCache`` per recurrent layer)."""
         if batch is None:
             return self._port.make_caches()
-        single = self._port.make_caches()
-        return [ArraysCache(len(c.cache)) if isinstance(c, ArraysCache) else BatchKVCache([0] * batch)
-                for c in single]
+        return [batch_kind_of(c).empty_batch(c, batch) for c in self._port.make_caches()]
+
+    @functools.cached_property
+    def cache_templates(self) -> tuple:
+        """One single-row cache per cache layer, as ``make_caches()`` makes them: only read (for each layer's
+        kind and scalars: a recurrent state's slot count), never run."""
+        return tuple(self._port.make_caches())
 
     def check_restored(self, where: str, caches: Sequence[Any], restored: int, *, quantized: bool = False) -> None:
         """Refuse restored single-row caches this target cannot continue from (ValueError naming ``where`` and
@@ -246,32 +251,26 @@ class TargetModel:
         if len(caches) != self.num_layers:
             raise RestoreRefused(f"{where}: expected {self.num_layers} restored layer caches, got {len(caches)}")
         for layer, cache in enumerate(caches):
-            if self.layer_kind(layer) == "recurrent":
-                kinds: tuple = (ArraysCache,)
-            elif self.layer_window(layer) is not None:
-                kinds = (KVCache, RotatingKVCache)
-            else:
-                kinds = (KVCache, QuantizedKVCache)
-            if type(cache) not in kinds:
+            window, layer_batch = self.layer_window(layer), batch_kind_of(self.cache_templates[layer])
+            try:
+                kind = kind_of(cache)
+            except UnknownCacheType:
+                kind = None
+            if kind is None or not kind.serves(layer_batch, window, True):
+                expected = [k.cache_class for k in kinds() if k.serves(layer_batch, window, True)]
                 raise RestoreRefused(f"{where}: restored layer {layer} is a {type(cache).__name__}; expected "
-                                     f"{' or '.join(kind.__name__ for kind in kinds)}")
-            if isinstance(cache, QuantizedKVCache) and not quantized:
+                                     f"{' or '.join(expected)}")
+            if not kind.serves(layer_batch, window, quantized):
                 raise RestoreRefused(f"{where}: restored layer {layer} is quantized, but this engine runs without "
                                      "KV quantization")
-            if isinstance(cache, ArraysCache):
-                if restored and any(a is None for a in cache.cache):
+            held = kind.tokens(cache)
+            if held is None:  # a state with no token count (recurrent): it must hold every array
+                if restored and not kind.complete(cache):
                     raise RestoreRefused(f"{where}: restored recurrent layer {layer} is empty, "
                                          f"restored_tokens={restored}")
-            elif int(cache.offset) != restored:
+            elif held != restored:
                 raise RestoreRefused(f"{where}: restored layer {layer} holds {cache.offset} tokens, "
                                      f"restored_tokens={restored}")
-
-
-def _clone(cache: Any) -> Any:
-    """A batched cache with its own array objects (K/V: ``clone_batch_cache``; recurrent: a new list)."""
-    if isinstance(cache, ArraysCache):
-        return clone_states(cache)
-    return clone_batch_cache(cache)
 
 
 class TargetRows(BatchRows):
@@ -283,7 +282,6 @@ class TargetRows(BatchRows):
     """
 
     _holds_recurrent_state = False  # HybridTargetRows: True
-    _clone = staticmethod(_clone)
 
     def __init__(self, model: TargetModel) -> None:
         if model.recurrent_layers and not self._holds_recurrent_state:
@@ -295,35 +293,13 @@ class TargetRows(BatchRows):
     @classmethod
     def from_row_caches(cls, model: TargetModel, rows: Sequence[Sequence[Any] | None]) -> "TargetRows":
         """Rows built from single-row caches (per layer a ``KVCache``, or a ``RotatingKVCache`` for a
-        sliding-window layer, an ``ArraysCache`` for a recurrent one; None for an empty row). The caller's caches
-        are only read (copied into a batch). A model with recurrent layers gets ``HybridTargetRows``."""
+        sliding-window layer, an ``ArraysCache`` for a recurrent one; None for an empty row: each layer's batch
+        kind merges them, ``BatchRows.merge_rows``). The caller's caches are only read (copied into a batch). A
+        model with recurrent layers gets ``HybridTargetRows``."""
         if model.recurrent_layers and not cls._holds_recurrent_state:
             return HybridTargetRows.from_row_caches(model, rows)
         built = cls(model)
-        if not rows:
-            return built
-        recurrent = set(model.recurrent_layers)
-        lengths: list[int] = []
-        contents: list[list] = [[] for _ in range(model.num_layers)]
-        for row, layers in enumerate(rows):
-            if layers is None:
-                lengths.append(0)
-                for per_layer in contents:
-                    per_layer.append(None)
-                continue
-            layers = list(layers)
-            if len(layers) != model.num_layers:
-                raise RestoreRefused(f"row {row}: expected {model.num_layers} layer caches, got {len(layers)}")
-            lengths.append(row_position(layers, row))
-            for layer, cache in enumerate(layers):
-                if layer in recurrent:
-                    contents[layer].append(state_content(cache, layer, row))
-                else:
-                    contents[layer].append(row_content(cache, built._windows[layer], layer, row))
-        sizes = [len(c.cache) if isinstance(c, ArraysCache) else 0 for c in model.make_caches()]
-        built._caches = [merge_states(per_layer, sizes[layer]) if layer in recurrent else merge_rows(per_layer, lengths)
-                         for layer, per_layer in enumerate(contents)]
-        built._lengths = lengths
+        built.merge_rows(rows)
         return built
 
     # -- state ------------------------------------------------------------------------------------------
@@ -356,7 +332,7 @@ class TargetRows(BatchRows):
         ``rollback`` it adds no left padding: the layout is exactly what it was before they were appended."""
         if not 0 <= count <= min(self._lengths, default=0):
             raise ValueError(f"cannot discard {count} tokens of rows holding {self._lengths}")
-        if any(isinstance(cache, ArraysCache) for cache in self._caches or ()):
+        if self._caches and not all(kind.trimmable for kind in self._kinds):
             raise NotImplementedError("recurrent state cannot discard tokens")
         for cache in self._caches or ():
             cache.trim(count)
@@ -367,59 +343,20 @@ class TargetRows(BatchRows):
         """Owned single-row caches holding exactly the row's tokens (``offset`` == its length): a ``KVCache``
         per full-attention layer; per sliding layer mlx-lm's ``RotatingKVCache`` snapshot (``rotating=False``:
         a ``KVCache`` of the whole history, which the row must hold); per recurrent layer an ``ArraysCache``."""
-        check_row(row, self.row_count)
-        position = self._lengths[row]
-        if position == 0 or self._caches is None:
-            return [ArraysCache(len(c.cache)) if isinstance(c, ArraysCache) else KVCache()
-                    for c in self.model.make_caches()]
-        out = []
-        for layer, (cache, window) in enumerate(zip(self._caches, self._windows)):
-            if isinstance(cache, ArraysCache):
-                out.append(split_state(cache, row))
-                continue
-            if window is None and isinstance(cache, BatchKVCache) and getattr(cache, "_right_padding", None) is None:
-                # a full-attention row holds its last ``position`` keys up to ``_idx`` (``_unpadded``'s rule): read
-                # off host-side counts, since ``left_padding[row].item()`` waits for the queued round on a GPU (130
-                # ms a checkpoint in issue 35's H100 trace, on the scheduler thread)
-                left = cache._idx - position
-            else:
-                left = int(cache.left_padding[row].item())
-            keys = cache.keys[row : row + 1, :, left : cache._idx]
-            values = cache.values[row : row + 1, :, left : cache._idx]
-            if window is not None and rotating:
-                out.append(rotating_snapshot(keys, values, position, window))
-                continue
-            if keys.shape[2] != position:
-                raise ValueError(f"row {row} layer {layer} holds {keys.shape[2]} of its {position} tokens")
-            single = KVCache()
-            single.keys, single.values = mx.contiguous(keys), mx.contiguous(values)
-            single.offset = position
-            out.append(single)
-        held = [cache.cache if isinstance(cache, ArraysCache) else (cache.keys, cache.values) for cache in out]
+        out = self.split_row(row, ring=rotating)
         # queued, not waited for: the copies run on the device behind the current round, and the caller (a
         # checkpoint on the scheduler thread) goes on at once; whoever reads them later (the memory tier's restore,
         # the write-behind thread's host copy) waits for exactly these arrays. A blocking eval here made every
         # checkpoint wait for the whole queued round on a GPU.
-        mx.async_eval([a for arrays in held for a in arrays if a is not None])
+        mx.async_eval([a for cache in out for a in kind_of(cache).arrays(cache)])
         return out
-
-    def _join(self, mine: Any, theirs: Any, other: BatchRows) -> Any:
-        """K/V as ``BatchRows`` joins it; a recurrent layer's states side by side (zeros where a side has none)."""
-        if isinstance(mine, ArraysCache):
-            return join_states(mine, self.row_count, theirs, other.row_count)
-        return super()._join(mine, theirs, other)
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _unpadded(self) -> bool:
         """No row has left padding, read off host-side counts (no device read): a full-attention layer's row holds
         ``_idx - left_padding`` keys, which is its length. Only ports of full-attention models use the answer."""
-        first = next((c for c in self._caches or () if isinstance(c, BatchKVCache)), None)
+        first = next((c for c, kind in zip(self._caches or (), self._kinds) if kind.trimmable), None)
         return first is not None and all(n == first._idx for n in self._lengths)
-
-    def _ensure_caches(self) -> list:
-        if self._caches is None:
-            self._caches = self.model.make_caches(self.row_count)
-        return self._caches
 
 
 @dataclass

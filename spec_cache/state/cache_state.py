@@ -182,8 +182,9 @@ _DEFER = threading.local()  # ``on`` while ``capture_caches(defer_copy=True)`` r
 
 
 def restore_caches(layers: Sequence[LayerState]) -> list[Any]:
+    """The mlx-lm caches of restored ``layers``, evaluated (each kind's ``arrays``)."""
     caches = [from_layer_state(layer) for layer in layers]
-    mx.eval([c.state for c in caches if hasattr(c, "keys") and c.keys is not None])
+    mx.eval([a for c in caches for a in kind_of(c).arrays(c)])
     return caches
 
 
