@@ -30,9 +30,10 @@ Qwen MTP head) open their row cold beside the restored target (``drafters.base.C
 the target forwards from there on (the MTP head, like the assistant, has the last restored token forwarded again
 when nothing else would be); its checkpoints carry that partial row in its schema's layout, the head it never
 had as zero rows (``drafters.base.storable``; none while it holds nothing yet), so a restore of them opens the same
-partial row again (``drafters.base.opened``: issue 38). A ``"full"``-prefill drafter
-(the MTP head) takes the tokens appended to a row that already has state (restored, or opened beside the target)
-through ``consume``, as the seed feeds externally supplied tokens.
+partial row again (``drafters.base.opened``: issue 38). A drafter declaring ``consumes_appended_tokens`` (the MTP
+head) takes the tokens appended to a row that already has state (restored, or opened beside the target) through
+``consume``, as the seed feeds externally supplied tokens. Every row is admitted tail-split: the seed's ``"full"``
+prefill mode is not implemented (``drafters.qwen_mtp``'s module doc says why).
 
 Persistence hooks: ``on_checkpoint(row_index, tokens, target_caches, draft_checkpoint)`` is called
 
@@ -708,9 +709,9 @@ class DecodeSession:
             if prefill_group is not None:
                 tokens = [row.request.prompt[row.draft_start : -1] for row in cohort]
                 if _takes_external_tokens(prefill_group):
-                    # A "full"-prefill drafter (the MTP heads) takes the tokens appended to a row that already has
-                    # state (a restored row's new turn or a continuation's replayed tokens; the tail after a
-                    # target-only hit) as externally supplied tokens, as the seed feeds them: through consume.
+                    # A drafter that consumes appended tokens (the MTP heads) takes the tokens appended to a row
+                    # that already has state (a restored row's new turn or a continuation's replayed tokens; the
+                    # tail after a target-only hit) as externally supplied tokens, as the seed feeds them.
                     fed = [0 if opening is None else len(t) for opening, t in zip(openings, tokens)]
                     if any(fed):
                         prefill_group.consume(tokens, context, fed)
@@ -1026,6 +1027,7 @@ def _draft_start(row: _Row) -> int:
 
 
 def _takes_external_tokens(group: Any) -> bool:
-    """Whether ``group`` declares the seed's ``"full"`` prefill mode and takes externally supplied tokens."""
-    return getattr(group, "prefill_mode", "tail-split") == "full" and getattr(group, "supports_external_tokens",
-                                                                                 False)
+    """Whether ``group`` takes the tokens appended to a row with state through ``consume``
+    (``consumes_appended_tokens``, with ``supports_external_tokens``)."""
+    return bool(getattr(group, "consumes_appended_tokens", False) and getattr(group, "supports_external_tokens",
+                                                                                  False))

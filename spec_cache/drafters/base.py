@@ -6,8 +6,9 @@
 * :class:`BoundDraftRows`: rows that read a target group (bound to it by ``provider.bind``) and sample drafts.
 * :class:`OpensRows`: a provider's ``open``/``open_prefill`` over its ``rows_class``; :class:`NetworkProvider`
   adds the fields of a provider around a trained network (assistant, DeepSpec, DFlash).
-* ``consume(tokens, context, lengths)``: externally supplied tokens (``supports_external_tokens``), and
-  ``prefill_mode`` (``"tail-split"`` or the MTP heads' ``"full"``), as in the seed's ``DraftRowGroup``.
+* ``consume(tokens, context, lengths)``: externally supplied tokens (``supports_external_tokens``), as in the seed's
+  ``DraftRowGroup``; ``prefill_mode`` is always ``"tail-split"`` (the seed's ``"full"`` is not implemented:
+  ``drafters.qwen_mtp``'s module doc says why).
 * :func:`directory_namespace`: the ``<schema>:<model identity>`` namespace of a drafter directory;
   :func:`check_sizes`: the "expects X; target has Y" checks of ``bind``.
 * :class:`ColdRow` and :class:`PartialRowCheckpoint`: a drafter row opened cold beside a restored target (a
@@ -226,10 +227,13 @@ class DraftRows:
     prefill_needs_target_hidden = False
     prefill_needs_target_taps = False
     tap_layers: tuple = ()
-    #: how the seed admits this drafter's rows: ``"tail-split"`` (the target forwards ``prompt[:-1]``, the last
-    #: prompt token is the first pending token) or ``"full"`` (the whole prompt; MTP heads). This engine admits
-    #: every row tail-split; rows declaring ``"full"`` follow the target's coverage and are exact either way.
+    #: how rows are admitted: ``"tail-split"`` (the target forwards ``prompt[:-1]``, the last prompt token is the
+    #: first pending token), the one mode this engine has. The seed's ``"full"`` (MTP heads: the whole prompt) is
+    #: not implemented and no row declares it (issue 38; ``drafters.qwen_mtp``'s module doc says why)
     prefill_mode = "tail-split"
+    #: whether the engine feeds tokens appended to a row that already has state (a restored row's new turn, a
+    #: continuation's replay, the tail after a target-only hit) through :meth:`consume` rather than ``prefill``
+    consumes_appended_tokens = False
     #: whether :meth:`consume` takes externally supplied tokens (the seed's ``supportsExternalTokens``)
     supports_external_tokens = False
     #: whether ``prepare_append`` takes a :class:`ColdRow` (and the :class:`PartialRowCheckpoint` its capture

@@ -16,11 +16,17 @@ token. A commit of ``accepted + 1`` tokens (the pending token and the kept draft
 zero-depth round still appends the pending token's pair and the K/V stays aligned. A row with no token yet
 (``P == 0``) has no state to capture: :meth:`QwenMTPRows.capture` returns None for it (a cold row).
 
-Prefill: the seed's MTP rows use the ``"full"`` prefill mode (the target forwards the whole prompt); these rows
-follow the target's coverage whatever the mode, so they run under this engine's tail-split admission too. Tokens
-appended to a row that already has state (a restored row's new turn, a continuation's replayed tokens, the tail
-after a target-only hit) come in through :meth:`QwenMTPRows.consume`, as externally supplied tokens; the pairs
-they add are the ones a prefill of the same tokens adds.
+Prefill: tail-split, as every row of this engine (the target forwards ``prompt[:-1]``, the last prompt token is
+the first pending token). The seed's MTP rows declare a ``"full"`` mode (the target forwards the whole prompt and
+the first token comes from that forward); it is not implemented here and no row declares it (issue 38, row 27):
+the head's pairs depend only on which tokens the target covered, so tail-split gives the same pairs and the same
+tokens, and "full" would only bring the first token one forward earlier at admission (out of the prefill forward
+itself, not the first verify round), at the cost of a second admission path through the engine's boundary
+checkpoints, interleaved prefill, logprobs and KV-quantization conversion points (each written and tested for
+tail-split). Tokens appended to a row that already has state (a
+restored row's new turn, a continuation's replayed tokens, the tail after a target-only hit) come in through
+:meth:`QwenMTPRows.consume` (``consumes_appended_tokens``), as externally supplied tokens; the pairs they add are
+the ones a prefill of the same tokens adds.
 
 Target-only hit (the target restored without this head's part): the row opens cold beside it (``base.ColdRow``),
 its hidden unknown; its K/V then holds the pairs of the tokens the target forwards from then on, at their true
@@ -165,8 +171,8 @@ class QwenMTPRows(BoundDraftRows):
     prefill_needs_target_taps = True
     #: a row opened beside a restored target needs the hidden before its pending token (module doc)
     prefill_needs_target_hidden = True
-    #: the seed's mode for MTP rows; these rows are exact under tail-split admission too (see module doc)
-    prefill_mode = "full"
+    #: tokens appended to a row that has state reach it through ``consume`` (the engine's admission; module doc)
+    consumes_appended_tokens = True
     supports_external_tokens = True
     opens_beside_target = True
     provider: "QwenMTPProvider"

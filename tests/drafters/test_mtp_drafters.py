@@ -274,7 +274,8 @@ def test_prefill_mode_and_consume_across_providers(mtp, tmp_path):
     from spec_cache.testing.tiny import write_tiny_drafter
 
     provider, rows, group = _one_row(mtp, [5, 6, 7])
-    assert group.prefill_mode == "full" and group.supports_external_tokens
+    # tail-split, the one mode (the seed's "full" is not implemented, issue 38); appended tokens through consume
+    assert group.prefill_mode == "tail-split" and group.consumes_appended_tokens and group.supports_external_tokens
     # a projected drafter consumes like it prefills
     write_tiny_drafter(tmp_path / "deepspec", "deepspec", mtp.target_dir)
     deepspec = load_provider(tmp_path / "deepspec")
@@ -283,7 +284,7 @@ def test_prefill_mode_and_consume_across_providers(mtp, tmp_path):
     whole.prefill([[5, 6, 7, 8, 9]], whole_rows.prefill([[5, 6, 7, 8, 9]], tap_layers=whole.tap_layers))
     part_rows = TargetRows.from_row_caches(mtp.target, [None])
     part = deepspec.open(part_rows, [None])
-    assert part.prefill_mode == "tail-split" and part.supports_external_tokens
+    assert part.prefill_mode == "tail-split" and part.supports_external_tokens and not part.consumes_appended_tokens
     part.prefill([[5, 6, 7]], part_rows.prefill([[5, 6, 7]], tap_layers=part.tap_layers))
     part.consume([[8, 9]], part_rows.prefill([[8, 9]], tap_layers=part.tap_layers), [2])
     assert part.processed == whole.processed == (5,)

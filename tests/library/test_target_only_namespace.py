@@ -298,3 +298,19 @@ def test_a_stored_partial_row_opens_as_the_row_it_was(model, tmp_path, method):
         [RowRequest(p, max_tokens=3)], on_checkpoint=recorder)
     full = recorder.boundary(0)[3]
     assert opened(full) is full
+
+
+# --- item 3: the seed's "full" prefill mode is not implemented, and no row declares it ------------------------
+
+def test_every_row_is_admitted_tail_split_and_only_the_mtp_head_consumes_appended_tokens(model):
+    from spec_cache.decode.engine import _takes_external_tokens
+    from spec_cache.drafters import load_provider
+    from spec_cache.drafters.ngram import NgramProvider
+    from spec_cache.rows.target import TargetRows
+
+    rows = TargetRows.from_row_caches(model.target, [None])
+    for method in {**TAPS, **OTHERS}:
+        provider = NgramProvider() if method == "ngram" else load_provider(model.dirs[method, 31])
+        group = provider.open(rows, [None])
+        assert group.prefill_mode == "tail-split", method
+        assert _takes_external_tokens(group) == (method == "qwen-mtp"), method
