@@ -192,13 +192,11 @@ def test_local_completions_loglikelihood_batched(harness, server, reference, pay
     assert out["results"]["tiny_mc"]["acc,none"] == 1.0  # every gold choice is the model's likeliest
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "lm-eval scores a continuation as sum(token_logprobs[ctxlen:-1]) of an echo + logprobs + max_tokens 1 answer "
-    "(it drops the one generated token, OpenAI's shape: len(prompt) + 1 entries). When that generated token is "
-    "the end of sequence the server leaves its entry out (jobs._scored_pieces skips the ids the detokenizer "
-    "hides), so lm-eval drops the continuation's last token instead: 'It is' + ' Paris.' scores 0, not -8e6"))
 def test_local_completions_loglikelihood_of_a_continuation_the_model_would_end(harness, server, reference,
                                                                                  payloads):
+    """lm-eval scores a continuation as sum(token_logprobs[ctxlen:-1]) of an echo + logprobs + max_tokens 1 answer
+    (len(prompt) + 1 entries, OpenAI's shape). With echo the end-of-sequence token a row stops at has its entry
+    too; without it lm-eval dropped the continuation's last token: 'It is' + ' Paris.' scored 0, not -8e6."""
     out = evaluate(harness, server, "local-completions", "tiny_mc_ending")
     check_loglikelihoods(out, "tiny_mc_ending", ENDING, reference, payloads)
 

@@ -532,7 +532,8 @@ async def _scored_pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list
     the scored tokens whose text the piece completes (``_TokenTexts.entry``; ``text_offset`` counts characters
     of the answer, the echoed prompt included). The echoed prompt comes first, as one piece; every delivered
     token has an entry (the one that completed a stop string included; not the end-of-sequence token a row stops
-    at, whose text the answer leaves out, as OpenAI's logprobs do), and one
+    at, whose text the answer leaves out, as OpenAI's logprobs do, except with echo: a loglikelihood client such as
+    lm-eval counts one entry per prompt and generated token and drops the last), and one
     whose text is held (an incomplete character, a possible stop string) goes with the next piece. With
     ``scoring.zero`` the row's one token is not part of the answer."""
     timing = {} if timing is None else timing
@@ -566,7 +567,7 @@ async def _scored_pieces(job: Job, events: asyncio.Queue, tokenizer, stops: list
             for i, token in enumerate(event[1]):
                 offset = base + len(detokenizer.text)
                 text, stopped = matcher.feed(detokenizer.add([token]))
-                if scores is not None and int(token) not in detokenizer.hidden:  # the stop token has no text
+                if scores is not None and (scoring.echo or int(token) not in detokenizer.hidden):  # echo: every token
                     waiting.append(texts.entry(scores[i], offset))
                 if text or (stopped and waiting):
                     yield ("text", text, waiting)
