@@ -17,9 +17,8 @@ The model and the server are ``tests/apps/test_clients.py``'s (the scripted mode
 greedy script makes a choice's loglikelihood either about 0 (the script's next token), a few nats (the weak start
 of the script after ``assistant``) or about -8e6 (off the script), so a wrong sum or a lost token shows.
 
-What fails because of the server is ``xfail(strict=True)`` with what lm-eval sent and what the server answered (a
-continuation after which the model would end loses its last token's logprob), so a server that fixes it turns the
-test into a failure to rewrite as a passing one.
+The test of a continuation after which the model would end found that the server left the end-of-sequence token's
+entry out of an echo answer, so lm-eval dropped the continuation's last token instead (fixed in jobs._scored_pieces).
 """
 
 from __future__ import annotations
