@@ -139,9 +139,14 @@ def test_restored_target_with_cold_drafter_row(tiny, provider_name):
         # forwarded again; a projected-context drafter opens beside the restored target (nothing forwarded again).
         expected = {"assistant": len(prompt) - 2, "qwen-mtp": len(prompt) - 2}.get(provider_name, len(prompt) - 1)
         assert result.cached_tokens == expected
-        rebuilt = drafting.boundary(index)[3]
+        rebuilt = drafting.boundary(index)[3]  # the row's first checkpoint
         if provider_name in ("deepspec", "dflash", "dflash2", "qwen-mtp") and expected:
-            assert rebuilt is None  # its row covers the forwarded tail only: checkpoints carry the target part
+            # its row covers the forwarded tail only: a checkpoint before it holds any row carries the target part;
+            # after, the partial row with its missing head as zero rows (issue 38), read back as that partial row
+            from spec_cache.drafters.base import PartialRowCheckpoint, opened
+
+            assert rebuilt is None or (isinstance(opened(rebuilt), PartialRowCheckpoint)
+                                       and opened(rebuilt).start == expected)
             continue
         assert rebuilt.processed_tokens == len(prompt) - 1
         if provider_name == "ngram":
