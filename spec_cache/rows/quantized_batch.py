@@ -27,6 +27,7 @@ from spec_cache.state.cache_kinds import kind_of
 
 __all__ = ["BatchQuantizedKVCache", "PhaseRows", "single_arrays"]
 
+
 class PhaseRows(BatchRows):
     """Rows of one target that share every forward: per layer one left-padded batch cache, a ``BatchKVCache``
     where ``quants[layer]`` is None, else a :class:`BatchQuantizedKVCache` of that layer's bits and group size.

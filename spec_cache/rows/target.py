@@ -20,18 +20,19 @@ keys mlx-lm's ``RotatingKVCache`` would hold, and a rejected draft rolls back li
 from a ring snapshot holds only its last ``W`` keys there (its older positions are left padding; the window
 never reaches them), so a layer's ``BatchKVCache.offset`` is the row's *position*, which may exceed the keys it
 holds. At a checkpoint a sliding layer is written back as mlx-lm's ``RotatingKVCache`` (the last ``W`` keys in
-temporal order), an exact-boundary snapshot the store never trims (``spec_cache.state.row_caches`` converts between
-single-row caches and batch rows).
+temporal order), an exact-boundary snapshot the store never trims. Each layer's rows move between single-row
+caches and its batch cache through the layer's kind in the table of cache kinds (``spec_cache.state.cache_kinds``:
+``BatchRows.merge_rows`` / ``split_row``).
 
 **KV quantization** is batched by phase in ``spec_cache.rows.quantized_rows`` over
-``spec_cache.rows.quantized_batch.BatchQuantizedKVCache`` (mlx-lm has no batched quantized cache).
+``spec_cache.state.batch_caches.BatchQuantizedKVCache`` (mlx-lm has no batched quantized cache).
 
 **Recurrent layers** (hybrid targets such as ``qwen3_next``) hold an ``ArraysCache`` per layer instead of K/V;
 ``TargetRows.from_row_caches`` hands such a model ``HybridTargetRows`` (end of this file; the state operations
-are ``spec_cache.rows.recurrent_rows``'), which rolls a
-rejected draft back by replaying the kept tokens through the recurrent mixers (recurrent state is never
-trimmable). **Cache layers**: ``num_layers`` counts the layers that hold a cache (mlx-lm's ``make_cache``; Gemma
-4's KV-shared layers hold none), ``depth`` every decoder layer; taps index decoder layers.
+are the ``arrays`` kind's), which rolls a rejected draft back by replaying the kept tokens through the recurrent
+mixers (recurrent state is never trimmable). **Cache layers**: ``num_layers`` counts the layers that hold a cache
+(mlx-lm's ``make_cache``; Gemma 4's KV-shared layers hold none), ``depth`` every decoder layer; taps index decoder
+layers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """One table of the mlx-lm cache kinds spec-cache keeps: the only place that checks a cache's class.
 
 Every operation on a cache layer looks its kind up here (``kind_of(cache)`` for a cache object, ``kind_named(name)``
-for a stored or held layer) and asks the kind; no other module tests a cache class (``tools/check_cache_kinds.py``
-holds them to it). The protocol follows mlx-lm's ``state`` / ``from_state``, split the way each route needs it:
+for a stored or held layer) and asks the kind; no other module tests a cache class
+(``tests/library/test_cache_kind_table.py`` holds them to it, naming the few left in other rooms and why). The
+protocol follows mlx-lm's ``state`` / ``from_state``, split the way each route needs it:
 
 * **one row** (the store: ``cache_state.layer_state`` / ``from_layer_state``; the memory tier: ``_hold`` /
   ``_rebuild``): ``capture(cache) -> (meta, arrays)``, the arrays covering exactly the cache's offset (never the
@@ -71,13 +72,13 @@ class CacheKind:
     """One cache kind: the mlx-lm class it covers, the name stored records carry, and every operation on it."""
 
     name: ClassVar[str]              # LayerState.kind in stored records (and the codec's header kind)
-    cache_class: ClassVar[str]       # the class's name in mlx_lm.models.cache
+    cache_class: ClassVar[str]       # the class's name in mlx_lm.models.cache (else override ``mlx_class``)
     token_axis: ClassVar[int | None] = None  # 2: token-sliceable (trimmable); None: kept whole, exact length
     holds_kv: ClassVar[bool] = True  # attention keys/values (a drafter may read them); False: recurrent state
     batch: ClassVar[str | None] = None  # the kind whose batch cache rows of this kind join; None: no batched rows
     codec: ClassVar[bool] = False    # the drafter codec spec-cache-kv-v1 writes it
     quantized: ClassVar[bool] = False  # K/V converted at a recorded point (``converted_at``): the KV plan's rows
-    rows_noun: ClassVar[str] = ""    # a batch kind's rows, for messages ("full-precision K/V")
+    rows_noun: ClassVar[str] = ""    # a batch kind's rows in messages: "full-precision", "quantized", "recurrent"
 
     @property
     def trimmable(self) -> bool:
