@@ -4,18 +4,26 @@ Why: a tiny random model never writes a tool call by chance, so the tool-call pa
 tested with canned text. This model is real (an mlx-lm llama directory, loaded and served like any other), and
 its weights make greedy decoding deterministic:
 
-* the tokenizer is a WordLevel vocabulary whose added tokens are whole strings: ``<tool_call>``, the call's JSON
-  (``{"name": "get_weather", "arguments": {"city": "Paris"}}``), ``</tool_call>``, ``<tool_response>``, the
-  chat markers ``<|im_start|>`` / ``<|im_end|>`` (the EOS), and a few plain words;
+* the tokenizer is a WordLevel vocabulary of SentencePiece-style pieces (``▁`` stands for the space before a word;
+  decoded as Llama 2's tokenizer decodes, so llguidance reads every token's bytes and grammars work) whose added
+  tokens are whole strings: ``<tool_call>``, the call's JSON with a space either side
+  (`` {"name": "get_weather", "arguments": {"city": "Paris"}} ``), ``</tool_call>``, ``<tool_response>``, the JSON
+  answer as ``{`` and ``"city": "Paris"}``, the chat markers ``<|im_start|>`` / ``<|im_end|>`` (the EOS), and a few
+  words;
 * one layer whose only non-zero parts are an attention value / output pair: every position attends uniformly to
   the positions before it and writes the share of ``<tool_response>`` tokens among them into a spare "flag"
   dimension of the residual stream (the MLP and the queries / keys are zero);
 * embeddings are one-hot and the head maps each token to its successor in ``script`` with a large logit (so
   ``<tool_call>`` -> call JSON -> ``</tool_call>`` -> EOS); the generation prompt's last token (``assistant``)
   starts ``script`` with a small logit, which the flag overrides: once a tool result is in the context the
-  model answers with ``reply`` (``It is sunny in Paris.``) instead of calling the tool again.
+  model answers with ``reply`` (``It is sunny in Paris.``) instead of calling the tool again. The JSON answer's
+  ``{`` follows the start token with a weaker logit still, so it is what a grammar that refuses ``<tool_call>``
+  (``response_format`` json_object / json_schema with a string ``city``) leaves the greedy row (llguidance forces
+  the ``{`` and tokenizes it with this tokenizer: it must be a token of its own), then ``"city": "Paris"}``, then
+  EOS.
 
-So: a first turn with tools gets a tool call; the turn that sends the tool result back gets a plain answer.
+So: a first turn with tools gets a tool call; the turn that sends the tool result back gets a plain answer; a
+request for JSON gets ``{"city": "Paris"}``.
 ``template="hermes"``: a chat template with Hermes/Qwen-style tool support (tools in the system turn, assistant
 calls as ``<tool_call> {json} </tool_call>``, results as ``<tool_response>`` user turns); ``"plain"``: a
 template without tool support (``spec_cache.apps.server.tools`` then uses its fallback).
@@ -30,18 +38,26 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["CALL", "REPLY", "HERMES_TEMPLATE", "PLAIN_TEMPLATE", "write_scripted_model"]
+__all__ = ["ANSWER_JSON", "CALL", "REPLY", "HERMES_TEMPLATE", "PLAIN_TEMPLATE", "write_scripted_model"]
 
 #: the tool call the script emits (one token) and the reply once a tool result is in the context
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 REPLY = ("It", "is", "sunny", "in", "Paris.")
+#: what the model writes where a grammar refuses the tool call (two tokens: ``{``, the rest)
+ANSWER_JSON = '{"city": "Paris"}'
+_OPEN, _JSON_REST = "{", ANSWER_JSON[1:]
 START, EOS, MARKER = "assistant", "<|im_end|>", "<tool_response>"
+#: the space before a word, as SentencePiece writes it; a lone space between added tokens is this piece alone
+SPACE = "\u2581"
+#: the words that open a turn, right after ``<|im_start|>`` (no space before them)
+_ROLES = ("system", "user", "assistant", "tool")
 _SPECIAL = ("<|im_start|>", EOS)
-_ADDED = ("<tool_call>", "</tool_call>", MARKER, "</tool_response>", "<tools>", "</tools>")
-_WORDS = ("system", "user", "assistant", "tool", "What", "is", "the", "weather", "in", "Paris?", "Hello", "Thanks")
+_ADDED = ("<tool_call>", "</tool_call>", MARKER, "</tool_response>", "<tools>", "</tools>", _OPEN, _JSON_REST)
+_WORDS = ("What", "is", "the", "weather", "in", "Paris?", "Hello", "Thanks")
 
-#: logits: a script step, the start token's script (weak: the flag overrides it), the flag's pull per unit share
-_CHAIN, _WEAK, _FLAG = 1e6, 1.0, 1e4
+#: logits: a script step, the start token's script (weak: the flag overrides it), the flag's pull per unit share,
+#: the start token's JSON answer (weaker than the script: chosen only where a grammar masks the script)
+_CHAIN, _WEAK, _FLAG, _JSON = 1e6, 1.0, 1e4, 0.5
 
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system {% if messages[0].role == 'system' %}{{ messages[0].content }} {% endif %}"
@@ -64,11 +80,18 @@ PLAIN_TEMPLATE = (
 
 
 def _vocabulary(call: str, reply: Sequence[str]) -> list[str]:
-    vocab = ["<unk>", *_SPECIAL, *_ADDED, call]
-    for word in (*_WORDS, *reply):
-        if word not in vocab:
-            vocab.append(word)
+    """Special tokens, added tokens (the call token spaced), the role words, then the words as pieces (``▁word``)
+    and the lone space."""
+    vocab = ["<unk>", *_SPECIAL, *_ADDED, _call_token(call), *_ROLES]
+    for word in (*_WORDS, *reply, ""):
+        if SPACE + word not in vocab:
+            vocab.append(SPACE + word)
     return vocab
+
+
+def _call_token(call: str) -> str:
+    """The call as one token, with the spaces the templates put around it (``<tool_call> {json} </tool_call>``)."""
+    return f" {call} "
 
 
 def write_scripted_model(path: str | Path, *, template: str = "hermes", call: str = CALL,
@@ -83,8 +106,8 @@ def write_scripted_model(path: str | Path, *, template: str = "hermes", call: st
         raise ValueError(f"unknown scripted template {template!r}; known: {', '.join(templates)}")
     vocab = _vocabulary(call, reply)
     index = {token: i for i, token in enumerate(vocab)}
-    script = ["<tool_call>", call, "</tool_call>", EOS]
-    if len(set(reply)) != len(reply) or set(reply) & set(script) or START in reply:
+    script = ["<tool_call>", _call_token(call), "</tool_call>", EOS]
+    if len(set(reply)) != len(reply) or set(reply) & {"<tool_call>", call, "</tool_call>", EOS} or START in reply:
         raise ValueError("reply words must be distinct and not part of the tool-call script")
     hidden = 64 if len(vocab) < 64 else 128
     path = Path(path)
@@ -107,12 +130,15 @@ def write_scripted_model(path: str | Path, *, template: str = "hermes", call: st
     head = np.zeros((len(vocab), hidden), np.float32)
     successor = {token: EOS for token in vocab}
     successor.update(zip(script, script[1:]))
-    successor.update(zip(reply, [*reply[1:], EOS]))
+    pieces = [SPACE + word for word in reply]
+    successor.update(zip(pieces, [*pieces[1:], EOS]))
+    successor[_OPEN], successor[_JSON_REST] = _JSON_REST, EOS
     for token, following in successor.items():
         if token != START:
             head[index[following], index[token]] = _CHAIN
     head[index[script[0]], index[START]] = _WEAK
-    head[index[reply[0]], flag] = _FLAG
+    head[index[_OPEN], index[START]] = _JSON
+    head[index[pieces[0]], flag] = _FLAG
     weights["lm_head.weight"] = mx.array(head)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     config_path = path / "config.json"
@@ -124,11 +150,15 @@ def write_scripted_model(path: str | Path, *, template: str = "hermes", call: st
 
 
 def _write_tokenizer(path: Path, vocab: list[str], template: str) -> None:
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # "user What is" -> user ▁What ▁is; a word right after a special or added token (a role) has no ▁
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never")
+    # Llama 2's decoder (mlx-lm streams it with its SentencePiece detokenizer; llguidance reads its bytes)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIAL])
     whole = [t for t in vocab[1:] if t not in _SPECIAL and (t in _ADDED or " " in t)]
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in whole])

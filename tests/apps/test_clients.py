@@ -12,9 +12,11 @@ the tool call ``get_weather({"city": "Paris"})`` and, once a tool result is in t
 Paris.``, so every tool loop completes. Every tool here is ``get_weather(city)`` for that reason. The server runs
 with its defaults (one API key on loopback: ``cached_tokens`` exact), one process for the module.
 
-What fails because of the server is ``xfail(strict=True)`` with the request the client sent and the server's answer
-(``response_format`` and ``logprobs`` refused with 400), so a server that learns them turns these into failures to
-rewrite as passing tests.
+Structured output (``response_format`` json_object / json_schema: LangChain's default ``with_structured_output``,
+instructor's JSON modes, ``llm --schema`` / ``-o json_object``) runs for real: the scripted model's tokenizer is one
+llguidance reads (SentencePiece-style pieces), and where the grammar masks its tool call the model writes
+``{"city": "Paris"}``. A client's error that is the server's 400 for a parameter it refuses is raised as
+``Refused``, naming the parameter.
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ KEY = "test-client-key"
 QUESTION = "What is the weather in Paris?"
 ANSWER = "It is sunny in Paris."
 CALL_TEXT = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'  # no tools offered
-RESPONSE_FORMAT_400 = ("'response_format' is served (llguidance), but not for the scripted test model, whose WordLevel "
-                       "tokenizer llguidance cannot read: 422 unsupported_parameter (tested on SmolLM2 in "
-                       "tests/apps/test_server_response_format.py); issue 36 item 1")
 
 
 def get_weather(city: str) -> str:
@@ -42,33 +41,13 @@ def get_weather(city: str) -> str:
 
 
 class Refused(Exception):
-    """The server's 400 for a parameter it does not serve: the only failure a known-gap xfail here accepts."""
+    """The server's 400 for a parameter it does not serve, as a client showed it."""
 
 
 def refused_when(text: str, param: str) -> None:
     """Raise ``Refused`` when ``text`` (an error as a client shows it) is the server's 400 for ``param``."""
     if "400" in text and "unsupported_parameter" in text and re.search(rf"""['"]param['"]: ['"]{param}['"]""", text):
         raise Refused(f"{param}: {text}")
-
-
-class refusal:
-    """``with refusal("response_format"):`` turns the server's 400 for that parameter, however the client wraps
-    it, into ``Refused``; any other error goes through as it is."""
-
-    def __init__(self, param: str):
-        self.param = param
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if error is not None and not isinstance(error, Refused):
-            refused_when(str(error), self.param)
-        return False
-
-
-def known_gap(reason: str):
-    return pytest.mark.xfail(strict=True, raises=Refused, reason=reason)
 
 
 @pytest.fixture(scope="module")
@@ -192,27 +171,13 @@ def test_llm_python_api_conversation_and_tool_chain(llm_home):
     assert responses[1].token_details["prompt_tokens_details"]["cached_tokens"] >= responses[0].input_tokens - 1
 
 
-@known_gap("llm --schema 'city str' sends response_format {'type': 'json_schema', 'json_schema': {'name': "
-           "'output', 'schema': {...}}} (and -o json_object 1: {'type': 'json_object'}): " + RESPONSE_FORMAT_400)
-def test_llm_schema(llm_home):
-    with unspellable():
-        out = llm_cli("-m", "spec-cache-tiny", "--schema", "city str", QUESTION)
-    assert isinstance(json.loads(out)["city"], str)
-
-
-class unspellable(refusal):
-    """response_format is served (issue 36 item 1: llguidance grammars), but the scripted model's WordLevel
-    tokenizer is one llguidance cannot read: the server's one-line 422 for it stands for ``Refused`` here (a model
-    with a byte-level tokenizer answers: tests/apps/test_server_response_format.py)."""
-
-    def __init__(self):
-        super().__init__("response_format")
-
-    def __exit__(self, kind, error, tb):
-        text = "" if error is None else str(error)
-        if error is not None and not isinstance(error, Refused) and "422" in text and "response_format" in text:
-            raise Refused(f"response_format: {text}")
-        return False
+def test_llm_schema_and_json_object(llm_home):
+    """``llm --schema 'city str'`` sends response_format json_schema, ``-o json_object 1`` json_object: the same
+    question that gets the tool-call text without them (``CALL_TEXT``) gets the JSON, whole and streamed."""
+    assert json.loads(llm_cli("-m", "spec-cache-tiny", "--schema", "city str", QUESTION)) == {"city": "Paris"}
+    assert json.loads(llm_cli("-m", "spec-cache-tiny", "-o", "json_object", "1", QUESTION)) == {"city": "Paris"}
+    assert json.loads(llm_cli("-m", "spec-cache-tiny", "--no-stream", "--schema", "city str", QUESTION)) == {
+        "city": "Paris"}
 
 
 # -- LangChain ----------------------------------------------------------------------------------------------------
@@ -302,12 +267,14 @@ def test_langchain_structured_output_by_function_calling(server):
     assert out["raw"].tool_calls[0]["name"] == "get_weather"
 
 
-@known_gap("with_structured_output's default method sends response_format {'type': 'json_schema', 'json_schema': "
-           "{'name': 'Weather', 'schema': {...}, 'strict': True}}: " + RESPONSE_FORMAT_400)
-def test_langchain_structured_output_default_method(server):
+def test_langchain_structured_output_default_method_and_json_mode(server):
+    """The default method sends response_format json_schema (strict), ``json_mode`` json_object."""
     Weather = weather_model()
-    with unspellable():
-        assert chat_openai(server).with_structured_output(Weather).invoke(QUESTION) == Weather(city="Paris")
+    out = chat_openai(server).with_structured_output(Weather, include_raw=True).invoke(QUESTION)
+    assert out["parsing_error"] is None and out["parsed"] == Weather(city="Paris")
+    assert out["raw"].content == '{"city": "Paris"}' and out["raw"].tool_calls == []
+    json_mode = chat_openai(server).with_structured_output(Weather, method="json_mode")
+    assert json_mode.invoke(QUESTION + " Answer in JSON.") == Weather(city="Paris")
 
 
 def test_langchain_logprobs(server):
@@ -403,14 +370,28 @@ def test_instructor_tools_mode(server):
     assert turns[0][0] == turns[1][0] and turns[1][1] >= turns[0][0] - 1 > 0
 
 
-@pytest.mark.parametrize("mode,sent", [
-    ("JSON", "response_format {'type': 'json_object'} (and the schema in a system message)"),
-    ("JSON_SCHEMA", "response_format {'type': 'json_schema', 'json_schema': {'name': 'Weather', 'schema': {...}}}"),
-], ids=["JSON", "JSON_SCHEMA"])
-def test_instructor_json_modes(server, mode, sent, request):
-    request.applymarker(known_gap(f"instructor {mode} mode sends {sent}: " + RESPONSE_FORMAT_400))
+@pytest.mark.parametrize("mode", ["JSON", "JSON_SCHEMA"])
+def test_instructor_json_modes(server, mode):
+    """JSON sends response_format json_object (the schema in a system message), JSON_SCHEMA json_schema."""
     Weather = weather_model()
-    with unspellable():
-        weather = instructor_client(server, mode).chat.completions.create(
-            model="tiny", response_model=Weather, messages=[{"role": "user", "content": QUESTION}], max_retries=0)
+    weather, completion = instructor_client(server, mode).chat.completions.create_with_completion(
+        model="tiny", response_model=Weather, messages=[{"role": "user", "content": QUESTION}], max_retries=0)
     assert isinstance(weather, Weather) and weather.city == "Paris"
+    assert completion.choices[0].message.content == '{"city": "Paris"}'
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_response_format_is_what_turns_the_call_into_json(server):
+    """The raw request the clients above send: without response_format the scripted model writes its tool call as
+    text; with it the grammar masks that and the row writes the JSON, then stops."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": QUESTION}]
+    plain = client.chat.completions.create(model="tiny", messages=messages)
+    assert plain.choices[0].message.content == CALL_TEXT
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    for response_format in ({"type": "json_object"},
+                            {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}):
+        reply = client.chat.completions.create(model="tiny", messages=messages, response_format=response_format)
+        assert reply.choices[0].message.content == '{"city": "Paris"}', response_format
+        assert reply.choices[0].finish_reason == "stop"
