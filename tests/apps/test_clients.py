@@ -281,7 +281,7 @@ def test_langchain_logprobs(server):
     """Chat logprobs as LangChain reads them (``response_metadata["logprobs"]["content"]``; issue 36 item 2)."""
     reply = chat_openai(server, logprobs=True, top_logprobs=2).invoke("Hello")
     tokens = reply.response_metadata["logprobs"]["content"]
-    # (the tiny WordLevel tokenizer puts the spaces between tokens in decoding, not in the tokens: no join check)
+    # (a token's own text drops its piece's leading space, as SentencePiece decoding of one token does: no join check)
     assert tokens and reply.content.startswith(tokens[0]["token"])
     for token in tokens:
         assert token["logprob"] <= 0 and 1 <= len(token["top_logprobs"]) <= 2
