@@ -232,6 +232,9 @@ HOSTILE = [
     ("values of the wrong head size", dict(layers=_narrow), "layer 1 values have shape"),
     ("bfloat16 K/V for a float32 model", dict(layers=_bf16), "bfloat16; this model's are mlx.core.float32"),
     ("a quantized layer without KV quantization", dict(layers=_qkv), "quantized"),
+    ("a quantized layer that does not say where it was converted",
+     dict(layers=lambda g: [{k: v for k, v in layer.items() if k != "minimumReusableOffset"} for layer in _qkv(g)]),
+     "without minimumReusableOffset"),
     ("an offset past the tokens", dict(layers=lambda g: [dict(g[0], offset=99), g[1]]), "holds 99 tokens"),
     ("token ids past the vocabulary", dict(tokens=COVERED[:-1] + [10**6]), "token ids in 0..255"),
     ("a damaged tensor", dict(corrupt=True), "tensor hash mismatch"),
@@ -275,3 +278,32 @@ def test_the_cli_imports_and_refuses(llama, store_dir, tmp_path, capsys):
     assert entries(store_dir) == 2  # two namespaces: kv8 (group 32) and full precision
     code = cli_main(["import-seed", str(tmp_path / "missing.mlxkv"), "--model", str(path), "--cache", str(store_dir)])
     assert code != 0 and "no such file" in capsys.readouterr().err
+
+
+def test_quantized_qkv_layers_import_with_their_conversion_point(llama, store_dir, tmp_path):
+    """``qkv`` layers (K's packed/scales/biases then V's, ``groupSize``/``bits``, ``minimumReusableOffset`` = where
+    they were converted) under ``--kv-bits 4 --quantized-kv-start 0``: taken from what a quantized run of this
+    runtime holds at the prompt boundary, written as a seed file into a fresh store, imported; a new run restores
+    it and continues as the cold quantized run does. Under other KV options the same file is refused."""
+    path = llama[0]
+    kv = KVOptions(kv_bits=4, quantized_kv_start=0)
+    with SpecCache.open(tmp_path / "source") as cache:  # what the runtime holds after 11 tokens, converted at 11
+        cold = Generator.load(path, cache=cache, kv=kv).generate([PROMPT], max_tokens=12)[0]
+        hit = cache.restore(Generator.load(path, cache=cache, kv=kv).ns_key, PROMPT[:-1])
+    n = len(PROMPT) - 1
+    assert hit.length == n and {c.converted_at for c in hit.caches} == {n}
+    layers = []
+    for c in hit.caches:
+        parts = [(np.array(a[..., :n, :]), U32 if a.dtype == mx.uint32 else F32) for a in (*c.keys, *c.values)]
+        layers.append({"kind": "qkv", "offset": n, "groupSize": c.group_size, "bits": c.bits,
+                       "minimumReusableOffset": c.converted_at, "_arrays": parts})
+    file = tmp_path / "quantized.mlxkv"
+    file.write_bytes(mlxkv(PROMPT[:-1], layers, tok_hash=tokenizer_hash(path),
+                           fingerprint="0123456789abcdef-kv4-start0-1a2b"))
+    _refused(store_dir, file, path, "KV scheme is 4-bit, group 64, start 0; this import's is 4-bit, group 64, "
+                                    "start 5000", kv=KVOptions(kv_bits=4))
+    with SpecCache.open(store_dir) as cache:
+        import_seed(cache, file, path, kv=kv)
+    with SpecCache.open(store_dir) as cache:
+        warm = Generator.load(path, cache=cache, kv=kv).generate([PROMPT], max_tokens=12)[0]
+    assert warm.cached_tokens == n and warm.tokens == cold.tokens
