@@ -26,7 +26,7 @@ from spec_cache.apps.server.protocol import UNSUPPORTED
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: the README's "Runtime" example, as the README should hold it between the markers below (the lead pastes it);
+#: the README's library example ("The library"), as the README holds it between the markers below;
 #: smollm2 is the tiny target here (a symlink in the test's working directory; tests/apps/test_readme_blocks.py
 #: runs it on the real SmolLM2)
 README_EXAMPLE = '''\
