@@ -314,3 +314,27 @@ def test_every_row_is_admitted_tail_split_and_only_the_mtp_head_consumes_appende
         group = provider.open(rows, [None])
         assert group.prefill_mode == "tail-split", method
         assert _takes_external_tokens(group) == (method == "qwen-mtp"), method
+
+
+@pytest.mark.parametrize("reopen", [False, True], ids=["memory", "lmdb"])
+def test_qwen_mtp_heads_share_a_hybrid_targets_prefix_and_turn_two_restores_both_parts(tmp_path, reopen):
+    """qwen3_next (recurrent layers beside attention: its state is never trimmed) with two MTP heads: the second
+    head's first turn restores the first one's prompt boundary whole (the row starts without the last hidden),
+    its next turns restore its own partial row with the target."""
+    target_dir = write_tiny_target(tmp_path / "target", "qwen3_next", tokenizer=False)
+    target = TargetModel.load(target_dir)
+    heads = {seed: write_tiny_drafter(tmp_path / f"mtp-{seed}", "qwen-mtp", target_dir, seed=seed)
+             for seed in (31, 32)}
+    p = [3 + (i * 7) % 200 for i in range(60)]
+    memory = 0 if reopen else None
+    with SpecCache.open(tmp_path / "store", memory_bytes=memory) as cache:
+        Generator.load(target_dir, heads[31], cache=cache).generate([p], max_tokens=MAX)
+    conversation, turns, finished = list(p), [], []
+    for turn in range(3):
+        with SpecCache.open(tmp_path / "store", memory_bytes=memory) as cache:
+            (r,) = Generator.load(target_dir, heads[32], cache=cache).generate([conversation], max_tokens=MAX)
+        assert r.tokens == plain_greedy(target, conversation, MAX)
+        turns.append((r.cached_tokens, r.restored_drafter))
+        finished.append(len(conversation) + len(r.tokens) - 1)  # its finish checkpoint
+        conversation = conversation + r.tokens + [5 + turn, 6 + turn]
+    assert turns == [(len(p) - 1, False), (finished[0], True), (finished[1], True)]
