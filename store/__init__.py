@@ -14,10 +14,13 @@ One checkpoint, top to bottom:
 * ``lookup.py`` + ``candidates.py``: the longest prefix the caller's ``usable(hit)`` accepts, one ranking for
   both tiers;
 * ``read.py``: verified record reads and layer assembly, for both tiers;
+* ``background.py``: ``WriteBehind``, the byte-bounded background queue under the shared tier's publisher and
+  the runtime's lossless checkpoint writer (``offer`` refuses when full; the caller decides);
 * ``maintenance.py``, ``verify.py``, ``gc.py``, ``repair.py``, ``structure.py``: operator work;
 * ``shared/``: the Redis/Valkey tier behind the local store.
 """
 
+from .background import WriteBehind
 from .candidates import Hit, Usable
 from .codec import FORMAT_MAJOR as RECORD_FORMAT_MAJOR
 from .codec import Record, decode_record, encode_record
@@ -45,5 +48,5 @@ __all__ = [
     "encode_record", "decode_record", "StoreError", "StoreFormatError", "StoreOpenError", "StoreDamaged",
     "StoreUnavailable", "StoreUnsafe", "StoreFullError", "CorruptRecord", "CorruptIndex", "InvalidInput",
     "NamespaceNotRegistered", "ChunkNotCopied", "STORE_FORMAT",
-    "STORE_MAJOR", "STORE_MINOR", "RECORD_FORMAT_MAJOR", "Node", "Entry", "NamespaceInfo", "Totals",
+    "STORE_MAJOR", "STORE_MINOR", "RECORD_FORMAT_MAJOR", "Node", "Entry", "NamespaceInfo", "Totals", "WriteBehind",
 ]

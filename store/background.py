@@ -1,9 +1,19 @@
-"""The write-behind queue: checkpoints waiting to be published, bounded in bytes, drained by one thread.
+"""``WriteBehind``: a byte-bounded FIFO of background jobs, drained by one daemon thread.
 
-``offer`` never blocks: a checkpoint that would push the queued bytes past the cap is dropped (and counted), so a
-slow or absent shared tier can never hold up decoding. Jobs are small descriptors (the bytes are read from LMDB
-by the worker when it gets to them); the cap bounds the bytes the worker still has to send, i.e. how far the
-shared tier may lag behind the local one.
+``offer(job, nbytes)`` never blocks and never drops on its own: a job that would push the queued bytes past
+``cap_bytes`` is refused (``offer`` returns False) and the CALLER decides what a refusal means:
+
+* the shared tier's publisher (``shared/tier.py``) drops it and counts it: a slow or absent Redis must never hold
+  up decoding, and the local store still has the checkpoint (the cap bounds how far the shared tier may lag);
+* SpecCache's promoter (``spec_cache.tiers.cache``) drops a fetched prefix it could not queue (counted as
+  ``promote_dropped``): it was already restored, only its copy into LMDB is lost;
+* the lossless checkpoint writer (``spec_cache.tiers.write_behind.CheckpointWriter``) never drops: it queues past
+  the cap (``offer(..., over_cap=True)``) when something else bounds what waits (the memory tier holds the state),
+  else it writes the checkpoint itself on the caller's thread (back-pressure).
+
+Only ``close``/``stop`` drop jobs (what is still queued when their timeout ends; they report how many).
+Jobs are small descriptors (the bytes are read by the handler when it gets to them); ``nbytes`` is what the
+handler will still have to move, which is what the cap bounds. Costs one lock and a notify per ``offer``.
 """
 
 from __future__ import annotations
@@ -14,13 +24,13 @@ import threading
 import time
 from typing import Any, Callable
 
-log = logging.getLogger("spec_cache.shared")
+log = logging.getLogger("spec_cache.store")
 
 
 class WriteBehind:
     """A byte-capped FIFO served by a daemon thread that calls ``handler(job)`` for each job."""
 
-    def __init__(self, cap_bytes: int, handler: Callable[[Any], None], name: str = "spec-cache-shared-publish", *,
+    def __init__(self, cap_bytes: int, handler: Callable[[Any], None], name: str = "spec-cache-write-behind", *,
                  batch_handler: Callable[[list], None] | None = None, max_batch: int = 16, linger_s: float = 0.0,
                  quiet_s: float = 0.0, linger_max_s: float = 0.0, small_bytes: int = 0):
         """``batch_handler``: when given, the thread hands it every job queued at that moment (at most
@@ -59,8 +69,9 @@ class WriteBehind:
             return self._closed
 
     def offer(self, job: Any, nbytes: int, *, over_cap: bool = False) -> bool:
-        """Queue ``job`` (about ``nbytes`` to send); False (dropped) if it does not fit under the cap. ``over_cap``:
-        queue it even past the cap (the caller bounds what waits by other means); never once closed."""
+        """Queue ``job`` (about ``nbytes`` to move); False (refused: not queued, the caller decides whether to drop
+        it, write it itself or wait) if it does not fit under the cap. ``over_cap``: queue it even past the cap (the
+        caller bounds what waits by other means); never once closed."""
         with self._cond:
             if self._closed or (self._bytes + nbytes > self.cap_bytes and not over_cap):
                 return False

@@ -46,9 +46,16 @@ from spec_cache.state.cache_state import (
     restore_caches,
     restore_concat,
 )
-from spec_cache.store import ChunkNotCopied, NamespaceNotRegistered, PutResult, Store, StoreError, StoreUnavailable
+from spec_cache.store import (
+    ChunkNotCopied,
+    NamespaceNotRegistered,
+    PutResult,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    WriteBehind,
+)
 from spec_cache.store.keys import pack_tokens, tenant_id
-from spec_cache.store.shared.queue import WriteBehind
 from spec_cache.tiers import exit_drain
 from spec_cache.tiers.memory_tier import MemoryHit, MemoryTier, default_budget
 from spec_cache.tiers.shared_prefetch import Handoff
@@ -133,7 +140,8 @@ class SpecCache:
         self._writer = (CheckpointWriter(self._write, write_queue_bytes, write_many=self._write_many) if behind
                         else None)
         self._promoter = None
-        if shared is not None:  # promotion off the request's path: the restored state is used at once
+        if shared is not None:  # promotion off the request's path: the restored state is used at once; a fetched
+            # prefix the queue refuses is dropped (``promote_dropped``): it was restored, only its LMDB copy is lost
             self._promoter = WriteBehind(shared.config.queue_bytes, self._promote, name="spec-cache-promote")
         exit_drain.track(self)
 

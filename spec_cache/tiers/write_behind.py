@@ -34,7 +34,7 @@ import logging
 import threading
 from typing import Callable, NamedTuple
 
-from spec_cache.store.shared.queue import WriteBehind
+from spec_cache.store import WriteBehind
 
 log = logging.getLogger("spec_cache")
 

@@ -21,6 +21,7 @@ import os
 import socket
 import time
 
+from ..background import WriteBehind
 from ..errors import StoreError
 from .auth import auth_for
 from .config import DEFAULT_PREFIX, KEYED_PREFIX, SECRET_ENV, TRUSTED_ENV, SharedConfig
@@ -29,7 +30,6 @@ from .health import Health
 from .keys import KeyNames
 from .lookup import Incoming, LookupMixin
 from .publish import PublishJob, PublishMixin
-from .queue import WriteBehind
 from .scripts import COMMIT, DELETE_IF_UNCHANGED
 
 __all__ = ["SharedTier", "Incoming", "PublishJob"]
@@ -109,7 +109,9 @@ class SharedTier(LookupMixin, PublishMixin):
         self._delete_if_unchanged = self._read.register_script(DELETE_IF_UNCHANGED)
         self._sigs: dict[bytes, list[bytes]] = {}
         self._store = store
-        self._queue = WriteBehind(self.config.queue_bytes, self._publish) if store is not None else None
+        # the publisher drops what the queue refuses (``enqueue``): the local store keeps it
+        self._queue = (WriteBehind(self.config.queue_bytes, self._publish, name="spec-cache-shared-publish")
+                       if store is not None else None)
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:

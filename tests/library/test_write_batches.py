@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from spec_cache.store.shared.queue import WriteBehind
+from spec_cache.store import WriteBehind
 from spec_cache.tiers import write_behind
 from spec_cache.tiers.cache import SpecCache
 from tests.library.test_memory_tier import kv

@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+from spec_cache.store import WriteBehind
 from spec_cache.store.continuations import Continuation
-from spec_cache.store.shared.queue import WriteBehind
 from spec_cache.tiers import write_behind
 from spec_cache.tiers.cache import SpecCache
 from spec_cache.tiers.continuations import Continuations

@@ -617,7 +617,7 @@ def test_shared_stats_command(server, hosts, capsys, monkeypatch):
 
 
 def test_write_behind_queue_order_cap_and_close():
-    from spec_cache.store.shared.queue import WriteBehind
+    from spec_cache.store import WriteBehind
 
     gate, done = threading.Event(), []
 
