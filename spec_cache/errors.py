@@ -26,7 +26,7 @@ routes alike). Importing this module does not import MLX.
 
 from __future__ import annotations
 
-from spec_cache.store.errors import InvalidInput
+from spec_cache.store import InvalidInput
 
 __all__ = ["InvalidRequest", "ModelLoadError", "RestoreRefused", "SpecCacheError", "UnsupportedCombination"]
 

@@ -18,12 +18,24 @@ One checkpoint, top to bottom:
   the runtime's lossless checkpoint writer (``offer`` refuses when full; the caller decides);
 * ``maintenance.py``, ``verify.py``, ``gc.py``, ``repair.py``, ``structure.py``: operator work;
 * ``shared/``: the Redis/Valkey tier behind the local store.
+
+The face: the runtime (``spec_cache``) and the CLI import only the names in ``__all__`` below, and two named
+sub-APIs: ``spec_cache.store.maintenance`` (operator work on a store: list, stats, evict, pin, verify, gc,
+compact, repair) and ``spec_cache.store.shared`` (the shared tier; its own ``__all__``, imported only when a
+shared tier is configured). Keys, cursors, record rows and the other modules are the store's own
+(``tests/store/test_store_face.py`` holds the runtime to it; benchmarks of internals, ``spec_cache/apps/bench``,
+may reach inside).
 """
 
+from . import maintenance  # a sub-API: operator work over Store
 from .background import WriteBehind
 from .candidates import Hit, Usable
 from .codec import FORMAT_MAJOR as RECORD_FORMAT_MAJOR
 from .codec import Record, decode_record, encode_record
+from .continuations import MAX_BYTES as CONTINUATION_MAX_BYTES
+from .continuations import MAX_RECORDS as CONTINUATION_MAX_RECORDS
+from .continuations import Continuation, ContinuationTable, continuation_key, continuation_params
+from .directory import default_budget
 from .env import STORE_FORMAT, STORE_MAJOR, STORE_MINOR
 from .errors import (
     ChunkNotCopied,
@@ -39,8 +51,9 @@ from .errors import (
     StoreUnavailable,
     StoreUnsafe,
 )
+from .keys import pack_tokens, tenant_id
 from .store import PutResult, Restored, Store, StoreMemo
-from .tensors import LayerState, Tensor
+from .tensors import LayerState, Tensor, numpy_dtype
 from .values import Entry, NamespaceInfo, Node, Totals
 
 __all__ = [
@@ -49,4 +62,13 @@ __all__ = [
     "StoreUnavailable", "StoreUnsafe", "StoreFullError", "CorruptRecord", "CorruptIndex", "InvalidInput",
     "NamespaceNotRegistered", "ChunkNotCopied", "STORE_FORMAT",
     "STORE_MAJOR", "STORE_MINOR", "RECORD_FORMAT_MAJOR", "Node", "Entry", "NamespaceInfo", "Totals", "WriteBehind",
+    # the language a caller speaks to the store in: tokens as the store packs them, a tenant's label, dtypes
+    "pack_tokens", "tenant_id", "numpy_dtype",
+    # continuation records (a request's output past its prompt checkpoint), written in a checkpoint's commit
+    "Continuation", "ContinuationTable", "continuation_key", "continuation_params", "CONTINUATION_MAX_BYTES",
+    "CONTINUATION_MAX_RECORDS",
+    # the store directory: serve's default byte budget
+    "default_budget",
+    # operator work on a store (a sub-API)
+    "maintenance",
 ]

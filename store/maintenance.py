@@ -1,5 +1,6 @@
-"""Operator work on a store: listing, statistics, eviction; verification (``verify.py``) and garbage
-collection (``gc.py``) are re-exported here.
+"""Operator work on a store: listing, statistics, eviction; verification (``verify.py``), garbage
+collection (``gc.py``), compaction (``compact.py``) and salvage of a damaged store (``repair.py``) are
+re-exported here: this module is the operators' sub-API of ``spec_cache.store``.
 
 These functions take a ``Store`` and only use its environment and index helpers, so the CLI stays a thin
 layer and a library user can call the same things.
@@ -12,10 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .compact import CompactReport, compact
 from .errors import CorruptIndex, StoreFullError
 from .gc import GcReport, gc
 from .index import Index
 from .pieces import PIECE_ROW_PREFIX, is_piece_row
+from .repair import RepairReport, repair
 from .store import Store
 from .tenants import DEFAULT_TENANT
 from .tenants import usage as tenant_usage
@@ -24,7 +27,7 @@ from .verify import RECORD_DBS, Progress, VerifyReport, index_problems, verify
 
 __all__ = ["namespaces", "tenants", "resolve_namespace", "resolve_entries", "set_pinned", "drafter_namespaces",
            "entries", "stats", "evict", "EvictReport", "verify", "VerifyReport", "index_problems", "gc", "GcReport",
-           "RECORD_DBS", "Progress"]
+           "RECORD_DBS", "Progress", "compact", "CompactReport", "repair", "RepairReport"]
 
 
 def _hex(b: bytes) -> str:

@@ -21,6 +21,9 @@ dependency all the same: it only runs later, which is how circles hide):
   module it names (not on the packages above it, whose ``__init__`` also runs). Each strongly connected group
   of modules is one circle, reported on one line with a shortest loop through it; the same at folder level
   (packages as nodes) for every folder below the applications;
+- which names of the store the runtime may import (its face: ``spec_cache.store``'s ``__all__`` and the
+  ``maintenance`` and ``shared`` sub-APIs; ``spec_cache/apps/bench`` may reach inside, to measure internals) is
+  ``tests/store/test_store_face.py``'s rule, not this script's: it needs the store's ``__all__``, not the graph;
 - the inspection modules (``spec_cache``, ``identity``, ``namespace``, ``jsjson``, the CLI package and its
   inspection path) reach no ``mlx``/``mlx_lm`` through their module-level imports, followed transitively through
   spec-cache's own modules (an import inside a function runs only when called, so it is not followed).

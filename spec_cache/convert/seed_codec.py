@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from spec_cache.schemas import CACHE_CODECS_V1, CheckpointAttachment, encode_cache_headers, validate_attachment
-from spec_cache.store.tensors import Tensor, numpy_dtype
+from spec_cache.store import Tensor, numpy_dtype
 
 __all__ = ["SEED_CODECS", "SeedFormatError", "SeedEntry", "SeedImport", "SeedLayer", "from_seed_attachment",
            "import_seed", "read_mlxkv", "wyhash", "MLX_DTYPES"]

@@ -20,8 +20,7 @@ import numpy as np
 from spec_cache.errors import RestoreRefused
 from spec_cache.schemas import CheckpointAttachment, DraftRowCheckpoint
 from spec_cache.state.cache_kinds import kind_named, kind_of
-from spec_cache.store import LayerState, Tensor
-from spec_cache.store.tensors import numpy_dtype
+from spec_cache.store import LayerState, Tensor, numpy_dtype
 
 _MX_DTYPES = {
     "bool": mx.bool_, "uint8": mx.uint8, "uint16": mx.uint16, "uint32": mx.uint32, "uint64": mx.uint64,

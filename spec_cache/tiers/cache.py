@@ -54,8 +54,9 @@ from spec_cache.store import (
     StoreError,
     StoreUnavailable,
     WriteBehind,
+    pack_tokens,
+    tenant_id,
 )
-from spec_cache.store.keys import pack_tokens, tenant_id
 from spec_cache.tiers import exit_drain
 from spec_cache.tiers.memory_tier import MemoryHit, MemoryTier, default_budget
 from spec_cache.tiers.shared_prefetch import Handoff

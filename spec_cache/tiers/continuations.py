@@ -32,12 +32,12 @@ from typing import Any, Sequence
 
 from spec_cache.errors import InvalidRequest
 from spec_cache.rows.generation import Result
-from spec_cache.store import StoreError
-from spec_cache.store.continuations import (
-    MAX_BYTES,
-    MAX_RECORDS,
+from spec_cache.store import CONTINUATION_MAX_BYTES as MAX_BYTES
+from spec_cache.store import CONTINUATION_MAX_RECORDS as MAX_RECORDS
+from spec_cache.store import (
     Continuation,
     ContinuationTable,
+    StoreError,
     continuation_key,
     continuation_params,
 )

@@ -205,10 +205,8 @@ def cmd_unpin(args) -> int:
 
 
 def cmd_compact(args) -> int:
-    from spec_cache.store.compact import compact
-
     open_store(args).close()  # the usual checks and one-line errors before anything is written
-    report = compact(args.cache)
+    report = maintenance.compact(args.cache)
     d = report.as_dict()
     emit(args, d, f"compacted {args.cache}: data.mdb {human_bytes(d['file_bytes_before'])} -> "
                   f"{human_bytes(d['file_bytes_after'])} ({human_bytes(d['bytes_freed'])} freed)")

@@ -1,4 +1,4 @@
-"""``spec-cache repair --to DIR``: salvage a damaged store into a new one (``store.repair``). Never imports MLX.
+"""``spec-cache repair --to DIR``: salvage a damaged store into a new one (``maintenance.repair``). Never imports MLX.
 
 The salvage reads the damaged store through liblmdb, which can abort on a damaged page; so it runs in a child
 process, and if that dies the command still reports how far it got (what was copied is committed in DIR).
@@ -15,8 +15,7 @@ import subprocess
 import sys
 
 from spec_cache.apps.cli.common import EXIT_OK, EXIT_PROBLEMS, CliError, emit, require_store
-from spec_cache.store import StoreError
-from spec_cache.store.repair import repair
+from spec_cache.store import StoreError, maintenance
 
 CHILD = "import sys; from spec_cache.apps.cli.repair import child_main; child_main(sys.argv[1], sys.argv[2])"
 
@@ -27,7 +26,7 @@ def child_main(src: str, dst: str) -> None:
         sys.stdout.write(json.dumps([kind, value]) + "\n")
         sys.stdout.flush()
     try:
-        report = repair(src, dst, on_copied=lambda n: say("copied", n))
+        report = maintenance.repair(src, dst, on_copied=lambda n: say("copied", n))
     except (StoreError, OSError) as exc:
         say("error", str(exc))
         return

@@ -95,10 +95,10 @@ def connection_budget(soft: int, asked: int | None = None) -> tuple[int, int]:
 
 def default_store_budget(path) -> tuple[int, str]:
     """``serve``'s default ``--max-bytes`` for the store at ``path``: half of the disk room the store could have
-    (free space + what the store and its damaged copies set aside hold; ``spec_cache.store.directory.default_budget``),
+    (free space + what the store and its damaged copies set aside hold; ``spec_cache.store.default_budget``),
     so the store can never fill the disk (a tmpfs went to 100% without a budget). It used to be "the store's bytes
     + half the free space", which grew at every restart of a full store and shrank with every copy set aside
     (issue 37 item 7). Returns (bytes, how it was computed)."""
-    from spec_cache.store.directory import default_budget
+    from spec_cache.store import default_budget
 
     return default_budget(path)
