@@ -22,6 +22,14 @@ start, u64 LE ``Bun.hash`` (wyhash) of the JSON header, the header, tensors at `
 its tokens and its attachments converted; the header hash is always checked and each tensor's 16-hex wyhash too
 (``verify``). Format 5 (tensors split into content-addressed blocks in a ``blocks/`` folder next to the file) is
 refused: its block table is not part of the documented layout.
+
+``import_seed`` (``spec-cache import-seed FILE.mlxkv --model DIR``) stores a file's *target* caches as a spec-cache
+entry under the model's no-drafter prefix namespace (which every drafter of the target reaches through the
+target-only namespace), after checking the whole file against the model first, as ``import-mlx-lm`` does: ``kv``,
+``qkv`` (its ``minimumReusableOffset`` as the conversion point) and a ``rotating`` layer whose ring has not wrapped
+are converted to mlx-lm caches; a wrapped ring, ``rotating-qkv``, ``ssm``, ``turboquant``, ``paged`` and ``mla``
+are refused in one line, and a refused file stores nothing. The drafter attachments are not imported (their
+rows open cold beside the target prefix).
 """
 
 from __future__ import annotations
