@@ -16,6 +16,9 @@ One checkpoint, top to bottom:
 * ``read.py``: verified record reads and layer assembly, for both tiers;
 * ``background.py``: ``WriteBehind``, the byte-bounded background queue under the shared tier's publisher and
   the runtime's lossless checkpoint writer (``offer`` refuses when full; the caller decides);
+* ``eviction.py``: the eviction policy, one table for every path that removes entries (a put's budget and
+  tenant quotas, a full map, an operator's ``evict``, continuation records); ``tenants.py``: the bytes each
+  tenant holds;
 * ``maintenance.py``, ``verify.py``, ``gc.py``, ``repair.py``, ``structure.py``: operator work;
 * ``shared/``: the Redis/Valkey tier behind the local store.
 

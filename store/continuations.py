@@ -44,6 +44,7 @@ from typing import Sequence
 import blake3
 
 from .errors import CorruptRecord, InvalidInput, StoreError
+from .eviction import over_bounds
 from .keys import KEY_BYTES, pack_tokens
 
 log = logging.getLogger("spec_cache.store")
@@ -253,7 +254,7 @@ class ContinuationTable:
     def _evict(self, txn, db, count: int, total: int) -> int:
         """Drop the least recently written records while over a bound; write the new sum."""
         evicted = 0
-        while count > self.max_records or total > self.max_bytes:
+        while over_bounds(count, total, max_records=self.max_records, max_bytes=self.max_bytes):
             oldest = next(_rows(txn, db, LRU_PREFIX), None)
             if oldest is None:
                 count, total = 0, 0

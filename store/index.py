@@ -560,35 +560,21 @@ class Index:
         self.put("entries", key, entry)
         return True
 
-    def lru_victims(self, exclude: set[bytes]) -> Iterator[tuple[bytes, Entry]]:
-        """Entries, least recently used first, skipping pinned ones and ``exclude``."""
+    # which entries go first (and which never) is ``eviction.py``'s; these are the rows it reads
+    def lru_rows(self, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(LRU row, entry key), least recently used first, from row ``start`` on (inclusive; None: the first)."""
         cursor = self.txn.cursor(db=self.dbs["lru"])
-        for raw_key, _ in cursor:
-            key = bytes(raw_key)[8:]
-            if key in exclude:
-                continue
-            try:
-                entry = self.entry(key)
-            except CorruptIndex:  # a damaged entry is gc's to remove; evict around it
-                continue
-            if entry is None or entry.pinned:
-                continue
-            yield key, entry
+        more = cursor.set_range(start) if start is not None else cursor.first()
+        while more:
+            row = bytes(cursor.key())
+            yield row, row[8:]
+            more = cursor.next()
 
-    def evict_one(self, exclude: set[bytes] = frozenset()) -> bool:
-        """Remove the least recently used unpinned entry; False if there is none."""
-        victim = next(self.lru_victims(set(exclude)), None)
-        if victim is None:
-            return False
-        self.remove_entry(*victim)
-        return True
-
-    def evict_to(self, max_bytes: int, exclude: set[bytes]) -> int:
-        """Evict LRU entries until total bytes <= max_bytes; returns the number evicted."""
-        evicted = 0
-        while self.totals().bytes > max_bytes and self.evict_one(exclude):
-            evicted += 1
-        return evicted
+    def entries(self) -> Iterator[tuple[bytes, Entry]]:
+        """Every entry as (key, entry), in key order; a damaged one raises ``CorruptIndex``."""
+        for key, raw in self.txn.cursor(db=self.dbs["entries"]):
+            key = bytes(key)
+            yield key, Entry.from_dict(decode("entries", raw, key))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Why not the entry's persisted ``pinned`` flag: that pin outlives every process and needs someone to take it off;
 a lease (``serve``'s ``/v1/cache/pin``, with a TTL) ends by itself when its time passes, when it is released, or
 when the process ends, so a crashed server never leaves entries pinned for ever. Eviction on put
-(``tenants.enforce``) and the full-map fallback (``Store._evict_for_space``) pass ``held()`` as their exclude set;
+(``eviction.enforce``) and the full-map fallback (``Store._evict_for_space``) pass ``held()`` as their exclude set;
 ``spec-cache evict`` (another process, an operator's explicit order) does not see leases.
 """
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 from .compact import CompactReport, compact
 from .errors import CorruptIndex, StoreFullError
+from .eviction import lru_victims, operator_selection
 from .gc import GcReport, gc
 from .index import Index
 from .pieces import PIECE_ROW_PREFIX, is_piece_row
@@ -201,7 +202,8 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
     entries the other filters select (target state stays). ``older_than_s``: unpinned entries not used for
     that many seconds. ``to_size``: unpinned LRU entries until the store holds at most that many bytes.
     ``everything``: all entries, pinned too. Filters combine (an entry must match all given ones), except
-    ``to_size`` which runs last.
+    ``to_size`` which runs last. Which entries match and which go first: ``eviction.py`` (its table's operator
+    row); this function owns only the transactions.
 
     On a full store (disk or map) one big transaction may not find the pages its own copy-on-write needs;
     then the removal goes on in small transactions, each freeing pages for the next (``StoreFullError`` only
@@ -210,11 +212,7 @@ def evict(store: Store, *, namespace: bytes | None = None, drafter: str | None =
     store.flush_best_effort()
     cutoff = None if older_than_s is None else time.time_ns() - int(older_than_s * 1e9)
     filtered = everything or namespace is not None or cutoff is not None or drafter is not None
-
-    def selected(e: Entry) -> bool:
-        return ((namespace is None or e.namespace == namespace)
-                and (cutoff is None or not (e.pinned or e.last_use >= cutoff))
-                and (drafter is None or drafter in e.drafters))
+    selected = operator_selection(namespace=namespace, drafter=drafter, cutoff_ns=cutoff)
 
     def step(txn, limit: int | None) -> tuple[EvictReport, bool]:
         return _evict_step(Index(txn, store.env.dbs), selected if filtered else None, drafter, to_size, limit)
@@ -247,10 +245,9 @@ def _evict_step(index: Index, selected: Callable[[Entry], bool] | None, drafter:
     done = 0
     if selected is not None:
         victims = []
-        for key, raw in index.txn.cursor(db=index.dbs["entries"]):
-            e = decode_typed("entries", raw, bytes(key))
+        for key, e in index.entries():
             if selected(e):
-                victims.append((bytes(key), e))
+                victims.append((key, e))
         for key, e in victims:
             if limit is not None and done >= limit:
                 counts.bytes = before - index.totals().bytes
@@ -269,11 +266,12 @@ def _evict_step(index: Index, selected: Callable[[Entry], bool] | None, drafter:
             if limit is not None and done >= limit:
                 finished = False
                 break
-            victim = next(index.lru_victims(set()), None)
+            victim = next(lru_victims(index), None)  # pinned entries stay (eviction.py)
             if victim is None:
                 break
-            counts.drafter_parts += len(victim[1].drafters)
-            index.remove_entry(*victim)
+            _, key, entry = victim
+            counts.drafter_parts += len(entry.drafters)
+            index.remove_entry(key, entry)
             counts.entries += 1
             done += 1
     counts.bytes = before - index.totals().bytes

@@ -37,11 +37,11 @@ from .codec import CorruptRecord
 from .directory import KEEP_ASIDE
 from .env import Environment, open_environment
 from .errors import CorruptIndex, InvalidInput, StoreError, StoreFullError, StoreUnavailable
+from .eviction import TenantPolicy, check_alone, enforce, evict_lru
 from .index import Index, draft_key, now_ns
 from .leases import Leases
 from .lookup import lookup
 from .read import ASYNC_VERIFY_BYTES, BackgroundVerifier, Concat, piece_reader, read_attachment, read_layers
-from .tenants import TenantPolicy, enforce
 from .tensors import LayerState
 from .values import Entry, NamespaceInfo, decode_typed
 from .write import Checkpoint, layer_signature, prepare_checkpoint
@@ -105,7 +105,7 @@ class Store:
 
         ``max_bytes`` caps stored bytes (LRU eviction on put) and is recorded in the store's ``meta`` (``budget``)
         so ``spec-cache stats`` shows it; ``durable=False`` skips fsync per commit. ``tenant_quota_bytes`` /
-        ``tenant_share`` (a fraction of ``max_bytes``) cap each tenant's bytes (``tenants.py``: over its quota a
+        ``tenant_share`` (a fraction of ``max_bytes``) cap each tenant's bytes (``eviction.py``: over its quota a
         tenant evicts its own entries; over ``max_bytes`` the tenant most over its fair share goes first).
         Raises ``StoreOpenError``/``StoreFormatError`` with a message naming the directory; ``StoreUnsafe`` for a
         read-write open of a directory another user owns or group/other may write (read-only opens are allowed).
@@ -345,14 +345,13 @@ class Store:
         child.commit()
 
     def _check_budget(self, nbytes: int, what: str = "") -> None:
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise StoreFullError(f"checkpoint of {nbytes} bytes{what} exceeds the store's max_bytes {self.max_bytes}")
+        check_alone(nbytes, self.max_bytes, what)
 
     def _evict_for_space(self) -> bool:
-        """Called when the map cannot grow: evict one LRU entry in its own transaction."""
+        """Called when the map cannot grow: evict one entry (``eviction.evict_lru``) in its own transaction."""
         try:
             held = self.leases.held()
-            return self.env.write(lambda txn: Index(txn, self.env.dbs).evict_one(held))
+            return self.env.write(lambda txn: evict_lru(Index(txn, self.env.dbs), held))
         except StoreFullError:
             return False
 
