@@ -35,7 +35,7 @@ import os
 
 import blake3
 
-from ..errors import StoreError
+from ..errors import CorruptRecord, StoreError
 
 SEALED_V1 = b"\x01"  # the first byte of a sealed record (a later scheme takes another)
 SALT_BYTES = 16
@@ -81,8 +81,9 @@ class PlainAuth:
         return [b"v", b"1", b"ns", ns, b"len", length, b"minr", minr, b"sum", pinned, b"bytes", nbytes]
 
     def check_manifest(self, name: bytes, ns_key: bytes, raw: dict) -> None:
+        """``CorruptRecord`` if ``raw`` is no manifest of this format for ``ns_key`` (``Unauthentic`` when keyed)."""
         if raw.get(b"v") != b"1" or raw.get(b"ns") != ns_key:
-            raise ValueError("unknown version or another namespace")
+            raise CorruptRecord("unknown version or another namespace")
 
     def sig_member(self, name: bytes, sig: bytes) -> bytes:
         """The member of signature set ``name`` that stands for layer signature ``sig`` (formats 1 and 2: itself)."""
@@ -167,7 +168,7 @@ class FleetAuth(PlainAuth):
 
     def check_manifest(self, name: bytes, ns_key: bytes, raw: dict) -> None:
         if raw.get(b"v") != MANIFEST_VERSION:
-            raise ValueError("unknown manifest version")
+            raise CorruptRecord("unknown manifest version")
         mac = raw.get(b"mac")
         if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self._manifest_mac(name, ns_key, raw)):
             raise Unauthentic("manifest authentication failed")

@@ -502,22 +502,23 @@ class LookupMixin:
         name = self.keys.manifest(key, group)
         try:
             if not isinstance(raw, dict):
-                raise ValueError("not a hash")
+                raise CorruptRecord("not a hash")
             self.keys.auth.check_manifest(name, ns_key, raw)
             length, minr, total = int(raw[b"len"]), int(raw[b"minr"]), int(raw[b"bytes"])
             checksum = raw[b"sum"]
             if len(checksum) != 32 or length < 1 or not 0 <= minr <= length or total < 0:
-                raise ValueError("fields out of range")
+                raise CorruptRecord("fields out of range")
             drafters = {}
             for name, value in raw.items():
                 if name.startswith(b"d:"):
                     if len(value) != 32:
-                        raise ValueError("bad drafter checksum")
+                        raise CorruptRecord("bad drafter checksum")
                     drafters[name[2:].decode("utf-8")] = value
         except Unauthentic as exc:
             self._unauthentic(name, None, "manifest", str(exc), warnings, "hash")
             return None
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        # damaged: a check failed (CorruptRecord), a field is missing, no number or not UTF-8
+        except (CorruptRecord, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             self._corrupt_key(name, None, f"manifest is unreadable ({exc})", warnings, "hash")
             return None
         return {"len": length, "minr": minr, "sum": checksum, "drafters": drafters, "bytes": total}
