@@ -7,7 +7,11 @@ nobody is served. Here every connection counts against ``max_connections`` from 
 connection that is waiting on its client is dropped after ``header_timeout_s`` (request line and headers,
 answered 408) or ``body_timeout_s`` (the request body). At the cap a new connection first evicts the connection
 that has waited longest on its client (a slow or idle one); only when every connection is being served (the app
-is working on its request) is the newcomer answered 503 at once. So a normal client (which sends its request in
+is working on its request) is the newcomer answered 503 at once. A connection whose response writes are stalled
+(the transport's buffer above its high-water mark: the client does not read) waits on its client too: it is
+evicted first at the cap, and dropped (aborted: its unsent bytes go) after ``write_timeout_s`` without the client
+reading its buffer down (issue 37, third attacker pass: streams that nobody read held their connections as
+"served" for ever, and enough of them answered every other tenant 503). So a normal client (which sends its request in
 one go) is served during a slowloris attack, and the server never holds more sockets than the cap (plus one
 accept backlog).
 
@@ -29,7 +33,7 @@ __all__ = ["ConnectionGuard", "guarded_protocol"]
 
 log = logging.getLogger("spec_cache.apps.server.guard")
 
-_HEADERS, _BODY, _SERVED = "headers", "body", "served"
+_HEADERS, _BODY, _SERVED, _WRITE = "headers", "body", "served", "write"
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
 _LINGER_S = 1.0  # a refused connection reads (and drops) its request this long so the client sees the 503
 
@@ -49,11 +53,14 @@ class ConnectionGuard:
     max_connections: int
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    #: a response whose writes stay stalled this long (the client reads nothing) is dropped
+    write_timeout_s: float = 60.0
     #: refused connections that may linger (for their 503 to be read) at once; beyond, they are closed at once
     max_lingering: int = 64
     #: connections waiting on their client, oldest first, per phase (dicts keep insertion order)
     waiting: dict = field(default_factory=lambda: {_HEADERS: collections.OrderedDict(),
-                                                   _BODY: collections.OrderedDict()})
+                                                   _BODY: collections.OrderedDict(),
+                                                   _WRITE: collections.OrderedDict()})
     lingering: int = 0
     closing: int = 0  # dropped connections whose transport has not reported connection_lost yet
     timed_out: int = 0
@@ -91,7 +98,8 @@ class ConnectionGuard:
     def sweep(self, loop) -> None:
         """Drop connections past their phase's deadline; runs every second while any connection is open."""
         now = time.monotonic()
-        for phase, limit in ((_HEADERS, self.header_timeout_s), (_BODY, self.body_timeout_s)):
+        for phase, limit in ((_HEADERS, self.header_timeout_s), (_BODY, self.body_timeout_s),
+                             (_WRITE, self.write_timeout_s)):
             queue = self.waiting[phase]
             while queue:
                 conn, since = next(iter(queue.items()))
@@ -111,6 +119,8 @@ class ConnectionGuard:
 
 
 def _phase_of(conn: H11Protocol) -> str:
+    if conn.flow is not None and conn.flow.write_paused:
+        return _WRITE
     state = conn.conn.their_state
     if state is h11.IDLE:
         return _HEADERS
@@ -164,14 +174,21 @@ def guarded_protocol(guard: ConnectionGuard) -> type:
             guard.closing += 1
             if why == _HEADERS and self.conn.our_state is h11.IDLE:
                 self.transport.write(_TIMEOUT_408)
+            stalled = self.flow is not None and self.flow.write_paused
             if why == "evicted":
                 log.warning("connection dropped: evicted at the connection cap (it was the one waiting longest on "
                             "its client)")
             elif why == _HEADERS:
                 log.warning("connection dropped: no complete request headers within --header-timeout")
+            elif why == _WRITE:
+                log.warning("connection dropped: its client read none of the response for %.0f s",
+                            guard.write_timeout_s)
             else:
                 log.warning("connection dropped: no complete request body within --body-timeout")
-            self.transport.close()
+            if stalled:  # close() would wait for the client to read what is buffered: never
+                self.transport.abort()
+            else:
+                self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -181,6 +198,14 @@ def guarded_protocol(guard: ConnectionGuard) -> type:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._retrack()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._retrack()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
             self._retrack()
 
         def _retrack(self) -> None:

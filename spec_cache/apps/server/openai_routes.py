@@ -4,12 +4,17 @@ Each generating handler authenticates, reads the body (``protocol.parse_chat`` /
 prompt ids (the chat template, tools included, or the text's tokens; a token-id prompt is taken as is) and, for a
 chat with a cache, the message boundaries checkpointed while prefilling (``seam``); ``jobs.Requests.run_job`` does
 the rest. An ``APIError`` anywhere is counted, logged and answered as OpenAI's error JSON.
+
+A ``response_format`` grammar is compiled before the job is made, in a worker thread (``_Grammars``: at most
+``GRAMMAR_THREADS`` at once, one at a time per API key), never on the event loop: a schema's check may take up to
+``rows.grammar.CHECK_SECONDS`` (issue 37, third attacker pass: one 700-byte schema held the loop for minutes).
 """
 
 from __future__ import annotations
 
 import time
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -24,12 +29,17 @@ from spec_cache.apps.server.tools import TemplateError, active_tools, chat_ids, 
 
 __all__ = ["openai_routes"]
 
+#: grammars compiled at once (each may run a child check of up to ``rows.grammar.CHECK_SECONDS``)
+GRAMMAR_THREADS = 2
+
 
 def openai_routes(requests: Requests) -> list[Route]:
     prompts = _Prompts(requests.tokenizer, requests.scheduler)
+    grammars = _Grammars(requests)
     return [
-        Route("/v1/chat/completions", _generating(requests, prompts, "chat", chat=True), methods=["POST"]),
-        Route("/v1/completions", _generating(requests, prompts, "completions", chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", _generating(requests, prompts, grammars, "chat", chat=True), methods=["POST"]),
+        Route("/v1/completions", _generating(requests, prompts, grammars, "completions", chat=False),
+              methods=["POST"]),
         Route("/v1/models", _models(requests), methods=["GET"]),
     ]
 
@@ -91,7 +101,31 @@ class _Prompts:
         return message_boundaries(render, messages, prompt)
 
 
-def _generating(requests: Requests, prompts: _Prompts, name: str, chat: bool):
+class _Grammars:
+    """Compiles a request's ``response_format`` grammar in a worker thread before its job is made (module doc);
+    ``jobs.Requests.grammar`` then finds it compiled (``rows.grammar`` keeps it). A tenant's compiles run one at a
+    time, so one API key's hostile schemas hold at most one of the ``GRAMMAR_THREADS``."""
+
+    def __init__(self, requests: Requests) -> None:
+        self.requests = requests
+        self.limiter = anyio.CapacityLimiter(GRAMMAR_THREADS)
+        self.locks: dict = {}  # tenant -> [anyio.Lock, users]
+
+    async def ready(self, params, tenant: str | None) -> None:
+        if getattr(params, "response_format", None) is None:
+            return
+        entry = self.locks.setdefault(tenant, [anyio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                await anyio.to_thread.run_sync(self.requests.grammar, params, limiter=self.limiter)
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                self.locks.pop(tenant, None)
+
+
+def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name: str, chat: bool):
     state = requests.state
     cache = state.generator.cache
     vocab = state.generator.engine.target.vocab_size
@@ -105,12 +139,14 @@ def _generating(requests: Requests, prompts: _Prompts, name: str, chat: bool):
             body, scoring = take_logprobs(await requests.read_json(request), chat)  # logprobs / echo: theirs
             if chat:
                 params, messages = parse_chat(body, state.models, vocab)
+                await grammars.ready(params, tenant)
                 prompt = await requests.tokenize(prompts.chat, messages, params)
                 if cache is not None:
                     checkpoint_at = await requests.tokenize(prompts.seams, messages, prompt, params,
                                                             salted_tenant(tenant, params.cache_salt))
             else:
                 params, text = parse_completion(body, state.models, vocab)
+                await grammars.ready(params, tenant)
                 if isinstance(text, PromptBatch):  # several prompts: choices of one body
                     batch = [t if isinstance(t, list) else await requests.tokenize(prompts.text, t) for t in text]
                     return await requests.run_choices(request, name, params, batch, tenant, chat, started,

@@ -62,7 +62,8 @@ delivered tokens its row generates again are checked, not sent (a row's tokens n
 they are the same; one that differs fails the row rather than answer wrongly). When the step cannot tell the
 culprit (several rows new, or none), those rows become suspects, readmitted one at a time, so the next failure
 names one; a row in ``MAX_FAILURES`` failed steps is failed whatever the rule says. Cost: the survivors' lost
-step and the tokens they generate again.
+step and the tokens they generate again. A row's grammar never fails a step: where it fails (``rows.grammar``),
+its masks end the row in that step and ``_on_finish`` answers its 422 (no continuation record is kept).
 
 Back-pressure: at most ``max_rows`` jobs decode at once; up to ``max_queue`` more wait; beyond that ``submit``
 raises ``APIError(429)``. Fairness (``tenants`` > 1: a server with several API keys): a tenant (its key; a
@@ -125,6 +126,13 @@ def _restored(job: Job) -> int:
     """Tokens ``job``'s current row restored from the cache (0: cold, or not prepared yet)."""
     request = None if job.prepared is None else job.prepared.request
     return 0 if request is None else request.restored_tokens
+
+
+def _grammar_failure(job: "Job") -> str | None:
+    """Why ``job``'s grammar cut its output (a one-line message), or None."""
+    grammar = job.sampling.grammar if job.sampling is not None else None
+    failure = getattr(grammar, "failure", None)
+    return None if failure is None else failure(job.output)
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
@@ -875,6 +883,11 @@ class Scheduler:
             job.prefilled, job.phase_end, job.row = job.phase_end, None, None
             self._pending.appendleft(job)  # the next phase (or the job itself) restores from this one
             return
+        failure = _grammar_failure(job)
+        if failure is not None:  # its grammar failed (``rows.grammar`` module doc): this row's own error
+            job.row = None  # its row is counted off already
+            self._fail(job, APIError(422, failure, param="response_format", code="invalid_schema"))
+            return
         self._done(job, result.reason or ("cancelled" if result.cancelled else "length"))
 
     def _on_checkpoint(self, row: int, tokens: list, caches: list, draft) -> None:
@@ -893,6 +906,8 @@ class Scheduler:
         """The continuation record a checkpoint of ``tokens`` supports (held in memory at once), or None."""
         if not job.replayable or job.phase_end is not None or self._continuations is None:
             return None
+        if job.sampling.grammar is not None and job.sampling.grammar.failed:
+            return None  # an output its grammar cut is never replayed as an answer
         ns_key = job.prepared.ns_key
         record = continuation_record(job.continuation_key(ns_key, self.eos_token_ids), ns_key, job.prompt,
                                      job.output, len(tokens), finished=job.generated >= job.max_tokens or

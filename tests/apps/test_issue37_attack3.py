@@ -1,0 +1,341 @@
+"""Issue 37, the third (confirming) attacker's pass: hostile ``response_format`` schemas, pins racing in-flight
+requests, slow readers. Real ``spec-cache serve`` processes on 127.0.0.1, two API keys (A attacks, B is the
+victim).
+
+What broke, and is fixed:
+
+* A 700-byte schema (``allOf`` of 30 ``.*ab.*`` patterns) sent llguidance's compiler into minutes of work and
+  past 14 GiB, on the event loop: every tenant's requests and streams stood still (and the server was OOM-killed).
+  Now a grammar is checked in a child process under ``rows.grammar.CHECK_SECONDS`` / ``CHECK_BYTES`` (a 422 past
+  them), compiled once in a worker thread (``openai_routes._Grammars``), never on the event loop.
+* A grammar that fails inside llguidance mid-row ("too many expressions constructed") answered an empty 200
+  ("stop", not JSON); a row's masks could cost ~125 ms a token of the scheduler's time for its whole
+  ``max_tokens`` (a 100 KB ``enum`` string). Now such a row ends in its own step with its own 422, within a mask
+  time budget, and no other row of the batch is touched (no failed step, no resume).
+* A stream whose client stopped reading held its connection as "served" for ever: enough of them and every
+  other tenant's connection was refused 503 (``ConnectionGuard``). Now a connection whose writes are stalled is
+  waiting on its client: evicted first at the cap, dropped after ``write_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.apps.test_server import KEY_A, KEY_B, Server, model, stopped  # noqa: F401  (model: a fixture)
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+def letters(n: int) -> list[str]:
+    return [chr(97 + i % 26) + chr(97 + (i // 26) % 26) for i in range(n)]
+
+
+def nest(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+#: hostile schemas and what each must get: 422 (refused), or 200 / 422 (served, or its row failed alone)
+HOSTILE = {
+    "deep nesting": (nest(300), {400, 422}),
+    "recursive $ref, required": ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {
+        "x": {"$ref": "#/$defs/a"}}, "required": ["x"]}}}, {200, 422}),
+    "$ref loop": ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}, {422}),
+    "$ref to itself": ({"$ref": "#"}, {422}),
+    "enum of 12k": ({"enum": [f"value{i}" for i in range(12000)]}, {200, 422}),
+    "minLength 1e9": ({"type": "string", "minLength": 10 ** 9}, {200}),
+    "minItems 1e9": ({"type": "array", "items": {"type": "integer"}, "minItems": 10 ** 9}, {200}),
+    "catastrophic regex": ({"type": "string", "pattern": "^(a+)+$"}, {200}),
+    "backreference": ({"type": "string", "pattern": "^(a)\\1$"}, {422}),
+    "nested counted regex": ({"type": "string", "pattern": "^(((a{100}){100}){100})$"}, {422}),
+    "5000 required properties": ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)},
+                                   "required": [f"p{i}" for i in range(5000)]}, {200, 422}),
+    "huge integer bounds": ({"type": "integer", "minimum": -10 ** 30, "maximum": 10 ** 30}, {422}),
+    "anyOf of 2500": ({"anyOf": [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"]}
+                                 for i in range(2500)]}, {200, 422}),
+    "x-guidance overrides": ({"type": "object", "x-guidance": {"whitespace_flexible": True,
+                                                               "whitespace_pattern": "[ ]*"}}, {200}),
+    "not a schema": ([1, 2, 3], {400, 422}),
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from spec_cache.apps.demo_real import INSTALL_HINT, SMOLLM2_FILE, find_smollm2_gguf
+
+    gguf = find_smollm2_gguf()
+    if gguf is None:
+        pytest.skip(f"{SMOLLM2_FILE} absent: {INSTALL_HINT}")
+    tmp = tmp_path_factory.mktemp("attack3-grammar")
+    srv = Server(gguf, tmp / "store", tmp, "--method", "ngram", "--max-rows", "4", "--max-queue", "8")
+    srv.model_id = httpx.get(srv.url + "/v1/models", headers=srv.headers(), timeout=10).json()["data"][0]["id"]
+    yield srv
+    stopped(srv)
+
+
+def chat(srv: Server, key: str, max_tokens: int = 6, timeout: float = 120, **extra) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                      timeout=timeout, json={"model": srv.model_id, "messages": QUESTION, "max_tokens": max_tokens,
+                                             "temperature": 0, **extra})
+
+
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def rss_bytes(pid: int) -> int:
+    return int(subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True).stdout) * 1024
+
+
+def one_line_error(r: httpx.Response) -> dict:
+    error = r.json()["error"]
+    assert "\n" not in error["message"] and len(r.content) < 4000, r.text[:500]
+    return error
+
+
+def test_a_schema_that_explodes_the_compiler_is_a_422_and_never_stalls_another_tenant(smollm2):
+    """Before: the event loop was inside llguidance for minutes (B's /v1/models and chat timed out) and the
+    server's memory grew by gigabytes."""
+    srv = smollm2
+    alone = chat(srv, KEY_B, cache_salt="ref")
+    assert alone.status_code == 200, alone.text
+    expected = alone.json()["choices"][0]["message"]["content"]
+    rss = rss_bytes(srv.proc.pid)
+    bomb = schema_format({"type": "string", "allOf": [{"pattern": f".*{c}.*"} for c in letters(30)]})
+    answers: dict = {}
+
+    def attack(i: int) -> None:
+        began = time.perf_counter()
+        answers[i] = (chat(srv, KEY_A, response_format=bomb, timeout=240), time.perf_counter() - began)
+
+    attackers = [threading.Thread(target=attack, args=(i,)) for i in range(2)]
+    for t in attackers:
+        t.start()
+    time.sleep(0.5)  # the bomb is being checked now
+    waits = []
+    for i in range(2):  # B's requests while the bomb is in the compiler: served as if alone
+        began = time.perf_counter()
+        assert httpx.get(srv.url + "/v1/models", headers=srv.headers(KEY_B), timeout=30).status_code == 200
+        r = chat(srv, KEY_B, cache_salt=f"during-{i}", timeout=60)
+        waits.append(time.perf_counter() - began)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected, r.text
+    for t in attackers:
+        t.join(240)
+    for r, took in answers.values():
+        assert r.status_code == 422, r.text
+        error = one_line_error(r)
+        assert error["param"] == "response_format" and "too complex" in error["message"]
+        assert took < 120  # CHECK_SECONDS (5) plus a loaded machine's slack; before: minutes
+    assert max(waits) < 30, waits  # B alone: about a second here
+    assert rss_bytes(srv.proc.pid) - rss < 1 << 30  # the compiler ran in a child under CHECK_BYTES
+    # the verdict is kept: the same bomb again is refused at once
+    began = time.perf_counter()
+    assert chat(srv, KEY_A, response_format=bomb).status_code == 422
+    assert time.perf_counter() - began < 30
+
+
+def test_hostile_schemas_get_a_json_4xx_or_are_served_and_the_other_tenant_is_unaffected(smollm2):
+    srv = smollm2
+    expected = chat(srv, KEY_B, cache_salt="ref").json()["choices"][0]["message"]["content"]
+    results: dict = {}
+
+    def attack() -> None:
+        for name, (schema, allowed) in HOSTILE.items():
+            began = time.perf_counter()
+            r = chat(srv, KEY_A, max_tokens=6, response_format=schema_format(schema))
+            results[name] = (r, time.perf_counter() - began, allowed)
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    rounds = 0
+    while attacker.is_alive() and rounds < 6:  # B keeps asking while A's schemas run beside it
+        r = chat(srv, KEY_B, cache_salt=f"beside-{rounds}", timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected, r.text
+        rounds += 1
+    attacker.join(300)
+    assert set(results) == set(HOSTILE)
+    for name, (r, took, _) in results.items():
+        print(f"{name}: {r.status_code} in {took:.2f} s {r.text[:160]}")
+    for name, (r, took, allowed) in results.items():
+        assert r.status_code in allowed, (name, r.status_code, r.text[:300])
+        assert took < 60, (name, took)
+        if r.status_code != 200:
+            error = one_line_error(r)
+            assert error["param"] == "response_format", (name, error)
+        else:
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] in ("stop", "length"), (name, choice)
+            if choice["finish_reason"] == "stop":
+                json.loads(choice["message"]["content"])  # finished: it parses
+    log = srv.log.read_text()
+    assert "an engine step failed" not in log and "Traceback" not in log
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_row_whose_grammar_fails_or_costs_too_much_ends_alone_with_its_own_422(smollm2):
+    """The counted regex passes the compile check but fails in llguidance at the row's first mask (before: an empty
+    200); the 100 KB enum string costs tens of ms a mask (before: all of max_tokens at that cost, every round of
+    every row waiting on it). B's row in the same batch gets its cold answer and the batch never fails a step."""
+    srv = smollm2
+    expected = chat(srv, KEY_B, max_tokens=24, cache_salt="ref24").json()["choices"][0]["message"]["content"]
+    counted = schema_format({"type": "object", "properties": {"a": {"type": "string",
+                                                                     "pattern": "^((((a{100}){100}){100}){100})$"}}})
+    heavy = schema_format({"enum": ["x" * 100_000]})
+    answers: dict = {}
+
+    def attack(name, fmt, max_tokens) -> None:
+        answers[name] = chat(srv, KEY_A, max_tokens=max_tokens, response_format=fmt)
+
+    threads = [threading.Thread(target=attack, args=("counted", counted, 12)),
+               threading.Thread(target=attack, args=("heavy", heavy, 400))]
+    for t in threads:
+        t.start()
+    r = chat(srv, KEY_B, max_tokens=24, cache_salt="beside-failing")
+    for t in threads:
+        t.join(300)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected, r.text
+    counted_answer = answers["counted"]
+    if counted_answer.status_code == 200:  # served: then it must be JSON that parses, never an empty "stop"
+        content = counted_answer.json()["choices"][0]["message"]["content"]
+        assert counted_answer.json()["choices"][0]["finish_reason"] == "length" or json.loads(content)
+    else:
+        assert counted_answer.status_code == 422, counted_answer.text
+        assert one_line_error(counted_answer)["param"] == "response_format"
+    heavy_answer = answers["heavy"]
+    assert heavy_answer.status_code in (200, 422), heavy_answer.text
+    if heavy_answer.status_code == 422:
+        assert "mask time" in one_line_error(heavy_answer)["message"]
+    else:  # fast enough masks here: served, 400 tokens at most
+        assert heavy_answer.json()["usage"]["completion_tokens"] <= 400
+    log = srv.log.read_text()
+    assert "an engine step failed" not in log and "Traceback" not in log
+
+
+# -- pins racing in-flight requests ------------------------------------------------------------------------------
+def ids_prompt(seed: int, n: int) -> list[int]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(4, 250, n)]
+
+
+def test_pins_racing_in_flight_requests_never_change_an_answer(model, tmp_path):  # noqa: F811
+    """A pins, unpins, re-pins with a 1 s ttl, prefetches and exports the prefix its own requests (and B's, under
+    B's key) are prefilling and decoding, in a memory tier small enough that the requests evict as they go; B
+    does the same to its own. Every greedy reply equals mlx-lm's cold run, no route answers 5xx, no step fails."""
+    from tests.apps.test_server import cold_reference, expected_text
+
+    _, target, _ = model
+    tokenizer, greedy = cold_reference(target)
+    srv = Server(target, tmp_path / "store", tmp_path, "--memory-bytes", "1M", "--max-bytes", "8M",
+                 "--max-pin-ttl", "60", "--max-rows", "4", "--max-queue", "8")
+    try:
+        shared = ids_prompt(1, 150)  # both keys' requests start with it (separate namespaces: each its own)
+        prompts = {key: [shared + ids_prompt(10 * k + i, 20) for i in range(5)] for k, key in enumerate((KEY_A, KEY_B))}
+        answers: list = []
+        statuses: list = []
+        stop = threading.Event()
+
+        def ask(key: str) -> None:
+            for i, p in enumerate(prompts[key]):
+                r = httpx.post(srv.url + "/v1/completions", headers=srv.headers(key), timeout=60,
+                               json={"model": "tiny", "prompt": p, "max_tokens": 24, "temperature": 0,
+                                     "stream": i % 2 == 1})
+                answers.append((p, r))
+
+        def race(key: str) -> None:
+            n = 0
+            while not stop.is_set() and n < 400:
+                n += 1
+                p = prompts[key][n % len(prompts[key])]
+                for path, body in (("pin", {"tokens": shared, "ttl_s": 1}), ("pin", {"tokens": p, "ttl_s": 30}),
+                                   ("prefetch", {"tokens": p}), ("export", {"tokens": shared[:64]})):
+                    r = httpx.post(f"{srv.url}/v1/cache/{path}", headers=srv.headers(key), json=body, timeout=60)
+                    statuses.append((path, r.status_code, r.text[:200]))
+                    if path == "pin" and r.status_code == 200 and n % 2:
+                        u = httpx.post(srv.url + "/v1/cache/unpin", headers=srv.headers(key),
+                                       json={"id": r.json()["id"]}, timeout=60)
+                        statuses.append(("unpin", u.status_code, u.text[:200]))
+
+        racers = [threading.Thread(target=race, args=(key,)) for key in (KEY_A, KEY_B)]
+        askers = [threading.Thread(target=ask, args=(key,)) for key in (KEY_A, KEY_B)]
+        for t in racers + askers:
+            t.start()
+        for t in askers:
+            t.join(120)
+        stop.set()
+        for t in racers:
+            t.join(60)
+        assert len(answers) == 10
+        for p, r in answers:
+            assert r.status_code == 200, r.text
+            if r.headers["content-type"].startswith("text/event-stream"):
+                text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                               if line.startswith("data: {"))
+            else:
+                text = r.json()["choices"][0]["text"]
+            assert text == expected_text(tokenizer, greedy(p, 24)), p
+        assert statuses and all(status < 500 for _, status, _ in statuses), [s for s in statuses if s[1] >= 500]
+        assert {status for path, status, _ in statuses if path == "pin"} & {200}
+        log = srv.log.read_text()
+        assert "an engine step failed" not in log and "Traceback" not in log
+    finally:
+        srv.stop()
+
+
+# -- readers that stop reading -----------------------------------------------------------------------------------
+def test_streams_nobody_reads_never_take_another_tenants_connections(model, tmp_path):  # noqa: F811
+    """A opens every connection the server allows with long streams (top_logprobs 20: ~1 KB an event) and reads
+    a few bytes a second; once the server's writes to them stall they are waiting on their client, so B's request
+    evicts one and is served. Before: they counted as served for ever and B got 503 for as long as A liked."""
+    import socket
+
+    _, target, _ = model
+    srv = Server(target, tmp_path / "store", tmp_path, "--max-connections", "3", "--max-rows", "4",
+                 "--max-queue", "4", probe_while_loading=False)
+    socks: list = []
+    try:
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 3000,
+                           "stream": True, "temperature": 0, "logprobs": True, "top_logprobs": 20,
+                           "ignore_eos": True}).encode()
+        for _ in range(3):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", srv.port))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"authorization: Bearer " + KEY_A.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(body)
+                      + body)
+            s.settimeout(0.05)
+            socks.append(s)
+        served, refused = None, 0
+        deadline = time.monotonic() + 60
+        while served is None and time.monotonic() < deadline:
+            for s in socks:  # slow-steady readers: a few bytes a second each
+                try:
+                    s.recv(16)
+                except OSError:
+                    pass
+            try:
+                r = httpx.post(srv.url + "/v1/completions", headers=srv.headers(KEY_B), timeout=10,
+                               json={"model": "tiny", "prompt": [5, 6, 8], "max_tokens": 4})
+            except httpx.HTTPError:
+                r = None
+            if r is not None and r.status_code == 200:
+                served = r
+            else:
+                refused += 1
+                time.sleep(0.5)
+        assert served is not None, f"B was refused {refused} times while A's unread streams held every connection"
+        assert "evicted at the connection cap" in srv.log.read_text()
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
