@@ -139,6 +139,16 @@ class Store:
     def chunk_tokens(self) -> int:
         return int(self.env.meta["chunk_tokens"])
 
+    @property
+    def readonly(self) -> bool:
+        """Whether this handle was opened read-only (every write is skipped or refused)."""
+        return self.env.readonly
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (every read and write of this handle fails from then on)."""
+        return self.env.env is None
+
     def close(self) -> None:
         if self.env.env is not None:
             if not self.env.readonly:
@@ -446,6 +456,13 @@ class Store:
             log.warning("could not drop corrupt record %s: %s", key.hex()[:16], exc)
             return
         self._bad.discard(key)
+
+    def drop_entry(self, key: bytes) -> None:
+        """Remove entry ``key`` as a corrupt record is removed (hidden from lookups where the store is read-only);
+        for an entry that is readable but must not be served again (it failed the step it was restored into).
+        Never raises: a failed write is logged and the entry stays hidden from this handle's lookups."""
+        with self._lock:
+            self._forget_corrupt(key)
 
     # --- access times and counters (batched) -------------------------------------------------------
     def _count(self, ns_key: bytes, *, hit: bool, entry: bytes | None = None) -> None:

@@ -118,8 +118,8 @@ class Continuations:
 
     def persist(self, rec: Continuation) -> None:
         """Write ``rec`` to LMDB (call once the checkpoint it refers to is committed); never raises."""
-        env = self.cache.store.env
-        if env.env is None or env.readonly:  # closed (a write drained at close still lands: the store is open)
+        store = self.cache.store
+        if store.closed or store.readonly:  # closed (a write drained at close still lands: the store is open)
             return
         try:
             self.counters["evicted"] += self.table.put(rec)

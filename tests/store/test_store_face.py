@@ -96,3 +96,27 @@ def test_bench_is_the_only_exception_and_still_needs_it(faces):
     """The exemption is not stale: the benchmarks do reach inside (else drop it from ``EXEMPT``)."""
     bench = [line for e in EXEMPT for path in sorted(e.rglob("*.py")) for line in violations(path, faces)]
     assert bench
+
+
+def test_store_says_readonly_closed_and_drops_an_entry(open_store, store_dir, store_invariants):
+    """What the runtime asked ``store.env`` and ``store._forget_corrupt`` for, as ``Store``'s own API."""
+    import numpy as np
+
+    from spec_cache.store import LayerState, Tensor
+
+    ns = bytes(range(32))
+    tokens = list(range(1, 20))
+    store = open_store()
+    store.register_namespace(ns, target="a" * 64, prefix_namespace="p")
+    kv = np.zeros((1, 1, len(tokens), 2), np.float32)
+    store.put(ns, tokens, [LayerState("kv", {}, [Tensor.from_numpy(kv), Tensor.from_numpy(kv)], token_axis=2)])
+    assert not store.readonly and not store.closed
+    key = store.entry_key(ns, tokens)
+    assert key is not None and store.lookup(ns, tokens) is not None
+    store.drop_entry(key)
+    assert store.lookup(ns, tokens) is None and store.entry_key(ns, tokens) is None
+    store_invariants(store)
+    store.close()
+    assert store.closed
+    with open_store(readonly=True) as reader:
+        assert reader.readonly and not reader.closed
