@@ -339,3 +339,53 @@ def test_streams_nobody_reads_never_take_another_tenants_connections(model, tmp_
         for s in socks:
             s.close()
         srv.stop()
+
+
+# -- the grammar's bounds, in process (the tiny spelling of tests/library/test_grammar.py) --------------------------
+def test_a_grammar_past_its_mask_time_fails_its_row_alone_and_a_refused_draft_path_does_not(monkeypatch):
+    import llguidance
+    import numpy as np
+
+    from spec_cache.rows import grammar as grammar_module
+    from tests.library.test_grammar import EOS, SCHEMA, _Spelling
+
+    spelling = _Spelling()
+    llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(spelling))
+    text = spelling(b'{"a":12,"b":true,"c":"x"}')
+    prompt = [5, 6, 7]
+    fine = grammar_module.Grammar.json_schema(llg, SCHEMA)
+    masks = fine.window_masks(prompt + text[:3], len(prompt), len(prompt), 3, 256)
+    assert masks[0, text[0]] and fine.failure(text) is None and not fine.failed
+    # the same schema again: compiled once (the same root), a fresh grammar with its own budget
+    assert grammar_module.Grammar.json_schema(llg, SCHEMA)._root is fine._root
+    monkeypatch.setattr(grammar_module, "ROW_SECONDS", 0.0)
+    monkeypatch.setattr(grammar_module, "TOKEN_SECONDS", 0.0)
+    spent = grammar_module.Grammar.json_schema(llg, SCHEMA)
+    masks = spent.window_masks(prompt + text[:4], len(prompt), len(prompt) + 1, 3, 256)
+    assert (np.flatnonzero(masks[0]) == [EOS]).all() and (masks == masks[0]).all()  # only EOS from here
+    assert "mask time" in spent.failure(text[:1] + [EOS]) and spent.failed
+    assert spent.failure([text[0] + 1]) is None  # another path than the one that failed
+    # a failure at a draft position (j > 0) is one only for a row that took those drafts
+    failing = grammar_module.Grammar.json_schema(llg, SCHEMA)
+    failing._fail(np.zeros((3, 256), dtype=bool), text[:2], 2, "boom")
+    assert failing.failure(text[:2] + [EOS]) == "'response_format': boom"
+    assert failing.failure(text[:1] + [text[0]]) is None
+
+
+def test_a_grammar_check_past_its_bounds_is_refused_and_the_verdict_kept(monkeypatch):
+    import llguidance
+
+    from spec_cache.rows import grammar as grammar_module
+
+    bomb = llguidance.LLMatcher.grammar_from_json_schema(
+        {"type": "string", "allOf": [{"pattern": f".*{c}.*"} for c in letters(30)]},
+        defaults=grammar_module.JSON_OPTIONS)
+    monkeypatch.setattr(grammar_module, "CHECK_SECONDS", 1.0)
+    began = time.perf_counter()
+    with pytest.raises(grammar_module.GrammarError, match="too complex"):
+        grammar_module.check_grammar(bomb)
+    assert time.perf_counter() - began < 30  # the child is killed at CHECK_SECONDS (1 s here)
+    began = time.perf_counter()
+    with pytest.raises(grammar_module.GrammarError, match="too complex"):
+        grammar_module.check_grammar(bomb)  # kept: no second child
+    assert time.perf_counter() - began < 0.5
