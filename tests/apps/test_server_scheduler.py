@@ -88,6 +88,44 @@ def test_checkpoints_every_n_tokens_of_prefill_and_generation(tiny, scheduler):
     assert follow_events.tokens == plain_greedy(tiny.target, follow.prompt, 5)
 
 
+def test_prefill_phases_and_generation_checkpoints_have_their_own_intervals(tiny, scheduler):
+    """``prefill_checkpoint_every`` splits a long prompt, ``checkpoint_every`` counts generated tokens only: the
+    server's defaults (4096 / 256) keep a GPU's long prompts whole while a retry loses at most 256 tokens."""
+    sched = scheduler(max_rows=4, checkpoint_every=8, prefill_checkpoint_every=None)
+    prompt = list(range(3, 40))  # 37 tokens: no phases now
+    first, events = job(prompt, 20)
+    sched.submit(first)
+    assert events.done.wait(60)
+    want = plain_greedy(tiny.target, prompt, 20)
+    assert events.tokens == want
+    head, head_events = job(prompt[:26] + [250, 251, 252], 6)  # no phase checkpoint at 24 to resume from
+    sched.submit(head)
+    assert head_events.done.wait(60)
+    if not scheduler.memory:  # (the memory tier trims the prompt-boundary entry to 26 either way)
+        assert head_events.cached < 24
+    follow, follow_events = job(prompt + want[:14] + [200, 201], 5)  # generation checkpoints are still taken
+    sched.submit(follow)
+    assert follow_events.done.wait(60)
+    assert follow_events.cached >= len(prompt) + 7
+    assert follow_events.tokens == plain_greedy(tiny.target, follow.prompt, 5)
+    assert sched.checkpoint_every == 8 and sched.prefill_checkpoint_every is None
+    with pytest.raises(ValueError):
+        Scheduler(sched.generator, prefill_checkpoint_every=0)
+
+
+def test_the_servers_defaults_keep_prefill_phases_long():
+    import argparse
+
+    from spec_cache.apps.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "m"])
+    assert args.prefill_checkpoint_every == cli.DEFAULT_PREFILL_CHECKPOINT_EVERY == 4096
+    assert args.checkpoint_every == cli.DEFAULT_CHECKPOINT_EVERY
+    assert args.prefill_step_size == 2048  # mlx_lm.server's and generate_step's
+
+
 def test_rows_joining_and_cancelled_while_others_decode(tiny, scheduler):
     sched = scheduler(max_rows=2, max_queue=1)
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 9)]

@@ -23,12 +23,16 @@ from spec_cache.apps.cli.shared import add_shared_secret_options, shared_options
 from spec_cache.drafters import METHODS as DRAFTER_METHODS  # one list (MLX-free)
 
 __all__ = ["add_arguments", "main", "register", "check_args", "build_state", "run_module",
-           "cached_tokens_granularity", "DEFAULT_CHECKPOINT_EVERY"]
+           "cached_tokens_granularity", "DEFAULT_CHECKPOINT_EVERY", "DEFAULT_PREFILL_CHECKPOINT_EVERY"]
 
 #: ``--checkpoint-every``'s default: a checkpoint (and continuation record) every 256 generated tokens, so a retry
 #: after a crash mid-answer regenerates at most 256 tokens (was 4096: usually only the prompt checkpoint survived);
 #: its measured cost is within the noise on the CPU (docs/CHECKPOINT_EVERY.md, issue 38)
 DEFAULT_CHECKPOINT_EVERY = 256
+#: ``--prefill-checkpoint-every``'s default: a long prefill's phases every 4096 prompt tokens. Apart from the
+#: generation's interval because a phase costs a restore and a one-token round besides the copy (on an H200 with an
+#: 8B model, 256-token phases would split a 6k-token prompt into 24 such rounds)
+DEFAULT_PREFILL_CHECKPOINT_EVERY = 4096
 
 
 def _size(text: str) -> int:
@@ -108,8 +112,8 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed-depth", action="store_true",
                         help="always draft --draft-depth tokens (default: only as deep as measured acceptance and "
                              "verify cost pay)")
-    parser.add_argument("--prefill-step-size", type=positive_int, default=512,
-                        help="prefill chunk in tokens (default 512, as mlx-lm's)")
+    parser.add_argument("--prefill-step-size", type=positive_int, default=2048,
+                        help="prefill chunk in tokens (default 2048, as mlx_lm.server's and generate_step's)")
     parser.add_argument("--kv-bits", type=positive_int,
                         help="quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)")
     parser.add_argument("--kv-group-size", type=positive_int, help="KV quantization group size (default 64)")
@@ -190,10 +194,13 @@ def _operator_options(parser: argparse.ArgumentParser) -> None:
                         help="drop a connection whose request body is not complete S seconds after its headers "
                              "(default 30)")
     parser.add_argument("--checkpoint-every", type=non_negative_int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
-                        help="checkpoint every N tokens of a long prefill and of a long generation, besides the "
-                             "prompt boundary and the finish: a greedy or seeded request retried after a crash "
-                             "resumes from the last one (default %(default)s, see docs/CHECKPOINT_EVERY.md; 0: only "
-                             "those two)")
+                        help="checkpoint every N generated tokens of a long generation, besides the prompt boundary "
+                             "and the finish: a greedy or seeded request retried after a crash resumes from the last "
+                             "one (default %(default)s, see docs/CHECKPOINT_EVERY.md; 0: only those two)")
+    parser.add_argument("--prefill-checkpoint-every", type=non_negative_int,
+                        default=DEFAULT_PREFILL_CHECKPOINT_EVERY, metavar="N",
+                        help="prefill a long prompt in phases of N tokens, each leaving a checkpoint a crash or a "
+                             "request sharing its head resumes from (default %(default)s; 0: none)")
     parser.add_argument("--max-pin-ttl", type=positive_seconds, default=3600.0, metavar="S",
                         help="the longest ttl_s a client may give /v1/cache/pin (default 3600)")
     parser.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
@@ -268,6 +275,7 @@ def build_state(args):
     metrics = Metrics()
     scheduler = Scheduler(generator, max_rows=args.max_rows, max_queue=args.max_queue, metrics=metrics,
                           checkpoint_every=args.checkpoint_every or None,
+                          prefill_checkpoint_every=args.prefill_checkpoint_every or None,
                           eos_token_ids=getattr(tokenizer, "eos_token_ids", None) or (), tenants=len(set(keys)))
     if cache is None:
         granularity, why = 1, "--no-cache: nothing is cached"

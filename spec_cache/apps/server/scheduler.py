@@ -10,19 +10,19 @@ in the batch (each restored from the cache at that moment: memory tier, LMDB, sh
 round, write the checkpoints that round produced (``cache.save(..., background=True)``: the memory tier at once,
 LMDB behind), and go on; with nothing to do it sleeps on its inbox.
 
-Long prompts and generations (``checkpoint_every=N``): a prompt with more than N tokens left to prefill goes in
-phases: a row for ``prompt[:k*N + 1]`` with ``max_tokens=1`` whose prompt-boundary checkpoint (``k*N`` tokens)
-is saved, then the next phase (or the request itself) restores from it; so a crash mid-prefill, or a later
-request sharing only the head, resumes part-way. Each phase costs one extra one-token round and a restore. A
-decoding row is checkpointed every N generated tokens (``DecodeSession.checkpoint``). Phases are skipped under KV
-quantization (the conversion point depends on the whole prompt's length, so a phase's state would not be
-reusable). Where the engine checkpoints from its prefill chunks (``SpeculativeEngine.prefill_checkpoints``: no
+Long prompts and generations (``prefill_checkpoint_every=N``; ``checkpoint_every=M``): a prompt with more than N
+tokens left to prefill goes in phases: a row for ``prompt[:k*N + 1]`` with ``max_tokens=1`` whose prompt-boundary
+checkpoint (``k*N`` tokens) is saved, then the next phase (or the request itself) restores from it; so a crash
+mid-prefill, or a later request sharing only the head, resumes part-way. Each phase costs one extra one-token round
+and a restore. A decoding row is checkpointed every M generated tokens (``DecodeSession.checkpoint``). Phases are
+skipped under KV quantization (the conversion point depends on the whole prompt's length, so a phase's state would not
+be reusable). Where the engine checkpoints from its prefill chunks (``SpeculativeEngine.prefill_checkpoints``: no
 drafter, float KV, an attention-only target) there are no phases: the same offsets go on the job's own row as
 ``RowRequest.checkpoint_at`` and each state is saved as the prefill passes it (no extra round, no restore).
 
 Checkpoints at chosen offsets (``Job.checkpoint_at``, the template seam): a chat request's message boundaries
 (``seam.message_boundaries``), Anthropic ``cache_control`` breakpoints, anything a caller names. An offset inside
-the prompt goes as a prefill phase like the ``checkpoint_every`` ones, when the prompt is split at all
+the prompt goes as a prefill phase like the ``prefill_checkpoint_every`` ones, when the prompt is split at all
 (``splits_prompt``: the cache held none of it, or a prefill chunk or more is left; a warm turn's short tail is
 prefilled in one piece); ``len(prompt)`` (the end of the prompt, where the next turn of a conversation continues,
 and where a drafter's exact-length row must be stored) is taken from the job's own row right after its first
@@ -222,14 +222,24 @@ class Scheduler:
     """See the module doc. ``generator``: a loaded ``spec_cache.decode.generator.Generator``."""
 
     def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None,
-                 checkpoint_every: int | None = None, eos_token_ids=(), tenants: int = 1) -> None:
+                 checkpoint_every: int | None = None, eos_token_ids=(), tenants: int = 1,
+                 prefill_checkpoint_every: int | None | str = "same") -> None:
+        """``checkpoint_every``: a decoding row's checkpoint every N generated tokens; ``prefill_checkpoint_every``
+        (default: the same N): a long prefill's phases every N prompt tokens. Apart because their costs differ: a
+        generation checkpoint is one copy of the row's state, a prefill phase also a restore and a one-token round
+        (the server's defaults: 256 generated tokens, 4096 prompt tokens)."""
         if max_rows < 1 or max_queue < 0:
             raise ValueError("max_rows must be >= 1 and max_queue >= 0")
         #: the API keys the server takes (module doc: fairness); more than one: each holds at most its share
         self.tenants = tenants
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise ValueError("checkpoint_every must be None or >= 1")
+        if prefill_checkpoint_every == "same":
+            prefill_checkpoint_every = checkpoint_every
+        for name, every in (("checkpoint_every", checkpoint_every),
+                            ("prefill_checkpoint_every", prefill_checkpoint_every)):
+            if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+                raise ValueError(f"{name} must be None or an int >= 1")
         self.checkpoint_every = checkpoint_every if generator.cache is not None else None
+        self.prefill_checkpoint_every = prefill_checkpoint_every if generator.cache is not None else None
         #: the model's EOS ids and the tokenizer's (a chat model's end-of-turn token is often only the latter)
         self.eos_token_ids = tuple(sorted(set(generator.eos_token_ids) | {int(t) for t in eos_token_ids}))
         self.generator = generator
@@ -678,7 +688,7 @@ class Scheduler:
         ``RowRequest.checkpoint_at`` and its state is saved as the prefill passes it (no extra one-token round,
         no restore between phases)."""
         engine = self.generator.engine
-        every = self.checkpoint_every
+        every = self.prefill_checkpoint_every
         if engine.plan is not None or (every is None and not job.checkpoint_at) or job.prompt_logprobs is not None:
             return None  # (a scored prompt is forwarded whole by the job's own row)
         covered = max(job.prepared.cached_tokens, job.prefilled)
@@ -698,7 +708,7 @@ class Scheduler:
         covered, and the ``checkpoint_at`` offsets the phase rule keeps (pinned ones always; the others when the
         prompt is split, ``MIN_CHECKPOINT_GAP`` or more past the last one kept), none within the gap of the
         prompt boundary."""
-        every = self.checkpoint_every
+        every = self.prefill_checkpoint_every
         points = set(range((covered // every + 1) * every, boundary, every)) if every is not None else set()
         last = covered
         for k in sorted(job.checkpoint_at):
