@@ -16,6 +16,7 @@ measure of what checkpoints add.
 
     python tools/bench_checkpoint_every.py --repeats 5 --max-tokens 1024 [--layers 30 --kv-heads 3] [--json]
     python tools/bench_checkpoint_every.py --repeats 5 --max-tokens 1 --prompt-tokens 4096 --drafter ngram
+    python tools/bench_checkpoint_every.py --repeats 3 --max-tokens 1024 --every 4096,256 --kill-at 300,700
 """
 
 from __future__ import annotations
@@ -75,6 +76,79 @@ def one_run(target: Path, store: Path, every: int, max_tokens: int, prompt: list
             "cpu_ms_per_token": 1e3 * cpu / len(times)}
 
 
+def _serve(target: Path, store: Path, every: int, log: Path):
+    """``python -m spec_cache.apps.server`` on a free port (no API keys), ready; returns (process, url)."""
+    import os
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPEC_CACHE_API_KEY", "SPEC_CACHE_OPERATOR_KEY"))}
+    proc = subprocess.Popen([sys.executable, "-m", "spec_cache.apps.server", "--model", str(target), "--model-id",
+                             "tiny", "--cache", str(store), "--port", str(port), "--checkpoint-every", str(every),
+                             "--cached-tokens-granularity", "1", "--log-level", "warning"],
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server did not come up: {log.read_text()[-2000:]}")
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def kill_and_retry(target: Path, work: Path, every: int, max_tokens: int, kill_at: int, prompt: list[int]) -> dict:
+    """A real ``spec-cache serve`` streams a greedy answer, is SIGKILLed right after ``kill_at`` streamed tokens (no
+    wait for the write-behind), restarted on its store; the same request again: tokens replayed, and its time."""
+    import signal
+
+    import httpx
+
+    store = work / f"kill-{every}-{kill_at}-{prompt[0]}"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    proc, url = _serve(target, store, every, work / "kill.log")
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=600) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data: {")
+                if seen >= kill_at:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+    finally:
+        proc.kill()
+        proc.wait()
+    proc, url = _serve(target, store, every, work / "kill.log")
+    try:
+        before = _metric(url, "spec_cache_replayed_tokens")
+        began = time.perf_counter()
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
+        retry_s = time.perf_counter() - began
+        replayed = _metric(url, "spec_cache_replayed_tokens") - before
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return {"every": every, "killed_at": kill_at, "replayed": int(replayed), "retry_s": round(retry_s, 3),
+            "tokens": reply["usage"]["completion_tokens"]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--every", default="4096,512,256,128,64,0", help="N values, comma separated (0: none)")
@@ -88,6 +162,9 @@ def main(argv=None) -> int:
                         "option also splits a prompt of more than N tokens (phases with a drafter, chunk "
                         "checkpoints without)")
     p.add_argument("--drafter", choices=["none", "ngram"], default="none")
+    p.add_argument("--kill-at", default="",
+                   help="instead: SIGKILL a real server after these many streamed tokens (comma separated), restart "
+                        "it, retry the request; prints the tokens the retry replayed and its time, per N")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     import os
@@ -100,6 +177,24 @@ def main(argv=None) -> int:
     heads = max(2, a.kv_heads)
     target = write_tiny_target(work / "model", seed=7, num_layers=a.layers, num_kv_heads=a.kv_heads,
                                num_heads=heads, hidden_size=64 * heads, vocab_size=256)
+    if a.kill_at:
+        rows = []
+        for r in range(a.repeats):
+            for k in (int(x) for x in a.kill_at.split(",")):
+                for v in values:
+                    rows.append(kill_and_retry(target, work, v, a.max_tokens, k, [5 + r, 6, 7, 8, 9, 10, 11]))
+        table = []
+        for v in values:
+            for k in sorted({x["killed_at"] for x in rows}):
+                mine = [x for x in rows if x["every"] == v and x["killed_at"] == k]
+                table.append({"every": v, "killed_at": k,
+                              "median_replayed": statistics.median(x["replayed"] for x in mine),
+                              "median_retry_s": round(statistics.median(x["retry_s"] for x in mine), 3)})
+        print(json.dumps({"max_tokens": a.max_tokens, "repeats": a.repeats, "layers": a.layers, "runs": rows,
+                          "results": table}, indent=1) if a.json else "\n".join(
+            f"N={t['every']:>5} killed after {t['killed_at']:>4}: replayed {t['median_replayed']:>6}, retry "
+            f"{t['median_retry_s']} s" for t in table))
+        return 0
     runs: dict[int, list[dict]] = {v: [] for v in values}
     one_run(target, work / "warm", 0, 64, [3, 4, 5], None if a.drafter == "none" else a.drafter)  # warm up
     for r in range(a.repeats):
