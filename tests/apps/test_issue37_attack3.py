@@ -12,6 +12,9 @@ What broke, and is fixed:
   ("stop", not JSON); a row's masks could cost ~125 ms a token of the scheduler's time for its whole
   ``max_tokens`` (a 100 KB ``enum`` string). Now such a row ends in its own step with its own 422, within a mask
   time budget, and no other row of the batch is touched (no failed step, no resume).
+* A tenant's cache-route calls (``/v1/cache/export`` of a 3000-token SmolLM2 prefix: 138 MB, 0.8 s on the
+  scheduler thread) ran back to back between two rounds: four export loops held every other row ~3 s a round.
+  Now, while rows decode, a call runs only once rounds have taken as long as the calls before it.
 * A stream whose client stopped reading held its connection as "served" for ever: enough of them and every
   other tenant's connection was refused 503 (``ConnectionGuard``). Now a connection whose writes are stalled is
   waiting on its client: evicted first at the cap, dropped after ``write_timeout_s``.
@@ -27,7 +30,9 @@ import time
 import httpx
 import pytest
 
+from tests.apps.test_issue37_fairness import make  # noqa: F401  (a fixture)
 from tests.apps.test_server import KEY_A, KEY_B, Server, model, stopped  # noqa: F401  (model: a fixture)
+from tests.runtime_fixtures import _identity_memo, tiny  # noqa: F401  (fixtures)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
@@ -389,3 +394,47 @@ def test_a_grammar_check_past_its_bounds_is_refused_and_the_verdict_kept(monkeyp
     with pytest.raises(grammar_module.GrammarError, match="too complex"):
         grammar_module.check_grammar(bomb)  # kept: no second child
     assert time.perf_counter() - began < 0.5
+
+
+# -- cache-route calls share the scheduler thread with the rows -------------------------------------------------
+def test_cache_calls_never_run_back_to_back_while_another_tenants_row_decodes(make):  # noqa: F811
+    """Six slow calls (an export loop's) queued while B's row decodes: a round of B's row comes between any two of
+    them, and every call is still answered. Before: all six ran between two rounds."""
+    from spec_cache.apps.server.scheduler import Job
+    from spec_cache.rows.sampling import RowSampling
+
+    sched = make(max_rows=2, max_queue=2)
+    events: list = []
+    lock = threading.Lock()
+    started, ended = threading.Event(), threading.Event()
+
+    def deliver(event: tuple) -> None:
+        with lock:
+            events.append("tokens" if event[0] == "tokens" else event[0])
+        if event[0] == "start":
+            started.set()
+        elif event[0] in ("done", "error"):
+            ended.set()
+
+    sched.submit(Job(prompt=[5, 6, 7, 8], max_tokens=400, sampling=RowSampling(), deliver=deliver,
+                     tenant="key:bbbbbbbb", stop_at_eos=False))
+    assert started.wait(60)
+    gate = threading.Event()
+    held = sched.call(lambda: gate.wait(30))  # the thread is held while the calls queue up behind it
+
+    def slow() -> None:
+        with lock:
+            events.append("call")
+        time.sleep(0.05)
+
+    calls = [sched.call(slow) for _ in range(6)]
+    gate.set()
+    held.result(60)
+    for future in calls:
+        future.result(60)
+    assert ended.wait(60)
+    marks = [i for i, e in enumerate(events) if e == "call"]
+    finished = events.index("done")
+    assert len(marks) == 6
+    between = [events[a:b].count("tokens") for a, b in zip(marks, marks[1:]) if b < finished]
+    assert between and all(n > 0 for n in between), events
