@@ -12,6 +12,9 @@ What broke, and is fixed:
   ("stop", not JSON); a row's masks could cost ~125 ms a token of the scheduler's time for its whole
   ``max_tokens`` (a 100 KB ``enum`` string). Now such a row ends in its own step with its own 422, within a mask
   time budget, and no other row of the batch is touched (no failed step, no resume).
+* One tenant's flood of long prompts queued in the tokenizer's single worker ahead of every other tenant's
+  request (60-100 prompts of 168 KB: B waited ~5 s). Now a tenant tokenizes one request at a time
+  (``openai_routes._Turns``).
 * A tenant's cache-route calls (``/v1/cache/export`` of a 3000-token SmolLM2 prefix: 138 MB, 0.8 s on the
   scheduler thread) ran back to back between two rounds: four export loops held every other row ~3 s a round.
   Now, while rows decode, a call runs only once rounds have taken as long as the calls before it.
@@ -223,6 +226,45 @@ def test_a_row_whose_grammar_fails_or_costs_too_much_ends_alone_with_its_own_422
     log = srv.log.read_text()
     assert "an engine step failed" not in log and "Traceback" not in log
 
+
+
+def test_one_tenants_flood_of_long_prompts_never_queues_another_tenants_tokenizing(smollm2):
+    """60 concurrent 168 KB prompts of A (each refused as too long, after ~0.1 s of tokenizing): B's request waits
+    for at most one of them in the tokenizer's queue. Before: behind all that were queued (5 s of 7.4 s)."""
+    import asyncio
+
+    srv = smollm2
+    words = " ".join(f"token{i} alpha beta" for i in range(8000))
+    body = {"model": srv.model_id, "messages": [{"role": "user", "content": words}], "max_tokens": 1}
+
+    def b_request(tag: str) -> float:
+        began = time.perf_counter()
+        r = chat(srv, KEY_B, max_tokens=2, cache_salt=tag)
+        assert r.status_code == 200, r.text
+        return time.perf_counter() - began
+
+    b_request("flood-warm")
+    alone = b_request("flood-alone")
+    flood: dict = {}
+
+    async def send(n: int) -> None:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=n)) as client:
+            answers = await asyncio.gather(*[client.post(srv.url + "/v1/chat/completions", json=body,
+                                                         headers=srv.headers(KEY_A)) for _ in range(n)])
+        flood["statuses"] = {r.status_code for r in answers}
+
+    def run() -> None:
+        began = time.perf_counter()
+        asyncio.run(send(60))
+        flood["took"] = time.perf_counter() - began
+
+    attacker = threading.Thread(target=run)
+    attacker.start()
+    time.sleep(0.5)
+    during = b_request("flood-during")
+    attacker.join(300)
+    assert flood["statuses"] == {400}  # context_length_exceeded, after tokenizing
+    assert during - alone < max(2.0, 0.3 * flood["took"]), (alone, during, flood["took"])
 
 # -- pins racing in-flight requests ------------------------------------------------------------------------------
 def ids_prompt(seed: int, n: int) -> list[int]:

@@ -8,10 +8,14 @@ the rest. An ``APIError`` anywhere is counted, logged and answered as OpenAI's e
 A ``response_format`` grammar is compiled before the job is made, in a worker thread (``_Grammars``: at most
 ``GRAMMAR_THREADS`` at once, one at a time per API key), never on the event loop: a schema's check may take up to
 ``rows.grammar.CHECK_SECONDS`` (issue 37, third attacker pass: one 700-byte schema held the loop for minutes).
+A tenant's tokenizing also waits its turn (``_Turns``): one of its requests at a time in the tokenizer's queue,
+which is one worker for every tenant (third attacker pass: 100 concurrent 168 KB prompts of one key, each
+refused as too long after tokenizing, held another key's request 5 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import anyio
@@ -101,6 +105,25 @@ class _Prompts:
         return message_boundaries(render, messages, prompt)
 
 
+class _Turns:
+    """One at a time per tenant (an ``anyio.Lock`` each, dropped once nobody waits on it)."""
+
+    def __init__(self) -> None:
+        self.locks: dict = {}  # tenant -> [anyio.Lock, users]
+
+    @contextlib.asynccontextmanager
+    async def turn(self, tenant: str | None):
+        entry = self.locks.setdefault(tenant, [anyio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                self.locks.pop(tenant, None)
+
+
 class _Grammars:
     """Compiles a request's ``response_format`` grammar in a worker thread before its job is made (module doc);
     ``jobs.Requests.grammar`` then finds it compiled (``rows.grammar`` keeps it). A tenant's compiles run one at a
@@ -109,30 +132,28 @@ class _Grammars:
     def __init__(self, requests: Requests) -> None:
         self.requests = requests
         self.limiter = anyio.CapacityLimiter(GRAMMAR_THREADS)
-        self.locks: dict = {}  # tenant -> [anyio.Lock, users]
+        self.turns = _Turns()
 
     async def ready(self, params, tenant: str | None) -> None:
         if getattr(params, "response_format", None) is None:
             return
-        entry = self.locks.setdefault(tenant, [anyio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                await anyio.to_thread.run_sync(self.requests.grammar, params, limiter=self.limiter)
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                self.locks.pop(tenant, None)
+        async with self.turns.turn(tenant):
+            await anyio.to_thread.run_sync(self.requests.grammar, params, limiter=self.limiter)
 
 
 def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name: str, chat: bool):
     state = requests.state
     cache = state.generator.cache
     vocab = state.generator.engine.target.vocab_size
+    turns = _Turns()  # a tenant's tokenizing: one request at a time in the shared tokenizer queue (module doc)
 
     async def handle(request: Request) -> Response:
         tenant, known, checkpoint_at = None, False, ()
         started = time.perf_counter()
+
+        async def tokenize(fn, *args):
+            async with turns.turn(tenant):
+                return await requests.tokenize(fn, *args)
         try:
             tenant = requests.tenant_of(request)
             known = True
@@ -140,18 +161,18 @@ def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name
             if chat:
                 params, messages = parse_chat(body, state.models, vocab)
                 await grammars.ready(params, tenant)
-                prompt = await requests.tokenize(prompts.chat, messages, params)
+                prompt = await tokenize(prompts.chat, messages, params)
                 if cache is not None:
-                    checkpoint_at = await requests.tokenize(prompts.seams, messages, prompt, params,
-                                                            salted_tenant(tenant, params.cache_salt))
+                    checkpoint_at = await tokenize(prompts.seams, messages, prompt, params,
+                                                   salted_tenant(tenant, params.cache_salt))
             else:
                 params, text = parse_completion(body, state.models, vocab)
                 await grammars.ready(params, tenant)
                 if isinstance(text, PromptBatch):  # several prompts: choices of one body
-                    batch = [t if isinstance(t, list) else await requests.tokenize(prompts.text, t) for t in text]
+                    batch = [t if isinstance(t, list) else await tokenize(prompts.text, t) for t in text]
                     return await requests.run_choices(request, name, params, batch, tenant, chat, started,
                                                       scoring=scoring)
-                prompt = text if isinstance(text, list) else await requests.tokenize(prompts.text, text)
+                prompt = text if isinstance(text, list) else await tokenize(prompts.text, text)
             if scoring.logprobs is not None and chat and active_tools(params.tools, params.tool_choice):
                 raise APIError(422, "'logprobs' with tools is not supported (tool calls are parsed out of the "
                                "text)", param="logprobs", code="unsupported_parameter")
