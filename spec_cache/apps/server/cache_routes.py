@@ -51,6 +51,7 @@ from starlette.routing import Route
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.jobs import log_request, read_body
+from spec_cache.apps.server.limits import TenantTurns
 from spec_cache.apps.server.protocol import APIError, check_text, parse_chat
 from spec_cache.apps.server.tools import TemplateError, chat_ids
 from spec_cache.convert import interop
@@ -90,6 +91,7 @@ class _CacheRoutes:
 
     def __init__(self, state, tokenize) -> None:
         self.state, self.tokenize = state, tokenize
+        self.turns = TenantTurns()  # a tenant's cache calls one at a time: its loop never queues ahead of others
         self.generator, self.scheduler, self.tokenizer = state.generator, state.scheduler, state.tokenizer
         self.config = state.config
         self.cache = cache = self.generator.cache
@@ -363,10 +365,11 @@ class _CacheRoutes:
                 label, known = tenant_label(tenant), True
                 if self.cache is None:
                     raise APIError(400, "this server runs without a cache (--no-cache)", code="no_cache")
-                if raw:
-                    response = await handler(request, body, tenant, operator, data or _file_of(body))
-                else:
-                    response = await handler(request, body, tenant, operator)
+                async with self.turns.turn(tenant):
+                    if raw:
+                        response = await handler(request, body, tenant, operator, data or _file_of(body))
+                    else:
+                        response = await handler(request, body, tenant, operator)
                 status = response.status_code
             except APIError as error:
                 response, status = JSONResponse(error.body(), status_code=error.status,

@@ -11,12 +11,13 @@ the descriptors the model files, LMDB and the shared tier need.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import sys
 
-__all__ = ["import_mlx_lm", "raise_nofile_limit", "nofile_limit", "connection_budget", "default_store_budget",
-           "MLX_LM_WANTS"]
+__all__ = ["TenantTurns", "import_mlx_lm", "raise_nofile_limit", "nofile_limit", "connection_budget",
+           "default_store_budget", "MLX_LM_WANTS"]
 
 log = logging.getLogger("spec_cache.apps.server")
 
@@ -102,3 +103,26 @@ def default_store_budget(path) -> tuple[int, str]:
     from spec_cache.store import default_budget
 
     return default_budget(path)
+
+
+class TenantTurns:
+    """One at a time per tenant (an ``anyio.Lock`` each, dropped once nobody waits on it): a tenant's requests
+    take their turn in a queue all tenants share (the tokenizer's worker, the scheduler's cache calls), so one
+    tenant's flood waits behind itself, never in front of another tenant (issue 37, third attacker pass)."""
+
+    def __init__(self) -> None:
+        self.locks: dict = {}  # tenant -> [anyio.Lock, users]
+
+    @contextlib.asynccontextmanager
+    async def turn(self, tenant):
+        import anyio
+
+        entry = self.locks.setdefault(tenant, [anyio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                self.locks.pop(tenant, None)

@@ -8,14 +8,13 @@ the rest. An ``APIError`` anywhere is counted, logged and answered as OpenAI's e
 A ``response_format`` grammar is compiled before the job is made, in a worker thread (``_Grammars``: at most
 ``GRAMMAR_THREADS`` at once, one at a time per API key), never on the event loop: a schema's check may take up to
 ``rows.grammar.CHECK_SECONDS`` (issue 37, third attacker pass: one 700-byte schema held the loop for minutes).
-A tenant's tokenizing also waits its turn (``_Turns``): one of its requests at a time in the tokenizer's queue,
-which is one worker for every tenant (third attacker pass: 100 concurrent 168 KB prompts of one key, each
-refused as too long after tokenizing, held another key's request 5 s).
+A tenant's tokenizing also waits its turn (``limits.TenantTurns``): one of its requests at a time in the
+tokenizer's queue, which is one worker for every tenant (third attacker pass: 100 concurrent 168 KB prompts of
+one key, each refused as too long after tokenizing, held another key's request 5 s).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import anyio
@@ -25,6 +24,7 @@ from starlette.routing import Route
 
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.jobs import Requests, error_response, log_request
+from spec_cache.apps.server.limits import TenantTurns
 from spec_cache.apps.server.logprobs import take as take_logprobs
 from spec_cache.apps.server.protocol import APIError, PromptBatch, parse_chat, parse_completion
 from spec_cache.apps.server.scheduler import MIN_CHECKPOINT_GAP
@@ -105,25 +105,6 @@ class _Prompts:
         return message_boundaries(render, messages, prompt)
 
 
-class _Turns:
-    """One at a time per tenant (an ``anyio.Lock`` each, dropped once nobody waits on it)."""
-
-    def __init__(self) -> None:
-        self.locks: dict = {}  # tenant -> [anyio.Lock, users]
-
-    @contextlib.asynccontextmanager
-    async def turn(self, tenant: str | None):
-        entry = self.locks.setdefault(tenant, [anyio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                self.locks.pop(tenant, None)
-
-
 class _Grammars:
     """Compiles a request's ``response_format`` grammar in a worker thread before its job is made (module doc);
     ``jobs.Requests.grammar`` then finds it compiled (``rows.grammar`` keeps it). A tenant's compiles run one at a
@@ -132,7 +113,7 @@ class _Grammars:
     def __init__(self, requests: Requests) -> None:
         self.requests = requests
         self.limiter = anyio.CapacityLimiter(GRAMMAR_THREADS)
-        self.turns = _Turns()
+        self.turns = TenantTurns()
 
     async def ready(self, params, tenant: str | None) -> None:
         if getattr(params, "response_format", None) is None:
@@ -145,7 +126,7 @@ def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name
     state = requests.state
     cache = state.generator.cache
     vocab = state.generator.engine.target.vocab_size
-    turns = _Turns()  # a tenant's tokenizing: one request at a time in the shared tokenizer queue (module doc)
+    turns = TenantTurns()  # a tenant's tokenizing: one request at a time in the shared tokenizer queue (module doc)
 
     async def handle(request: Request) -> Response:
         tenant, known, checkpoint_at = None, False, ()
