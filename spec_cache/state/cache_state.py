@@ -181,8 +181,17 @@ _DEFER = threading.local()  # ``on`` while ``capture_caches(defer_copy=True)`` r
 
 
 def restore_caches(layers: Sequence[LayerState]) -> list[Any]:
-    """The mlx-lm caches of restored ``layers``, evaluated (each kind's ``arrays``)."""
-    caches = [from_layer_state(layer) for layer in layers]
+    """The mlx-lm caches of restored ``layers``, evaluated (each kind's ``arrays``). Stored state that does not
+    build (a meta key missing, shapes that do not fit) is a ``RestoreRefused`` naming the layer: the one place a
+    restore interprets stored bytes, so callers catch that name, never a bare ``ValueError`` (issue 34)."""
+    caches = []
+    for index, layer in enumerate(layers):
+        try:
+            caches.append(from_layer_state(layer))
+        except RestoreRefused:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RestoreRefused(f"stored layer {index} ({layer.kind}) does not rebuild: {exc}") from exc
     mx.eval([a for c in caches for a in kind_of(c).arrays(c)])
     return caches
 
@@ -195,7 +204,11 @@ def attachment_to_store(cp: DraftRowCheckpoint) -> CheckpointAttachment:
 
 
 def checkpoint_from_store(length: int, attachment: CheckpointAttachment) -> DraftRowCheckpoint:
-    """A restored attachment as a ``DraftRowCheckpoint`` with owned ``mx.array`` tensors."""
-    tensors = tuple(to_mx(t) for t in attachment.tensors)
+    """A restored attachment as a ``DraftRowCheckpoint`` with owned ``mx.array`` tensors (a tensor that does not
+    convert: ``RestoreRefused``)."""
+    try:
+        tensors = tuple(to_mx(t) for t in attachment.tensors)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise RestoreRefused(f"stored drafter attachment {attachment.schema} does not rebuild: {exc}") from exc
     mx.eval(list(tensors))
     return DraftRowCheckpoint(length, CheckpointAttachment(attachment.schema, dict(attachment.metadata), tensors))

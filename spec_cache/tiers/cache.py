@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from spec_cache.errors import InvalidRequest
+from spec_cache.errors import InvalidRequest, RestoreRefused
 from spec_cache.naming.namespace import namespace_key
 from spec_cache.rows.kv_quant import converted_at
 from spec_cache.schemas import DraftRowCheckpoint, SchemaError
@@ -134,7 +134,7 @@ class SpecCache:
         self._close_lock = threading.Lock()
         self._pid = os.getpid()  # a forked child must not close its parent's cache at its exit
         # no writer thread when every save writes before it returns (sync) or nothing can be written (read-only)
-        behind = not store.env.readonly and durability == "write-behind"
+        behind = not store.readonly and durability == "write-behind"
         if write_queue_bytes is None:  # the tier holds what is queued anyway: let the queue match its scale
             write_queue_bytes = max(DEFAULT_QUEUE_BYTES, self.memory.budget_bytes // 2)
         self.write_queue_bytes = write_queue_bytes
@@ -820,8 +820,7 @@ class SpecCache:
             return held
         key = self.store.entry_key(ns_key, tokens)
         if key is not None:
-            with self.store._lock:
-                self.store._forget_corrupt(key)
+            self.store.drop_entry(key)
         return held or key is not None
 
     # --- cache controls (``spec_cache.tiers.cache_controls``; ``serve``'s /v1/cache/...) ----------------------------
@@ -862,7 +861,7 @@ class SpecCache:
             cp = None
             if attachment is not None:
                 cp = checkpoint_from_store(length, attachment)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (RestoreRefused, SchemaError, StoreError) as exc:  # named where stored bytes are read (issue 34)
             warnings.warn(f"spec-cache: stored state could not be rebuilt, treated as a miss: {exc}", CacheWarning,
                           stacklevel=4)
             return None
