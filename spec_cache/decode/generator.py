@@ -206,16 +206,17 @@ class Generator:
         return [member for member in members if member != key]
 
     def prepare(self, prompt: Sequence[int], max_tokens: int = 32, *, sampling: Any = None,
-                ns_key: bytes | None = None, lookup: bool = True) -> PreparedRow:
+                ns_key: bytes | None = None, lookup: bool = True, limit: int | None = None) -> PreparedRow:
         """Look up the longest usable stored prefix of ``prompt[:-1]`` (under ``ns_key``, default this
         generator's) and build the engine request for ``prompt``: restored when the cache had one, cold
         otherwise (always cold with ``lookup=False``). ``sampling``: a ``spec_cache.rows.sampling.RowSampling``
-        (None: the run's)."""
+        (None: the run's). ``limit``: restore at most this many tokens (None: no limit; below 1: cold), e.g. only
+        as far as a caller already knows the prompt's logprobs."""
         from spec_cache.decode.engine import RowRequest
 
         prompt = [int(t) for t in prompt]
         key = self.ns_key if ns_key is None else ns_key
-        hit = self.restore_for_prompt(prompt, ns_key=key) if lookup else None
+        hit = self.restore_for_prompt(prompt, ns_key=key, limit=limit) if lookup else None
         if hit is None:
             return PreparedRow(RowRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling), key)
         request = RowRequest(prompt=prompt, restored_caches=hit.caches, restored_tokens=hit.length,
@@ -224,10 +225,11 @@ class Generator:
         return PreparedRow(request, key, hit.length, with_drafter,
                            (hit.length, with_drafter or not self.drafter_namespace))
 
-    def restore_for_prompt(self, prompt: Sequence[int], *, ns_key: bytes | None = None):
+    def restore_for_prompt(self, prompt: Sequence[int], *, ns_key: bytes | None = None, limit: int | None = None):
         """The longest stored prefix of ``prompt[:-1]`` this request may continue from (a
-        ``cache.RestoredPrefix``), or None; ``ns_key`` defaults to this generator's."""
-        return self._restore([int(t) for t in prompt], self.ns_key if ns_key is None else ns_key)
+        ``cache.RestoredPrefix``), or None; ``ns_key`` defaults to this generator's; ``limit``: at most this many
+        tokens (``prepare``)."""
+        return self._restore([int(t) for t in prompt], self.ns_key if ns_key is None else ns_key, limit)
 
     def save_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any], draft_checkpoint=None, *,
                         ns_key: bytes | None = None, background: bool | None = None, then=None,
@@ -298,17 +300,19 @@ class Generator:
                        row.restored_drafter)
                 for r, p, row in zip(out, rows, prepared)]
 
-    def _restore(self, prompt: list[int], ns_key: bytes | None = None):
-        """The longest stored prefix of ``prompt[:-1]`` this request may continue from, or None: one call down
-        to the cache with this request's usability rule (``usable_rule``), one result up."""
-        if self.cache is None or len(prompt) < 2:
+    def _restore(self, prompt: list[int], ns_key: bytes | None = None, limit: int | None = None):
+        """The longest stored prefix of ``prompt[:-1]`` (of ``prompt[:limit]`` when ``limit`` is shorter) this
+        request may continue from, or None: one call down to the cache with this request's usability rule
+        (``usable_rule``, for the whole prompt), one result up."""
+        end = len(prompt) - 1 if limit is None else min(int(limit), len(prompt) - 1)
+        if self.cache is None or end < 1:
             return None
         usable = self.usable_rule(len(prompt))
         if usable is None:
             return None
         key = self.ns_key if ns_key is None else ns_key
-        restored = self.cache.restore(key, prompt[:-1], drafter_namespace=self.drafter_namespace,
-                                      usable=usable, next_token=prompt[-1],  # a stored whole prompt serves too
+        restored = self.cache.restore(key, prompt[:end], drafter_namespace=self.drafter_namespace,
+                                      usable=usable, next_token=prompt[end],  # a stored whole prompt serves too
                                       target_only=self.target_members(key))  # other drafters' target parts
         if restored is None:
             return None

@@ -139,14 +139,20 @@ def test_completions_logprobs_legacy_shape_streamed_too(server, reference):
 def test_echo_max_tokens_0_is_lm_evals_loglikelihood(server, reference):
     """lm-eval's ``local-completions`` loglikelihood: a list of prompts, ``echo: true, logprobs: 1, max_tokens: 0``
     (or 1), temperature 0. Each prompt token's logprob equals a direct forward's; the first is null. Asked again
-    (the prompt is in the cache now), the same numbers: an echo request prefills its whole prompt."""
+    (the prompts and their scores are in the cache now), the same numbers, bit for bit, from restored prompts."""
     tokenizer, steps, forward = reference
     client = server.client()
     prompts = ["w20 w21 w22 w23 w24 w25", "w20 w21 w22 w30"]
+    answers = []
     for attempt in range(2):
         reply = client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=1,
                                           temperature=0)
         assert reply.usage.completion_tokens == 0
+        answers.append([(c.index, c.text, c.logprobs.model_dump()) for c in reply.choices])
+        if attempt:  # each prompt restored but its last token (its scores were kept by the first attempt)
+            assert answers[1] == answers[0]
+            restored = sum(len(tokenizer.encode(p)) - 1 for p in prompts)
+            assert reply.usage.prompt_tokens_details.cached_tokens == restored
         for choice, prompt in zip(sorted(reply.choices, key=lambda c: c.index), prompts):
             ids = [int(t) for t in tokenizer.encode(prompt)]
             rows = forward(ids)

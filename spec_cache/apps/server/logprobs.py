@@ -11,18 +11,29 @@ prompt alone (lm-eval's loglikelihood). A token's text is ``tokenizer.decode([id
 characters of the answer's text (prompt included when echoed).
 
 Why the options are taken out of the body here (``take``) rather than in ``protocol``: they change what a job
-computes (a cold prefill of the whole prompt for echo's prompt logprobs, no replay of a stored answer, which has
-none) and how the answer is built, all of which lives in ``jobs``; ``protocol`` sees a body without them.
+computes (for echo's prompt logprobs a restore only as far as ``PromptScores`` knows the prompt's scores; no
+replay of a stored answer, which has none) and how the answer is built, all of which lives in ``jobs`` and the
+scheduler; ``protocol`` sees a body without them.
+
+Echo from the cache: position ``p``'s score depends on ``prompt[:p + 1]`` only, and a restored prefix has no
+logits. So the scheduler keeps the prompt scores echo requests computed (``PromptScores``: per tenant and
+``logprobs`` count, in memory, bounded) and restores a new echo request's prompt from the KV cache at most as far as
+those scores reach, minus one token (the restored prefix's last token is scored by the table, the rest by the
+engine: ``RowRequest.prompt_logprobs`` scores the tokens after the restored prefix). The answer is the cold one bit
+for bit (``tests/apps/test_server_echo_cache.py``); ``cached_tokens`` reports what was restored.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from spec_cache.apps.server.protocol import APIError
 
-__all__ = ["Scoring", "take", "chat_logprobs", "completion_logprobs", "MAX_CHAT_TOP", "MAX_COMPLETION_TOP"]
+__all__ = ["Scoring", "take", "chat_logprobs", "completion_logprobs", "MAX_CHAT_TOP", "MAX_COMPLETION_TOP",
+           "PromptScores"]
 
 MAX_CHAT_TOP = 20  # OpenAI's top_logprobs limit
 MAX_COMPLETION_TOP = 5  # OpenAI's legacy logprobs limit
@@ -119,3 +130,112 @@ def completion_logprobs(entries: list[dict]) -> dict:
         tops.append(top)
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": tops, "text_offset": [e["offset"] for e in entries]}
+
+
+class PromptScores:
+    """The prompt logprobs echo requests computed, so that a later echo request restores its prompt from the cache
+    as far as they cover it (a restored prefix has no logits: the engine scores only the tokens after it,
+    ``RowRequest.prompt_logprobs``). In memory, least recently used first out, bounded by ``max_bytes`` (an
+    estimate of what the entries hold) and ``max_entries``.
+
+    Keyed by tenant (``Job.tenant``: API key and cache salt; a tenant never reads another's) and the alternatives
+    per token (``logprobs``), then by prompt: an entry holds one ``TokenLogprob`` (None at position 0) per
+    position of its prompt. Position ``p``'s score depends on ``prompt[:p + 1]`` only, so an entry serves the
+    positions of any prompt up to where the two agree (``longest``). Lookups go through an index of each entry's
+    prefixes at every ``BLOCK`` tokens (bisected: a few hashes of the prompt, then the few entries that share its
+    longest indexed prefix, compared exactly), never a scan of the table. Only the scheduler thread uses it."""
+
+    #: bytes counted per position and per alternative (Python objects: a ``TokenLogprob``, its tuple, floats)
+    POSITION_BYTES = 160
+    ALTERNATIVE_BYTES = 120
+    BLOCK = 8  # prefix lengths indexed: multiples of this
+    CANDIDATES = 32  # entries compared exactly per lookup at most (the most recently added under the prefix)
+
+    def __init__(self, max_bytes: int = 64 << 20, max_entries: int = 4096) -> None:
+        if max_bytes < 0 or max_entries < 0:
+            raise ValueError("max_bytes and max_entries must be >= 0")
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.bytes = 0
+        #: (tenant, top, prompt) -> (scores, bytes); order: least recently used first
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        #: (tenant, top, hash of prompt[:k]) for k = 0, BLOCK, 2 BLOCK, ... -> {entry key: None} (an ordered set)
+        self._index: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _size(self, scores: Sequence) -> int:
+        return sum(self.POSITION_BYTES + (0 if s is None else self.ALTERNATIVE_BYTES * len(s.top)) for s in scores)
+
+    def _blocks(self, tenant, top, prompt: tuple, upto: int | None = None):
+        """The index keys of ``prompt``'s prefixes (lengths 0, BLOCK, ...; at most ``upto`` blocks)."""
+        count = len(prompt) // self.BLOCK if upto is None else upto
+        return [(tenant, top, hash(prompt[: j * self.BLOCK])) for j in range(count + 1)]
+
+    def longest(self, tenant: str | None, top: int, prompt: Sequence[int]) -> tuple[int, list]:
+        """``(n, scores)``: the scores of ``prompt[:n]``'s positions, ``n`` the longest an entry of this tenant and
+        ``top`` covers (0 and [] for none)."""
+        prompt = tuple(int(t) for t in prompt)
+        low, high = -1, len(prompt) // self.BLOCK  # bisect the longest indexed prefix (prefix-closed)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if (tenant, top, hash(prompt[: middle * self.BLOCK])) in self._index:
+                low = middle
+            else:
+                high = middle - 1
+        if low < 0:
+            return 0, []
+        members = self._index[(tenant, top, hash(prompt[: low * self.BLOCK]))]
+        candidates = list(itertools.islice(reversed(members), self.CANDIDATES))
+        best, found = 0, None
+        for key in candidates:
+            n = _common(key[2], prompt)
+            if n > best:
+                best, found = n, key
+        if found is None:
+            return 0, []
+        self._entries.move_to_end(found)
+        return best, list(self._entries[found][0][:best])
+
+    def put(self, tenant: str | None, top: int, prompt: Sequence[int], scores: Sequence) -> None:
+        """Keep ``scores`` (one per position of ``prompt``, each set but the first) for ``tenant`` and ``top``;
+        nothing is added when an entry covers it already."""
+        prompt = tuple(int(t) for t in prompt)
+        if len(scores) != len(prompt) or len(prompt) < 2 or any(s is None for s in scores[1:]):
+            return
+        if self.longest(tenant, top, prompt)[0] == len(prompt):
+            return
+        size = self._size(scores) + 8 * len(prompt) + 100 * (len(prompt) // self.BLOCK + 1)
+        if size > self.max_bytes or self.max_entries < 1:
+            return
+        key = (tenant, top, prompt)
+        self._entries[key] = (list(scores), size)
+        for block in self._blocks(tenant, top, prompt):
+            self._index.setdefault(block, {})[key] = None
+        self.bytes += size
+        while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key) -> None:
+        _, size = self._entries.pop(key)
+        self.bytes -= size
+        for block in self._blocks(key[0], key[1], key[2]):
+            members = self._index.get(block)
+            if members is not None:
+                members.pop(key, None)
+                if not members:
+                    del self._index[block]
+
+
+def _common(a: tuple, b: tuple) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (slices compared in C, by bisection)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low + 1 < high:  # a[:low] == b[:low], a[:high] != b[:high]
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -94,6 +94,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from spec_cache.apps.server.errors import api_error
+from spec_cache.apps.server.logprobs import PromptScores
 from spec_cache.apps.server.protocol import APIError
 from spec_cache.apps.server.trace import scheduler_trace
 from spec_cache.errors import RestoreRefused
@@ -186,11 +187,12 @@ class Job:
     #: logprobs of each generated token with this many alternatives (None: off; ``RowRequest.logprobs``): its
     #: ``tokens`` events carry them as a third item
     logprobs: int | None = None
-    #: score the prompt too (echo; ``RowRequest.prompt_logprobs``): the job restores nothing and is never split
-    #: into prefill phases (a restored prefix has no logits to score), and delivers ``("prompt_logprobs", list)``
-    #: once, before its first tokens
+    #: score the prompt too (echo; ``RowRequest.prompt_logprobs``): the job restores only as far as the
+    #: scheduler's ``prompt_scores`` know its prompt's scores (a restored prefix has no logits to score), is never
+    #: split into prefill phases, and delivers ``("prompt_logprobs", list)`` once, before its first tokens
     prompt_logprobs: int | None = None
     prompt_sent: bool = False  # its prompt logprobs were delivered
+    prompt_known: list | None = None  # the scores ``prompt_scores`` held of its prompt's first positions
 
     @property
     def sequence(self) -> list[int]:
@@ -243,6 +245,9 @@ class Scheduler:
         #: the model's EOS ids and the tokenizer's (a chat model's end-of-turn token is often only the latter)
         self.eos_token_ids = tuple(sorted(set(generator.eos_token_ids) | {int(t) for t in eos_token_ids}))
         self.generator = generator
+        #: the prompt logprobs echo requests computed, per tenant (``logprobs.PromptScores``): an echo request
+        #: restores its prompt from the cache as far as they go (none without a cache: nothing to restore)
+        self.prompt_scores = PromptScores()
         self.max_rows = max_rows
         self.max_queue = max_queue
         self.metrics = metrics
@@ -596,7 +601,7 @@ class Scheduler:
         if first:
             self._observe("queue", began - job.arrived)
         job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key,
-                                         lookup=job.prompt_logprobs is None)
+                                         **self._prompt_lookup(job))
         self._observe("restore", time.perf_counter() - began)
         job.prepared.request.stop_at_eos = job.stop_at_eos
         if job.resuming:
@@ -645,6 +650,29 @@ class Scheduler:
         if job.admitted_at is None:
             job.admitted_at = time.perf_counter()
         return True
+
+    def _prompt_lookup(self, job: Job) -> dict:
+        """``prepare``'s lookup options for ``job``: any restore without prompt logprobs; with them (echo), a
+        restore of at most ``n - 1`` tokens where ``prompt_scores`` know the scores of the prompt's first ``n``
+        positions (the engine scores the positions after the restored prefix; the table gives the rest, the
+        restored prefix's last token included), none once they were sent."""
+        if job.prompt_logprobs is None:
+            return {"lookup": True}
+        if job.prompt_sent or self.generator.cache is None:
+            return {"lookup": False}
+        if job.prompt_known is None:
+            job.prompt_known = self.prompt_scores.longest(job.tenant, job.prompt_logprobs, job.prompt)[1]
+        known = len(job.prompt_known)
+        return {"lookup": known >= 2, "limit": known - 1}
+
+    def _prompt_scores(self, job: Job, scores: list) -> list:
+        """The engine's prompt logprobs of ``job`` (None at position 0 and over the restored prefix) completed
+        from the ``prompt_scores`` its restore was limited by, and kept there for later echo requests."""
+        known = job.prompt_known or []
+        merged = [s if s is not None or p >= len(known) else known[p] for p, s in enumerate(scores)]
+        if self.generator.cache is not None and len(merged) == len(job.prompt):
+            self.prompt_scores.put(job.tenant, job.prompt_logprobs, job.prompt, merged)
+        return merged
 
     def _score(self, job: Job) -> None:
         """The logprobs ``job`` asks for, on its own row (not on a prefill phase's); the prompt's until sent."""
@@ -840,7 +868,7 @@ class Scheduler:
             return
         if scored is not None and scored.prompt is not None and not job.prompt_sent:
             job.prompt_sent = True
-            job.deliver(("prompt_logprobs", scored.prompt))
+            job.deliver(("prompt_logprobs", self._prompt_scores(job, scored.prompt)))
         if job.resend:
             tokens = self._resent(job, row, tokens)
             if not tokens:
