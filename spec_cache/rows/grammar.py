@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -68,6 +69,18 @@ _TOKENIZERS_LOCK = threading.Lock()
 #: sha256 of a grammar text -> None (passed) or the refusal; (tokenizer, eos, sha) -> a compiled root matcher
 _CHECKED: "OrderedDict[str, str | None]" = OrderedDict()
 _ROOTS: "OrderedDict[tuple, Any]" = OrderedDict()
+#: every root a live ``Grammar`` holds, by the same key: a grammar in use (a row's, or one a server compiled
+#: ahead of its job) is never compiled again because ``COMPILED`` newer ones pushed its root out
+_LIVE: "weakref.WeakValueDictionary[tuple, _Root]" = weakref.WeakValueDictionary()
+
+
+class _Root:
+    """A compiled root matcher, held by every ``Grammar`` of it (and by ``_ROOTS`` while kept there)."""
+
+    __slots__ = ("matcher", "tokenizer", "__weakref__")
+
+    def __init__(self, matcher, tokenizer) -> None:
+        self.matcher, self.tokenizer = matcher, tokenizer  # the tokenizer kept alive: its ``id`` is in the key
 _COMPILE_LOCK = threading.Lock()
 
 _CHILD = """
@@ -166,7 +179,8 @@ class Grammar:
         self.eos = sorted(set(self.tokenizer.eos_tokens))  # ``llg_tokenizer`` took ``eos_token_ids`` in
         #: the continuation key's part (``RowSampling.processor_params``)
         self.key = hashlib.sha256(grammar.encode()).hexdigest()
-        self._root = self._compiled()
+        self._holder = self._compiled()
+        self._root = self._holder.matcher
         self._states: list[_State] = []
         self._lock = threading.Lock()
         self._spent = 0.0  # seconds of mask time (``ROW_SECONDS``)
@@ -186,6 +200,10 @@ class Grammar:
                 if isinstance(found[1], str):
                     raise GrammarError(found[1])
                 return found[1]
+            live = _LIVE.get(key)
+            if live is not None and live.tokenizer is self.tokenizer:
+                _remember(_ROOTS, key, (self.tokenizer, live))
+                return live
         check_grammar(self.grammar)
         try:
             root = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
@@ -199,11 +217,14 @@ class Grammar:
             if not _panic(exc):
                 raise
             refusal = "the grammar is refused: its compiler failed"
+        holder = None if refusal is not None else _Root(root, self.tokenizer)
         with _COMPILE_LOCK:
-            _remember(_ROOTS, key, (self.tokenizer, refusal or root))
+            _remember(_ROOTS, key, (self.tokenizer, refusal or holder))
+            if holder is not None:
+                _LIVE[key] = holder
         if refusal is not None:
             raise GrammarError(refusal)
-        return root
+        return holder
 
     @classmethod
     def json_schema(cls, tokenizer: Any, schema: Any, *, eos_token_ids: Sequence[int] = ()) -> "Grammar":

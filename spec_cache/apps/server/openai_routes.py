@@ -115,11 +115,13 @@ class _Grammars:
         self.limiter = anyio.CapacityLimiter(GRAMMAR_THREADS)
         self.turns = TenantTurns()
 
-    async def ready(self, params, tenant: str | None) -> None:
+    async def ready(self, params, tenant: str | None):
+        """The compiled grammar (None without ``response_format``): held by the handler until its job is made, so
+        ``jobs.Requests.grammar`` finds it (``rows.grammar`` keeps live grammars) however many were compiled since."""
         if getattr(params, "response_format", None) is None:
-            return
+            return None
         async with self.turns.turn(tenant):
-            await anyio.to_thread.run_sync(self.requests.grammar, params, limiter=self.limiter)
+            return await anyio.to_thread.run_sync(self.requests.grammar, params, limiter=self.limiter)
 
 
 def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name: str, chat: bool):
@@ -141,14 +143,14 @@ def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name
             body, scoring = take_logprobs(await requests.read_json(request), chat)  # logprobs / echo: theirs
             if chat:
                 params, messages = parse_chat(body, state.models, vocab)
-                await grammars.ready(params, tenant)
+                compiled = await grammars.ready(params, tenant)  # noqa: F841  (held)
                 prompt = await tokenize(prompts.chat, messages, params)
                 if cache is not None:
                     checkpoint_at = await tokenize(prompts.seams, messages, prompt, params,
                                                    salted_tenant(tenant, params.cache_salt))
             else:
                 params, text = parse_completion(body, state.models, vocab)
-                await grammars.ready(params, tenant)
+                compiled = await grammars.ready(params, tenant)  # noqa: F841  (held)
                 if isinstance(text, PromptBatch):  # several prompts: choices of one body
                     batch = [t if isinstance(t, list) else await tokenize(prompts.text, t) for t in text]
                     return await requests.run_choices(request, name, params, batch, tenant, chat, started,
