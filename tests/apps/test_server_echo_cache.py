@@ -112,17 +112,26 @@ def test_other_logprobs_counts_and_tenants_start_cold(server):
     same(other_key, first)
 
 
-def test_batched_prompts_share_the_context(server):
-    """lm-eval's batched loglikelihood (several prompts per request): the second batch of the same context
-    restores it, and each choice's answer equals the same batch's cold answer."""
-    prompts = [CONTEXT + " w3" + choice for choice in CHOICES[:3]]
+def test_batched_prompts_share_the_context(server, reference):
+    """lm-eval's batched loglikelihood (several prompts per request, the choices of one question together): one
+    prompt prefills the context, the others wait for its scores and restore the context (``Scheduler._echo_waits``);
+    every answer is the cold one; a second batch of the same context restores it at once."""
+    tokenizer = reference[0]
+    prompts = [CONTEXT + " w3" + choice for choice in CHOICES]
+    ids = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
+    colds = [cold(server, p) for p in prompts]
     salt = f"b-{uuid.uuid4().hex}"
     first = echo(server, prompts, salt=salt)
+    # the first prompt (admitted first) prefills cold; the others restore up to where they part from it, but the
+    # last token there (whose score the restored state cannot give)
+    assert cached(first) == sum(common(ids[0], p) - 1 for p in ids[1:])
+    for choice, reference_reply in zip(sorted(first["choices"], key=lambda c: c["index"]), colds):
+        assert (choice["text"], choice["logprobs"]) == (reference_reply["choices"][0]["text"],
+                                                        reference_reply["choices"][0]["logprobs"])
     second = echo(server, [CONTEXT + " w3" + choice for choice in CHOICES[1:]], salt=salt)
-    assert cached(second) > 0
-    reference_reply = cold(server, [CONTEXT + " w3" + choice for choice in CHOICES[1:]])
-    same(second, reference_reply)
-    assert first["choices"][1]["logprobs"] == reference_reply["choices"][0]["logprobs"]
+    assert cached(second) == sum(len(p) - 1 for p in ids[1:])  # every one of them scored already
+    for choice, reference_reply in zip(sorted(second["choices"], key=lambda c: c["index"]), colds[1:]):
+        assert choice["logprobs"] == reference_reply["choices"][0]["logprobs"]
 
 
 def entry(token: int, top: int = 2) -> TokenLogprob:
@@ -204,3 +213,63 @@ def test_a_context_longer_than_a_prefill_chunk(server):
         reply = echo(server, prompt, salt=salt)
         same(reply, reference_reply)
         assert (cached(reply) >= 599) == (i > 0)  # the context but its last token
+
+
+#: lm-eval multiple choice over contexts longer than the wait threshold: three questions, four choices each
+LM_EVAL_ROWS = [{"q": " ".join(f"w{(i * k) % 80 + 3}" for i in range(48)),
+                  "choices": ["w5 w6", "w7", "w8 w9 w10", "w11"], "gold": 0} for k in (3, 7, 11)]
+
+
+def test_lm_eval_multiple_choice_restores_its_contexts(server, tmp_path, monkeypatch):
+    """lm-eval's ``local-completions`` loglikelihood (batch size 4: a question's choices in one request): the
+    contexts are restored (``spec_cache_cached_prompt_tokens_total`` grows by most of them), and every answer
+    lm-eval sums its loglikelihoods from equals a cold request's of the same token ids, exactly."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import json
+
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    from tests.apps.test_lm_eval import model_path, task_yaml
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY_A)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    sent = []
+
+    def recording(self, *args, _create=LocalCompletionsAPI._create_payload, **kwargs):
+        body = _create(self, *args, **kwargs)
+        sent.append(json.loads(json.dumps(body)))
+        return body
+    monkeypatch.setattr(LocalCompletionsAPI, "_create_payload", recording)
+    answers = []
+
+    def parse(outputs, *args, _parse=LocalCompletionsAPI.parse_logprobs, **kwargs):
+        answers.extend(outputs if isinstance(outputs, list) else [outputs])
+        return _parse(outputs, *args, **kwargs)
+    monkeypatch.setattr(LocalCompletionsAPI, "parse_logprobs", staticmethod(parse))
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in LM_EVAL_ROWS))
+    (tmp_path / "echo_mc.yaml").write_text(task_yaml(
+        "echo_mc", data, tmp_path / "datasets", "output_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: gold\nmetric_list:\n  - metric: acc\n"))
+    before = server.metric("spec_cache_cached_prompt_tokens_total")
+    out = lm_eval.simple_evaluate(
+        model="local-completions", model_args={"model": "tiny", "base_url": server.url + "/v1/completions",
+                                               "max_retries": 1, "timeout": 120, "batch_size": 4,
+                                               "tokenizer": str(model_path(server)),
+                                               "tokenizer_backend": "huggingface"},
+        tasks=["echo_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        log_samples=True, bootstrap_iters=0, random_seed=None, numpy_random_seed=None, torch_random_seed=None,
+        fewshot_random_seed=0)
+    restored = server.metric("spec_cache_cached_prompt_tokens_total") - before
+    prompts = [p for body in sent for p in body["prompt"]]
+    assert len(prompts) == 12 and max(len(body["prompt"]) for body in sent) == 4
+    assert restored >= 9 * 40  # nine of the twelve restore their context (48 words), less a few tokens
+    # what lm-eval summed (each choice's echo answer) equals a cold answer of the same tokens, bit for bit
+    assert len(answers) == len(sent) and len(out["samples"]["echo_mc"]) == 3
+    for body, answer in zip(sent, answers):
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        for prompt, choice in zip(body["prompt"], choices):
+            reference_reply = cold(server, prompt, logprobs=1, max_tokens=1)["choices"][0]
+            assert (choice["text"], choice["logprobs"]) == (reference_reply["text"], reference_reply["logprobs"])

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from spec_cache.apps.server.protocol import APIError
 
 __all__ = ["Scoring", "take", "chat_logprobs", "completion_logprobs", "MAX_CHAT_TOP", "MAX_COMPLETION_TOP",
-           "PromptScores"]
+           "PromptScores", "common_prefix"]
 
 MAX_CHAT_TOP = 20  # OpenAI's top_logprobs limit
 MAX_COMPLETION_TOP = 5  # OpenAI's legacy logprobs limit
@@ -189,7 +189,7 @@ class PromptScores:
         candidates = list(itertools.islice(reversed(members), self.CANDIDATES))
         best, found = 0, None
         for key in candidates:
-            n = _common(key[2], prompt)
+            n = common_prefix(key[2], prompt)
             if n > best:
                 best, found = n, key
         if found is None:
@@ -227,7 +227,7 @@ class PromptScores:
                     del self._index[block]
 
 
-def _common(a: tuple, b: tuple) -> int:
+def common_prefix(a: tuple, b: tuple) -> int:
     """The length of the longest common prefix of ``a`` and ``b`` (slices compared in C, by bisection)."""
     low, high = 0, min(len(a), len(b))
     if a[:high] == b[:high]:

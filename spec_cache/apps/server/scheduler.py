@@ -94,7 +94,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from spec_cache.apps.server.errors import api_error
-from spec_cache.apps.server.logprobs import PromptScores
+from spec_cache.apps.server.logprobs import PromptScores, common_prefix
 from spec_cache.apps.server.protocol import APIError
 from spec_cache.apps.server.trace import scheduler_trace
 from spec_cache.errors import RestoreRefused
@@ -548,7 +548,31 @@ class Scheduler:
     def _admissible(self, job: Job) -> bool:
         if job.prefetch is not None and not job.prefetch.done():
             return False
-        return not job.suspect or not any(other.suspect for other in self._rows.values())
+        if job.suspect and any(other.suspect for other in self._rows.values()):
+            return False
+        return not self._echo_waits(job)
+
+    #: an echo job waits for a row whose prompt shares at least this many more tokens than ``prompt_scores`` know
+    ECHO_WAIT_SHARED = 32
+
+    def _echo_waits(self, job: Job) -> bool:
+        """Whether ``job`` (echo with logprobs, not yet submitted) waits for a row of its tenant and ``logprobs``
+        count whose prompt is not scored yet and shares most of ``job``'s (at least half of it, and
+        ``ECHO_WAIT_SHARED`` tokens more than ``prompt_scores`` know; that row's prompt at most twice as long):
+        once that row's prefill delivers its scores (and checkpoints its prompt), ``job`` restores the shared
+        prefix instead of forwarding it too. lm-eval's choices of one question in one batch: one prefills the
+        context, the others only their continuations. Bounded by that row's prefill (it sends its scores with
+        its first token, or leaves)."""
+        if job.prompt_logprobs is None or job.prepared is not None or self.generator.cache is None:
+            return False
+        size = len(job.prompt)
+        shared = max((common_prefix(row.prompt, job.prompt) for row in self._rows.values()
+                      if row.prompt_logprobs == job.prompt_logprobs and row.tenant == job.tenant
+                      and not row.prompt_sent and len(row.prompt) <= 2 * size), default=0)
+        if shared < self.ECHO_WAIT_SHARED or 2 * shared < size:
+            return False
+        known = self.prompt_scores.longest(job.tenant, job.prompt_logprobs, job.prompt)[0]
+        return shared - known >= self.ECHO_WAIT_SHARED
 
     def _admit(self) -> None:
         session = self._session
@@ -660,7 +684,7 @@ class Scheduler:
             return {"lookup": True}
         if job.prompt_sent or self.generator.cache is None:
             return {"lookup": False}
-        if job.prompt_known is None:
+        if job.prompt_known is None or job.prepared is None:  # first: what the table holds now
             job.prompt_known = self.prompt_scores.longest(job.tenant, job.prompt_logprobs, job.prompt)[1]
         known = len(job.prompt_known)
         return {"lookup": known >= 2, "limit": known - 1}
