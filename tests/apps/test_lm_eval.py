@@ -38,10 +38,12 @@ BATCH = 4
 
 #: multiple choice: the context, the choices (lm-eval adds " " before each), the gold index. No choice ends where
 #: the model's greedy next token is the end of sequence (see ENDING).
-CHOICES = [
-    {"q": "<tool_call>", "choices": [CALL, "It is", "<tool_call>"], "gold": 0},
-    {"q": "It", "choices": ["in", "is sunny", "It is"], "gold": 1},
-    {"q": CHAT, "choices": ["It is", "<tool_call>", "assistant"], "gold": 1},  # the script's weak start
+CHOICES = [  # (the scripted tokenizer's call token is the call with a space either side; a word is "▁word")
+    {"q": "<tool_call>", "choices": [f"{CALL} ", "It is", "<tool_call>"], "gold": 0},
+    {"q": "<tool_response> It", "choices": ["in", "is sunny", "It is"], "gold": 1},
+    # off the script's weak start (lm-eval's " " before a choice is a lone-space piece before an added token, so
+    # " <tool_call>" leaves the script): "It is" costs a few nats, the rest millions
+    {"q": CHAT, "choices": ["It is", "<tool_call>"], "gold": 0},
     {"q": TOOL_RESULT, "choices": ["<tool_call>", "It is"], "gold": 1},  # a tool result in context: the reply
 ]
 #: choices after which the model would end (its greedy next token is the end of sequence, '<|im_end|>')
@@ -51,7 +53,7 @@ ENDING = [
 ]
 #: generate_until: prompts and their answers, cut before the first of the task's stop strings (the server cuts)
 UNTIL = ["Paris.", "\n\n"]
-PROMPTS = [{"q": "It", "a": "is sunny in "}, {"q": "<tool_call>", "a": f"{CALL} </tool_call>"},
+PROMPTS = [{"q": "<tool_response> It", "a": "is sunny in "}, {"q": "<tool_call>", "a": f"{CALL} </tool_call>"},
            {"q": "It is sunny", "a": "in "}, {"q": CHAT, "a": f"<tool_call> {CALL} </tool_call>"},
            {"q": TOOL_RESULT, "a": "It is sunny in "}]
 CHAT_PROMPTS = [{"q": "What is the weather in Paris?", "a": f"<tool_call> {CALL} </tool_call>"},
