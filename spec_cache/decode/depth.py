@@ -30,7 +30,8 @@ Shadow acceptance: a drafter that proposes for free (prompt lookup) has its woul
 rounds by the tokens that come (:meth:`DepthController.observe_shadow`); those rows are never probed.
 
 Probing: while plain decoding wins, rows' acceptance is not observed (unless shadowed). Every ``probe_every`` rounds
-at depth 0 (doubling after each probe, up to ``probe_limit``; reset when drafting wins on its own) one round drafts
+at depth 0 (doubling after each probe, up to ``probe_limit``; reset when drafting wins on its own and some row
+accepted a draft in that stretch; a stretch that accepted nothing counts as a probe: ``_end_stretch``) one round drafts
 at the depth that would win if every row's acceptance were ``probe_acceptance``; when even that cannot beat plain
 decoding at the measured costs (a compute-bound CPU), it probes at depth 1 (_STALE: the width-2 estimate is only
 ever re-measured by drafting; two unlucky width-2 rounds on a loaded CPU, against plain rounds timed while the next
@@ -261,6 +262,11 @@ def expected_accepted(acceptance, depth: int) -> float:
     return total
 
 
+def _accepted_any(rows: Sequence[RowAcceptance]) -> bool:
+    """Whether some row has a draft accepted on record (its first draft position passed at least once)."""
+    return any(row.passed and row.passed[0] > 0.0 for row in rows)
+
+
 class DepthController:
     """Chooses each round's draft depth (0..``max_depth``) from the rows' acceptance and the measured costs.
 
@@ -302,6 +308,8 @@ class DepthController:
         self.last_depth: int | None = None  # what :meth:`choose` returned last
         self._shadowed = False  # the last plain choice's rows were all shadowed (no probe is ever due for them)
         self._warm_up: tuple | None = None  # (rows, depth, width) of the last round if it measured a new width
+        self._stretch = False  # the rounds since the last plain one drafted because drafting was expected to pay
+        self._stretch_hits = False  # a row of that stretch has a draft accepted on record (``_end_stretch``)
 
     # -- the decision --------------------------------------------------------------------------------------
     def _row_model(self, row: RowAcceptance, acceptance: float | None) -> tuple:
@@ -383,8 +391,12 @@ class DepthController:
         warm_up = table is not None and table.counts.get(1, 0) == 1 and table.seen[1] == table.ticks
         depth = 0 if warm_up else self.best_depth(rows, caps, remaining=remaining)
         if depth > 0:
-            self._plain_rounds, self._probe_interval, self._probe_at = 0, self.probe_every, self.probe_every
+            self._stretch_hits = self._stretch and self._stretch_hits or _accepted_any(rows)
+            self._stretch = True  # drafting wins on its own (or a stretch of such rounds goes on)
+            self._plain_rounds = 0
         else:
+            if self._stretch:  # the stretch ended: was it drafting that paid, or an exploration that found nothing?
+                self._end_stretch(rows)
             self._plain_rounds += 1
             self._shadowed = bool(rows) and all(row.shadowed for row in rows)
             if not warm_up and self._plain_rounds >= self._probe_at and not self._shadowed:
@@ -407,6 +419,22 @@ class DepthController:
         self.rounds_at_depth[depth] += 1
         self.last_depth = depth
         return depth
+
+    def _end_stretch(self, rows: Sequence[RowAcceptance]) -> None:
+        """A stretch of drafting rounds (chosen because drafting was expected to pay) ended. Where some row of the
+        stretch or of this batch has a draft accepted on record (its first draft position ever passed: a decayed
+        count above 0), probing starts over (every ``probe_every`` plain rounds: acceptance may come back); where
+        none has, the stretch was an exploration that found nothing (a drafter without a record tried at the prior
+        acceptance) and counts as a probe: the interval doubles. Why (issue 39): the schedule started over after
+        such an exploration, so a draft model that accepts nothing (SmolLM2's first 4 layers) was probed again after
+        16 and 32 plain rounds, each probe a width-2 verify plus a draft call that feeds the rows' backlog (1.5-2.4
+        plain rounds on the CPU): 2-4% of a 96-token run, most of the draft model's loss."""
+        self._stretch = False
+        if self._stretch_hits or _accepted_any(rows):
+            self._probe_interval = self.probe_every
+        else:
+            self._probe_interval = min(2 * self._probe_interval, self.probe_limit)
+        self._probe_at = self._probe_interval
 
     def _re_measure(self, rows: int, depth: int) -> bool:
         """Whether the last round's new width (``_warm_up``) must be measured again before ``depth`` is tried:
@@ -440,9 +468,25 @@ class DepthController:
         drafts = self.draft_costs.table(len(rows))
         if drafts is not None and drafts.seconds:
             probe += max(0.0, max(drafts.seconds.values()) - (self.draft_costs.estimate(len(rows), depth) or 0.0))
+        # its window was seen to cost more than the estimate once (a warm-up, left out of the estimates): where that
+        # reading is within what a compute-bound verify costs (width x a plain round; more is a spike, a kernel
+        # compile), the probe costs at least that (issue 39: the draft model's width-2 exploration read 1.95-2.4x
+        # plain at B=8 on the CPU, priced at 1.25x from the prior slope, so the next probe came twice as soon)
+        probe += self._warm_up_excess(len(rows), depth + 1)
         first = [expected_accepted(a, 1) * offers for a, offers in models]  # first-position acceptance
         worth = min(1.0, 0.25 + sum(first) / max(len(first), 1))
         return math.ceil(max(probe - plain, 0.0) / (self.probe_budget * worth * plain))
+
+    def _warm_up_excess(self, rows: int, width: int) -> float:
+        """Seconds by which ``width``'s single measurement (a warm-up) exceeds its estimate, where that measurement
+        is at most ``width`` plain rounds (a plausible verify, not a spike); else 0."""
+        table = self.verify_costs.by_rows.get(rows)
+        if table is None or table.counts.get(width, 0) != 1 or table.counts.get(1, 0) < 2:
+            return 0.0
+        seen, estimate = table.seconds[width], self.verify_costs.estimate(rows, width) or 0.0
+        if seen > width * (self.verify_costs.estimate(rows, 1) or 0.0):
+            return 0.0
+        return max(0.0, seen - estimate)
 
     def predicts_plain(self, rows: int) -> bool:
         """Whether the next round of ``rows`` rows will most likely choose depth 0 too (the engine then queues it

@@ -16,13 +16,15 @@ tokens wait in a per-row backlog and are fed in one batched prefill when the dra
 which costs a cheap drafter most of what adaptive depth saves. The caught-up KV is the one that feeding token by
 token gives (the rows' prefill is exact across chunkings), so checkpoints do not change.
 
-Bounded backlog (``backlog_cap``, 32 tokens): a row's backlog that reaches the cap is fed at that depth-0 round
-(in its draft call: the rows' prefill evaluates per chunk; SmolLM2's first 4 layers at B=1 on the CPU: ~43 ms
-per 32 tokens, half a plain round). Why: the next draft at depth > 0 feeds the whole backlog first, so a probe
-after 64-128 plain rounds cost ~2.8 plain rounds at B=8 on the CPU, most of it that feed, and its draft-call time
-read as what drafting costs. With the cap no draft call feeds more than ``backlog_cap + 2`` tokens per row. The
-feed is the same tokens in more chunks: same KV, same drafts. Its price: where no probe or drafting round would
-have come before the row ends, up to ``backlog_cap`` tokens per row fed for nothing.
+Bounded backlog (``backlog_cap``, default None: unbounded): a row's backlog that reaches the cap is fed at that
+depth-0 round (in its draft call). None since issue 39: a depth-0 round costs the draft model nothing, and the
+backlog is fed only where the draft KV is needed (a drafting round or probe, a capture for a checkpoint, a join);
+rows that leave keep their backlog (no feed for them: ``_keep_rows``). Why: with the cap of 32 the draft model ran
+its layers on every token of plain decoding after all (SmolLM2's first 4 layers on the CPU: ~43 ms per 32 tokens at
+B=1, ~85 ms at B=8, 0.8-0.9 of a plain round each; 1-2% of a run that never drafted), most of it for nothing where
+no probe came before the rows ended. The cost moves to the probe that follows a long plain stretch (its draft call
+feeds the whole backlog); the depth controller prices a probe at least as dear as the dearest draft call it
+measured. The feed is the same tokens in more or fewer chunks: same KV, same drafts.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class DraftModelRows(BoundDraftRows):
                 self._pending_last[row] = None
 
     #: most backlog tokens a row keeps before they are fed (module doc); None: unbounded (fed when drafting resumes)
-    backlog_cap: int | None = 32
+    backlog_cap: int | None = None
 
     def materialize(self) -> None:
         self._rows.materialize()
@@ -124,7 +126,8 @@ class DraftModelRows(BoundDraftRows):
             self._backlog = [[] for _ in self._backlog]
 
     def _keep_rows(self, keep: list[int]) -> None:
-        self.catch_up()
+        # the kept rows keep their backlog (fed when their draft KV is next needed): no forward here, and none at all
+        # for the rows that leave (catching up every row first fed the leaving rows' backlogs for nothing)
         self._rows.filter_rows(keep)
         self._processed = [self._processed[row] for row in keep]
         self._pending_last = [self._pending_last[row] for row in keep]

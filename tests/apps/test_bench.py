@@ -33,3 +33,20 @@ def test_quick_bench_runs_and_prints_json():
     assert len(amp["bytes_written_per_turn"]) == amp["turns"] and all(b > 0 for b in amp["bytes_written_per_turn"])
     assert all(later > earlier for earlier, later in zip(amp["cached_tokens_per_turn"],
                                                           amp["cached_tokens_per_turn"][1:]))
+
+
+def test_default_drafting_plan_keeps_every_cell_and_fits_the_2_core_vm():
+    """Issue 39: ``spec-cache bench --only drafting`` ran past 25 minutes on the 2-core VM (q4 beside float32, three
+    fixed-depth rounds per drafter): the default plan keeps every cell (chat, copy and random text x ngram and the
+    draft model), each adaptive figure a median of 3 rounds between plain runs of 3 rows x 96 tokens, and runs the
+    fixed depth (a reference column) once; q4 is opt-in. The plan's shape, never a wall-clock time."""
+    from spec_cache.apps.bench import FULL, drafting
+
+    cfg = FULL["drafting"]
+    shape = drafting.plan(**cfg)
+    assert shape["cells"] == ["float32 chat", "float32 copy", "float32 random"]
+    assert shape["drafters"] == ["ngram", "draft-model"]
+    assert (shape["rows"], shape["new_tokens"], shape["repeats"], shape["fixed_repeats"]) == (3, 96, 3, 1)
+    assert shape["decode_runs"] == 3 * (4 + 2 * (3 + 1))  # per cell: 4 plain, 3 adaptive + 1 fixed per drafter
+    full = drafting.plan(**{**cfg, "variants": ["float32", "q4"], "fixed_repeats": None})
+    assert full["cells"][:2] == ["float32 chat", "q4 chat"] and full["decode_runs"] == 4 * (4 + 2 * 6)

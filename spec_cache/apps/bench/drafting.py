@@ -156,13 +156,16 @@ def _providers(model_dir: Path, work: Path, drafters, draft_layers: int) -> dict
 
 def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int, depth: int,
              draft_layers: int, cpu_clock: bool, warmup: bool = False, kernel_warmup: bool = False,
-             repeats: int = 1) -> dict:
+             repeats: int = 1, fixed_repeats: int | None = None, cell: str = "", progress=None) -> dict:
     """``repeats`` rounds of every drafter run, each between two plain runs (the mean of the two is that
     round's baseline, against drift in the load); a figure is the median over the rounds (the acceptance and
     depths are the median round's). Why: one ratio on the loaded 2-core VM swings +-10% (a drafter run at depth 0
     throughout read 0.85-1.10x plain), and ``drafting_vs_plain_worst`` is the minimum of several ratios.
     ``warmup``: each configuration runs once untimed first (a GPU backend compiles kernels per new shape once per
-    process: a server pays it once, not per request)."""
+    process: a server pays it once, not per request). ``fixed_repeats`` (default ``repeats``): rounds that also run
+    each drafter at its fixed depth (a reference column: the never-slower figures are the adaptive ones; the
+    first ``fixed_repeats`` rounds run it, so its median is over fewer rounds). ``progress``: called with a line
+    before each timed run (``cell`` names it)."""
     from spec_cache.rows.target import TargetModel
 
     target = TargetModel.load(model_dir)
@@ -179,21 +182,34 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
     if warmup:
         decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock)
     with_drafter = {name: prefilled(target, provider, prompts, restored) for name, provider in providers.items()}
+    fixed_repeats = repeats if fixed_repeats is None else min(fixed_repeats, repeats)
+    started = time.perf_counter()
+
+    def note(what: str) -> None:
+        if progress is not None:
+            progress(f"drafting bench: {cell or model_dir.name} {what} ({time.perf_counter() - started:.0f} s)")
+
+    note("plain")
     plain_runs = [decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock)]
     runs: dict = {}
     for round_ in range(repeats):
         for name, provider in providers.items():
-            for label, adaptive in (("adaptive", True), ("fixed", False)):
+            for mode, adaptive in (("adaptive", True), ("fixed", False)):
+                if not adaptive and round_ >= fixed_repeats:
+                    continue
                 if warmup and round_ == 0:
                     decode(target, provider, prompts, new_tokens, depth, adaptive, with_drafter[name], cpu_clock)
-                runs.setdefault((name, label), []).append(
+                note(f"round {round_ + 1}/{repeats} {name} {mode}")
+                runs.setdefault((name, mode), []).append(
                     decode(target, provider, prompts, new_tokens, depth, adaptive, with_drafter[name], cpu_clock))
+        note(f"round {round_ + 1}/{repeats} plain")
         plain_runs.append(decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock))
     baselines = [{key: (before[key] + after[key]) / 2 for key in ("tok_s", "tok_cpu_s")}
                  for before, after in zip(plain_runs, plain_runs[1:])]
     plain = {key: statistics.median(run[key] for run in plain_runs) for key in ("tok_s", "tok_cpu_s")}
     out = {"plain_tok_s": plain["tok_s"], "plain_tok_cpu_s": plain["tok_cpu_s"], "kernel_warmup_s": compiled,
-           "plain_runs_tok_s": [run["tok_s"] for run in plain_runs], "repeats": repeats}
+           "plain_runs_tok_s": [run["tok_s"] for run in plain_runs], "repeats": repeats,
+           "fixed_repeats": fixed_repeats}
     for name in providers:
         figures = out.setdefault(name, {})
         for label in ("adaptive", "fixed"):
@@ -203,7 +219,7 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
                     raise AssertionError(f"{name} ({label}) changed the tokens of plain decoding")
             wall = [run["tok_s"] / base["tok_s"] for run, base in zip(rounds, baselines)]
             cpu = [run["tok_cpu_s"] / base["tok_cpu_s"] for run, base in zip(rounds, baselines)]
-            run = rounds[sorted(range(repeats), key=(cpu if cpu_clock else wall).__getitem__)[repeats // 2]]
+            run = rounds[sorted(range(len(rounds)), key=(cpu if cpu_clock else wall).__getitem__)[len(rounds) // 2]]
             print(f"drafting bench: {model_dir.name} {name} {label}: {run['tok_s']:.2f} tok/s, "
                   f"{run['tok_cpu_s']:.2f} tok/cpu-s (plain {plain['tok_s']:.2f}, {plain['tok_cpu_s']:.2f}), "
                   f"accepted {run['accepted']}/{run['drafted']}, x plain (cpu) {[round(r, 3) for r in cpu]}",
@@ -220,10 +236,29 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
     return out
 
 
+def plan(*, rows: int = 3, new_tokens: int = 96, variants=("q4", "float32", "float16"),
+         drafters=("ngram", "draft-model"), copy: bool = True, random_text: bool = True, repeats: int = 3,
+         fixed_repeats: int | None = None, **_) -> dict:
+    """What :func:`run` decodes with these arguments, without running it: the cells (workload per variant: chat
+    for every variant, copy and random text for the first; each cell runs every drafter), repeats and the number
+    of timed decode runs (each ``rows`` x ``new_tokens`` tokens). ``spec-cache bench`` prints it first."""
+    fixed = repeats if fixed_repeats is None else min(fixed_repeats, repeats)
+    cells = [f"{variant} chat" for variant in variants]
+    cells += [f"{variants[0]} {workload}" for workload, on in (("copy", copy), ("random", random_text)) if on]
+    per_cell = repeats + 1 + len(drafters) * (repeats + fixed)  # plain runs around each round, then the drafters
+    return {"cells": cells, "drafters": list(drafters), "rows": rows, "new_tokens": new_tokens,
+            "repeats": repeats, "fixed_repeats": fixed, "decode_runs": per_cell * len(cells)}
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", "float32", "float16"),
         drafters=("ngram", "draft-model"), draft_layers: int = 4, cache_dir: str | None = None,
         tiny: bool = False, cpu_clock: bool | None = None, copy: bool = True, random_text: bool = True,
-        warmup: bool = False, kernel_warmup: bool = False, repeats: int = 3) -> dict:
+        warmup: bool = False, kernel_warmup: bool = False, repeats: int = 3, fixed_repeats: int | None = None,
+        progress=_stderr) -> dict:
     """Figures per variant and drafter (module doc); the headline keys come from the first variant: wall-clock
     ratios, or CPU-time ratios when ``cpu_clock`` (default: on MLX's CPU backend), which also times the
     controller's rounds in process CPU seconds. ``tiny``: the tiny fallback even when SmolLM2 is installed.
@@ -231,7 +266,8 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
     the random-text workload (``random_chats``: every drafter, adaptive; figures under
     ``random``, ``drafting_random_<drafter>``). ``drafting_vs_plain_worst`` is the lowest adaptive ratio over every
     drafter and every workload run. ``repeats``: rounds of drafter runs between plain runs; figures are medians
-    (``_variant``)."""
+    (``_variant``); ``fixed_repeats``: how many of them also run the fixed depth (default: all). ``progress``: a
+    line per timed run (default: stderr; None: silent)."""
     import mlx.core as mx
 
     if repeats < 1:
@@ -243,6 +279,15 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
     cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "spec-cache-bench-models"
     gguf = None if tiny else find_smollm2_gguf()
     result: dict = {"rows": rows, "new_tokens": new_tokens, "max_depth": depth, "cpu_clock": cpu_clock}
+    shape = plan(rows=rows, new_tokens=new_tokens, variants=("tiny",) if tiny else variants, drafters=drafters,
+                 copy=copy, random_text=random_text, repeats=repeats, fixed_repeats=fixed_repeats)
+    if progress is not None:
+        progress(f"drafting bench: {len(shape['cells'])} cells ({', '.join(shape['cells'])}) x {len(drafters)} "
+                 f"drafters, {repeats} rounds (fixed depth in {shape['fixed_repeats']}), {shape['decode_runs']} "
+                 f"decode runs of {rows} x {new_tokens} tokens")
+    common = {"new_tokens": new_tokens, "depth": depth, "cpu_clock": cpu_clock,
+              "warmup": warmup, "kernel_warmup": kernel_warmup, "repeats": repeats, "fixed_repeats": fixed_repeats,
+              "progress": progress}
     if gguf is None:
         import numpy as np
 
@@ -260,10 +305,9 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         model_dirs = {variant: converted(gguf, variant, cache) for variant in variants}
         prompts = {variant: chat_prompts(path, rows) for variant, path in model_dirs.items()}
         result["prompt_tokens"] = [len(p) for p in next(iter(prompts.values()))]
+    common["draft_layers"] = draft_layers  # (1 for the tiny fallback)
     for variant, model_dir in model_dirs.items():
-        result[variant] = _variant(model_dir, prompts[variant], work, drafters, new_tokens=new_tokens, depth=depth,
-                                   draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup,
-                                   kernel_warmup=kernel_warmup, repeats=repeats)
+        result[variant] = _variant(model_dir, prompts[variant], work, drafters, cell=f"{variant} chat", **common)
     head = result[next(iter(model_dirs))]
     key = "adaptive_vs_plain_cpu" if cpu_clock else "adaptive_vs_plain"
     ratios = {name: head[name][key] for name in drafters}
@@ -275,9 +319,7 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
             from spec_cache.apps.bench.copy_workload import copy_chats
 
             copied = chat_prompts(model_dir, rows, copy_chats())
-        result["copy"] = _variant(model_dir, copied, work, drafters, new_tokens=new_tokens, depth=depth,
-                                  draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup,
-                                  kernel_warmup=kernel_warmup, repeats=repeats)
+        result["copy"] = _variant(model_dir, copied, work, drafters, cell=f"{variant} copy", **common)
         result["copy"]["variant"] = variant
         for name in drafters:
             label = name.replace("-", "_")
@@ -293,9 +335,7 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
             texts = [rng.integers(3, 200, 40).tolist() for _ in range(rows)]
         else:
             texts = chat_prompts(model_dir, rows, random_chats(rows))
-        result["random"] = _variant(model_dir, texts, work, drafters, new_tokens=new_tokens, depth=depth,
-                                    draft_layers=draft_layers, cpu_clock=cpu_clock, warmup=warmup,
-                                    kernel_warmup=kernel_warmup, repeats=repeats)
+        result["random"] = _variant(model_dir, texts, work, drafters, cell=f"{variant} random", **common)
         result["random"]["variant"] = variant
         for name in drafters:
             result[f"drafting_random_{name.replace('-', '_')}"] = result["random"][name][key]
@@ -325,6 +365,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-random-text", action="store_true", help="skip the random-text workload")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds of drafter runs, each between plain runs; figures are medians (default 3)")
+    parser.add_argument("--fixed-repeats", type=int, default=None,
+                        help="rounds that also run the fixed depth (default: every round)")
     parser.add_argument("--warmup", action="store_true", help="run each configuration once untimed first")
     parser.add_argument("--kernel-warmup", action="store_true",
                         help="spec_cache.decode.warmup per drafter first (what serve --warmup does), "
@@ -334,6 +376,7 @@ def main(argv=None) -> None:
     print(json.dumps(run(rows=args.rows, new_tokens=args.new_tokens, depth=args.depth, variants=tuple(args.variants),
                          drafters=tuple(args.drafters), tiny=args.tiny, copy=not args.no_copy,
                          random_text=not args.no_random_text, cache_dir=args.cache_dir, repeats=args.repeats,
+                         fixed_repeats=args.fixed_repeats,
                          warmup=args.warmup, kernel_warmup=args.kernel_warmup), indent=1))
 
 
