@@ -50,3 +50,20 @@ def test_default_drafting_plan_keeps_every_cell_and_fits_the_2_core_vm():
     assert shape["decode_runs"] == 3 * (4 + 2 * (3 + 1))  # per cell: 4 plain, 3 adaptive + 1 fixed per drafter
     full = drafting.plan(**{**cfg, "variants": ["float32", "q4"], "fixed_repeats": None})
     assert full["cells"][:2] == ["float32 chat", "q4 chat"] and full["decode_runs"] == 4 * (4 + 2 * 6)
+
+
+def test_drafting_bench_runs_the_fixed_depth_in_fewer_rounds_or_none():
+    from spec_cache.apps.bench import drafting
+
+    lines = []
+    once = drafting.run(rows=1, new_tokens=4, tiny=True, drafters=("ngram",), random_text=False, repeats=3,
+                        fixed_repeats=1, progress=lines.append)
+    block = once["tiny"]["ngram"]
+    assert len(block["adaptive_vs_plain_cpu_runs"]) == 3 and len(block["fixed_vs_plain_cpu_runs"]) == 1
+    assert "drafting_copy_ngram_fixed" in once
+    assert lines[0].startswith("drafting bench: 2 cells")
+    assert sum(" round " in line for line in lines) == 2 * (3 + 3 + 1)  # per cell: 3 adaptive, 1 fixed, 3 plain
+    never = drafting.run(rows=1, new_tokens=4, tiny=True, drafters=("ngram",), random_text=False, repeats=2,
+                         fixed_repeats=0, progress=None)
+    assert "fixed_vs_plain_cpu" not in never["tiny"]["ngram"] and "drafting_copy_ngram_fixed" not in never
+    assert never["drafting_vs_plain_worst"] == min(never["drafting_vs_plain_ngram"], never["drafting_copy_ngram"])

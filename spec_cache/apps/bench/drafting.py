@@ -212,7 +212,7 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
            "fixed_repeats": fixed_repeats}
     for name in providers:
         figures = out.setdefault(name, {})
-        for label in ("adaptive", "fixed"):
+        for label in [mode for mode in ("adaptive", "fixed") if (name, mode) in runs]:  # fixed_repeats 0: none
             rounds = runs[name, label]
             for run in rounds:
                 if run["tokens"] != plain_runs[0]["tokens"]:
@@ -324,7 +324,9 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         for name in drafters:
             label = name.replace("-", "_")
             result[f"drafting_copy_{label}"] = result["copy"][name][key]
-            result[f"drafting_copy_{label}_fixed"] = result["copy"][name][key.replace("adaptive", "fixed")]
+            fixed = result["copy"][name].get(key.replace("adaptive", "fixed"))
+            if fixed is not None:
+                result[f"drafting_copy_{label}_fixed"] = fixed
     worst = list(ratios.values()) + ([result["copy"][name][key] for name in drafters] if copy else [])
     if random_text:
         variant, model_dir = next(iter(model_dirs.items()))
