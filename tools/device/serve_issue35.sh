@@ -4,6 +4,11 @@
 #   call 0 (fresh machine, carry .gpu/p1):         mkdir -p /tmp/parts && cp .gpu/p1/* /tmp/parts/
 #   call 1 (carry .gpu/p2 .gpu/p3 .gpu/serve):     PART=chat bash tools/device/serve_issue35.sh
 #   call 2 (same warm machine, no carry needed):   PART=agent bash tools/device/serve_issue35.sh
+# To measure exactly one commit while the working tree moves (helpers' edits travel with it), carry the commit as
+# a tarball: `git archive <commit> | gzip > .gpu/src/tree.tgz` here, carry .gpu/src too in call 1, and run
+#   rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .gpu/src/tree.tgz -C /tmp/src && cp -r .gpu /tmp/src/ &&
+#   cd /tmp/src && PART=chat ... bash tools/device/serve_issue35.sh
+# (call 2: `cd /tmp/src && PART=agent ...`). The machine stays warm ~30 s after a call: chain the calls at once.
 #
 # PART=chat: the tool's defaults (1500-word system prompt, 150-word turns; 8 conversations x 3 turns, 32-token greedy
 # replies, --warmup shapes) on the 8B-shaped bf16 llama with SmolLM2's tokenizer (tools/device/serve_8b_model.py),
