@@ -310,6 +310,10 @@ class DepthController:
         self._warm_up: tuple | None = None  # (rows, depth, width) of the last round if it measured a new width
         self._stretch = False  # the rounds since the last plain one drafted because drafting was expected to pay
         self._stretch_hits = False  # a row of that stretch has a draft accepted on record (``_end_stretch``)
+        #: per batch size: seconds per plain round that a drafter's next draft call pays for them (its draft call
+        #: after n plain rounds over n + 1: an upper bound, the call's own draft included; 0 for prompt lookup)
+        self._upkeep: dict[int, float] = {}
+        self._after_plain: int | None = None  # plain rounds before the round just chosen, if it is the first to draft
 
     # -- the decision --------------------------------------------------------------------------------------
     def _row_model(self, row: RowAcceptance, acceptance: float | None) -> tuple:
@@ -389,6 +393,7 @@ class DepthController:
         # nearly free against it: four exploring rounds before the second plain one corrected it). Measure plain
         # once more first (no probe either).
         warm_up = table is not None and table.counts.get(1, 0) == 1 and table.seen[1] == table.ticks
+        plain_before = self._plain_rounds
         depth = 0 if warm_up else self.best_depth(rows, caps, remaining=remaining)
         if depth > 0:
             self._stretch_hits = self._stretch and self._stretch_hits or _accepted_any(rows)
@@ -416,6 +421,8 @@ class DepthController:
                     self._probe_interval = min(2 * self._probe_interval, self.probe_limit)
                     self._probe_at = self._probe_interval
                     self.probes += 1 if depth > 0 else 0
+        # the first drafting round after plain ones: its draft call's seconds price the upkeep (``_upkeep``)
+        self._after_plain = plain_before if depth > 0 and self.last_depth in (0, None) else None
         self.rounds_at_depth[depth] += 1
         self.last_depth = depth
         return depth
@@ -475,7 +482,17 @@ class DepthController:
         probe += self._warm_up_excess(len(rows), depth + 1)
         first = [expected_accepted(a, 1) * offers for a, offers in models]  # first-position acceptance
         worth = min(1.0, 0.25 + sum(first) / max(len(first), 1))
-        return math.ceil(max(probe - plain, 0.0) / (self.probe_budget * worth * plain))
+        due = math.ceil(max(probe - plain, 0.0) / (self.probe_budget * worth * plain))
+        upkeep = self._upkeep.get(len(rows), 0.0)
+        if upkeep <= 0.0:
+            return due
+        # the drafter's upkeep: its draft call after n plain rounds also feeds what those rounds deferred (the draft
+        # model's backlog), ~``upkeep`` seconds per plain round, so a probe after n rounds costs n * upkeep more and
+        # its share must cover that too; where the upkeep alone exceeds the share, the probe waits until
+        # ``4 * probe_limit`` plain rounds (a bound: acceptance may still turn)
+        share = self.probe_budget * worth * plain - upkeep
+        ceiling = 4 * self.probe_limit
+        return max(due, ceiling if share <= 0.0 else min(math.ceil(max(probe - plain, 0.0) / share), ceiling))
 
     def _warm_up_excess(self, rows: int, width: int) -> float:
         """Seconds by which ``width``'s single measurement (a warm-up) exceeds its estimate, where that measurement
@@ -503,6 +520,9 @@ class DepthController:
         """Record a round of ``rows`` rows: the draft call at ``depth`` and the verify (+ commit) at ``width``."""
         self.draft_costs.observe(rows, depth, draft_seconds)
         self.verify_costs.observe(rows, width, verify_seconds)
+        if depth > 0 and self._after_plain is not None:  # upper bound of the upkeep per plain round (_probe_due)
+            self._upkeep[rows] = draft_seconds / (self._after_plain + 1)
+        self._after_plain = None
         first = width > 1 and self.verify_costs.by_rows[rows].counts[width] == 1
         self._warm_up = (rows, depth, width) if first else None
 

@@ -100,3 +100,30 @@ def test_a_probe_is_priced_at_least_at_its_widths_plausible_first_reading():
     prior = due(1.25)  # the prior slope's estimate: no excess
     assert due(2.0) > 3 * prior  # a compute-bound reading (2 plain rounds): the probe costs 4x more extra
     assert due(40.0) == prior  # a spike (a kernel compile) is left out, as the estimates leave it out
+
+
+# -- probe pricing: the drafter's upkeep ---------------------------------------------------------------------------
+def test_a_probe_pays_for_the_backlog_it_feeds():
+    """The draft model's probe after n plain rounds feeds their n tokens per row first (issue 39: SmolLM2's first 4
+    layers at B=8 on the CPU, a probe after ~77 plain rounds read 3.5-4.3 plain rounds, most of it that feed, and
+    with the exploration cost the 96-token run 5-6%). Its first draft call after plain rounds prices that upkeep
+    per plain round; where the upkeep alone exceeds a probe's share, the next probe waits ``4 * probe_limit``."""
+    def next_probe(draft_seconds: float) -> list:
+        controller = DepthController(4)
+        rows = [RowAcceptance() for _ in range(8)]
+        for _ in range(3):
+            controller.observe_round(8, 0, 0.0, 1, 1.0)
+        chosen = []
+        for _ in range(600):
+            depth = controller.choose(rows, [500] * 8)
+            controller.observe_round(8, depth, draft_seconds if depth else 0.0, depth + 1, 1.0 + 0.95 * depth)
+            for row in rows:
+                if depth:
+                    controller.observe_row(row, 1, 0)
+            chosen.append(depth)
+        return [i for i, depth in enumerate(chosen) if depth]
+
+    free = next_probe(0.0)  # a drafter without upkeep (prompt lookup's cost): probes as before
+    assert len(free) >= 4 and free[1] - free[0] < 96
+    dear = next_probe(0.45)  # the draft model: its exploration's draft call after 2 plain rounds cost 0.45 of one
+    assert dear[0] == free[0] and dear[1] - dear[0] >= 4 * 128 - 1, dear
