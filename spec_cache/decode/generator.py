@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from spec_cache.decode.cached_session import CachedSession, PreparedRow  # PreparedRow re-exported
 from spec_cache.errors import InvalidRequest, ModelLoadError
 from spec_cache.naming.identity import ModelDirError, model_identity
 from spec_cache.naming.namespace import (
@@ -43,24 +43,6 @@ from spec_cache.naming.namespace import (
 from spec_cache.rows.generation import Result, check_prompts  # re-exported (spec_cache.Result)
 from spec_cache.rows.kv_quant import converted_at, reusable
 from spec_cache.tiers.cache import CacheWarning, SpecCache
-
-
-@dataclass
-class PreparedRow:
-    """A prompt made ready for the engine (``Generator.prepare``): its ``RowRequest`` (restored state attached
-    when the cache had a usable prefix), how many prompt tokens came from the cache, and under which namespace
-    key its checkpoints go."""
-
-    request: Any  # engine.RowRequest
-    ns_key: bytes | None
-    cached_tokens: int = 0
-    restored_drafter: bool = False
-    #: (tokens, with drafter row) of the restored checkpoint: writing that one again would change nothing
-    restored_at: tuple[int, bool] | None = None
-
-    def needs_save(self, tokens: Sequence[int], draft_checkpoint, drafter_namespace: str | None) -> bool:
-        """Whether a checkpoint of ``tokens`` (with ``draft_checkpoint``) adds anything to what was restored."""
-        return self.restored_at != (len(tokens), draft_checkpoint is not None or not drafter_namespace)
 
 
 class Generator:
@@ -272,33 +254,33 @@ class Generator:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidRequest("max_tokens must be a positive int")
         rows = check_prompts(prompts, self.engine.target.vocab_size)
+        from spec_cache.rows.sampling import RowSampling, Sampling
+
         sampling = None
         if top_p != 1.0 or top_k or min_p or processors:
-            from spec_cache.rows.sampling import RowSampling
-
             # raises on values out of range (and TypeError on a name RowSampling does not have)
             sampling = RowSampling(temperature, top_p, seed, top_k, min_p, **processors)
         started = time.perf_counter()  # TTFT counts the lookups and restores too, not only the engine
-        prepared = [self.prepare(prompt, max_tokens, sampling=sampling) for prompt in rows]
-        saves = []
-
-        def on_checkpoint(row, tokens, caches, draft_checkpoint):
-            if self.cache is None or not prepared[row].needs_save(tokens, draft_checkpoint, self.drafter_namespace):
-                return  # no cache, or this exact checkpoint was just restored
-            saves.append((tokens, caches, draft_checkpoint))  # written after decoding, off the TTFT path
-
-        engine_started = time.perf_counter()
+        run = Sampling(temperature, seed)
+        default = None if run.greedy else RowSampling(temperature, 1.0, seed)  # rows without their own sampling
+        session = self.session(draft_sampling=run, default_sampling=default)
         try:
-            out = self.engine.run([p.request for p in prepared], temperature=temperature, seed=seed,
-                                  eos_token_ids=self.eos_token_ids,
-                                  on_checkpoint=None if self.cache is None else on_checkpoint)  # no copies for none
+            handles = [session.prepare(prompt, max_tokens, sampling) for prompt in rows]
+            engine_started = time.perf_counter()
+            for handle in handles:
+                session.admit(handle, submitted_at=engine_started)
+            session.run()
         finally:
-            for tokens, caches, draft_checkpoint in saves:  # memory tier now, LMDB behind the request
-                self.save_checkpoint(tokens, caches, draft_checkpoint)
+            session.close()  # then its checkpoints: memory tier now, LMDB behind the request (off the TTFT path)
         before_engine = engine_started - started
-        return [Result(r.tokens, r.cached_tokens, r.drafted, r.accepted, before_engine + r.ttft_s, len(p),
-                       row.restored_drafter)
-                for r, p, row in zip(out, rows, prepared)]
+        return [Result(h.result.tokens, h.result.cached_tokens, h.result.drafted, h.result.accepted,
+                       before_engine + h.result.ttft_s, len(prompt), h.restored_drafter)
+                for h, prompt in zip(handles, rows)]
+
+    def session(self, **options: Any) -> CachedSession:
+        """A ``CachedSession`` on this generator (``spec_cache.decode.cached_session``): rows that restore from its
+        cache, decode in one engine session and checkpoint back. ``options``: ``CachedSession``'s."""
+        return CachedSession(self, **options)
 
     def _restore(self, prompt: list[int], ns_key: bytes | None = None, limit: int | None = None):
         """The longest stored prefix of ``prompt[:-1]`` (of ``prompt[:limit]`` when ``limit`` is shorter) this

@@ -196,25 +196,16 @@ class ResumedResult(Result):
     resumed: int = 0
 
 
-@dataclass
-class _Row:
-    prompt: list[int]
-    key: bytes | None
-    max_tokens: int
-    output: list[int]
-    replayed: int = 0
-    prepared: Any = None
-    checkpointed_at: int = 0
-    result: Any = None
-    started: float = 0.0
-
-
 def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0.0, seed: int = 0,
              top_p: float = 1.0, checkpoint_every: int | None = None, resume: bool = True, top_k: int = 0,
              min_p: float = 0.0, **processors: Any) -> list[ResumedResult]:
     """``Generator.generate`` with continuations: rows resume from their stored continuation (``resume``) and
     checkpoint every ``checkpoint_every`` generated tokens (None: at the prompt boundary and the end only), each
-    checkpoint followed by its continuation record. Tokens equal an uninterrupted ``generate``'s."""
+    checkpoint followed by its continuation record. Tokens equal an uninterrupted ``generate``'s.
+
+    The decoding is the decode room's one loop (``generator.session()``, a ``decode.cached_session.CachedSession``,
+    reached through the generator so that this room never imports ``decode``): this function plans the replay and
+    names each checkpoint's record (its ``rider``); the session restores, decodes and writes."""
     from spec_cache.rows.generation import check_prompts
     from spec_cache.rows.sampling import RowSampling, Sampling
 
@@ -230,66 +221,45 @@ def generate(generator, prompts, max_tokens: int = 32, *, temperature: float = 0
     ns_key = generator.ns_key
     partial = generator.engine.plan is None
     started = time.perf_counter()
-    rows = []
-    for prompt in prompts:
-        key = None if conts is None else request_key(ns_key, prompt, sampling, True, eos)
-        rec = conts.get(key, ns_key, len(prompt)) if resume and conts is not None else None
-        replay, ended = plan(rec, max_tokens, True, eos, partial=partial)
-        row = _Row(prompt, key, max_tokens, list(replay), len(replay), started=started)
-        if ended:
-            row.result = ResumedResult(list(replay), len(prompt) - 1, 0, 0, time.perf_counter() - started,
-                                       len(prompt), False, len(replay))
-        else:
-            row.prepared = generator.prepare(prompt + replay, max_tokens - len(replay), sampling=sampling)
-            row.replayed = trim(row.prepared, len(prompt), len(replay))
-            del row.output[row.replayed:]
-            row.checkpointed_at = row.replayed
-        rows.append(row)
-    live = {}
-    saves: list[tuple] = []
+    results: list[ResumedResult | None] = []
+    rows: list[tuple[int, Any]] = []  # (index in results, handle) of the rows that decode
+    checkpointed: dict[int, int] = {}  # row id -> generated tokens at its last periodic checkpoint
 
-    def on_checkpoint(row_id, tokens, caches, draft):
-        row = live[row_id]
-        rec = None if conts is None else record_at(row.key, ns_key, row.prompt, row.output, len(tokens),
-                                                   finished=len(row.output) >= row.max_tokens or
-                                                   bool(row.output) and row.output[-1] in eos)
-        if rec is not None:
-            conts.remember(rec)
-        if row.prepared.needs_save(tokens, draft, generator.drafter_namespace):
-            saves.append((tokens, caches, draft, rec))
-        elif rec is not None:  # the KV is stored already: only the record is new
-            conts.persist(rec)
+    def rider(key: bytes):
+        """The record of each checkpoint of a row under continuation ``key``: the tokens that checkpoint covers."""
+        def record(handle, tokens):
+            output = handle.output
+            return record_at(key, ns_key, handle.prompt, output, len(tokens),
+                             finished=len(output) >= handle.max_tokens or bool(output) and output[-1] in eos)
+        return record
 
-    def on_tokens(row_id, tokens):
-        row = live[row_id]
-        row.output += tokens
-        if checkpoint_every is not None and len(row.output) - row.checkpointed_at >= checkpoint_every \
-                and len(row.output) < row.max_tokens:
-            row.checkpointed_at = len(row.output)
-            session.checkpoint(row_id)
+    def on_tokens(handle, tokens):
+        if checkpoint_every is not None and len(handle.output) - checkpointed.get(handle.row, handle.replayed) \
+                >= checkpoint_every and len(handle.output) < handle.max_tokens:
+            checkpointed[handle.row] = len(handle.output)
+            session.checkpoint(handle)
 
-    def on_finish(row_id, result):
-        row = live[row_id]
-        cached = min(row.prepared.cached_tokens, len(row.prompt) - 1)
-        row.result = ResumedResult(list(row.output), cached, result.drafted, result.accepted, result.ttft_s,
-                                   len(row.prompt), row.prepared.restored_drafter, row.replayed)
-
-    def write() -> None:
-        pending, saves[:] = list(saves), []
-        for tokens, caches, draft, rec in pending:
-            generator.save_checkpoint(tokens, caches, draft, rider=None if rec is None else conts.rider(rec))
-
-    session = generator.engine.session(eos_token_ids=eos, on_checkpoint=None if cache is None else on_checkpoint,
-                                       draft_sampling=Sampling(temperature, seed))
+    session = generator.session(eos_token_ids=eos, draft_sampling=Sampling(temperature, seed))
     try:
-        for row in rows:
-            if row.result is None:
-                live[session.submit(row.prepared.request, on_tokens=on_tokens, on_finish=on_finish,
-                                    submitted_at=started)] = row
-        while session.busy:
-            session.step()
-            write()
+        for prompt in prompts:
+            key = None if conts is None else request_key(ns_key, prompt, sampling, True, eos)
+            rec = conts.get(key, ns_key, len(prompt)) if resume and conts is not None else None
+            replay, ended = plan(rec, max_tokens, True, eos, partial=partial)
+            if ended:
+                results.append(ResumedResult(list(replay), len(prompt) - 1, 0, 0, time.perf_counter() - started,
+                                             len(prompt), False, len(replay)))
+                continue
+            handle = session.prepare(prompt, max_tokens, sampling, replay=replay,
+                                     rider=None if key is None else rider(key))
+            rows.append((len(results), handle))
+            results.append(None)
+        for _, handle in rows:
+            session.admit(handle, on_tokens=on_tokens, submitted_at=started)
+        session.run(write_each_step=True)
     finally:
         session.close()
-        write()
-    return [row.result for row in rows]
+    for index, handle in rows:
+        result = handle.result
+        results[index] = ResumedResult(list(handle.output), handle.cached_tokens, result.drafted, result.accepted,
+                                       result.ttft_s, len(handle.prompt), handle.restored_drafter, handle.replayed)
+    return results  # type: ignore[return-value]

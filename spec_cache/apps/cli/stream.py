@@ -82,46 +82,29 @@ def decode_rows(generator, prompts: list[list[int]], tokenizer, *, max_tokens: i
     sampling = None if greedy and top_p == 1.0 and not processors else RowSampling(temperature, top_p, seed, top_k,
                                                                                    min_p, **(processors or {}))
     started = time.perf_counter()
-    prepared = [generator.prepare(prompt, max_tokens, sampling=sampling) for prompt in prompts]
-    saves = []
-
-    def on_checkpoint(row, tokens, caches, draft):
-        if prepared[row].needs_save(tokens, draft, generator.drafter_namespace):
-            saves.append((tokens, caches, draft))
-
     eos = set(generator.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
+    session = generator.session(draft_sampling=Sampling(temperature, seed))
     texts = [_RowText(tokenizer, stops, eos, out) for _ in prompts]
-    results: dict = {}
-    session = generator.engine.session(eos_token_ids=generator.eos_token_ids,
-                                       on_checkpoint=None if generator.cache is None else on_checkpoint,
-                                       draft_sampling=Sampling(temperature, seed))
+    by_row: dict = {}  # row id -> its text
+    handles = [session.prepare(prompt, max_tokens, sampling) for prompt in prompts]
 
-    def on_tokens(row_id, tokens):
-        if texts[row_id].feed(tokens):
-            session.finish(row_id)  # leaves at the end of this round, its finish checkpoint written
-
-    def on_finish(row_id, result):
-        results[row_id] = result
+    def on_tokens(handle, tokens):
+        if by_row[handle.row].feed(tokens):
+            session.finish(handle)  # leaves at the end of this round, its finish checkpoint written
 
     interrupted = False
     try:
-        for row in prepared:
-            session.submit(row.request, on_tokens=on_tokens, on_finish=on_finish, submitted_at=started)
-        while session.step():
-            pass
+        for handle, text in zip(handles, texts):
+            by_row[session.admit(handle, on_tokens=on_tokens, submitted_at=started).row] = text
+        session.run()
     except KeyboardInterrupt:  # the rows get no finish checkpoint; what was printed stays
         interrupted = True
     finally:
-        try:
-            session.close()
-        finally:
-            if not interrupted:
-                for tokens, caches, draft in saves:
-                    generator.save_checkpoint(tokens, caches, draft)
+        session.close(write=not interrupted)  # then its checkpoints, unless Ctrl-C ended the rows
     decoded = []
-    for i, (text, row) in enumerate(zip(texts, prepared)):
+    for text, row in zip(texts, handles):
         joined = text.close()
-        r = results.get(i)
+        r = row.result
         decoded.append(Streamed(
             tokens=list(r.tokens) if r is not None else list(text.detok.tokens), text=joined, stopped=text.stopped,
             cached_tokens=row.cached_tokens, restored_drafter=row.restored_drafter,
