@@ -24,6 +24,12 @@ dominated by other processes' load): float32 96 tokens: plain 13.5 tok/cpu-s; ng
 5.7 tok/cpu-s; ngram adaptive 0.99x (fixed 0.40x); draft-model adaptive 0.87x (fixed 0.20x). float16 16 tokens:
 plain 3.6 tok/cpu-s. Command: ``OPENBLAS_NUM_THREADS=1 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
 python -m spec_cache.apps.bench.drafting --variants float32 --new-tokens 96``.
+
+``spec-cache bench --only drafting`` (issue 39: it ran past 25 minutes on the 2-core VM): float32 only (q4 with
+``--variants float32 q4`` here), chat / copy / random text x ngram / draft-model, 3 rows x 96 tokens, adaptive in 3
+rounds between plain runs, the fixed depth in the first (``fixed_repeats=1``): 36 decode runs, a progress line
+before each; 387 s on the VM (load 2-3, OpenBLAS preloaded), ``drafting_vs_plain_worst`` 0.981.
+``--fixed-repeats 0`` skips the fixed depth (the never-slower matrix: BENCHMARKS.md, issue 39).
 """
 
 from __future__ import annotations
