@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -273,7 +274,12 @@ class Requests:
             return self._stream_choices([run for run, _ in runs], streams, params, chat, scoring)
         scores: list[list] = [[] for _ in runs]
         collects = [_collect(pieces, calls, entries) for pieces, (_, calls), entries in zip(streams, runs, scores)]
-        answered, results = await _unless_gone(request, asyncio.gather(*collects))
+        try:
+            answered, results = await _unless_gone(request, asyncio.gather(*collects))
+        except BaseException:  # one choice's error (a grammar that failed its row) is the answer: the others end
+            for run, _ in runs:  # now, not at their max_tokens with nobody waiting for them
+                self.scheduler.cancel(run.job)
+            raise
         if not answered:
             self.count(endpoint, 499, tenant)
             for run, _ in runs:
@@ -503,8 +509,19 @@ class _TokenTexts:
         """One scored token (a ``TokenLogprob``; None: the prompt's first token, which nothing scores)."""
         if scored is None:
             return {"token": None, "logprob": None, "top": [], "offset": offset}
-        return {"token": self(scored.token), "logprob": scored.logprob, "offset": offset,
-                "top": [(self(t), t, lp) for t, lp in scored.top]}
+        return {"token": self(scored.token), "logprob": _finite(scored.logprob), "offset": offset,
+                "top": [(self(t), t, _finite(lp)) for t, lp in scored.top]}
+
+
+#: the logprob answered for a token the row's distribution gives (numerically) zero probability: OpenAI's value.
+#: JSON has no -inf: a grammar's mask leaves every other token at -inf, and ``top_logprobs`` / ``logprobs: N`` over
+#: it answered a 500 "Out of range float values are not JSON compliant" (issue 37, fourth attacker pass)
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob) -> float:
+    logprob = float(logprob)
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 def _echo(job: Job, tokenizer, texts: _TokenTexts, scores: list | None, scoring: Scoring) -> tuple[str, list]:

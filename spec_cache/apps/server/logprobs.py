@@ -143,7 +143,12 @@ class PromptScores:
     position of its prompt. Position ``p``'s score depends on ``prompt[:p + 1]`` only, so an entry serves the
     positions of any prompt up to where the two agree (``longest``). Lookups go through an index of each entry's
     prefixes at every ``BLOCK`` tokens (bisected: a few hashes of the prompt, then the few entries that share its
-    longest indexed prefix, compared exactly), never a scan of the table. Only the scheduler thread uses it."""
+    longest indexed prefix, compared exactly), never a scan of the table. Only the scheduler thread uses it.
+
+    Fair across API keys (issue 37, fourth attacker pass): past a bound the least recently used entry *of the API
+    key holding the most bytes* (entries, for ``max_entries``) goes, so one key's flood of long echo prompts evicts
+    its own scores, never another key's while that key holds less. Before: one table LRU; ~20 echo requests of
+    4000 tokens from A pushed B's scores out and B's next echo request restored nothing."""
 
     #: bytes counted per position and per alternative (Python objects: a ``TokenLogprob``, its tuple, floats)
     POSITION_BYTES = 160
@@ -158,6 +163,8 @@ class PromptScores:
         self.bytes = 0
         #: (tenant, top, prompt) -> (scores, bytes); order: least recently used first
         self._entries: collections.OrderedDict = collections.OrderedDict()
+        #: API key (``owner``) -> [its entry keys, least recently used first; its bytes]
+        self._owners: dict = {}
         #: (tenant, top, hash of prompt[:k]) for k = 0, BLOCK, 2 BLOCK, ... -> {entry key: None} (an ordered set)
         self._index: dict = {}
 
@@ -195,6 +202,7 @@ class PromptScores:
         if found is None:
             return 0, []
         self._entries.move_to_end(found)
+        self._owners[owner(found[0])][0].move_to_end(found)
         return best, list(self._entries[found][0][:best])
 
     def put(self, tenant: str | None, top: int, prompt: Sequence[int], scores: Sequence) -> None:
@@ -213,18 +221,33 @@ class PromptScores:
         for block in self._blocks(tenant, top, prompt):
             self._index.setdefault(block, {})[key] = None
         self.bytes += size
+        held = self._owners.setdefault(owner(tenant), [collections.OrderedDict(), 0])
+        held[0][key] = None
+        held[1] += size
         while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
-            self._drop(next(iter(self._entries)))
+            by_bytes = self.bytes > self.max_bytes
+            largest = max(self._owners.values(), key=lambda h: h[1] if by_bytes else len(h[0]))
+            self._drop(next(iter(largest[0])))
 
     def _drop(self, key) -> None:
         _, size = self._entries.pop(key)
         self.bytes -= size
+        held = self._owners[owner(key[0])]
+        del held[0][key]
+        held[1] -= size
+        if not held[0]:
+            del self._owners[owner(key[0])]
         for block in self._blocks(key[0], key[1], key[2]):
             members = self._index.get(block)
             if members is not None:
                 members.pop(key, None)
                 if not members:
                     del self._index[block]
+
+
+def owner(tenant: str | None) -> str:
+    """The API key's part of a ``Job.tenant`` (``scheduler.fair_key``: a ``cache_salt`` is no other owner)."""
+    return "open" if tenant is None else tenant.split("|", 1)[0]
 
 
 def common_prefix(a: tuple, b: tuple) -> int:
