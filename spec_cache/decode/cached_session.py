@@ -8,8 +8,9 @@ The protocol every caller used to write by hand (issue 34, item 1), written once
    continuation record holds, ``spec_cache.tiers.continuations``) only as many replayed tokens are kept as the
    restored state covers (``continuations.trim``); the rest are generated again, token-identically.
 2. **open** (``admit``): the row joins the engine's ``DecodeSession``. With ``cold_fallback`` a restored state the
-   engine refuses (``RestoreRefused``, ``SchemaError``) is a miss plus a warning: the row is admitted cold instead
-   (without its replayed tokens: a cold prefill of tokens it generated is not exact).
+   engine refuses (``RestoreRefused``, ``SchemaError``) is a miss plus a warning: the same request is admitted cold
+   (its replayed tokens, already the caller's, prefilled with the prompt; a caller that must not prefill generated
+   tokens cold, the scheduler after a failed step, prepares that row with ``lookup=False`` itself).
 3. **step**: one engine step (admit, one round, retire). Callbacks get the ``CachedRow`` handle, not a row id.
 4. **checkpoint**: every checkpoint the engine hands out (prompt boundary, prefill offsets, ``checkpoint``,
    finish) passes the row's ``keep`` filter, is compared with what was restored (``PreparedRow.needs_save``: the
@@ -30,7 +31,8 @@ onto this class by calling: ``CachedSession(generator, eos_token_ids=..., backgr
 on_save_error=log)`` per session (a fresh one after a failed step, ``discard_checkpoints`` first); ``prepare(
 sequence, budget, sampling, ns_key=..., limit=..., replay=job.output, rider=..., keep=...)`` then, after its own
 adjustments of ``handle.prepared.request`` (prefill phase, ``boundary_checkpoint``, ``checkpoint_at``,
-logprobs), ``admit(handle, on_tokens=..., on_finish=..., submitted_at=job.arrived)``; ``step``;
+logprobs), ``admit(handle, on_tokens=..., on_finish=..., submitted_at=job.arrived, on_cold=...)`` (``on_cold``:
+its re-plan of a refused row, phase dropped, replay dropped after a failed step); ``step``;
 ``write_checkpoints`` after each step (timed into its trace); ``checkpoint`` / ``finish`` / ``cancel`` by handle;
 ``active_count`` / ``waiting_count`` / ``busy`` for admission. ``rider`` is its ``_continuation_record`` (less the
 ``remember``, done here); ``keep`` is its prefill-phase rule (a phase keeps only its boundary checkpoint). It
@@ -180,11 +182,15 @@ class CachedSession:
 
     def admit(self, handle: CachedRow, *, on_tokens: Callable[..., None] | None = None,
               on_finish: Callable[[CachedRow, RowResult], None] | None = None,
-              submitted_at: float | None = None) -> CachedRow:
+              submitted_at: float | None = None,
+              on_cold: Callable[[CachedRow, Exception], None] | None = None) -> CachedRow:
         """Put a prepared row into the engine session (it joins at the next ``step``). ``on_tokens(handle, tokens)``
         (``(handle, tokens, RowLogprobs)`` for a row with logprobs) after each round that emitted tokens for it,
         after ``handle.output`` took them; ``on_finish(handle, result)`` once when it leaves. Raises what
-        ``DecodeSession.submit`` raises (a refused restored state only without ``cold_fallback``)."""
+        ``DecodeSession.submit`` raises (a refused restored state only without ``cold_fallback``).
+        ``on_cold(handle, exc)``: with ``cold_fallback``, called once the refused state was taken off the request
+        and before it goes in cold: a caller may re-plan ``handle.prepared`` there (e.g. with ``self.prepare(...,
+        lookup=False)``'s, its prefill phase dropped)."""
         handle.on_tokens, handle.on_finish = on_tokens, on_finish
         try:
             row = self.session.submit(handle.prepared.request, on_tokens=self._tokens, on_finish=self._finish,
@@ -194,6 +200,8 @@ class CachedSession:
                 raise
             warnings.warn(f"spec-cache: restored prefix refused, prefilling cold: {exc}", CacheWarning, stacklevel=2)
             self._go_cold(handle)
+            if on_cold is not None:
+                on_cold(handle, exc)
             row = self.session.submit(handle.prepared.request, on_tokens=self._tokens, on_finish=self._finish,
                                       submitted_at=submitted_at)
         handle.row = row
@@ -212,15 +220,10 @@ class CachedSession:
         return self.admit(handle, on_tokens=on_tokens, on_finish=on_finish, submitted_at=submitted_at)
 
     def _go_cold(self, handle: CachedRow) -> None:
-        """``handle``'s request without its restored state (and without replayed tokens: not exact when cold)."""
+        """``handle``'s request without its restored state: the same prompt (replayed tokens included, as they were
+        delivered), prefilled cold."""
         request = handle.prepared.request
-        prompt = list(request.prompt)
-        max_tokens = request.max_tokens
-        if handle.replayed:
-            prompt, max_tokens = prompt[: len(prompt) - handle.replayed], max_tokens + handle.replayed
-            handle.replayed, handle.output = 0, []
-        cold = dataclasses.replace(request, prompt=prompt, max_tokens=max_tokens, restored_caches=None,
-                                   restored_tokens=0, draft_checkpoint=None)
+        cold = dataclasses.replace(request, restored_caches=None, restored_tokens=0, draft_checkpoint=None)
         handle.prepared = PreparedRow(cold, handle.prepared.ns_key)
 
     # -- the loop ---------------------------------------------------------------------------------------

@@ -93,9 +93,11 @@ def test_a_refused_restore_is_a_miss_with_cold_fallback(tiny, tmp_path):
         lenient = gen.session(cold_fallback=True)
         handle = lenient.prepare(PROMPT, 5)
         _refused(handle)
+        replanned = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            lenient.admit(handle)
+            lenient.admit(handle, on_cold=lambda h, exc: replanned.append((h, type(exc))))
+        assert replanned and replanned[0][0] is handle  # the caller's hook saw the cold row before it went in
         assert any(issubclass(w.category, CacheWarning) and "prefilling cold" in str(w.message) for w in caught)
         assert handle.prepared.cached_tokens == 0 and handle.prepared.request.restored_caches is None
         lenient.run()
