@@ -18,7 +18,8 @@ What held (each asserted below): an echo request never restores from another key
 ``/v1/messages/count_tokens`` and through ``/v1/completions`` with lists of prompts waits behind itself; grammars
 with logprobs and ``n`` > 1 through ``/v1/completions`` fail or pass alone; hostile schemas through
 ``/v1/completions`` are a JSON 4xx or served; streams nobody reads through ``/v1/messages`` never take B's
-connections; an unread stream's queued events stay bounded by its ``max_tokens``.
+connections; an unread stream's queued events stay bounded by its ``max_tokens``; a flood of long prompts into a
+small memory tier never refuses B's checkpoint; export + import loops of a large prefix never change B's answer.
 """
 
 from __future__ import annotations
@@ -357,6 +358,61 @@ def test_a_flood_of_long_prompts_never_refuses_another_tenants_checkpoints(model
               f"B cached {cached(first)}, then {cached(second)}")
         assert cached(second) == len(b_prompt) - 1  # B's checkpoint was stored, never refused
         assert ahead <= 6, ahead
+        log = srv.log.read_text()
+        assert "an engine step failed" not in log and "Traceback" not in log
+    finally:
+        srv.stop()
+
+
+# -- cache-route calls: exports and imports of a large prefix beside another tenant's row ---------------------------
+def test_export_and_import_loops_of_a_large_prefix_never_change_or_stop_another_tenants_row(model, tmp_path):  # noqa: F811
+    """A exports its stored 1500-token prefix (1.5 MB) and imports it back under fresh salts in a loop while B's
+    greedy row decodes: B's answer equals its answer alone, no call answers 5xx, and A's calls went on while B's
+    row ran (they share the scheduler's thread with its rounds)."""
+    import base64
+
+    _, target, _ = model
+    srv = Server(target, tmp_path / "store", tmp_path, "--max-body-bytes", "8M", "--max-rows", "4")
+    try:
+        prefix = [5 + (j * 7) % 240 for j in range(1500)]
+        assert httpx.post(srv.url + "/v1/completions", headers=srv.headers(KEY_A), timeout=60, json={
+            "model": "tiny", "prompt": prefix + [9], "max_tokens": 1}).status_code == 200
+        b_body = {"model": "tiny", "prompt": [6, 7, 8, 9, 10], "max_tokens": 120, "temperature": 0,
+                  "ignore_eos": True}
+        alone = httpx.post(srv.url + "/v1/completions", headers=srv.headers(KEY_B), timeout=60,
+                           json=dict(b_body, cache_salt="alone")).json()["choices"][0]["text"]
+        calls: list = []
+        stop = threading.Event()
+
+        def loop() -> None:
+            for n in range(40):
+                if stop.is_set():
+                    return
+                r = httpx.post(srv.url + "/v1/cache/export", headers=srv.headers(KEY_A), json={"tokens": prefix},
+                               timeout=60)
+                calls.append(("export", r.status_code, time.perf_counter()))
+                if r.status_code != 200:
+                    continue
+                r = httpx.post(srv.url + "/v1/cache/import", headers=srv.headers(KEY_A), timeout=60, json={
+                    "tokens": prefix[: int(r.headers["X-Spec-Cache-Tokens"])], "cache_salt": f"imp-{n}",
+                    "file": base64.b64encode(r.content).decode()})
+                calls.append(("import", r.status_code, time.perf_counter()))
+
+        attacker = threading.Thread(target=loop)
+        attacker.start()
+        while len(calls) < 2:
+            time.sleep(0.01)
+        began = time.perf_counter()
+        during = httpx.post(srv.url + "/v1/completions", headers=srv.headers(KEY_B), timeout=120,
+                            json=dict(b_body, cache_salt="during"))
+        ended = time.perf_counter()
+        stop.set()
+        attacker.join(120)
+        assert during.status_code == 200 and during.json()["choices"][0]["text"] == alone
+        assert all(status < 500 for _, status, _ in calls), calls
+        assert {status for kind, status, _ in calls if kind == "import"} == {200}, calls
+        beside = sum(1 for _, _, t in calls if began < t < ended)
+        print(f"A's cache calls answered during B's row: {beside} ({len(calls)} in all)")
         log = srv.log.read_text()
         assert "an engine step failed" not in log and "Traceback" not in log
     finally:
