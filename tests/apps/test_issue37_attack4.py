@@ -318,8 +318,9 @@ def test_a_flood_of_long_prompts_never_refuses_another_tenants_checkpoints(model
     """A sends 12 distinct 700-token prompts (6 at a time) into a 1 MiB memory tier (the tiny model's KV is 1 KiB a
     token: each of A's checkpoints pushes the one before out once LMDB holds it, the write-behind queue busy the
     whole time); B asks its 300-token prompt twice meanwhile. B's checkpoint is stored (its second request
-    restores all but the last token) and at most 6 of A's answers come while B asks twice (counted: the rows A
-    holds when B comes, and no more)."""
+    restores all but the last token). Counted, loosely: at most 8 of A's answers come while B asks twice (A has 6
+    in flight at once: its 3 rows, 3 waiting, then the ones admitted round-robin beside B's second request; seen
+    4-6)."""
     import concurrent.futures
 
     _, target, _ = model
@@ -357,7 +358,7 @@ def test_a_flood_of_long_prompts_never_refuses_another_tenants_checkpoints(model
         print(f"A's answers while B asked twice: {ahead} of {sum(1 for _, t in done if t > sent)}; "
               f"B cached {cached(first)}, then {cached(second)}")
         assert cached(second) == len(b_prompt) - 1  # B's checkpoint was stored, never refused
-        assert ahead <= 6, ahead
+        assert ahead <= 8, ahead
         log = srv.log.read_text()
         assert "an engine step failed" not in log and "Traceback" not in log
     finally:
