@@ -1,5 +1,8 @@
 """Reading the seed's (mlx-bun) drafter attachments: its ``mlx-cache-v3`` cache headers and its ``.mlxkv`` files.
 
+Why one file: reading a seed header, its ``.mlxkv`` framing and importing one share the seed's dtype and kind maps
+and its hash checks; split, they would import each other.
+
 mlx-bun writes a projected or standalone drafter's state through its SSD cache codecs (provider id
 ``mlx-cache-v3``): ``metadata.cacheHeaders`` is ``JSON.stringify`` of one header per drafter layer, ``null`` for an
 empty layer, else ``{kind, offset, [idx, maxSize, groupSize, bits, ...], tensors: [{off, bytes, shape, dtype,

@@ -1,5 +1,8 @@
 """One table of the mlx-lm cache kinds spec-cache keeps: the only place that checks a cache's class.
 
+Why one file: it is the table; the kinds' operations call each other through ``kind_of`` (a merge looks up the
+batch kind), and the claim that no other module checks a cache class holds only while they live together.
+
 Every operation on a cache layer looks its kind up here (``kind_of(cache)`` for a cache object, ``kind_named(name)``
 for a stored or held layer) and asks the kind; no other module tests a cache class
 (``tests/library/test_cache_kind_table.py`` holds them to it, naming the few left in other rooms and why). The

@@ -200,7 +200,7 @@ def test_len_and_nbytes_follow_lru_prompt_cache(dropin):
     short, long = list(range(3, 35)), list(range(3, 67))
     writer = pc.cache._writer
     held = []
-    writer.submit = lambda job, nbytes: held.append((job, nbytes))  # both LMDB writes still pending, as in a server
+    writer.submit = lambda job, nbytes, **_: held.append((job, nbytes))  # both LMDB writes pending, as in a server
     try:
         for target in (pc, theirs):
             target.insert_cache(key, short, [_kv(32), _kv(32)])

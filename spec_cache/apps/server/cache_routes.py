@@ -1,5 +1,8 @@
 """``/v1/cache/...``: cache controls over HTTP, per tenant and behind the API key (``spec_cache.tiers.cache_controls``).
 
+Why one file: the six routes share one parsing of a prompt into its tenant's namespace key, one rounding of what a
+route may report (``--cached-tokens-granularity``) and one per-tenant turn; split, each would re-derive them.
+
 Routes (all answer OpenAI's error JSON on failure, never a traceback):
 
 * ``POST /v1/cache/pin`` — pin the longest stored prefix of a prompt for ``ttl_s`` seconds (at most the server's
