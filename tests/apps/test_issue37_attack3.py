@@ -228,19 +228,13 @@ def test_a_row_whose_grammar_fails_or_costs_too_much_ends_alone_with_its_own_422
 
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
-def test_one_tenants_flood_of_long_prompts_never_queues_another_tenants_tokenizing(smollm2, route):
-    """60 concurrent 168 KB prompts of A (each refused as too long, after ~0.1 s of tokenizing), then B's request
-    (refused too, after its own tokenizing): B waits in the tokenizer's queue behind at most the one A request
-    being tokenized and the one waiting its turn. Counted, not timed: how many of A's answers arrive between B's
-    send and B's answer. Before: most of those still queued (B took 7.4 s, 2.2 s alone)."""
+def flood_beside(srv, route: str, body: dict, count: int, b_route: str, b_body: dict) -> dict:
+    """``count`` concurrent requests of A (``body`` to ``route``), then, once three of them are answered, one of B
+    (``b_body`` to ``b_route``). Counted, not timed: ``ahead``, A's answers that arrive between B's send and B's
+    answer; ``queued``, A's answers after B's send; plus A's set of statuses and B's status."""
     import asyncio
 
-    srv = smollm2
-    words = " ".join(f"token{i} alpha beta" for i in range(8000))
-    body = {"model": srv.model_id, "messages": [{"role": "user", "content": words}], "max_tokens": 1}
     seen: dict = {"a": []}
-    refused = 400 if route == "/v1/chat/completions" else {400, 413}
 
     async def flood() -> None:
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
@@ -253,19 +247,34 @@ def test_one_tenants_flood_of_long_prompts_never_queues_another_tenants_tokenizi
                 while len(seen["a"]) < 3:  # A's flood is queued and being tokenized
                     await asyncio.sleep(0.01)
                 seen["b_sent"] = time.perf_counter()
-                r = await client.post(srv.url + "/v1/chat/completions", headers=srv.headers(KEY_B), json={
-                    "model": srv.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9000})
+                r = await client.post(srv.url + b_route, headers=srv.headers(KEY_B), json=b_body)
                 seen["b_done"] = time.perf_counter()
                 seen["b_status"] = r.status_code
 
-            statuses = await asyncio.gather(*[a_request() for _ in range(60)], b_request())
-            seen["a_statuses"] = set(statuses[:60])
+            statuses = await asyncio.gather(*[a_request() for _ in range(count)], b_request())
+            seen["a_statuses"] = set(statuses[:count])
 
     asyncio.run(flood())
-    assert seen["b_status"] == 400  # context_length_exceeded, after tokenizing
-    assert seen["a_statuses"] == {400} or (route == "/v1/messages" and seen["a_statuses"] <= refused)
-    ahead = sum(1 for t in seen["a"] if seen["b_sent"] < t < seen["b_done"])
-    queued = sum(1 for t in seen["a"] if t > seen["b_sent"])
+    return {"a_statuses": seen["a_statuses"], "b_status": seen["b_status"],
+            "ahead": sum(1 for t in seen["a"] if seen["b_sent"] < t < seen["b_done"]),
+            "queued": sum(1 for t in seen["a"] if t > seen["b_sent"])}
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
+def test_one_tenants_flood_of_long_prompts_never_queues_another_tenants_tokenizing(smollm2, route):
+    """60 concurrent 168 KB prompts of A (each refused as too long, after ~0.1 s of tokenizing), then B's request
+    (refused too, after its own tokenizing): B waits in the tokenizer's queue behind at most the one A request
+    being tokenized and the one waiting its turn. Counted, not timed: how many of A's answers arrive between B's
+    send and B's answer. Before: most of those still queued (B took 7.4 s, 2.2 s alone)."""
+    srv = smollm2
+    words = " ".join(f"token{i} alpha beta" for i in range(8000))
+    body = {"model": srv.model_id, "messages": [{"role": "user", "content": words}], "max_tokens": 1}
+    refused = 400 if route == "/v1/chat/completions" else {400, 413}
+    got = flood_beside(srv, route, body, 60, "/v1/chat/completions", {
+        "model": srv.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9000})
+    assert got["b_status"] == 400  # context_length_exceeded, after tokenizing
+    assert got["a_statuses"] == {400} or (route == "/v1/messages" and got["a_statuses"] <= refused)
+    ahead, queued = got["ahead"], got["queued"]
     assert queued >= 20  # B came while most of A's flood was still queued
     assert ahead < queued // 2, (ahead, queued)  # before: all of them (56 of 56); here 9-18 of 57
 

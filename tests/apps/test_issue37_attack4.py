@@ -35,7 +35,13 @@ import pytest
 
 from spec_cache.apps.server.logprobs import PromptScores
 from spec_cache.rows.logprobs import TokenLogprob
-from tests.apps.test_issue37_attack3 import HOSTILE, rss_bytes, schema_format, smollm2  # noqa: F401 (a fixture)
+from tests.apps.test_issue37_attack3 import (
+    HOSTILE,
+    flood_beside,
+    rss_bytes,
+    schema_format,
+    smollm2,  # noqa: F401 (a fixture)
+)
 from tests.apps.test_server import KEY_A, KEY_B, Server, model, stopped  # noqa: F401  (model: a fixture)
 
 
@@ -197,40 +203,17 @@ def test_a_flood_through_count_tokens_or_prompt_lists_never_queues_another_tenan
     through the routes it did not try: ``/v1/messages/count_tokens`` (answered 200 after tokenizing) and
     ``/v1/completions`` with a list of four long prompts a body (each tokenized in a turn of its own). Counted:
     how many of A's answers arrive between B's send and B's answer."""
-    import asyncio
-
     srv = smollm2
     text = " ".join(f"token{i} alpha beta" for i in range(2000))  # ~42 KB: four fit one body
     if route == "/v1/completions":
         body = {"model": srv.model_id, "prompt": [text + f" {k}" for k in range(4)], "max_tokens": 9000}
     else:
         body = {"model": srv.model_id, "max_tokens": 1, "messages": [{"role": "user", "content": text * 4}]}
-    seen: dict = {"a": []}
-
-    async def flood() -> None:
-        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
-            async def a_request() -> int:
-                r = await client.post(srv.url + route, json=body, headers=srv.headers(KEY_A))
-                seen["a"].append(time.perf_counter())
-                return r.status_code
-
-            async def b_request() -> None:
-                while len(seen["a"]) < 3:
-                    await asyncio.sleep(0.01)
-                seen["b_sent"] = time.perf_counter()
-                r = await client.post(srv.url + "/v1/messages/count_tokens", headers=srv.headers(KEY_B), json={
-                    "model": srv.model_id, "messages": [{"role": "user", "content": "Hi"}]})
-                seen["b_done"] = time.perf_counter()
-                seen["b_status"] = r.status_code
-
-            statuses = await asyncio.gather(*[a_request() for _ in range(40)], b_request())
-            seen["a_statuses"] = set(statuses[:40])
-
-    asyncio.run(flood())
-    assert seen["b_status"] == 200
-    assert seen["a_statuses"] <= {200, 400}, seen["a_statuses"]
-    ahead = sum(1 for t in seen["a"] if seen["b_sent"] < t < seen["b_done"])
-    queued = sum(1 for t in seen["a"] if t > seen["b_sent"])
+    got = flood_beside(srv, route, body, 40, "/v1/messages/count_tokens", {
+        "model": srv.model_id, "messages": [{"role": "user", "content": "Hi"}]})
+    assert got["b_status"] == 200
+    assert got["a_statuses"] <= {200, 400}, got["a_statuses"]
+    ahead, queued = got["ahead"], got["queued"]
     print(f"{route}: {ahead} of A's {queued} queued requests answered before B's")
     assert queued >= 15
     assert ahead < queued // 2, (ahead, queued)
