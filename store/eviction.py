@@ -32,8 +32,9 @@ Rules of the budget (a put; after ``Index.add_entry`` in the put's transaction):
 4. What pinned entries (and leases) hold past the budget makes the put refused (``StoreFullError``): the caller
    aborts the transaction, so the store is unchanged.
 
-The memory tier (``spec_cache.tiers.memory_tier``) applies the same quota and fair-share rules to what it holds
-(plus its own: entries not yet in LMDB are never evicted).
+The memory tier (``spec_cache.tiers.memory_tier``) applies the same quota and fair-share rules to what it holds,
+through this module's ``TenantPolicy`` and ``fair_victim_tenant`` (plus its own: entries not yet in LMDB are never
+evicted).
 
 Cost: a put that must evict or check a quota reads one counter row per tenant holding bytes, then walks the
 LRU rows for victims, resuming each tenant's walk where it stopped (each row read at most once per tenant and

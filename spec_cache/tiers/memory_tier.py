@@ -46,6 +46,8 @@ import numpy as np
 
 from spec_cache.errors import InvalidRequest
 from spec_cache.state.cache_kinds import kind_named, kind_of
+from spec_cache.store.errors import InvalidInput
+from spec_cache.store.eviction import TenantPolicy, fair_victim_tenant
 
 __all__ = ["HitView", "MemoryHit", "MemoryTier", "default_budget", "held_bytes"]
 
@@ -147,16 +149,12 @@ class MemoryTier:
                  tenant_share: float | None = None):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise InvalidRequest("memory_bytes must be an int >= 0")
-        if tenant_quota_bytes is not None and (isinstance(tenant_quota_bytes, bool)
-                                               or not isinstance(tenant_quota_bytes, int) or tenant_quota_bytes <= 0):
-            raise InvalidRequest("tenant_quota_bytes must be a positive int or None")
-        if tenant_share is not None and (isinstance(tenant_share, bool) or not isinstance(tenant_share, (int, float))
-                                         or not 0 < tenant_share <= 1):
-            raise InvalidRequest("tenant_share must be a number in (0, 1] or None")
+        try:  # the store's quota rule, one definition (spec_cache.store.eviction)
+            policy = TenantPolicy.of(tenant_quota_bytes, tenant_share, budget_bytes)
+        except InvalidInput as exc:
+            raise InvalidRequest(str(exc)) from None
         self.budget_bytes = budget_bytes
-        quotas = [q for q in (tenant_quota_bytes, None if tenant_share is None else int(budget_bytes * tenant_share))
-                  if q is not None]
-        self.tenant_quota = min(quotas) if quotas else None  # bytes one tenant may hold (None: no quota)
+        self.tenant_quota = policy.quota(budget_bytes)  # bytes one tenant may hold (None: no quota)
         self._tenant_of: dict[bytes, bytes] = {}   # namespace key -> tenant label (absent: the default tenant)
         self.tenant_bytes: dict[bytes, int] = {}   # tenant label (b"": default) -> bytes held
         self.idle_seconds = idle_seconds
@@ -449,10 +447,9 @@ class MemoryTier:
                     pass
         exhausted: set[bytes] = set()
         while self.bytes > limit:
-            live = [(n, label) for label, n in self.tenant_bytes.items() if label not in exhausted]
-            if not live:
+            label = fair_victim_tenant(self.tenant_bytes, exhausted)  # the store's fair-share rule
+            if label is None:
                 return
-            label = max(live)[1]
             if not evict_one(label):
                 exhausted.add(label)
 
