@@ -24,21 +24,23 @@ The protocol every caller used to write by hand (issue 34, item 1), written once
 
 Callers: ``Generator.generate`` (a batch), ``spec_cache.tiers.continuations.generate`` (replay + periodic
 checkpoints with continuation records; it reaches this class through ``Generator.session``, so ``tiers`` never
-imports ``decode``), and the CLI's streaming ``apps/cli/stream.decode_rows``.
+imports ``decode``), the CLI's streaming ``apps/cli/stream.decode_rows``, and the server's scheduler
+(``apps/server/scheduler.py``). No caller drives the engine session itself (``tests/library/test_one_decode_loop.py``).
 
-The server's scheduler (``apps/server/scheduler.py``) is the one caller left on the raw engine session; it moves
-onto this class by calling: ``CachedSession(generator, eos_token_ids=..., background=True, cold_fallback=True,
-on_save_error=log)`` per session (a fresh one after a failed step, ``discard_checkpoints`` first); ``prepare(
-sequence, budget, sampling, ns_key=..., limit=..., replay=job.output, rider=..., keep=...)`` then, after its own
-adjustments of ``handle.prepared.request`` (prefill phase, ``boundary_checkpoint``, ``checkpoint_at``,
-logprobs), ``admit(handle, on_tokens=..., on_finish=..., submitted_at=job.arrived, on_cold=...)`` (``on_cold``:
-its re-plan of a refused row, phase dropped, replay dropped after a failed step); ``step``;
-``write_checkpoints`` after each step (timed into its trace); ``checkpoint`` / ``finish`` / ``cancel`` by handle;
-``active_count`` / ``waiting_count`` / ``busy`` for admission. ``rider`` is its ``_continuation_record`` (less the
-``remember``, done here); ``keep`` is its prefill-phase rule (a phase keeps only its boundary checkpoint). It
-keeps what is a server's: the thread and inbox, HTTP back-pressure and tenant fairness, the shared-tier prefetch,
-the prefill-phase and ``checkpoint_at`` policy (which offsets, ``splits_prompt``), retries after a failed step
-(culprit, suspects, ``resend`` checks, dropping a poisoned prefix), metrics, the trace and its events.
+The scheduler makes these calls: ``CachedSession(generator, eos_token_ids=..., background=True, cold_fallback=True,
+on_save_error=log, on_refused=log)`` per session (a fresh one after a failed step, ``close(write=False)`` first:
+the checkpoints of a failed step are dropped); ``prepare(sequence, budget, sampling, ns_key=..., limit=...,
+replay=..., rider=..., keep=...)`` (``replay`` only for a retry's replayed tokens or a resumed row's delivered ones:
+they are trimmed to what the restored state covers) then, after its own adjustments of ``handle.prepared.request``
+(prefill phase, ``boundary_checkpoint``, ``checkpoint_at``, logprobs), ``admit(handle, on_tokens=..., on_finish=...,
+submitted_at=job.arrived, on_cold=...)`` (``on_cold``: its re-plan of a refused row, phase dropped, replay dropped
+after a failed step); ``step``; ``write_checkpoints`` after each step (timed into its trace); ``checkpoint`` /
+``finish`` / ``cancel`` by handle; ``active_count`` / ``waiting_count`` / ``busy`` for admission. ``rider`` is its
+continuation record of the checkpoint (``remember`` done here); ``keep`` is its prefill-phase rule (a phase keeps
+only its boundary checkpoint; a row that left its batch keeps none). It keeps what is a server's: the thread and
+inbox, HTTP back-pressure and tenant fairness, the shared-tier prefetch, the prefill-phase and ``checkpoint_at``
+policy (which offsets, ``splits_prompt``), retries after a failed step (culprit, suspects, ``resend`` checks,
+dropping a poisoned prefix), metrics, the trace and its events.
 
 Threading: one owner thread calls every method (as ``DecodeSession``). Cost: nothing beyond the engine session and
 the cache calls it makes; a handle per row (kept until the row finishes).
@@ -133,18 +135,21 @@ class CachedSession:
     ``SpeculativeEngine.session``. ``background``: write checkpoints to LMDB behind the request (None: the
     generator's ``write_behind``). ``cold_fallback``: a restored state the engine refuses at ``admit`` is a miss
     plus a ``CacheWarning`` (False: the error propagates). ``on_save_error(exc, tokens)``: a checkpoint write that
-    raised (None: the exception propagates; the rest of the queue is dropped).
+    raised (None: the exception propagates; the rest of the queue is dropped). ``on_refused(exc)``: how a refused
+    restored state is reported under ``cold_fallback`` (None: a ``CacheWarning``; the server logs it).
     """
 
     def __init__(self, generator, *, eos_token_ids: Sequence[int] | None = None, draft_sampling=None,
                  default_sampling=None, cancel: Callable[[int], bool] | None = None, background: bool | None = None,
                  cold_fallback: bool = False,
-                 on_save_error: Callable[[Exception, list], None] | None = None) -> None:
+                 on_save_error: Callable[[Exception, list], None] | None = None,
+                 on_refused: Callable[[Exception], None] | None = None) -> None:
         self.generator = generator
         cache = generator.cache
         self.background = background
         self.cold_fallback = cold_fallback
         self.on_save_error = on_save_error
+        self.on_refused = on_refused
         self.eos_token_ids = tuple(generator.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.rows: dict[int, CachedRow] = {}
         self._saves: list[_Save] = []
@@ -198,7 +203,11 @@ class CachedSession:
         except (RestoreRefused, SchemaError) as exc:
             if not self.cold_fallback or not handle.prepared.cached_tokens:
                 raise
-            warnings.warn(f"spec-cache: restored prefix refused, prefilling cold: {exc}", CacheWarning, stacklevel=2)
+            if self.on_refused is not None:
+                self.on_refused(exc)
+            else:
+                warnings.warn(f"spec-cache: restored prefix refused, prefilling cold: {exc}", CacheWarning,
+                              stacklevel=2)
             self._go_cold(handle)
             if on_cold is not None:
                 on_cold(handle, exc)

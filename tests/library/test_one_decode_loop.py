@@ -1,14 +1,13 @@
 """Issue 34, item 1: one decode loop. The restore / open / checkpoint sequence (``.prepare(``,
 ``engine.session(`` or ``engine.run(``, ``.save_checkpoint(``) is written in ``spec_cache/decode/cached_session.py``
-(``CachedSession``) and nowhere else but the one caller still allowed to drive the engine session itself:
+(``CachedSession``) and nowhere else: no caller is allowed to drive the engine session itself (``ALLOWED`` is
+empty).
 
-- ``spec_cache/apps/server/scheduler.py``: the server's scheduler, still on the raw ``DecodeSession`` while its
-  retry / prefill-phase / fault-isolation rules move onto ``CachedSession`` (the module doc of ``cached_session``
-  lists what it would call and what it keeps).
-
-``Generator.generate``, ``tiers.continuations.generate`` and the CLI's ``apps/cli/stream.decode_rows`` are thin
-callers of ``CachedSession``. Reads the files with ``ast`` (nothing imported); a module counts when it calls all
-three, in one function or across its functions.
+``Generator.generate``, ``tiers.continuations.generate``, the CLI's ``apps/cli/stream.decode_rows`` and the server's
+scheduler (``apps/server/scheduler.py``: its thread, queues, back-pressure, prefill phases, retries and fault
+isolation around ``CachedSession.prepare`` / ``admit`` / ``step`` / ``write_checkpoints``) are callers of
+``CachedSession``. Reads the files with ``ast`` (nothing imported); a module counts when it calls all three, in one
+function or across its functions.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = "spec_cache/decode/cached_session.py"
 #: callers allowed to write the sequence themselves, with the reason (module doc)
-ALLOWED = {"spec_cache/apps/server/scheduler.py": "the server's scheduler: moves onto CachedSession next"}
+ALLOWED: dict[str, str] = {}
 SCANNED = ("spec_cache", "store", "schemas", "tools")
 
 
@@ -62,6 +61,15 @@ def test_the_sequence_is_written_once():
     assert LOOP in writers, "the detector no longer finds the loop itself: update _steps"
     extra = sorted(set(writers) - {LOOP} - set(ALLOWED))
     assert not extra, f"restore/open/checkpoint written by hand outside {LOOP}: {extra} (use CachedSession)"
+
+
+def test_the_scheduler_drives_cached_session():
+    """The server's scheduler opens no engine session and writes no checkpoint itself: ``CachedSession`` does."""
+    path = "spec_cache/apps/server/scheduler.py"
+    source = (ROOT / path).read_text()
+    steps = _steps(ast.parse(source))
+    assert "open" not in steps and "checkpoint" not in steps, (path, steps)
+    assert "CachedSession(" in source
 
 
 def test_the_library_callers_are_thin():

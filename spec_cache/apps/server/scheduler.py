@@ -7,8 +7,12 @@ HTTP handlers call ``submit`` / ``cancel`` / ``finish`` (thread-safe: they only 
 their ``Job`` through its ``deliver`` callback (which must be thread-safe: the app passes one that hops onto its
 event loop). The thread loops: take every control message, admit waiting jobs while fewer than ``max_rows`` are
 in the batch (each restored from the cache at that moment: memory tier, LMDB, shared tier), run one engine
-round, write the checkpoints that round produced (``cache.save(..., background=True)``: the memory tier at once,
-LMDB behind), and go on; with nothing to do it sleeps on its inbox.
+round, write the checkpoints that round produced (the memory tier at once, LMDB behind), and go on; with nothing to
+do it sleeps on its inbox. The restore, the engine session and the checkpoint writes are the library's one decode
+loop, ``spec_cache.decode.cached_session.CachedSession`` (``prepare`` / ``admit`` / ``step`` /
+``write_checkpoints``, a fresh one after a failed step); this module keeps what is a server's: the thread and
+inbox, back-pressure and fairness, the shared-tier prefetch, the prefill-phase and ``checkpoint_at`` policy (the
+session's ``keep`` rule), continuation records (its ``rider``), retries and fault isolation, metrics and the trace.
 
 Long prompts and generations (``prefill_checkpoint_every=N``; ``checkpoint_every=M``): a prompt with more than N
 tokens left to prefill goes in phases: a row for ``prompt[:k*N + 1]`` with ``max_tokens=1`` whose prompt-boundary
@@ -91,19 +95,19 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.logprobs import PromptScores, common_prefix
 from spec_cache.apps.server.protocol import APIError
 from spec_cache.apps.server.trace import scheduler_trace
-from spec_cache.errors import RestoreRefused
 from spec_cache.rows.sampling import RowSampling
-from spec_cache.schemas import SchemaError
 from spec_cache.tiers.continuations import Continuations, request_key
 from spec_cache.tiers.continuations import plan as continuation_plan
 from spec_cache.tiers.continuations import record_at as continuation_record
-from spec_cache.tiers.continuations import trim as continuation_trim
+
+if TYPE_CHECKING:  # imported by ``_new_session``: the server binds its port before anything imports MLX
+    from spec_cache.decode.cached_session import CachedSession
 
 log = logging.getLogger("spec_cache.apps.server")
 
@@ -136,6 +140,16 @@ def _grammar_failure(job: "Job") -> str | None:
     return None if failure is None else failure(job.output)
 
 
+def _save_failed(exc: Exception, tokens: list) -> None:
+    """``CachedSession.on_save_error``: a cache never takes the server down."""
+    log.error("spec-cache: checkpoint of %d tokens not stored", len(tokens), exc_info=exc)
+
+
+def _refused(exc: Exception) -> None:
+    """``CachedSession.on_refused``: a restored state the engine refuses is a miss plus a warning in the log."""
+    log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
+
+
 def _one_line(exc: BaseException, limit: int = 300) -> str:
     """An exception's message as one line of at most ``limit`` characters (an error reply is one line)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -156,7 +170,8 @@ class Job:
     # set by the scheduler thread
     admitted_at: float | None = None  # its first row (or prefill phase) went into the batch
     row: int | None = None
-    prepared: Any = None
+    handle: Any = None  # its row in the scheduler's ``CachedSession`` (a ``CachedRow``), once admitted
+    prepared: Any = None  # ``handle.prepared``: what its current row restored
     cached_tokens: int = 0
     generated: int = 0
     last_token_at: float | None = None
@@ -265,9 +280,8 @@ class Scheduler:
         self._trace = scheduler_trace()  # off unless SPEC_CACHE_SCHED_TRACE names a path (``trace``)
         self._pending: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
-        self._saves: list[tuple] = []
         self._ns_keys: dict[str | None, bytes | None] = {}
-        self._session = None
+        self._session: CachedSession | None = None
         #: continuation records (memory, then LMDB); None without a cache
         self._continuations = None if generator.cache is None else Continuations.of(generator.cache)
         if self._continuations is not None:
@@ -449,9 +463,13 @@ class Scheduler:
                                pend=len(self._pending), wq=0 if cache is None else cache.write_pending[1],
                                **(shape or {}))
 
-    def _new_session(self):
-        generator = self.generator
-        return generator.engine.session(eos_token_ids=self.eos_token_ids, on_checkpoint=self._on_checkpoint)
+    def _new_session(self) -> CachedSession:
+        """The library's decode loop (``decode.cached_session``): restores, the engine session, checkpoints written
+        behind the request; a refused restored state is a miss (logged), a failed write is logged."""
+        from spec_cache.decode.cached_session import CachedSession
+
+        return CachedSession(self.generator, eos_token_ids=self.eos_token_ids, background=True, cold_fallback=True,
+                             on_save_error=_save_failed, on_refused=_refused)
 
     def _take_messages(self, block: bool) -> None:
         try:
@@ -480,9 +498,9 @@ class Scheduler:
                     self._done(job, "cancelled")
                 return
             if kind == "cancel" and not (job.replayable and self.generator.cache is not None):
-                self._session.cancel(job.row)
+                self._session.cancel(job.handle)
             else:  # a replayable job keeps what it generated, for a retry
-                self._session.finish(job.row)
+                self._session.finish(job.handle)
 
     def _ns_key(self, tenant: str | None) -> bytes | None:
         if tenant not in self._ns_keys:
@@ -616,64 +634,83 @@ class Scheduler:
     def _submit(self, job: Job) -> bool:
         """Restore ``job`` (or its next prefill phase) from the cache and put its row into the session; False when
         the retry table answered it whole (no row)."""
-        generator, ns_key = self.generator, self._ns_key(job.tenant)
         first = job.prepared is None
         if first and job.replayable and self._replay(job):
             return False
-        sequence, budget = job.sequence, job.max_tokens - job.replayed
         began = time.perf_counter()
         if first:
             self._observe("queue", began - job.arrived)
-        job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key,
-                                         **self._prompt_lookup(job))
+        handle = self._prepare(job)
         self._observe("restore", time.perf_counter() - began)
-        job.prepared.request.stop_at_eos = job.stop_at_eos
-        if job.resuming:
-            self._resume(job)
-            sequence, budget = job.sequence, job.max_tokens - job.replayed
         if first:  # what the cache held of the prompt before this request
             job.cached_tokens = min(job.prepared.cached_tokens, len(job.prompt) - 1)
-            if job.replayed:
-                job.replayed = continuation_trim(job.prepared, len(job.prompt), job.replayed)
+            if job.replayed:  # a retry: as many replayed tokens as the restored state covers (``prepare``)
+                job.replayed = handle.replayed
                 del job.output[job.replayed:]
                 job.generated = job.checkpointed_at = job.replayed
-                sequence, budget = job.sequence, job.max_tokens - job.replayed
                 self._start(job, job.cached_tokens)
         job.phase_end = self._phase_end(job)
         if job.phase_end is not None:  # the same restored state, a shorter prompt: prefill up to phase_end
-            job.prepared.request = dataclasses.replace(job.prepared.request, prompt=sequence[: job.phase_end + 1],
-                                                       max_tokens=1, sampling=None)
+            job.prepared.request = dataclasses.replace(job.prepared.request,
+                                                       prompt=job.sequence[: job.phase_end + 1], max_tokens=1,
+                                                       sampling=None)
         # `prompt` is checkpointed from the job's own row after its first token, not at its boundary before it
         job.end_checkpoint = job.phase_end is None and self._wants_end_checkpoint(job)
         job.prepared.request.boundary_checkpoint = not job.end_checkpoint
         self._score(job)
-        try:
-            job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
-                                           on_finish=self._on_finish, submitted_at=job.arrived)
-        except (RestoreRefused, SchemaError) as exc:  # a bad request itself (InvalidRequest) fails in _admit
-            if not job.prepared.cached_tokens:
-                raise
-            # a restored state the engine refuses is a miss plus a warning, as everywhere in the cache
-            log.warning("spec-cache: restored prefix refused, prefilling cold: %s", exc)
-            job.phase_end = None
-            job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
-            job.prepared.request.stop_at_eos = job.stop_at_eos
-            job.end_checkpoint = self._wants_end_checkpoint(job)  # taken once, as on the path above
-            job.prepared.request.boundary_checkpoint = not job.end_checkpoint
-            if not job.started:  # "start" reports what was restored: nothing now (a replay was reported already)
-                job.cached_tokens = 0
-            if job.failures and job.replayed:  # resumed: a cold prefill of tokens it generated is not exact
-                job.resend, job.output = job.output + job.resend, []
-                job.replayed = job.generated = job.checkpointed_at = 0
-                sequence, budget = job.sequence, job.max_tokens
-                job.prepared = generator.prepare(sequence, budget, sampling=job.sampling, ns_key=ns_key, lookup=False)
-                job.prepared.request.stop_at_eos = job.stop_at_eos
-            self._score(job)
-            job.row = self._session.submit(job.prepared.request, on_tokens=self._on_tokens,
-                                           on_finish=self._on_finish, submitted_at=job.arrived)
+        # a bad request itself (InvalidRequest) fails in _admit; a refused restored state goes in cold (``_cold``)
+        self._session.admit(handle, on_tokens=self._on_tokens, on_finish=self._on_finish, submitted_at=job.arrived,
+                            on_cold=lambda handle, exc: self._cold(job))
+        job.row = handle.row
         if job.admitted_at is None:
             job.admitted_at = time.perf_counter()
         return True
+
+    def _prepare(self, job: Job):
+        """``job``'s row restored (``CachedSession.prepare``; its ``CachedRow``, also ``job.handle``): from
+        ``job.sequence``; a retry's replayed tokens (the first time) and a resumed row's delivered ones (``_resume``)
+        kept only as far as the restored state covers (``continuations.trim``)."""
+        lookup = self._prompt_lookup(job)
+        keep = self._keeper(job)
+        rider = self._rider(job) if job.replayable else None
+        ns_key = self._ns_key(job.tenant)
+        if job.resuming and self.generator.engine.plan is not None:
+            # KV quantization: a state converts where its whole prompt says, so none of what was delivered is kept
+            handle = self._session.prepare(job.prompt, job.max_tokens, job.sampling, ns_key=ns_key, rider=rider,
+                                           keep=keep)
+        elif job.replayed and (job.prepared is None or job.resuming):
+            handle = self._session.prepare(job.prompt, job.max_tokens, job.sampling, ns_key=ns_key,
+                                           replay=job.output[: job.replayed], rider=rider, keep=keep, **lookup)
+        else:
+            handle = self._session.prepare(job.sequence, job.max_tokens - job.replayed, job.sampling, ns_key=ns_key,
+                                           rider=rider, keep=keep, **lookup)
+        handle.prepared.request.stop_at_eos = job.stop_at_eos
+        job.handle, job.prepared = handle, handle.prepared
+        if job.resuming:
+            self._resume(job, handle.replayed)
+        return handle
+
+    def _cold(self, job: Job) -> None:
+        """``CachedSession.admit``'s ``on_cold``: the restored state of ``job``'s row was refused (a miss, logged by
+        ``_refused``); its row is planned again cold: the whole sequence (no prefill phase); a resumed row whose
+        replayed tokens would be prefilled cold generates them again instead (checked against what was sent)."""
+        handle, ns_key = job.handle, self._ns_key(job.tenant)
+        job.phase_end = None
+        handle.prepared = self._session.prepare(job.sequence, job.max_tokens - job.replayed, job.sampling,
+                                                ns_key=ns_key, lookup=False).prepared
+        handle.prepared.request.stop_at_eos = job.stop_at_eos
+        job.end_checkpoint = self._wants_end_checkpoint(job)  # taken once, as on the restored path
+        handle.prepared.request.boundary_checkpoint = not job.end_checkpoint
+        if not job.started:  # "start" reports what was restored: nothing now (a replay was reported already)
+            job.cached_tokens = 0
+        if job.failures and job.replayed:  # resumed: a cold prefill of tokens it generated is not exact
+            job.resend, job.output = job.output + job.resend, []
+            job.replayed = job.generated = job.checkpointed_at = 0
+            handle.prepared = self._session.prepare(job.sequence, job.max_tokens, job.sampling, ns_key=ns_key,
+                                                    lookup=False).prepared
+            handle.prepared.request.stop_at_eos = job.stop_at_eos
+        job.prepared = handle.prepared
+        self._score(job)
 
     def _prompt_lookup(self, job: Job) -> dict:
         """``prepare``'s lookup options for ``job``: any restore without prompt logprobs; with them (echo), a
@@ -704,19 +741,12 @@ class Scheduler:
             job.prepared.request.logprobs = job.logprobs
             job.prepared.request.prompt_logprobs = None if job.prompt_sent else job.prompt_logprobs
 
-    def _resume(self, job: Job) -> None:
-        """``job`` delivered ``job.output`` before a failed step: its row goes on as a retry of itself. Under float
-        KV it keeps the delivered tokens the restored state covers (``continuations.trim``, as a retry does), under
-        KV quantization none (a state converts where its whole prompt says); the rest it generates again, checked
-        against what was sent (``resend``)."""
+    def _resume(self, job: Job, kept: int) -> None:
+        """``job`` delivered ``job.output`` before a failed step: its row goes on as a retry of itself, keeping the
+        ``kept`` delivered tokens its restored state covers (``_prepare``: ``continuations.trim`` under float KV, as
+        a retry does; none under KV quantization); the rest it generates again, checked against what was sent
+        (``resend``)."""
         job.resuming = False
-        if self.generator.engine.plan is None:
-            kept = continuation_trim(job.prepared, len(job.prompt), job.replayed)
-        else:
-            kept = 0
-            job.prepared = self.generator.prepare(job.prompt, job.max_tokens, sampling=job.sampling,
-                                                  ns_key=job.prepared.ns_key)
-            job.prepared.request.stop_at_eos = job.stop_at_eos
         job.resend = job.output[kept:]
         del job.output[kept:]
         job.replayed = job.generated = job.checkpointed_at = kept
@@ -812,9 +842,8 @@ class Scheduler:
         resume every other row of the batch in a fresh session."""
         jobs = list(self._rows.values())
         self._rows.clear()
-        self._saves.clear()  # taken in the failed step: its state is not to be trusted
-        try:
-            self._session.close()
+        try:  # the checkpoints taken in the failed step are dropped: their state is not to be trusted
+            self._session.close(write=False)
         except Exception:  # a broken session may fail to close; its state goes anyway
             log.warning("spec-cache: closing the failed session raised", exc_info=True)
         finally:
@@ -883,8 +912,8 @@ class Scheduler:
             return 0
         return len(tokens)
 
-    def _on_tokens(self, row: int, tokens: list, scored=None) -> None:
-        job = self._rows.get(row)
+    def _on_tokens(self, handle, tokens: list, scored=None) -> None:
+        job = self._rows.get(handle.row)
         if job is None:
             return
         job.proven = True
@@ -894,7 +923,7 @@ class Scheduler:
             job.prompt_sent = True
             job.deliver(("prompt_logprobs", self._prompt_scores(job, scored.prompt)))
         if job.resend:
-            tokens = self._resent(job, row, tokens)
+            tokens = self._resent(job, handle, tokens)
             if not tokens:
                 return
         now = time.perf_counter()
@@ -923,16 +952,16 @@ class Scheduler:
         if job.end_checkpoint:  # the row holds exactly the prompt now (its first token is not forwarded yet)
             job.end_checkpoint = False
             if len(job.output) == 1:
-                self._session.checkpoint(row)  # taken at the end of this step
-        self._checkpoint_due(job, row)
+                self._session.checkpoint(handle)  # taken at the end of this step
+        self._checkpoint_due(job, handle)
 
-    def _resent(self, job: Job, row: int, tokens: list) -> list:
+    def _resent(self, job: Job, handle, tokens: list) -> list:
         """A resumed row's ``tokens``: those its client has already (``resend``) are taken as generated, not sent;
         the rest are returned. Ones that differ from what was sent fail the job (never a silent wrong answer)."""
         again = list(tokens[: len(job.resend)])
         if again != job.resend[: len(again)]:
-            self._rows.pop(row, None)
-            self._session.cancel(row)
+            self._rows.pop(handle.row, None)
+            self._session.cancel(handle)
             self._fail(job, APIError(500, "generation failed: the row resumed after a failed step generated other "
                                      "tokens than it had sent", code="engine_error"))
             return []
@@ -940,18 +969,18 @@ class Scheduler:
         job.output += again
         job.generated += len(again)
         job.last_token_at = time.perf_counter()
-        self._checkpoint_due(job, row)
+        self._checkpoint_due(job, handle)
         return list(tokens[len(again):])
 
-    def _checkpoint_due(self, job: Job, row: int) -> None:
+    def _checkpoint_due(self, job: Job, handle) -> None:
         """Ask for the row's checkpoint when ``checkpoint_every`` more tokens were generated since its last."""
         every = self.checkpoint_every
         if every is not None and job.generated - job.checkpointed_at >= every and job.generated < job.max_tokens:
             job.checkpointed_at = job.generated
-            self._session.checkpoint(row)  # taken at the end of this step
+            self._session.checkpoint(handle)  # taken at the end of this step
 
-    def _on_finish(self, row: int, result) -> None:
-        job = self._rows.pop(row, None)
+    def _on_finish(self, handle, result) -> None:
+        job = self._rows.pop(handle.row, None)
         if job is None:
             return
         job.proven = True
@@ -968,48 +997,39 @@ class Scheduler:
             return
         self._done(job, result.reason or ("cancelled" if result.cancelled else "length"))
 
-    def _on_checkpoint(self, row: int, tokens: list, caches: list, draft) -> None:
-        job = self._rows.get(row)
-        if job is None or self.generator.cache is None:
-            return
-        if job.phase_end is not None and len(tokens) != job.phase_end:
-            return  # a prefill phase: only its prompt-boundary checkpoint is worth keeping
-        record = self._continuation_record(job, tokens)
-        if job.prepared.needs_save(tokens, draft, self.generator.drafter_namespace):
-            self._saves.append((tokens, caches, draft, job.prepared.ns_key, record))  # written after the step
-        elif record is not None:  # the state is stored already: only the record is new
-            self._continuations.persist(record)
+    def _keeper(self, job: Job) -> Callable[[list], bool]:
+        """``CachedSession``'s ``keep`` for ``job``'s row: which of its checkpoints are worth saving. None once the
+        row left the batch; a prefill phase keeps only its prompt-boundary checkpoint."""
+        def keep(tokens: list) -> bool:
+            if self._rows.get(job.row) is not job:
+                return False
+            return job.phase_end is None or len(tokens) == job.phase_end
+        return keep
+
+    def _rider(self, job: Job):
+        """``CachedSession``'s ``rider`` for a replayable ``job``: each checkpoint's continuation record."""
+        return lambda handle, tokens: self._continuation_record(job, tokens)
 
     def _continuation_record(self, job: Job, tokens: list):
-        """The continuation record a checkpoint of ``tokens`` supports (held in memory at once), or None."""
+        """The continuation record a checkpoint of ``tokens`` supports, or None (``CachedSession`` holds it in
+        memory at once and writes it with its checkpoint)."""
         if not job.replayable or job.phase_end is not None or self._continuations is None:
             return None
         if job.sampling.grammar is not None and job.sampling.grammar.failed:
             return None  # an output its grammar cut is never replayed as an answer
         ns_key = job.prepared.ns_key
-        record = continuation_record(job.continuation_key(ns_key, self.eos_token_ids), ns_key, job.prompt,
-                                     job.output, len(tokens), finished=job.generated >= job.max_tokens or
-                                     bool(job.output) and job.output[-1] in self.eos_token_ids)
-        if record is not None:
-            self._continuations.remember(record)
-        return record
+        return continuation_record(job.continuation_key(ns_key, self.eos_token_ids), ns_key, job.prompt,
+                                   job.output, len(tokens), finished=job.generated >= job.max_tokens or
+                                   bool(job.output) and job.output[-1] in self.eos_token_ids)
 
     def _write_checkpoints(self) -> None:
-        saves, self._saves = self._saves, []
-        if not saves:
+        """Write the checkpoints the step took (the memory tier now, LMDB behind: ``CachedSession``), timed."""
+        session = self._session
+        if session is None or not session.pending_checkpoints:
             return
         began = time.perf_counter()
-        self._write(saves)
+        session.write_checkpoints()
         self._observe("checkpoint", time.perf_counter() - began)
-
-    def _write(self, saves: list) -> None:
-        for tokens, caches, draft, ns_key, *record in saves:
-            # a continuation record goes to LMDB in its checkpoint's own commit (never claims more than it covers)
-            rider = None if not record or record[0] is None else self._continuations.rider(record[0])
-            try:
-                self.generator.save_checkpoint(tokens, caches, draft, ns_key=ns_key, background=True, rider=rider)
-            except Exception:  # a cache never takes the server down
-                log.exception("spec-cache: checkpoint of %d tokens not stored", len(tokens))
 
     def _done(self, job: Job, reason: str) -> None:
         if job.finished:
@@ -1044,7 +1064,7 @@ class Scheduler:
         session = self._session
         for job in list(self._rows.values()):
             try:
-                session.cancel(job.row)
+                session.cancel(job.handle)
             except Exception:  # pragma: no cover - the session may be broken after a failure
                 self._rows.pop(job.row, None)
                 self._fail(job, APIError(503, "the server is shutting down", code="unavailable"))
