@@ -40,7 +40,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from spec_cache.apps.server.limits import TenantTurns
 from spec_cache.apps.server.protocol import MAX_STOP_CHARS, APIError, GenerationParams, check_text, greedy_floor
 from spec_cache.apps.server.scheduler import MAX_CHECKPOINT_AT
 from spec_cache.apps.server.seam import message_boundaries
@@ -667,14 +666,13 @@ def authorization(headers) -> str | None:
 
 
 def messages_routes(ctx) -> list[Route]:
-    """The routes, over ``create_app``'s machinery: ``ctx`` has ``state``, ``read_json``, ``tokenize``,
+    """The routes, over ``create_app``'s machinery: ``ctx`` has ``state``, ``read_json``, ``tokenize``, ``tokenize_as``,
     ``run_job``, ``count``, ``log_request``, ``granularity``."""
     state = ctx.state
     tokenizer = state.tokenizer
     cache = state.generator.cache
     caching = cache is not None and getattr(state.generator.engine, "plan", None) is None
     styles: list[str] = []
-    turns = TenantTurns()  # a tenant's tokenizing: one request at a time in the shared tokenizer queue (limits)
 
     def style() -> str:
         if not styles:
@@ -699,8 +697,8 @@ def messages_routes(ctx) -> list[Route]:
                 known = True
                 body = await ctx.read_json(request)
                 parsed = parse_messages(body, state.models, state.config.default_temperature, counting=counting)
-                async with turns.turn(tenant):  # a flood of long prompts waits behind itself, not another tenant
-                    prompt = await ctx.tokenize(build_prompt, tokenizer, parsed, caching and not counting)
+                # a tenant's tokenizing: one request at a time, in one turn with its other routes' (jobs.Requests)
+                prompt = await ctx.tokenize_as(tenant, build_prompt, tokenizer, parsed, caching and not counting)
                 if counting:
                     ctx.count(name, 200, tenant)
                     return JSONResponse({"input_tokens": len(prompt.ids)})

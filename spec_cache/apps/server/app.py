@@ -103,7 +103,7 @@ def create_app(state: ServerState) -> Starlette:
         *openai_routes(requests),  # /v1/chat/completions, /v1/completions, /v1/models (openai_routes.py)
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
-        *cache_routes(state, requests.tokenize),  # /v1/cache/... (cache_routes.py)
+        *cache_routes(state, requests.tokenize_as),  # /v1/cache/... (cache_routes.py)
         *messages_routes(requests),  # /v1/messages (anthropic.py), over the same machinery
     ]
     return Starlette(routes=routes, lifespan=_lifespan(state), middleware=[Middleware(JSONErrors)],

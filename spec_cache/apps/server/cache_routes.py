@@ -8,7 +8,8 @@ Routes (all answer OpenAI's error JSON on failure, never a traceback):
 * ``POST /v1/cache/pin`` — pin the longest stored prefix of a prompt for ``ttl_s`` seconds (at most the server's
   ``--max-pin-ttl``): neither the memory tier nor LMDB's budget evicts it until then or ``unpin``.
 * ``POST /v1/cache/unpin`` — by ``id`` or by the same prefix.
-* ``GET /v1/cache/pins`` — the caller's pins (the operator key: everyone's).
+* ``GET /v1/cache/pins`` — the caller's pins in its namespace (``cache_salt`` in the query string selects a salted
+  one; the operator key: everyone's).
 * ``POST /v1/cache/prefetch`` — restore the longest stored prefix into the memory tier now (from LMDB or the
   shared tier), so the next request restores from memory.
 * ``POST /v1/cache/export`` — the stored prefix as an mlx-lm prompt-cache file (``save_prompt_cache`` format).
@@ -75,8 +76,10 @@ CALL_TIMEOUT_S = 120.0
 
 
 def cache_routes(state, tokenize) -> list[Route]:
-    """The ``/v1/cache`` routes for ``state`` (an ``app.ServerState``); ``tokenize(fn, *args)`` runs ``fn`` where
-    the app runs its tokenizer calls (one at a time, off the event loop)."""
+    """The ``/v1/cache`` routes for ``state`` (an ``app.ServerState``); ``tokenize(tenant, fn, *args)`` runs ``fn``
+    where the app runs its tokenizer calls (one at a time, off the event loop), in ``tenant``'s one turn across
+    every route (``jobs.Requests.tokenize_as``): else a key flooding these routes beside the generating ones had one
+    more request queued ahead of another key's (issue 37, fifth attacker pass)."""
     routes = _CacheRoutes(state, tokenize)
     return [
         routes.route("/v1/cache/pin", "cache_pin", routes.pin),
@@ -151,8 +154,9 @@ class _CacheRoutes:
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
 
-    async def prefix_of(self, body: dict, required: bool = True) -> list[int] | None:
-        """The token ids ``body`` names by ``messages``, ``prompt`` or ``tokens`` (exactly one)."""
+    async def prefix_of(self, body: dict, tenant, required: bool = True) -> list[int] | None:
+        """The token ids ``body`` names by ``messages``, ``prompt`` or ``tokens`` (exactly one), tokenized in
+        ``tenant``'s turn."""
         config = self.config
         given = [k for k in ("messages", "prompt", "tokens") if body.get(k) is not None]
         if len(given) != 1:
@@ -161,11 +165,11 @@ class _CacheRoutes:
             raise APIError(400, "name the prefix by exactly one of 'messages', 'prompt' or 'tokens'",
                            param=given[1] if len(given) > 1 else "messages")
         if given[0] == "messages":
-            ids = await self._rendered(body)
+            ids = await self._rendered(body, tenant)
         elif given[0] == "prompt":
             if not isinstance(body["prompt"], str):
                 raise APIError(400, "'prompt' must be a string (token ids go in 'tokens')", param="prompt")
-            ids = await self.tokenize(self.encode, body["prompt"])
+            ids = await self.tokenize(tenant, self.encode, body["prompt"])
         else:
             ids = self._token_ids(body["tokens"])
         if not ids:
@@ -175,7 +179,7 @@ class _CacheRoutes:
                            param=given[0], code="context_length_exceeded")
         return [int(t) for t in ids]
 
-    async def _rendered(self, body: dict) -> list[int]:
+    async def _rendered(self, body: dict, tenant) -> list[int]:
         generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(generation_prompt, bool):
             raise APIError(400, "'add_generation_prompt' must be true or false", param="add_generation_prompt")
@@ -184,7 +188,7 @@ class _CacheRoutes:
         if body.get("tools") is not None:
             chat["tools"] = body["tools"]
         params, messages = parse_chat(chat, (model_id,))  # tools checked as chat completions checks them
-        return await self.tokenize(self.render, messages, generation_prompt, params.tools)
+        return await self.tokenize(tenant, self.render, messages, generation_prompt, params.tools)
 
     def _token_ids(self, ids) -> list[int]:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -269,7 +273,7 @@ class _CacheRoutes:
         if ttl > max_ttl:
             raise APIError(400, f"'ttl_s' is at most {max_ttl:g} on this server (--max-pin-ttl)", param="ttl_s",
                            code="ttl_too_long")
-        tokens = await self.prefix_of(body)
+        tokens = await self.prefix_of(body, tenant)
         space = self.salted(tenant, body)
         await self.from_shared(space, tokens)
 
@@ -289,25 +293,27 @@ class _CacheRoutes:
         pid = body.get("id")
         if pid is not None and not isinstance(pid, str):
             raise APIError(400, "'id' must be a pin id (a string)", param="id")
-        tokens = await self.prefix_of(body, required=pid is None)
+        tokens = await self.prefix_of(body, tenant, required=pid is None)
         space = self.salted(tenant, body)
 
         def run():
             target = pid
+            key = self.ns_key(space)
             if target is None:  # the caller's pin of the longest pinned prefix of these tokens
-                key = self.ns_key(space)
                 mine = [p for p in controls.pins(self.cache, any_owner=True)
                         if p.ns_key == key and list(p.tokens) == tokens[:p.length]]
                 if not mine:
                     raise controls.NotStored("no pin of these tokens")
                 target = max(mine, key=lambda p: p.length).pin_id
+            elif not operator and not any(p.pin_id == target for p in self.own_pins(tenant, key)):
+                raise controls.NotStored(f"no pin {target!r}")  # another salt's: as if there were none
             record = self.cache.unpin(target, owner=tenant, any_owner=operator)
             return {"object": "cache.unpin", "id": record.pin_id, "tokens": self.told(record.length, operator),
                     "unpinned": True}
         return JSONResponse(await self.on_scheduler(run))
 
     async def prefetch(self, request: Request, body: dict, tenant, operator: bool) -> Response:
-        tokens = await self.prefix_of(body)
+        tokens = await self.prefix_of(body, tenant)
         space = self.salted(tenant, body)
         await self.from_shared(space, tokens)
 
@@ -321,7 +327,7 @@ class _CacheRoutes:
         return JSONResponse(await self.on_scheduler(run))
 
     async def export(self, request: Request, body: dict, tenant, operator: bool) -> Response:
-        tokens = await self.prefix_of(body)
+        tokens = await self.prefix_of(body, tenant)
         space = self.salted(tenant, body)
         await self.from_shared(space, tokens, drafter=None)  # the target's state only: what an mlx-lm file holds
         granularity = 1 if operator else self.granularity
@@ -339,7 +345,7 @@ class _CacheRoutes:
                            "(--operator-key); give a 'cache_salt' to import into a namespace only requests with "
                            "that salt reach", type="permission_error", param="cache_salt",
                            code="operator_key_required")
-        tokens = await self.prefix_of(body, required=False)
+        tokens = await self.prefix_of(body, tenant, required=False)
         space = self.salted(tenant, body)
         generator = self.generator
         engine = generator.engine
@@ -351,8 +357,19 @@ class _CacheRoutes:
             return {"object": "cache.import", "tokens": length, "stored": True}
         return JSONResponse(await self.on_scheduler(run))
 
+    def own_pins(self, tenant, key: bytes) -> list:
+        """``tenant``'s pins in namespace ``key`` only: inside one shared key a ``cache_salt`` is the privacy (the
+        README), so one salt never lists nor ends another's pins, nor the unsalted namespace's (issue 37, fifth
+        attacker pass: a caller with salt "y" listed salt "x"'s pin and ended it by its id). They still count
+        against the key's one pin share."""
+        return [p for p in controls.pins(self.cache, owner=tenant) if p.ns_key == key]
+
     async def pins_route(self, request: Request, body: dict, tenant, operator: bool) -> Response:
-        listed = controls.pins(self.cache, owner=tenant, any_owner=operator)
+        if operator:
+            listed = controls.pins(self.cache, owner=tenant, any_owner=True)
+        else:
+            space = self.salted(tenant, body)
+            listed = await self.on_scheduler(lambda: self.own_pins(tenant, self.ns_key(space)))
         return JSONResponse({"object": "list", "data": [self.pin_body(p, operator) for p in listed]})
 
     # --- around every handler: the body, the caller, errors, metrics, the log line --------------------------

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from spec_cache.apps.server.auth import salted_tenant, tenant_label
 from spec_cache.apps.server.detokenizer import StopMatcher, StreamingDetokenizer
+from spec_cache.apps.server.limits import TenantTurns
 from spec_cache.apps.server.logprobs import Scoring, chat_logprobs, completion_logprobs
 from spec_cache.apps.server.protocol import (
     APIError,
@@ -130,6 +131,10 @@ class Requests:
         # one tokenizer call at a time (HF fast tokenizers are not re-entrant for every setting), in a worker
         # thread: the event loop never waits on one
         self.tokenize_limiter = anyio.CapacityLimiter(1)
+        # a tenant's tokenizing, one request at a time in that worker, across every route (chat, completions,
+        # messages, cache routes): with a turn per route family, one tenant flooding them all had four requests
+        # queued ahead of another tenant's (issue 37, fifth attacker pass)
+        self.turns = TenantTurns()
 
     def count(self, endpoint: str, status: int, tenant: str | None = None, known: bool = True) -> None:
         self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -141,6 +146,11 @@ class Requests:
 
     async def tokenize(self, fn, *args) -> list[int]:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.tokenize_limiter)
+
+    async def tokenize_as(self, tenant, fn, *args) -> list[int]:
+        """``tokenize`` in ``tenant``'s turn (``turns``): its flood waits behind itself, on every route at once."""
+        async with self.turns.turn(tenant):
+            return await self.tokenize(fn, *args)
 
     async def read_json(self, request: Request) -> Any:
         """The body as JSON: 413 past ``max_body_bytes`` (from Content-Length, or as the bytes arrive), 499 if the

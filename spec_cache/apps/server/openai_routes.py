@@ -8,9 +8,10 @@ the rest. An ``APIError`` anywhere is counted, logged and answered as OpenAI's e
 A ``response_format`` grammar is compiled before the job is made, in a worker thread (``_Grammars``: at most
 ``GRAMMAR_THREADS`` at once, one at a time per API key), never on the event loop: a schema's check may take up to
 ``rows.grammar.CHECK_SECONDS`` (issue 37, third attacker pass: one 700-byte schema held the loop for minutes).
-A tenant's tokenizing also waits its turn (``limits.TenantTurns``): one of its requests at a time in the
+A tenant's tokenizing also waits its turn (``jobs.Requests.tokenize_as``): one of its requests at a time in the
 tokenizer's queue, which is one worker for every tenant (third attacker pass: 100 concurrent 168 KB prompts of
-one key, each refused as too long after tokenizing, held another key's request 5 s).
+one key, each refused as too long after tokenizing, held another key's request 5 s); one turn across every route
+(fifth pass: a turn per route let a key flooding all four queue four requests ahead of another key's).
 """
 
 from __future__ import annotations
@@ -128,15 +129,13 @@ def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name
     state = requests.state
     cache = state.generator.cache
     vocab = state.generator.engine.target.vocab_size
-    turns = TenantTurns()  # a tenant's tokenizing: one request at a time in the shared tokenizer queue (module doc)
 
     async def handle(request: Request) -> Response:
         tenant, known, checkpoint_at = None, False, ()
         started = time.perf_counter()
 
-        async def tokenize(fn, *args):
-            async with turns.turn(tenant):
-                return await requests.tokenize(fn, *args)
+        async def tokenize(fn, *args):  # a tenant's tokenizing: one request at a time, every route (module doc)
+            return await requests.tokenize_as(tenant, fn, *args)
         try:
             tenant = requests.tenant_of(request)
             known = True
