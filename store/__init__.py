@@ -54,6 +54,7 @@ from .errors import (
     StoreUnavailable,
     StoreUnsafe,
 )
+from .eviction import TenantPolicy, fair_victim_tenant
 from .keys import pack_tokens, tenant_id
 from .store import PutResult, Restored, Store, StoreMemo
 from .tensors import LayerState, Tensor, numpy_dtype
@@ -72,6 +73,8 @@ __all__ = [
     "CONTINUATION_MAX_RECORDS",
     # the store directory: serve's default byte budget
     "default_budget",
+    # the eviction rules the memory tier shares with the store (a tenant's quota, the fair-share victim)
+    "TenantPolicy", "fair_victim_tenant",
     # operator work on a store (a sub-API)
     "maintenance",
 ]

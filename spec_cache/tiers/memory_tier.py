@@ -46,8 +46,7 @@ import numpy as np
 
 from spec_cache.errors import InvalidRequest
 from spec_cache.state.cache_kinds import kind_named, kind_of
-from spec_cache.store.errors import InvalidInput
-from spec_cache.store.eviction import TenantPolicy, fair_victim_tenant
+from spec_cache.store import InvalidInput, TenantPolicy, fair_victim_tenant
 
 __all__ = ["HitView", "MemoryHit", "MemoryTier", "default_budget", "held_bytes"]
 
