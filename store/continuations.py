@@ -27,8 +27,18 @@ format stays 1.x): ``b"\\0cont\\0" + key`` -> record, and ``b"\\0cont-lru\\0" + 
 u32 record bytes, and ``b"\0cont-sum\0"`` -> u64 records, u64 bytes (their sum, so a put reads one row, not every
 LRU row). A record with a newer major version is skipped (a miss), never decoded.
 
-Bounds: at most ``max_records`` records and ``max_bytes`` of them; a put evicts the least recently written
-first, in its own transaction. ``verify`` checks every record (checksum, structure, the key it sits under, its
+Tenant rows (table minor 1; older code neither writes nor reads them): per record ``b"\0cont-tlru\0" + tenant(16) +
+u64be(written_ns) + key`` -> u32 record bytes, and per tenant ``b"\0cont-tsum\0" + tenant(16)`` -> u64 records, u64
+bytes. ``tenant`` is the store's tenant label of the record's namespace (``NamespaceInfo.tenant_id``; 16 zero bytes
+for the default tenant and for namespaces not registered). A record written by older code has no tenant row until
+``gc`` rebuilds them (``verify`` does not count that as a problem: it only loses the record its fair share).
+
+Bounds: at most ``max_records`` records and ``max_bytes`` of them; a put over a bound evicts, in its own
+transaction, the least recently written record of the tenant holding the largest part of a bound
+(``max(records / max_records, bytes / max_bytes)``; ties by label), never the record just written, so one
+tenant's requests evict its own records before another tenant's (as the prefix entries and the memory tier share
+``max_bytes``); the least recently written record of any tenant only when no tenant row is left to choose by.
+``verify`` checks every record (checksum, structure, the key it sits under, its
 LRU row); ``gc`` drops corrupt records, records of namespaces no longer registered, and stray LRU rows.
 """
 
@@ -45,7 +55,9 @@ import blake3
 
 from .errors import CorruptRecord, InvalidInput, StoreError
 from .eviction import over_bounds
+from .index import Index
 from .keys import KEY_BYTES, pack_tokens
+from .values import TENANT_ID_BYTES
 
 log = logging.getLogger("spec_cache.store")
 
@@ -58,6 +70,9 @@ _HEADER = struct.Struct("<4sHHI32s32sQII")
 RECORD_PREFIX = b"\x00cont\x00"
 LRU_PREFIX = b"\x00cont-lru\x00"
 SUM_KEY = b"\x00cont-sum\x00"  # u64 records | u64 bytes: what the LRU rows add up to (a put reads one row)
+TENANT_LRU_PREFIX = b"\x00cont-tlru\x00"  # + tenant(16) + u64be written_ns + key -> u32 record bytes
+TENANT_SUM_PREFIX = b"\x00cont-tsum\x00"  # + tenant(16) -> u64 records | u64 bytes of that tenant's LRU rows
+DEFAULT_TENANT_ROW = bytes(TENANT_ID_BYTES)  # the default tenant's (and an unregistered namespace's) label in rows
 _SUM = struct.Struct("<QQ")
 DB = "memo"
 #: defaults: records kept, and their bytes
@@ -161,6 +176,40 @@ def _lru_row(written_ns: int, key: bytes) -> bytes:
     return LRU_PREFIX + struct.pack(">Q", written_ns) + key
 
 
+def _tenant_lru_row(tenant: bytes, written_ns: int, key: bytes) -> bytes:
+    return TENANT_LRU_PREFIX + tenant + struct.pack(">Q", written_ns) + key
+
+
+def _tenant_sum_row(tenant: bytes) -> bytes:
+    return TENANT_SUM_PREFIX + tenant
+
+
+def _label(tenant_id: bytes | None) -> bytes:
+    """A namespace's tenant label as the tenant rows spell it (module doc)."""
+    return bytes(tenant_id) if tenant_id and len(tenant_id) == TENANT_ID_BYTES else DEFAULT_TENANT_ROW
+
+
+def _tenant_sums(txn, db) -> dict[bytes, list[int]]:
+    """{tenant: [records, bytes]} from the tenant sum rows (damaged rows read as empty)."""
+    out = {}
+    for row, value in _rows(txn, db, TENANT_SUM_PREFIX):
+        tenant = row[len(TENANT_SUM_PREFIX):]
+        if len(tenant) == TENANT_ID_BYTES:
+            out[tenant] = list(_SUM.unpack(bytes(value))) if len(value) == _SUM.size else [0, 0]
+    return out
+
+
+def _add_tenant(txn, db, sums: dict, tenant: bytes, d_records: int, d_bytes: int) -> None:
+    """Move ``tenant``'s sum row by the deltas (a tenant at zero loses its row)."""
+    have = sums.setdefault(tenant, [0, 0])
+    have[0], have[1] = max(0, have[0] + d_records), max(0, have[1] + d_bytes)
+    if have[0] == 0:
+        txn.delete(_tenant_sum_row(tenant), db=db)
+        sums.pop(tenant)
+    else:
+        txn.put(_tenant_sum_row(tenant), _SUM.pack(*have), db=db)
+
+
 def _size(value) -> int:
     return struct.unpack("<I", bytes(value))[0] if len(value) == 4 else 0
 
@@ -182,7 +231,7 @@ def _rows(txn, db, prefix: bytes):
         row = bytes(cursor.key())
         if not row.startswith(prefix):
             return
-        yield row, cursor.value()
+        yield row, bytes(cursor.value())  # a copy: a buffer into the page goes stale once a row is deleted
         more = cursor.next()
 
 
@@ -195,6 +244,7 @@ class ContinuationTable:
         self.store = store
         self.max_records = max_records
         self.max_bytes = max_bytes
+        self._tenants: dict[bytes, bytes] = {}  # namespace key -> tenant label (a namespace's label never changes)
 
     @property
     def _db(self):
@@ -236,6 +286,8 @@ class ContinuationTable:
             raise InvalidInput(f"continuation record of {len(value)} bytes exceeds max_bytes {self.max_bytes}")
 
         db = self._db
+        tenant = self._tenant(txn, rec.ns_key)
+        sums = _tenant_sums(txn, db)
         old = txn.get(_record_row(rec.key), db=db)
         count, total = _sum(txn, db)
         if old is not None:
@@ -247,24 +299,95 @@ class ContinuationTable:
                 return 0
             if prev is not None and txn.delete(_lru_row(prev.written_ns, rec.key), db=db):
                 count, total = count - 1, total - len(old)
+            if prev is not None and txn.delete(_tenant_lru_row(tenant, prev.written_ns, rec.key), db=db):
+                _add_tenant(txn, db, sums, tenant, -1, -len(old))
         txn.put(_record_row(rec.key), value, db=db)
         txn.put(_lru_row(rec.written_ns, rec.key), struct.pack("<I", len(value)), db=db)
-        return self._evict(txn, db, count + 1, total + len(value))
+        txn.put(_tenant_lru_row(tenant, rec.written_ns, rec.key), struct.pack("<I", len(value)), db=db)
+        _add_tenant(txn, db, sums, tenant, 1, len(value))
+        return self._evict(txn, db, count + 1, total + len(value), sums, rec.key)
 
-    def _evict(self, txn, db, count: int, total: int) -> int:
-        """Drop the least recently written records while over a bound; write the new sum."""
-        evicted = 0
+    def _tenant(self, txn, ns_key: bytes) -> bytes:
+        """The tenant label (as rows spell it) of namespace ``ns_key``, read in ``txn`` once per namespace."""
+        tenant = self._tenants.get(ns_key)
+        if tenant is None:
+            try:
+                info = Index(txn, self.store.env.dbs).namespace(ns_key)
+            except StoreError:  # a damaged namespace row: the default tenant's until gc rebuilds it
+                info = None
+            tenant = _label(None if info is None else info.tenant_id)
+            if info is not None:
+                if len(self._tenants) >= 4096:
+                    self._tenants.clear()
+                self._tenants[ns_key] = tenant
+        return tenant
+
+    def _evict(self, txn, db, count: int, total: int, sums: dict, keep: bytes) -> int:
+        """While over a bound, drop the least recently written record of the tenant holding the largest part of
+        a bound (never ``keep``, the record just written); write the new sums."""
+        evicted, exhausted = 0, set()
         while over_bounds(count, total, max_records=self.max_records, max_bytes=self.max_bytes):
-            oldest = next(_rows(txn, db, LRU_PREFIX), None)
-            if oldest is None:
-                count, total = 0, 0
+            victim = self._tenant_victim(txn, db, sums, exhausted, keep)
+            if victim is None:  # no tenant row to choose by (records of older code): plain LRU
+                victim = next(((row[-KEY_BYTES:], _size(v)) for row, v in _rows(txn, db, LRU_PREFIX)
+                               if row[-KEY_BYTES:] != keep), None)
+            if victim is None:
                 break
-            row, size = oldest[0], _size(oldest[1])
-            txn.delete(row, db=db)
-            txn.delete(_record_row(row[-KEY_BYTES:]), db=db)
-            count, total, evicted = count - 1, total - size, evicted + 1
+            key, size = victim
+            freed = self._remove(txn, db, key, sums)
+            count, total, evicted = count - 1, total - (freed if freed is not None else size), evicted + 1
         txn.put(SUM_KEY, _SUM.pack(max(0, count), max(0, total)), db=db)
         return evicted
+
+    def _tenant_victim(self, txn, db, sums: dict, exhausted: set, keep: bytes) -> tuple[bytes, int] | None:
+        """(key, bytes) of the oldest record of the tenant with the largest part of a bound, or None."""
+        while True:
+            live = [(max(n / self.max_records, b / self.max_bytes), t) for t, (n, b) in sums.items()
+                    if n > 0 and t not in exhausted]
+            if not live:
+                return None
+            tenant = max(live)[1]
+            for row, value in _rows(txn, db, TENANT_LRU_PREFIX + tenant):
+                key = row[-KEY_BYTES:]
+                if key == keep:
+                    continue
+                if txn.get(_record_row(key), db=db) is None:  # a row older code left behind: tidy it
+                    txn.delete(row, db=db)
+                    _add_tenant(txn, db, sums, tenant, -1, -_size(value))
+                    continue
+                return key, _size(value)
+            exhausted.add(tenant)
+
+    def _remove(self, txn, db, key: bytes, sums: dict) -> int | None:
+        """Delete the record under ``key`` with its LRU and tenant rows; the record's bytes (None: it was gone).
+        The rows are found from the record (its time and namespace); a record that does not decode has its rows
+        looked for by key."""
+        raw = txn.get(_record_row(key), db=db)
+        raw = None if raw is None else bytes(raw)
+        try:
+            rec = None if raw is None else decode_continuation(raw, key)
+        except StoreError:
+            rec = None
+        if rec is not None and txn.delete(_lru_row(rec.written_ns, key), db=db):
+            tenant = self._tenant(txn, rec.ns_key)
+            row = _tenant_lru_row(tenant, rec.written_ns, key)
+            value = txn.get(row, db=db)
+            if value is not None:
+                size = _size(value)  # read before the delete: the value may be a buffer into the page
+                txn.delete(row, db=db)
+                _add_tenant(txn, db, sums, tenant, -1, -size)
+        else:
+            for prefix in (LRU_PREFIX, TENANT_LRU_PREFIX):
+                for row, value in list(_rows(txn, db, prefix)):
+                    if row.endswith(key):
+                        txn.delete(row, db=db)
+                        if prefix == TENANT_LRU_PREFIX:
+                            _add_tenant(txn, db, sums, row[len(prefix):len(prefix) + TENANT_ID_BYTES], -1,
+                                        -_size(value))
+        if raw is None:
+            return None
+        txn.delete(_record_row(key), db=db)
+        return len(raw)
 
     def drop(self, key: bytes) -> bool:
         """Remove the record under ``key`` (and its LRU row); False if there was none or the store is read-only."""
@@ -274,11 +397,10 @@ class ContinuationTable:
         def fn(txn) -> bool:
             db = self._db
             count, total = _sum(txn, db)
-            found = txn.delete(_record_row(key), db=db)
             for row, value in list(_rows(txn, db, LRU_PREFIX)):
                 if row.endswith(key):
-                    txn.delete(row, db=db)
                     count, total = count - 1, total - _size(value)
+            found = self._remove(txn, db, key, _tenant_sums(txn, db)) is not None
             txn.put(SUM_KEY, _SUM.pack(max(0, count), max(0, total)), db=db)
             return found
         try:
@@ -316,7 +438,7 @@ def check(txn, dbs) -> ContinuationCheck:
     """Every continuation record and LRU row checked (``verify``); changes nothing."""
     found = ContinuationCheck(corrupt=[], problems=[])
     db = dbs[DB]
-    expected = {}
+    expected, owners = {}, {}
     for row, raw in _rows(txn, db, RECORD_PREFIX):
         key = row[len(RECORD_PREFIX):]
         found.records += 1
@@ -331,6 +453,7 @@ def check(txn, dbs) -> ContinuationCheck:
             continue
         found.ok += 1
         expected[_lru_row(rec.written_ns, key)] = len(bytes(raw))
+        owners[_lru_row(rec.written_ns, key)] = rec.ns_key
     lru = {row: bytes(v) for row, v in _rows(txn, db, LRU_PREFIX)}
     corrupt_keys = {bytes.fromhex(c["key"]) for c in found.corrupt}
     for row, value in lru.items():
@@ -345,14 +468,58 @@ def check(txn, dbs) -> ContinuationCheck:
     want = (len(lru), sum(_size(v) for v in lru.values()))
     if raw is None and lru or raw is not None and (len(raw) != _SUM.size or _SUM.unpack(bytes(raw)) != want):
         found.problems.append(f"continuation sum row disagrees with the LRU rows ({want[0]} records, {want[1]} bytes)")
+    _check_tenant_rows(txn, dbs, db, expected, owners, corrupt_keys, found.problems)
     return found
+
+
+def _ns_tenants(txn, dbs):
+    """A function: namespace key -> its tenant label as rows spell it (memoised; damaged rows: the default)."""
+    index, seen = Index(txn, dbs), {}
+
+    def tenant_of(ns: bytes) -> bytes:
+        if ns not in seen:
+            try:
+                info = index.namespace(ns)
+            except StoreError:
+                info = None
+            seen[ns] = _label(None if info is None else info.tenant_id)
+        return seen[ns]
+    return tenant_of
+
+
+def _check_tenant_rows(txn, dbs, db, expected: dict, owners: dict, corrupt_keys: set, problems: list) -> None:
+    """Each tenant row names a record under its tenant with its size; each tenant sum row adds its rows up.
+    (A record without a tenant row is older code's: not a problem, module doc.)"""
+    tenant_of = _ns_tenants(txn, dbs)
+    sums: dict[bytes, list[int]] = {}
+    for row, value in _rows(txn, db, TENANT_LRU_PREFIX):
+        body = row[len(TENANT_LRU_PREFIX):]
+        tenant, key = body[:TENANT_ID_BYTES], body[-KEY_BYTES:]
+        if len(body) != TENANT_ID_BYTES + 8 + KEY_BYTES:
+            problems.append("continuation tenant row of the wrong length")
+            continue
+        have = sums.setdefault(tenant, [0, 0])
+        have[0], have[1] = have[0] + 1, have[1] + _size(value)
+        lru = _lru_row(struct.unpack(">Q", body[TENANT_ID_BYTES:TENANT_ID_BYTES + 8])[0], key)
+        if key in corrupt_keys:
+            continue
+        if lru not in expected:
+            problems.append(f"continuation tenant row {key.hex()[:16]} without its record")
+        elif tenant_of(owners[lru]) != tenant or bytes(value) != struct.pack("<I", expected[lru]):
+            problems.append(f"continuation tenant row {key.hex()[:16]}: wrong tenant or size")
+    stored = {t: tuple(v) for t, v in _tenant_sums(txn, db).items()}
+    if stored != {t: tuple(v) for t, v in sums.items()}:
+        problems.append("continuation tenant sum rows disagree with the tenant rows")
 
 
 def rebuild(txn, dbs, namespaces) -> tuple[int, int]:
     """``gc``'s part: drop corrupt records and records whose namespace is not in ``namespaces`` (a set of
-    namespace keys), then rewrite the LRU rows from the records left; returns (corrupt, orphaned) removed."""
+    namespace keys), then rewrite the LRU, tenant and sum rows from the records left (a record of older code gets
+    its tenant row here); returns (corrupt, orphaned) removed."""
     db = dbs[DB]
     keep: dict[bytes, int] = {}
+    tenant_keep: dict[bytes, int] = {}
+    tenant_of = _ns_tenants(txn, dbs)
     doomed, corrupt = [], 0
     for row, raw in _rows(txn, db, RECORD_PREFIX):
         key = row[len(RECORD_PREFIX):]
@@ -368,13 +535,23 @@ def rebuild(txn, dbs, namespaces) -> tuple[int, int]:
             doomed.append(row)
             continue
         keep[_lru_row(rec.written_ns, key)] = len(bytes(raw))
+        tenant_keep[_tenant_lru_row(tenant_of(rec.ns_key), rec.written_ns, key)] = len(bytes(raw))
     for row in doomed:
         txn.delete(row, db=db)
-    for row, value in list(_rows(txn, db, LRU_PREFIX)):
-        if keep.get(row) is None or bytes(value) != struct.pack("<I", keep[row]):
-            txn.delete(row, db=db)
-    for row, size in keep.items():
-        txn.put(row, struct.pack("<I", size), db=db)
+    for prefix, rows in ((LRU_PREFIX, keep), (TENANT_LRU_PREFIX, tenant_keep)):
+        for row, value in list(_rows(txn, db, prefix)):
+            if rows.get(row) is None or bytes(value) != struct.pack("<I", rows[row]):
+                txn.delete(row, db=db)
+        for row, size in rows.items():
+            txn.put(row, struct.pack("<I", size), db=db)
     if keep or txn.get(SUM_KEY, db=db) is not None:
         txn.put(SUM_KEY, _SUM.pack(len(keep), sum(keep.values())), db=db)
+    for row, _ in list(_rows(txn, db, TENANT_SUM_PREFIX)):
+        txn.delete(row, db=db)
+    sums: dict[bytes, list[int]] = {}
+    for row, size in tenant_keep.items():
+        have = sums.setdefault(row[len(TENANT_LRU_PREFIX):len(TENANT_LRU_PREFIX) + TENANT_ID_BYTES], [0, 0])
+        have[0], have[1] = have[0] + 1, have[1] + size
+    for tenant, (n, b) in sums.items():
+        txn.put(_tenant_sum_row(tenant), _SUM.pack(n, b), db=db)
     return corrupt, len(doomed) - corrupt

@@ -290,6 +290,10 @@ class SpecCache:
             self._tenant_ids[key] = label
         return key
 
+    def tenant_of(self, ns_key: bytes) -> bytes:
+        """The tenant label namespace ``ns_key`` counts against (b"": the default tenant, or not registered here)."""
+        return self._tenant_ids.get(ns_key) or b""
+
     def _check_open(self) -> None:
         if self._closed:
             raise CacheClosedError("the cache is closed")

@@ -75,6 +75,9 @@ class Continuations:
         self.table = ContinuationTable(cache.store, max_records=max_records, max_bytes=max_bytes)
         self.memory_records = memory_records
         self._memory: collections.OrderedDict[bytes, Continuation] = collections.OrderedDict()
+        # per tenant label, its records' keys least recently used first: the in-process bound evicts from the
+        # tenant holding the most records (as the LMDB table does by its tenant rows), never another tenant first
+        self._by_tenant: dict[bytes, collections.OrderedDict[bytes, None]] = {}
         self._lock = threading.Lock()
         self.counters = {"hits": 0, "misses": 0, "written": 0, "evicted": 0, "failed": 0}
 
@@ -94,6 +97,9 @@ class Continuations:
             rec = self._memory.get(key)
             if rec is not None:
                 self._memory.move_to_end(key)
+                keys = self._by_tenant.get(self._tenant(rec))
+                if keys is not None and key in keys:
+                    keys.move_to_end(key)
         if rec is None and not self.cache.closed:
             try:
                 rec = self.table.get(key)
@@ -108,13 +114,36 @@ class Continuations:
 
     def remember(self, rec: Continuation) -> None:
         """Hold ``rec`` in this process (a record never goes back to fewer tokens)."""
+        tenant = self._tenant(rec)
         with self._lock:
             old = self._memory.get(rec.key)
             if old is None or (len(old.tokens), old.finished) < (len(rec.tokens), rec.finished):
                 self._memory[rec.key] = rec
             self._memory.move_to_end(rec.key)
+            self._by_tenant.setdefault(tenant, collections.OrderedDict())[rec.key] = None
+            self._by_tenant[tenant].move_to_end(rec.key)
             while len(self._memory) > self.memory_records:
-                self._memory.popitem(last=False)
+                self._evict_one(rec.key)
+
+    def _tenant(self, rec: Continuation) -> bytes:
+        tenant_of = getattr(self.cache, "tenant_of", None)
+        return tenant_of(rec.ns_key) if tenant_of is not None else b""
+
+    def _evict_one(self, keep: bytes) -> None:
+        """Drop the least recently used record of the tenant holding the most (ties by label), never ``keep``."""
+        ranked = sorted(((len(keys) - (keep in keys), t) for t, keys in self._by_tenant.items()), reverse=True)
+        for _held, tenant in ranked:
+            keys = self._by_tenant[tenant]
+            victim = next((k for k in keys if k != keep), None)
+            if victim is None:
+                continue
+            del keys[victim]
+            if not keys:
+                del self._by_tenant[tenant]
+            self._memory.pop(victim, None)
+            return
+        key, rec = self._memory.popitem(last=False)  # only ``keep`` is left (memory_records 0)
+        self._by_tenant.get(self._tenant(rec), {}).pop(key, None)
 
     def persist(self, rec: Continuation) -> None:
         """Write ``rec`` to LMDB (call once the checkpoint it refers to is committed); never raises."""

@@ -11,8 +11,9 @@ What broke, and is fixed:
   a caller with ``cache_salt`` "y" saw salt "x"'s pin (id, tokens, bytes, expiry) and ended it. Now a caller lists
   and ends by id only the pins of its own (salted) namespace; the operator key every pin.
 
-Found and left (``xfail``, strict): continuation records are one LRU for every tenant (4096 records / 64 MiB, in
-process and in LMDB): A's distinct requests evict B's, so B's retry recomputes instead of resuming.
+* Continuation records were one LRU for every tenant (4096 records / 64 MiB, in process and in LMDB): A's
+  distinct requests evicted B's, so B's retry recomputed instead of resuming. Now both bounds evict from the
+  tenant holding the largest part first (``store/continuations.py``'s tenant rows; the in-process LRU per tenant).
 
 What held: a storm of 40 disconnected long streams beside B's greedy row (B's answer equal to alone, no row left).
 """
@@ -117,16 +118,15 @@ def test_inside_a_shared_key_a_salts_pins_are_neither_listed_nor_ended_by_anothe
 
 
 # -- (f) continuation records: one table for every tenant ---------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="continuation records are one LRU for every tenant (in process and in "
-                   "LMDB: store/continuations.py keys records by a hash, no tenant to share the bounds by); left "
-                   "for a store-format change, see RELIABILITY.md's residuals")
 def test_one_tenants_requests_never_evict_another_tenants_continuation_records(tmp_path):
     """B's interrupted generation leaves a continuation record (a retry resumes it token-identically); A's
-    requests (distinct prompts: 4096 of them at the default bounds, here 8) each leave one too. B's record should
-    stay while B holds less than A (as the prompt scores and the memory tier share their bounds). Today: gone
-    from memory and LMDB at A's 8th, and B's retry recomputes from its KV checkpoint."""
+    requests (distinct prompts: 4096 of them at the default bounds, here 8) each leave one too. B's record stays
+    while B holds less than A (as the prefix entries and the memory tier share their bounds): in this process and
+    in LMDB (a fresh ``Continuations`` reads only LMDB). Before: gone from both at A's 8th, and B's retry recomputed
+    from its KV checkpoint. The namespaces are registered with their tenants as the server registers them."""
     import hashlib
 
+    from spec_cache.store import maintenance
     from spec_cache.tiers.cache import SpecCache
     from spec_cache.tiers.continuations import Continuation, Continuations
 
@@ -135,7 +135,8 @@ def test_one_tenants_requests_never_evict_another_tenants_continuation_records(t
 
     with SpecCache.open(tmp_path / "store") as cache:
         table = Continuations(cache, memory_records=8, max_records=8)
-        ns_a, ns_b = key("ns", "a"), key("ns", "b")
+        ns_a = cache.namespace("ab" * 32, "spec-cache/ngram:v1", "key-a")
+        ns_b = cache.namespace("ab" * 32, "spec-cache/ngram:v1", "key-b")
         b_record = Continuation(key=key("b", 0), ns_key=ns_b, prompt_tokens=300, tokens=tuple(range(5, 45)))
         table.remember(b_record)
         table.persist(b_record)
@@ -144,7 +145,14 @@ def test_one_tenants_requests_never_evict_another_tenants_continuation_records(t
             table.remember(record)
             table.persist(record)
         assert table.get(key("a", 19), ns_a, 100) is not None
-        assert table.get(b_record.key, ns_b, 300) is not None  # fails today: A's flood evicted it
+        assert table.get(b_record.key, ns_b, 300) is not None  # in process
+        durable = Continuations(cache, memory_records=8, max_records=8)
+        assert durable.get(b_record.key, ns_b, 300).tokens == b_record.tokens  # in LMDB
+        assert durable.get(key("a", 19), ns_a, 100) is not None
+        assert durable.get(key("a", 0), ns_a, 100) is None  # A's own oldest went
+        assert len(durable.table.records()) == 8
+        report = maintenance.verify(cache.store)
+        assert not report.damaged, report.as_dict()  # the tenant rows agree with the records
 
 
 # -- (d) a storm of disconnects beside another tenant's row ------------------------------------------------------
