@@ -24,7 +24,6 @@ import asyncio
 import time
 
 import httpx
-import pytest
 
 from tests.apps.test_issue37_attack3 import smollm2  # noqa: F401 (a fixture)
 from tests.apps.test_server import KEY_A, KEY_B, Server, model  # noqa: F401  (model: a fixture)
