@@ -129,6 +129,7 @@ class SpecCache:
         self._registered: dict[bytes, tuple[str, str, bool]] = {}  # key -> what register_namespace was told
         self._queued: dict[bytes, list[_WriteJob]] = {}  # checkpoints waiting for the writer, by namespace
         self._queued_lock = threading.Lock()
+        self._tenant_queued: dict[bytes, int] = {}  # tenant label -> bytes of its checkpoints in the write queue
         self._tenant_ids: dict[bytes, bytes | None] = {}  # key -> its tenant label (quotas; None: default tenant)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -156,8 +157,9 @@ class SpecCache:
         ``memory_bytes``: the memory tier's budget (None: ``memory_tier.default_budget()``, 1/8 of the device's
         memory; 0: off). ``write_queue_bytes`` caps checkpoint bytes waiting for their LMDB write: the most a
         SIGKILL can lose (None: half the memory tier's budget, at least 1 GiB; the memory tier holds those
-        checkpoints meanwhile, so the queue costs no memory of its own; a save that finds it full writes on the
-        caller's thread, which on a server stalls every row: 222 ms per checkpoint at 4 clients on the H200 with
+        checkpoints meanwhile, so the queue costs no memory of its own; a save that finds it full, the memory tier
+        over its budget and its tenant over its share of the queue (cap / tenants with checkpoints queued) writes
+        on the caller's thread, which on a server stalls every row: 222 ms per checkpoint at 4 clients on the H200 with
         a 1 GiB queue). ``durability``: ``"write-behind"`` (default) lets ``save(..., background=True)`` queue
         the LMDB write; ``"sync"`` makes every ``save`` commit to LMDB before it returns (``background`` is
         ignored), so a checkpoint survives a SIGKILL right after its request, at the cost of the write on the
@@ -354,11 +356,22 @@ class SpecCache:
         of it in issue 35's H100 trace). A full queue still takes it while the memory tier's checkpoints fit the
         tier's budget (nothing of them can be evicted before LMDB holds it): the caller's thread does not write."""
         held = self._held_estimate(job)
+        nbytes = job.tail_bytes(held)
+        tenant = self.tenant_of(job.ns_key)
         with self._queued_lock:
             self._queued.setdefault(job.ns_key, []).append(job)
+            mine = self._tenant_queued.get(tenant, 0)
+            others = sum(1 for who, n in self._tenant_queued.items() if n > 0 and who != tenant)
+            self._tenant_queued[tenant] = mine + nbytes
+            job.tenant, job.share_bytes = tenant, nbytes
         job.held_estimate = held
-        may_wait = self.memory.bytes <= self.memory.budget_bytes
-        if not self._writer.submit(job, job.tail_bytes(held), may_wait=may_wait):
+        # a tenant within its share of the queue (cap / tenants with checkpoints queued) waits past a full cap even
+        # when the memory tier is over its budget: the tenant that filled the queue pays the back-pressure, not the
+        # others (issue 37, sixth pass: A's flood sent B's checkpoints to be written on the scheduler's thread). One
+        # tenant alone: exactly as before.
+        may_wait = (self.memory.bytes <= self.memory.budget_bytes
+                    or (others > 0 and mine + nbytes <= self.write_queue_bytes // (others + 1)))
+        if not self._writer.submit(job, nbytes, may_wait=may_wait):
             self._unqueued(job)  # written inline (or refused): nothing of it waits any more
 
     def _held_estimate(self, job: "_WriteJob") -> int:
@@ -375,6 +388,13 @@ class SpecCache:
 
     def _unqueued(self, job: "_WriteJob") -> None:
         with self._queued_lock:
+            if job.share_bytes:  # its tenant's share of the queue: once (inline writes come here twice)
+                left = self._tenant_queued.get(job.tenant, 0) - job.share_bytes
+                if left > 0:
+                    self._tenant_queued[job.tenant] = left
+                else:
+                    self._tenant_queued.pop(job.tenant, None)
+                job.share_bytes = 0
             waiting = self._queued.get(job.ns_key)
             if waiting is not None:
                 try:
@@ -912,6 +932,8 @@ class _WriteJob:
     captured: list | None = None  # the layers as captured (bytes maybe still in MLX), kept for a full copy
     copied_from: int = 0  # the host copy in ``layers`` starts here along the token axis (``_to_host``)
     held_estimate: int = 0  # leading tokens the store was expected to hold by its write (``_held_estimate``)
+    tenant: bytes = b""  # the tenant its queued bytes count against (``SpecCache.tenant_of``)
+    share_bytes: int = 0  # its bytes in its tenant's share of the write queue until it leaves the queue
 
     @property
     def options(self) -> dict:

@@ -9,15 +9,17 @@ Bounds: the queue holds at most ``cap_bytes`` of checkpoint state, counted as wh
 write (a checkpoint whose first chunks the store holds, or a checkpoint queued before it writes, counts only the
 tokens after them: ``SpecCache.save`` estimates it). A checkpoint that does not fit waits past the cap when the
 caller says its state is held meanwhile (``submit(..., may_wait=True)``: the memory tier holds it and its
-checkpoints waiting for LMDB fit the tier's budget; counted as ``waited``), so the request's thread never writes
-while the tier can hold on; otherwise it is written on the caller's thread (back-pressure, counted as
-``inline``). Nothing is ever dropped. Under light load a
+checkpoints waiting for LMDB fit the tier's budget, or, with several tenants' checkpoints queued, its tenant's
+queued bytes are within its share, cap / tenants queued: ``SpecCache._submit``; counted as ``waited``), so the
+request's thread never writes while the tier can hold on and never for a tenant that did not fill the queue;
+otherwise it is written on the caller's thread (back-pressure, counted as ``inline``: the tenant over its share
+pays it). Nothing is ever dropped. Under light load a
 checkpoint is durable within the time of one ``Store.put`` of its size after its request returns (milliseconds
 for small states; ~0.1-1 s for hundreds of MiB): the thread starts on it at once. ``drain()`` waits for the
 queue; ``close()`` drains, then stops. A cache that is never closed is drained at interpreter exit
 (``spec_cache.tiers.exit_drain``; bounded by ``exit_timeout_s``, then ``stop`` drops and reports what is left). A crash
 (SIGKILL) loses only what was still queued (at most ``cap_bytes``, plus what waited past it: at most the memory
-tier's budget): every put is one LMDB transaction, so a
+tier's budget, and the tenants' shares, at most another ``cap_bytes``): every put is one LMDB transaction, so a
 committed checkpoint survives whole and an interrupted one leaves nothing. The thread lingers ``LINGER_S`` after a
 checkpoint arrives (not while anyone drains) and puts the ones queued by then in one transaction (``write_many``;
 ``Store.put_many``): LMDB's pages per commit are paid once for a request's phases, boundary and finish checkpoints

@@ -1,0 +1,52 @@
+"""Issue 37, the sixth (confirming) attacker's pass: the write-behind queue when it is full, and the surfaces the
+first five passes did not try. Real ``spec-cache serve`` processes on 127.0.0.1 with two API keys (A attacks, B is
+a normal user), and the tables in process.
+
+What broke, and is fixed:
+
+* A full write-behind queue was one queue for every tenant: once A's checkpoints filled it (``cap_bytes``) and the
+  memory tier was over its budget (A's checkpoints waiting for LMDB cannot be evicted), B's next checkpoint was
+  written inline on the caller's thread (the server's scheduler thread: every row waits on it), although B had
+  nothing queued. Now a tenant within its share of the queue (cap / tenants with checkpoints queued) waits past
+  the cap; the tenant over its share is the one written inline (as before for a tenant alone).
+"""
+
+from __future__ import annotations
+
+from spec_cache.tiers import write_behind
+from spec_cache.tiers.cache import SpecCache
+from tests.library.test_memory_tier import kv
+
+
+# -- (a) the write-behind queue when it is full ---------------------------------------------------------------------
+def test_a_tenant_that_filled_the_write_queue_pays_its_back_pressure_not_another_tenant(tmp_path, monkeypatch):
+    """A's checkpoints fill the queue (cap 20 KB) and, waiting for LMDB, push the memory tier (60 KB) over its budget;
+    B's one 6.4 KB checkpoint then waits in the queue (B holds none of it), while A's next one is still written on
+    the caller's thread. Before: B's was written inline too (on a server, on the scheduler's thread). Nothing is
+    dropped: every checkpoint is in LMDB after a drain."""
+    monkeypatch.setattr(write_behind, "LINGER_S", 30.0)  # the writer holds on: nothing leaves the queue meanwhile
+    with SpecCache.open(tmp_path / "store", memory_bytes=60_000, write_queue_bytes=20_000) as cache:
+        ns_a = cache.namespace("ab" * 32, "prefix", "key-a")
+        ns_b = cache.namespace("ab" * 32, "prefix", "key-b")
+        assert cache.tenant_of(ns_a) != cache.tenant_of(ns_b)
+
+        def save(ns, seed: int, n: int, layers: int) -> dict:
+            tokens = [seed] + list(range(10, 10 + n - 1))
+            assert cache.save(ns, tokens, [kv(n, seed=seed + i) for i in range(layers)], background=True) is None
+            return dict(cache.memory_stats()["writes"])
+
+        for seed in (1, 2):  # 28 KB each: past the cap, held by the memory tier meanwhile
+            writes = save(ns_a, seed, 220, 2)
+        assert writes["inline"] == 0 and writes["waited"] == 2
+        writes = save(ns_a, 3, 220, 2)  # the tier is over its budget now: A alone writes inline, as before
+        assert writes["inline"] == 1
+        writes = save(ns_b, 4, 100, 1)  # B's first: within its share (10 KB of 20 KB)
+        assert writes["inline"] == 1, "B's checkpoint was written on the caller's thread behind A's full queue"
+        assert writes["waited"] == 3
+        writes = save(ns_a, 5, 220, 2)  # A, over its share, still pays
+        assert writes["inline"] == 2
+        assert cache.drain(60)
+        assert cache.memory_stats()["writes"]["written"] == 5
+    with SpecCache.open(tmp_path / "store") as cache:
+        ns_b = cache.namespace("ab" * 32, "prefix", "key-b")
+        assert cache.store.lookup(ns_b, [4] + list(range(10, 109))) is not None
