@@ -40,6 +40,10 @@ tenant's requests evict its own records before another tenant's (as the prefix e
 ``max_bytes``); the least recently written record of any tenant only when no tenant row is left to choose by.
 ``verify`` checks every record (checksum, structure, the key it sits under, its
 LRU row); ``gc`` drops corrupt records, records of namespaces no longer registered, and stray LRU rows.
+
+Why one file: the record codec, its four row kinds (record, LRU, tenant LRU, sums) and the checks that ``verify``
+and ``gc`` run over them are one on-disk table; a put, an eviction, the check and the rebuild must agree on every
+row's layout, and keeping them side by side is what keeps them agreeing.
 """
 
 from __future__ import annotations

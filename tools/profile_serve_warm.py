@@ -61,7 +61,7 @@ def _timed(owner, name: str, label: str) -> None:
 
 def instrument() -> None:
     from spec_cache.apps.server import openai_routes, scheduler
-    from spec_cache.decode import engine, generator
+    from spec_cache.decode import cached_session, engine, generator
     from spec_cache.rows import target
     from spec_cache.tiers import cache as cache_mod
     from spec_cache.tiers import memory_tier
@@ -81,15 +81,15 @@ def instrument() -> None:
     _timed(scheduler.Scheduler, "_write_checkpoints", "write_ckpt")
     _timed(engine.DecodeSession, "_plain_round", "round")
     _timed(engine.DecodeSession, "_round", "round")
-    _timed(scheduler.Scheduler, "_on_checkpoint", "on_checkpoint")
+    _timed(cached_session.CachedSession, "_on_checkpoint", "on_checkpoint")
 
     original = scheduler.Scheduler._on_tokens
 
-    def on_tokens(self, row, tokens):
-        job = self._rows.get(row)
+    def on_tokens(self, handle, tokens, *args, **kwargs):
+        job = self._rows.get(getattr(handle, "row", handle))  # the scheduler's rows are keyed by the handle's row
         if _now["on"] and job is not None and job.phase_end is None and job.last_token_at is None:
             _now["first"] = dict(_now["acc"], first_token_at=time.perf_counter() - _now["t0"])
-        return original(self, row, tokens)
+        return original(self, handle, tokens, *args, **kwargs)
     scheduler.Scheduler._on_tokens = on_tokens
 
 
