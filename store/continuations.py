@@ -476,6 +476,17 @@ def check(txn, dbs) -> ContinuationCheck:
     return found
 
 
+def namespaces_with_records(txn, dbs) -> set[bytes]:
+    """The namespace keys some continuation record names (read from the record's fixed header, no checksum: a
+    damaged record still holds its namespace back). ``Store.forget_empty_namespaces`` keeps those rows."""
+    found = set()
+    start = len(MAGIC) + 8 + KEY_BYTES  # magic | u16 major | u16 minor | u32 flags | key
+    for _, raw in _rows(txn, dbs[DB], RECORD_PREFIX):
+        if len(raw) >= start + KEY_BYTES:
+            found.add(raw[start:start + KEY_BYTES])
+    return found
+
+
 def _ns_tenants(txn, dbs):
     """A function: namespace key -> its tenant label as rows spell it (memoised; damaged rows: the default)."""
     index, seen = Index(txn, dbs), {}

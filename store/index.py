@@ -266,6 +266,20 @@ class Index:
         if tenant_id is not None:
             self.mark_format_minor(TENANT_MINOR)
 
+    def forget_namespace(self, ns: bytes) -> bool:
+        """Delete the namespace row of ``ns`` if it holds nothing (no entries, no bytes, no chain roots); True if
+        the row is gone (or was never there). A row with a damaged value is left for ``gc``."""
+        try:
+            info = self.namespace(ns)
+        except CorruptIndex:
+            return False
+        if info is None:
+            return True
+        if info.entries or info.bytes or info.signatures:
+            return False
+        self.delete("nsinfo", ns)
+        return True
+
     def format_minor(self) -> int:
         """The minor store format the ``format`` row states (0 when it is missing or unreadable)."""
         try:

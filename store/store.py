@@ -31,6 +31,7 @@ import numpy as np
 
 from spec_cache.schemas import CheckpointAttachment
 
+from . import continuations
 from . import keys as K
 from .candidates import Hit, Usable
 from .codec import CorruptRecord
@@ -170,6 +171,22 @@ class Store:
         (``keys.tenant_id``) is the label its bytes are counted under for quotas (None: the default tenant)."""
         self.env.write(lambda txn: Index(txn, self.env.dbs).register_namespace(
             ns_key, target=target, prefix_namespace=prefix_namespace, tenant=tenant, tenant_id=tenant_id))
+
+    def forget_empty_namespaces(self, ns_keys: Sequence[bytes]) -> list[bytes]:
+        """Delete the namespace rows among ``ns_keys`` that hold nothing: no entry, no byte, no chain root, no
+        continuation record naming them, in one transaction; returns the keys whose row is gone now. A process
+        that writes under a forgotten key later registers it again (``SpecCache`` does so on
+        ``NamespaceNotRegistered``). Why: one row per ``cache_salt`` ever seen grew the store without bound outside
+        its byte budget (issue 37, sixth pass); ``SpecCache`` calls this for the namespaces it stops tracking."""
+        if self.env.readonly or not ns_keys:
+            return []
+
+        def fn(txn):
+            index = Index(txn, self.env.dbs)
+            named = continuations.namespaces_with_records(txn, self.env.dbs)
+            return [ns for ns in ns_keys if ns not in named and index.forget_namespace(ns)]
+        with self._lock:
+            return self.env.write(fn)
 
     def namespace_info(self, ns_key: bytes) -> NamespaceInfo | None:
         """The namespace row of ``ns_key`` (what it stands for, its counters), or None if not registered."""

@@ -25,6 +25,7 @@ so the next turn of the conversation finds them there.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -43,6 +44,7 @@ from spec_cache.naming.namespace import (
 from spec_cache.rows.generation import Result, check_prompts  # re-exported (spec_cache.Result)
 from spec_cache.rows.kv_quant import converted_at, reusable
 from spec_cache.tiers.cache import CacheWarning, SpecCache
+from spec_cache.tiers.namespaces import MAX_NAMESPACES
 
 
 class Generator:
@@ -65,6 +67,7 @@ class Generator:
         #: namespace key -> the tenant it was made for (``namespace_key``): a target-only lookup reads the other
         #: members of the target-only namespace under the same tenant only
         self._tenants: dict[bytes, str | bytes | None] = {} if ns_key is None else {ns_key: tenant}
+        self._tenants_lock = threading.Lock()
         self.eos_token_ids = tuple(eos_token_ids)
         self.adapters = adapters
         #: write checkpoints to LMDB behind the request (the memory tier holds them meanwhile); False: before
@@ -120,7 +123,7 @@ class Generator:
         target_ns = resolve_target_namespace(stack, options)
         engine = SpeculativeEngine(target, provider, draft_depth=draft_depth, kv=options,
                                    prefill_step_size=prefill_step_size, adaptive=adaptive)  # refuses bad options
-        ns_key = cache.namespace(identity, prefix_ns, tenant) if cache is not None else None
+        ns_key = cache.namespace(identity, prefix_ns, tenant, keep=True) if cache is not None else None
         eos = _eos_ids(target_dir)
         return cls(engine, cache=cache, target_identity=identity, drafter_namespace=drafter_ns, prefix_ns=prefix_ns,
                    ns_key=ns_key, eos_token_ids=eos, adapters=stack, target_dir=target_dir, target_ns=target_ns,
@@ -174,7 +177,11 @@ class Generator:
         if tenant is None:
             return self.ns_key
         key = self.cache.namespace(self.target_identity, self.prefix_namespace, tenant)
-        self._tenants.setdefault(key, tenant)
+        if key not in self._tenants:
+            with self._tenants_lock:  # one key per cache_salt seen: bounded, oldest out (issue 37, sixth pass)
+                while len(self._tenants) >= MAX_NAMESPACES:
+                    del self._tenants[next(k for k in self._tenants if k != self.ns_key)]
+                self._tenants[key] = tenant
         return key
 
     def target_members(self, ns_key: bytes | None = None) -> list[bytes]:

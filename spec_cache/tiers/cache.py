@@ -59,6 +59,7 @@ from spec_cache.store import (
 )
 from spec_cache.tiers import exit_drain
 from spec_cache.tiers.memory_tier import MemoryHit, MemoryTier, default_budget
+from spec_cache.tiers.namespaces import MAX_NAMESPACES, NamespaceTable, Registration
 from spec_cache.tiers.shared_prefetch import Handoff
 from spec_cache.tiers.write_behind import DEFAULT_QUEUE_BYTES, CheckpointWriter, WriterLeft
 
@@ -114,7 +115,7 @@ class SpecCache:
 
     def __init__(self, store: Store, shared=None, *, memory_bytes: int | None = None,
                  write_queue_bytes: int | None = None, durability: str = "write-behind",
-                 exit_timeout_s: float = exit_drain.DEFAULT_EXIT_TIMEOUT_S):
+                 exit_timeout_s: float = exit_drain.DEFAULT_EXIT_TIMEOUT_S, max_namespaces: int = MAX_NAMESPACES):
         if durability not in DURABILITY:
             raise InvalidRequest(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
         if isinstance(exit_timeout_s, bool) or not isinstance(exit_timeout_s, (int, float)) or not \
@@ -126,11 +127,11 @@ class SpecCache:
                                  tenant_share=getattr(getattr(store, "tenants", None), "share", None))
         self.durability = durability
         self.exit_timeout_s = float(exit_timeout_s)
-        self._registered: dict[bytes, tuple[str, str, bool]] = {}  # key -> what register_namespace was told
+        # key -> what register_namespace was told, the least recently used first; bounded (``tiers.namespaces``)
+        self._namespaces = NamespaceTable(max_namespaces)
         self._queued: dict[bytes, list[_WriteJob]] = {}  # checkpoints waiting for the writer, by namespace
         self._queued_lock = threading.Lock()
         self._tenant_queued: dict[bytes, int] = {}  # tenant label -> bytes of its checkpoints in the write queue
-        self._tenant_ids: dict[bytes, bytes | None] = {}  # key -> its tenant label (quotas; None: default tenant)
         self._closed = False
         self._close_lock = threading.Lock()
         self._pid = os.getpid()  # a forked child must not close its parent's cache at its exit
@@ -151,7 +152,7 @@ class SpecCache:
     def open(cls, path, max_bytes: int | None = None, *, memory_bytes: int | None = None, shared=None,
              shared_options: dict | None = None, write_queue_bytes: int | None = None,
              durability: str = "write-behind", exit_timeout_s: float = exit_drain.DEFAULT_EXIT_TIMEOUT_S,
-             **kwargs) -> "SpecCache":
+             max_namespaces: int = MAX_NAMESPACES, **kwargs) -> "SpecCache":
         """Open the local store at ``path``; ``shared`` is a Redis/Valkey URL (or a ``SharedConfig``).
 
         ``memory_bytes``: the memory tier's budget (None: ``memory_tier.default_budget()``, 1/8 of the device's
@@ -167,6 +168,8 @@ class SpecCache:
         was never closed (0: not at all; what is left is logged). ``shared_options`` overrides ``SharedConfig``
         fields (``timeout_s``, ``queue_bytes``, ``prefix``, ...). Other keywords go to ``Store.open``
         (``durable=False``: no fsync per commit; a commit then survives a crash of the process, not of the machine).
+        ``max_namespaces``: tenant namespaces kept registered in process (``namespace``; the least recently used
+        idle ones beyond it are forgotten, their empty LMDB rows dropped).
         A bad URL raises ``StoreError`` here; a server that is down is not an error (lookups miss until it is up).
         """
         if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
@@ -175,7 +178,7 @@ class SpecCache:
         if durability not in DURABILITY:  # before anything is opened
             raise InvalidRequest(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
         options = dict(memory_bytes=memory_bytes, write_queue_bytes=write_queue_bytes, durability=durability,
-                       exit_timeout_s=exit_timeout_s)
+                       exit_timeout_s=exit_timeout_s, max_namespaces=max_namespaces)
         store = Store.open(path, max_bytes=max_bytes, **kwargs)
         try:
             if shared is None:
@@ -272,7 +275,7 @@ class SpecCache:
         return None if self.shared is None else self.shared.status()
 
     def namespace(self, target_identity: str, prefix_namespace: str, tenant: str | bytes | None = None, *,
-                  account: str | bytes | None = _SAME) -> bytes:
+                  account: str | bytes | None = _SAME, keep: bool = False) -> bytes:
         """The store key for (target, prefix namespace, tenant), registered for ``ls``/``show``.
 
         ``account`` is whom the namespace's bytes count against for per-tenant quotas and fair-share eviction
@@ -280,21 +283,59 @@ class SpecCache:
         ``tenant`` itself, except for the server's salted form ``"<tenant>|salt:<digest>"``
         (``server.auth.salted_tenant``), which counts against ``<tenant>`` (``open``, no API key: the default
         tenant), so a ``cache_salt`` splits a tenant's prefixes but not its quota.
+
+        At most ``max_namespaces`` tenant namespaces stay registered in process; past that the least recently used
+        that hold nothing are forgotten (``spec_cache.tiers.namespaces``) and registered again when named again.
+        A namespace without a tenant, or registered with ``keep=True`` (a caller that saves under the key for a
+        long time without naming it again), is never forgotten.
         """
         self._check_open()
         key = namespace_key(target_identity, prefix_namespace, tenant)
-        if key not in self._registered:
+        known = self._namespaces.get(key)
+        if known is None or (keep and not known.keep):
             label = _tenant_label(tenant if account is _SAME else account, account is _SAME)
-            self.store.register_namespace(key, target=target_identity, prefix_namespace=prefix_namespace,
-                                          tenant=tenant is not None, tenant_id=label)
-            self.memory.set_tenant(key, label)
-            self._registered[key] = (target_identity, prefix_namespace, tenant is not None)
-            self._tenant_ids[key] = label
+            self._register(key, Registration(target_identity, prefix_namespace, tenant is not None, label,
+                                             keep=keep or tenant is None))
+            self._forget_idle_namespaces()
         return key
+
+    def _register(self, key: bytes, reg: Registration) -> None:
+        self.store.register_namespace(key, target=reg.target, prefix_namespace=reg.prefix, tenant=reg.tenant,
+                                      tenant_id=reg.label)
+        self.memory.set_tenant(key, reg.label)
+        self._namespaces.add(key, reg)
+
+    def _forget_idle_namespaces(self) -> None:
+        """Past ``max_namespaces``, forget the least recently used namespaces that hold nothing in the memory tier
+        or the write queue (an eighth of the bound at a time: one LMDB commit per batch), and drop their LMDB rows
+        where those hold nothing either (``Store.forget_empty_namespaces``). Issue 37's sixth pass: one tenant's
+        fresh ``cache_salt`` on every request grew these tables, and the store's, without bound."""
+        keys = self._namespaces.over_limit(slack=max(1, self._namespaces.limit // 8))
+        if not keys:
+            return
+        with self._queued_lock:
+            queued = set(self._queued)
+        idle = []
+        for key in keys:
+            if key not in queued and self.memory.forget_namespace(key):
+                idle.append(key)
+            else:
+                self._namespaces.touch(key)  # busy: the next forgetting looks at older keys first
+        self._namespaces.forget(idle)
+        if idle and not self.store.readonly:
+            try:
+                self.store.forget_empty_namespaces(idle)
+            except StoreError as exc:  # the rows stay; the next batch tries its own
+                log.warning("spec-cache: namespace rows not forgotten: %s", exc)
+
+    def namespaces_held(self) -> int:
+        """How many namespaces this cache keeps registered in process (at most ``max_namespaces`` plus the busy)."""
+        return len(self._namespaces)
 
     def tenant_of(self, ns_key: bytes) -> bytes:
         """The tenant label namespace ``ns_key`` counts against (b"": the default tenant, or not registered here)."""
-        return self._tenant_ids.get(ns_key) or b""
+        reg = self._namespaces.peek(ns_key)
+        return (reg.label or b"") if reg is not None else b""
 
     def _check_open(self) -> None:
         if self._closed:
@@ -324,6 +365,15 @@ class SpecCache:
                           CacheWarning, stacklevel=2)
             return None
         behind = background and self._writer is not None
+        if ns_key not in self._namespaces:  # forgotten while its request ran (``_forget_idle_namespaces``)
+            reg = self._namespaces.recall(ns_key)
+            if reg is not None:
+                try:
+                    self._register(ns_key, reg)
+                except StoreError as exc:
+                    warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: {exc}", CacheWarning,
+                                  stacklevel=2)
+                    return None
         try:
             drafter = None
             if draft_checkpoint is not None and drafter_namespace is not None:
@@ -476,12 +526,12 @@ class SpecCache:
                 self._to_host(job, full=True)
                 return self.store.put(job.ns_key, job.tokens, job.layers, **job.options)
         except NamespaceNotRegistered:
-            if job.ns_key not in self._registered:
+            reg = self._namespaces.peek(job.ns_key)
+            if reg is None:
                 raise
-            # gc (or another process's repair) dropped the namespace row since we registered it
-            target, prefix, tenant = self._registered[job.ns_key]
-            self.store.register_namespace(job.ns_key, target=target, prefix_namespace=prefix, tenant=tenant,
-                                          tenant_id=self._tenant_ids.get(job.ns_key))
+            # gc, another process's repair or our own forgetting dropped the namespace row since we registered it
+            self.store.register_namespace(job.ns_key, target=reg.target, prefix_namespace=reg.prefix,
+                                          tenant=reg.tenant, tenant_id=reg.label)
             self._to_host(job, full=True)
             return self.store.put(job.ns_key, job.tokens, job.layers, **job.options)
 
@@ -605,7 +655,7 @@ class SpecCache:
                 known = (now, set() if known is None else known[1])
             cached[target_identity] = known
         prefixes = set(known[1]) if known is not None else set()
-        prefixes.update(prefix for target, prefix, _ in list(self._registered.values()) if target == target_identity)
+        prefixes.update(reg.prefix for reg in self._namespaces.values() if reg.target == target_identity)
         return [namespace_key(target_identity, prefix, tenant) for prefix in sorted(prefixes)
                 if target_namespace_of(prefix) == target_namespace]
 

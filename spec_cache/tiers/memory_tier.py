@@ -282,6 +282,15 @@ class MemoryTier:
                 self._account(entry, +1)
             self._evict_to(self.budget_bytes)
 
+    def forget_namespace(self, ns_key: bytes) -> bool:
+        """Drop namespace ``ns_key``'s tenant label if it holds no entry here; True if it holds none (the caller
+        forgets the namespace), False if it holds one (kept, label and all)."""
+        with self._lock:
+            if self._by_ns.get(ns_key):
+                return False
+            self._tenant_of.pop(ns_key, None)
+            return True
+
     # --- lookup / take ---------------------------------------------------------------------------
     def lookup(self, ns_key: bytes, tokens: Sequence[int], *, drafter_namespace: str | None = None,
                usable: Callable[[Any], bool] | None = None, count: bool = True) -> MemoryHit | None:
