@@ -105,6 +105,7 @@ from spec_cache.rows.sampling import RowSampling
 from spec_cache.tiers.continuations import Continuations, request_key
 from spec_cache.tiers.continuations import plan as continuation_plan
 from spec_cache.tiers.continuations import record_at as continuation_record
+from spec_cache.tiers.namespaces import MAX_NAMESPACES
 
 if TYPE_CHECKING:  # imported by ``_new_session``: the server binds its port before anything imports MLX
     from spec_cache.decode.cached_session import CachedSession
@@ -280,7 +281,7 @@ class Scheduler:
         self._trace = scheduler_trace()  # off unless SPEC_CACHE_SCHED_TRACE names a path (``trace``)
         self._pending: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
-        self._ns_keys: dict[str | None, bytes | None] = {}
+        self._ns_keys: collections.OrderedDict[str, bytes | None] = collections.OrderedDict()  # held_prefix's
         self._session: CachedSession | None = None
         #: continuation records (memory, then LMDB); None without a cache
         self._continuations = None if generator.cache is None else Continuations.of(generator.cache)
@@ -503,9 +504,19 @@ class Scheduler:
                 self._session.finish(job.handle)
 
     def _ns_key(self, tenant: str | None) -> bytes | None:
-        if tenant not in self._ns_keys:
-            self._ns_keys[tenant] = self.generator.namespace_key(tenant)
-        return self._ns_keys[tenant]
+        """``tenant``'s namespace key, named again on every use (``Generator.namespace_key``: a lookup while it is
+        registered, registered again once ``SpecCache`` forgot it). Issue 37, seventh pass: a key kept here for good
+        was never named again, so another tenant's fresh salts left this tenant's namespace unregistered (its bytes
+        on the default tenant; its row, once dropped as empty, refusing every later checkpoint). The memo
+        ``held_prefix`` reads is bounded like the namespace table (it grew by one entry per ``cache_salt``)."""
+        key = self.generator.namespace_key(tenant)
+        if tenant is not None:
+            memo = self._ns_keys
+            memo[tenant] = key
+            memo.move_to_end(tenant)
+            while len(memo) > MAX_NAMESPACES:
+                memo.popitem(last=False)
+        return key
 
     def _prefetch(self, job: Job) -> None:
         """Start the shared-tier lookup of a new job's prompt on the prefetch pool (none without a shared tier,
