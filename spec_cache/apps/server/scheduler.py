@@ -101,11 +101,11 @@ from spec_cache.apps.server.errors import api_error
 from spec_cache.apps.server.logprobs import PromptScores, common_prefix
 from spec_cache.apps.server.protocol import APIError
 from spec_cache.apps.server.trace import scheduler_trace
+from spec_cache.naming.namespace import namespace_key
 from spec_cache.rows.sampling import RowSampling
 from spec_cache.tiers.continuations import Continuations, request_key
 from spec_cache.tiers.continuations import plan as continuation_plan
 from spec_cache.tiers.continuations import record_at as continuation_record
-from spec_cache.tiers.namespaces import MAX_NAMESPACES
 
 if TYPE_CHECKING:  # imported by ``_new_session``: the server binds its port before anything imports MLX
     from spec_cache.decode.cached_session import CachedSession
@@ -281,7 +281,6 @@ class Scheduler:
         self._trace = scheduler_trace()  # off unless SPEC_CACHE_SCHED_TRACE names a path (``trace``)
         self._pending: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
-        self._ns_keys: collections.OrderedDict[str, bytes | None] = collections.OrderedDict()  # held_prefix's
         self._session: CachedSession | None = None
         #: continuation records (memory, then LMDB); None without a cache
         self._continuations = None if generator.cache is None else Continuations.of(generator.cache)
@@ -304,12 +303,13 @@ class Scheduler:
 
     def held_prefix(self, tenant: str | None, tokens: list[int]) -> int:
         """How many leading ``tokens`` the memory tier holds for ``tenant`` (``MemoryTier.held_prefix``; 0 without
-        a cache, or for a tenant this thread has not served yet). Any thread: a planning read (the app skips the
-        message boundaries it covers), never a restore."""
-        cache = self.generator.cache
+        a cache, or for a tenant it holds nothing of). Any thread: a planning read (the app skips the message
+        boundaries it covers), never a restore; the key is derived, not registered (``naming.namespace``)."""
+        gen = self.generator
+        cache = gen.cache
         if cache is None or len(tokens) == 0:
             return 0
-        ns_key = self._ns_keys.get(tenant) if tenant is not None else self.generator.ns_key
+        ns_key = gen.ns_key if tenant is None else namespace_key(gen.target_identity, gen.prefix_namespace, tenant)
         return 0 if ns_key is None else cache.memory.held_prefix(ns_key, tokens)
 
     @property
@@ -507,16 +507,9 @@ class Scheduler:
         """``tenant``'s namespace key, named again on every use (``Generator.namespace_key``: a lookup while it is
         registered, registered again once ``SpecCache`` forgot it). Issue 37, seventh pass: a key kept here for good
         was never named again, so another tenant's fresh salts left this tenant's namespace unregistered (its bytes
-        on the default tenant; its row, once dropped as empty, refusing every later checkpoint). The memo
-        ``held_prefix`` reads is bounded like the namespace table (it grew by one entry per ``cache_salt``)."""
-        key = self.generator.namespace_key(tenant)
-        if tenant is not None:
-            memo = self._ns_keys
-            memo[tenant] = key
-            memo.move_to_end(tenant)
-            while len(memo) > MAX_NAMESPACES:
-                memo.popitem(last=False)
-        return key
+        on the default tenant; its row, once dropped as empty, refusing every later checkpoint); and that memo grew
+        by one entry per ``cache_salt``."""
+        return self.generator.namespace_key(tenant)
 
     def _prefetch(self, job: Job) -> None:
         """Start the shared-tier lookup of a new job's prompt on the prefetch pool (none without a shared tier,
