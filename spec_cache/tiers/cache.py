@@ -307,7 +307,8 @@ class SpecCache:
 
     def _forget_idle_namespaces(self) -> None:
         """Past ``max_namespaces``, forget the least recently used namespaces that hold nothing in the memory tier
-        or the write queue (an eighth of the bound at a time: one LMDB commit per batch), and drop their LMDB rows
+        or the write queue and that no caller holds (``hold``; an eighth of the bound at a time: one LMDB commit per
+        batch), and drop their LMDB rows
         where those hold nothing either (``Store.forget_empty_namespaces``). Issue 37's sixth pass: one tenant's
         fresh ``cache_salt`` on every request grew these tables, and the store's, without bound."""
         keys = self._namespaces.over_limit(slack=max(1, self._namespaces.limit // 8))
@@ -317,7 +318,7 @@ class SpecCache:
             queued = set(self._queued)
         idle = []
         for key in keys:
-            if key not in queued and self.memory.forget_namespace(key):
+            if key not in queued and not self._namespaces.held(key) and self.memory.forget_namespace(key):
                 idle.append(key)
             else:
                 self._namespaces.touch(key)  # busy: the next forgetting looks at older keys first
@@ -327,6 +328,20 @@ class SpecCache:
                 self.store.forget_empty_namespaces(idle)
             except StoreError as exc:  # the rows stay; the next batch tries its own
                 log.warning("spec-cache: namespace rows not forgotten: %s", exc)
+
+    def hold(self, ns_key: bytes) -> None:
+        """Keep namespace ``ns_key`` registered until ``release``: a caller that will save under it later (the
+        server's scheduler holds each job's namespace from taking the job until it ends) so that others' fresh
+        namespaces never make this cache forget it meanwhile (issue 37, seventh pass: a job lost its first
+        checkpoint to ``2 * max_namespaces`` fresh names of other tenants during its prefill). Counted: every
+        ``hold`` needs its ``release``. Hold before naming (``namespace``), so that no forgetting comes between.
+        Costs a dict update; held namespaces stay registered beyond ``max_namespaces``."""
+        self._namespaces.hold(ns_key)
+
+    def release(self, ns_key: bytes) -> None:
+        """Let go of one ``hold`` of ``ns_key``; with no holder left it is forgettable again (a key not held:
+        nothing)."""
+        self._namespaces.release(ns_key)
 
     def namespaces_held(self) -> int:
         """How many namespaces this cache keeps registered in process (at most ``max_namespaces`` plus the busy)."""

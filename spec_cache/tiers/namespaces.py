@@ -11,15 +11,23 @@ Kept for good: a namespace registered without a tenant (one per target, drafter,
 configuration, never by a request) and a ``Generator``'s own namespace (``keep=True``), which it saves under without
 naming it again.
 
-A request that named its namespace and writes its checkpoint only after ``limit`` other namespaces came and went
-still finds its registration: the last ``limit`` forgotten ones are kept in a second table of the same bound, from
-which ``recall`` puts one back. So the two tables hold at most ``2 * limit`` small tuples, whatever the traffic.
+Held while in use: a caller that will save under a namespace later (the server's scheduler, for each job from the
+moment it takes the job until the job ends) holds it (``hold``, counted: several jobs may share one namespace) and
+lets go when done (``release``); a held namespace is never offered for forgetting, so its registration and LMDB row
+are there when the checkpoint comes, however many namespaces others name meanwhile (issue 37, seventh pass: a job
+lost its first checkpoint to ``2 * limit`` fresh names of other tenants during its prefill). Held ones are bounded
+by their holders (the scheduler's rows and queue), so the table holds at most ``limit`` plus those.
+
+A request that named its namespace and writes its checkpoint only after ``limit`` other namespaces came and went,
+without holding it, still finds its registration: the last ``limit`` forgotten ones are kept in a second table of
+the same bound, from which ``recall`` puts one back. So the tables hold at most ``2 * limit`` small tuples beyond
+the held ones, whatever the traffic.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from spec_cache.errors import InvalidRequest
@@ -49,6 +57,7 @@ class NamespaceTable:
         self._live: OrderedDict[bytes, Registration] = OrderedDict()
         self._forgotten: OrderedDict[bytes, Registration] = OrderedDict()
         self._kept: dict[bytes, Registration] = {}
+        self._holds: Counter[bytes] = Counter()  # key -> its holders (``hold``): never forgotten while held
 
     def __len__(self) -> int:
         return len(self._live) + len(self._kept)
@@ -86,6 +95,28 @@ class NamespaceTable:
         """A forgotten registration of ``key`` (taken out of the forgotten table), or None."""
         with self._lock:
             return self._forgotten.pop(key, None)
+
+    def hold(self, key: bytes) -> None:
+        """One more holder of ``key`` (registered or about to be): not forgotten until every holder released it."""
+        with self._lock:
+            self._holds[key] += 1
+
+    def release(self, key: bytes) -> None:
+        """One holder of ``key`` fewer (a key not held: nothing); with none left it may be forgotten again."""
+        with self._lock:
+            if self._holds[key] <= 1:
+                self._holds.pop(key, None)
+            else:
+                self._holds[key] -= 1
+
+    def held(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._holds
+
+    def holds(self) -> dict[bytes, int]:
+        """The held keys and their holders (a copy)."""
+        with self._lock:
+            return dict(self._holds)
 
     def over_limit(self, slack: int = 0) -> list[bytes]:
         """The least recently used keys beyond ``limit`` (and ``slack`` more, so that forgetting is batched)."""

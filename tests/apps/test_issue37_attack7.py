@@ -31,6 +31,7 @@ showed A only its own tenant label; B's greedy answer afterwards equal to its an
 Left: a request whose namespace is forgotten twice over (``2 * max_namespaces`` fresh namespaces named by others)
 between its naming and its first checkpoint still loses that checkpoint (a ``CacheWarning``); its next request
 registers again. Through ``serve`` here that is 2048 of A's calls within one of B's prefills (~90 s at 45 ms).
+Since fixed: the scheduler holds a job's namespace until the job ends (``tests/apps/test_issue37_held_namespaces.py``).
 """
 
 from __future__ import annotations

@@ -109,3 +109,28 @@ def test_the_table_keeps_the_newest_forgotten_for_recall():
     table.forget(old)
     assert len(table) == 5 and table.recall(bytes([0]) * 32) is None  # 0 and 1 fell out of the forgotten table
     assert table.recall(bytes([5]) * 32) is not None and table.recall(bytes([5]) * 32) is None
+
+
+def test_a_held_namespace_stays_until_its_last_holder_lets_go(tmp_path):
+    """``hold`` / ``release`` (the server's scheduler holds each job's namespace while it runs): a held namespace is
+    never forgotten however many others are named, and is forgettable again once every holder released it."""
+    with SpecCache.open(tmp_path / "s", memory_bytes=0, max_namespaces=8) as cache:
+        mine = cache.namespace(TARGET, PREFIX, salted(0))
+        cache.hold(mine)
+        cache.hold(mine)  # two jobs of one namespace
+        for i in range(1, 100):
+            cache.namespace(TARGET, PREFIX, salted(i))
+        assert mine in cache._namespaces and cache.store.namespace_info(mine) is not None
+        assert cache.save(mine, list(range(40)), kv(40)) is not None
+        cache.release(mine)
+        for i in range(100, 200):
+            cache.namespace(TARGET, PREFIX, salted(i))
+        assert mine in cache._namespaces  # one holder left
+        cache.release(mine)
+        cache.release(mine)  # one release too many: nothing
+        for i in range(200, 300):
+            cache.namespace(TARGET, PREFIX, salted(i))
+        assert mine not in cache._namespaces and not cache._namespaces.holds()
+        info = cache.store.namespace_info(mine)
+        assert info is not None and info.entries == 1  # its row holds an entry: kept in LMDB
+        assert cache.namespaces_held() <= 8

@@ -186,6 +186,7 @@ class Job:
     output: list[int] = field(default_factory=list)  # every token delivered (replayed ones included)
     replayed: int = 0  # tokens replayed from an earlier identical request
     prefetch: Any = None  # the shared-tier prefetch of its prompt (a Future) while one runs
+    held_ns: bytes | None = None  # the namespace the scheduler holds for it until it ends (``SpecCache.hold``)
     #: prompt offsets (token counts) to checkpoint while prefilling; ``len(prompt)``: the end of the prompt (see
     #: the module doc; normalised by ``checkpoint_points`` when submitted)
     checkpoint_at: tuple[int, ...] = ()
@@ -305,12 +306,16 @@ class Scheduler:
         """How many leading ``tokens`` the memory tier holds for ``tenant`` (``MemoryTier.held_prefix``; 0 without
         a cache, or for a tenant it holds nothing of). Any thread: a planning read (the app skips the message
         boundaries it covers), never a restore; the key is derived, not registered (``naming.namespace``)."""
-        gen = self.generator
-        cache = gen.cache
+        cache = self.generator.cache
         if cache is None or len(tokens) == 0:
             return 0
-        ns_key = gen.ns_key if tenant is None else namespace_key(gen.target_identity, gen.prefix_namespace, tenant)
+        ns_key = self._derived_key(tenant)
         return 0 if ns_key is None else cache.memory.held_prefix(ns_key, tokens)
+
+    def _derived_key(self, tenant: str | None) -> bytes | None:
+        """``tenant``'s namespace key, derived (``naming.namespace``), not registered: any thread."""
+        gen = self.generator
+        return gen.ns_key if tenant is None else namespace_key(gen.target_identity, gen.prefix_namespace, tenant)
 
     @property
     def queue_depth(self) -> int:
@@ -488,6 +493,7 @@ class Scheduler:
         if kind == "call":  # ``call``: job is the wrapped function, run in its turn (``_run_calls``)
             self._calls.append(job)
         elif kind == "submit":
+            self._hold(job)
             self._pending.append(job)
             self._prefetch(job)
         elif kind in ("cancel", "finish"):
@@ -510,6 +516,22 @@ class Scheduler:
         on the default tenant; its row, once dropped as empty, refusing every later checkpoint); and that memo grew
         by one entry per ``cache_salt``."""
         return self.generator.namespace_key(tenant)
+
+    def _hold(self, job: Job) -> None:
+        """Hold ``job``'s namespace from now until it ends (``_let_go``, from ``_done`` / ``_fail``, the only ways a
+        job ends): ``SpecCache`` never forgets a held namespace, so its checkpoints find it registered however many
+        namespaces other tenants name meanwhile (issue 37, seventh pass: a job lost its first checkpoint to
+        ``2 * max_namespaces`` fresh salts named during its prefill). Held before ``_ns_key`` first names it."""
+        cache = self.generator.cache
+        if cache is not None and job.held_ns is None:
+            job.held_ns = self._derived_key(job.tenant)
+            cache.hold(job.held_ns)
+
+    def _let_go(self, job: Job) -> None:
+        """``job`` ended: its namespace is forgettable again once no other job holds it."""
+        if job.held_ns is not None:
+            self.generator.cache.release(job.held_ns)
+            job.held_ns = None
 
     def _prefetch(self, job: Job) -> None:
         """Start the shared-tier lookup of a new job's prompt on the prefetch pool (none without a shared tier,
@@ -1041,6 +1063,7 @@ class Scheduler:
         job.finished = True
         with self._lock:
             self._release(job)
+        self._let_go(job)
         job.deliver(("done", reason, job.generated))
 
     def _fail(self, job: Job, error: APIError) -> None:
@@ -1051,6 +1074,7 @@ class Scheduler:
             self._release(job)
             if job.row is not None:
                 self._decoding -= 1
+        self._let_go(job)
         job.deliver(("error", error))
 
     def _release(self, job: Job) -> None:
