@@ -188,6 +188,26 @@ class Store:
         with self._lock:
             return self.env.write(fn)
 
+    def forget_empty_tenant_namespaces(self) -> list[bytes]:
+        """``forget_empty_namespaces`` over every tenant namespace row (``tenant``: a request named it, not the
+        configuration): one pass over the ``nsinfo`` rows and one transaction; returns the keys whose row is gone.
+        Why: a process forgets only the namespaces it registered, so the empty rows of the ones still registered
+        when it ended (up to ``max_namespaces``: a tenant's fresh ``cache_salt``s) stayed for good, as many more
+        each restart (issue 37, eighth pass); ``SpecCache`` calls this when it opens the store. A process writing
+        under a key whose row went meanwhile registers it again (``NamespaceNotRegistered``)."""
+        if self.env.readonly:
+            return []
+        empty = []
+        with self.reading() as txn:
+            for key, raw in txn.cursor(db=self.env.dbs["nsinfo"]):
+                try:
+                    info = decode_typed("nsinfo", raw, bytes(key))
+                except (CorruptIndex, InvalidInput, KeyError, TypeError):
+                    continue  # left for ``gc``
+                if info is not None and info.tenant and not (info.entries or info.bytes or info.signatures):
+                    empty.append(bytes(key))
+        return self.forget_empty_namespaces(empty)
+
     def namespace_info(self, ns_key: bytes) -> NamespaceInfo | None:
         """The namespace row of ``ns_key`` (what it stands for, its counters), or None if not registered."""
         with self.reading() as txn:

@@ -129,6 +129,7 @@ class SpecCache:
         self.exit_timeout_s = float(exit_timeout_s)
         # key -> what register_namespace was told, the least recently used first; bounded (``tiers.namespaces``)
         self._namespaces = NamespaceTable(max_namespaces)
+        self._forget_earlier_namespaces()
         self._queued: dict[bytes, list[_WriteJob]] = {}  # checkpoints waiting for the writer, by namespace
         self._queued_lock = threading.Lock()
         self._tenant_queued: dict[bytes, int] = {}  # tenant label -> bytes of its checkpoints in the write queue
@@ -328,6 +329,17 @@ class SpecCache:
                 self.store.forget_empty_namespaces(idle)
             except StoreError as exc:  # the rows stay; the next batch tries its own
                 log.warning("spec-cache: namespace rows not forgotten: %s", exc)
+
+    def _forget_earlier_namespaces(self) -> None:
+        """Drop the empty tenant namespace rows earlier processes left (``Store.forget_empty_tenant_namespaces``):
+        each process forgets only what it registered, so without this every restart kept up to
+        ``max_namespaces`` more of them for good. One pass over the rows and one commit, when the store opens."""
+        if self.store.readonly:
+            return
+        try:
+            self.store.forget_empty_tenant_namespaces()
+        except StoreError as exc:  # the rows stay; this process forgets its own as ever
+            log.warning("spec-cache: namespace rows of earlier processes not forgotten: %s", exc)
 
     def hold(self, ns_key: bytes) -> None:
         """Keep namespace ``ns_key`` registered until ``release``: a caller that will save under it later (the

@@ -134,3 +134,25 @@ def test_a_held_namespace_stays_until_its_last_holder_lets_go(tmp_path):
         info = cache.store.namespace_info(mine)
         assert info is not None and info.entries == 1  # its row holds an entry: kept in LMDB
         assert cache.namespaces_held() <= 8
+
+
+def test_empty_tenant_rows_left_by_earlier_processes_are_dropped_when_the_store_opens(tmp_path):
+    """Issue 37, eighth pass: each process forgets only the namespaces it registered, so the up to
+    ``max_namespaces`` empty rows one process left at its end (a tenant's fresh salts) stayed in LMDB for good, and
+    every restart added as many (outside the byte budget). Opening a cache drops the empty tenant rows; what holds
+    an entry, and untenanted rows, stay."""
+    for run in range(5):
+        with SpecCache.open(tmp_path / "s", memory_bytes=0, max_namespaces=8) as cache:
+            plain = cache.namespace(TARGET, PREFIX)
+            if run == 0:
+                full = cache.namespace(TARGET, PREFIX, "tenant-b")
+                assert cache.save(full, list(range(40)), kv(40)) is not None
+            for i in range(8):
+                cache.namespace(TARGET, PREFIX, salted(100 * run + i))
+    with SpecCache.open(tmp_path / "s", memory_bytes=0, max_namespaces=8) as cache:
+        assert nsinfo_rows(cache) == 2  # the untenanted row and B's
+        assert cache.store.namespace_info(plain) is not None
+        info = cache.store.namespace_info(full)
+        assert info is not None and info.entries == 1
+        assert cache.restore(full, list(range(40))) is not None
+        assert not verify(cache.store).damaged
