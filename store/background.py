@@ -4,14 +4,16 @@
 ``cap_bytes`` is refused (``offer`` returns False) and the CALLER decides what a refusal means:
 
 * the shared tier's publisher (``shared/tier.py``) drops it and counts it: a slow or absent Redis must never hold
-  up decoding, and the local store still has the checkpoint (the cap bounds how far the shared tier may lag);
+  up decoding, and the local store still has the checkpoint (the cap bounds how far the shared tier may lag); a
+  tenant within its share of the cap has the oldest queued job of the tenant holding the most dropped instead;
 * SpecCache's promoter (``spec_cache.tiers.cache``) drops a fetched prefix it could not queue (counted as
   ``promote_dropped``): it was already restored, only its copy into LMDB is lost;
 * the lossless checkpoint writer (``spec_cache.tiers.write_behind.CheckpointWriter``) never drops: it queues past
   the cap (``offer(..., over_cap=True)``) when something else bounds what waits (the memory tier holds the state),
   else it writes the checkpoint itself on the caller's thread (back-pressure).
 
-Only ``close``/``stop`` drop jobs (what is still queued when their timeout ends; they report how many).
+On their own only ``close``/``stop`` drop jobs (what is still queued when their timeout ends; they report how
+many); a caller may take a queued job back out (``drop_oldest``: the publisher, for another tenant's job).
 Jobs are small descriptors (the bytes are read by the handler when it gets to them); ``nbytes`` is what the
 handler will still have to move, which is what the cap bounds. Costs one lock and a notify per ``offer``.
 """
@@ -80,6 +82,19 @@ class WriteBehind:
             self._last_offer = time.monotonic()
             self._cond.notify_all()
             return True
+
+    def drop_oldest(self, match: Callable[[Any], bool]) -> int | None:
+        """Take the oldest queued job that ``match`` accepts out of the queue (never the one in flight): its
+        ``nbytes``, or None when no queued job matches. For a caller that drops anyway (the shared tier's
+        publisher) and would rather drop another job than the one it offers."""
+        with self._cond:
+            for i, (job, nbytes) in enumerate(self._jobs):
+                if match(job):
+                    del self._jobs[i]
+                    self._bytes -= nbytes
+                    self._cond.notify_all()
+                    return nbytes
+        return None
 
     def drain(self, timeout: float) -> bool:
         """Wait until every queued job was handled (or ``timeout`` passed); True if the queue is empty and idle."""

@@ -536,7 +536,8 @@ class SpecCache:
         if job.entry is not None:
             self.memory.mark_durable(job.entry)  # held in LMDB now, or never will be: evictable either way
         if result is not None and self.shared is not None:
-            self.shared.enqueue(result.entry, [job.drafter[0]] if job.drafter is not None else [], job.nbytes)
+            self.shared.enqueue(result.entry, [job.drafter[0]] if job.drafter is not None else [], job.nbytes,
+                                job.tenant or self.tenant_of(job.ns_key))
         if result is not None and job.then is not None:
             try:
                 job.then(result)

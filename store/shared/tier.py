@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 from ..background import WriteBehind
@@ -110,6 +111,8 @@ class SharedTier(LookupMixin, PublishMixin):
         self._sigs: dict[bytes, list[bytes]] = {}
         self._store = store
         # the publisher drops what the queue refuses (``enqueue``): the local store keeps it
+        self._tenant_bytes: dict[bytes, int] = {}  # each tenant's bytes queued or in flight (its share of the cap)
+        self._tenants_lock = threading.Lock()
         self._queue = (WriteBehind(self.config.queue_bytes, self._publish, name="spec-cache-shared-publish")
                        if store is not None else None)
 
