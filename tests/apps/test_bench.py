@@ -48,6 +48,7 @@ def test_default_drafting_plan_keeps_every_cell_and_fits_the_2_core_vm():
     assert shape["drafters"] == ["ngram", "draft-model"]
     assert (shape["rows"], shape["new_tokens"], shape["repeats"], shape["fixed_repeats"]) == (3, 96, 3, 1)
     assert shape["decode_runs"] == 3 * (4 + 2 * (3 + 1))  # per cell: 4 plain, 3 adaptive + 1 fixed per drafter
+    assert 0 < cfg["budget_s"] <= 480  # the rounds after each cell's first fit the budget (a loaded VM: 659 s without)
     full = drafting.plan(**{**cfg, "variants": ["float32", "q4"], "fixed_repeats": None})
     assert full["cells"][:2] == ["float32 chat", "q4 chat"] and full["decode_runs"] == 4 * (4 + 2 * 6)
 
@@ -67,3 +68,48 @@ def test_drafting_bench_runs_the_fixed_depth_in_fewer_rounds_or_none():
                          fixed_repeats=0, progress=None)
     assert "fixed_vs_plain_cpu" not in never["tiny"]["ngram"] and "drafting_copy_ngram_fixed" not in never
     assert never["drafting_vs_plain_worst"] == min(never["drafting_vs_plain_ngram"], never["drafting_copy_ngram"])
+
+
+def test_drafting_budget_shares_what_is_left_among_the_cells_and_keeps_every_first_round():
+    """Issue 39: a time budget the drafting bench respects and reports (a fake clock: never a wall-clock time)."""
+    from spec_cache.apps.bench import drafting
+
+    assert drafting.cell_deadline(0.0, None, 5.0, 3) is None
+    assert drafting.cell_deadline(0.0, 100.0, 10.0, 3) == 40.0  # 90 s left over 3 cells
+    assert drafting.cell_deadline(0.0, 100.0, 130.0, 2) == 130.0  # over budget: no round after the first
+    assert drafting.next_round_fits([], 999.0, 0.0)  # a cell's first round always runs
+    assert drafting.next_round_fits([30.0, 20.0], 60.0, 80.0) and not drafting.next_round_fits([30.0, 20.0], 61.0, 80.0)
+    assert drafting.next_round_fits([30.0], 1e9, None)
+
+    ticks = iter(range(0, 10**6, 100))  # every reading of the clock 100 s after the last
+    lines = []
+    out = drafting.run(rows=1, new_tokens=4, tiny=True, drafters=("ngram",), random_text=False, repeats=3,
+                       fixed_repeats=0, budget_s=50.0, clock=lambda: float(next(ticks)), progress=lines.append)
+    assert out["plan"]["repeats"] == 3 and out["plan"]["cells"] == ["tiny chat", "tiny copy"]
+    assert out["rounds_run"] == {"tiny chat": 1, "tiny copy": 1} and out["budget_cut"] == ["tiny chat", "tiny copy"]
+    assert len(out["tiny"]["ngram"]["adaptive_vs_plain_cpu_runs"]) == 1 and out["tiny"]["rounds"] == 1
+    assert {"drafting_vs_plain_ngram", "drafting_copy_ngram", "drafting_vs_plain_worst"} <= set(out)
+    assert sum("time budget: 1 of 3 rounds" in line for line in lines) == 2
+    free = drafting.run(rows=1, new_tokens=4, tiny=True, drafters=("ngram",), copy=False, random_text=False,
+                        repeats=2, fixed_repeats=0, progress=None)
+    assert free["rounds_run"] == {"tiny chat": 2} and free["budget_cut"] == [] and free["budget_s"] is None
+
+
+def test_bench_json_goes_to_a_path_and_holds_the_finished_sections_when_one_fails(tmp_path, monkeypatch):
+    import spec_cache.apps.bench as bench
+
+    def fine(cfg, log):
+        return {"ran": True}, {"fine_figure": 1.5}
+
+    def broken(cfg, log):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench, "_SECTIONS", {"identity": fine, "store_io": broken})
+    monkeypatch.setattr(bench, "machine", lambda: {"cpu": "test"})
+    path = tmp_path / "out.json"
+    assert bench.main(["--only", "identity", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["figures"] == {"fine_figure": 1.5}
+    with pytest.raises(RuntimeError, match="boom"):
+        bench.main(["--only", "identity", "store_io", "--json", str(path)])
+    written = json.loads(path.read_text())
+    assert written["details"] == {"identity": {"ran": True}} and written["error"] == "RuntimeError: boom"

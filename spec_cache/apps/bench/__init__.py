@@ -59,8 +59,11 @@ FULL = {
     "quantized": {},
     # issue 39: the default finishes within 10 minutes on the 2-core VM (it ran past 25 with q4 and three fixed-depth
     # rounds): float32 only (q4: python -m spec_cache.apps.bench.drafting --variants float32 q4), every cell (chat,
-    # copy, random text x ngram, draft-model) adaptive in 3 rounds between plain runs, the fixed depth in one
-    "drafting": {"rows": 3, "new_tokens": 96, "variants": ["float32"], "repeats": 3, "fixed_repeats": 1},
+    # copy, random text x ngram, draft-model) adaptive in 3 rounds between plain runs, the fixed depth in one; and a
+    # budget of 480 s (this plan took 387-659 s there with other jobs' load 2-3): rounds after each cell's first run
+    # while they fit its share (the JSON's plan, rounds_run, budget_cut)
+    "drafting": {"rows": 3, "new_tokens": 96, "variants": ["float32"], "repeats": 3, "fixed_repeats": 1,
+                 "budget_s": 480.0},
     "write_amp": {"turns": 20},
     "agentic": {"turns": 20},
 }
@@ -99,32 +102,35 @@ def machine() -> dict:
             "device": str(mx.default_device()), "blas": blas_in_use(), "platform": platform.platform()}
 
 
-def run(quick: bool, sections: list[str] | None = None, log=print) -> dict:
+def run(quick: bool, sections: list[str] | None = None, log=print, partial: dict | None = None) -> dict:
     """Run the sections (all by default) and return figures, goals and details. Every scratch directory the
-    sections make (``tempfile.mkdtemp``) lands in one per-run folder that is removed at the end, even on error."""
+    sections make (``tempfile.mkdtemp``) lands in one per-run folder that is removed at the end, even on error.
+    ``partial``: filled as sections finish (what a caller can still write when a later section fails)."""
     previous = tempfile.tempdir
     scratch = tempfile.mkdtemp(prefix="spec-cache-bench-")
     tempfile.tempdir = scratch
     try:
-        return _run(quick, sections, log)
+        return _run(quick, sections, log, {} if partial is None else partial)
     finally:
         tempfile.tempdir = previous
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run(quick: bool, sections: list[str] | None, log) -> dict:
-    """The wanted sections in ``_SECTIONS``' order; each gives its details and its figures."""
+def _run(quick: bool, sections: list[str] | None, log, result: dict) -> dict:
+    """The wanted sections in ``_SECTIONS``' order; each gives its details and its figures (into ``result``)."""
     cfg = QUICK if quick else FULL
     wanted = sections or list(cfg)
     figures: dict = {}
     details: dict = {}
     started = time.perf_counter()
+    result.update({"mode": "quick" if quick else "full", "figures": figures, "details": details})
     for name, section in _SECTIONS.items():
         if name in wanted:
             details[name], found = section(cfg, log)
             figures.update(found)
-    return {"mode": "quick" if quick else "full", "machine": machine(), "figures": figures,
-            "goals": _goals(figures, quick), "details": details, "seconds": time.perf_counter() - started}
+            result["seconds"] = time.perf_counter() - started
+    result.update({"machine": machine(), "goals": _goals(figures, quick), "seconds": time.perf_counter() - started})
+    return result
 
 
 def _goals(figures: dict, quick: bool) -> dict:
@@ -273,19 +279,38 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path)
 
 
+def _write_json(result: dict, path: str) -> None:
+    """``-``: stdout; else the file (whole, through a temporary name)."""
+    if path == "-":
+        print(json.dumps(result), flush=True)
+        return
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="spec-cache bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes, under two minutes")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="one JSON object, printed (or written to PATH; also, as far as it got, when a section fails)")
     p.add_argument("--only", nargs="+", choices=list(FULL), help="run only these sections")
     p.add_argument("--plot", help="write a PNG of TTFT cold vs warm against prompt length")
     args = p.parse_args(argv)
-    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    result = run(args.quick, args.only, log)
+    log = (lambda *a, **k: print(*a, file=sys.stderr, flush=True, **k)) if args.json else print
+    partial: dict = {}
+    try:
+        result = run(args.quick, args.only, log, partial)
+    except BaseException as e:  # the sections that finished are still written (a failure, ^C)
+        if args.json and partial.get("details"):
+            partial["error"] = f"{type(e).__name__}: {e}"
+            _write_json(partial, args.json)
+            log(f"bench: {partial['error']}; the JSON holds the sections before it ({', '.join(partial['details'])})")
+        raise
     if args.plot and "ttft" in result["details"]:
         plot(result, args.plot)
     if args.json:
-        print(json.dumps(result))
+        _write_json(result, args.json)
         return 0
     print(f"\n{result['machine']['cpu']}, {result['machine']['cores']} cores, {result['machine']['blas']}")
     for name, value in result["figures"].items():

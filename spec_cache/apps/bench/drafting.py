@@ -28,7 +28,10 @@ python -m spec_cache.apps.bench.drafting --variants float32 --new-tokens 96``.
 ``spec-cache bench --only drafting`` (issue 39: it ran past 25 minutes on the 2-core VM): float32 only (q4 with
 ``--variants float32 q4`` here), chat / copy / random text x ngram / draft-model, 3 rows x 96 tokens, adaptive in 3
 rounds between plain runs, the fixed depth in the first (``fixed_repeats=1``): 36 decode runs, a progress line
-before each; 387 s on the VM (load 2-3, OpenBLAS preloaded), ``drafting_vs_plain_worst`` 0.981.
+before each; 387 s on the VM (load 2-3, OpenBLAS preloaded), ``drafting_vs_plain_worst`` 0.981; 659 s at a96bdd6
+with other jobs' load 2-3, hence a time budget (``budget_s``, ``--budget``; the bench's default 480 s): each cell's
+first round always runs (every figure is there), later rounds only while they fit the cell's share of the time
+left; the JSON says what was asked (``plan``) and what ran (``rounds_run``, ``budget_cut``, ``seconds``).
 ``--fixed-repeats 0`` skips the fixed depth (the never-slower matrix: BENCHMARKS.md, issue 39).
 """
 
@@ -162,7 +165,8 @@ def _providers(model_dir: Path, work: Path, drafters, draft_layers: int) -> dict
 
 def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int, depth: int,
              draft_layers: int, cpu_clock: bool, warmup: bool = False, kernel_warmup: bool = False,
-             repeats: int = 1, fixed_repeats: int | None = None, cell: str = "", progress=None) -> dict:
+             repeats: int = 1, fixed_repeats: int | None = None, cell: str = "", progress=None,
+             deadline: float | None = None, clock=time.perf_counter) -> dict:
     """``repeats`` rounds of every drafter run, each between two plain runs (the mean of the two is that
     round's baseline, against drift in the load); a figure is the median over the rounds (the acceptance and
     depths are the median round's). Why: one ratio on the loaded 2-core VM swings +-10% (a drafter run at depth 0
@@ -171,7 +175,8 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
     process: a server pays it once, not per request). ``fixed_repeats`` (default ``repeats``): rounds that also run
     each drafter at its fixed depth (a reference column: the never-slower figures are the adaptive ones; the
     first ``fixed_repeats`` rounds run it, so its median is over fewer rounds). ``progress``: called with a line
-    before each timed run (``cell`` names it)."""
+    before each timed run (``cell`` names it). ``deadline`` (on ``clock``): a round after the first starts only
+    where its estimate (:func:`next_round_fits`) ends by then; ``rounds`` in the result says how many ran."""
     from spec_cache.rows.target import TargetModel
 
     target = TargetModel.load(model_dir)
@@ -198,7 +203,12 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
     note("plain")
     plain_runs = [decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock)]
     runs: dict = {}
+    lasted: list[float] = []  # seconds of each round (its adaptive runs and the plain run after them)
     for round_ in range(repeats):
+        if round_ and not next_round_fits(lasted, clock(), deadline):
+            note(f"time budget: {round_} of {repeats} rounds")
+            break
+        began = clock()
         for name, provider in providers.items():
             for mode, adaptive in (("adaptive", True), ("fixed", False)):
                 if not adaptive and round_ >= fixed_repeats:
@@ -210,12 +220,14 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
                     decode(target, provider, prompts, new_tokens, depth, adaptive, with_drafter[name], cpu_clock))
         note(f"round {round_ + 1}/{repeats} plain")
         plain_runs.append(decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock))
+        lasted.append(clock() - began)
     baselines = [{key: (before[key] + after[key]) / 2 for key in ("tok_s", "tok_cpu_s")}
                  for before, after in zip(plain_runs, plain_runs[1:])]
     plain = {key: statistics.median(run[key] for run in plain_runs) for key in ("tok_s", "tok_cpu_s")}
     out = {"plain_tok_s": plain["tok_s"], "plain_tok_cpu_s": plain["tok_cpu_s"], "kernel_warmup_s": compiled,
            "plain_runs_tok_s": [run["tok_s"] for run in plain_runs], "repeats": repeats,
-           "fixed_repeats": fixed_repeats}
+           "fixed_repeats": fixed_repeats, "rounds": len(plain_runs) - 1,
+           "fixed_rounds": min(fixed_repeats, len(plain_runs) - 1)}
     for name in providers:
         figures = out.setdefault(name, {})
         for label in [mode for mode in ("adaptive", "fixed") if (name, mode) in runs]:  # fixed_repeats 0: none
@@ -242,6 +254,21 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
     return out
 
 
+def next_round_fits(lasted: list[float], now: float, deadline: float | None) -> bool:
+    """Whether one more round ends by ``deadline`` (None: no budget), estimated as the cheapest round so far (the
+    first also ran the fixed depth)."""
+    return deadline is None or not lasted or now + min(lasted) <= deadline
+
+
+def cell_deadline(started: float, budget_s: float | None, now: float, cells_left: int) -> float | None:
+    """The deadline of the next cell: what is left of ``budget_s`` (counted from ``started``) shared evenly among
+    the ``cells_left`` cells still to run, this one included (a cell that ends early leaves its time to the later
+    ones). None: no budget. A cell's first round always runs, so every figure is there."""
+    if budget_s is None:
+        return None
+    return now + max(started + budget_s - now, 0.0) / max(cells_left, 1)
+
+
 def plan(*, rows: int = 3, new_tokens: int = 96, variants=("q4", "float32", "float16"),
          drafters=("ngram", "draft-model"), copy: bool = True, random_text: bool = True, repeats: int = 3,
          fixed_repeats: int | None = None, **_) -> dict:
@@ -264,7 +291,7 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         drafters=("ngram", "draft-model"), draft_layers: int = 4, cache_dir: str | None = None,
         tiny: bool = False, cpu_clock: bool | None = None, copy: bool = True, random_text: bool = True,
         warmup: bool = False, kernel_warmup: bool = False, repeats: int = 3, fixed_repeats: int | None = None,
-        progress=_stderr) -> dict:
+        budget_s: float | None = None, progress=_stderr, clock=time.perf_counter) -> dict:
     """Figures per variant and drafter (module doc); the headline keys come from the first variant: wall-clock
     ratios, or CPU-time ratios when ``cpu_clock`` (default: on MLX's CPU backend), which also times the
     controller's rounds in process CPU seconds. ``tiny``: the tiny fallback even when SmolLM2 is installed.
@@ -272,28 +299,47 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
     the random-text workload (``random_chats``: every drafter, adaptive; figures under
     ``random``, ``drafting_random_<drafter>``). ``drafting_vs_plain_worst`` is the lowest adaptive ratio over every
     drafter and every workload run. ``repeats``: rounds of drafter runs between plain runs; figures are medians
-    (``_variant``); ``fixed_repeats``: how many of them also run the fixed depth (default: all). ``progress``: a
-    line per timed run (default: stderr; None: silent)."""
+    (``_variant``); ``fixed_repeats``: how many of them also run the fixed depth (default: all). ``budget_s``
+    (seconds on ``clock``, from the call, model conversion included): rounds after each cell's first are run only
+    while they fit the cell's share of what is left (:func:`cell_deadline`), so every cell and figure is there and a
+    loaded machine gets medians of fewer rounds; ``plan`` in the result is what was asked, ``rounds_run`` per cell
+    what ran, ``budget_cut`` the cells that ran fewer rounds than asked. ``progress``: a line per timed run
+    (default: stderr; None: silent)."""
     import mlx.core as mx
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 
+    started = clock()
     if cpu_clock is None:
         cpu_clock = mx.default_device() == mx.cpu
     work = Path(tempfile.mkdtemp(prefix="bench-drafting-"))
     cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "spec-cache-bench-models"
     gguf = None if tiny else find_smollm2_gguf()
-    result: dict = {"rows": rows, "new_tokens": new_tokens, "max_depth": depth, "cpu_clock": cpu_clock}
     shape = plan(rows=rows, new_tokens=new_tokens, variants=("tiny",) if tiny else variants, drafters=drafters,
                  copy=copy, random_text=random_text, repeats=repeats, fixed_repeats=fixed_repeats)
+    result: dict = {"rows": rows, "new_tokens": new_tokens, "max_depth": depth, "cpu_clock": cpu_clock,
+                    "plan": shape, "budget_s": budget_s, "rounds_run": {}, "budget_cut": []}
     if progress is not None:
         progress(f"drafting bench: {len(shape['cells'])} cells ({', '.join(shape['cells'])}) x {len(drafters)} "
                  f"drafters, {repeats} rounds (fixed depth in {shape['fixed_repeats']}), {shape['decode_runs']} "
-                 f"decode runs of {rows} x {new_tokens} tokens")
+                 f"decode runs of {rows} x {new_tokens} tokens"
+                 + ("" if budget_s is None else f"; time budget {budget_s:.0f} s"))
     common = {"new_tokens": new_tokens, "depth": depth, "cpu_clock": cpu_clock,
               "warmup": warmup, "kernel_warmup": kernel_warmup, "repeats": repeats, "fixed_repeats": fixed_repeats,
-              "progress": progress}
+              "progress": progress, "clock": clock}
+    done = []
+
+    def cell(model_dir: Path, prompts_, name: str) -> dict:
+        """One cell within its share of the budget; records the rounds it ran."""
+        deadline = cell_deadline(started, budget_s, clock(), len(shape["cells"]) - len(done))
+        out = _variant(model_dir, prompts_, work, drafters, cell=name, deadline=deadline, **common)
+        done.append(name)
+        result["rounds_run"][name] = out["rounds"]
+        if out["rounds"] < repeats:
+            result["budget_cut"].append(name)
+        return out
+
     if gguf is None:
         import numpy as np
 
@@ -313,7 +359,7 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         result["prompt_tokens"] = [len(p) for p in next(iter(prompts.values()))]
     common["draft_layers"] = draft_layers  # (1 for the tiny fallback)
     for variant, model_dir in model_dirs.items():
-        result[variant] = _variant(model_dir, prompts[variant], work, drafters, cell=f"{variant} chat", **common)
+        result[variant] = cell(model_dir, prompts[variant], f"{variant} chat")
     head = result[next(iter(model_dirs))]
     key = "adaptive_vs_plain_cpu" if cpu_clock else "adaptive_vs_plain"
     ratios = {name: head[name][key] for name in drafters}
@@ -325,7 +371,7 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
             from spec_cache.apps.bench.copy_workload import copy_chats
 
             copied = chat_prompts(model_dir, rows, copy_chats())
-        result["copy"] = _variant(model_dir, copied, work, drafters, cell=f"{variant} copy", **common)
+        result["copy"] = cell(model_dir, copied, f"{variant} copy")
         result["copy"]["variant"] = variant
         for name in drafters:
             label = name.replace("-", "_")
@@ -343,7 +389,7 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
             texts = [rng.integers(3, 200, 40).tolist() for _ in range(rows)]
         else:
             texts = chat_prompts(model_dir, rows, random_chats(rows))
-        result["random"] = _variant(model_dir, texts, work, drafters, cell=f"{variant} random", **common)
+        result["random"] = cell(model_dir, texts, f"{variant} random")
         result["random"]["variant"] = variant
         for name in drafters:
             result[f"drafting_random_{name.replace('-', '_')}"] = result["random"][name][key]
@@ -352,6 +398,7 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         result["drafting_vs_plain_ngram"] = ratios["ngram"]
     result["drafting_vs_plain_best"] = max(ratios.values())
     result["drafting_vs_plain_worst"] = min(worst)
+    result["seconds"] = clock() - started
     return result
 
 
@@ -375,6 +422,8 @@ def main(argv=None) -> None:
                         help="rounds of drafter runs, each between plain runs; figures are medians (default 3)")
     parser.add_argument("--fixed-repeats", type=int, default=None,
                         help="rounds that also run the fixed depth (default: every round)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: rounds after each cell's first run only while they fit (default: none)")
     parser.add_argument("--warmup", action="store_true", help="run each configuration once untimed first")
     parser.add_argument("--kernel-warmup", action="store_true",
                         help="spec_cache.decode.warmup per drafter first (what serve --warmup does), "
@@ -384,7 +433,7 @@ def main(argv=None) -> None:
     print(json.dumps(run(rows=args.rows, new_tokens=args.new_tokens, depth=args.depth, variants=tuple(args.variants),
                          drafters=tuple(args.drafters), tiny=args.tiny, copy=not args.no_copy,
                          random_text=not args.no_random_text, cache_dir=args.cache_dir, repeats=args.repeats,
-                         fixed_repeats=args.fixed_repeats,
+                         fixed_repeats=args.fixed_repeats, budget_s=args.budget,
                          warmup=args.warmup, kernel_warmup=args.kernel_warmup), indent=1))
 
 
