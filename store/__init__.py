@@ -15,7 +15,8 @@ One checkpoint, top to bottom:
   both tiers;
 * ``read.py``: verified record reads and layer assembly, for both tiers;
 * ``background.py``: ``WriteBehind``, the byte-bounded background queue under the shared tier's publisher and
-  the runtime's lossless checkpoint writer (``offer`` refuses when full; the caller decides);
+  the runtime's lossless checkpoint writer (``offer`` refuses when full; the caller decides); ``TenantShares``,
+  how tenants share such a buffer's cap;
 * ``eviction.py``: the eviction policy, one table for every path that removes entries (a put's budget and
   tenant quotas, a full map, an operator's ``evict``, continuation records); ``tenants.py``: the bytes each
   tenant holds;
@@ -31,7 +32,7 @@ may reach inside).
 """
 
 from . import maintenance  # a sub-API: operator work over Store
-from .background import WriteBehind
+from .background import TenantShares, WriteBehind
 from .candidates import Hit, Usable
 from .codec import FORMAT_MAJOR as RECORD_FORMAT_MAJOR
 from .codec import Record, decode_record, encode_record
@@ -66,6 +67,8 @@ __all__ = [
     "StoreUnavailable", "StoreUnsafe", "StoreFullError", "CorruptRecord", "CorruptIndex", "InvalidInput",
     "NamespaceNotRegistered", "ChunkNotCopied", "STORE_FORMAT",
     "STORE_MAJOR", "STORE_MINOR", "RECORD_FORMAT_MAJOR", "Node", "Entry", "NamespaceInfo", "Totals", "WriteBehind",
+    # how tenants share one capped buffer (the shared tier's publish and promote queues, the prefetch handoff)
+    "TenantShares",
     # the language a caller speaks to the store in: tokens as the store packs them, a tenant's label, dtypes
     "pack_tokens", "tenant_id", "numpy_dtype",
     # continuation records (a request's output past its prompt checkpoint), written in a checkpoint's commit

@@ -7,13 +7,20 @@
   up decoding, and the local store still has the checkpoint (the cap bounds how far the shared tier may lag); a
   tenant within its share of the cap has the oldest queued job of the tenant holding the most dropped instead;
 * SpecCache's promoter (``spec_cache.tiers.cache``) drops a fetched prefix it could not queue (counted as
-  ``promote_dropped``): it was already restored, only its copy into LMDB is lost;
+  ``promote_dropped``): it was already restored, only its copy into LMDB is lost; tenants share its cap as the
+  publisher's;
 * the lossless checkpoint writer (``spec_cache.tiers.write_behind.CheckpointWriter``) never drops: it queues past
   the cap (``offer(..., over_cap=True)``) when something else bounds what waits (the memory tier holds the state),
   else it writes the checkpoint itself on the caller's thread (back-pressure).
 
 On their own only ``close``/``stop`` drop jobs (what is still queued when their timeout ends; they report how
 many); a caller may take a queued job back out (``drop_oldest``: the publisher, for another tenant's job).
+
+``TenantShares``: how tenants share one capped buffer (issue 37, ninth and tenth attacker passes). A tenant within
+its share (the cap / tenants holding something, itself included) that finds the buffer full has the oldest entries
+of the tenant holding the most (over its share) taken out instead of losing its own; one tenant alone, nothing
+changes. Used by the publisher's and the promoter's ``WriteBehind`` (``TenantShares.offer``) and by the shared
+prefetch ``Handoff`` (``make_room`` over its own list).
 Jobs are small descriptors (the bytes are read by the handler when it gets to them); ``nbytes`` is what the
 handler will still have to move, which is what the cap bounds. Costs one lock and a notify per ``offer``.
 """
@@ -27,6 +34,77 @@ import time
 from typing import Any, Callable
 
 log = logging.getLogger("spec_cache.store")
+
+
+class TenantShares:
+    """The bytes each tenant holds in one capped buffer, and whose entries go when a tenant within its share finds
+    it full. ``offer``/``finished`` lock on their own; ``make_room`` is for a buffer under its caller's lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._held: dict[Any, int] = {}
+
+    def held(self, tenant: Any) -> int:
+        """Bytes ``tenant`` holds (queued or in flight)."""
+        return self._held.get(tenant, 0)
+
+    def add(self, tenant: Any, nbytes: int) -> None:
+        self._held[tenant] = self._held.get(tenant, 0) + nbytes
+
+    def remove(self, tenant: Any, nbytes: int) -> None:
+        left = self._held.get(tenant, 0) - nbytes
+        if left > 0:
+            self._held[tenant] = left
+        else:
+            self._held.pop(tenant, None)
+
+    def make_room(self, tenant: Any, nbytes: int, cap: int, used: Callable[[], int],
+                  drop_oldest: Callable[[Any], int | None]) -> tuple[bool, int]:
+        """Take out other tenants' oldest entries until ``nbytes`` of ``tenant`` fit under ``cap``, where ``tenant``
+        is within its share (its bytes with ``nbytes`` at most cap / tenants holding something, itself included)
+        and they are over theirs, the one holding the most first. ``used()``: the buffer's bytes now;
+        ``drop_oldest(victim)``: take the victim's oldest entry out, its bytes (None: none can go). Returns
+        (whether ``nbytes`` fit now, how many entries went); one tenant alone or over its share: (False, 0)."""
+        others = {t: n for t, n in self._held.items() if n > 0 and t != tenant}
+        share = cap // (len(others) + 1)
+        if not others or self.held(tenant) + nbytes > share:
+            return False, 0
+        dropped = 0
+        while used() + nbytes > cap:
+            over = [t for t in others if others[t] > share]
+            if not over:
+                break
+            victim = max(over, key=others.__getitem__)
+            freed = drop_oldest(victim)
+            if freed is None:  # only what it has in flight is left: that cannot go
+                del others[victim]
+                continue
+            others[victim] -= freed
+            self.remove(victim, freed)
+            dropped += 1
+        return used() + nbytes <= cap, dropped
+
+    def offer(self, queue: WriteBehind, job: Any, nbytes: int, tenant: Any,
+              tenant_of: Callable[[Any], Any]) -> tuple[bool, int]:
+        """``queue.offer(job, nbytes)``, shared fairly: when the queue refuses it, ``make_room`` for ``tenant`` (the
+        jobs taken out are the victims' oldest queued ones, ``tenant_of(job)`` naming a queued job's tenant) and
+        offer again. Returns (queued, how many queued jobs of others were taken out for it). The queue's handler
+        calls ``finished(tenant, nbytes)`` for every job it was handed."""
+        with self.lock:  # one offer at a time: what it takes out and what each tenant holds agree
+            ok, dropped = queue.offer(job, nbytes), 0
+            if not ok:
+                fits, dropped = self.make_room(
+                    tenant, nbytes, queue.cap_bytes, lambda: queue.queued[1],
+                    lambda victim: queue.drop_oldest(lambda j: tenant_of(j) == victim))
+                ok = fits and queue.offer(job, nbytes)
+            if ok:
+                self.add(tenant, nbytes)
+            return ok, dropped
+
+    def finished(self, tenant: Any, nbytes: int) -> None:
+        """A job ``offer`` queued was handled (whatever came of it): its bytes no longer count."""
+        with self.lock:
+            self.remove(tenant, nbytes)
 
 
 class WriteBehind:

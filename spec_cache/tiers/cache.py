@@ -53,6 +53,7 @@ from spec_cache.store import (
     Store,
     StoreError,
     StoreUnavailable,
+    TenantShares,
     WriteBehind,
     pack_tokens,
     tenant_id,
@@ -145,7 +146,10 @@ class SpecCache:
                         else None)
         self._promoter = None
         if shared is not None:  # promotion off the request's path: the restored state is used at once; a fetched
-            # prefix the queue refuses is dropped (``promote_dropped``): it was restored, only its LMDB copy is lost
+            # prefix the queue refuses is dropped (``promote_dropped``): it was restored, only its LMDB copy is lost.
+            # Tenants share its cap as the publisher's (``TenantShares``): a tenant within its share has the oldest
+            # queued prefixes of the tenant holding the most dropped instead of its own (issue 37, tenth pass)
+            self._promote_shares = TenantShares()
             self._promoter = WriteBehind(shared.config.queue_bytes, self._promote, name="spec-cache-promote")
         exit_drain.track(self)
 
@@ -838,8 +842,10 @@ class SpecCache:
         restored = self._rebuild(ns_key, tokens, got.length, got.layers, got.attachment, drafter_namespace, notes,
                                  "shared", got.minimum_reusable)
         if restored is not None:
-            job = (ns_key, packed[:got.length], got, drafter_namespace)
-            if not self._promoter.offer(job, got.nbytes):
+            tenant = self.tenant_of(ns_key)
+            job = (ns_key, packed[:got.length], got, drafter_namespace, tenant)
+            queued, dropped = self._promote_shares.offer(self._promoter, job, got.nbytes, tenant, lambda j: j[4])
+            for _ in range(dropped + (not queued)):
                 self.shared.health.add("promote_dropped")
         return restored
 
@@ -889,7 +895,7 @@ class SpecCache:
         if handoff is None:
             with _HANDOFF_LOCK:
                 handoff = self.__dict__.setdefault("_shared_handoff", Handoff(self.shared.config.queue_bytes))
-        if not handoff.put(ns_key, drafter_namespace, packed[:got.length], got):
+        if not handoff.put(ns_key, drafter_namespace, packed[:got.length], got, self.tenant_of(ns_key)):
             return False
         self.shared.health.add("prefetch_hits")
         return True
@@ -943,7 +949,7 @@ class SpecCache:
 
     def _promote(self, job) -> None:
         """Background: store a prefix restored from the shared tier through the store's own write path."""
-        ns_key, packed, got, drafter_namespace = job
+        ns_key, packed, got, drafter_namespace, tenant = job
         drafter = (drafter_namespace, got.attachment) if got.attachment is not None else None
         try:
             self.store.put(ns_key, packed, got.layers, drafter=drafter, minimum_reusable=got.minimum_reusable)
@@ -953,6 +959,8 @@ class SpecCache:
         except (StoreError, SchemaError, TypeError, ValueError) as exc:
             self.shared.health.add("promote_failed")
             log.warning("spec-cache: prefix from the shared tier used but not stored locally: %s", exc)
+        finally:
+            self._promote_shares.finished(tenant, got.nbytes)
 
     def _rebuild(self, ns_key: bytes, tokens, length: int, layers, attachment, drafter_namespace, notes: list[str],
                  tier: str, minimum_reusable: int | None) -> RestoredPrefix | None:

@@ -39,7 +39,7 @@ class PublishJob:
 
 class PublishMixin:
     """``SharedTier``'s publishing (needs ``config``, ``keys``, ``health``, ``_write``, ``_commit``, ``_queue``,
-    ``_tenant_bytes``, ``_tenants_lock``, ``_store``, ``host_id``, ``_redis`` and ``_failed`` from the tier).
+    ``_shares``, ``_store``, ``host_id``, ``_redis`` and ``_failed`` from the tier).
     Records leave sealed by ``keys.auth``."""
 
     def enqueue(self, entry_key: bytes, drafters: Iterable[str], nbytes: int, tenant: bytes = b"") -> bool:
@@ -47,9 +47,10 @@ class PublishMixin:
 
         A full queue drops what it is offered, unless the offering ``tenant`` is within its share of the cap (the
         cap divided by the tenants with something queued, itself included) while another holds more than that:
-        then that tenant's oldest queued checkpoints are dropped instead (each counted as ``dropped_full``), so
-        one tenant's flood of checkpoints pays its own back-pressure and never keeps another's from the fleet
-        (issue 37, ninth attacker pass: A's checkpoints filled the queue while Redis lagged, and B's were dropped).
+        then that tenant's oldest queued checkpoints are dropped instead (each counted as ``dropped_full``;
+        ``store.background.TenantShares``), so one tenant's flood of checkpoints pays its own back-pressure and
+        never keeps another's from the fleet (issue 37, ninth attacker pass: A's checkpoints filled the queue
+        while Redis lagged, and B's were dropped).
         One tenant alone: exactly as before."""
         if self._queue is None:
             return False
@@ -57,46 +58,20 @@ class PublishMixin:
             self.health.add("dropped_down")
             return False
         job = PublishJob(entry_key, tuple(drafters), tenant, nbytes)
-        with self._tenants_lock:  # one offer at a time: what it drops and what each tenant holds agree
-            if self._queue.offer(job, nbytes) or (self._room_for(tenant, nbytes) and self._queue.offer(job, nbytes)):
-                self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + nbytes
-                self.health.add("queued")
-                return True
+        queued, dropped = self._shares.offer(self._queue, job, nbytes, tenant, lambda j: j.tenant)
+        for _ in range(dropped):
+            self.health.add("dropped_full")
+        if queued:
+            self.health.add("queued")
+            return True
         self.health.add("dropped_full")
         return False
-
-    def _room_for(self, tenant: bytes, nbytes: int) -> bool:
-        """Drop other tenants' oldest queued checkpoints until ``nbytes`` of ``tenant`` fit, where ``tenant`` is
-        within its share and they are over theirs; whether ``nbytes`` fit now (under ``_tenants_lock``)."""
-        held = {t: n for t, n in self._tenant_bytes.items() if n > 0}
-        mine = held.pop(tenant, 0)
-        share = self._queue.cap_bytes // (len(held) + 1)
-        if not held or mine + nbytes > share:
-            return False
-        while self._queue.queued[1] + nbytes > self._queue.cap_bytes:
-            over = [t for t in held if held[t] > share]
-            if not over:
-                break
-            victim = max(over, key=held.__getitem__)
-            freed = self._queue.drop_oldest(lambda j, v=victim: j.tenant == v)
-            if freed is None:  # only its job in flight is left: it cannot go
-                del held[victim]
-                continue
-            held[victim] -= freed
-            self._tenant_bytes[victim] -= freed
-            self.health.add("dropped_full")
-        return self._queue.queued[1] + nbytes <= self._queue.cap_bytes
 
     def _publish(self, job: PublishJob) -> None:
         try:
             self._publish_one(job)
         finally:
-            with self._tenants_lock:
-                left = self._tenant_bytes.get(job.tenant, 0) - job.nbytes
-                if left > 0:
-                    self._tenant_bytes[job.tenant] = left
-                else:
-                    self._tenant_bytes.pop(job.tenant, None)
+            self._shares.finished(job.tenant, job.nbytes)
 
     def _publish_one(self, job: PublishJob) -> None:
         if not self.health.available():

@@ -19,10 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 
-from ..background import WriteBehind
+from ..background import TenantShares, WriteBehind
 from ..errors import StoreError
 from .auth import auth_for
 from .config import DEFAULT_PREFIX, KEYED_PREFIX, SECRET_ENV, TRUSTED_ENV, SharedConfig
@@ -111,8 +110,7 @@ class SharedTier(LookupMixin, PublishMixin):
         self._sigs: dict[bytes, list[bytes]] = {}
         self._store = store
         # the publisher drops what the queue refuses (``enqueue``): the local store keeps it
-        self._tenant_bytes: dict[bytes, int] = {}  # each tenant's bytes queued or in flight (its share of the cap)
-        self._tenants_lock = threading.Lock()
+        self._shares = TenantShares()  # each tenant's bytes queued or in flight (its share of the cap)
         self._queue = (WriteBehind(self.config.queue_bytes, self._publish, name="spec-cache-shared-publish")
                        if store is not None else None)
 

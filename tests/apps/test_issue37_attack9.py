@@ -8,7 +8,9 @@ While the fleet's Redis lags this host's checkpoints (a remote link; a GPU prefi
 checkpoints kept it full and B's, offered when it was full, were dropped: B's prefixes never reached the fleet's
 other hosts, which prefilled B cold. Now a tenant within its share of the cap (cap / tenants with checkpoints
 queued) has the oldest queued checkpoint of the tenant holding the most dropped instead (``PublishMixin.enqueue``,
-``WriteBehind.drop_oldest``); one tenant alone, exactly as before.
+``WriteBehind.drop_oldest``); one tenant alone, exactly as before. The two other shared-tier buffers this pass
+read (the promote queue, fetched prefixes copied into the local store; the prefetch ``Handoff``) had the same
+pattern and share their cap by the same rule since (``store.background.TenantShares``); their tests are below.
 
 What held (asserted below): B's ``cache_control`` breakpoint on an 80-word system prompt, read by B's next
 ``/v1/messages`` request, is never read by A's request with B's exact body (``x-api-key``; ``cache_read_input_tokens``
@@ -27,6 +29,7 @@ import httpx
 import pytest
 import redis
 
+from spec_cache.store import pack_tokens
 from spec_cache.tiers.cache import SpecCache
 from tests.apps.test_issue37_attack8 import cached, complete, headers
 from tests.apps.test_server import KEY_A, KEY_B, Server, model, stopped, words  # noqa: F401  (model: a fixture)
@@ -70,6 +73,76 @@ def test_one_tenants_checkpoints_filling_the_publish_queue_never_drop_anothers(t
         finally:
             a_host.close()
             other.close()
+
+
+def fleet_with(tmp_path, server, prompts: dict[str, list]) -> SpecCache:
+    """A host that published each tenant's prompts to the fleet (``prompts``: tenant -> token lists); open."""
+    source = host(tmp_path / "source", server.url)
+    for tenant, lists in prompts.items():
+        ns = source.namespace(TARGET, PREFIX_NS, tenant=tenant)
+        for tokens in lists:
+            assert source.save(ns, tokens, caches_for(tokens))
+    assert source.drain(30)
+    return source
+
+
+@needs_redis
+def test_one_tenants_promotions_filling_the_promote_queue_never_drop_anothers(tmp_path):
+    """Prefixes restored from the shared tier are copied into the local store by a byte-capped queue (the
+    promoter) that drops what does not fit. While the local store is slow to take them, A's restores fill it;
+    B's one restored prefix, B holding nothing queued, must still be promoted (A's oldest queued one goes
+    instead), so B's next request finds it locally. Failed before (the tenth pass's first part): B's was dropped
+    (``promote_dropped``) and never stored here."""
+    a_prompts, b_tokens = [prompt(100 + i, 80) for i in range(8)], prompt(7, 80)
+    with ThrowawayServer(next(iter(BINARIES.values()))) as server:
+        source = fleet_with(tmp_path, server, {"key:a": a_prompts, "key:b": [b_tokens]})
+        here = host(tmp_path / "here", server.url, queue_bytes=64 << 10)  # ~3 prefixes of 80 tokens
+        try:
+            ns_a = here.namespace(TARGET, PREFIX_NS, tenant="key:a")
+            ns_b = here.namespace(TARGET, PREFIX_NS, tenant="key:b")
+            gate, real = threading.Event(), here.store.put
+            here.store.put = lambda *a, **k: gate.wait(30) and real(*a, **k)  # a slow local disk
+            for tokens in a_prompts:
+                hit = here.restore(ns_a, tokens)
+                assert hit is not None and hit.length == 80
+            assert here.shared_status()["promote_dropped"] >= 4  # A's own back-pressure: its later ones dropped
+            hit = here.restore(ns_b, b_tokens)
+            assert hit is not None and hit.length == 80
+            gate.set()
+            assert here.drain(30)
+            local = here.store.lookup(ns_b, pack_tokens(b_tokens))
+            assert local is not None and local.length == 80, "B's prefix was dropped from the promote queue"
+            assert here.shared_status()["promoted"] >= 2  # A's in flight and at least one more of A's
+        finally:
+            here.close()
+            source.close()
+
+
+@needs_redis
+def test_one_tenants_prefetches_never_push_out_anothers_held_prefix(tmp_path):
+    """Prefixes fetched ahead of a request (``prefetch_shared``, the server's prefetch pool) wait in a byte-capped
+    ``Handoff`` for the restore that asked for them. A's prefetches past the cap must let A's own oldest go, never
+    B's one held prefix (B within its share), so B's restore on the scheduler's thread (which never asks Redis
+    itself) still gets it. Failed before: the oldest went whoever held it, B's restore found nothing."""
+    a_prompts, b_tokens = [prompt(100 + i, 80) for i in range(8)], prompt(7, 80)
+    with ThrowawayServer(next(iter(BINARIES.values()))) as server:
+        source = fleet_with(tmp_path, server, {"key:a": a_prompts, "key:b": [b_tokens]})
+        here = host(tmp_path / "here", server.url, queue_bytes=64 << 10)  # holds ~3 prefixes of 80 tokens
+        try:
+            ns_a = here.namespace(TARGET, PREFIX_NS, tenant="key:a")
+            ns_b = here.namespace(TARGET, PREFIX_NS, tenant="key:b")
+            assert here.prefetch_shared(ns_b, b_tokens)
+            for tokens in a_prompts:
+                assert here.prefetch_shared(ns_a, tokens)  # A's newest held: its own oldest went
+            with here.shared_via_prefetch():
+                hit = here.restore(ns_b, b_tokens)
+                assert hit is not None and hit.length == 80, "B's held prefix was pushed out by A's prefetches"
+                newest = here.restore(ns_a, a_prompts[-1])
+                assert newest is not None and newest.length == 80
+                assert here.restore(ns_a, a_prompts[0]) is None  # A's oldest: the one that paid
+        finally:
+            here.close()
+            source.close()
 
 
 # --- through ``spec-cache serve``: A attacks, B is a normal user (two API keys) -----------------------------
