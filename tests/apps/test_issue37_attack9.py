@@ -160,7 +160,7 @@ def test_anthropic_cache_control_breakpoints_never_cross_keys(model, tmp_path):
     request with B's exact body (``x-api-key``), and A's export of B's prompt, read nothing of it (A creates its
     own), and A's four-breakpoint request beside B's leaves B's answer as it was alone."""
     _, target, _ = model
-    srv = Server(target, tmp_path / "store", tmp_path)
+    srv = Server(target, tmp_path / "store", tmp_path, probe_while_loading=False)
     system_text, question = words(300, 80), words(20, 5)
     try:
         first = messages(srv, KEY_B, system_text, question)["usage"]
@@ -204,8 +204,8 @@ def test_two_servers_on_one_shared_tier_keep_tenants_apart(model, tmp_path):
     _, target, _ = model
     with ThrowawayServer(next(iter(BINARIES.values()))) as redis_server:
         shared = ("--shared", redis_server.url, "--shared-trusted-network")
-        first = Server(target, tmp_path / "one", tmp_path, *shared)
-        second = Server(target, tmp_path / "two", tmp_path, *shared)
+        first = Server(target, tmp_path / "one", tmp_path, *shared, probe_while_loading=False)
+        second = Server(target, tmp_path / "two", tmp_path, *shared, probe_while_loading=False)
         b_prompt = [4 + i % 240 for i in range(300)]
         try:
             alone = complete(first, KEY_B, b_prompt, max_tokens=20)
