@@ -39,7 +39,8 @@ def test_default_drafting_plan_keeps_every_cell_and_fits_the_2_core_vm():
     """Issue 39: ``spec-cache bench --only drafting`` ran past 25 minutes on the 2-core VM (q4 beside float32, three
     fixed-depth rounds per drafter): the default plan keeps every cell (chat, copy and random text x ngram and the
     draft model), each adaptive figure a median of 3 rounds between plain runs of 3 rows x 96 tokens, and runs the
-    fixed depth (a reference column) once; q4 is opt-in. The plan's shape, never a wall-clock time."""
+    fixed depth (a reference column) once, in the copy cell (its ``*_fixed`` figures); q4 is opt-in; a time budget
+    bounds the rounds after each cell's first. The plan's shape, never a wall-clock time."""
     from spec_cache.apps.bench import FULL, drafting
 
     cfg = FULL["drafting"]
@@ -47,9 +48,10 @@ def test_default_drafting_plan_keeps_every_cell_and_fits_the_2_core_vm():
     assert shape["cells"] == ["float32 chat", "float32 copy", "float32 random"]
     assert shape["drafters"] == ["ngram", "draft-model"]
     assert (shape["rows"], shape["new_tokens"], shape["repeats"], shape["fixed_repeats"]) == (3, 96, 3, 1)
-    assert shape["decode_runs"] == 3 * (4 + 2 * (3 + 1))  # per cell: 4 plain, 3 adaptive + 1 fixed per drafter
-    assert 0 < cfg["budget_s"] <= 480  # the rounds after each cell's first fit the budget (a loaded VM: 659 s without)
-    full = drafting.plan(**{**cfg, "variants": ["float32", "q4"], "fixed_repeats": None})
+    assert shape["fixed_cells"] == ["float32 copy"]
+    assert shape["decode_runs"] == 3 * (4 + 2 * 3) + 2  # per cell: 4 plain, 3 adaptive per drafter; 2 fixed in copy
+    assert 0 < cfg["budget_s"] <= 540  # later rounds fit it (a loaded VM: 659 s with the fixed depth in every cell)
+    full = drafting.plan(**{**cfg, "variants": ["float32", "q4"], "fixed_repeats": None, "fixed_workloads": None})
     assert full["cells"][:2] == ["float32 chat", "q4 chat"] and full["decode_runs"] == 4 * (4 + 2 * 6)
 
 
@@ -90,9 +92,11 @@ def test_drafting_budget_shares_what_is_left_among_the_cells_and_keeps_every_fir
     assert len(out["tiny"]["ngram"]["adaptive_vs_plain_cpu_runs"]) == 1 and out["tiny"]["rounds"] == 1
     assert {"drafting_vs_plain_ngram", "drafting_copy_ngram", "drafting_vs_plain_worst"} <= set(out)
     assert sum("time budget: 1 of 3 rounds" in line for line in lines) == 2
-    free = drafting.run(rows=1, new_tokens=4, tiny=True, drafters=("ngram",), copy=False, random_text=False,
-                        repeats=2, fixed_repeats=0, progress=None)
-    assert free["rounds_run"] == {"tiny chat": 2} and free["budget_cut"] == [] and free["budget_s"] is None
+    free = drafting.run(rows=1, new_tokens=4, tiny=True, drafters=("ngram",), random_text=False, repeats=2,
+                        fixed_repeats=1, fixed_workloads=("copy",), progress=None)
+    assert free["rounds_run"] == {"tiny chat": 2, "tiny copy": 2} and free["budget_cut"] == []
+    assert free["budget_s"] is None and free["plan"]["fixed_cells"] == ["tiny copy"]
+    assert "fixed_vs_plain_cpu" not in free["tiny"]["ngram"] and "drafting_copy_ngram_fixed" in free
 
 
 def test_bench_json_goes_to_a_path_and_holds_the_finished_sections_when_one_fails(tmp_path, monkeypatch):

@@ -29,7 +29,9 @@ python -m spec_cache.apps.bench.drafting --variants float32 --new-tokens 96``.
 ``--variants float32 q4`` here), chat / copy / random text x ngram / draft-model, 3 rows x 96 tokens, adaptive in 3
 rounds between plain runs, the fixed depth in the first (``fixed_repeats=1``): 36 decode runs, a progress line
 before each; 387 s on the VM (load 2-3, OpenBLAS preloaded), ``drafting_vs_plain_worst`` 0.981; 659 s at a96bdd6
-with other jobs' load 2-3, hence a time budget (``budget_s``, ``--budget``; the bench's default 480 s): each cell's
+with other jobs' load 2-3, hence the fixed depth in the copy cell only (``fixed_workloads``, ``--fixed-workloads``:
+the draft model's fixed run costs ~3 plain runs and reads 0.31-0.33x in every cell) and a time budget (``budget_s``,
+``--budget``; the bench's default 540 s): each cell's
 first round always runs (every figure is there), later rounds only while they fit the cell's share of the time
 left; the JSON says what was asked (``plan``) and what ran (``rounds_run``, ``budget_cut``, ``seconds``).
 ``--fixed-repeats 0`` skips the fixed depth (the never-slower matrix: BENCHMARKS.md, issue 39).
@@ -203,12 +205,12 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
     note("plain")
     plain_runs = [decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock)]
     runs: dict = {}
-    lasted: list[float] = []  # seconds of each round (its adaptive runs and the plain run after them)
+    lasted: list[float] = []  # seconds of each round's adaptive runs and the plain run after them (no fixed depth)
     for round_ in range(repeats):
         if round_ and not next_round_fits(lasted, clock(), deadline):
             note(f"time budget: {round_} of {repeats} rounds")
             break
-        began = clock()
+        began, fixed_s = clock(), 0.0
         for name, provider in providers.items():
             for mode, adaptive in (("adaptive", True), ("fixed", False)):
                 if not adaptive and round_ >= fixed_repeats:
@@ -216,11 +218,13 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
                 if warmup and round_ == 0:
                     decode(target, provider, prompts, new_tokens, depth, adaptive, with_drafter[name], cpu_clock)
                 note(f"round {round_ + 1}/{repeats} {name} {mode}")
+                one = clock()
                 runs.setdefault((name, mode), []).append(
                     decode(target, provider, prompts, new_tokens, depth, adaptive, with_drafter[name], cpu_clock))
+                fixed_s += 0.0 if adaptive else clock() - one
         note(f"round {round_ + 1}/{repeats} plain")
         plain_runs.append(decode(target, None, prompts, new_tokens, 0, False, restored, cpu_clock))
-        lasted.append(clock() - began)
+        lasted.append(clock() - began - fixed_s)
     baselines = [{key: (before[key] + after[key]) / 2 for key in ("tok_s", "tok_cpu_s")}
                  for before, after in zip(plain_runs, plain_runs[1:])]
     plain = {key: statistics.median(run[key] for run in plain_runs) for key in ("tok_s", "tok_cpu_s")}
@@ -255,8 +259,8 @@ def _variant(model_dir: Path, prompts, work: Path, drafters, *, new_tokens: int,
 
 
 def next_round_fits(lasted: list[float], now: float, deadline: float | None) -> bool:
-    """Whether one more round ends by ``deadline`` (None: no budget), estimated as the cheapest round so far (the
-    first also ran the fixed depth)."""
+    """Whether one more round ends by ``deadline`` (None: no budget), estimated as the cheapest round so far
+    (``lasted``: the rounds' seconds without their fixed-depth runs, which only the first rounds run)."""
     return deadline is None or not lasted or now + min(lasted) <= deadline
 
 
@@ -271,16 +275,18 @@ def cell_deadline(started: float, budget_s: float | None, now: float, cells_left
 
 def plan(*, rows: int = 3, new_tokens: int = 96, variants=("q4", "float32", "float16"),
          drafters=("ngram", "draft-model"), copy: bool = True, random_text: bool = True, repeats: int = 3,
-         fixed_repeats: int | None = None, **_) -> dict:
+         fixed_repeats: int | None = None, fixed_workloads=None, **_) -> dict:
     """What :func:`run` decodes with these arguments, without running it: the cells (workload per variant: chat
-    for every variant, copy and random text for the first; each cell runs every drafter), repeats and the number
-    of timed decode runs (each ``rows`` x ``new_tokens`` tokens). ``spec-cache bench`` prints it first."""
+    for every variant, copy and random text for the first; each cell runs every drafter), repeats, the cells that
+    run the fixed depth (``fixed_workloads``: those workloads' cells; None: every cell) and the number of timed
+    decode runs (each ``rows`` x ``new_tokens`` tokens). ``spec-cache bench`` prints it first."""
     fixed = repeats if fixed_repeats is None else min(fixed_repeats, repeats)
     cells = [f"{variant} chat" for variant in variants]
     cells += [f"{variants[0]} {workload}" for workload, on in (("copy", copy), ("random", random_text)) if on]
-    per_cell = repeats + 1 + len(drafters) * (repeats + fixed)  # plain runs around each round, then the drafters
+    with_fixed = [c for c in cells if fixed and (fixed_workloads is None or c.split()[-1] in fixed_workloads)]
+    runs = len(cells) * (repeats + 1 + len(drafters) * repeats) + len(with_fixed) * len(drafters) * fixed
     return {"cells": cells, "drafters": list(drafters), "rows": rows, "new_tokens": new_tokens,
-            "repeats": repeats, "fixed_repeats": fixed, "decode_runs": per_cell * len(cells)}
+            "repeats": repeats, "fixed_repeats": fixed, "fixed_cells": with_fixed, "decode_runs": runs}
 
 
 def _stderr(line: str) -> None:
@@ -291,7 +297,7 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
         drafters=("ngram", "draft-model"), draft_layers: int = 4, cache_dir: str | None = None,
         tiny: bool = False, cpu_clock: bool | None = None, copy: bool = True, random_text: bool = True,
         warmup: bool = False, kernel_warmup: bool = False, repeats: int = 3, fixed_repeats: int | None = None,
-        budget_s: float | None = None, progress=_stderr, clock=time.perf_counter) -> dict:
+        fixed_workloads=None, budget_s: float | None = None, progress=_stderr, clock=time.perf_counter) -> dict:
     """Figures per variant and drafter (module doc); the headline keys come from the first variant: wall-clock
     ratios, or CPU-time ratios when ``cpu_clock`` (default: on MLX's CPU backend), which also times the
     controller's rounds in process CPU seconds. ``tiny``: the tiny fallback even when SmolLM2 is installed.
@@ -299,7 +305,9 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
     the random-text workload (``random_chats``: every drafter, adaptive; figures under
     ``random``, ``drafting_random_<drafter>``). ``drafting_vs_plain_worst`` is the lowest adaptive ratio over every
     drafter and every workload run. ``repeats``: rounds of drafter runs between plain runs; figures are medians
-    (``_variant``); ``fixed_repeats``: how many of them also run the fixed depth (default: all). ``budget_s``
+    (``_variant``); ``fixed_repeats``: how many of them also run the fixed depth (default: all), in the cells of
+    ``fixed_workloads`` (``chat``, ``copy``, ``random``; None: every cell; the ``drafting_copy_*_fixed`` figures come
+    from the copy cell). ``budget_s``
     (seconds on ``clock``, from the call, model conversion included): rounds after each cell's first are run only
     while they fit the cell's share of what is left (:func:`cell_deadline`), so every cell and figure is there and a
     loaded machine gets medians of fewer rounds; ``plan`` in the result is what was asked, ``rounds_run`` per cell
@@ -317,12 +325,14 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
     cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "spec-cache-bench-models"
     gguf = None if tiny else find_smollm2_gguf()
     shape = plan(rows=rows, new_tokens=new_tokens, variants=("tiny",) if tiny else variants, drafters=drafters,
-                 copy=copy, random_text=random_text, repeats=repeats, fixed_repeats=fixed_repeats)
+                 copy=copy, random_text=random_text, repeats=repeats, fixed_repeats=fixed_repeats,
+                 fixed_workloads=fixed_workloads)
     result: dict = {"rows": rows, "new_tokens": new_tokens, "max_depth": depth, "cpu_clock": cpu_clock,
                     "plan": shape, "budget_s": budget_s, "rounds_run": {}, "budget_cut": []}
     if progress is not None:
         progress(f"drafting bench: {len(shape['cells'])} cells ({', '.join(shape['cells'])}) x {len(drafters)} "
-                 f"drafters, {repeats} rounds (fixed depth in {shape['fixed_repeats']}), {shape['decode_runs']} "
+                 f"drafters, {repeats} rounds (fixed depth in {shape['fixed_repeats']} of "
+                 f"{', '.join(shape['fixed_cells']) or 'no cell'}), {shape['decode_runs']} "
                  f"decode runs of {rows} x {new_tokens} tokens"
                  + ("" if budget_s is None else f"; time budget {budget_s:.0f} s"))
     common = {"new_tokens": new_tokens, "depth": depth, "cpu_clock": cpu_clock,
@@ -333,7 +343,8 @@ def run(*, rows: int = 3, new_tokens: int = 96, depth: int = 4, variants=("q4", 
     def cell(model_dir: Path, prompts_, name: str) -> dict:
         """One cell within its share of the budget; records the rounds it ran."""
         deadline = cell_deadline(started, budget_s, clock(), len(shape["cells"]) - len(done))
-        out = _variant(model_dir, prompts_, work, drafters, cell=name, deadline=deadline, **common)
+        options = {**common} if name in shape["fixed_cells"] else {**common, "fixed_repeats": 0}
+        out = _variant(model_dir, prompts_, work, drafters, cell=name, deadline=deadline, **options)
         done.append(name)
         result["rounds_run"][name] = out["rounds"]
         if out["rounds"] < repeats:
@@ -422,6 +433,8 @@ def main(argv=None) -> None:
                         help="rounds of drafter runs, each between plain runs; figures are medians (default 3)")
     parser.add_argument("--fixed-repeats", type=int, default=None,
                         help="rounds that also run the fixed depth (default: every round)")
+    parser.add_argument("--fixed-workloads", nargs="+", choices=["chat", "copy", "random"], default=None,
+                        help="the cells that run the fixed depth (default: every cell)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds: rounds after each cell's first run only while they fit (default: none)")
     parser.add_argument("--warmup", action="store_true", help="run each configuration once untimed first")
@@ -433,7 +446,8 @@ def main(argv=None) -> None:
     print(json.dumps(run(rows=args.rows, new_tokens=args.new_tokens, depth=args.depth, variants=tuple(args.variants),
                          drafters=tuple(args.drafters), tiny=args.tiny, copy=not args.no_copy,
                          random_text=not args.no_random_text, cache_dir=args.cache_dir, repeats=args.repeats,
-                         fixed_repeats=args.fixed_repeats, budget_s=args.budget,
+                         fixed_repeats=args.fixed_repeats, fixed_workloads=args.fixed_workloads,
+                         budget_s=args.budget,
                          warmup=args.warmup, kernel_warmup=args.kernel_warmup), indent=1))
 
 
