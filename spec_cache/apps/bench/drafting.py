@@ -35,6 +35,9 @@ the draft model's fixed run costs ~3 plain runs and reads 0.31-0.33x in every ce
 first round always runs (every figure is there), later rounds only while they fit the cell's share of the time
 left; the JSON says what was asked (``plan``) and what ran (``rounds_run``, ``budget_cut``, ``seconds``).
 ``--fixed-repeats 0`` skips the fixed depth (the never-slower matrix: BENCHMARKS.md, issue 39).
+
+Why one file: one bench whose parts (the model variants, the run plan under the time budget, the interleaved runs
+and the exactness check against plain decoding, the figures) all serve one table and share its arguments.
 """
 
 from __future__ import annotations
