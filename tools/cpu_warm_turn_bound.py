@@ -10,7 +10,10 @@ HTTP, on the bench's tiny float32 llama, three ways:
   and its argmax: what ``generate_step`` does after ``fetch_nearest_cache``);
 * ``ours``: spec-cache's (``TargetRows.from_row_caches`` of the restored row, ``prefill`` without the LM head, the
   first round's one-token ``verify``);
-* the parts of one attention call of that prefill (scores, softmax, weighted sum), to show where the time goes.
+* mlx-lm's path over an empty cache (the same new tokens attending to no history): the difference is what
+  attending to the cached tokens costs;
+* the parts of one attention call of that prefill's shapes, timed alone on random inputs (scores, softmax,
+  weighted sum), to show which part of the attention costs most.
 
     OPENBLAS_NUM_THREADS=1 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \\
         .venv/bin/python tools/cpu_warm_turn_bound.py [--cached 1771] [--new 180] [--reps 30] [--json OUT]
@@ -93,6 +96,13 @@ def main(argv=None) -> dict:
         logits = model(mx.array(new[-1:])[None], cache=cache)
         mx.argmax(logits[:, -1], axis=-1).item()
 
+    def mlx_lm_turn_uncached() -> None:  # the same new tokens over an empty cache: what attends to no history
+        cache = make_prompt_cache(model)
+        model(mx.array(new[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        logits = model(mx.array(new[-1:])[None], cache=cache)
+        mx.argmax(logits[:, -1], axis=-1).item()
+
     def our_turn() -> None:
         rows = TargetRows.from_row_caches(target, [base])
         rows.prefill([new[:-1]], need_hidden=False)
@@ -117,6 +127,7 @@ def main(argv=None) -> dict:
         "cached_tokens": args.cached, "new_tokens": args.new, "reps": args.reps,
         "model": "tiny float32 llama (spec_cache.testing.tiny)",
         "mlx_lm_ms": mlx_lm_ms, "ours_ms": ours_ms,
+        "mlx_lm_uncached_ms": _median_ms(mlx_lm_turn_uncached, args.reps),
         "attention_ms": _median_ms(lambda: mx.eval(mx.fast.scaled_dot_product_attention(
             q, k, v, scale=attn.scale, mask="causal")), args.reps),
         "attention_scores_ms": _median_ms(lambda: mx.eval((qg * attn.scale) @ k.swapaxes(-1, -2)), args.reps),

@@ -123,7 +123,12 @@ def test_the_servers_defaults_keep_prefill_phases_long():
     args = parser.parse_args(["--model", "m"])
     assert args.prefill_checkpoint_every == cli.DEFAULT_PREFILL_CHECKPOINT_EVERY == 4096
     assert args.checkpoint_every == cli.DEFAULT_CHECKPOINT_EVERY
-    assert args.prefill_step_size == 2048  # mlx_lm.server's and generate_step's
+    assert args.prefill_step_size is None  # resolved per device when the model loads:
+    from spec_cache.decode.engine import CPU_PREFILL_STEP, GPU_PREFILL_STEP, prefill_step_by_default
+
+    assert GPU_PREFILL_STEP == 2048  # mlx_lm.server's and generate_step's
+    assert prefill_step_by_default() == CPU_PREFILL_STEP == 512  # the tests run on the CPU
+    assert parser.parse_args(["--model", "m", "--prefill-step-size", "2048"]).prefill_step_size == 2048
 
 
 def test_rows_joining_and_cancelled_while_others_decode(tiny, scheduler):

@@ -112,8 +112,10 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed-depth", action="store_true",
                         help="always draft --draft-depth tokens (default: only as deep as measured acceptance and "
                              "verify cost pay)")
-    parser.add_argument("--prefill-step-size", type=positive_int, default=2048,
-                        help="prefill chunk in tokens (default 2048, as mlx_lm.server's and generate_step's)")
+    parser.add_argument("--prefill-step-size", type=positive_int, default=None,
+                        help="prefill chunk in tokens (default: 2048 on a GPU, as mlx_lm.server's and "
+                             "generate_step's; 512 on the CPU, where smaller chunks cost nothing and let decoding "
+                             "rows through between them)")
     parser.add_argument("--kv-bits", type=positive_int,
                         help="quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)")
     parser.add_argument("--kv-group-size", type=positive_int, help="KV quantization group size (default 64)")
@@ -245,6 +247,7 @@ def build_state(args):
     from spec_cache.apps.server.auth import Auth
     from spec_cache.apps.server.metrics import Metrics
     from spec_cache.apps.server.scheduler import Scheduler
+    from spec_cache.decode.engine import prefill_step_by_default
     from spec_cache.decode.generator import Generator
     from spec_cache.naming.namespace import KVOptions
 
@@ -261,7 +264,8 @@ def build_state(args):
     try:
         generator = Generator.load(model_dir, args.drafter, method=args.method, cache=cache, kv=kv,
                                    adapters=args.adapter or "", draft_depth=args.draft_depth,
-                                   prefill_step_size=args.prefill_step_size, adaptive=not args.fixed_depth)
+                                   prefill_step_size=args.prefill_step_size or prefill_step_by_default(),
+                                   adaptive=not args.fixed_depth)
         tokenizer = load_tokenizer(model_dir)
         _warm_up(generator, args.warmup, log)
     except (NotImplementedError, ValueError, FileNotFoundError) as exc:
