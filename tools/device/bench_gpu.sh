@@ -52,7 +52,7 @@ else
 fi
 echo "tree: $SPEC_CACHE_GIT"
 $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device()); print(mx.sum(mx.ones((1024, 1024))).item())" || exit 1
-$PY -P -c "from spec_cache import device_copy; print('copy route:', device_copy.status()); print('capture route:', device_copy.capture_status())"
+$PY -P -c "from spec_cache.state import device_copy; print('copy route:', device_copy.status()); print('capture route:', device_copy.capture_status())"
 if [ "${INSTALL:-1}" = 1 ]; then
   df -h /tmp /dev/shm | tail -2; free -g | head -2
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
