@@ -1,6 +1,6 @@
 """The scheduler: one thread owns the generator, its engine session and the cache; nothing else touches them.
 
-Why one file of ~640 lines: the scheduler is one thread's loop and the state only it touches (queue,
+Why one file of ~1100 lines: the scheduler is one thread's loop and the state only it touches (queue,
 admission, checkpoint phases, retries); splitting it would share that state across modules.
 
 HTTP handlers call ``submit`` / ``cancel`` / ``finish`` (thread-safe: they only enqueue) and read the events of
