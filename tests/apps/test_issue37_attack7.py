@@ -72,16 +72,11 @@ def churn(generator: Generator, start: int, count: int) -> None:
         generator.namespace_key("key-a|salt:%064x" % i)
 
 
-@pytest.mark.parametrize("memory", [None, 0], ids=["memory-tier", "lmdb-only"])
-def test_another_tenants_fresh_salts_never_leave_a_tenants_namespace_unregistered(target, tmp_path, memory):
-    """B's first request is still prefilling (nothing of B stored yet) when A names 3 x ``max_namespaces`` fresh
-    salts: B's namespace is forgotten, its empty LMDB row dropped, and the registration falls out of the forgotten
-    table too, so that first checkpoint is lost (the residual in the module doc). B's *next* requests must be
-    stored as ever, under B's own tenant label; before, the scheduler never named B's namespace again: every
-    checkpoint of B failed (``NamespaceNotRegistered``), B's third request restored nothing, and nothing of B was in
-    LMDB after a restart. Also between B's requests (B's LMDB row kept): B's label must come back."""
-    prompt = list(range(3, 63))
-    cache = SpecCache.open(tmp_path / "store", memory_bytes=memory, max_namespaces=LIMIT)
+def churning_scheduler(target, store, memory, limit: int = LIMIT) -> tuple[SpecCache, Scheduler, list]:
+    """A cache of ``limit`` namespaces and a scheduler over it whose first ``prepare`` (B's first request, before
+    its first checkpoint) is followed by A naming ``3 * limit`` fresh salts; the list returned is non-empty once A
+    has. Not started."""
+    cache = SpecCache.open(store, memory_bytes=memory, max_namespaces=limit)
     generator = Generator.load(target, None, cache=cache)
     sched = Scheduler(generator, max_rows=4)
     prepare = generator.prepare
@@ -91,9 +86,23 @@ def test_another_tenants_fresh_salts_never_leave_a_tenants_namespace_unregistere
         prepared = prepare(*args, **kwargs)
         if not churned:
             churned.append(True)
-            churn(generator, 0, 3 * LIMIT)
+            churn(generator, 0, 3 * limit)
         return prepared
     generator.prepare = prepare_then_churn
+    return cache, sched, churned
+
+
+@pytest.mark.parametrize("memory", [None, 0], ids=["memory-tier", "lmdb-only"])
+def test_another_tenants_fresh_salts_never_leave_a_tenants_namespace_unregistered(target, tmp_path, memory):
+    """B's first request is still prefilling (nothing of B stored yet) when A names 3 x ``max_namespaces`` fresh
+    salts: B's namespace is forgotten, its empty LMDB row dropped, and the registration falls out of the forgotten
+    table too, so that first checkpoint is lost (the residual in the module doc). B's *next* requests must be
+    stored as ever, under B's own tenant label; before, the scheduler never named B's namespace again: every
+    checkpoint of B failed (``NamespaceNotRegistered``), B's third request restored nothing, and nothing of B was in
+    LMDB after a restart. Also between B's requests (B's LMDB row kept): B's label must come back."""
+    prompt = list(range(3, 63))
+    cache, sched, churned = churning_scheduler(target, tmp_path / "store", memory)
+    generator = sched.generator
     sched.start()
     try:
         with warnings.catch_warnings():

@@ -17,7 +17,7 @@ from spec_cache.decode.generator import Generator
 from spec_cache.naming.namespace import namespace_key
 from spec_cache.rows.sampling import RowSampling
 from spec_cache.tiers.cache import SpecCache
-from tests.apps.test_issue37_attack7 import churn
+from tests.apps.test_issue37_attack7 import churn, churning_scheduler
 from tests.apps.test_server_scheduler import Events
 from tests.apps.test_template_seam import _idle
 from tests.runtime_fixtures import build_tiny
@@ -48,20 +48,8 @@ def test_a_running_jobs_namespace_is_never_forgotten(target, tmp_path, memory):
     enough to push B's namespace out of the table and out of the forgotten table behind it. B's first checkpoint
     must still be stored, under B's own tenant label."""
     prompt = list(range(3, 63))
-    cache = SpecCache.open(tmp_path / "store", memory_bytes=memory, max_namespaces=LIMIT)
-    generator = Generator.load(target, None, cache=cache)
-    sched = Scheduler(generator, max_rows=4)
-    prepare = generator.prepare
-    churned = []
-
-    def prepare_then_churn(*args, **kwargs):  # A's calls between B's rounds, before B's first checkpoint
-        prepared = prepare(*args, **kwargs)
-        if not churned:
-            churned.append(True)
-            churn(generator, 0, 3 * LIMIT)
-        return prepared
-    generator.prepare = prepare_then_churn
-    b_key = key_of(generator, "key-b")
+    cache, sched, churned = churning_scheduler(target, tmp_path / "store", memory, LIMIT)
+    b_key = key_of(sched.generator, "key-b")
     sched.start()
     try:
         with warnings.catch_warnings(record=True) as caught:
