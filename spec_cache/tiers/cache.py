@@ -337,9 +337,8 @@ class SpecCache:
     def _forget_earlier_namespaces(self) -> None:
         """Drop the empty tenant namespace rows earlier processes left (``Store.forget_empty_tenant_namespaces``):
         each process forgets only what it registered, so without this every restart kept up to
-        ``max_namespaces`` more of them for good. One pass over the rows and one commit, when the store opens."""
-        if self.store.readonly:
-            return
+        ``max_namespaces`` more of them for good. One pass over the rows and one commit, when the store opens (a
+        read-only store: nothing, the store's own rule)."""
         try:
             self.store.forget_empty_tenant_namespaces()
         except StoreError as exc:  # the rows stay; this process forgets its own as ever
