@@ -254,6 +254,19 @@ class MemoryTier:
                     break  # candidates come longest first
         return best
 
+    def common_prefix(self, ns_key: bytes, tokens: Sequence[int]) -> int:
+        """The most leading ``tokens`` an entry of namespace ``ns_key`` shares with them (held or with its LMDB
+        write pending; usable or not). No hit is counted and nothing moves in the LRU order.
+
+        Why: the write queue counts a checkpoint as the bytes after the chunks LMDB holds or will hold by its write
+        (``SpecCache._submit``). The entries here are those chunks' checkpoints (a durable one LMDB holds, a pending
+        one is queued before it), so this answers from memory what asking LMDB (a hash and a read per chunk)
+        answered on the request thread. Entries this tier let go of are not seen: the estimate is then low, never
+        high (the checkpoint counts more of its bytes)."""
+        query = np.asarray(tokens, dtype=np.uint32)
+        with self._lock:
+            return max((_lcp(entry.tokens, query) for entry in self._by_ns.get(ns_key, {}).values()), default=0)
+
     def serving(self, ns_key: bytes, tokens: Sequence[int]) -> tuple[bytes, int] | None:
         """``(entry tokens, bytes)`` of the held entry that serves all of ``tokens`` (the shortest; a longer
         trimmable one serves it by trimming), or None; counts no hit (``pin`` takes the entry's tokens)."""
