@@ -435,3 +435,40 @@ def test_breakpoints_come_first_among_checkpoint_offsets(tiny, reference):
     assert prompt.breakpoint_end == system_end and system_end in prompt.checkpoint_at
     assert len(prompt.checkpoint_at) == MAX_CHECKPOINT_AT and max(prompt.checkpoint_at) == len(prompt.ids)
     assert build_prompt(tokenizer, request, False).checkpoint_at == ()
+
+
+def test_a_warm_turn_renders_no_message_head_on_messages_either(tiny, reference, monkeypatch):
+    """Issue 35 (the agent workload on the H100: ~300 ms a request before the first token, most of it rendering and
+    tokenizing up to 12 message heads of a 10-15k-token prompt): ``/v1/messages`` skips the heads the cache covers
+    as the OpenAI routes do (``Scheduler.seam_floor``). A warm turn whose tail is not split renders the prompt and
+    its breakpoints only; a floor inside the history renders the heads above it only; a cold turn, every head."""
+    from spec_cache.apps.server import anthropic
+    from spec_cache.apps.server.anthropic import build_prompt, parse_messages
+
+    tokenizer, _ = reference
+    turns = [{"role": ("user", "assistant")[i % 2], "content": words(10 + 5 * i, 4)} for i in range(9)]
+    body = {"model": "tiny", "max_tokens": 4, "messages": turns,
+            "system": [{"type": "text", "text": words(100, 20), "cache_control": {"type": "ephemeral"}}]}
+    request = parse_messages(body, ("tiny",))
+    renders = []
+    real = anthropic.render_chat
+    monkeypatch.setattr(anthropic, "render_chat", lambda *a, **k: renders.append(len(a[1])) or real(*a, **k))
+
+    cold = build_prompt(tokenizer, request, True)
+    cold_renders, renders[:] = len(renders), []
+    assert build_prompt(tokenizer, request, True, lambda ids: 0) == cold and len(renders) == cold_renders
+    renders.clear()
+    warm = build_prompt(tokenizer, request, True, lambda ids: None)
+    assert len(renders) == 2  # the prompt and its one breakpoint (the system block)
+    assert warm.ids == cold.ids and warm.checkpoint_at == (cold.breakpoint_end, len(cold.ids))
+    assert warm.breakpoints == cold.breakpoints == (cold.breakpoint_end,)
+    history = len(chat_ids(tokenizer, _with_system(body["system"], turns[:-2]), generation_prompt=False))
+    renders.clear()
+    partway = build_prompt(tokenizer, request, True, lambda ids: history)
+    assert 2 < len(renders) < cold_renders
+    assert [k for k in partway.checkpoint_at if k > history] == [k for k in cold.checkpoint_at if k > history]
+    assert all(k > history for k in partway.checkpoint_at if k not in partway.breakpoints)
+
+
+def _with_system(system: list[dict], turns: list[dict]) -> list[dict]:
+    return [{"role": "system", "content": system[0]["text"]}] + list(turns)

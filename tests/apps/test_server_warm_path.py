@@ -119,6 +119,8 @@ class _Held:
     def splits_prompt(self, cached: int, left: int) -> bool:
         return cached == 0 or left >= self.step
 
+    seam_floor = Scheduler.seam_floor  # the rule under test, over this fake's two answers
+
 
 def test_a_warm_turn_renders_no_message_head(smollm2_tokenizer):
     messages = [{"role": "system", "content": "be brief " * 40}, {"role": "user", "content": "one " * 30},
@@ -177,12 +179,12 @@ def test_seam_renders_only_heads_past_the_held_prefix(smollm2_tokenizer):
     assert full_renders == 4  # heads of 3 (no generation prompt), 2 (both ways), 1 messages
     history = prompts.tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=False, tokenize=True)
     covered = len(history) - 2  # the previous finish checkpoint: its last generated token is not forwarded
-    warm = prompts.boundaries(messages, prompt, covered=covered)
+    warm = prompts.boundaries(messages, prompt, floor=covered + MIN_CHECKPOINT_GAP - 1)
     assert prompts.renders == 1  # the history up to the new message; the shorter heads are covered
     useful = covered + MIN_CHECKPOINT_GAP - 1  # the scheduler skips offsets at or below this
     assert [k for k in warm if k > useful] == [k for k in everything if k > useful] == [len(prompt)]
     prompts.renders = 0
-    assert prompts.boundaries(messages, prompt, covered=0) == everything and prompts.renders == 4  # a cold turn
+    assert prompts.boundaries(messages, prompt, floor=0) == everything and prompts.renders == 4  # a cold turn
 
 
 def _kv(values: np.ndarray):

@@ -34,12 +34,14 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from spec_cache.apps.server.auth import salted_tenant
 from spec_cache.apps.server.protocol import MAX_STOP_CHARS, APIError, GenerationParams, check_text, greedy_floor
 from spec_cache.apps.server.scheduler import MAX_CHECKPOINT_AT
 from spec_cache.apps.server.seam import message_boundaries
@@ -441,10 +443,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool) -> Prompt:
+def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool,
+                 seam_floor: Callable[[list[int]], int | None] | None = None) -> Prompt:
     """The prompt's token ids and, when ``boundaries`` (a cache that takes checkpoints), the offsets to checkpoint
     (the breakpoints first, then the last message boundaries) and where the last breakpoint ends. Runs on the
-    tokenizer thread."""
+    tokenizer thread. ``seam_floor(ids)`` (``Scheduler.seam_floor`` for the request's tenant): the message heads
+    the cache already covers are not rendered, none on a warm turn whose tail is not split, as on the OpenAI
+    routes."""
     def render(messages: list[dict], generation_prompt: bool, tools=request.tools) -> list[int]:
         return render_chat(tokenizer, messages, tools, request.tool_choice, add_generation_prompt=generation_prompt)
 
@@ -464,7 +469,10 @@ def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool) -> Promp
         if end:
             points.append(end)
     marked = set(points)
-    seams = sorted(set(message_boundaries(lambda head, gp: render(head, gp), chat, ids)) - marked)
+    floor = 0 if seam_floor is None else seam_floor(ids)
+    found = [len(ids)] if floor is None else message_boundaries(lambda head, gp: render(head, gp), chat, ids,
+                                                                floor=floor)
+    seams = sorted(set(found) - marked)
     keep = max(0, MAX_CHECKPOINT_AT - len(marked))  # the scheduler keeps the largest offsets: breakpoints first
     return Prompt(ids, tuple(sorted(marked | set(seams[len(seams) - keep:]))), max(points, default=0),
                   tuple(sorted(marked)))
@@ -698,7 +706,10 @@ def messages_routes(ctx) -> list[Route]:
                 body = await ctx.read_json(request)
                 parsed = parse_messages(body, state.models, state.config.default_temperature, counting=counting)
                 # a tenant's tokenizing: one request at a time, in one turn with its other routes' (jobs.Requests)
-                prompt = await ctx.tokenize_as(tenant, build_prompt, tokenizer, parsed, caching and not counting)
+                floor = None if counting or not caching else partial(
+                    ctx.scheduler.seam_floor, salted_tenant(tenant, getattr(parsed.params, "cache_salt", None)))
+                prompt = await ctx.tokenize_as(tenant, build_prompt, tokenizer, parsed, caching and not counting,
+                                               floor)
                 if counting:
                     ctx.count(name, 200, tenant)
                     return JSONResponse({"input_tokens": len(prompt.ids)})

@@ -28,7 +28,6 @@ from spec_cache.apps.server.jobs import Requests, error_response, log_request
 from spec_cache.apps.server.limits import TenantTurns
 from spec_cache.apps.server.logprobs import take as take_logprobs
 from spec_cache.apps.server.protocol import APIError, PromptBatch, parse_chat, parse_completion
-from spec_cache.apps.server.scheduler import MIN_CHECKPOINT_GAP
 from spec_cache.apps.server.seam import message_boundaries
 from spec_cache.apps.server.tools import TemplateError, active_tools, chat_ids, render_chat, uses_tools
 
@@ -68,42 +67,30 @@ class _Prompts:
             raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
 
     def seams(self, messages: list[dict], prompt: list[int], params, tenant: str | None) -> list[int]:
-        """``boundaries`` past what the memory tier holds of ``prompt`` for ``tenant`` (a namespace tenant); only
-        the end of the prompt for a warm turn whose tail the scheduler will not split (``splits_prompt``): no
-        head is rendered then."""
-        covered = 0 if self.scheduler is None else self.scheduler.held_prefix(tenant, prompt[:-1])
-        if covered and not self.scheduler.splits_prompt(covered, len(prompt) - 1 - covered):
+        """``boundaries`` past what the memory tier holds of ``prompt`` for ``tenant`` (a namespace tenant,
+        ``Scheduler.seam_floor``); only the end of the prompt for a warm turn whose tail the scheduler will not
+        split: no head is rendered then."""
+        floor = 0 if self.scheduler is None else self.scheduler.seam_floor(tenant, prompt)
+        if floor is None:
             return [len(prompt)]
-        return self.boundaries(messages, prompt, params, covered)
+        return self.boundaries(messages, prompt, params, floor)
 
-    def boundaries(self, messages: list[dict], prompt: list[int], params=None, covered: int = 0) -> list[int]:
+    def boundaries(self, messages: list[dict], prompt: list[int], params=None, floor: int = 0) -> list[int]:
         """Where the last messages end in ``prompt`` (and its end): checkpointed while prefilling (``seam``); each
         head is rendered the way ``chat`` rendered the whole conversation (tool turns included: a head of a
-        conversation that uses tools renders through ``render_chat`` as the whole did).
-
-        ``covered``: prompt tokens the cache already holds (``Scheduler.held_prefix``). The scheduler skips offsets
-        within ``MIN_CHECKPOINT_GAP`` of them, so once a head renders that short, the shorter heads (fewer
-        messages) are not rendered at all: a warm turn renders one head (its history up to the new message)
-        instead of up to ``2 * RENDERED_PREFIXES``; ``renders`` counts them."""
+        conversation that uses tools renders through ``render_chat`` as the whole did). ``floor``: offsets at or
+        below it give no checkpoint, and heads that short are not rendered (``seam.message_boundaries``);
+        ``renders`` counts the heads rendered."""
         tokenizer = self.tokenizer
         tools, choice = (None, None) if params is None else (params.tools, params.tool_choice)
         tooled = uses_tools(tools, choice, messages)
-        floor = covered + MIN_CHECKPOINT_GAP - 1 if covered > 0 else 0  # a head this short gives no checkpoint
-        short = 0  # heads of fewer messages than this are within the floor (0: none known yet)
 
         def render(head: list[dict], generation_prompt: bool):
-            nonlocal short
-            if len(head) < short:
-                return []  # shorter than a head already within the floor: no offset (``seam`` keeps none)
             self.renders += 1
             if tooled:
-                ids = render_chat(tokenizer, head, tools, choice, add_generation_prompt=generation_prompt)
-            else:
-                ids = chat_ids(tokenizer, head, generation_prompt=generation_prompt)
-            if floor and not generation_prompt and len(ids) <= floor:
-                short = len(head)
-            return ids
-        return message_boundaries(render, messages, prompt)
+                return render_chat(tokenizer, head, tools, choice, add_generation_prompt=generation_prompt)
+            return chat_ids(tokenizer, head, generation_prompt=generation_prompt)
+        return message_boundaries(render, messages, prompt, floor=floor)
 
 
 class _Grammars:

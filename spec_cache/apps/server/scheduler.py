@@ -312,6 +312,19 @@ class Scheduler:
         ns_key = self._derived_key(tenant)
         return 0 if ns_key is None else cache.memory.held_prefix(ns_key, tokens)
 
+    def seam_floor(self, tenant: str | None, prompt: list[int]) -> int | None:
+        """For the routes' ``seam.message_boundaries``: None when ``prompt``'s prefill will not be split (a warm
+        turn's short tail, ``splits_prompt``: its end is the one checkpoint, no message head need be rendered);
+        else the offset at or below which a boundary gives no checkpoint (``_phase_end`` skips it): what the memory
+        tier holds of the prompt for ``tenant`` plus ``MIN_CHECKPOINT_GAP - 1``, or 0 when it holds nothing.
+        Any thread (the tokenizer thread asks, before the job exists)."""
+        covered = self.held_prefix(tenant, prompt[:-1])
+        if covered <= 0:
+            return 0
+        if not self.splits_prompt(covered, len(prompt) - 1 - covered):
+            return None
+        return covered + MIN_CHECKPOINT_GAP - 1
+
     def _derived_key(self, tenant: str | None) -> bytes | None:
         """``tenant``'s namespace key, derived (``naming.namespace``), not registered: any thread."""
         gen = self.generator

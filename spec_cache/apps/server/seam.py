@@ -32,12 +32,18 @@ Render = Callable[[list, bool], Sequence[int]]
 
 
 def message_boundaries(render: Render, messages: Sequence[dict], prompt: Sequence[int], *,
-                       limit: int = RENDERED_PREFIXES) -> list[int]:
+                       limit: int = RENDERED_PREFIXES, floor: int = 0) -> list[int]:
     """Sorted offsets into ``prompt`` where one of the last ``limit`` message prefixes ends, plus ``len(prompt)``.
 
     ``render(messages, add_generation_prompt)`` returns the token ids of those messages through the chat template
     (the same call, tools and options that produced ``prompt``). A prefix the template refuses (one that must end
-    with a user turn, say) or whose ids are not a prefix of ``prompt`` gives no offset."""
+    with a user turn, say) or whose ids are not a prefix of ``prompt`` gives no offset.
+
+    ``floor``: offsets at or below it give no checkpoint (what the cache holds already, ``Scheduler.seam_floor``).
+    Heads are rendered longest first, so once one without the generation prompt ends at or below it, the shorter
+    ones are not rendered at all: a warm turn renders one head (its history up to the new message) instead of up
+    to ``2 * limit``, each a tokenization of most of the prompt (~25 ms at 10k tokens: issue 35's agent workload
+    spent ~300 ms a request here before the first token, on the H100)."""
     prompt = [int(t) for t in prompt]
     offsets = {len(prompt)} if prompt else set()
     first = max(1, len(messages) - limit)
@@ -45,10 +51,15 @@ def message_boundaries(render: Render, messages: Sequence[dict], prompt: Sequenc
         variants = [False]
         if messages[i].get("role") == "assistant":
             variants.append(True)  # the previous turn's own prompt: messages[:i] + the generation prompt
+        below = False
         for generation_prompt in variants:
             end = _prefix_end(render, list(messages[:i]), generation_prompt, prompt)
-            if end is not None:
+            if end is not None and end > floor:
                 offsets.add(end)
+            elif end is not None and floor and not generation_prompt:
+                below = True
+        if below:  # every shorter head ends lower still
+            break
     return sorted(offsets)
 
 
