@@ -468,11 +468,19 @@ def report(results: dict, kinds: list[str], args, title: str | None = None, warm
                 line += f"{s['tokens_per_s']:>14.1f} ({s['tokens']:>4d} tok, {s['wall_s']:>5.2f}s)"
             base = results[BASELINE][key] if BASELINE in results else None
             for k in others:
-                r = results[k][key]["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+                # a baseline that produced no tokens (mlx_lm.server's 8 restarted requests at 8 clients on the H100
+                # all came back empty) gives no ratio, not a ZeroDivisionError that loses the whole report
+                r = (results[k][key]["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] > 0
+                     else float("nan"))
                 ratios[k][f"tok/s {phase}"] = r
                 line += f"{r:>17.2f}x (X / mlx-lm)"
             print(line)
     print("(c N: mean cached prompt tokens reported; TTFT ratio = mlx-lm / X, > 1: X faster; tok/s ratio = X / mlx-lm)")
+    for k in kinds:
+        for phase, key in (("turns", "all_turns"), ("after restart", "after_restart")):
+            if results[k][key].get("n") and not results[k][key].get("tokens"):
+                print(f"WARNING: {LABELS[k]} produced no tokens {phase} ({results[k][key]['n']} requests): its "
+                      "ratios there mean nothing")
     pooled = [] if warm_row else [("warm turns", lambda r: r["warm_turns"])]
     for name, get in phases + pooled:
         print(f"{'p99 ' + name:<19}" + "".join(f"{LABELS[k]} {get(results[k])['p99'] * 1e3:.1f} ms  " for k in kinds))
@@ -518,8 +526,9 @@ def figures(results: dict, args) -> dict:
         c = args.clients
         if ours.get("warm_turns", {}).get("n") and ours["warm_turns"]["p50"]:
             out[f"{name}_warm_ttft_c{c}"] = base["warm_turns"]["p50"] / ours["warm_turns"]["p50"]
-        out[f"{name}_restart_ttft_c{c}"] = base["after_restart"]["p50"] / ours["after_restart"]["p50"]
-        if not args.paired:
+        if base["after_restart"].get("tokens", 1):  # (a baseline whose replies all came back empty: no figure)
+            out[f"{name}_restart_ttft_c{c}"] = base["after_restart"]["p50"] / ours["after_restart"]["p50"]
+        if not args.paired and base["all_turns"]["tokens_per_s"] > 0:
             out[f"{name}_tok_s_c{c}"] = ours["all_turns"]["tokens_per_s"] / base["all_turns"]["tokens_per_s"]
     return out
 
