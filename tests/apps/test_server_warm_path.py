@@ -108,7 +108,7 @@ def test_a_warm_turns_short_tail_is_not_split_at_its_offsets(tiny, tmp_path):
 
 
 class _Held:
-    """A scheduler as ``_Prompts`` sees it: what the memory tier holds, and the split rule."""
+    """A scheduler as ``_Prompts`` sees it: what the memory tier (and LMDB) hold, and the split rule."""
 
     def __init__(self, covered: int, step: int = 512) -> None:
         self.covered, self.step = covered, step
@@ -119,7 +119,10 @@ class _Held:
     def splits_prompt(self, cached: int, left: int) -> bool:
         return cached == 0 or left >= self.step
 
-    seam_floor = Scheduler.seam_floor  # the rule under test, over this fake's two answers
+    def stored_prefix(self, tenant, tokens) -> int:  # LMDB holds nothing more
+        return 0
+
+    seam_floor = Scheduler.seam_floor  # the rule under test, over this fake's answers
 
 
 def test_a_warm_turn_renders_no_message_head(smollm2_tokenizer):
@@ -235,3 +238,30 @@ def test_a_memory_hit_is_not_copied_and_extending_it_leaves_the_entry_unchanged(
     after = [np.array(a) for layer in hit.entry.layers for a in layer.arrays]
     assert all(np.array_equal(a, b) for a, b in zip(held, after))
     assert row.offsets == (len(prompt) + 4,)
+
+
+def test_after_a_restart_the_seam_floor_comes_from_lmdb(tiny, tmp_path):
+    """Issue 35 (the H100 agent run): after a restart the memory tier is empty, so every message head of a 16k-token
+    prompt was rendered and tokenized (~12 tokenizations) before a restore that covers all but its last turn.
+    ``Scheduler.seam_floor`` asks LMDB's index when the memory tier falls a prefill chunk short: a short tail past
+    what LMDB holds renders no head; a long one renders only past it; an unknown prompt, everything."""
+    cache = SpecCache.open(tmp_path / "store")
+    generator = Generator.load(tiny.root / "target", None, cache=cache)
+    sched = Scheduler(generator, max_rows=2)
+    sched.start()
+    try:
+        stored = list(range(3, 63))
+        _run_job(sched, stored, 2, (len(stored),))
+        assert cache.drain(30)
+        cache.memory.clear()  # what a restart leaves: LMDB only
+        step = generator.engine.prefill_step_size
+        short = stored + list(range(100, 110))
+        assert sched.held_prefix(None, short[:-1]) == 0 and sched.stored_prefix(None, short[:-1]) == len(stored)
+        assert sched.seam_floor(None, short) is None
+        long_tail = stored + [(7 * i) % 90 + 5 for i in range(step + 10)]
+        assert sched.seam_floor(None, long_tail) == len(stored) + MIN_CHECKPOINT_GAP - 1
+        assert sched.seam_floor(None, [201, 202] + long_tail) == 0  # nothing stored of it
+        assert sched.stored_prefix("another-tenant", short[:-1]) == 0  # another tenant's namespace holds nothing
+    finally:
+        sched.stop(5)
+        cache.close()

@@ -103,6 +103,7 @@ from spec_cache.apps.server.protocol import APIError
 from spec_cache.apps.server.trace import scheduler_trace
 from spec_cache.naming.namespace import namespace_key
 from spec_cache.rows.sampling import RowSampling
+from spec_cache.store import StoreError
 from spec_cache.tiers.continuations import Continuations, request_key
 from spec_cache.tiers.continuations import plan as continuation_plan
 from spec_cache.tiers.continuations import record_at as continuation_record
@@ -316,14 +317,37 @@ class Scheduler:
         """For the routes' ``seam.message_boundaries``: None when ``prompt``'s prefill will not be split (a warm
         turn's short tail, ``splits_prompt``: its end is the one checkpoint, no message head need be rendered);
         else the offset at or below which a boundary gives no checkpoint (``_phase_end`` skips it): what the memory
-        tier holds of the prompt for ``tenant`` plus ``MIN_CHECKPOINT_GAP - 1``, or 0 when it holds nothing.
-        Any thread (the tokenizer thread asks, before the job exists)."""
-        covered = self.held_prefix(tenant, prompt[:-1])
+        tier or LMDB holds of the prompt for ``tenant`` plus ``MIN_CHECKPOINT_GAP - 1``, or 0 when they hold
+        nothing. Any thread (the tokenizer thread asks, before the job exists).
+
+        LMDB is asked (index only, no lock: ``Store.lookup``) when what the memory tier holds would have heads
+        rendered: after a restart the memory tier is empty, and rendering every message head of a 16k-token agent
+        prompt (~12 tokenizations) cost more than the restore (issue 35, the H100 agent run)."""
+        head = prompt[:-1]
+        covered = self.held_prefix(tenant, head)
+        if covered <= 0 or self.splits_prompt(covered, len(head) - covered):
+            covered = max(covered, self.stored_prefix(tenant, head))
         if covered <= 0:
             return 0
         if not self.splits_prompt(covered, len(prompt) - 1 - covered):
             return None
         return covered + MIN_CHECKPOINT_GAP - 1
+
+    def stored_prefix(self, tenant: str | None, tokens: list[int]) -> int:
+        """How many leading ``tokens`` LMDB holds for ``tenant`` (``Store.lookup``: the index only, nothing read or
+        verified; 0 without a cache, for a namespace it holds nothing of, or on a store error). A planning read,
+        as ``held_prefix``: never a restore, no hit counted."""
+        cache = self.generator.cache
+        if cache is None or len(tokens) == 0 or cache.closed:
+            return 0
+        ns_key = self._derived_key(tenant)
+        if ns_key is None:
+            return 0
+        try:
+            hit = cache.store.lookup(ns_key, tokens)
+        except StoreError:  # a damaged index, a store gone: plan as if nothing were stored (the restore reports it)
+            return 0
+        return 0 if hit is None else int(hit.length)
 
     def _derived_key(self, tenant: str | None) -> bytes | None:
         """``tenant``'s namespace key, derived (``naming.namespace``), not registered: any thread."""
