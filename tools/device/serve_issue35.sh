@@ -2,8 +2,10 @@
 # Issue 35's serving figures on a lent GPU, one call per part, into $OUT (at most 8 files come back):
 #
 #   call 0 (fresh machine, carry .gpu/p1):         mkdir -p /tmp/parts && cp .gpu/p1/* /tmp/parts/
-#   call 1 (carry .gpu/p2 .gpu/p3 .gpu/serve):     PART=chat bash tools/device/serve_issue35.sh
+#   call 0b (carry .gpu/p3):                       mkdir -p /tmp/p3 && cp .gpu/p3/* /tmp/p3/
+#   call 1 (carry .gpu/p2 .gpu/serve):             ln -sfn /tmp/p3 .gpu/p3 && PART=chat bash tools/device/serve_issue35.sh
 #   call 2 (same warm machine, no carry needed):   PART=agent bash tools/device/serve_issue35.sh
+# (p1 and p3 together with the tree passed 64 MiB on 2026-12-07: a call carries at most 64 MiB in all.)
 # To measure exactly one commit while the working tree moves (helpers' edits travel with it), carry the commit as
 # a tarball: `git archive <commit> | gzip > .gpu/src/tree.tgz` here, carry .gpu/src too in call 1, and run
 #   rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .gpu/src/tree.tgz -C /tmp/src && cp -r .gpu /tmp/src/ &&
