@@ -461,6 +461,10 @@ class DecodeSession:
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._stepping = False
+        # where the last ``step`` spent its time, seconds by part (admit, prefill, round, read, retire, snapshots):
+        # the scheduler's trace records it (issue 35: a step in which a row left took 216 ms on the H100, and the
+        # trace could not say in which part)
+        self.step_parts: dict[str, float] = {}
         self._leaving: dict[int, bool] = {}  # row id -> write its finish checkpoint (finish) or not (cancel)
         self._snapshots: set[int] = set()  # row ids whose checkpoint is asked for at the end of this step
         self._closed = False
@@ -525,6 +529,9 @@ class DecodeSession:
         if self._closed:
             raise RuntimeError("the session is closed")
         self._stepping = True
+        parts = self.step_parts = {}
+        clock = time.perf_counter
+        began = clock()
         try:
             short, cohort = self._next_cohorts()
             if cohort:
@@ -536,14 +543,21 @@ class DecodeSession:
                 # server's scheduler) gets a warm short request in beside a long cold prefill at the next chunk,
                 # not after all of it (issue 35's H100 trace: 3.3 s in the queue behind a 5.9k-token prefill)
                 self._advance(self._joining, whole=not self.active and not self.engine.interleave_prefill)
+            now = clock()
+            parts["prefill"], began = now - began, now  # (admission and the joining rows' chunks)
             if self.active:
                 if self._pipelined and not self._processing():
                     self._pipelined_round()
                 else:  # a row with logits processors needs its tokens on the host: synchronous rounds
                     self._drop_ahead()
                     self._round()
+            now = clock()
+            parts["round"], began = now - began, now  # (its host read alone also as "read", when plain)
             self._retire()
+            now = clock()
+            parts["retire"], began = now - began, now
             self._take_snapshots()
+            parts["snapshots"] = clock() - began
         finally:
             self._stepping = False
         return self.busy
@@ -903,8 +917,10 @@ class DecodeSession:
             built -= self._ahead.built_s  # the next round's
         if lazy:
             mx.async_eval(*lazy)
+        read = time.perf_counter()
         chosen = current.tokens.tolist()
         clock = time.perf_counter()
+        self.step_parts["read"] = clock - read  # waiting for the device: the round's compute (and what it waited on)
         for row, choice, budget in zip(active, chosen, budgets):
             self._emit(row, [], choice, budget, clock)
         if controller is not None:

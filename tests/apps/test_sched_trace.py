@@ -34,6 +34,12 @@ def test_trace_records_steps_and_first_tokens(tiny_model, tmp_path, monkeypatch)
     assert any(x["prompt"] > 40 for x in firsts)
     assert sum(x["adm"] for x in steps) >= 2 and all(x["step_ms"] >= 0 and "wq" in x for x in steps)
     assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+    # a step's parts (issue 35: where a 216 ms step went could not be told from its total) and the device memory
+    stepped = [x for x in steps if "parts" in x]
+    assert stepped and all({"prefill", "round", "retire", "snapshots"} <= set(x["parts"]) for x in stepped)
+    assert all(sum(x["parts"].values()) <= x["step_ms"] + 0.1 for x in stepped)
+    assert all(v >= 0 for x in stepped for v in x["parts"].values())
+    assert all(x["mem"] >= 0 and x["mcache"] >= 0 for x in steps)
 
 
 def test_no_trace_by_default(tiny_model, tmp_path, monkeypatch):
