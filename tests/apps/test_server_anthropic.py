@@ -472,3 +472,33 @@ def test_a_warm_turn_renders_no_message_head_on_messages_either(tiny, reference,
 
 def _with_system(system: list[dict], turns: list[dict]) -> list[dict]:
     return [{"role": "system", "content": system[0]["text"]}] + list(turns)
+
+
+def test_breakpoint_heads_are_tokenized_once_per_tenant(reference, monkeypatch):
+    """An agent's system prompt and tools come with a breakpoint on every request: ``HeadMemo`` keeps the head's ids
+    (per tenant: another tenant's identical head is rendered for it, a hit's timing never crosses tenants), and
+    the prompt comes out the same as without it."""
+    from spec_cache.apps.server import anthropic
+    from spec_cache.apps.server.anthropic import HeadMemo, build_prompt, parse_messages
+
+    tokenizer, _ = reference
+    turns = [{"role": ("user", "assistant")[i % 2], "content": words(10 + 5 * i, 4)} for i in range(5)]
+    body = {"model": "tiny", "max_tokens": 4, "messages": turns,
+            "system": [{"type": "text", "text": words(100, 20), "cache_control": {"type": "ephemeral"}}]}
+    request = parse_messages(body, ("tiny",))
+    plain = build_prompt(tokenizer, request, True, lambda ids: None)
+    renders = []
+    real = anthropic.render_chat
+    monkeypatch.setattr(anthropic, "render_chat", lambda *a, **k: renders.append(len(a[1])) or real(*a, **k))
+    memo = HeadMemo(size=4)
+    first = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "tenant-a"))
+    assert first == plain and len(renders) == 2 and memo.hits == 0  # the prompt, the system head
+    renders.clear()
+    again = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "tenant-a"))
+    assert again == plain and len(renders) == 1 and memo.hits == 1  # the prompt only
+    renders.clear()
+    other = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "tenant-b"))
+    assert other == plain and len(renders) == 2 and memo.hits == 1  # B's own render: no hit across tenants
+    for i in range(4):  # bounded: the least recently used go
+        memo.ids(f"t{i}", ("x", i), lambda: [i])
+    assert len(memo._ids) == 4

@@ -30,9 +30,13 @@ granularity above 1 the breakpoint is rounded down to it too); ``input_tokens``:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import threading
 import uuid
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, AsyncIterator, Callable
@@ -443,15 +447,55 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class HeadMemo:
+    """The token ids of the breakpoint heads each tenant rendered lately, the least recently used dropped past
+    ``size``. Why: an agent sends the same system prompt and tool definitions on every request, with a breakpoint
+    after them; its head was rendered and tokenized each time (~20 ms for an 8k-token head with SmolLM2's
+    tokenizer, on the tokenizer thread before the job exists). Keyed by the tenant and a digest of exactly what is
+    rendered (messages, tools, tool choice), so one tenant's renders never answer another's: a hit is faster, and
+    its timing would tell. Thread-safe (the tokenizer threads share it)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._ids: OrderedDict[tuple, array] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def ids(self, tenant: str | None, parts: tuple, render: Callable[[], list[int]]) -> list[int]:
+        """``render()``'s ids for ``parts`` under ``tenant``, rendered once while remembered."""
+        blob = json.dumps(parts, sort_keys=True, default=str, ensure_ascii=False).encode()
+        key = (tenant, hashlib.blake2b(blob, digest_size=20).digest())
+        with self._lock:
+            held = self._ids.get(key)
+            if held is not None:
+                self._ids.move_to_end(key)
+                self.hits += 1
+                return held.tolist()
+        ids = render()
+        with self._lock:
+            self._ids[key] = array("q", ids)
+            while len(self._ids) > self.size:
+                self._ids.popitem(last=False)
+        return ids
+
+
 def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool,
-                 seam_floor: Callable[[list[int]], int | None] | None = None) -> Prompt:
+                 seam_floor: Callable[[list[int]], int | None] | None = None,
+                 heads: tuple[HeadMemo, str | None] | None = None) -> Prompt:
     """The prompt's token ids and, when ``boundaries`` (a cache that takes checkpoints), the offsets to checkpoint
     (the breakpoints first, then the last message boundaries) and where the last breakpoint ends. Runs on the
     tokenizer thread. ``seam_floor(ids)`` (``Scheduler.seam_floor`` for the request's tenant): the message heads
     the cache already covers are not rendered, none on a warm turn whose tail is not split, as on the OpenAI
-    routes."""
+    routes. ``heads``: ``(memo, tenant)``, the breakpoint heads' ids remembered across requests (``HeadMemo``)."""
     def render(messages: list[dict], generation_prompt: bool, tools=request.tools) -> list[int]:
         return render_chat(tokenizer, messages, tools, request.tool_choice, add_generation_prompt=generation_prompt)
+
+    def head_ids(messages: list[dict], generation_prompt: bool, tools=request.tools) -> list[int]:
+        if heads is None:
+            return render(messages, generation_prompt, tools)
+        memo, tenant = heads
+        return memo.ids(tenant, (messages, tools, request.tool_choice, generation_prompt),
+                        lambda: render(messages, generation_prompt, tools))
 
     messages = request.messages[:-1] if request.prefill is not None else request.messages
     chat = to_chat(request.system, messages)
@@ -465,7 +509,7 @@ def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool,
         return Prompt(ids)
     points = []
     for point in request.breakpoints:
-        end = _breakpoint_end(render, request, point, ids)
+        end = _breakpoint_end(head_ids, request, point, ids)
         if end:
             points.append(end)
     marked = set(points)
@@ -681,6 +725,7 @@ def messages_routes(ctx) -> list[Route]:
     cache = state.generator.cache
     caching = cache is not None and getattr(state.generator.engine, "plan", None) is None
     styles: list[str] = []
+    heads = HeadMemo()  # breakpoint heads' ids by tenant (an agent's system prompt and tools: once, not each request)
 
     def style() -> str:
         if not styles:
@@ -706,10 +751,10 @@ def messages_routes(ctx) -> list[Route]:
                 body = await ctx.read_json(request)
                 parsed = parse_messages(body, state.models, state.config.default_temperature, counting=counting)
                 # a tenant's tokenizing: one request at a time, in one turn with its other routes' (jobs.Requests)
-                floor = None if counting or not caching else partial(
-                    ctx.scheduler.seam_floor, salted_tenant(tenant, getattr(parsed.params, "cache_salt", None)))
+                salted = salted_tenant(tenant, getattr(parsed.params, "cache_salt", None))
+                floor = None if counting or not caching else partial(ctx.scheduler.seam_floor, salted)
                 prompt = await ctx.tokenize_as(tenant, build_prompt, tokenizer, parsed, caching and not counting,
-                                               floor)
+                                               floor, (heads, salted))
                 if counting:
                     ctx.count(name, 200, tenant)
                     return JSONResponse({"input_tokens": len(prompt.ids)})
