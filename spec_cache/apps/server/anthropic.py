@@ -473,7 +473,7 @@ class HeadMemo:
                 return held.tolist()
         ids = render()
         with self._lock:
-            self._ids[key] = array("q", ids)
+            self._ids[key] = array("I", ids)  # (token ids: 4 bytes each; 64 heads of 128k tokens are 32 MiB)
             while len(self._ids) > self.size:
                 self._ids.popitem(last=False)
         return ids
