@@ -35,6 +35,7 @@ a hit costs one slice per stored array (no copy); a put costs nothing beyond hol
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -128,6 +129,10 @@ def default_budget() -> int:
         except (ValueError, OSError, AttributeError):
             total = 8 << 30
     return int(min(total // 8, 32 << 30))
+
+
+#: how many of a namespace's latest entries ``MemoryTier.common_prefix`` compares
+COMMON_PREFIX_SCAN = 32
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -261,11 +266,13 @@ class MemoryTier:
         Why: the write queue counts a checkpoint as the bytes after the chunks LMDB holds or will hold by its write
         (``SpecCache._submit``). The entries here are those chunks' checkpoints (a durable one LMDB holds, a pending
         one is queued before it), so this answers from memory what asking LMDB (a hash and a read per chunk)
-        answered on the request thread. Entries this tier let go of are not seen: the estimate is then low, never
-        high (the checkpoint counts more of its bytes)."""
+        answered on the request thread. Only the namespace's ``COMMON_PREFIX_SCAN`` latest puts are compared (a
+        conversation's previous turn is among them; a namespace can hold thousands of small entries). Entries not
+        seen make the estimate low, never high (the checkpoint counts more of its bytes)."""
         query = np.asarray(tokens, dtype=np.uint32)
         with self._lock:
-            return max((_lcp(entry.tokens, query) for entry in self._by_ns.get(ns_key, {}).values()), default=0)
+            latest = itertools.islice(reversed(self._by_ns.get(ns_key, {}).values()), COMMON_PREFIX_SCAN)
+            return max((_lcp(entry.tokens, query) for entry in latest), default=0)
 
     def serving(self, ns_key: bytes, tokens: Sequence[int]) -> tuple[bytes, int] | None:
         """``(entry tokens, bytes)`` of the held entry that serves all of ``tokens`` (the shortest; a longer

@@ -348,3 +348,22 @@ def test_a_row_restored_to_its_whole_boundary_is_not_copied_for_a_boundary_check
         (warm,) = gen.generate([PROMPTS[0]], max_tokens=3)
         assert warm.cached_tokens == len(PROMPTS[0]) - 1 and warm.restored_drafter
         assert cold_calls == 2 and len(calls) == 1  # cold: boundary + finish; warm: finish only
+
+
+def test_common_prefix_reads_the_namespace_latest_entries():
+    """``MemoryTier.common_prefix`` (the write queue's estimate of what LMDB holds, issue 35 item 3): the longest
+    common prefix with an entry of the namespace, another namespace's entries unseen, and only the latest
+    ``COMMON_PREFIX_SCAN`` puts compared (a namespace of thousands of small entries costs a save no more)."""
+    from spec_cache.tiers.memory_tier import COMMON_PREFIX_SCAN
+
+    tier = MemoryTier(1 << 30)
+    base = list(range(1000, 1100))
+    tier.put(b"n" * 32, base, [kv(100, seed=1)])
+    tier.put(b"m" * 32, base + [5, 6, 7], [kv(103, seed=2)])
+    assert tier.common_prefix(b"n" * 32, base[:60] + [9, 9]) == 60
+    assert tier.common_prefix(b"n" * 32, base + [5, 6, 7, 8]) == 100  # not the other namespace's 103
+    assert tier.common_prefix(b"x" * 32, base) == 0
+    for i in range(COMMON_PREFIX_SCAN):  # newer entries sharing nothing with ``base``
+        tier.put(b"n" * 32, [i + 1, 2, 3], [kv(3, seed=i)])
+    assert tier.common_prefix(b"n" * 32, base) == 0  # the old entry is past the scan: a low estimate, never high
+    assert tier.common_prefix(b"n" * 32, [COMMON_PREFIX_SCAN, 2, 3, 4]) == 3
