@@ -10,7 +10,8 @@ slower than plain decoding in a benchmark.
 
 :func:`warm_up` runs the engine itself (so its batched masks, verify windows and drafter forwards are the ones
 compiled) on throwaway requests: prompts whose lengths cover the token-count classes up to the prefill step, each
-draft depth from 1 to the engine's, and batches of 1 to 8 rows. It writes nothing to any cache (no checkpoint
+draft depth from 1 to the engine's, batches of 1 to 8 rows, and rows leaving a batch one at a time over prompts
+longer than a prefill chunk. It writes nothing to any cache (no checkpoint
 hook) and uses its own engine objects (the adaptive controller's measurements stay clean). Tokens are a fixed
 repeating pattern, so a prompt-lookup drafter drafts. ``spec-cache serve --warmup auto`` (the default) runs it
 before the server reports ready when MLX's default device is a GPU; on the CPU backend there is nothing to compile
@@ -27,7 +28,10 @@ from dataclasses import dataclass, field
 #: classes a matmul may switch kernels at, up to the prefill step
 BASE_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 23, 24, 32, 33, 48, 64, 65, 96, 128, 129, 192, 256, 257, 384,
                 512, 513, 1024, 2048)
-BATCHES = (1, 2, 4, 8)
+#: row counts of the batched decode runs: every count, since a row leaving a batch of 4 makes one of 3 (issue 35's
+#: H100 trace: the first steps after a row left took 162-726 ms, later ones 31-77, a steady one 19.6; (1, 2, 4, 8)
+#: warmed before)
+BATCHES = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 @dataclass
@@ -92,9 +96,15 @@ def warm_up(engine, *, lengths: Sequence[int] | None = None, batches: Sequence[i
         timed(f"prompt {length + 1}", plain, [RowRequest(_pattern(length + 1, vocab), max_tokens=2,
                                                          stop_at_eos=False)])
     cap = engine.max_rows or max(batches)
-    for rows in sorted({min(b, cap) for b in batches}):  # batched decode
+    counts = sorted({min(b, cap) for b in batches})
+    for rows in counts:  # batched decode
         timed(f"{rows} rows", plain, [RowRequest(_pattern(24 + r, vocab), max_tokens=3, stop_at_eos=False)
                                       for r in range(rows)])
+    # rows leaving one at a time over a long context: each count's decode after a departure (the batch's KV
+    # gathered, every row's prompt past a prefill chunk), as a server's batch shrinks between turns
+    widest, long = max(counts), step + 1
+    timed(f"{widest} rows leaving, {long + 1} tokens", plain,
+          [RowRequest(_pattern(long + 1 + r, vocab), max_tokens=2 + r, stop_at_eos=False) for r in range(widest)])
     if engine.provider is not None:
         for depth in range(1, engine.draft_depth + 1):  # verify windows and drafter forwards of each depth
             drafting = fresh(depth)

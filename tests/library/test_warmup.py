@@ -38,8 +38,8 @@ def test_warm_up_covers_every_class_and_writes_nothing(models, tmp_path):
                              prefill_step_size=64)
         report = warmup.warm_up(gen.engine)
         labels = [label for label, _ in report.timings]
-        assert [f"prompt {n + 1}" for n in warmup.BASE_LENGTHS if n <= 64] == labels[:len(labels) - 4 - 6]
-        assert {"1 rows", "2 rows", "4 rows", "8 rows"} <= set(labels)
+        assert [f"prompt {n + 1}" for n in warmup.BASE_LENGTHS if n <= 64] == labels[:len(labels) - 8 - 1 - 6]
+        assert {f"{r} rows" for r in range(1, 9)} <= set(labels) and "8 rows leaving, 66 tokens" in labels
         assert {f"depth {d}, {r} rows" for d in (1, 2, 3) for r in (1, 2)} <= set(labels)
         assert report.runs == len(labels) and report.seconds > 0 and report.slowest[0] in labels
         assert cache.drain()
@@ -57,7 +57,8 @@ def test_warm_up_respects_max_rows_and_plain_engines(models):
     target, _ = models
     engine = SpeculativeEngine(TargetModel.load(target), None, 0, max_rows=2, prefill_step_size=16)
     report = warmup.warm_up(engine, lengths=[1, 5])
-    assert [label for label, _ in report.timings] == ["prompt 2", "prompt 6", "1 rows", "2 rows"]
+    assert [label for label, _ in report.timings] == ["prompt 2", "prompt 6", "1 rows", "2 rows",
+                                                      "2 rows leaving, 18 tokens"]
 
 
 def test_wanted_only_on_a_gpu(models):
