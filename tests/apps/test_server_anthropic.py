@@ -477,7 +477,8 @@ def _with_system(system: list[dict], turns: list[dict]) -> list[dict]:
 def test_breakpoint_heads_are_tokenized_once_per_tenant(reference, monkeypatch):
     """An agent's system prompt and tools come with a breakpoint on every request: ``HeadMemo`` keeps the head's ids
     (per tenant: another tenant's identical head is rendered for it, a hit's timing never crosses tenants), and
-    the prompt comes out the same as without it."""
+    the prompt comes out the same as without it. One tenant's flood of heads (or of cache salts) evicts only its
+    own."""
     from spec_cache.apps.server import anthropic
     from spec_cache.apps.server.anthropic import HeadMemo, build_prompt, parse_messages
 
@@ -490,15 +491,23 @@ def test_breakpoint_heads_are_tokenized_once_per_tenant(reference, monkeypatch):
     renders = []
     real = anthropic.render_chat
     monkeypatch.setattr(anthropic, "render_chat", lambda *a, **k: renders.append(len(a[1])) or real(*a, **k))
-    memo = HeadMemo(size=4)
-    first = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "tenant-a"))
+    memo = HeadMemo(per_tenant=4, tenants=8)
+    first = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "b", "b"))
     assert first == plain and len(renders) == 2 and memo.hits == 0  # the prompt, the system head
     renders.clear()
-    again = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "tenant-a"))
+    again = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "b", "b"))
     assert again == plain and len(renders) == 1 and memo.hits == 1  # the prompt only
     renders.clear()
-    other = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "tenant-b"))
-    assert other == plain and len(renders) == 2 and memo.hits == 1  # B's own render: no hit across tenants
-    for i in range(4):  # bounded: the least recently used go
-        memo.ids(f"t{i}", ("x", i), lambda: [i])
-    assert len(memo._ids) == 4
+    other = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "a", "a"))
+    assert other == plain and len(renders) == 2 and memo.hits == 1  # A's own render: no hit across tenants
+    salted = build_prompt(tokenizer, request, True, lambda ids: None, (memo, "b", "b|salt:x"))
+    assert salted == plain and memo.hits == 1  # B under a cache salt: its own head too
+    for i in range(50):  # A floods heads under fresh salts: its own group stays bounded, B's head stays
+        memo.ids("a", f"a|salt:{i}", ("x", i), lambda: [i])
+    assert memo.held("a") == 4 and memo.held("b") == 2
+    renders.clear()
+    build_prompt(tokenizer, request, True, lambda ids: None, (memo, "b", "b"))
+    assert len(renders) == 1 and memo.hits == 2
+    for i in range(8):  # other API keys' tenants: at most ``tenants`` groups, the least recently active go
+        memo.ids(f"key{i}", f"key{i}", ("y", i), lambda: [i])
+    assert memo.held("b") == 0 and memo.held("key7") == 1

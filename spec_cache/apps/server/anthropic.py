@@ -448,53 +448,68 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class HeadMemo:
-    """The token ids of the breakpoint heads each tenant rendered lately, the least recently used dropped past
-    ``size``. Why: an agent sends the same system prompt and tool definitions on every request, with a breakpoint
-    after them; its head was rendered and tokenized each time (~20 ms for an 8k-token head with SmolLM2's
-    tokenizer, on the tokenizer thread before the job exists). Keyed by the tenant and a digest of exactly what is
+    """The token ids of the breakpoint heads each tenant rendered lately. Why: an agent sends the same system prompt
+    and tool definitions on every request, with a breakpoint after them; its head was rendered and tokenized each
+    time (~20 ms for an 8k-token head with SmolLM2's tokenizer, on the tokenizer thread before the job exists).
+
+    Tenancy: heads are kept per API key's tenant (``group``), ``per_tenant`` each (the least recently used go), for
+    at most ``tenants`` groups (the least recently active go): one tenant's flood of heads, or of cache salts, evicts
+    only its own. Within a group a head is keyed by the namespace tenant (salted) and a digest of exactly what is
     rendered (messages, tools, tool choice), so one tenant's renders never answer another's: a hit is faster, and
     its timing would tell. Thread-safe (the tokenizer threads share it)."""
 
-    def __init__(self, size: int = 64) -> None:
-        self.size = size
-        self._ids: OrderedDict[tuple, array] = OrderedDict()
+    def __init__(self, per_tenant: int = 8, tenants: int = 64) -> None:
+        self.per_tenant, self.tenants = per_tenant, tenants
+        self._groups: OrderedDict[str | None, OrderedDict[tuple, array]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
 
-    def ids(self, tenant: str | None, parts: tuple, render: Callable[[], list[int]]) -> list[int]:
-        """``render()``'s ids for ``parts`` under ``tenant``, rendered once while remembered."""
+    def ids(self, group: str | None, tenant: str | None, parts: tuple, render: Callable[[], list[int]]) -> list[int]:
+        """``render()``'s ids for ``parts`` under ``tenant`` (of API key tenant ``group``), rendered once while
+        remembered."""
         blob = json.dumps(parts, sort_keys=True, default=str, ensure_ascii=False).encode()
         key = (tenant, hashlib.blake2b(blob, digest_size=20).digest())
         with self._lock:
-            held = self._ids.get(key)
+            held = self._groups.get(group, {}).get(key)
             if held is not None:
-                self._ids.move_to_end(key)
+                self._groups.move_to_end(group)
+                self._groups[group].move_to_end(key)
                 self.hits += 1
                 return held.tolist()
         ids = render()
         with self._lock:
-            self._ids[key] = array("I", ids)  # (token ids: 4 bytes each; 64 heads of 128k tokens are 32 MiB)
-            while len(self._ids) > self.size:
-                self._ids.popitem(last=False)
+            mine = self._groups.setdefault(group, OrderedDict())
+            self._groups.move_to_end(group)
+            mine[key] = array("I", ids)  # (token ids, 4 bytes each)
+            while len(mine) > self.per_tenant:
+                mine.popitem(last=False)
+            while len(self._groups) > self.tenants:
+                self._groups.popitem(last=False)
         return ids
+
+    def held(self, group: str | None) -> int:
+        """How many heads ``group`` holds (for tests and stats)."""
+        with self._lock:
+            return len(self._groups.get(group, ()))
 
 
 def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool,
                  seam_floor: Callable[[list[int]], int | None] | None = None,
-                 heads: tuple[HeadMemo, str | None] | None = None) -> Prompt:
+                 heads: tuple[HeadMemo, str | None, str | None] | None = None) -> Prompt:
     """The prompt's token ids and, when ``boundaries`` (a cache that takes checkpoints), the offsets to checkpoint
     (the breakpoints first, then the last message boundaries) and where the last breakpoint ends. Runs on the
     tokenizer thread. ``seam_floor(ids)`` (``Scheduler.seam_floor`` for the request's tenant): the message heads
     the cache already covers are not rendered, none on a warm turn whose tail is not split, as on the OpenAI
-    routes. ``heads``: ``(memo, tenant)``, the breakpoint heads' ids remembered across requests (``HeadMemo``)."""
+    routes. ``heads``: ``(memo, API key tenant, namespace tenant)``, the breakpoint heads' ids remembered across
+    requests (``HeadMemo``)."""
     def render(messages: list[dict], generation_prompt: bool, tools=request.tools) -> list[int]:
         return render_chat(tokenizer, messages, tools, request.tool_choice, add_generation_prompt=generation_prompt)
 
     def head_ids(messages: list[dict], generation_prompt: bool, tools=request.tools) -> list[int]:
         if heads is None:
             return render(messages, generation_prompt, tools)
-        memo, tenant = heads
-        return memo.ids(tenant, (messages, tools, request.tool_choice, generation_prompt),
+        memo, group, tenant = heads
+        return memo.ids(group, tenant, (messages, tools, request.tool_choice, generation_prompt),
                         lambda: render(messages, generation_prompt, tools))
 
     messages = request.messages[:-1] if request.prefill is not None else request.messages
@@ -725,7 +740,7 @@ def messages_routes(ctx) -> list[Route]:
     cache = state.generator.cache
     caching = cache is not None and getattr(state.generator.engine, "plan", None) is None
     styles: list[str] = []
-    heads = HeadMemo()  # breakpoint heads' ids by tenant (an agent's system prompt and tools: once, not each request)
+    heads = HeadMemo()  # breakpoint heads' ids per tenant (an agent's system prompt and tools: once, not each request)
 
     def style() -> str:
         if not styles:
@@ -754,7 +769,7 @@ def messages_routes(ctx) -> list[Route]:
                 salted = salted_tenant(tenant, getattr(parsed.params, "cache_salt", None))
                 floor = None if counting or not caching else partial(ctx.scheduler.seam_floor, salted)
                 prompt = await ctx.tokenize_as(tenant, build_prompt, tokenizer, parsed, caching and not counting,
-                                               floor, (heads, salted))
+                                               floor, (heads, tenant, salted))
                 if counting:
                     ctx.count(name, 200, tenant)
                     return JSONResponse({"input_tokens": len(prompt.ids)})
