@@ -461,7 +461,8 @@ class DecodeSession:
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._stepping = False
-        # where the last ``step`` spent its time, seconds by part (admit, prefill, round, read, retire, snapshots):
+        # where the last ``step`` spent its time, seconds by part (prefill: admission and the joining rows' chunks;
+        # round; read: a plain round's wait for its tokens, inside round; retire; snapshots):
         # the scheduler's trace records it (issue 35: a step in which a row left took 216 ms on the H100, and the
         # trace could not say in which part)
         self.step_parts: dict[str, float] = {}

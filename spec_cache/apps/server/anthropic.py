@@ -767,9 +767,9 @@ def messages_routes(ctx) -> list[Route]:
                 parsed = parse_messages(body, state.models, state.config.default_temperature, counting=counting)
                 # a tenant's tokenizing: one request at a time, in one turn with its other routes' (jobs.Requests)
                 salted = salted_tenant(tenant, getattr(parsed.params, "cache_salt", None))
-                floor = None if counting or not caching else partial(ctx.scheduler.seam_floor, salted)
+                seam_floor = None if counting or not caching else partial(ctx.scheduler.seam_floor, salted)
                 prompt = await ctx.tokenize_as(tenant, build_prompt, tokenizer, parsed, caching and not counting,
-                                               floor, (heads, tenant, salted))
+                                               seam_floor, (heads, tenant, salted))
                 if counting:
                     ctx.count(name, 200, tenant)
                     return JSONResponse({"input_tokens": len(prompt.ids)})

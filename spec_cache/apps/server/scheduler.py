@@ -337,9 +337,7 @@ class Scheduler:
             covered = max(covered, self.stored_prefix(tenant, head))
         if covered <= 0:
             return 0
-        if not self.splits_prompt(covered, len(prompt) - 1 - covered):
-            return None
-        return covered + MIN_CHECKPOINT_GAP - 1
+        return covered + MIN_CHECKPOINT_GAP - 1 if self.splits_prompt(covered, len(head) - covered) else None
 
     def stored_prefix(self, tenant: str | None, tokens: list[int]) -> int:
         """How many leading ``tokens`` LMDB holds for ``tenant`` (``Store.lookup``: the index only, nothing read or
