@@ -447,7 +447,6 @@ class SpecCache:
             others = sum(1 for who, n in self._tenant_queued.items() if n > 0 and who != tenant)
             self._tenant_queued[tenant] = mine + nbytes
             job.tenant, job.share_bytes = tenant, nbytes
-        job.held_estimate = held
         # a tenant within its share of the queue (cap / tenants with checkpoints queued) waits past a full cap even
         # when the memory tier is over its budget: the tenant that filled the queue pays the back-pressure, not the
         # others (issue 37, sixth pass: A's flood sent B's checkpoints to be written on the scheduler's thread). One
@@ -1016,7 +1015,6 @@ class _WriteJob:
     rider: Callable[[Any], None] | None = None  # rows in the put's own transaction (``save``'s ``rider``)
     captured: list | None = None  # the layers as captured (bytes maybe still in MLX), kept for a full copy
     copied_from: int = 0  # the host copy in ``layers`` starts here along the token axis (``_to_host``)
-    held_estimate: int = 0  # leading tokens the store was expected to hold by its write (``_held_estimate``)
     tenant: bytes = b""  # the tenant its queued bytes count against (``SpecCache.tenant_of``)
     share_bytes: int = 0  # its bytes in its tenant's share of the write queue until it leaves the queue
 
