@@ -825,7 +825,7 @@ class Scheduler:
     def _observe(self, stage: str, seconds: float) -> None:
         """One observation of ``spec_cache_stage_seconds{stage=...}`` (see ``metrics``), when metrics are on."""
         if self.metrics is not None:
-            self.metrics.stage.labels(stage=stage).observe(seconds)
+            self.metrics.stage_of(stage).observe(seconds)
 
     def _replay(self, job: Job) -> bool:
         """Deliver what an identical earlier request generated; True when that answers the job whole."""
