@@ -1078,14 +1078,19 @@ def convert(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
-    staging.chmod(0o755)  # (mkdtemp makes it 0700: the model directory is read as any other)
-    mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (staging / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n")
-    (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _publish(staging, out)
+    try:
+        staging.chmod(0o755)  # (mkdtemp makes it 0700: the model directory is read as any other)
+        mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (staging / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n")
+        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False)
+                                                       + "\n")
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        _publish(staging, out)
+    except BaseException:  # a failed or interrupted conversion leaves no staging directory of its own behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out
 
 

