@@ -194,7 +194,9 @@ def _turns(plan, turns: list, expect: list, tier: str, deadline: Deadline) -> di
         bad = [i for i, r in enumerate(timed) if r.cached_tokens < n - 1 or r.tokens != expect[i]]
         if bad or runs[0].cached_tokens < n - 1:
             raise AssertionError(f"{plan.key}: {tier} next turn {bad or [0]} did not restore the prompt or changed "
-                                 "the tokens")
+                                 f"the tokens (prompt {n} tokens; restored per turn, warm-up first: "
+                                 f"{[r.cached_tokens for r in runs]}; memory tier {cache.memory_stats()}; "
+                                 f"tokens equal cold: {[r.tokens == e for r, e in zip(timed, expect)]})")
         if tier == "memory" and hits < len(runs):
             raise AssertionError(f"{plan.key}: next turns were not memory-tier hits ({hits} of {len(runs)})")
         if tier == "lmdb" and hits:
