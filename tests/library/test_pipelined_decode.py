@@ -120,7 +120,8 @@ def test_pipelined_session_equals_synchronous_session(tiny, provider_name, max_r
 
 def test_plain_rounds_are_queued_before_the_host_reads_the_last_one(tiny, monkeypatch):
     """The order of forwards and token deliveries: pipelined, round k+1's forward is built before round k's tokens
-    reach the owner; the round after the last is never built when ``max_tokens`` ends the row."""
+    reach the owner, except after the first token, which reaches the owner first (round 2 is built right after
+    it); the round after the last is never built when ``max_tokens`` ends the row."""
     target = tiny.target
 
     def run(pipeline):
@@ -141,7 +142,37 @@ def test_plain_rounds_are_queued_before_the_host_reads_the_last_one(tiny, monkey
         return "".join(order)
 
     assert run(False) == "F" + "FT" * 4  # prefill, then one forward per token, each read before the next
-    assert run(True) == "F" + "FF" + "TF" * 2 + "TT"  # the next round is always in flight while the host reads
+    # the first token is delivered before round 2 is built; from then on the next round is in flight while the
+    # host reads (the first-token-first order fails on a session that queues round 2 before that read)
+    assert run(True) == "F" + "FT" + "F" + "FT" * 2 + "T"
+
+
+def test_nothing_is_queued_after_a_first_token_that_ends_the_row(tiny, monkeypatch):
+    """The round queued after a first token (``_queue_after_first``) is built only when the row goes on: not when
+    ``max_tokens`` is 1 nor when the first token is EOS; with ``max_tokens`` 2 it is the row's last forward."""
+    target = tiny.target
+    first = plain_greedy(target, PROMPTS[1], 1)[0]
+
+    def run(max_tokens, eos=()):
+        order = []
+        forward = TargetModel.forward
+
+        def counted(self, ids, caches, **kwargs):
+            order.append("F")
+            return forward(self, ids, caches, **kwargs)
+
+        monkeypatch.setattr(TargetModel, "forward", counted)
+        session = SpeculativeEngine(target, None, pipeline=True).session(eos_token_ids=list(eos))
+        session.submit(RowRequest(PROMPTS[1], max_tokens=max_tokens), on_tokens=lambda row, t: order.append("T"))
+        while session.step():
+            pass
+        session.close()
+        monkeypatch.setattr(TargetModel, "forward", forward)
+        return "".join(order)
+
+    assert run(1) == "FFT"
+    assert run(8, eos=[first]) == "FFT"
+    assert run(2) == "FFTFT"
 
 
 def test_a_row_finishing_at_eos_discards_the_queued_round(tiny):
