@@ -331,3 +331,32 @@ def test_checkpoint_at_must_hold_ints(tiny):
     session = _engine(tiny.target).session()
     with pytest.raises(InvalidRequest, match="checkpoint_at"):
         session.submit(RowRequest(LONG, max_tokens=2, checkpoint_at=(3.5,)))
+
+
+@pytest.mark.parametrize("budget", [0, 9, 64])
+def test_short_rows_join_a_decoding_batch_within_a_steps_token_budget(tiny, budget):
+    """Short rows (one chunk each) waiting beside a decoding row join within ``join_budget`` new tokens a step,
+    the first always (the CPU's default, 0: one a step; a GPU's, a chunk: as many as fit it), each with the
+    target's own greedy tokens."""
+    engine = SpeculativeEngine(tiny.target, None, prefill_step_size=64, pipeline=True)
+    assert engine.join_budget == 0 or mx.default_device().type == mx.DeviceType.gpu
+    engine.join_budget = budget
+    streamed, joined = {}, []
+    session = engine.session()
+
+    def submit(prompt, n):
+        return session.submit(RowRequest(prompt, max_tokens=n, stop_at_eos=False),
+                              on_tokens=lambda row, tokens: streamed.setdefault(row, []).extend(tokens))
+
+    submit([11, 12, 13], 30)
+    for _ in range(3):
+        session.step()
+    shorts = {submit(prompt, 5): prompt for prompt in ([20, 21, 22, 23, 24], [30, 31, 32, 33], [40, 41, 42, 43, 44])}
+    while session.step():
+        joined.append(sum(1 for row in shorts if row in streamed))
+    session.close()
+    # 5 + 4 + 5 new tokens: 0 -> one a step; 9 -> the first two (5 + 4), then the third; 64 -> all three at once
+    want = {0: [1, 2, 3], 9: [2, 3], 64: [3]}[budget]
+    assert sorted(set(joined))[: len(want)] == want and joined[0] == want[0]
+    for row, prompt in shorts.items():
+        assert streamed[row] == plain_greedy(tiny.target, prompt, 5)

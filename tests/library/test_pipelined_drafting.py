@@ -50,6 +50,7 @@ def session_run(target, provider, pipeline: bool, controller, max_rows=3) -> dic
     eos = plain_greedy(target, PROMPTS[0], 24)[9]
     engine = SpeculativeEngine(target, provider, draft_depth=3, max_rows=max_rows, pipeline=pipeline)
     engine.depth = controller
+    engine.join_budget = engine.prefill_step_size  # short rows join as they come, as on a GPU (the CPU: one a step)
     checkpoints, streamed, results = [], {}, {}
     session = engine.session(eos_token_ids=[eos], on_checkpoint=lambda row, tokens, caches, draft: checkpoints.append(
         (row, list(tokens), _owned(caches), _draft_arrays(draft))))

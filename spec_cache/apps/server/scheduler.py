@@ -219,6 +219,11 @@ class Job:
     prompt_logprobs: int | None = None
     prompt_sent: bool = False  # its prompt logprobs were delivered
     prompt_known: list | None = None  # the scores ``prompt_scores`` held of its prompt's first positions
+    #: prompt offsets its prefill checkpoints because a job queued behind it shares that prefix (``_sibling_offsets``)
+    shared_at: tuple[int, ...] = ()
+    #: per admitted row id: how many leading prompt tokens this job shares with that row's (``_prefix_waits``)
+    shared_with: dict = field(default_factory=dict)
+    waited: bool = False  # it waited for such a row's prefill (counted once in ``Scheduler.shared_waits``)
 
     @property
     def sequence(self) -> list[int]:
@@ -297,6 +302,7 @@ class Scheduler:
         if self._continuations is not None:
             self._continuations.memory_records = CONTINUATIONS
         self.replayed_tokens = 0  # tokens answered from continuation records (a gauge of /metrics)
+        self.shared_waits = 0  # jobs that waited for another row's prefill of a prefix they share (``_prefix_waits``)
         self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
         self.error: BaseException | None = None
         cache = generator.cache
@@ -639,7 +645,68 @@ class Scheduler:
             return False
         if job.suspect and any(other.suspect for other in self._rows.values()):
             return False
-        return not self._echo_waits(job)
+        return not self._echo_waits(job) and not self._prefix_waits(job)
+
+    #: a job waits for a row prefilling a prefix of its prompt when that row's checkpoint there would spare it at
+    #: least this many tokens of prefill (``_prefix_waits``); a row admitted with jobs queued behind it checkpoints
+    #: the longest prefix it shares with them when that is this much past what the cache holds (``_sibling_offsets``)
+    SHARED_WAIT_TOKENS = 64
+
+    def _prefix_waits(self, job: Job) -> bool:
+        """Whether ``job`` (not yet admitted, no prompt logprobs) waits for an admitted row of its tenant that has
+        not delivered its first token and whose prefill will checkpoint a prefix of ``job``'s prompt
+        (``RowRequest.checkpoint_at``, or its prefill phase's end) at least ``SHARED_WAIT_TOKENS`` past what the
+        cache holds of it: once that checkpoint is in the memory tier, ``job`` restores it and prefills only the
+        rest. Requests that arrive together with one long uncached prefix (a shared system prompt: a fleet of
+        agents starting, a chat client's first turns, an eval harness's few-shot prefix) forward it once, not
+        once each in one batch, as mlx_lm.server's one-at-a-time prompt processing reuses it. Bounded by that
+        row's prefill: it stops counting once the row delivers its first token, or leaves."""
+        if job.prepared is not None or job.prompt_logprobs is not None or self.generator.cache is None:
+            return False
+        ahead = 0
+        for row_id, row in self._rows.items():
+            if row.tenant != job.tenant or row.last_token_at is not None or row.prepared is None:
+                continue
+            shared = job.shared_with.get(row_id)
+            if shared is None:
+                shared = job.shared_with[row_id] = common_prefix(row.prompt, job.prompt)
+            if shared < self.SHARED_WAIT_TOKENS:
+                continue
+            offsets = tuple(row.prepared.request.checkpoint_at or ()) + ((row.phase_end,) if row.phase_end else ())
+            ahead = max([ahead] + [k for k in offsets if k <= shared])
+        if ahead < self.SHARED_WAIT_TOKENS:
+            return False
+        known = self.generator.cache.memory.common_prefix(self._ns_key(job.tenant), job.prompt[:ahead])
+        if ahead - known < self.SHARED_WAIT_TOKENS:
+            return False
+        if not job.waited:
+            job.waited = True
+            self.shared_waits += 1
+        return True
+
+    def _sibling_offsets(self, job: Job, covered: int) -> tuple[int, ...]:
+        """Where ``job``'s prefill (first admission, its prompt ``covered`` tokens restored) also checkpoints for
+        the jobs queued behind it (same tenant, no prompt logprobs): the longest prefix it shares with each, when
+        that is ``SHARED_WAIT_TOKENS`` or more past ``covered``, ``MIN_CHECKPOINT_GAP`` or more before its prompt
+        boundary and not within ``MIN_CHECKPOINT_GAP`` after one of ``job``'s own offsets (a chat prompt shares a
+        few template tokens past the system message's end: its seam is checkpointed already). At most two, the
+        longest; those jobs then wait for them (``_prefix_waits``)."""
+        if self.generator.cache is None or job.prompt_logprobs is not None:
+            return ()
+        boundary = len(job.prompt) - 1
+        own = [k for k in job.checkpoint_at if k > covered]
+        found: set[int] = set()
+        for other in self._pending:
+            if other is job or other.tenant != job.tenant or other.prepared is not None \
+                    or other.prompt_logprobs is not None:
+                continue
+            shared = min(common_prefix(job.prompt, other.prompt), boundary)
+            if shared - covered < self.SHARED_WAIT_TOKENS or boundary - shared < MIN_CHECKPOINT_GAP:
+                continue
+            if any(0 <= shared - k < MIN_CHECKPOINT_GAP for k in own):
+                continue
+            found.add(shared)
+        return tuple(sorted(found)[-2:])
 
     #: an echo job waits for a row whose prompt shares at least this many more tokens than ``prompt_scores`` know
     ECHO_WAIT_SHARED = 32
@@ -720,6 +787,8 @@ class Scheduler:
                 del job.output[job.replayed:]
                 job.generated = job.checkpointed_at = job.replayed
                 self._start(job, job.cached_tokens)
+        if first:
+            job.shared_at = self._sibling_offsets(job, job.prepared.cached_tokens)
         job.phase_end = self._phase_end(job)
         if job.phase_end is not None:  # the same restored state, a shorter prompt: prefill up to phase_end
             job.prepared.request = dataclasses.replace(job.prepared.request,
@@ -857,7 +926,8 @@ class Scheduler:
         no restore between phases)."""
         engine = self.generator.engine
         every = self.prefill_checkpoint_every
-        if engine.plan is not None or (every is None and not job.checkpoint_at) or job.prompt_logprobs is not None:
+        if engine.plan is not None or (every is None and not job.checkpoint_at and not job.shared_at) \
+                or job.prompt_logprobs is not None:
             return None  # (a scored prompt is forwarded whole by the job's own row)
         covered = max(job.prepared.cached_tokens, job.prefilled)
         boundary = len(job.sequence) - 1
@@ -875,9 +945,10 @@ class Scheduler:
         """The offsets the phases would have ended at, all at once: each ``checkpoint_every`` multiple past what is
         covered, and the ``checkpoint_at`` offsets the phase rule keeps (pinned ones always; the others when the
         prompt is split, ``MIN_CHECKPOINT_GAP`` or more past the last one kept), none within the gap of the
-        prompt boundary."""
+        prompt boundary; and ``Job.shared_at`` (the prefixes jobs queued behind it share, ``_sibling_offsets``)."""
         every = self.prefill_checkpoint_every
         points = set(range((covered // every + 1) * every, boundary, every)) if every is not None else set()
+        points.update(k for k in job.shared_at if covered < k and boundary - k >= MIN_CHECKPOINT_GAP)
         last = covered
         for k in sorted(job.checkpoint_at):
             if k <= covered or boundary - k < MIN_CHECKPOINT_GAP:
