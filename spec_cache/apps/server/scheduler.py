@@ -224,6 +224,7 @@ class Job:
     #: per admitted row id: how many leading prompt tokens this job shares with that row's (``_prefix_waits``)
     shared_with: dict = field(default_factory=dict)
     waited: bool = False  # it waited for such a row's prefill (counted once in ``Scheduler.shared_waits``)
+    known_at: tuple | None = None  # (memory-tier puts, tokens asked, tokens held) of its last such ask
 
     @property
     def sequence(self) -> list[int]:
@@ -676,7 +677,11 @@ class Scheduler:
             ahead = max([ahead] + [k for k in offsets if k <= shared])
         if ahead < self.SHARED_WAIT_TOKENS:
             return False
-        known = self.generator.cache.memory.common_prefix(self._ns_key(job.tenant), job.prompt[:ahead])
+        memory = self.generator.cache.memory
+        puts = memory.counters["puts"]  # what it holds of the prompt changes only with a put (asked once per put)
+        if job.known_at is None or job.known_at[0] != puts or job.known_at[1] < ahead:
+            job.known_at = (puts, ahead, memory.common_prefix(self._ns_key(job.tenant), job.prompt[:ahead]))
+        known = job.known_at[2]
         if ahead - known < self.SHARED_WAIT_TOKENS:
             return False
         if not job.waited:
