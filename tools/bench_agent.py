@@ -5,7 +5,8 @@ serve`` and our ``mlx-lm-server`` launcher.
     .venv/bin/python tools/bench_serve.py --workload agent [--servers mlx-lm,serve,spec-cache] [--sessions 4]
         [--clients 4] [--turns 8] [--system-words 8000] [--tools 20] [--max-tokens 64]
         [--tool-result-words 300-1500] [--user-words 10-20] [--tool-turns text|blocks] [--no-cache-control]
-        [--json OUT] [--warmup tiny|shapes] [--serve-arg=ARG ...] [--launcher-arg=ARG ...] [--cwd DIR] [--keep]
+        [--json OUT] [--warmup tiny|shapes] [--serve-arg=ARG ...] [--launcher-arg=ARG ...] [--mlx-lm-arg=ARG ...]
+        [--cwd DIR] [--keep]
 
 Why a module of its own: the chat workload (``tools/bench_mlx_lm_server.py``) owns the server processes, the
 OpenAI streaming client, the summaries and the report; this file adds only what an agent session is (its
@@ -316,7 +317,9 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
         s.stop()
     s = base.start(kind, model, tmp, "2", warm)
     try:
+        before = base.stage_totals(s.port) if kind != base.BASELINE else {}
         after = resume(kind, s.port, args, system, turns["steps"])
+        restart_stages = base.stage_breakdown(before, base.stage_totals(s.port)) if kind != base.BASELINE else {}
     finally:
         s.stop()
     replies = turns["replies"]
@@ -327,6 +330,7 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
             "after_restart": base.summary(after["replies"], after["wall"]),
             "texts": [[r.text for r in conv] for conv in replies],
             "texts_after_restart": [[r.text] for r in after["replies"]], "stages": stages,
+            "stages_after_restart": restart_stages,
             "prompt_tokens": [[r.prompt_tokens for r in conv] for conv in replies],
             "prompt_tokens_after_restart": [r.prompt_tokens for r in after["replies"]],
             "cached_tokens": [[r.cached for r in conv] for conv in replies],

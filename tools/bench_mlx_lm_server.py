@@ -6,7 +6,7 @@ driving modes and the report share its argument set.
 
     .venv/bin/python tools/bench_mlx_lm_server.py [--model DIR] [--servers mlx-lm,spec-cache] [--conversations 8]
         [--turns 3] [--clients 4] [--system-words 1500] [--user-words 150] [--max-tokens 24] [--paired] [--json OUT]
-        [--warmup tiny|shapes] [--serve-arg=ARG ...] [--launcher-arg=ARG ...] [--cwd DIR]
+        [--warmup tiny|shapes] [--serve-arg=ARG ...] [--launcher-arg=ARG ...] [--mlx-lm-arg=ARG ...] [--cwd DIR]
 
 ``tools/bench_serve.py`` is this tool with ``--servers mlx-lm,serve,spec-cache``. Server kinds: ``mlx-lm``
 (``mlx_lm.server``), ``spec-cache`` (``spec_cache.apps.mlx_lm_server``: mlx-lm's server with our cache), ``serve``
@@ -162,17 +162,25 @@ def words(n: int, salt: int) -> str:
 
 
 def pool(n: int, clients: int, work) -> float:
-    """``work(i)`` for i in range(n), ``clients`` at a time; returns the wall seconds."""
+    """``work(i)`` for i in range(n), ``clients`` at a time; returns the wall seconds. A ``work(i)`` that raises
+    stops the run: the first such error is raised here, naming ``i`` (a failed request, a server that died), not
+    left behind as a short result list for a later IndexError (issue 35's GPU agent run at 4 clients)."""
     lock = threading.Lock()
     todo = list(range(n))
+    failed: list[tuple[int, BaseException]] = []
 
     def client():
         while True:
             with lock:
-                if not todo:
+                if not todo or failed:
                     return
                 i = todo.pop(0)
-            work(i)
+            try:
+                work(i)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread below
+                with lock:
+                    failed.append((i, exc))
+                return
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     t0 = time.perf_counter()
@@ -180,6 +188,9 @@ def pool(n: int, clients: int, work) -> float:
         t.start()
     for t in threads:
         t.join()
+    if failed:
+        i, exc = failed[0]
+        raise SystemExit(f"client work {i} failed: {type(exc).__name__}: {exc}") from exc
     return time.perf_counter() - t0
 
 
@@ -335,7 +346,9 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
         s.stop()
     s = start(kind, model, tmp, "2", args)
     try:
+        before = stage_totals(s.port) if kind != BASELINE else {}
         after = resume(s.port, args, turns["histories"])
+        restart_stages = stage_breakdown(before, stage_totals(s.port)) if kind != BASELINE else {}
     finally:
         s.stop()
     per_turn = [[turns["replies"][c][t] for c in range(args.conversations)] for t in range(args.turns)]
@@ -344,7 +357,8 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
             "warm_turns": summary([r for conv in turns["replies"] for r in conv[1:]], None),
             "after_restart": summary(after["replies"], after["wall"]),
             "texts": [[r.text for r in conv] for conv in turns["replies"]],
-            "texts_after_restart": [[r.text] for r in after["replies"]], "stages": stages}
+            "texts_after_restart": [[r.text] for r in after["replies"]], "stages": stages,
+            "stages_after_restart": restart_stages}
 
 
 def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> dict:
@@ -492,6 +506,10 @@ def report(results: dict, kinds: list[str], args, title: str | None = None, warm
     for k, by_stage in stages.items():
         print(f"stages of {k} over the turns (mean ms x count): " + ", ".join(
             f"{stage} {s['mean_ms']:.2f} x {s['count']}" for stage, s in by_stage.items()))
+    restarted = {k: results[k].get("stages_after_restart") for k in kinds if results[k].get("stages_after_restart")}
+    for k, by_stage in restarted.items():  # the restart's restore from LMDB is a stage of its own (issue 39)
+        print(f"stages of {k} after the restart (mean ms x count): " + ", ".join(
+            f"{stage} {s['mean_ms']:.2f} x {s['count']}" for stage, s in by_stage.items()))
     same = {}
     for k in others:
         if BASELINE in results:
@@ -505,7 +523,8 @@ def report(results: dict, kinds: list[str], args, title: str | None = None, warm
                 r = same[k]["after_restart"]
                 print(f"  after restart: {r['identical']}/{r['total']} identical, {r['identical_visible']}/{r['total']}"
                       " without special-token text")
-    return {"ratios": ratios, "identical_replies": same, "stages": stages, "figures": figures(results, args)}
+    return {"ratios": ratios, "identical_replies": same, "stages": stages, "stages_after_restart": restarted,
+            "figures": figures(results, args)}
 
 
 FIGURE_NAMES = {"serve": "serve", "spec-cache": "launcher"}
@@ -558,6 +577,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-arg", action="append", default=[], help="append to serve's command line (repeatable)")
     p.add_argument("--launcher-arg", action="append", default=[],
                    help="append to the launcher's (spec-cache) command line (repeatable)")
+    p.add_argument("--mlx-lm-arg", action="append", default=[],
+                   help="append to mlx_lm.server's command line (repeatable): e.g. --prompt-cache-bytes where its "
+                        "prompt cache would not fit the device beside the model (the baseline's own setting; say so)")
     p.add_argument("--cwd", help="start the servers in this directory (where `python -m spec_cache...` resolves)")
     p.add_argument("--json")
     p.add_argument("--keep", action="store_true",
@@ -566,7 +588,7 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 
 def server_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with ``server_args`` (extra arguments by server kind) and ``kinds`` (``--servers`` checked)."""
-    args.server_args = {"serve": args.serve_arg, "spec-cache": args.launcher_arg}
+    args.server_args = {"serve": args.serve_arg, "spec-cache": args.launcher_arg, "mlx-lm": args.mlx_lm_arg}
     args.kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
     bad = [k for k in args.kinds if k not in KINDS]
     if bad or not args.kinds:

@@ -142,6 +142,10 @@ class SpecCache:
         if write_queue_bytes is None:  # the tier holds what is queued anyway: let the queue match its scale
             write_queue_bytes = max(DEFAULT_QUEUE_BYTES, self.memory.budget_bytes // 2)
         self.write_queue_bytes = write_queue_bytes
+        #: seconds ``save`` spent on the caller's thread by phase, summed since the cache opened (``capture``: the
+        #: state's copies queued; ``estimate``: what LMDB will hold of it; ``memory``: the memory tier's put;
+        #: ``queue``: the write queued, or written when it had to be): the server's trace reads their growth per step
+        self.save_seconds = {"capture": 0.0, "estimate": 0.0, "memory": 0.0, "queue": 0.0}
         self._writer = (CheckpointWriter(self._write, write_queue_bytes, write_many=self._write_many) if behind
                         else None)
         self._promoter = None
@@ -412,24 +416,35 @@ class SpecCache:
                                          f"target state {len(tokens)}")
                 drafter = (drafter_namespace, attachment_to_store(draft_checkpoint))
             # behind the request, the device-to-host copy runs on the writer thread too (``host_layers``)
+            t0 = time.perf_counter()
             layers = capture_caches(caches, defer_copy=behind)
         except (StoreError, SchemaError, TypeError, ValueError) as exc:
             warnings.warn(f"spec-cache: checkpoint of {len(tokens)} tokens not stored: {exc}", CacheWarning,
                           stacklevel=2)
             return None
+        spent = self.save_seconds
+        t1 = time.perf_counter()
         # what LMDB holds or will hold of it by its write, read before the put supersedes the entry saying so
         packed = np.asarray(tokens, dtype=np.uint32)  # (once for both: ~0.3 ms a conversion at 8k tokens)
         held = self._held_estimate(ns_key, packed) if behind else 0
+        t2 = time.perf_counter()
         entry = self.memory.put(ns_key, packed, caches, drafter_namespace=drafter_namespace if drafter else None,
                                 draft_checkpoint=draft_checkpoint if drafter else None,
                                 minimum_reusable=minimum_reusable)
         job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry, then, rider)
-        # behind the request only while the memory tier serves the checkpoint meanwhile (tier off, or the
-        # checkpoint over its budget: written now, so the next request finds it)
-        if behind and entry is not None:
-            self._submit(job, held)
-            return None
-        return self._write(job, stacklevel=3)
+        t3 = time.perf_counter()
+        spent["capture"] += t1 - t0
+        spent["estimate"] += t2 - t1
+        spent["memory"] += t3 - t2
+        try:
+            # behind the request only while the memory tier serves the checkpoint meanwhile (tier off, or the
+            # checkpoint over its budget: written now, so the next request finds it)
+            if behind and entry is not None:
+                self._submit(job, held)
+                return None
+            return self._write(job, stacklevel=3)
+        finally:
+            spent["queue"] += time.perf_counter() - t3
 
     def _submit(self, job: "_WriteJob", held: int) -> None:
         """Queue a checkpoint the memory tier holds. It counts against the queue's cap as what the writer will copy

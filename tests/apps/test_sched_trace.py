@@ -44,6 +44,12 @@ def test_trace_records_steps_and_first_tokens(tiny_model, tmp_path, monkeypatch)
     assert all(x["parts"].get("read", 0) <= x["parts"]["round"] + 0.01 for x in stepped)
     assert all(v >= 0 for x in stepped for v in x["parts"].values())
     assert all(x["mem"] >= 0 and x["mcache"] >= 0 for x in steps)
+    # where a step's checkpoints went (``SpecCache.save_seconds``): within ``ck_ms``, in an iteration that saved
+    saving = [x for x in steps if "ck_parts" in x]
+    assert saving and all(set(x["ck_parts"]) == {"capture", "estimate", "memory", "queue"} for x in saving)
+    assert all(0 <= sum(x["ck_parts"].values()) <= x["ck_ms"] + 0.1 for x in saving)
+    # a first token's line says how long its HTTP request took to reach the queue (reading, rendering, tokenizing)
+    assert all(x["http_ms"] >= 0 for x in firsts) and all("http_ms" in x for x in firsts if x["prompt"] > 40)
 
 
 def test_no_trace_by_default(tiny_model, tmp_path, monkeypatch):

@@ -276,10 +276,13 @@ def test_tokenizing_runs_off_the_event_loop_and_big_bodies_get_413():
             return ""
 
     class Scheduler:
-        error, queue_depth, active_rows = None, 0, 0
+        error, queue_depth, active_rows, arriving, arrival_waits = None, 0, 0, 0, 0
 
         def start(self):
             pass
+
+        def arrival(self):  # the routes open one per generation request (``scheduler.Arrival``)
+            return SimpleNamespace(done=lambda: None)
 
         def stop(self, timeout):
             pass

@@ -19,8 +19,10 @@
 # PART=agent: tools/bench_serve.py --workload agent at CLIENTS (default 2) on the same model, sized in SmolLM2's
 # tokens as the issue states the workload (its w<N> words are ~3.7 tokens each there): 2200 system words = ~8.1k
 # tokens, tool results of 80-400 words = ~300-1500 tokens, user lines of 3-6 words.
-# Files back: serve-8b.json / agent-c<N>.json, run.log, serve-pyspy.txt, the largest scheduler trace, the tail of
-# serve's log. Env as in serve_8b_shaped.sh (DEADLINE, SERVERS, ...).
+# Files back: serve-8b.json / agent-c<N>.json, run.log, serve-pyspy.txt, the largest scheduler trace, every serve
+# process's trace (traces.tgz), the tail of serve's log. MLXLM_CACHE_BYTES=N (agent): mlx_lm.server's
+# --prompt-cache-bytes (at 4 agent clients on an 80 GB H100 its prompt cache ran it out of device memory).
+# Env as in serve_8b_shaped.sh (DEADLINE, SERVERS, ...).
 set -u
 PART=${PART:-chat}
 FINAL=${OUT:-/tmp/out}
@@ -49,13 +51,19 @@ json.dump(c, open(p, 'w'))" "${WORK:-/tmp/serve-8b}/model/config.json" || exit 1
   timeout "${DEADLINE:-540}" $PY tools/bench_serve.py --workload agent --model ${WORK:-/tmp/serve-8b}/model \
     --cwd ${WORK:-/tmp/serve-8b}/sc-site --servers "${SERVERS:-mlx-lm,serve}" --sessions "${SESSIONS:-$C}" --clients "$C" \
     --system-words "${SYSW:-2200}" --tool-result-words "${TOOLW:-80-400}" --user-words "${USERW:-3-6}" \
-    --warmup shapes --serve-arg=--warmup --serve-arg=on --json "$FINAL/agent-c$C.json" 2>&1 | tee "$WORKOUT/run.log"
+    --warmup shapes --serve-arg=--warmup --serve-arg=on \
+    ${MLXLM_CACHE_BYTES:+--mlx-lm-arg=--prompt-cache-bytes --mlx-lm-arg=$MLXLM_CACHE_BYTES} \
+    --json "$FINAL/agent-c$C.json" 2>&1 | tee "$WORKOUT/run.log"
   cp "$WORKOUT/run.log" "$FINAL/agent-run.log"
   sleep 2; kill "$SPY" 2>/dev/null
 fi
 cp "$WORKOUT/serve-pyspy.txt" "$FINAL/" 2>/dev/null
 largest=$(ls -S "$WORKOUT"/trace.*.jsonl 2>/dev/null | head -1)
 [ -n "$largest" ] && cp "$largest" "$FINAL/serve-trace.jsonl"
+# every serve process's trace (each client count's turns and its restart, in start order: the restart's restores
+# come from LMDB, issue 39's path), one file: at most 8 files come back
+(cd "$WORKOUT" && ls -tr trace.*.jsonl 2>/dev/null > trace-order.txt && tar czf "$FINAL/traces.tgz" trace-order.txt \
+  trace.*.jsonl 2>/dev/null)
 log=$(ls "$WORKOUT"/logs/*serve* 2>/dev/null | head -1)
 [ -n "$log" ] && tail -c 16000 "$log" > "$FINAL/serve-log-tail.txt"
 ls -la "$FINAL"

@@ -96,7 +96,13 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else positive_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:  # (it said "must be >= 1" for a negative value, wrongly for an option that takes 0)
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
 
 
 def _number(text: str) -> float:

@@ -760,6 +760,8 @@ def messages_routes(ctx) -> list[Route]:
         async def handle(request: Request) -> Response:
             tenant, known = None, False
             started = ctx.clock()
+            # closed at the submit, or here (``scheduler.Arrival``); counting tokens submits nothing
+            arrival = None if counting else ctx.arriving(request)
             try:
                 tenant = tenant_of(request)
                 known = True
@@ -785,6 +787,9 @@ def messages_routes(ctx) -> list[Route]:
                 ctx.log_request(f"{request.method} {request.url.path}", anthropic_status(error),
                                 ctx.tenant_label(tenant) if known else "-", started, error=error.code or error.type)
                 return error_response(error)
+            finally:
+                if arrival is not None:
+                    arrival.done()
         return handle
 
     return [Route("/v1/messages", handler("messages", False), methods=["POST"]),

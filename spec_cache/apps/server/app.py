@@ -170,6 +170,10 @@ def _register_gauges(metrics: Metrics, scheduler: Scheduler, cache) -> None:
     metrics.gauge("spec_cache_active_rows", "rows decoding", lambda: scheduler.active_rows)
     metrics.gauge("spec_cache_replayed_tokens", "generated tokens answered from stored continuations (retries)",
                   lambda: scheduler.replayed_tokens)
+    metrics.gauge("spec_cache_requests_arriving", "generation requests being read and tokenized (not yet queued)",
+                  lambda: scheduler.arriving)
+    metrics.gauge("spec_cache_arrival_waits", "requests that waited for requests arriving with them, to prefill "
+                  "in one step", lambda: scheduler.arrival_waits)
     if cache is None:
         return
     metrics.gauge("spec_cache_memory_tier_bytes", "bytes held by the memory tier",

@@ -116,6 +116,10 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
                         help="prefill chunk in tokens (default: 2048 on a GPU, as mlx_lm.server's and "
                              "generate_step's; 512 on the CPU, where smaller chunks cost nothing and let decoding "
                              "rows through between them)")
+    parser.add_argument("--arrival-wait-ms", type=non_negative_int, default=None, metavar="MS",
+                        help="a new request waits at most MS while other requests are still being read and "
+                             "tokenized, so that requests sent together prefill in one step (default: 100 on a GPU, "
+                             "0 on the CPU, where a forward costs its tokens whatever the batch; 0: never wait)")
     parser.add_argument("--kv-bits", type=positive_int,
                         help="quantize the KV cache to B bits, as mlx-lm's --kv-bits (default: full precision)")
     parser.add_argument("--kv-group-size", type=positive_int, help="KV quantization group size (default 64)")
@@ -281,6 +285,8 @@ def build_state(args):
                           checkpoint_every=args.checkpoint_every or None,
                           prefill_checkpoint_every=args.prefill_checkpoint_every or None,
                           eos_token_ids=getattr(tokenizer, "eos_token_ids", None) or (), tenants=len(set(keys)))
+    if args.arrival_wait_ms is not None:  # else the device's default (``Scheduler.coalesce_s``)
+        scheduler.coalesce_s = args.arrival_wait_ms / 1000.0
     if cache is None:
         granularity, why = 1, "--no-cache: nothing is cached"
     else:

@@ -144,6 +144,13 @@ class Requests:
     def tenant_of(self, request: Request) -> str | None:
         return self.state.auth.check(request.headers.get("authorization"))
 
+    def arriving(self, request: Request):
+        """Open ``request``'s ``scheduler.Arrival`` (a generation route, before it reads the body): closed at its
+        submit (``run_job``, ``run_choices``) or by the route when it answers without one."""
+        arrival = self.scheduler.arrival()
+        request.state.arrival = arrival
+        return arrival
+
     async def tokenize(self, fn, *args) -> list[int]:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.tokenize_limiter)
 
@@ -236,7 +243,9 @@ class Requests:
         logprob options (``logprobs``; OpenAI's routes only)."""
         events, deliver = _event_queue()
         job = self.make_job(params, prompt, tenant, deliver, checkpoint_at, pinned_at, scoring=scoring)
+        job.received = started
         self.scheduler.submit(job)
+        _arrived(request)
         rid = shape.new_id() if shape is not None else new_id("chatcmpl" if chat else "cmpl")
         run = _Run(job, rid, endpoint, tenant, tenant_label(tenant), f"{request.method} {request.url.path}",
                    started, len(prompt), {})
@@ -280,6 +289,7 @@ class Requests:
             for job in submitted:
                 self.scheduler.cancel(job)
             raise
+        _arrived(request)
         if params.stream:
             return self._stream_choices([run for run, _ in runs], streams, params, chat, scoring)
         scores: list[list] = [[] for _ in runs]
@@ -425,6 +435,13 @@ def _event_queue() -> tuple[asyncio.Queue, Any]:
         with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
             loop.call_soon_threadsafe(events.put_nowait, event)
     return events, deliver
+
+
+def _arrived(request: Request) -> None:
+    """Close the request's ``Arrival`` (opened by ``Requests.arriving``; none on a route that opens none)."""
+    arrival = getattr(request.state, "arrival", None)
+    if arrival is not None:
+        arrival.done()
 
 
 async def _unless_gone(request: Request, work) -> tuple[bool, Any]:

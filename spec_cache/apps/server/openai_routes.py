@@ -123,6 +123,7 @@ def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name
 
         async def tokenize(fn, *args):  # a tenant's tokenizing: one request at a time, every route (module doc)
             return await requests.tokenize_as(tenant, fn, *args)
+        arrival = requests.arriving(request)  # closed at the submit, or here (``scheduler.Arrival``)
         try:
             tenant = requests.tenant_of(request)
             known = True
@@ -155,6 +156,8 @@ def _generating(requests: Requests, prompts: _Prompts, grammars: _Grammars, name
             log_request(f"{request.method} {request.url.path}", error.status,
                         tenant_label(tenant) if known else "-", started, error=error.code or error.type)
             return error_response(error)
+        finally:
+            arrival.done()
     return handle
 
 

@@ -125,8 +125,10 @@ MAX_CHECKPOINT_AT = 8
 MIN_CHECKPOINT_GAP = 16
 #: a job in this many failed engine steps is failed (fault isolation, module doc), whoever the rule blames
 MAX_FAILURES = 3
+#: a new job waits at most this long for generation requests still being read and tokenized (``Arrival``)
+COALESCE_S = 0.1
 
-__all__ = ["Job", "Scheduler", "checkpoint_points", "fair_key", "MAX_CHECKPOINT_AT", "MIN_CHECKPOINT_GAP"]
+__all__ = ["Arrival", "Job", "Scheduler", "checkpoint_points", "fair_key", "MAX_CHECKPOINT_AT", "MIN_CHECKPOINT_GAP"]
 
 
 def _restored(job: Job) -> int:
@@ -177,6 +179,9 @@ class Job:
     tenant: str | None = None  # namespace tenant (API key, cache salt); None: the open namespace
     stop_at_eos: bool = True
     arrived: float = field(default_factory=time.perf_counter)
+    #: when its HTTP request began (``perf_counter``; the routes set it): the trace's ``http_ms`` is the time to
+    #: ``arrived`` (reading, parsing, rendering and tokenizing the prompt)
+    received: float | None = None
     # set by the scheduler thread
     admitted_at: float | None = None  # its first row (or prefill phase) went into the batch
     row: int | None = None
@@ -224,6 +229,7 @@ class Job:
     #: per admitted row id: how many leading prompt tokens this job shares with that row's (``_prefix_waits``)
     shared_with: dict = field(default_factory=dict)
     waited: bool = False  # it waited for such a row's prefill (counted once in ``Scheduler.shared_waits``)
+    coalesced: bool = False  # it waited for requests arriving with it (counted once in ``Scheduler.arrival_waits``)
     known_at: tuple | None = None  # (memory-tier puts, tokens asked, tokens held) of its last such ask
 
     @property
@@ -252,8 +258,37 @@ def random_seed() -> int:
     return secrets.randbits(62)
 
 
+class Arrival:
+    """A generation request between its first byte and its submit (reading the body, rendering, tokenizing): the
+    routes open one per request (``Scheduler.arrival``) and close it at the submit, or when they answer without
+    one (``done`` is idempotent).
+
+    Why: clients that go on together (a batch of chat clients, agents whose tool calls end in the same round) send
+    their next requests within milliseconds, but they reach the scheduler one tokenization apart (the tokenizer
+    runs one request at a time). Admitted as they came, the first one's prefill ran alone and the others waited for
+    that step to end before theirs could start (issue 35, the H100 run at 4 clients: the first of four turn-2
+    requests 167 ms to its first token, the other three 173-179 ms in the queue, then 385 ms together). A new job
+    therefore waits while requests are arriving, at most ``Scheduler.coalesce_s``, and the prefills run as one
+    step; only where rows prefill together in one step (a GPU: ``engine.join_budget``), so 0 on the CPU."""
+
+    __slots__ = ("_scheduler", "_open")
+
+    def __init__(self, scheduler: "Scheduler") -> None:
+        self._scheduler = scheduler
+        self._open = True
+        scheduler._arrivals(1)
+
+    def done(self) -> None:
+        if self._open:
+            self._open = False
+            self._scheduler._arrivals(-1)
+
+
 class Scheduler:
     """See the module doc. ``generator``: a loaded ``spec_cache.decode.generator.Generator``."""
+
+    #: a new job waits at most this long (seconds) while other requests are arriving (``Arrival``); 0: never
+    coalesce_s = COALESCE_S
 
     def __init__(self, generator, *, max_rows: int = 8, max_queue: int = 64, metrics=None,
                  checkpoint_every: int | None = None, eos_token_ids=(), tenants: int = 1,
@@ -304,6 +339,13 @@ class Scheduler:
             self._continuations.memory_records = CONTINUATIONS
         self.replayed_tokens = 0  # tokens answered from continuation records (a gauge of /metrics)
         self.shared_waits = 0  # jobs that waited for another row's prefill of a prefix they share (``_prefix_waits``)
+        self._arriving = 0  # generation requests being read and tokenized (``Arrival``)
+        # only where rows that arrive together can prefill in one step (a GPU: ``engine.join_budget``); on the CPU a
+        # forward costs its tokens whatever the batch, and waiting made each of four chat turns at 4 clients wait
+        # for the others (the 2-core VM: warm TTFT p50 1.70x mlx_lm.server -> ~1.0x with the hold)
+        if getattr(generator.engine, "join_budget", 0) <= 0:
+            self.coalesce_s = 0.0
+        self.arrival_waits = 0  # jobs that waited for such requests before their admission (``_holds_for_arrivals``)
         self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
         self.error: BaseException | None = None
         cache = generator.cache
@@ -317,6 +359,21 @@ class Scheduler:
         """Start the thread (idempotent)."""
         if self._thread.ident is None:
             self._thread.start()
+
+    def arrival(self) -> Arrival:
+        """A generation request has begun to arrive (``Arrival``): close it at its submit or its answer."""
+        return Arrival(self)
+
+    @property
+    def arriving(self) -> int:
+        """Generation requests being read and tokenized now (``Arrival``)."""
+        return self._arriving
+
+    def _arrivals(self, delta: int) -> None:
+        with self._lock:
+            self._arriving += delta
+        if delta < 0:  # a job held for it may go now (a request that failed before its submit sends no message)
+            self._inbox.put(("wake", None))
 
     def held_prefix(self, tenant: str | None, tokens: list[int]) -> int:
         """How many leading ``tokens`` the memory tier holds for ``tenant`` (``MemoryTier.held_prefix``; 0 without
@@ -483,7 +540,8 @@ class Scheduler:
     def _run(self) -> None:
         self._session = self._new_session()
         while True:
-            self._take_messages(block=not (self._ready() or self._session.busy or self._calls))
+            block = not (self._ready() or self._session.busy or self._calls)
+            self._take_messages(block, timeout=self._hold_left() if block else 0.5)
             if self._stop.is_set():
                 break
             self._run_calls()
@@ -510,16 +568,21 @@ class Scheduler:
         if shape is not None:
             self._step()
         t2 = time.perf_counter()
+        cache = self.generator.cache
+        saved = dict(getattr(cache, "save_seconds", None) or {}) if self._trace is not None else None
         self._write_checkpoints()
         admitted = len(self._rows) - rows
         if self._trace is not None and (admitted or shape):
-            cache = self.generator.cache
             parts = getattr(getattr(session, "session", None), "step_parts", None) if shape else None
+            # where the checkpoints' time went (``SpecCache.save_seconds``): only in an iteration that took one
+            ck_parts = {k: round((v - saved.get(k, 0.0)) * 1e3, 2)
+                        for k, v in (getattr(cache, "save_seconds", None) or {}).items()}
             self._trace.record(adm=max(admitted, 0), adm_ms=round((t1 - t0) * 1e3, 3),
                                step_ms=round((t2 - t1) * 1e3, 3), ck_ms=round((time.perf_counter() - t2) * 1e3, 3),
                                pend=len(self._pending), wq=0 if cache is None else cache.write_pending[1],
                                **(shape or {}), **({"parts": {k: round(v * 1e3, 2) for k, v in parts.items()}}
-                                                   if parts else {}), **_device_memory())
+                                                   if parts else {}),
+                               **({"ck_parts": ck_parts} if any(ck_parts.values()) else {}), **_device_memory())
 
     def _new_session(self) -> CachedSession:
         """The library's decode loop (``decode.cached_session``): restores, the engine session, checkpoints written
@@ -529,9 +592,9 @@ class Scheduler:
         return CachedSession(self.generator, eos_token_ids=self.eos_token_ids, background=True, cold_fallback=True,
                              on_save_error=_save_failed, on_refused=_refused)
 
-    def _take_messages(self, block: bool) -> None:
+    def _take_messages(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            message = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -646,7 +709,29 @@ class Scheduler:
             return False
         if job.suspect and any(other.suspect for other in self._rows.values()):
             return False
-        return not self._echo_waits(job) and not self._prefix_waits(job)
+        return not self._holds_for_arrivals(job) and not self._echo_waits(job) and not self._prefix_waits(job)
+
+    def _holds_for_arrivals(self, job: Job) -> bool:
+        """Whether ``job`` (new: never admitted) waits for generation requests still arriving (``Arrival``): while
+        any is, for at most ``coalesce_s`` after its own submit, so that requests sent together prefill in one
+        step. A job that waited is counted once in ``arrival_waits``."""
+        if self._arriving <= 0 or self.coalesce_s <= 0 or job.admitted_at is not None or job.prepared is not None:
+            return False
+        if time.perf_counter() - job.arrived >= self.coalesce_s:
+            return False
+        if not job.coalesced:
+            job.coalesced = True
+            self.arrival_waits += 1
+        return True
+
+    def _hold_left(self) -> float:
+        """How long the scheduler may sleep on its inbox: 0.5 s, or less while a job waits for arrivals (its
+        ``coalesce_s`` ends without a message when an arriving request is slow to tokenize)."""
+        if self._arriving <= 0:
+            return 0.5
+        now = time.perf_counter()
+        left = [job.arrived + self.coalesce_s - now for job in self._pending if job.admitted_at is None]
+        return min([0.5] + [t + 1e-3 for t in left if t > 0])
 
     #: a job waits for a row prefilling a prefix of its prompt when that row's checkpoint there would spare it at
     #: least this many tokens of prefill (``_prefix_waits``); a row admitted with jobs queued behind it checkpoints
@@ -1087,7 +1172,9 @@ class Scheduler:
         if self._trace is not None and job.last_token_at is None:
             self._trace.record(first=1, queue_ms=round(((job.admitted_at or now) - job.arrived) * 1e3, 3),
                                ttft_ms=round((now - job.arrived) * 1e3, 3), cached=job.cached_tokens,
-                               prompt=len(job.prompt))
+                               prompt=len(job.prompt),
+                               **({} if job.received is None else
+                                  {"http_ms": round((job.arrived - job.received) * 1e3, 3)}))
         job.last_token_at = now
         job.generated += len(tokens)
         job.output += tokens

@@ -4,9 +4,12 @@ burst spends its time (issue 27's 8-client turn-2 burst); off unless the variabl
 One line per scheduler iteration that did something: ``t`` (seconds since the scheduler started), ``adm`` (jobs
 admitted), ``adm_ms`` / ``step_ms`` / ``ck_ms`` (time admitting, in the engine step, queueing checkpoints), the
 session before the step (``waiting``: rows queued or prefilling to join; ``active``: rows decoding), ``pend`` (jobs
-not yet admitted), ``wq`` (write-behind bytes queued); and one ``first`` line per job's first token
-(``queue_ms``, ``ttft_ms``, ``cached``, ``prompt``). The file is ``<prefix>.<pid>.jsonl``, buffered and flushed
-every ``FLUSH_EVERY`` lines and at shutdown. /metrics keeps the aggregate stage histograms; this keeps the order.
+not yet admitted), ``wq`` (write-behind bytes queued), ``ck_parts`` (where ``ck_ms`` went: ``SpecCache.save_seconds``);
+and one ``first`` line per job's first token
+(``queue_ms``, ``ttft_ms``, ``cached``, ``prompt``; ``http_ms``: from the HTTP request's start to its submit, where
+a route set ``Job.received``; ``ttft_ms`` counts from the submit). The file is ``<prefix>.<pid>.jsonl``, buffered
+and flushed every ``FLUSH_EVERY`` lines and at shutdown. /metrics keeps the aggregate stage histograms; this keeps
+the order.
 """
 
 from __future__ import annotations
