@@ -310,16 +310,12 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
     warm = warmup_args(args)
     s = base.start(kind, model, tmp, "1", warm)
     try:
-        before = base.stage_totals(s.port) if kind != base.BASELINE else {}
-        turns = run_sessions(kind, s.port, args, system)
-        stages = base.stage_breakdown(before, base.stage_totals(s.port)) if kind != base.BASELINE else {}
+        turns, stages = base.staged(kind, s.port, lambda: run_sessions(kind, s.port, args, system))
     finally:
         s.stop()
     s = base.start(kind, model, tmp, "2", warm)
     try:
-        before = base.stage_totals(s.port) if kind != base.BASELINE else {}
-        after = resume(kind, s.port, args, system, turns["steps"])
-        restart_stages = base.stage_breakdown(before, base.stage_totals(s.port)) if kind != base.BASELINE else {}
+        after, restart_stages = base.staged(kind, s.port, lambda: resume(kind, s.port, args, system, turns["steps"]))
     finally:
         s.stop()
     replies = turns["replies"]

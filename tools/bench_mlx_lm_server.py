@@ -336,19 +336,22 @@ def stage_breakdown(before: dict, after: dict) -> dict:
     return out
 
 
+def staged(kind: str, port: int, work):
+    """``(work(), serve's stage breakdown over it)``; {} for a server without stages (the baseline)."""
+    before = stage_totals(port) if kind != BASELINE else {}
+    out = work()
+    return out, (stage_breakdown(before, stage_totals(port)) if kind != BASELINE else {})
+
+
 def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
     s = start(kind, model, tmp, "1", args)
     try:
-        before = stage_totals(s.port) if kind != BASELINE else {}
-        turns = run_turns(s.port, args, system)
-        stages = stage_breakdown(before, stage_totals(s.port)) if kind != BASELINE else {}
+        turns, stages = staged(kind, s.port, lambda: run_turns(s.port, args, system))
     finally:
         s.stop()
     s = start(kind, model, tmp, "2", args)
     try:
-        before = stage_totals(s.port) if kind != BASELINE else {}
-        after = resume(s.port, args, turns["histories"])
-        restart_stages = stage_breakdown(before, stage_totals(s.port)) if kind != BASELINE else {}
+        after, restart_stages = staged(kind, s.port, lambda: resume(s.port, args, turns["histories"]))
     finally:
         s.stop()
     per_turn = [[turns["replies"][c][t] for c in range(args.conversations)] for t in range(args.turns)]

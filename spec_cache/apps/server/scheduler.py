@@ -715,7 +715,7 @@ class Scheduler:
         """Whether ``job`` (new: never admitted) waits for generation requests still arriving (``Arrival``): while
         any is, for at most ``coalesce_s`` after its own submit, so that requests sent together prefill in one
         step. A job that waited is counted once in ``arrival_waits``."""
-        if self._arriving <= 0 or self.coalesce_s <= 0 or job.admitted_at is not None or job.prepared is not None:
+        if self._arriving <= 0 or self.coalesce_s <= 0 or job.prepared is not None:
             return False
         if time.perf_counter() - job.arrived >= self.coalesce_s:
             return False
@@ -730,7 +730,7 @@ class Scheduler:
         if self._arriving <= 0:
             return 0.5
         now = time.perf_counter()
-        left = [job.arrived + self.coalesce_s - now for job in self._pending if job.admitted_at is None]
+        left = [job.arrived + self.coalesce_s - now for job in self._pending if job.prepared is None]
         return min([0.5] + [t + 1e-3 for t in left if t > 0])
 
     #: a job waits for a row prefilling a prefix of its prompt when that row's checkpoint there would spare it at
