@@ -49,6 +49,7 @@ from spec_cache.rows.batch_rows import BatchRows, DonorView, clone_batch_cache
 from spec_cache.rows.ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
 from spec_cache.rows.protocol import PreparedStateChange, check_per_row, check_window
 from spec_cache.state.cache_kinds import UnknownCacheType, batch_kind_of, kind_of, kinds
+from spec_cache.state.cache_state import mark_queued
 from spec_cache.state.row_caches import prefix_caches, rotating_snapshot, row_position
 
 __all__ = [
@@ -350,6 +351,7 @@ class TargetRows(BatchRows):
         # the write-behind thread's host copy) waits for exactly these arrays. A blocking eval here made every
         # checkpoint wait for the whole queued round on a GPU.
         mx.async_eval([a for cache in out for a in kind_of(cache).arrays(cache)])
+        mark_queued(out)  # a deferred capture of them needs no MLX op of its own (``capture_caches``)
         return out
 
     # -- helpers ----------------------------------------------------------------------------------------

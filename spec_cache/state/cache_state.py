@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -41,8 +42,8 @@ def to_tensor(x: mx.array) -> Tensor:
     from spec_cache.state import device_copy
     name = dtype_of(x)
     raw = x.view(mx.uint16) if name == "bfloat16" else x
-    if getattr(_DEFER, "on", False) and raw.size:
-        return Tensor(name, tuple(x.shape), raw)  # evaluated by capture_caches, copied out by host_layers
+    if getattr(_DEFER, "on", False) and x.size:
+        return Tensor(name, tuple(x.shape), x)  # queued by capture_caches, copied out by host_layers
     mx.eval(raw)
     if not raw.size:
         return Tensor(name, tuple(x.shape), np.zeros(raw.shape, dtype=numpy_dtype(name)))
@@ -120,30 +121,63 @@ def from_layer_state(layer: LayerState) -> Any:
 def capture_caches(caches: Sequence[Any], *, defer_copy: bool = False) -> list[LayerState]:
     """Single-row mlx-lm caches as ``LayerState``s.
 
-    ``defer_copy``: leave each tensor's bytes in MLX (queued for evaluation, contiguous, bfloat16 as uint16
-    words) for ``host_layers`` to copy out later, on another thread: every MLX operation is built here, on the
-    caller's thread, and queued (``mx.async_eval``: the caller never waits for the device); the later copy waits
-    for the evaluation and only reads evaluated buffers (``cuMemcpy`` on CUDA, a numpy view elsewhere). Why: an
-    MLX graph can be evaluated only on the thread whose stream built it; a request thread must not wait for it.
+    ``defer_copy``: leave each tensor's bytes in MLX (queued for evaluation) for ``host_layers`` to copy out later,
+    on another thread: every MLX operation is built here, on the caller's thread, and queued (``mx.async_eval``:
+    the caller never waits for the device); the later copy waits for the evaluation and only reads evaluated
+    buffers (``cuMemcpy`` on CUDA, a numpy view elsewhere). Why: an MLX graph can be evaluated only on the thread
+    whose stream built it; a request thread must not wait for it. On a GPU each tensor is made contiguous (the copy
+    engine reads one span), except the arrays of caches ``mark_queued`` named, which are already owned, contiguous
+    and queued: those are taken as they are, and a capture of nothing else builds no MLX op and calls no
+    ``async_eval`` (issue 35's H100 trace: 7-13 ms a checkpointing step on the scheduler thread went to queueing 64
+    views and copies of arrays that needed neither; an MLX eval call can wait there for queued work).
     """
     if not defer_copy:
         return [layer_state(c) for c in caches]
     from spec_cache.state import device_copy
-    contiguous = device_copy.is_gpu()
+    gpu = device_copy.is_gpu()
     _DEFER.on = True
     try:
         layers = [layer_state(c) for c in caches]
     finally:
         _DEFER.on = False
-    raws = [t.data for layer in layers for t in layer.tensors if isinstance(t.data, mx.array)]
-    if contiguous:
-        raws = [mx.contiguous(r) for r in raws]
-        it = iter(raws)
-        layers = [LayerState(layer.kind, layer.meta,
-                             [Tensor(t.dtype, t.shape, next(it)) if isinstance(t.data, mx.array) else t
-                              for t in layer.tensors], layer.token_axis) for layer in layers]
-    mx.async_eval(raws)  # queued on the caller's stream; host_layers' reads wait for it (from any thread)
-    return layers
+    queued: list = []
+    out = []
+    for cache, layer in zip(caches, layers):
+        ready = {id(a) for a in kind_of(cache).arrays(cache)} if gpu and _is_queued(cache) else set()
+        tensors = []
+        for t in layer.tensors:
+            x = t.data
+            if isinstance(x, mx.array) and id(x) not in ready:
+                x = x.view(mx.uint16) if t.dtype == "bfloat16" else x
+                x = mx.contiguous(x) if gpu else x
+                queued.append(x)
+                t = Tensor(t.dtype, t.shape, x)
+            tensors.append(t)
+        out.append(LayerState(layer.kind, layer.meta, tensors, layer.token_axis))
+    if queued:
+        mx.async_eval(queued)  # queued on the caller's stream; host_layers' reads wait for it (from any thread)
+    return out
+
+
+_QUEUED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def mark_queued(caches: Sequence[Any]) -> None:
+    """Say that ``caches``' arrays are owned (no other cache writes them), contiguous and already queued for
+    evaluation on the caller's stream (``TargetRows.extract``'s snapshots): a deferred capture of them on a GPU
+    then needs no MLX op of its own (``capture_caches``). Held weakly: the mark goes with the cache object."""
+    for cache in caches:
+        try:
+            _QUEUED.add(cache)
+        except TypeError:  # a cache type without weak references: captured the ordinary way
+            pass
+
+
+def _is_queued(cache: Any) -> bool:
+    try:
+        return cache in _QUEUED
+    except TypeError:
+        return False
 
 
 def host_layers(layers: Sequence[LayerState], start: int = 0) -> list[LayerState]:
@@ -171,7 +205,8 @@ def _host_tensor(t: Tensor, axis: int | None = None, start: int = 0) -> Tensor:
         return t
     d2h = _device_to_host()
     if d2h is None:
-        return Tensor(t.dtype, t.shape, np.asarray(memoryview(t.data)))
+        from spec_cache.state.device_copy import host_view
+        return Tensor(t.dtype, t.shape, host_view(t.data))
     if axis is not None and start > 0:
         return Tensor(t.dtype, t.shape, d2h.copy_from(t.data, axis, start))
     return Tensor(t.dtype, t.shape, d2h(t.data))

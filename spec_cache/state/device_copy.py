@@ -630,12 +630,7 @@ class DeviceToHost:
         tokens, not its whole history (issue 35's H100 trace: ~800 MiB copied per checkpoint of a 6k-token 8B row,
         30 s of the write-behind thread over a 24-request run, the queue full, puts made on the scheduler thread)."""
         t0 = time.perf_counter()
-        mx.eval(x)
-        src_view = np.asarray(memoryview(x))  # only for the pointer and dtype (deferred captures are contiguous)
-        if not src_view.flags.c_contiguous:
-            c = mx.contiguous(x)
-            mx.eval(c)
-            src_view = np.asarray(memoryview(c))
+        src_view = _source_view(x)  # only for the pointer and dtype: no byte is read here
         out = np.zeros(src_view.shape, dtype=src_view.dtype)
         n = copy_token_range(_pointer(out), _pointer(src_view), src_view.shape, src_view.itemsize, axis, start,
                              self._copy)
@@ -645,12 +640,7 @@ class DeviceToHost:
 
     def __call__(self, x: mx.array) -> np.ndarray:
         t0 = time.perf_counter()
-        mx.eval(x)
-        src_view = np.asarray(memoryview(x))  # only for the pointer and dtype: no byte is read here
-        if not src_view.flags.c_contiguous:  # (deferred captures arrive contiguous: no MLX op on the writer)
-            c = mx.contiguous(x)
-            mx.eval(c)
-            src_view = np.asarray(memoryview(c))
+        src_view = _source_view(x)  # only for the pointer and dtype: no byte is read here
         out = np.empty(src_view.shape, dtype=src_view.dtype)
         n = out.nbytes
         if n:
@@ -668,6 +658,30 @@ class DeviceToHost:
         self.bytes += n
         self.seconds += time.perf_counter() - t0
         return out
+
+
+def host_view(x: mx.array) -> np.ndarray:
+    """A numpy view of an MLX array's buffer, bfloat16 as its uint16 words (numpy has no bfloat16, and PEP 3118
+    no format for it): no copy and no MLX op, so a thread that did not build ``x`` may call it once ``x`` is
+    evaluated (a deferred capture hands its arrays over so, ``cache_state.capture_caches``). A bfloat16 array must
+    be contiguous here (a strided one raises ``ValueError``; other dtypes keep their strides)."""
+    m = memoryview(x)
+    if m.format != "bfloat16":
+        return np.asarray(m)
+    if not m.c_contiguous:
+        raise ValueError(f"a strided bfloat16 array {tuple(x.shape)} has no host view")
+    return np.frombuffer(m.cast("B"), dtype=np.uint16).reshape(m.shape)
+
+
+def _source_view(x: mx.array) -> np.ndarray:
+    """``x`` evaluated and viewed for a copy out of it: contiguous (deferred captures arrive so; anything else is
+    made contiguous here, an MLX op on this thread, the rare path)."""
+    mx.eval(x)
+    if memoryview(x).c_contiguous:
+        return host_view(x)
+    c = mx.contiguous(x)
+    mx.eval(c)
+    return host_view(c)
 
 
 _D2H: DeviceToHost | None = None
