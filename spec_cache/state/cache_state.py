@@ -183,7 +183,7 @@ def _is_queued(cache: Any) -> bool:
 def host_layers(layers: Sequence[LayerState], start: int = 0) -> list[LayerState]:
     """``capture_caches(..., defer_copy=True)``'s layers with their bytes copied to host memory (safe on a
     background thread: no MLX graph is built). ``start`` (where ``copies_bytes()``): the token-axis layers get
-    only their positions from ``start`` on, the rest zeros (for ``Store.put(copied_from=start)``: the store holds
+    only their positions from ``start`` on, the rest unwritten (for ``Store.put(copied_from=start)``: the store holds
     the chunks before it)."""
     return [LayerState(layer.kind, layer.meta, [_host_tensor(t, layer.token_axis, start) for t in layer.tensors],
                        layer.token_axis) for layer in layers]

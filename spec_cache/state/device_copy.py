@@ -624,14 +624,18 @@ class DeviceToHost:
             at += step
 
     def copy_from(self, x: mx.array, axis: int, start: int) -> np.ndarray:
-        """``x`` on the host with only the positions from ``start`` along ``axis`` copied (the ones before are
-        zeros that cost no memory until touched: ``np.zeros`` maps zero pages lazily). For a checkpoint whose
+        """``x`` on the host with only the positions from ``start`` along ``axis`` copied (the ones before are left
+        unwritten: ``Store.put(copied_from=start)`` never reads them). For a checkpoint whose
         first chunks the store already holds (``Store.held_tokens``): a warm turn's checkpoint copies its new
         tokens, not its whole history (issue 35's H100 trace: ~800 MiB copied per checkpoint of a 6k-token 8B row,
         30 s of the write-behind thread over a 24-request run, the queue full, puts made on the scheduler thread)."""
         t0 = time.perf_counter()
         src_view = _source_view(x)  # only for the pointer and dtype: no byte is read here
-        out = np.zeros(src_view.shape, dtype=src_view.dtype)
+        # ``np.empty``, not ``np.zeros``: a K/V tensor is ~30 MiB, under glibc's dynamic mmap threshold once one such
+        # block was freed, so ``calloc`` took it from the heap and cleared it byte by byte, with the GIL held (issue
+        # 35's H100 py-spy at b393693: 1168 of the write-behind thread's samples on that line, while the scheduler's
+        # pure-Python steps and the request threads stalled behind it)
+        out = np.empty(src_view.shape, dtype=src_view.dtype)
         n = copy_token_range(_pointer(out), _pointer(src_view), src_view.shape, src_view.itemsize, axis, start,
                              self._copy)
         self.bytes += n

@@ -122,7 +122,7 @@ def test_a_ranged_copy_goes_on_the_stream_too():
     mx.eval(x)
     out = d2h.copy_from(x, 2, 20)
     ref = np.asarray(memoryview(x))
-    assert np.array_equal(out[:, :, 20:], ref[:, :, 20:]) and not out[:, :, :20].any()
+    assert np.array_equal(out[:, :, 20:], ref[:, :, 20:])  # the positions before are left unwritten
     assert {kind for kind, *_ in driver.calls} == {"async"}
 
 
