@@ -193,6 +193,8 @@ def pipelines_by_default() -> bool:
 #: prefill chunk in tokens where the caller does not say, per device (``prefill_step_by_default``)
 GPU_PREFILL_STEP = 2048
 CPU_PREFILL_STEP = 512
+#: new tokens of short rows that join one step on a GPU (``join_budget_by_default``)
+GPU_JOIN_BUDGET = 512
 
 
 def prefill_step_by_default() -> int:
@@ -207,13 +209,19 @@ def prefill_step_by_default() -> int:
 
 def join_budget_by_default(prefill_step_size: int) -> int:
     """New tokens of the short rows (a warm turn's tail: one prefill chunk at most) that join a decoding batch in
-    one step, the first always joining: a step's token budget, as vLLM's scheduler has one. On a GPU, a chunk's
-    worth (``prefill_step_size``): short prefills leave the device underused, so forwarding several in one step
-    costs little more than one. On the CPU, none beyond the first: a forward's cost grows with its tokens whatever
-    the batch, so forwarding several warm turns in one step only makes the first wait for the others (four chat
-    turns arriving within ~16 ms of each other at 4 clients on the 2-core VM: ~80 ms to the first token each,
-    against ~20, 40, 60, 80 ms one a step)."""
-    return prefill_step_size if mx.default_device().type == mx.DeviceType.gpu else 0
+    one step, the first always joining: a step's token budget, as vLLM's scheduler has one. On a GPU,
+    ``GPU_JOIN_BUDGET`` (512, at most a chunk): below a few hundred tokens a forward is bound by reading the
+    weights (a bf16 model on an H100/H200 reaches its compute roof at ~300 tokens a forward: ~990 TFLOP/s over
+    ~3.4 TB/s, 2 FLOPs a weight a token), so several short prefills in one step cost little more than one; above,
+    a forward's time grows with its tokens, and forwarding several warm turns together only makes the first wait
+    for the others (issue 35, H100, 8B-shaped: three ~570-token turns took 385 ms in one step, one alone 130-167
+    ms; at 2048 four chat turns came out together at ~585 ms each, where one a step gives ~150, 300, 450, 600). On
+    the CPU, none beyond the first: a forward's cost grows with its tokens whatever the batch (four chat turns
+    arriving within ~16 ms of each other at 4 clients on the 2-core VM: ~80 ms to the first token each, against
+    ~20, 40, 60, 80 ms one a step)."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        return min(prefill_step_size, GPU_JOIN_BUDGET)
+    return 0
 
 
 class SpeculativeEngine:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from spec_cache.apps.server.scheduler import Job, Scheduler
+from spec_cache.decode.engine import GPU_JOIN_BUDGET, join_budget_by_default
 from spec_cache.decode.generator import Generator
 from spec_cache.rows.sampling import RowSampling
 from spec_cache.tiers.cache import SpecCache
@@ -31,6 +32,7 @@ def _prompt(n: int) -> list[int]:
 def scheduler(tiny, tmp_path):
     cache = SpecCache.open(tmp_path / "store")
     generator = Generator.load(tiny.root / "target", None, cache=cache)
+    generator.engine.join_budget = GPU_JOIN_BUDGET  # rows join one step as on a GPU (the CPU: one a step)
     sched = Scheduler(generator, max_rows=4)
     sched.start()
     yield sched, generator
@@ -103,6 +105,66 @@ def test_nothing_arriving_means_no_wait(scheduler, monkeypatch):
     sched.submit(Job(prompt=_prompt(5), max_tokens=2, sampling=RowSampling(), deliver=job))
     assert job.done.wait(20)
     assert sched.arrival_waits == 0
+
+
+def test_a_job_that_fills_the_join_budget_alone_is_not_held(scheduler, monkeypatch):
+    """A prefill of at least ``join_budget`` new tokens is bound by compute: a row joining its step only makes both
+    wait, so it is admitted at once though a request is arriving (issue 35, H100 agent run at 2 clients)."""
+    sched, generator = scheduler
+    monkeypatch.setattr(sched, "coalesce_s", 30.0)
+    monkeypatch.setattr(generator.engine, "join_budget", 64)
+    arrival = sched.arrival()
+    try:
+        long, short = Events(), Events()
+        sched.submit(Job(prompt=_prompt(30), max_tokens=2, sampling=RowSampling(), deliver=long))  # 70 new tokens
+        assert long.done.wait(20) and sched.arrival_waits == 0
+        assert long.tokens == plain_greedy(generator.engine.target, _prompt(30), 2)
+        sched.submit(Job(prompt=_prompt(6), max_tokens=2, sampling=RowSampling(), deliver=short))  # 46: room left
+        time.sleep(0.3)
+        assert not _started(short) and sched.arrival_waits == 1
+    finally:
+        arrival.done()
+    assert short.done.wait(20)
+
+
+def test_the_room_counts_only_what_the_memory_tier_lacks(scheduler, monkeypatch):
+    """A warm turn whose prompt the memory tier holds all but a few tokens of leaves room, however long its
+    prompt: it is held for the arriving request, then answered with a cold run's tokens."""
+    sched, generator = scheduler
+    prompt = _prompt(60)  # 100 tokens, over the budget below when cold
+    first = Events()
+    sched.submit(Job(prompt=prompt, max_tokens=2, sampling=RowSampling(), deliver=first))
+    assert first.done.wait(30)
+    generator.cache.drain()
+    monkeypatch.setattr(sched, "coalesce_s", 30.0)
+    monkeypatch.setattr(generator.engine, "join_budget", 64)
+    assert sched.held_prefix(None, prompt + [5, 6]) >= 64
+    arrival = sched.arrival()
+    warm = Events()
+    try:
+        sched.submit(Job(prompt=prompt + [5, 6], max_tokens=2, sampling=RowSampling(), deliver=warm))
+        time.sleep(0.3)
+        assert not _started(warm) and sched.arrival_waits == 1
+    finally:
+        arrival.done()
+    assert warm.done.wait(20)
+    assert warm.tokens == plain_greedy(generator.engine.target, prompt + [5, 6], 2)
+
+
+def test_a_gpu_joins_at_most_512_new_tokens_a_step(monkeypatch):
+    """The join budget on a GPU is the compute roof's few hundred tokens, at most a prefill chunk; none on the CPU."""
+    import mlx.core as mx
+
+    from spec_cache.decode import engine as engine_module
+
+    class _Device:
+        type = mx.DeviceType.gpu
+    monkeypatch.setattr(engine_module.mx, "default_device", lambda: _Device())
+    assert join_budget_by_default(2048) == GPU_JOIN_BUDGET == 512
+    assert join_budget_by_default(256) == 256
+    monkeypatch.undo()
+    if mx.default_device().type == mx.DeviceType.cpu:
+        assert join_budget_by_default(2048) == 0
 
 
 @pytest.fixture(scope="module")

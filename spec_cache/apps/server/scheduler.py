@@ -230,6 +230,7 @@ class Job:
     shared_with: dict = field(default_factory=dict)
     waited: bool = False  # it waited for such a row's prefill (counted once in ``Scheduler.shared_waits``)
     coalesced: bool = False  # it waited for requests arriving with it (counted once in ``Scheduler.arrival_waits``)
+    room: bool | None = None  # rows arriving could join its prefill step (``Scheduler._leaves_room``; once)
     known_at: tuple | None = None  # (memory-tier puts, tokens asked, tokens held) of its last such ask
 
     @property
@@ -269,7 +270,9 @@ class Arrival:
     that step to end before theirs could start (issue 35, the H100 run at 4 clients: the first of four turn-2
     requests 167 ms to its first token, the other three 173-179 ms in the queue, then 385 ms together). A new job
     therefore waits while requests are arriving, at most ``Scheduler.coalesce_s``, and the prefills run as one
-    step; only where rows prefill together in one step (a GPU: ``engine.join_budget``), so 0 on the CPU."""
+    step; only where rows prefill together in one step (a GPU: ``engine.join_budget``), so 0 on the CPU, and only a
+    job whose new tokens leave room in that budget (``Scheduler._leaves_room``): a longer prefill is bound by
+    compute, and the rows then go one a step."""
 
     __slots__ = ("_scheduler", "_open")
 
@@ -717,12 +720,25 @@ class Scheduler:
         step. A job that waited is counted once in ``arrival_waits``."""
         if self._arriving <= 0 or self.coalesce_s <= 0 or job.prepared is not None:
             return False
-        if time.perf_counter() - job.arrived >= self.coalesce_s:
+        if time.perf_counter() - job.arrived >= self.coalesce_s or not self._leaves_room(job):
             return False
         if not job.coalesced:
             job.coalesced = True
             self.arrival_waits += 1
         return True
+
+    def _leaves_room(self, job: Job) -> bool:
+        """Whether rows arriving could join ``job``'s prefill step: its new tokens (the prompt less what the memory
+        tier holds of it) under the engine's ``join_budget``. A prefill that fills the budget alone is bound by
+        compute, so a row joining it only makes both wait for the other: holding such a job delays it and gains
+        nothing (issue 35, H100 agent run at 2 clients, b393693: both sessions' ~600-1300-token turns held and
+        prefilled together, warm-turn TTFT p50 787 ms where the sessions one after the other had read 470). Read once
+        a job (a memory-tier probe, no restore)."""
+        if job.room is None:
+            budget = getattr(self.generator.engine, "join_budget", 0)
+            new = len(job.prompt) - self.held_prefix(job.tenant, job.prompt)
+            job.room = new < budget
+        return job.room
 
     def _hold_left(self) -> float:
         """How long the scheduler may sleep on its inbox: 0.5 s, or less while a job waits for arrivals (its
