@@ -75,6 +75,8 @@ class PreparedRow:
     restored_drafter: bool = False
     #: (tokens, with drafter row) of the restored checkpoint: writing that one again would change nothing
     restored_at: tuple[int, bool] | None = None
+    #: the tier the restored state came from ("memory", "local" (LMDB), "shared"); None: cold
+    tier: str | None = None
 
     def needs_save(self, tokens: Sequence[int], draft_checkpoint, drafter_namespace: str | None) -> bool:
         """Whether a checkpoint of ``tokens`` (with ``draft_checkpoint``) adds anything to what was restored."""

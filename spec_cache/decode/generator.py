@@ -212,7 +212,7 @@ class Generator:
                              draft_checkpoint=hit.draft_checkpoint, max_tokens=max_tokens, sampling=sampling)
         with_drafter = hit.draft_checkpoint is not None
         return PreparedRow(request, key, hit.length, with_drafter,
-                           (hit.length, with_drafter or not self.drafter_namespace))
+                           (hit.length, with_drafter or not self.drafter_namespace), getattr(hit, "tier", None))
 
     def restore_for_prompt(self, prompt: Sequence[int], *, ns_key: bytes | None = None, limit: int | None = None):
         """The longest stored prefix of ``prompt[:-1]`` this request may continue from (a
