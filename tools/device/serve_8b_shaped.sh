@@ -41,6 +41,7 @@ echo "tree: $(git rev-parse --short HEAD 2>/dev/null) $(git status --short -- sp
   | wc -l) changed files under spec_cache/ store/ schemas/"
 $PY tools/device/serve_8b_model.py --tok "$TOK" --out "$WORK/model" || exit 1
 echo "setup took $(( $(date +%s) - START )) s"
+[ "${SETUP_ONLY:-0}" = 1 ] && exit 0  # the install and the model alone (serve_issue35.sh PART=agent on a fresh machine)
 LEFT=$(( DEADLINE - ($(date +%s) - START) ))
 FRESH_FLAG=""; [ "${FRESH:-0}" = 1 ] && FRESH_FLAG=--fresh
 [ -n "${RESUME_FROM:-}" ] && FRESH_FLAG="$FRESH_FLAG --resume-from=$RESUME_FROM"

@@ -5,6 +5,7 @@
 #   call 0b (carry .gpu/p3):                       mkdir -p /tmp/p3 && cp .gpu/p3/* /tmp/p3/
 #   call 1 (carry .gpu/p2 .gpu/serve):             ln -sfn /tmp/p3 .gpu/p3 && PART=chat bash tools/device/serve_issue35.sh
 #   call 2 (same warm machine, no carry needed):   PART=agent bash tools/device/serve_issue35.sh
+#   (PART=agent on a fresh machine carries .gpu/p2 .gpu/serve as call 1 does and installs first)
 # (p1 and p3 together with the tree passed 64 MiB on 2026-12-07: a call carries at most 64 MiB in all.)
 # To measure exactly one commit while the working tree moves (helpers' edits travel with it), carry the commit as
 # a tarball: `git archive <commit> | gzip > .gpu/src/tree.tgz` here, carry .gpu/src too in call 1, and run
@@ -37,7 +38,9 @@ else
   PY=${PY:-python3}
   SITE=${SITE:-/tmp/site}
   export PYTHONPATH=$SITE:${WORK:-/tmp/serve-8b}/sc-site PYTHONUNBUFFERED=1 SPEC_CACHE_SCHED_TRACE=$WORKOUT/trace
-  [ -e ${WORK:-/tmp/serve-8b}/model/config.json ] || { echo "run PART=chat first on this machine (model, install)"; exit 3; }
+  if [ ! -e ${WORK:-/tmp/serve-8b}/model/config.json ]; then  # a fresh machine: the install and the model first
+    SETUP_ONLY=1 OUT=$WORKOUT bash tools/device/serve_8b_shaped.sh || exit 3
+  fi
   # the agent's prompts reach ~17k tokens: the random-weight model's context (8192) is raised in its config
   $PY -c "import json, sys; p = sys.argv[1]; c = json.load(open(p)); c['max_position_embeddings'] = 32768; \
 json.dump(c, open(p, 'w'))" "${WORK:-/tmp/serve-8b}/model/config.json" || exit 1
