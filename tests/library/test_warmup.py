@@ -75,6 +75,7 @@ def test_serve_warmup_on_reports_ready_after_the_warm_up(models, tmp_path):
                  probe_while_loading=False)
     try:
         assert "warm-up compiled in" in srv.log.read_text()  # before /health said ready
+        assert "copy routes ready in" in srv.log.read_text()  # the restore and capture routes set up too
         assert srv.metric("spec_cache_memory_tier_entries") == 0  # the warm-up stored nothing
         reply = httpx.post(srv.url + "/v1/completions", headers=srv.headers(), timeout=60,
                            json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0})
@@ -84,6 +85,6 @@ def test_serve_warmup_on_reports_ready_after_the_warm_up(models, tmp_path):
         srv.stop()
     off = Server(Path(target), tmp_path / "store-off", tmp_path, "--warmup", "off")
     try:
-        assert "warm-up compiled in" not in off.log.read_text()
+        assert "warm-up compiled in" not in off.log.read_text() and "copy routes ready" not in off.log.read_text()
     finally:
         off.stop()
