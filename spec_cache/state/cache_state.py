@@ -41,9 +41,9 @@ def to_tensor(x: mx.array) -> Tensor:
     (a memory-tier hit) would pull them back at fault speed."""
     from spec_cache.state import device_copy
     name = dtype_of(x)
-    raw = x.view(mx.uint16) if name == "bfloat16" else x
     if getattr(_DEFER, "on", False) and x.size:
         return Tensor(name, tuple(x.shape), x)  # queued by capture_caches, copied out by host_layers
+    raw = x.view(mx.uint16) if name == "bfloat16" else x
     mx.eval(raw)
     if not raw.size:
         return Tensor(name, tuple(x.shape), np.zeros(raw.shape, dtype=numpy_dtype(name)))

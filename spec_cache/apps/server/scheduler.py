@@ -140,6 +140,7 @@ def _read_records(job: Job) -> bool:
     prepared = job.prepared
     return prepared is not None and getattr(prepared, "tier", None) in ("local", "shared")
 
+
 def _restored(job: Job) -> int:
     """Tokens ``job``'s current row restored from the cache (0: cold, or not prepared yet)."""
     request = None if job.prepared is None else job.prepared.request
