@@ -28,6 +28,21 @@ def _prompt(n: int) -> list[int]:
     return [3 + (i * 31 + 7 * n) % 250 for i in range(40 + n)]
 
 
+def admission_passes(sched, monkeypatch) -> list[list[tuple[list[int], str | None]]]:
+    """Each admission pass that admitted something, in order: (prompt, tier its row was restored from) per job."""
+    passes: list = []
+    admit = sched._admit
+
+    def watched():
+        before = set(sched._rows)
+        admit()
+        new = [(sched._rows[r].prompt, sched._rows[r].prepared.tier) for r in sched._rows if r not in before]
+        if new:
+            passes.append(new)
+    monkeypatch.setattr(sched, "_admit", watched)
+    return passes
+
+
 @pytest.fixture
 def scheduler(tiny, tmp_path):
     cache = SpecCache.open(tmp_path / "store")
@@ -43,16 +58,7 @@ def scheduler(tiny, tmp_path):
 def test_a_job_waits_for_a_request_still_arriving_then_both_are_admitted_together(scheduler, monkeypatch):
     sched, generator = scheduler
     monkeypatch.setattr(sched, "coalesce_s", 30.0)
-    admitted: list[list[int]] = []  # the prompts each admission pass took, in order
-    admit = sched._admit
-
-    def watched():
-        before = set(sched._rows)
-        admit()
-        new = [sched._rows[r].prompt for r in sched._rows if r not in before]
-        if new:
-            admitted.append(new)
-    monkeypatch.setattr(sched, "_admit", watched)
+    passes = admission_passes(sched, monkeypatch)
     arrival = sched.arrival()  # a request being tokenized
     assert sched.arriving == 1
     first = Events()
@@ -65,7 +71,7 @@ def test_a_job_waits_for_a_request_still_arriving_then_both_are_admitted_togethe
     arrival.done()  # idempotent
     assert sched.arriving == 0
     assert first.done.wait(60) and second.done.wait(60)
-    assert admitted[0] == [_prompt(1), _prompt(2)]  # one admission pass: their prefills in one step
+    assert [prompt for prompt, _ in passes[0]] == [_prompt(1), _prompt(2)]  # one pass: their prefills in one step
     # the tokens of a cold run of each prompt
     assert first.tokens == plain_greedy(generator.engine.target, _prompt(1), 4)
     assert second.tokens == plain_greedy(generator.engine.target, _prompt(2), 4)
