@@ -204,12 +204,56 @@ def _host_tensor(t: Tensor, axis: int | None = None, start: int = 0) -> Tensor:
     if not isinstance(t.data, mx.array):
         return t
     d2h = _device_to_host()
+    lent = axis is not None and tuple(t.data.shape) != t.shape  # a longer checkpoint's array: its first positions
     if d2h is None:
         from spec_cache.state.device_copy import host_view
-        return Tensor(t.dtype, t.shape, host_view(t.data))
+        view = host_view(t.data)
+        if lent:  # a strided view of the positions it covers (the store copies strided views as they are)
+            view = view[(slice(None),) * axis + (slice(0, t.shape[axis]),)]
+        return Tensor(t.dtype, t.shape, view)
+    if lent:
+        return Tensor(t.dtype, t.shape, d2h.copy_from(t.data, axis, start, stop=t.shape[axis]))
     if axis is not None and start > 0:
         return Tensor(t.dtype, t.shape, d2h.copy_from(t.data, axis, start))
     return Tensor(t.dtype, t.shape, d2h(t.data))
+
+
+def lend_layers(earlier: Sequence[LayerState], later: Sequence[LayerState], length: int) -> list[LayerState] | None:
+    """``earlier``'s deferred layers (a checkpoint of ``length`` tokens) over ``later``'s arrays: a later checkpoint of
+    the same tokens and more, whose arrays hold the same values at those positions. None where they cannot stand
+    in: a layer that is not token-sliceable (a ring buffer or recurrent state holds no positions), kinds or
+    scalars that differ (a quantized layer's conversion point among them), shapes or dtypes that differ off the
+    token axis, bytes already on the host.
+
+    Why: a queued checkpoint holds its own snapshot of the row (``TargetRows.extract``: ~2 GB for a 15k-token 8B
+    row) until the writer gets to it; a row checkpointed at each message boundary while the writer is behind held
+    one such copy per boundary (issue 35's agent run on an H100: device memory 14 -> 76 GiB, every step then freeing
+    and reallocating MLX's buffers). Lent, the earlier snapshot is dropped; its write copies the positions it covers
+    out of the later one (``host_layers``: a lent tensor's shape is shorter than its array along the token axis).
+    KV positions are written once (a rollback drops only positions after the accepted ones), and the store already
+    takes a checkpoint's leading chunks from whichever checkpoint wrote them first. On unified memory (a CPU,
+    Apple silicon) the lent tensor is a strided host view, no copy; on MLX's CUDA backend the copier reads the
+    positions it covers out of the later array."""
+    if len(earlier) != len(later):
+        return None
+    out = []
+    for mine, theirs in zip(earlier, later):
+        axis = mine.token_axis
+        kind = kind_named(mine.kind)
+        if (mine.kind != theirs.kind or not kind.trimmable or axis is None
+                or theirs.token_axis != axis or mine.meta != theirs.meta or len(mine.tensors) != len(theirs.tensors)):
+            return None
+        tensors = []
+        for a, b in zip(mine.tensors, theirs.tensors):
+            if not isinstance(a.data, mx.array) or not isinstance(b.data, mx.array) or a.dtype != b.dtype:
+                return None
+            data_shape = tuple(b.data.shape)
+            if (len(a.shape) != len(data_shape) or a.shape[axis] != length or data_shape[axis] < length
+                    or any(x != y for i, (x, y) in enumerate(zip(a.shape, data_shape)) if i != axis)):
+                return None
+            tensors.append(Tensor(a.dtype, a.shape, b.data))
+        out.append(LayerState(mine.kind, mine.meta, tensors, axis))
+    return out
 
 
 _DEFER = threading.local()  # ``on`` while ``capture_caches(defer_copy=True)`` runs: ``to_tensor`` keeps bytes in MLX

@@ -284,20 +284,24 @@ def _pointer(view: np.ndarray) -> int:
 
 
 def copy_token_range(dst: int, src: int, shape: Sequence[int], itemsize: int, axis: int, start: int,
-                     copy: Callable[[int, int, int], None]) -> int:
+                     copy: Callable[[int, int, int], None], src_length: int | None = None) -> int:
     """Copy positions ``start:`` along ``axis`` of a C-contiguous array at ``src`` into the same place of one
-    shaped alike at ``dst``: one ``copy(dst, src, nbytes)`` per contiguous run (per index of the axes before
-    ``axis``; one run when they are all 1). Returns the bytes copied."""
+    shaped alike at ``dst`` (``shape``): one ``copy(dst, src, nbytes)`` per contiguous run (per index of the axes
+    before ``axis``; one run when they are all 1). ``src_length``: the source is longer along ``axis`` (a later
+    checkpoint of the same row lent to an earlier one, ``SpecCache._lend``); only its first ``shape[axis]``
+    positions are read. Returns the bytes copied."""
     outer = math.prod(shape[:axis])
     inner = math.prod(shape[axis + 1:]) * itemsize
     length = shape[axis]
+    stride = length if src_length is None else src_length
+    if stride < length:
+        raise ValueError(f"source holds {stride} positions along axis {axis}, {length} asked")
     start = max(0, min(start, length))
     run = (length - start) * inner
     if run == 0:
         return 0
     for i in range(outer):
-        at = (i * length + start) * inner
-        copy(dst + at, src + at, run)
+        copy(dst + (i * length + start) * inner, src + (i * stride + start) * inner, run)
     return run * outer
 
 
@@ -623,10 +627,11 @@ class DeviceToHost:
             ctypes.memmove(dst + at, ptr, step)
             at += step
 
-    def copy_from(self, x: mx.array, axis: int, start: int) -> np.ndarray:
+    def copy_from(self, x: mx.array, axis: int, start: int, stop: int | None = None) -> np.ndarray:
         """``x`` on the host with only the positions from ``start`` along ``axis`` copied (the ones before are left
-        unwritten: ``Store.put(copied_from=start)`` never reads them). For a checkpoint whose
-        first chunks the store already holds (``Store.held_tokens``): a warm turn's checkpoint copies its new
+        unwritten: ``Store.put(copied_from=start)`` never reads them); ``stop``: the result is ``x``'s first
+        ``stop`` positions along ``axis`` (a later checkpoint's array lent to an earlier one). For a checkpoint
+        whose first chunks the store already holds (``Store.held_tokens``): a warm turn's checkpoint copies its new
         tokens, not its whole history (issue 35's H100 trace: ~800 MiB copied per checkpoint of a 6k-token 8B row,
         30 s of the write-behind thread over a 24-request run, the queue full, puts made on the scheduler thread)."""
         t0 = time.perf_counter()
@@ -635,9 +640,12 @@ class DeviceToHost:
         # block was freed, so ``calloc`` took it from the heap and cleared it byte by byte, with the GIL held (issue
         # 35's H100 py-spy at b393693: 1168 of the write-behind thread's samples on that line, while the scheduler's
         # pure-Python steps and the request threads stalled behind it)
-        out = np.empty(src_view.shape, dtype=src_view.dtype)
-        n = copy_token_range(_pointer(out), _pointer(src_view), src_view.shape, src_view.itemsize, axis, start,
-                             self._copy)
+        shape = list(src_view.shape)
+        if stop is not None:
+            shape[axis] = stop
+        out = np.empty(shape, dtype=src_view.dtype)
+        n = copy_token_range(_pointer(out), _pointer(src_view), shape, src_view.itemsize, axis, start,
+                             self._copy, src_length=src_view.shape[axis])
         self.bytes += n
         self.seconds += time.perf_counter() - t0
         return out

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -43,6 +44,7 @@ from spec_cache.state.cache_state import (
     checkpoint_from_store,
     copies_bytes,
     host_layers,
+    lend_layers,
     restore_caches,
     restore_concat,
 )
@@ -431,7 +433,8 @@ class SpecCache:
         entry = self.memory.put(ns_key, packed, caches, drafter_namespace=drafter_namespace if drafter else None,
                                 draft_checkpoint=draft_checkpoint if drafter else None,
                                 minimum_reusable=minimum_reusable)
-        job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable, entry, then, rider)
+        job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable,
+                        None if entry is None else weakref.ref(entry), then, rider)
         t3 = time.perf_counter()
         spent["capture"] += t1 - t0
         spent["estimate"] += t2 - t1
@@ -457,6 +460,7 @@ class SpecCache:
         nbytes = job.tail_bytes(held)
         tenant = self.tenant_of(job.ns_key)
         with self._queued_lock:
+            self._lend(job)
             self._queued.setdefault(job.ns_key, []).append(job)
             mine = self._tenant_queued.get(tenant, 0)
             others = sum(1 for who, n in self._tenant_queued.items() if n > 0 and who != tenant)
@@ -470,6 +474,25 @@ class SpecCache:
                     or (others > 0 and mine + nbytes <= self.write_queue_bytes // (others + 1)))
         if not self._writer.submit(job, nbytes, may_wait=may_wait):
             self._unqueued(job)  # written inline (or refused): nothing of it waits any more
+
+    def _lend(self, job: "_WriteJob") -> None:
+        """(under ``_queued_lock``) Queued checkpoints of ``job``'s namespace that the writer has not started and
+        whose tokens ``job``'s begin with drop their own snapshot for ``job``'s arrays (``cache_state.lend_layers``):
+        a row checkpointed at each message boundary while the writer is behind holds one snapshot, not one per
+        boundary. Counted as ``lent``."""
+        mine = None
+        for older in self._queued.get(job.ns_key, ()):
+            if older.started or older.captured is not None or len(older.tokens) > len(job.tokens):
+                continue
+            if mine is None:
+                mine = np.asarray(job.tokens, dtype=np.int64)
+            n = len(older.tokens)
+            if not np.array_equal(mine[:n], np.asarray(older.tokens, dtype=np.int64)):
+                continue
+            lent = lend_layers(older.layers, job.layers, n)
+            if lent is not None:
+                older.layers = lent
+                self._writer.count("lent")
 
     def _held_estimate(self, ns_key: bytes, tokens: Sequence[int]) -> int:
         """Leading tokens of a checkpoint of ``tokens`` that will be in the store when the writer gets to it: the
@@ -541,8 +564,9 @@ class SpecCache:
                 log.warning(message)
             result = None
         except BaseException:
-            if job.entry is not None:
-                self.memory.mark_durable(job.entry)  # never in LMDB now: evictable
+            entry = job.entry
+            if entry is not None:
+                self.memory.mark_durable(entry)  # never in LMDB now: evictable
             raise
         return self._written(job, result)
 
@@ -550,8 +574,9 @@ class SpecCache:
         """After a checkpoint's put (``result`` None: not stored): its memory entry becomes evictable; the shared
         tier and ``then`` hear of it."""
         self._unqueued(job)
-        if job.entry is not None:
-            self.memory.mark_durable(job.entry)  # held in LMDB now, or never will be: evictable either way
+        entry = job.entry
+        if entry is not None:
+            self.memory.mark_durable(entry)  # held in LMDB now, or never will be: evictable either way
         if result is not None and self.shared is not None:
             self.shared.enqueue(result.entry, [job.drafter[0]] if job.drafter is not None else [], job.nbytes,
                                 job.tenant or self.tenant_of(job.ns_key))
@@ -586,8 +611,10 @@ class SpecCache:
         same batch writes (``batch_held``), are copied and the put is told so (``copied_from``): a warm turn's
         checkpoint copies its new tokens, not its whole history. ``full``: every token (the put found a chunk
         gone since)."""
-        if job.captured is None:
-            job.captured = job.layers
+        with self._queued_lock:  # from here no later checkpoint lends it its arrays (``_lend``)
+            job.started = True
+            if job.captured is None:
+                job.captured = job.layers
         start = 0
         if not full and copies_bytes() and _deferred(job.captured):
             try:
@@ -1025,13 +1052,20 @@ class _WriteJob:
     layers: list
     drafter: tuple | None
     minimum_reusable: int
-    entry: Any
+    entry_ref: Any  # a weak reference to its memory-tier entry (None: none): ``entry``
     then: Callable[[PutResult], None] | None = None  # after the commit (``save``'s ``then``)
     rider: Callable[[Any], None] | None = None  # rows in the put's own transaction (``save``'s ``rider``)
     captured: list | None = None  # the layers as captured (bytes maybe still in MLX), kept for a full copy
     copied_from: int = 0  # the host copy in ``layers`` starts here along the token axis (``_to_host``)
     tenant: bytes = b""  # the tenant its queued bytes count against (``SpecCache.tenant_of``)
     share_bytes: int = 0  # its bytes in its tenant's share of the write queue until it leaves the queue
+    started: bool = False  # the writer began its host copy: its layers are its own from then on (``_lend``)
+
+    @property
+    def entry(self) -> Any:
+        """Its memory-tier entry while anyone holds it (None once gone). Weak: an entry a later checkpoint
+        superseded (``MemoryTier._supersede``) must take its snapshot with it, not stay alive in the queue."""
+        return None if self.entry_ref is None else self.entry_ref()
 
     @property
     def options(self) -> dict:

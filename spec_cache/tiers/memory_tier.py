@@ -216,7 +216,8 @@ class MemoryTier:
         """The cold tier holds ``entry`` now (or never will): it may be evicted from here."""
         with self._lock:
             entry.durable = True
-            if entry.key in self._entries and _superseded(entry, self._by_ns.get(entry.ns_key, {}).values()):
+            if self._entries.get(entry.key) is entry and _superseded(entry,
+                                                                       self._by_ns.get(entry.ns_key, {}).values()):
                 self._remove(entry)  # a longer entry put while its write was pending serves it by trimming
                 self.counters["superseded"] += 1
             self._evict_to(self.budget_bytes)
@@ -419,9 +420,15 @@ class MemoryTier:
 
     def _supersede(self, entry: _Entry) -> None:
         """Drop trimmable, attachment-free ancestors that ``entry`` serves by trimming (same conversion point);
-        like eviction, never one whose LMDB write is still pending, nor a pinned one."""
+        never a pinned one. One whose LMDB write is still pending goes only for an ``entry`` whose write is pending
+        too: its write still runs (the write queue holds its job, ``SpecCache._lend`` gives that job ``entry``'s
+        arrays), and until then ``entry`` holds its state here (queued after it, never evicted before its own
+        write, which comes after). Why: a row checkpointed at each message boundary while the writer was behind
+        kept every boundary's ~2 GB snapshot here (issue 35's agent run on an H100: device memory 14 -> 76 GiB).
+        A durable ``entry`` (restored from LMDB) can be evicted any time: the pending ancestor stays."""
         for other in list(self._by_ns.get(entry.ns_key, {}).values()):
-            if (other is entry or other.pinned or not other.durable or not other.trimmable or other.drafters
+            if (other is entry or other.pinned or (entry.durable and not other.durable) or not other.trimmable
+                    or other.drafters
                     or other.length >= entry.length or other.minimum_reusable != entry.minimum_reusable
                     or other.length < entry.minimum_reusable):
                 continue

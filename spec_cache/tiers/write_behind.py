@@ -78,7 +78,7 @@ class CheckpointWriter:
         self._write_many = write_many
         self._lock = threading.Lock()
         self.counters = {"queued": 0, "inline": 0, "waited": 0, "written": 0, "failed": 0, "refused": 0,
-                         "batches": 0}
+                         "batches": 0, "lent": 0}
         self._queue = WriteBehind(cap_bytes, self._handle, name="spec-cache-write-behind",
                                   batch_handler=None if write_many is None else self._handle_many,
                                   linger_s=LINGER_S, quiet_s=QUIET_S, linger_max_s=LINGER_MAX_S,
@@ -126,6 +126,11 @@ class CheckpointWriter:
         except Exception:  # the writer reports its own failures; never let the thread die
             self._count("failed", len(jobs))
             log.exception("spec-cache: checkpoint writes failed unexpectedly")
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (``lent``: a queued checkpoint that took a later one's arrays,
+        ``SpecCache._lend``)."""
+        self._count(name, n)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

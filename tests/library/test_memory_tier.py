@@ -200,6 +200,23 @@ def test_replacement_and_supersession():
     assert pending.key in tier._entries and tier.stats()["superseded"] == 1  # kept, as eviction would keep it
 
 
+def test_a_pending_descendant_supersedes_a_pending_ancestor():
+    """Both waiting for LMDB: the ancestor's write still runs (its queued job), the descendant holds its state here
+    until after it (issue 35: one ~2 GB snapshot per message boundary stayed on the device)."""
+    tier = MemoryTier(1 << 20, idle_seconds=None)
+    first = tier.put(NS, [9] * 8, [kv(8)], durable=False)
+    second = tier.put(NS, [9] * 12, [kv(12)], durable=False)
+    assert list(tier._entries.values()) == [second] and tier.stats()["superseded"] == 1
+    assert tier.bytes == second.nbytes
+    hit = tier.lookup(NS, [9] * 8 + [3])
+    assert hit.length == 8 and hit.entry is second                    # served by trimming the descendant
+    tier.mark_durable(first)                                           # its write done later: nothing changes
+    assert list(tier._entries.values()) == [second] and tier.bytes == second.nbytes
+    again = tier.put(NS, [9] * 12, [kv(12, seed=2)], durable=False)   # the same tokens put anew
+    tier.mark_durable(second)                                          # the replaced object's write lands
+    assert tier._entries[again.key] is again and tier.bytes == again.nbytes  # the new one stays, counted once
+
+
 def test_memory_bytes_zero_turns_the_tier_off_and_bad_values_are_refused(tiny, tmp_path):
     with SpecCache.open(tmp_path / "s", memory_bytes=0) as cache:
         gen = load(tiny, cache, "ngram")

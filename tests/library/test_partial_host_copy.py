@@ -52,13 +52,16 @@ class FakeDeviceToHost:
         self.starts.append(0)
         return out
 
-    def copy_from(self, x, axis, start):
+    def copy_from(self, x, axis, start, stop=None):
         mx.eval(x)
         view = np.asarray(memoryview(x))
-        out = np.empty(view.shape, view.dtype)
+        shape = list(view.shape)
+        shape[axis] = shape[axis] if stop is None else stop
+        out = np.empty(shape, view.dtype)
         out.view(np.uint8).fill(0xA5)  # what the positions before ``start`` hold is never stored: garbage here
         self.bytes += device_copy.copy_token_range(device_copy._pointer(out), device_copy._pointer(view),
-                                                   view.shape, view.itemsize, axis, start, _memmove)
+                                                   shape, view.itemsize, axis, start, _memmove,
+                                                   src_length=view.shape[axis])
         self.starts.append(start)
         return out
 

@@ -10,11 +10,13 @@ from spec_cache.tiers.cache import SpecCache
 from tests.library.test_memory_tier import kv
 
 
-def _save_four(cache: SpecCache) -> dict:
+def _save_four(cache: SpecCache, *, nested: bool = True) -> dict:
+    """Four checkpoints: of one conversation (``nested``: each a prefix of the next, as a request's phases are),
+    or of four different ones (none serves another; each holds its own state until LMDB holds it)."""
     ns = cache.namespace("cd" * 32, "prefix")
-    tokens = list(range(10, 400))
     for n, seed in ((100, 1), (180, 2), (260, 3), (390, 4)):  # 2 layers x 2 x 2 heads x 4 x n float32
-        cache.save(ns, tokens[:n], [kv(n, seed=seed), kv(n, seed=seed + 10)], background=True)
+        tokens = list(range(10, 10 + n)) if nested else [seed] * n
+        cache.save(ns, tokens, [kv(n, seed=seed), kv(n, seed=seed + 10)], background=True)
     assert cache.drain(60)
     return cache.memory_stats()["writes"]
 
@@ -42,10 +44,21 @@ def test_a_full_queue_writes_inline_once_the_memory_tier_is_over_its_budget(tmp_
     """Back-pressure: when the checkpoints waiting for LMDB no longer fit the memory tier (none of them can be
     evicted before LMDB holds it), a checkpoint that does not fit the queue is written on the caller's thread."""
     monkeypatch.setattr(write_behind, "LINGER_S", 30.0)
-    # each checkpoint alone fits the tier (12.8-50 KB), the four together (119 KB) do not
+    # each checkpoint alone fits the tier (12.8-50 KB), the four together (119 KB) do not; four conversations: a
+    # later checkpoint of the same one would supersede the earlier (one state held, ``MemoryTier._supersede``)
+    with SpecCache.open(tmp_path / "b", memory_bytes=60_000, write_queue_bytes=20_000) as cache:
+        writes = _save_four(cache, nested=False)
+    assert writes["inline"] >= 1 and writes["written"] == 4
+
+
+def test_checkpoints_of_one_conversation_hold_one_state_and_write_nothing_inline(tmp_path, monkeypatch):
+    """The same tier and queue as above, the four checkpoints of one conversation: each supersedes (and lends its
+    arrays to) the one before, so the tier holds the last one only and nothing is written on the caller's thread."""
+    monkeypatch.setattr(write_behind, "LINGER_S", 30.0)
     with SpecCache.open(tmp_path / "b", memory_bytes=60_000, write_queue_bytes=20_000) as cache:
         writes = _save_four(cache)
-    assert writes["inline"] >= 1 and writes["written"] == 4
+        assert cache.memory.stats()["superseded"] == 3
+    assert writes["inline"] == 0 and writes["lent"] == 1 + 2 + 3 and writes["written"] == 4
 
 
 def test_a_checkpoint_counts_only_what_the_store_lacks(tmp_path, monkeypatch):

@@ -172,6 +172,16 @@ def _device_memory() -> dict:
     return {"mem": mx.get_active_memory() >> 20, "mcache": mx.get_cache_memory() >> 20}
 
 
+def _write_state(cache) -> dict:
+    """The write queue and the memory tier, for the trace: ``wq`` queued bytes (what the writer will copy), ``wn``
+    queued checkpoints, ``tier`` the memory tier's MiB (device memory on a GPU; with ``mem``: whether the snapshots
+    waiting for LMDB are what fills it)."""
+    if cache is None:
+        return {"wq": 0}
+    jobs, nbytes = cache.write_pending
+    return {"wq": nbytes, "wn": jobs, "tier": cache.memory.bytes >> 20}
+
+
 def _one_line(exc: BaseException, limit: int = 300) -> str:
     """An exception's message as one line of at most ``limit`` characters (an error reply is one line)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -592,9 +602,8 @@ class Scheduler:
                         for k, v in (getattr(cache, "save_seconds", None) or {}).items()}
             self._trace.record(adm=max(admitted, 0), adm_ms=round((t1 - t0) * 1e3, 3),
                                step_ms=round((t2 - t1) * 1e3, 3), ck_ms=round((time.perf_counter() - t2) * 1e3, 3),
-                               pend=len(self._pending), wq=0 if cache is None else cache.write_pending[1],
-                               **(shape or {}), **({"parts": {k: round(v * 1e3, 2) for k, v in parts.items()}}
-                                                   if parts else {}),
+                               pend=len(self._pending), **_write_state(cache), **(shape or {}),
+                               **({"parts": {k: round(v * 1e3, 2) for k, v in parts.items()}} if parts else {}),
                                **({"ck_parts": ck_parts} if any(ck_parts.values()) else {}), **_device_memory())
 
     def _new_session(self) -> CachedSession:

@@ -42,16 +42,18 @@ if os.environ.get("SC_FAKE_D2H_LOG"):
             self._log("full", out.shape, 0, out.nbytes)
             return out
 
-        def copy_from(self, x, axis: int, start: int):
+        def copy_from(self, x, axis: int, start: int, stop: int | None = None):
             import mlx.core as mx
 
             from spec_cache.state.device_copy import _pointer, copy_token_range, host_view
             mx.eval(x)
             view = host_view(x)
-            out = np.empty(view.shape, view.dtype)
-            n = copy_token_range(_pointer(out), _pointer(view), view.shape, view.itemsize, axis, start,
-                                 lambda dst, src, k: ctypes.memmove(dst, src, k))
-            self._log("range", view.shape, start, n)
+            shape = list(view.shape)
+            shape[axis] = shape[axis] if stop is None else stop
+            out = np.empty(shape, view.dtype)
+            n = copy_token_range(_pointer(out), _pointer(view), shape, view.itemsize, axis, start,
+                                 lambda dst, src, k: ctypes.memmove(dst, src, k), src_length=view.shape[axis])
+            self._log("range" if stop is None else "lent", tuple(shape), start, n)
             return out
 
     _copier: list = []
