@@ -434,7 +434,7 @@ class SpecCache:
                                 draft_checkpoint=draft_checkpoint if drafter else None,
                                 minimum_reusable=minimum_reusable)
         job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable,
-                        None if entry is None else weakref.ref(entry), then, rider)
+                        None if entry is None else weakref.ref(entry), then, rider, packed=packed)
         t3 = time.perf_counter()
         spent["capture"] += t1 - t0
         spent["estimate"] += t2 - t1
@@ -480,14 +480,12 @@ class SpecCache:
         whose tokens ``job``'s begin with drop their own snapshot for ``job``'s arrays (``cache_state.lend_layers``):
         a row checkpointed at each message boundary while the writer is behind holds one snapshot, not one per
         boundary. Counted as ``lent``."""
-        mine = None
+        mine = job.token_array()
         for older in self._queued.get(job.ns_key, ()):
-            if older.started or older.captured is not None or len(older.tokens) > len(job.tokens):
-                continue
-            if mine is None:
-                mine = np.asarray(job.tokens, dtype=np.int64)
             n = len(older.tokens)
-            if not np.array_equal(mine[:n], np.asarray(older.tokens, dtype=np.int64)):
+            if older.started or older.captured is not None or n > len(mine):
+                continue
+            if not np.array_equal(mine[:n], older.token_array()):
                 continue
             lent = lend_layers(older.layers, job.layers, n)
             if lent is not None:
@@ -1060,6 +1058,14 @@ class _WriteJob:
     tenant: bytes = b""  # the tenant its queued bytes count against (``SpecCache.tenant_of``)
     share_bytes: int = 0  # its bytes in its tenant's share of the write queue until it leaves the queue
     started: bool = False  # the writer began its host copy: its layers are its own from then on (``_lend``)
+    packed: np.ndarray | None = None  # ``tokens`` as uint32 (``save`` has them so): ``token_array``
+
+    def token_array(self) -> np.ndarray:
+        """Its tokens as a uint32 array, made once (``_lend`` compares them on the scheduler's thread: converting
+        a 15k-token list costs ~0.5 ms, comparing two arrays microseconds)."""
+        if self.packed is None:
+            self.packed = np.asarray(self.tokens, dtype=np.uint32)
+        return self.packed
 
     @property
     def entry(self) -> Any:
