@@ -23,6 +23,11 @@ it is called truncated.
 
 What it cannot catch: a file shrunk *during* a transaction that is already reading (the check runs before it), or
 shrunk after another process grew it and before this handle saw the growth: windows of one transaction.
+
+Threads of one handle check at once (the runtime's reads beside the write-behind thread's commits): each check
+compares its size with the ``seen`` it read *before* its ``fstat``, so a size taken just before another thread's
+commit grew the file is never compared with the larger size that thread stored since (that was a false
+"shrank", found once in CI).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 from .errors import StoreError, StoreOpenError, StoreUnavailable
 
@@ -42,7 +48,7 @@ DATA_NAME = "data.mdb"
 class DataFile:
     """Our own descriptor of the ``data.mdb`` LMDB has mapped, and the checks above."""
 
-    __slots__ = ("store", "path", "fd", "ident", "seen", "fault")
+    __slots__ = ("store", "path", "fd", "ident", "seen", "fault", "lock")
 
     def __init__(self, store: str, expected: tuple[int, int] | None = None):
         """``expected``: (st_dev, st_ino) of the path seen before LMDB opened it; a mismatch means the file was
@@ -50,6 +56,7 @@ class DataFile:
         self.store = store
         self.path = os.path.join(store, DATA_NAME)
         self.fault: str | None = None
+        self.lock = threading.Lock()
         try:
             self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
@@ -72,10 +79,16 @@ class DataFile:
             raise StoreUnavailable(self.fault)
         if self.fd < 0:
             raise StoreError(f"store at {self.store} is closed")
+        # ``seen`` is read before the fstat: threads of one handle check at once (a read beside the write-behind
+        # thread's commit), and a size this fstat took before another thread's commit grew the file may be compared
+        # only with what was seen before it, never with the larger size that thread's next check stored meanwhile
+        seen = self.seen
         size = os.fstat(self.fd).st_size
-        if size < self.seen:
-            self._fail(f"{DATA_NAME} shrank from {self.seen} to {size} bytes while open (truncated)")
-        self.seen = size
+        if size < seen:
+            self._fail(f"{DATA_NAME} shrank from {seen} to {size} bytes while open (truncated)")
+        with self.lock:  # the largest size seen: a check that read an older size never lowers it
+            if size > self.seen:
+                self.seen = size
         try:
             now = os.stat(self.path)
         except FileNotFoundError:

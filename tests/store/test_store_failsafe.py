@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,43 @@ def test_a_store_removed_while_open_is_a_miss(tmp_path):
     fill(path, SPECS)
     result, lines = run_child(path, lambda: shutil.rmtree(path))
     assert_cold_and_logged_once(result, lines, "removed")
+
+
+def test_a_file_grown_by_another_thread_of_the_handle_is_not_called_shrunk(tmp_path, monkeypatch):
+    """Found (CI, once: "data.mdb shrank from 655360 to 339968 bytes while open"): the runtime's thread checks
+    data.mdb before a read while the write-behind thread commits. The reader's ``fstat`` came before a commit grew
+    the file, the writer's next check raised the handle's ``seen`` to the new size, then the reader compared its
+    older size with it: a healthy store called truncated, and the handle unavailable until reopened."""
+    path = tmp_path / "store"
+    fill(path, SPECS[:1])
+    store = Store.open(path, chunk_tokens=W.CHUNK_TOKENS, durable=False)
+    data, real_fstat, grown = store.env.data, os.fstat, []
+
+    def writer():  # the other thread: a put that grows data.mdb, then the check before its next transaction
+        W.put_spec(store, W.Spec(2, 41, 400))
+        store.env.check_data()
+        grown.append(data.seen)
+
+    def fstat(fd):  # the reader's fstat returns, and its thread runs again only once the writer has done all that
+        st = real_fstat(fd)
+        if fd == data.fd and threading.current_thread() is threading.main_thread() and not grown:
+            t = threading.Thread(target=writer)
+            t.start()
+            t.join()
+        return st
+
+    try:
+        before = data.size()
+        monkeypatch.setattr(os, "fstat", fstat)
+        store.env.check_data()
+        monkeypatch.undo()
+        assert grown and grown[0] > before  # the interleaving under test happened
+        assert data.fault is None
+        for s in SPECS[:1] + [W.Spec(2, 41, 400)]:
+            assert store.fetch(s.ns_key, s.tokens) is not None
+    finally:
+        monkeypatch.undo()
+        store.close()
 
 
 def test_a_damaged_store_at_open_is_refused_or_moved_aside(tmp_path, caplog):
