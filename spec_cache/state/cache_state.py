@@ -219,7 +219,8 @@ def _host_tensor(t: Tensor, axis: int | None = None, start: int = 0) -> Tensor:
 
 
 def lend_layers(earlier: Sequence[LayerState], later: Sequence[LayerState], length: int) -> list[LayerState] | None:
-    """``earlier``'s deferred layers (a checkpoint of ``length`` tokens) over ``later``'s arrays: a later checkpoint of
+    """``earlier``'s deferred layers (a checkpoint of ``length`` tokens; or only their shapes, data None) over
+    ``later``'s arrays: a later checkpoint of
     the same tokens and more, whose arrays hold the same values at those positions. None where they cannot stand
     in: a layer that is not token-sliceable (a ring buffer or recurrent state holds no positions), kinds or
     scalars that differ (a quantized layer's conversion point among them), shapes or dtypes that differ off the
@@ -245,7 +246,8 @@ def lend_layers(earlier: Sequence[LayerState], later: Sequence[LayerState], leng
             return None
         tensors = []
         for a, b in zip(mine.tensors, theirs.tensors):
-            if not isinstance(a.data, mx.array) or not isinstance(b.data, mx.array) or a.dtype != b.dtype:
+            if not (a.data is None or isinstance(a.data, mx.array)) or not isinstance(b.data, mx.array) \
+                    or a.dtype != b.dtype:
                 return None
             data_shape = tuple(b.data.shape)
             if (len(a.shape) != len(data_shape) or a.shape[axis] != length or data_shape[axis] < length

@@ -50,12 +50,14 @@ from spec_cache.state.cache_state import (
 )
 from spec_cache.store import (
     ChunkNotCopied,
+    LayerState,
     NamespaceNotRegistered,
     PutResult,
     Store,
     StoreError,
     StoreUnavailable,
     TenantShares,
+    Tensor,
     WriteBehind,
     pack_tokens,
     tenant_id,
@@ -434,7 +436,7 @@ class SpecCache:
                                 draft_checkpoint=draft_checkpoint if drafter else None,
                                 minimum_reusable=minimum_reusable)
         job = _WriteJob(ns_key, list(tokens), layers, drafter, minimum_reusable,
-                        None if entry is None else weakref.ref(entry), then, rider, packed=packed)
+                        None if entry is None else weakref.ref(entry), then, rider, packed=packed, loan=_Loan(layers))
         t3 = time.perf_counter()
         spent["capture"] += t1 - t0
         spent["estimate"] += t2 - t1
@@ -477,20 +479,29 @@ class SpecCache:
 
     def _lend(self, job: "_WriteJob") -> None:
         """(under ``_queued_lock``) Queued checkpoints of ``job``'s namespace that the writer has not started and
-        whose tokens ``job``'s begin with drop their own snapshot for ``job``'s arrays (``cache_state.lend_layers``):
-        a row checkpointed at each message boundary while the writer is behind holds one snapshot, not one per
-        boundary. Counted as ``lent``."""
+        whose tokens ``job``'s begin with read ``job``'s arrays from now on and drop their own snapshot
+        (``cache_state.lend_layers``' rule): a row checkpointed at each message boundary while the writer is behind
+        holds one snapshot, not one per boundary. They share one ``_Loan`` (moved over by a pointer each: the
+        H200 agent run had 20-30 checkpoints queued, and rebuilding each one's 64 tensors at every checkpoint cost
+        the scheduler's thread milliseconds); the arrays are put in place when the writer starts on one
+        (``_to_host``). Counted as ``lent``."""
         mine = job.token_array()
+        checked: dict[int, bool] = {}  # per loan the checkpoints move from: do its arrays' shapes fit job's
         for older in self._queued.get(job.ns_key, ()):
             n = len(older.tokens)
-            if older.started or older.captured is not None or n > len(mine):
+            if older.started or older.loan is None or older.loan is job.loan or n > len(mine):
                 continue
             if not np.array_equal(mine[:n], older.token_array()):
                 continue
-            lent = lend_layers(older.layers, job.layers, n)
-            if lent is not None:
-                older.layers = lent
-                self._writer.count("lent")
+            fits = checked.get(id(older.loan))
+            if fits is None:
+                fits = checked[id(older.loan)] = lend_layers(older.layers, job.layers, n) is not None
+            if not fits:
+                continue
+            if older.loan.layers is older.layers:  # its own snapshot: only its shapes stay
+                older.layers = _shapes_only(older.layers)
+            older.loan = job.loan
+            self._writer.count("lent")
 
     def _held_estimate(self, ns_key: bytes, tokens: Sequence[int]) -> int:
         """Leading tokens of a checkpoint of ``tokens`` that will be in the store when the writer gets to it: the
@@ -612,7 +623,8 @@ class SpecCache:
         with self._queued_lock:  # from here no later checkpoint lends it its arrays (``_lend``)
             job.started = True
             if job.captured is None:
-                job.captured = job.layers
+                lent = job.loan is not None and job.loan.layers is not job.layers
+                job.captured = _on_loan(job.layers, job.loan.layers) if lent else job.layers
         start = 0
         if not full and copies_bytes() and _deferred(job.captured):
             try:
@@ -1058,6 +1070,7 @@ class _WriteJob:
     tenant: bytes = b""  # the tenant its queued bytes count against (``SpecCache.tenant_of``)
     share_bytes: int = 0  # its bytes in its tenant's share of the write queue until it leaves the queue
     started: bool = False  # the writer began its host copy: its layers are its own from then on (``_lend``)
+    loan: Any = None  # the ``_Loan`` whose arrays it reads (its own layers', until a later checkpoint lends its)
     packed: np.ndarray | None = None  # ``tokens`` as uint32 (``save`` has them so): ``token_array``
 
     def token_array(self) -> np.ndarray:
@@ -1121,6 +1134,29 @@ def _common_chunks(job: _WriteJob, before, chunk: int) -> int:
         common = int(differ[0]) if differ.size else n
         best = max(best, common // chunk * chunk)
     return best
+
+
+class _Loan:
+    """The arrays a group of queued checkpoints of one row read: those of the newest checkpoint (``_lend``)."""
+
+    __slots__ = ("layers",)
+
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+
+
+def _shapes_only(layers: list) -> list:
+    """``layers`` without their bytes (dtypes and shapes kept): a checkpoint on loan reads a later one's arrays."""
+    return [LayerState(layer.kind, layer.meta, [Tensor.checked(t.dtype, t.shape, None) for t in layer.tensors],
+                       layer.token_axis) for layer in layers]
+
+
+def _on_loan(mine: list, theirs: list) -> list:
+    """``mine``'s shapes over ``theirs``' arrays (checked when lent: ``lend_layers``), for the writer's copy of the
+    positions ``mine`` covers."""
+    return [LayerState(a.kind, a.meta, [Tensor.checked(t.dtype, t.shape, u.data)
+                                         for t, u in zip(a.tensors, b.tensors)], a.token_axis)
+            for a, b in zip(mine, theirs)]
 
 
 def _deferred(layers) -> bool:

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from spec_cache.state import cache_state, device_copy
 from spec_cache.state.cache_state import capture_caches, lend_layers, mark_queued
+from spec_cache.tiers import cache as cache_mod
 from spec_cache.tiers import write_behind
 from spec_cache.tiers.cache import SpecCache
 from tests.library.test_capture_queued import _words, gpu  # noqa: F401
@@ -26,10 +27,10 @@ from tests.library.test_write_batches import assert_restored_from_lmdb
 LENGTHS = (100, 180, 260, 390)
 
 
-def _row(n: int, layers: int = 2, dtype=mx.bfloat16) -> list[np.ndarray]:
+def _row(n: int, layers: int = 2) -> list[np.ndarray]:
     """One row's K and V per layer over ``n`` tokens (numpy, so each snapshot below is a fresh MLX copy)."""
     rng = np.random.default_rng(n)
-    return [rng.standard_normal((1, 2, 400, 8)).astype(np.float32) for _ in range(2 * layers)]
+    return [rng.standard_normal((1, 4, 400, 64)).astype(np.float32) for _ in range(2 * layers)]
 
 
 def _snapshot(row: list[np.ndarray], n: int, dtype=mx.bfloat16) -> list[KVCache]:
@@ -77,10 +78,13 @@ def test_queued_boundary_checkpoints_hold_one_snapshot_and_store_every_one(tmp_p
         queued = cache._queued[ns]
         assert [len(job.tokens) for job in queued] == list(LENGTHS)
         assert cache.memory_stats()["writes"]["lent"] == 1 + 2 + 3  # each new snapshot lends to every earlier one
-        newest = [t.data for layer in queued[-1].layers for t in layer.tensors]
-        for job in queued[:-1]:  # every earlier job reads the newest snapshot's arrays, its own shape kept
-            assert all(a is b for a, b in zip((t.data for layer in job.layers for t in layer.tensors), newest))
-            assert all(t.shape[2] == len(job.tokens) for layer in job.layers for t in layer.tensors)
+        newest = queued[-1]
+        assert newest.loan.layers is newest.layers  # the newest reads its own arrays
+        for job in queued[:-1]:  # every earlier job reads the newest one's, only its shapes kept of its own
+            assert job.loan is newest.loan
+            assert all(t.data is None and t.shape[2] == len(job.tokens) for layer in job.layers for t in layer.tensors)
+            on_loan = cache_mod._on_loan(job.layers, newest.layers)
+            assert all(t.data is u.data for a, b in zip(on_loan, newest.layers) for t, u in zip(a.tensors, b.tensors))
         stats = cache.memory.stats()
         assert stats["entries"] == 1 and stats["bytes"] == last  # the ancestors are served by trimming the newest
         assert held <= last * 1.25, (held, last)  # one snapshot; without lending all four (2.4x the last)
@@ -115,7 +119,7 @@ def test_on_unified_memory_a_lent_checkpoint_is_a_strided_view_stored_bit_for_bi
             cache.save(ns, tokens[:n], caches, background=True)
         assert cache.memory_stats()["writes"]["lent"] == 1 + 2 + 3
         job = cache._queued[ns][0]
-        (layer,) = cache_state.host_layers(job.layers[:1])
+        (layer,) = cache_state.host_layers(cache_mod._on_loan(job.layers, job.loan.layers)[:1])
         assert not layer.tensors[0].data.flags.c_contiguous  # a view of the 390-token array, not a copy
         assert cache.drain(60)
     assert_restored_from_lmdb(tmp_path / "s", ns, tokens, states)
@@ -132,6 +136,7 @@ def test_only_a_queued_checkpoint_of_the_same_tokens_borrows(tmp_path, gpu, ling
         cache.save(ns, other[:390], _snapshot(row, 390), background=True)
         (job, _) = cache._queued[ns]
         assert cache.memory_stats()["writes"]["lent"] == 0
+        assert job.loan.layers is job.layers
         assert all(t.data is a for t, a in zip(job.layers[0].tensors, (first[0].keys, first[0].values)))
         assert cache.memory.stats()["entries"] == 2
         assert cache.drain(60)
@@ -169,7 +174,7 @@ def test_lend_layers_refuses_what_cannot_stand_in(gpu):  # noqa: F811
     assert lend_layers(capture_caches([q8], defer_copy=True), capture_caches([q8], defer_copy=True), 100) is not None
     assert lend_layers(capture_caches([q8], defer_copy=True), capture_caches([q4], defer_copy=True), 100) is None
     ring = RotatingKVCache(max_size=64)                                   # no positions: never lent
-    ring.update_and_fetch(mx.zeros((1, 2, 100, 8)), mx.zeros((1, 2, 100, 8)))
+    ring.update_and_fetch(mx.zeros((1, 4, 100, 64)), mx.zeros((1, 4, 100, 64)))
     assert lend_layers(capture_caches([ring], defer_copy=True), capture_caches([ring], defer_copy=True), 100) is None
     host = capture_caches(short, defer_copy=False)                        # bytes on the host already
     assert lend_layers(host, b, 100) is None
@@ -183,3 +188,35 @@ def test_the_copier_reads_a_lent_arrays_first_positions(gpu):  # noqa: F811
     assert np.array_equal(out[..., 2:, :], _words(x)[..., 2:6, :])
     with pytest.raises(ValueError, match="positions"):
         device_copy.copy_token_range(0, 0, (1, 1, 8, 1), 2, 2, 0, lambda *a: None, src_length=6)
+
+
+def test_a_checkpoint_that_branches_off_takes_over_only_the_prefixes_it_shares(tmp_path, gpu, lingering):  # noqa: F811
+    """The 100- and 180-token checkpoints read the 390-token one's arrays; a 300-token one that shares only the first
+    180 tokens takes those two over and leaves the 390-token one its own; every one is stored bit for bit."""
+    row, other = _row(400), _row(401)
+    tokens = list(range(10, 410))
+    branch = tokens[:180] + [5] * 120
+    twig = [np.concatenate([a[..., :180, :], b[..., 180:, :]], axis=2) for a, b in zip(row, other)]
+    with SpecCache.open(tmp_path / "s") as cache:
+        ns = cache.namespace("ab" * 32, "prefix")
+        words = {}
+        for n in (100, 180, 390):
+            caches = _snapshot(row, n)
+            words[tuple(tokens[:n])] = [(_words(c.keys), _words(c.values)) for c in caches]
+            cache.save(ns, tokens[:n], caches, background=True)
+        caches = _snapshot(twig, 300)
+        words[tuple(branch)] = [(_words(c.keys), _words(c.values)) for c in caches]
+        cache.save(ns, branch, caches, background=True)
+        del caches
+        p100, p180, whole, twig_job = cache._queued[ns]
+        assert p100.loan is p180.loan is twig_job.loan and whole.loan is not twig_job.loan
+        assert whole.loan.layers is whole.layers  # its own arrays, still held
+        assert cache.memory_stats()["writes"]["lent"] == 1 + 2 + 2
+        assert cache.drain(60)
+    with SpecCache.open(tmp_path / "s", memory_bytes=0) as cache:
+        for toks, layers in words.items():
+            got = cache.restore(ns, list(toks) + [1])
+            assert got is not None and got.length == len(toks)
+            for (k, v), c in zip(layers, got.caches):
+                assert np.array_equal(_words(c.keys[..., :len(toks), :]), k)
+                assert np.array_equal(_words(c.values[..., :len(toks), :]), v)
