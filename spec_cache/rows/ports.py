@@ -32,6 +32,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from spec_cache.rows import layer_times
+
 __all__ = ["DecoderPort", "Gemma3Port", "Gemma4Port", "Qwen3NextPort", "PORTS", "SUPPORTED_ARCHITECTURES",
            "out_features"]
 
@@ -105,10 +107,16 @@ class DecoderPort:
     def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], *, unpadded: bool = False,
                    **_: Any) -> tuple[mx.array, dict]:
         tapped: dict[int, mx.array] = {}
-        for index, (layer, cache, mask) in enumerate(zip(self.inner.layers, caches, self._masks(h, caches, unpadded))):
+        masks = self._masks(h, caches, unpadded)
+        timer = layer_times.clock(h, caches, masks[0] if masks else None)  # None unless SPEC_CACHE_LAYER_TIMES
+        for index, (layer, cache, mask) in enumerate(zip(self.inner.layers, caches, masks)):
             h = layer(h, mask, cache)
+            if timer is not None:
+                timer.lap(h)
             if index in taps:
                 tapped[index] = h
+        if timer is not None:
+            timer.done()
         return self.inner.norm(h), tapped
 
 

@@ -23,12 +23,15 @@
 # Files back: serve-8b.json / agent-c<N>.json, run.log, serve-pyspy.txt, the largest scheduler trace, every serve
 # process's trace (traces.tgz), the tail of serve's log. MLXLM_CACHE_BYTES=N (agent): mlx_lm.server's
 # --prompt-cache-bytes (at 4 agent clients on an 80 GB H100 its prompt cache ran it out of device memory).
+# LAYER_TIMES=1 (a diagnostic run, not figures): serve writes per-layer times of its multi-token forwards
+# (spec_cache/rows/layer_times.py) into traces.tgz as layers.<pid>.jsonl: the agent's slow sixth turn.
 # Env as in serve_8b_shaped.sh (DEADLINE, SERVERS, ...).
 set -u
 PART=${PART:-chat}
 FINAL=${OUT:-/tmp/out}
 WORKOUT=/tmp/issue35-out
 mkdir -p "$FINAL" "$WORKOUT"
+[ "${LAYER_TIMES:-0}" = 1 ] && export SPEC_CACHE_LAYER_TIMES=$WORKOUT/layers
 if [ "$PART" = chat ]; then
   CLIENTS=${CLIENTS:-4} SERVERS=${SERVERS:-mlx-lm,serve,spec-cache} CONV=${CONV:-8} TURNS=${TURNS:-3} \
     SYSW=${SYSW:-1500} USERW=${USERW:-150} MAXTOK=${MAXTOK:-32} TRACE=1 PYSPY=${PYSPY:-300} \
@@ -66,7 +69,7 @@ largest=$(ls -S "$WORKOUT"/trace.*.jsonl 2>/dev/null | head -1)
 # every serve process's trace (each client count's turns and its restart, in start order: the restart's restores
 # come from LMDB, issue 39's path), one file: at most 8 files come back
 (cd "$WORKOUT" && ls -tr trace.*.jsonl 2>/dev/null > trace-order.txt && tar czf "$FINAL/traces.tgz" trace-order.txt \
-  trace.*.jsonl 2>/dev/null)
+  trace.*.jsonl $(ls layers.*.jsonl 2>/dev/null) 2>/dev/null)
 log=$(ls "$WORKOUT"/logs/*serve* 2>/dev/null | head -1)
 [ -n "$log" ] && tail -c 16000 "$log" > "$FINAL/serve-log-tail.txt"
 ls -la "$FINAL"
