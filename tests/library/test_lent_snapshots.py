@@ -10,6 +10,7 @@ path runs over the stand-in libcuda of ``test_capture_queued`` (the real ``Devic
 from __future__ import annotations
 
 import gc
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,7 @@ from spec_cache.tiers import cache as cache_mod
 from spec_cache.tiers import write_behind
 from spec_cache.tiers.cache import SpecCache
 from tests.library.test_capture_queued import _words, gpu  # noqa: F401
+from tests.library.test_d2h_stream import FakeAdvice, FakeDriver
 from tests.library.test_write_batches import assert_restored_from_lmdb
 
 LENGTHS = (100, 180, 260, 390)
@@ -217,6 +219,61 @@ def test_a_checkpoint_that_branches_off_takes_over_only_the_prefixes_it_shares(t
         for toks, layers in words.items():
             got = cache.restore(ns, list(toks) + [1])
             assert got is not None and got.length == len(toks)
+            for (k, v), c in zip(layers, got.caches):
+                assert np.array_equal(_words(c.keys[..., :len(toks), :]), k)
+                assert np.array_equal(_words(c.values[..., :len(toks), :]), v)
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_checkpoints_saved_while_the_writer_runs_all_come_back_bit_for_bit(tmp_path, monkeypatch, on_gpu):
+    """Lending races the writer here (no linger: it starts on jobs while later ones are saved): two rows' growing
+    prefixes and a branch of each, interleaved; every checkpoint restores from LMDB with its own bytes."""
+    if on_gpu:
+        monkeypatch.setattr(device_copy, "is_gpu", lambda: True)
+        d2h = device_copy.DeviceToHost(FakeAdvice(FakeDriver()), threads=1)
+        monkeypatch.setattr(cache_state, "_device_to_host", lambda: d2h)
+    monkeypatch.setattr(write_behind, "LINGER_S", 0.0)
+    monkeypatch.setattr(write_behind, "QUIET_S", 0.0)
+    rng = np.random.default_rng(7)
+    rows = {"a": _row(400), "b": _row(402)}
+    streams = {"a": list(range(10, 410)), "b": list(range(1000, 1400))}
+    plan = []
+    for name in ("a", "b"):
+        lengths = sorted(rng.choice(np.arange(20, 400), size=8, replace=False).tolist())
+        plan += [(name, n, False) for n in lengths] + [(name, lengths[3] + 5, True)]
+    order = sorted(range(len(plan)), key=lambda i: (plan[i][1], rng.random()))  # each row's prefixes grow
+    words = {}
+    with SpecCache.open(tmp_path / "s", chunk_tokens=64) as cache:
+        ns = cache.namespace("ab" * 32, "prefix")
+        slow_put, slow_many = cache.store.put, cache.store.put_many
+
+        def put(*args, **kwargs):  # a writer a little behind: later saves find jobs queued and one in flight
+            time.sleep(0.01)
+            return slow_put(*args, **kwargs)
+
+        def put_many(*args, **kwargs):
+            time.sleep(0.01)
+            return slow_many(*args, **kwargs)
+
+        monkeypatch.setattr(cache.store, "put", put)
+        monkeypatch.setattr(cache.store, "put_many", put_many)
+        for i in order:
+            name, n, branch = plan[i]
+            row, toks = rows[name], list(streams[name][:n])
+            if branch:  # the last 5 tokens differ, and so do their K/V
+                toks[-5:] = [7, 7, 7, 7, 7]
+                row = [np.concatenate([x[..., :n - 5, :], -x[..., n - 5:, :]], axis=2) for x in row]
+            caches = _snapshot(row, n)
+            words[tuple(toks)] = [(_words(c.keys), _words(c.values)) for c in caches]
+            cache.save(ns, toks, caches, background=True)
+            del caches
+        assert cache.drain(60)
+        writes = cache.memory_stats()["writes"]
+        assert writes["failed"] == 0 and writes["written"] == len(plan)
+    with SpecCache.open(tmp_path / "s", memory_bytes=0) as cache:
+        for toks, layers in words.items():
+            got = cache.restore(ns, list(toks) + [1])
+            assert got is not None and got.length == len(toks), len(toks)
             for (k, v), c in zip(layers, got.caches):
                 assert np.array_equal(_words(c.keys[..., :len(toks), :]), k)
                 assert np.array_equal(_words(c.values[..., :len(toks), :]), v)
