@@ -239,3 +239,22 @@ def test_arrival_wait_ms_sets_the_hold_and_refuses_a_negative_value(tiny_model, 
             state.cache.close()
     with pytest.raises(CliError, match=r"--arrival-wait-ms: must be >= 0: '-5'"):
         build_parser().parse_args(["serve", "--model", str(tiny_model), "--arrival-wait-ms", "-5"])
+
+
+def test_join_budget_sets_the_engines_budget_capped_at_a_chunk_and_refuses_a_negative_value(tiny_model, tmp_path):
+    from spec_cache.apps.cli import build_parser
+    from spec_cache.apps.cli.common import CliError
+    from spec_cache.apps.server.cli import build_state
+    from spec_cache.apps.server.scheduler import COALESCE_S
+
+    for given, step, expected in (("1280", "2048", 1280), ("4096", "1024", 1024), ("0", "512", 0)):
+        args = build_parser().parse_args(["--cache", str(tmp_path / f"store-{given}"), "serve", "--model",
+                                          str(tiny_model), "--join-budget", given, "--prefill-step-size", step])
+        state = build_state(args)
+        try:
+            assert state.scheduler.generator.engine.join_budget == expected
+            assert state.scheduler.coalesce_s == (COALESCE_S if expected else 0.0)  # the hold follows the budget
+        finally:
+            state.cache.close()
+    with pytest.raises(CliError, match=r"--join-budget: must be >= 0: '-1'"):
+        build_parser().parse_args(["serve", "--model", str(tiny_model), "--join-budget", "-1"])

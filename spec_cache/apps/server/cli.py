@@ -117,6 +117,11 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
                         help="prefill chunk in tokens (default: 2048 on a GPU, as mlx_lm.server's and "
                              "generate_step's; 512 on the CPU, where smaller chunks cost nothing and let decoding "
                              "rows through between them)")
+    parser.add_argument("--join-budget", type=non_negative_int, default=None, metavar="N",
+                        help="new tokens of warm turns (each at most a prefill chunk) that prefill together in one "
+                             "step, the first always joining (default: 512 on a GPU, at most a chunk; 0 on the "
+                             "CPU). Larger: fewer steps that stall the decoding rows, each arrival waiting for the "
+                             "others; capped at --prefill-step-size")
     parser.add_argument("--arrival-wait-ms", type=non_negative_int, default=None, metavar="MS",
                         help="a new request waits at most MS while other requests are still being read and "
                              "tokenized, so that requests sent together prefill in one step (default: 100 on a GPU, "
@@ -271,6 +276,8 @@ def build_state(args):
                                    adapters=args.adapter or "", draft_depth=args.draft_depth,
                                    prefill_step_size=args.prefill_step_size or prefill_step_by_default(),
                                    adaptive=not args.fixed_depth)
+        if args.join_budget is not None:  # before the scheduler reads it (its arrival hold)
+            generator.engine.join_budget = min(args.join_budget, generator.engine.prefill_step_size)
         tokenizer = load_tokenizer(model_dir)
         _warm_up(generator, args.warmup, log)
     except (NotImplementedError, ValueError, FileNotFoundError) as exc:
