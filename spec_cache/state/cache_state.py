@@ -218,13 +218,12 @@ def _host_tensor(t: Tensor, axis: int | None = None, start: int = 0) -> Tensor:
     return Tensor(t.dtype, t.shape, d2h(t.data))
 
 
-def lend_layers(earlier: Sequence[LayerState], later: Sequence[LayerState], length: int) -> list[LayerState] | None:
-    """``earlier``'s deferred layers (a checkpoint of ``length`` tokens; or only their shapes, data None) over
-    ``later``'s arrays: a later checkpoint of
-    the same tokens and more, whose arrays hold the same values at those positions. None where they cannot stand
-    in: a layer that is not token-sliceable (a ring buffer or recurrent state holds no positions), kinds or
-    scalars that differ (a quantized layer's conversion point among them), shapes or dtypes that differ off the
-    token axis, bytes already on the host.
+def lendable(earlier: Sequence[LayerState], later: Sequence[LayerState], length: int) -> bool:
+    """Whether a later checkpoint's deferred arrays (``later``: the same tokens and more) can stand in for
+    ``earlier``'s (a checkpoint of ``length`` tokens; its own arrays, or only its shapes, data None): every layer
+    token-sliceable, of one kind with the same scalars (a quantized layer's conversion point among them), tensors
+    alike in dtype and in shape off the token axis, no bytes already on the host. ``on_loan`` then builds what the
+    writer copies.
 
     Why: a queued checkpoint holds its own snapshot of the row (``TargetRows.extract``: ~2 GB for a 15k-token 8B
     row) until the writer gets to it; a row checkpointed at each message boundary while the writer is behind held
@@ -236,26 +235,35 @@ def lend_layers(earlier: Sequence[LayerState], later: Sequence[LayerState], leng
     Apple silicon) the lent tensor is a strided host view, no copy; on MLX's CUDA backend the copier reads the
     positions it covers out of the later array."""
     if len(earlier) != len(later):
-        return None
-    out = []
+        return False
     for mine, theirs in zip(earlier, later):
         axis = mine.token_axis
-        kind = kind_named(mine.kind)
-        if (mine.kind != theirs.kind or not kind.trimmable or axis is None
+        if (mine.kind != theirs.kind or not kind_named(mine.kind).trimmable or axis is None
                 or theirs.token_axis != axis or mine.meta != theirs.meta or len(mine.tensors) != len(theirs.tensors)):
-            return None
-        tensors = []
+            return False
         for a, b in zip(mine.tensors, theirs.tensors):
             if not (a.data is None or isinstance(a.data, mx.array)) or not isinstance(b.data, mx.array) \
                     or a.dtype != b.dtype:
-                return None
+                return False
             data_shape = tuple(b.data.shape)
             if (len(a.shape) != len(data_shape) or a.shape[axis] != length or data_shape[axis] < length
                     or any(x != y for i, (x, y) in enumerate(zip(a.shape, data_shape)) if i != axis)):
-                return None
-            tensors.append(Tensor(a.dtype, a.shape, b.data))
-        out.append(LayerState(mine.kind, mine.meta, tensors, axis))
-    return out
+                return False
+    return True
+
+
+def on_loan(mine: Sequence[LayerState], theirs: Sequence[LayerState]) -> list[LayerState]:
+    """``mine``'s shapes over ``theirs``' arrays (``lendable`` said they fit), for the writer's copy of the positions
+    ``mine`` covers."""
+    return [LayerState(a.kind, a.meta, [Tensor.checked(t.dtype, t.shape, u.data)
+                                         for t, u in zip(a.tensors, b.tensors)], a.token_axis)
+            for a, b in zip(mine, theirs)]
+
+
+def shapes_only(layers: Sequence[LayerState]) -> list[LayerState]:
+    """``layers`` without their bytes (dtypes and shapes kept): a checkpoint on loan reads a later one's arrays."""
+    return [LayerState(layer.kind, layer.meta, [Tensor.checked(t.dtype, t.shape, None) for t in layer.tensors],
+                       layer.token_axis) for layer in layers]
 
 
 _DEFER = threading.local()  # ``on`` while ``capture_caches(defer_copy=True)`` runs: ``to_tensor`` keeps bytes in MLX

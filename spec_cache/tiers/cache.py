@@ -44,20 +44,20 @@ from spec_cache.state.cache_state import (
     checkpoint_from_store,
     copies_bytes,
     host_layers,
-    lend_layers,
+    lendable,
+    on_loan,
     restore_caches,
     restore_concat,
+    shapes_only,
 )
 from spec_cache.store import (
     ChunkNotCopied,
-    LayerState,
     NamespaceNotRegistered,
     PutResult,
     Store,
     StoreError,
     StoreUnavailable,
     TenantShares,
-    Tensor,
     WriteBehind,
     pack_tokens,
     tenant_id,
@@ -480,11 +480,11 @@ class SpecCache:
     def _lend(self, job: "_WriteJob") -> None:
         """(under ``_queued_lock``) Queued checkpoints of ``job``'s namespace that the writer has not started and
         whose tokens ``job``'s begin with read ``job``'s arrays from now on and drop their own snapshot
-        (``cache_state.lend_layers``' rule): a row checkpointed at each message boundary while the writer is behind
+        (``cache_state.lendable``): a row checkpointed at each message boundary while the writer is behind
         holds one snapshot, not one per boundary. They share one ``_Loan`` (moved over by a pointer each: the
         H200 agent run had 20-30 checkpoints queued, and rebuilding each one's 64 tensors at every checkpoint cost
         the scheduler's thread milliseconds); the arrays are put in place when the writer starts on one
-        (``_to_host``). Counted as ``lent``."""
+        (``_to_host``, ``cache_state.on_loan``). Counted as ``lent``."""
         mine = job.token_array()
         checked: dict[int, bool] = {}  # per loan the checkpoints move from: do its arrays' shapes fit job's
         for older in self._queued.get(job.ns_key, ()):
@@ -495,11 +495,11 @@ class SpecCache:
                 continue
             fits = checked.get(id(older.loan))
             if fits is None:
-                fits = checked[id(older.loan)] = lend_layers(older.layers, job.layers, n) is not None
+                fits = checked[id(older.loan)] = lendable(older.layers, job.layers, n)
             if not fits:
                 continue
             if older.loan.layers is older.layers:  # its own snapshot: only its shapes stay
-                older.layers = _shapes_only(older.layers)
+                older.layers = shapes_only(older.layers)
             older.loan = job.loan
             self._writer.count("lent")
 
@@ -624,7 +624,7 @@ class SpecCache:
             job.started = True
             if job.captured is None:
                 lent = job.loan is not None and job.loan.layers is not job.layers
-                job.captured = _on_loan(job.layers, job.loan.layers) if lent else job.layers
+                job.captured = on_loan(job.layers, job.loan.layers) if lent else job.layers
         start = 0
         if not full and copies_bytes() and _deferred(job.captured):
             try:
@@ -1143,20 +1143,6 @@ class _Loan:
 
     def __init__(self, layers: list) -> None:
         self.layers = layers
-
-
-def _shapes_only(layers: list) -> list:
-    """``layers`` without their bytes (dtypes and shapes kept): a checkpoint on loan reads a later one's arrays."""
-    return [LayerState(layer.kind, layer.meta, [Tensor.checked(t.dtype, t.shape, None) for t in layer.tensors],
-                       layer.token_axis) for layer in layers]
-
-
-def _on_loan(mine: list, theirs: list) -> list:
-    """``mine``'s shapes over ``theirs``' arrays (checked when lent: ``lend_layers``), for the writer's copy of the
-    positions ``mine`` covers."""
-    return [LayerState(a.kind, a.meta, [Tensor.checked(t.dtype, t.shape, u.data)
-                                         for t, u in zip(a.tensors, b.tensors)], a.token_axis)
-            for a, b in zip(mine, theirs)]
 
 
 def _deferred(layers) -> bool:

@@ -18,8 +18,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from spec_cache.state import cache_state, device_copy
-from spec_cache.state.cache_state import capture_caches, lend_layers, mark_queued
-from spec_cache.tiers import cache as cache_mod
+from spec_cache.state.cache_state import capture_caches, lendable, mark_queued, on_loan, shapes_only
 from spec_cache.tiers import write_behind
 from spec_cache.tiers.cache import SpecCache
 from tests.library.test_capture_queued import _words, gpu  # noqa: F401
@@ -85,8 +84,8 @@ def test_queued_boundary_checkpoints_hold_one_snapshot_and_store_every_one(tmp_p
         for job in queued[:-1]:  # every earlier job reads the newest one's, only its shapes kept of its own
             assert job.loan is newest.loan
             assert all(t.data is None and t.shape[2] == len(job.tokens) for layer in job.layers for t in layer.tensors)
-            on_loan = cache_mod._on_loan(job.layers, newest.layers)
-            assert all(t.data is u.data for a, b in zip(on_loan, newest.layers) for t, u in zip(a.tensors, b.tensors))
+            lent = on_loan(job.layers, newest.layers)
+            assert all(t.data is u.data for a, b in zip(lent, newest.layers) for t, u in zip(a.tensors, b.tensors))
         stats = cache.memory.stats()
         assert stats["entries"] == 1 and stats["bytes"] == last  # the ancestors are served by trimming the newest
         assert held <= last * 1.25, (held, last)  # one snapshot; without lending all four (2.4x the last)
@@ -121,7 +120,7 @@ def test_on_unified_memory_a_lent_checkpoint_is_a_strided_view_stored_bit_for_bi
             cache.save(ns, tokens[:n], caches, background=True)
         assert cache.memory_stats()["writes"]["lent"] == 1 + 2 + 3
         job = cache._queued[ns][0]
-        (layer,) = cache_state.host_layers(cache_mod._on_loan(job.layers, job.loan.layers)[:1])
+        (layer,) = cache_state.host_layers(on_loan(job.layers, job.loan.layers)[:1])
         assert not layer.tensors[0].data.flags.c_contiguous  # a view of the 390-token array, not a copy
         assert cache.drain(60)
     assert_restored_from_lmdb(tmp_path / "s", ns, tokens, states)
@@ -159,27 +158,27 @@ def test_a_started_checkpoint_keeps_its_own_arrays(tmp_path, gpu):  # noqa: F811
         assert cache.drain(60)
 
 
-def test_lend_layers_refuses_what_cannot_stand_in(gpu):  # noqa: F811
+def test_lendable_refuses_what_cannot_stand_in(gpu):  # noqa: F811
     row = _row(400)
     short, long = _snapshot(row, 100), _snapshot(row, 200)
     a, b = capture_caches(short, defer_copy=True), capture_caches(long, defer_copy=True)
-    lent = lend_layers(a, b, 100)
-    assert lent is not None
+    assert lendable(a, b, 100) and lendable(shapes_only(a), b, 100)  # its own arrays, or only its shapes
+    lent = on_loan(shapes_only(a), b)
     assert all(t.data is u.data and t.shape == s.shape for la, lb, ls in zip(lent, b, a)
                for t, u, s in zip(la.tensors, lb.tensors, ls.tensors))
-    assert lend_layers(a, b, 99) is None                                  # the length must be the earlier's
-    assert lend_layers(a, b[:1], 100) is None                             # another layer count
-    assert lend_layers(a, capture_caches(_snapshot(row, 200, mx.float16), defer_copy=True), 100) is None
+    assert not lendable(a, b, 99)                                         # the length must be the earlier's
+    assert not lendable(a, b[:1], 100)                                    # another layer count
+    assert not lendable(a, capture_caches(_snapshot(row, 200, mx.float16), defer_copy=True), 100)
     q8, q4 = QuantizedKVCache(group_size=32, bits=8), QuantizedKVCache(group_size=32, bits=4)
     for q in (q8, q4):
         q.update_and_fetch(mx.zeros((1, 2, 100, 32)), mx.zeros((1, 2, 100, 32)))
-    assert lend_layers(capture_caches([q8], defer_copy=True), capture_caches([q8], defer_copy=True), 100) is not None
-    assert lend_layers(capture_caches([q8], defer_copy=True), capture_caches([q4], defer_copy=True), 100) is None
+    assert lendable(capture_caches([q8], defer_copy=True), capture_caches([q8], defer_copy=True), 100)
+    assert not lendable(capture_caches([q8], defer_copy=True), capture_caches([q4], defer_copy=True), 100)
     ring = RotatingKVCache(max_size=64)                                   # no positions: never lent
     ring.update_and_fetch(mx.zeros((1, 4, 100, 64)), mx.zeros((1, 4, 100, 64)))
-    assert lend_layers(capture_caches([ring], defer_copy=True), capture_caches([ring], defer_copy=True), 100) is None
+    assert not lendable(capture_caches([ring], defer_copy=True), capture_caches([ring], defer_copy=True), 100)
     host = capture_caches(short, defer_copy=False)                        # bytes on the host already
-    assert lend_layers(host, b, 100) is None
+    assert not lendable(host, b, 100)
 
 
 def test_the_copier_reads_a_lent_arrays_first_positions(gpu):  # noqa: F811
