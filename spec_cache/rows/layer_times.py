@@ -78,7 +78,7 @@ class LayerClock:
 
 def clock(h: mx.array, caches: Sequence[Any], mask: Any) -> LayerClock | None:
     """A clock for this forward when the diagnostic is on and it runs more than one token a row; else None."""
-    path = _path()
-    if path is None or h.ndim < 2 or h.shape[1] < 2:
+    if h.ndim < 2 or h.shape[1] < 2:  # a decode round: no environment lookup on the hottest path
         return None
-    return LayerClock(path, h, caches, mask)
+    path = _path()
+    return None if path is None else LayerClock(path, h, caches, mask)

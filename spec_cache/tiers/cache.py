@@ -486,16 +486,16 @@ class SpecCache:
         the scheduler's thread milliseconds); the arrays are put in place when the writer starts on one
         (``_to_host``, ``cache_state.on_loan``). Counted as ``lent``."""
         mine = job.token_array()
-        checked: dict[int, bool] = {}  # per loan the checkpoints move from: do its arrays' shapes fit job's
+        checked: dict[_Loan, bool] = {}  # per loan the checkpoints move from: do its arrays' shapes fit job's
         for older in self._queued.get(job.ns_key, ()):
             n = len(older.tokens)
             if older.started or older.loan is None or older.loan is job.loan or n > len(mine):
                 continue
             if not np.array_equal(mine[:n], older.token_array()):
                 continue
-            fits = checked.get(id(older.loan))
-            if fits is None:
-                fits = checked[id(older.loan)] = lendable(older.layers, job.layers, n)
+            fits = checked.get(older.loan)
+            if fits is None:  # keyed by the loan itself: one moved away here stays alive, its id never reused
+                fits = checked[older.loan] = lendable(older.layers, job.layers, n)
             if not fits:
                 continue
             if older.loan.layers is older.layers:  # its own snapshot: only its shapes stay
