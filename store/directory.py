@@ -19,8 +19,11 @@ import time
 from .errors import StoreDamaged, StoreOpenError, StoreUnsafe
 
 RESERVE_NAME = "reserve"
+#: where ``Environment._keep_reserve`` allocates the reserve before renaming it: seen by a process opening the store
+#: while another makes its reserve (or left by a crash), so it is one of the store's own files
+RESERVE_WORK_NAME = RESERVE_NAME + ".tmp"
 COMPACT_WORK_NAME = "compact.tmp"  # ``spec-cache compact``'s work directory (left behind only by a crash)
-STORE_FILES = frozenset({"data.mdb", "lock.mdb", RESERVE_NAME, COMPACT_WORK_NAME})
+STORE_FILES = frozenset({"data.mdb", "lock.mdb", RESERVE_NAME, RESERVE_WORK_NAME, COMPACT_WORK_NAME})
 #: damaged copies ``move_aside`` keeps per store (the newest); older ones are deleted. Each can be as large as the
 #: store, so more would eat the disk its budget was computed from (``open_environment(keep_aside=...)``)
 KEEP_ASIDE = 2
@@ -63,10 +66,24 @@ def prepare_dir(path: str) -> bool:
     return "data.mdb" in names
 
 
+#: how long an opener waits for a just-created ``data.mdb`` to get LMDB's two meta pages (``check_data_file``)
+CREATION_SETTLE_S = 2.0
+#: a ``data.mdb`` modified longer ago than this is not being created by anyone: its size is final
+CREATION_RECENT_S = 30.0
+
+
 def check_data_file(path: str) -> None:
+    """Refuse a ``data.mdb`` of 0 bytes (a full disk at creation, a truncated copy) before LMDB maps it.
+
+    Why the wait: LMDB creates ``data.mdb`` empty and writes its meta pages a moment later, under its own lock
+    file's exclusive lock, which this check (run before ``lmdb.open``) does not take. A process opening a new
+    store while another creates it saw that moment's 0 bytes and called the store damaged (CI, three processes
+    opening one new store). Taking LMDB's ``fcntl`` lock here is not an option: closing any descriptor of
+    ``lock.mdb`` drops every lock this process holds on it, LMDB's own included. So a recently modified file
+    shorter than the two meta pages gets ``CREATION_SETTLE_S`` to grow; one that stays empty is damaged."""
     data = os.path.join(path, "data.mdb")
     try:
-        size = os.path.getsize(data)
+        size = _settled_size(data)
     except FileNotFoundError:
         return
     except OSError as exc:
@@ -76,6 +93,20 @@ def check_data_file(path: str) -> None:
                              "run 'spec-cache repair' on a copy that still has its data")
     if not os.access(data, os.R_OK):
         raise StoreOpenError(f"permission denied: cannot read {data}")
+
+
+def _settled_size(data: str) -> int:
+    """``data.mdb``'s size once a creator in another process has written LMDB's meta pages (or given up)."""
+    st = os.stat(data)
+    need = 2 * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 8192
+    if st.st_size >= need or time.time() - st.st_mtime > CREATION_RECENT_S:
+        return st.st_size
+    deadline = time.monotonic() + CREATION_SETTLE_S
+    size = st.st_size
+    while size < need and time.monotonic() < deadline:
+        time.sleep(0.01)
+        size = os.path.getsize(data)
+    return size
 
 
 def check_safe(path: str) -> None:

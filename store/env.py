@@ -60,7 +60,16 @@ except ImportError:  # pragma: no cover - Windows
 
 from .allocator import tune_allocator
 from .datafile import DataFile, reaches_every_page
-from .directory import KEEP_ASIDE, RESERVE_NAME, check_data_file, first_unenterable, move_aside, prepare_dir, secure
+from .directory import (
+    KEEP_ASIDE,
+    RESERVE_NAME,
+    RESERVE_WORK_NAME,
+    check_data_file,
+    first_unenterable,
+    move_aside,
+    prepare_dir,
+    secure,
+)
 from .errors import StoreDamaged, StoreError, StoreFormatError, StoreFullError, StoreOpenError
 from .txn_gate import TxnGate
 
@@ -514,10 +523,11 @@ class Environment:
         room, so a store on a disk that filled up (by itself or by anything else) can still be unpinned and
         evicted. Checked at open and every ``READER_CHECK_S`` of writing."""
         path = os.path.join(self.path, RESERVE_NAME)
+        work = os.path.join(self.path, RESERVE_WORK_NAME)
         try:
             if os.path.exists(path) or self._free_bytes() < 4 * HEADROOM_BYTES:
                 return
-            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(work, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 if hasattr(os, "posix_fallocate"):
                     os.posix_fallocate(fd, 0, HEADROOM_BYTES)  # real blocks, no data written
@@ -527,10 +537,10 @@ class Environment:
                         os.write(fd, block)
             finally:
                 os.close(fd)
-            os.replace(path + ".tmp", path)
+            os.replace(work, path)
         except OSError:
             with contextlib.suppress(OSError):
-                os.remove(path + ".tmp")
+                os.remove(work)
 
     def _release_reserve(self) -> bool:
         """Give the reserve's disk space back for a write that makes room (unpin, evict, gc)."""

@@ -14,7 +14,7 @@ import warnings
 import lmdb
 import pytest
 
-from spec_cache.store import Store, StoreError
+from spec_cache.store import Store, StoreError, maintenance
 
 
 def snapshot(path):
@@ -78,6 +78,56 @@ def test_a_zero_byte_data_file_is_named_and_not_replaced(tmp_path):
         with pytest.raises(StoreError, match="data.mdb is empty"):
             Store.open(d, readonly=readonly)
     assert (d / "data.mdb").stat().st_size == 0 and not (d / "reserve").exists()
+
+
+def test_a_data_file_another_process_is_creating_is_waited_for_not_called_damaged(tmp_path):
+    """LMDB creates data.mdb empty and writes its meta pages a moment later (under its lock file's lock, which
+    the open's checks do not take); CI saw a second process call that moment's 0 bytes damaged. Here the
+    "creator" writes a real store's file 0.3 s after the empty one appeared: the open waits and succeeds."""
+    import threading
+    import time
+
+    model = tmp_path / "model"
+    with Store.open(model, chunk_tokens=8) as store:
+        store.register_namespace(bytes(range(32)), target="a" * 64, prefix_namespace="p")
+    content = (model / "data.mdb").read_bytes()
+    d = tmp_path / "s"
+    d.mkdir(mode=0o700)
+    (d / "data.mdb").write_bytes(b"")
+
+    def create():
+        time.sleep(0.3)
+        with open(d / "data.mdb", "r+b") as f:
+            f.write(content)
+
+    creator = threading.Thread(target=create)
+    creator.start()
+    try:
+        with Store.open(d) as store:
+            assert [n["target"] for n in maintenance.namespaces(store)] == ["a" * 64]
+    finally:
+        creator.join()
+
+
+def test_a_reserve_being_made_by_another_opener_is_a_store_file(tmp_path):
+    """``reserve.tmp`` exists while an opener allocates the reserve: a second process opening the new store at that
+    moment called the directory "not a spec-cache store" (4 of 60 rounds of four processes opening one new store)."""
+    d = tmp_path / "s"
+    Store.open(d).close()
+    (d / "reserve").rename(d / "reserve.tmp")
+    with Store.open(d) as store:
+        assert store.env.path == str(d)
+    assert (d / "reserve").exists() or not (d / "reserve.tmp").exists()
+
+
+def test_an_old_zero_byte_data_file_is_damaged_without_a_wait_for_a_creator(tmp_path):
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / "data.mdb").write_bytes(b"")
+    old = os.stat(d / "data.mdb").st_mtime - 3600
+    os.utime(d / "data.mdb", (old, old))
+    with pytest.raises(StoreError, match="data.mdb is empty"):
+        Store.open(d)
 
 
 @pytest.fixture
