@@ -93,6 +93,12 @@ class BatchRows:
     def _arrays(self, caches: Sequence[Any]) -> list[mx.array]:
         return [a for kind, cache in zip(self._kinds, caches) for a in kind.batch_arrays(cache)]
 
+    def _unpadded(self) -> bool:
+        """No row has left padding, read off host-side counts (no device read): a full-attention layer's row holds
+        ``_idx - left_padding`` keys, which is its length. Only ports of full-attention models use the answer."""
+        first = next((c for c, kind in zip(self._caches or (), self._kinds) if kind.trimmable), None)
+        return first is not None and all(n == first._idx for n in self._lengths)
+
     def _check_rows(self, per_row: Sequence[Sequence[int]]) -> list[int]:
         check_per_row(per_row, self.row_count, "token list")
         return [len(tokens) for tokens in per_row]
@@ -123,6 +129,9 @@ class BatchRows:
             empty = [None if s is None else [] for s in scores] if scores else None
             return PrefillContext(None, lengths, scores=empty)
         caches = self._ensure_caches()
+        # read before the chunks move ``_idx``: right padding (shorter rows' tails) sits after each row's real
+        # tokens, which a causal mask already hides from them, so only left padding needs an array mask
+        unpadded = self._unpadded()
         ids = mx.array([list(t) + [0] * (longest - len(t)) for t in tokens_per_row], dtype=mx.uint32)
         padding = [longest - n for n in lengths]
         for kind, cache in zip(self._kinds, caches):
@@ -134,7 +143,7 @@ class BatchRows:
         scored: list = [None if s is None else [] for s in (scores or [None] * len(lengths))]
         for start in range(0, longest, step):
             chunk = ids[:, start : start + step]
-            out = self.model.forward(chunk, caches, tap_layers=tap_layers, with_logits=False)
+            out = self.model.forward(chunk, caches, tap_layers=tap_layers, with_logits=False, unpadded=unpadded)
             for row, wanted_scores in enumerate(scores or ()):
                 count = min(max(lengths[row] - start, 0), chunk.shape[1])
                 if wanted_scores is not None and count:

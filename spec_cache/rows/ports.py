@@ -97,11 +97,19 @@ class DecoderPort:
         return [KVCache() for _ in self.inner.layers]
 
     def _masks(self, h: mx.array, caches: Sequence[Any], unpadded: bool) -> list:
-        """The attention mask of each layer: here one causal mask for all of them."""
-        # one query per row over rows without left padding sees every key: no mask, as mlx-lm's own decode step
-        # (on the GPU a mask costs a slower attention kernel, ~40% of a small model's step)
-        unmasked = unpadded and h.shape[1] == 1
-        mask = None if unmasked else create_attention_mask(h, caches[0] if caches else None)
+        """The attention mask of each layer: here one causal mask for all of them.
+
+        Rows without left padding need no array: one query per row sees every key (no mask, as mlx-lm's own
+        decode step; on the GPU a mask costs a slower attention kernel, ~40% of a small model's step), and a
+        longer chunk is bottom-right causal, the ``"causal"`` mode mlx-lm's single-row ``KVCache`` passes. The
+        batch cache's own mask is an array even for one row (``BatchKVCache.make_mask``); on MLX's CUDA backend
+        an array mask is widened per layer to an additive ``[B, heads, chunk, keys]`` bias that cuDNN then
+        reads: ~1.4 GB a layer for a 1.5k-token chunk over 14k keys of an 8B-shaped model. Same scores on the
+        CPU either way (both mask with ``finfo.min``), so the same tokens."""
+        if unpadded:
+            mask = None if h.shape[1] == 1 else "causal"
+        else:
+            mask = create_attention_mask(h, caches[0] if caches else None)
         return [mask] * len(caches)
 
     def run_layers(self, h: mx.array, caches: Sequence[Any], taps: Sequence[int], *, unpadded: bool = False,

@@ -212,7 +212,8 @@ class TargetModel:
         Same operations in the same order as the mlx-lm model's ``__call__``, so the logits are bit-identical.
         ``recurrent_inputs``: a dict that receives each recurrent layer's mixer input ``[B, L, H]`` (hybrid
         targets; the rows replay it to roll the state back). ``unpadded``: no row of ``caches`` has left padding
-        (a one-token step then needs no attention mask; ports that cannot use it ignore it).
+        (a one-token step then needs no attention mask, a longer one mlx-lm's ``"causal"`` mode instead of an
+        array; ports that cannot use it ignore it).
         """
         if len(caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} caches (one per cache layer), got {len(caches)}")
@@ -354,12 +355,6 @@ class TargetRows(BatchRows):
         mark_queued(out)  # a deferred capture of them needs no MLX op of its own (``capture_caches``)
         return out
 
-    # -- helpers ----------------------------------------------------------------------------------------
-    def _unpadded(self) -> bool:
-        """No row has left padding, read off host-side counts (no device read): a full-attention layer's row holds
-        ``_idx - left_padding`` keys, which is its length. Only ports of full-attention models use the answer."""
-        first = next((c for c, kind in zip(self._caches or (), self._kinds) if kind.trimmable), None)
-        return first is not None and all(n == first._idx for n in self._lengths)
 
 
 @dataclass

@@ -265,3 +265,53 @@ def test_one_token_step_without_left_padding_needs_no_mask(tiny):
     uneven = TargetRows.from_row_caches(tiny.target, [None, None])
     uneven.prefill([PROMPTS[0], PROMPTS[1]])
     assert not uneven._unpadded()  # the shorter row is left-padded: it must not see the padding
+
+
+def test_a_chunk_over_rows_without_left_padding_is_causal_not_an_array_mask(tiny, monkeypatch):
+    """A multi-token forward over rows without left padding passes mlx-lm's ``"causal"`` mode, not the batch
+    cache's array (which MLX's CUDA backend widens to a [B, heads, chunk, keys] bias every layer): on the CPU
+    the logits are bit-identical to the array-masked forward, and a prefill of rows of different lengths (right
+    padding only) gives each row the state a prefill of that row alone gives."""
+    import spec_cache.rows.ports as ports
+
+    modes = []
+    real = ports.DecoderPort._masks
+
+    def spy(self, h, caches, unpadded):
+        masks = real(self, h, caches, unpadded)
+        modes.append(masks[0] if isinstance(masks[0], str) or masks[0] is None else "array")
+        return masks
+
+    monkeypatch.setattr(ports.DecoderPort, "_masks", spy)
+    rows = TargetRows.from_row_caches(tiny.target, [None, None])
+    rows.prefill([PROMPTS[0], PROMPTS[0][::-1]], step=4)
+    assert set(modes) == {"causal"}
+    caches = rows._caches
+    ids = mx.array([[3, 5, 7], [4, 6, 8]], dtype=mx.uint32)
+    masked = tiny.target.forward(ids, caches).logits
+    mx.eval(masked)
+    for cache in caches:
+        cache.trim(3)
+    causal = tiny.target.forward(ids, caches, unpadded=True).logits
+    if mx.default_device() == mx.cpu:
+        assert mx.array_equal(masked, causal).item()
+    else:
+        assert mx.allclose(masked, causal, atol=1e-2).item()
+
+    modes.clear()
+    ragged = TargetRows.from_row_caches(tiny.target, [None, None])
+    ragged.prefill([PROMPTS[0], PROMPTS[1]], step=4)  # right padding of the shorter row's chunks: still causal
+    assert set(modes) == {"causal"}
+    assert not ragged._unpadded()  # after finalize the shorter row is left-padded
+    modes.clear()
+    ragged.prefill([[9, 10, 11], [12, 13, 14]])
+    assert modes == ["array"]  # left padding: the array mask hides it
+    for row, prompt in enumerate((PROMPTS[0], PROMPTS[1])):
+        alone = TargetRows.from_row_caches(tiny.target, [None])
+        alone.prefill([prompt + [[9, 10, 11], [12, 13, 14]][row]], step=4)
+        theirs = alone.split_row(0)
+        ours = ragged.split_row(row)
+        for a, b in zip(ours, theirs):
+            assert a.offset == b.offset
+            assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :]).item()
+            assert mx.array_equal(a.values[..., : a.offset, :], b.values[..., : b.offset, :]).item()

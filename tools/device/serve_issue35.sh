@@ -25,6 +25,9 @@
 # --prompt-cache-bytes (at 4 agent clients on an 80 GB H100 its prompt cache ran it out of device memory).
 # LAYER_TIMES=1 (a diagnostic run, not figures): serve writes per-layer times of its multi-token forwards
 # (spec_cache/rows/layer_times.py) into traces.tgz as layers.<pid>.jsonl: the agent's slow sixth turn.
+# PART=probe (~1-2 min on a machine that has the install and the model, else it installs them first): the attention
+# probe (tools/device/attention_probe.py): sdpa alone at the 8B shape, causal vs array masks, a new shape's first
+# call vs repeats, and whole forwards over a 12k-token row with the runtime's mask vs the array mask forced; probe.json.
 # Env as in serve_8b_shaped.sh (DEADLINE, SERVERS, ...).
 set -u
 PART=${PART:-chat}
@@ -32,6 +35,17 @@ FINAL=${OUT:-/tmp/out}
 WORKOUT=/tmp/issue35-out
 mkdir -p "$FINAL" "$WORKOUT"
 [ "${LAYER_TIMES:-0}" = 1 ] && export SPEC_CACHE_LAYER_TIMES=$WORKOUT/layers
+if [ "$PART" = probe ]; then
+  PY=${PY:-python3}
+  SITE=${SITE:-/tmp/site}
+  export PYTHONPATH=$SITE:${WORK:-/tmp/serve-8b}/sc-site PYTHONUNBUFFERED=1
+  if [ ! -e ${WORK:-/tmp/serve-8b}/model/config.json ]; then
+    SETUP_ONLY=1 OUT=$WORKOUT bash tools/device/serve_8b_shaped.sh || exit 3
+  fi
+  timeout "${DEADLINE:-300}" $PY tools/device/attention_probe.py --model ${WORK:-/tmp/serve-8b}/model \
+    --json "$FINAL/probe.json" 2>&1 | tee "$FINAL/probe.log"
+  exit 0
+fi
 if [ "$PART" = chat ]; then
   CLIENTS=${CLIENTS:-4} SERVERS=${SERVERS:-mlx-lm,serve,spec-cache} CONV=${CONV:-8} TURNS=${TURNS:-3} \
     SYSW=${SYSW:-1500} USERW=${USERW:-150} MAXTOK=${MAXTOK:-32} TRACE=1 PYSPY=${PYSPY:-300} \
