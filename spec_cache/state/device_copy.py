@@ -156,6 +156,26 @@ _LOCATION_HOST = 2
 _CU_DEVICE_CPU = -1
 _CU_POINTER_ATTRIBUTE_IS_MANAGED = 8
 _CU_STREAM_NON_BLOCKING = 0x1
+_CU_MEMORYTYPE_HOST = 1
+_CU_MEMORYTYPE_UNIFIED = 4
+
+
+class _Memcpy2D(ctypes.Structure):
+    """The driver API's ``CUDA_MEMCPY2D`` (``cuda.h``; ctypes pads each enum before a pointer as C does)."""
+
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+                ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+def _strided_bytes(address: int, rows: int, run: int, pitch: int) -> np.ndarray:
+    """A writable ``[rows, run]`` uint8 view of host memory at ``address``, rows ``pitch`` bytes apart."""
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * ((rows - 1) * pitch + run)).from_address(address))
+    return np.lib.stride_tricks.as_strided(flat, shape=(rows, run), strides=(pitch, 1))
 
 
 def _load(names) -> ctypes.CDLL | None:
@@ -284,12 +304,14 @@ def _pointer(view: np.ndarray) -> int:
 
 
 def copy_token_range(dst: int, src: int, shape: Sequence[int], itemsize: int, axis: int, start: int,
-                     copy: Callable[[int, int, int], None], src_length: int | None = None) -> int:
+                     copy: Callable[[int, int, int], None], src_length: int | None = None,
+                     copy_runs: Callable[[int, int, int, int, int, int], None] | None = None) -> int:
     """Copy positions ``start:`` along ``axis`` of a C-contiguous array at ``src`` into the same place of one
     shaped alike at ``dst`` (``shape``): one ``copy(dst, src, nbytes)`` per contiguous run (per index of the axes
-    before ``axis``; one run when they are all 1). ``src_length``: the source is longer along ``axis`` (a later
-    checkpoint of the same row lent to an earlier one, ``SpecCache._lend``); only its first ``shape[axis]``
-    positions are read. Returns the bytes copied."""
+    before ``axis``; one run when they are all 1), or, given ``copy_runs``, one ``copy_runs(dst, src, run, count,
+    src_pitch, dst_pitch)`` for all of them (a 2-D copy: ``count`` runs of ``run`` bytes, ``*_pitch`` apart).
+    ``src_length``: the source is longer along ``axis`` (a later checkpoint of the same row lent to an earlier one,
+    ``SpecCache._lend``); only its first ``shape[axis]`` positions are read. Returns the bytes copied."""
     outer = math.prod(shape[:axis])
     inner = math.prod(shape[axis + 1:]) * itemsize
     length = shape[axis]
@@ -300,6 +322,9 @@ def copy_token_range(dst: int, src: int, shape: Sequence[int], itemsize: int, ax
     run = (length - start) * inner
     if run == 0:
         return 0
+    if copy_runs is not None and outer > 1:
+        copy_runs(dst + start * inner, src + start * inner, run, outer, stride * inner, length * inner)
+        return run * outer
     for i in range(outer):
         copy(dst + (i * length + start) * inner, src + (i * stride + start) * inner, run)
     return run * outer
@@ -565,6 +590,13 @@ class DeviceToHost:
         #: copies go on a non-blocking stream of their own (False: no stream could be made; plain cuMemcpy)
         self.stream_copies = self._memcpy_async is not None \
             and os.environ.get("SPEC_CACHE_D2H_STREAM", "1") != "0"
+        #: ``cuMemcpy2DAsync``: a token range's runs (one per head of a K/V tensor) in one driver call; None: one
+        #: call per run (no such export, no stream, ``SPEC_CACHE_D2H_2D=0``, or ``device_to_host``'s self-test
+        #: of it failed)
+        self._memcpy2d = getattr(cu, "cuMemcpy2DAsync_v2", None) \
+            if os.environ.get("SPEC_CACHE_D2H_2D", "1") != "0" else None
+        if self._memcpy2d is not None:
+            self._memcpy2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
         self.bytes = 0
         self.seconds = 0.0
 
@@ -627,6 +659,50 @@ class DeviceToHost:
             ctypes.memmove(dst + at, ptr, step)
             at += step
 
+    @property
+    def runs_2d(self) -> bool:
+        """Whether a token range's runs go in one 2-D copy (``_copy_runs``) rather than one copy each."""
+        return self._memcpy2d is not None and self.stream_copies
+
+    def _memcpy2d_now(self, dst: int, dst_pitch: int, src: int, src_pitch: int, run: int, rows: int) -> None:
+        """``rows`` runs of ``run`` bytes from (unified) ``src`` to host ``dst``, on this thread's stream; returns
+        when they are there."""
+        stream = self._stream()
+        if stream is None:
+            raise RuntimeError("a 2-D copy needs a stream")
+        spec = _Memcpy2D(srcMemoryType=_CU_MEMORYTYPE_UNIFIED, srcDevice=src, srcPitch=src_pitch,
+                         dstMemoryType=_CU_MEMORYTYPE_HOST, dstHost=dst, dstPitch=dst_pitch,
+                         WidthInBytes=run, Height=rows)
+        rc = self._memcpy2d(ctypes.byref(spec), ctypes.c_void_p(stream))
+        if rc == 0:
+            rc = self.advice._driver.cuStreamSynchronize(ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpy2DAsync failed ({rc})")
+
+    def _copy_runs(self, dst: int, src: int, run: int, count: int, src_pitch: int, dst_pitch: int) -> None:
+        """``count`` runs of ``run`` bytes, ``src_pitch`` / ``dst_pitch`` apart: a K/V tensor's token range is
+        one run per head. Why not one ``_copy`` each: every driver call and ``memmove`` gives the GIL up and
+        takes it back, and on a busy server taking it back waits for the scheduler thread's Python (issue 35's
+        agent run on the H200, d49a463: the write-behind thread spent ~15 s of ~35 on these copies, ~270 MB/s,
+        its samples spread over the three calls of each run). Here a bounce buffer's worth of runs is one
+        ``cuMemcpy2DAsync``, one wait and (pinned mode) one numpy copy out of the bounce buffer."""
+        if not self.advice._driver_context():
+            raise RuntimeError("no CUDA context for cuMemcpy")
+        if self.mode != "pinned":
+            self._memcpy2d_now(dst, dst_pitch, src, src_pitch, run, count)
+            return
+        if run > self.part_bytes:  # one run fills the bounce buffer: the per-run copy parts it anyway
+            for i in range(count):
+                self._copy(dst + i * dst_pitch, src + i * src_pitch, run)
+            return
+        ptr, view = self._pinned()
+        per = self.part_bytes // run
+        for first in range(0, count, per):
+            rows = min(per, count - first)
+            self._memcpy2d_now(ptr, run, src + first * src_pitch, src_pitch, run, rows)
+            np.copyto(_strided_bytes(dst + first * dst_pitch, rows, run, dst_pitch),
+                      view[: rows * run].reshape(rows, run))
+
     def copy_from(self, x: mx.array, axis: int, start: int, stop: int | None = None) -> np.ndarray:
         """``x`` on the host with only the positions from ``start`` along ``axis`` copied (the ones before are left
         unwritten: ``Store.put(copied_from=start)`` never reads them); ``stop``: the result is ``x``'s first
@@ -645,7 +721,8 @@ class DeviceToHost:
             shape[axis] = stop
         out = np.empty(shape, dtype=src_view.dtype)
         n = copy_token_range(_pointer(out), _pointer(src_view), shape, src_view.itemsize, axis, start,
-                             self._copy, src_length=src_view.shape[axis])
+                             self._copy, src_length=src_view.shape[axis],
+                             copy_runs=self._copy_runs if self.runs_2d else None)
         self.bytes += n
         self.seconds += time.perf_counter() - t0
         return out
@@ -696,6 +773,27 @@ def _source_view(x: mx.array) -> np.ndarray:
     return host_view(c)
 
 
+def check_runs_2d(d2h: DeviceToHost) -> str:
+    """Self-test of ``d2h``'s 2-D copies of token ranges (a lent source longer than the result, runs of several
+    heads); on a wrong byte or a driver error they are turned off (one copy per run, as before). Returns what the
+    copier's status line says about them."""
+    if not d2h.runs_2d:
+        return ""
+    src = mx.arange(2 * 3 * 40 * 8, dtype=mx.int32).reshape(2, 3, 40, 8) * 5 + 1
+    mx.eval(src)
+    want = np.asarray(memoryview(src))[:, :, :29]
+    try:
+        got = d2h.copy_from(src, 2, 13, stop=29)
+        if np.array_equal(got[:, :, 13:], want[:, :, 13:]):
+            return ", token ranges in 2-D copies"
+        why = "wrong bytes"
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    d2h._memcpy2d = None
+    log.warning("spec-cache: 2-D device-to-host copies failed their self-test (%s): one copy per run", why)
+    return f", 2-D copies off ({why})"
+
+
 _D2H: DeviceToHost | None = None
 _D2H_STATE = {"tried": False, "why": None}
 
@@ -722,9 +820,10 @@ def device_to_host() -> DeviceToHost | None:
                     probe = mx.arange(3000, dtype=mx.int32) * 7
                     if not np.array_equal(d2h(probe), np.arange(3000, dtype=np.int32) * 7):
                         raise RuntimeError("device-to-host self-test failed")
+                    runs = check_runs_2d(d2h)
                     _D2H = d2h
                     _D2H_STATE["why"] = (f"cuMemcpyAsync on its own non-blocking stream, {d2h.threads} threads"
-                                         if d2h.stream_copies else f"cuMemcpy, {d2h.threads} threads")
+                                         if d2h.stream_copies else f"cuMemcpy, {d2h.threads} threads") + runs
                 except Exception as exc:
                     _D2H_STATE["why"] = f"off: {type(exc).__name__}: {exc}"
         return _D2H

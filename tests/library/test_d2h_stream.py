@@ -142,3 +142,88 @@ def test_the_stream_can_be_turned_off(monkeypatch):
     x = _array(10_000)
     assert np.array_equal(d2h(x), np.asarray(memoryview(x)))
     assert {kind for kind, *_ in driver.calls} == {"sync"} and driver.flags == []
+
+
+# --- token ranges in 2-D copies (cuMemcpy2DAsync) -----------------------------------------------------------------
+class FakeDriver2D(FakeDriver):
+    """``FakeDriver`` with ``cuMemcpy2DAsync_v2``: reads the ``CUDA_MEMCPY2D`` it is handed and copies row by row
+    (``corrupt``: the first byte of each copy comes out wrong, as a mis-laid struct would)."""
+
+    def __init__(self, corrupt: bool = False):
+        super().__init__()
+        self.corrupt = corrupt
+        self.cuMemcpy2DAsync_v2 = _Fn(self._memcpy2d)
+
+    def _memcpy2d(self, ref, stream):
+        spec = ref._obj
+        assert spec.srcMemoryType == device_copy._CU_MEMORYTYPE_UNIFIED
+        assert spec.dstMemoryType == device_copy._CU_MEMORYTYPE_HOST
+        assert spec.srcXInBytes == spec.srcY == spec.dstXInBytes == spec.dstY == 0
+        for row in range(spec.Height):
+            ctypes.memmove(spec.dstHost + row * spec.dstPitch, spec.srcDevice + row * spec.srcPitch,
+                           spec.WidthInBytes)
+        if self.corrupt:
+            ctypes.memset(spec.dstHost, 0xAB, 1)
+        self.calls.append(("2d", _int(stream), threading.get_ident(), spec.WidthInBytes * spec.Height))
+        return 0
+
+
+def _heads(tokens: int = 50) -> mx.array:
+    x = mx.arange(2 * 3 * tokens * 4, dtype=mx.float32).reshape(2, 3, tokens, 4) * 3 + 1
+    mx.eval(x)
+    return x
+
+
+@pytest.mark.parametrize("mode", ["pinned", "direct"])
+def test_a_token_range_is_one_2d_copy_not_one_copy_per_head(mode):
+    driver = FakeDriver2D()
+    d2h = device_copy.DeviceToHost(FakeAdvice(driver), threads=1, part_bytes=1 << 16, mode=mode)
+    assert d2h.runs_2d
+    x = _heads()
+    ref = np.asarray(memoryview(x))
+    out = d2h.copy_from(x, 2, 20)
+    assert np.array_equal(out[:, :, 20:], ref[:, :, 20:])
+    assert [kind for kind, *_ in driver.calls] == ["2d"]  # six runs (2 x 3 heads), one call
+    assert driver.calls[0][3] == 6 * 30 * 4 * 4
+    lent = d2h.copy_from(x, 2, 7, stop=33)  # a longer checkpoint's array lent to an earlier one
+    assert lent.shape == (2, 3, 33, 4) and np.array_equal(lent[:, :, 7:], ref[:, :, 7:33])
+    assert len(driver.synced) == len(driver.calls) == 2
+
+
+def test_runs_beyond_the_bounce_buffer_go_in_several_2d_copies_or_one_copy_each():
+    driver = FakeDriver2D()
+    run = 30 * 4 * 4  # 480 bytes a head from position 20
+    d2h = device_copy.DeviceToHost(FakeAdvice(driver), threads=1, part_bytes=2 * run, mode="pinned")
+    x = _heads()
+    ref = np.asarray(memoryview(x))
+    out = d2h.copy_from(x, 2, 20)
+    assert np.array_equal(out[:, :, 20:], ref[:, :, 20:])
+    assert [kind for kind, *_ in driver.calls] == ["2d"] * 3  # two runs per bounce buffer
+    driver.calls.clear()
+    small = device_copy.DeviceToHost(FakeAdvice(driver), threads=1, part_bytes=run // 2, mode="pinned")
+    out = small.copy_from(x, 2, 20)
+    assert np.array_equal(out[:, :, 20:], ref[:, :, 20:])
+    assert {kind for kind, *_ in driver.calls} == {"async"}  # a run alone overflows it: parted, one run at a time
+
+
+def test_2d_copies_that_fail_their_self_test_are_turned_off(caplog):
+    driver = FakeDriver2D(corrupt=True)
+    d2h = device_copy.DeviceToHost(FakeAdvice(driver), threads=1, part_bytes=1 << 16, mode="pinned")
+    assert "2-D copies off (wrong bytes)" in device_copy.check_runs_2d(d2h)
+    assert not d2h.runs_2d and "failed their self-test" in caplog.text
+    x = _heads()
+    out = d2h.copy_from(x, 2, 20)
+    assert np.array_equal(out[:, :, 20:], np.asarray(memoryview(x))[:, :, 20:])
+    good = device_copy.DeviceToHost(FakeAdvice(FakeDriver2D()), threads=1, part_bytes=1 << 16, mode="pinned")
+    assert device_copy.check_runs_2d(good) == ", token ranges in 2-D copies" and good.runs_2d
+
+
+def test_without_a_stream_or_when_turned_off_ranges_copy_run_by_run(monkeypatch):
+    assert not device_copy.DeviceToHost(FakeAdvice(FakeDriver()), threads=1, mode="pinned").runs_2d  # no export
+    monkeypatch.setenv("SPEC_CACHE_D2H_2D", "0")
+    driver = FakeDriver2D()
+    d2h = device_copy.DeviceToHost(FakeAdvice(driver), threads=1, part_bytes=1 << 16, mode="pinned")
+    assert not d2h.runs_2d
+    x = _heads()
+    assert np.array_equal(d2h.copy_from(x, 2, 20)[:, :, 20:], np.asarray(memoryview(x))[:, :, 20:])
+    assert [kind for kind, *_ in driver.calls] == ["async"] * 6
