@@ -298,6 +298,9 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None, *, hard
     checkpoint durable): MLX's native threads can abort the interpreter's normal teardown ("terminate called
     without an active exception") when a request thread was still winding down. For a process entry point only.
     """
+    from spec_cache.apps.cuda_env import relax_cache_checks
+
+    relax_cache_checks()  # before mlx_lm.server loads the model on a GPU (spec_cache.apps.cuda_env)
     code = _main(argv_or_args)
     if hard_exit:
         logging.shutdown()

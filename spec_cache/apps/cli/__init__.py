@@ -43,6 +43,7 @@ from spec_cache.apps.cli.common import (
     table,
 )
 from spec_cache.apps.cli.runtime import DRAFTER_METHODS
+from spec_cache.apps.cuda_env import relax_cache_checks
 
 __all__ = ["DRAFTER_METHODS", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "CliError", "build_parser",
            "default_cache_dir", "human_age", "human_bytes", "main", "parse_duration", "parse_size", "table"]
@@ -102,6 +103,7 @@ def _warning_line(message, category, filename, lineno, line=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    relax_cache_checks()  # before anything runs on a GPU (spec_cache.apps.cuda_env)
     warnings.formatwarning = _warning_line
     parser = build_parser()
     args = None

@@ -596,6 +596,9 @@ def main(args) -> int:
     """Run the server for parsed ``args`` until SIGINT / SIGTERM. It binds its port first (before the store is
     opened or the model loaded), then answers 503 while the model loads. Returns 0 after a clean shutdown, 1 when
     the address could not be bound (one line on stderr); bad options and a failed load raise ``CliError`` (2)."""
+    from spec_cache.apps.cuda_env import relax_cache_checks
+
+    relax_cache_checks()  # before the model loads on a GPU (python -m spec_cache.apps.server comes here directly)
     import uvicorn
 
     from spec_cache.apps.server import logs
