@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from spec_cache.errors import RestoreRefused
+from spec_cache.rows.attention_route import install as install_attention_route
 from spec_cache.rows.batch_rows import BatchRows, DonorView, clone_batch_cache
 from spec_cache.rows.ports import PORTS, SUPPORTED_ARCHITECTURES, out_features
 from spec_cache.rows.protocol import PreparedStateChange, check_per_row, check_window
@@ -105,6 +106,9 @@ class TargetModel:
         self.model_dir = model_dir
         self._port = port(model, config)
         self._layers = self._port.layers()
+        #: mlx-lm modules whose few-query attention runs MLX's ops rather than a cuDNN plan per shape (MLX's CUDA
+        #: backend; ``spec_cache.rows.attention_route``)
+        self.attention_routed = install_attention_route(self._layers)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, adapters: Sequence[str | Path] = (), lazy: bool = False) -> "TargetModel":

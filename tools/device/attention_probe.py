@@ -4,14 +4,17 @@ Two parts, each printing a line per case and writing one JSON (``--json``):
 
 * ``sdpa``: ``mx.fast.scaled_dot_product_attention`` alone at the 8B shape (32 query heads, 8 KV heads, D 128,
   bf16; keys and values sliced out of a 256-step buffer as ``BatchKVCache`` hands them over), for chunks of
-  ``--chunks`` tokens over ``--contexts`` keys already held, three masks: ``causal`` (one row, mlx-lm's
+  ``--chunks`` tokens over ``--contexts`` keys already held, four routes: ``causal`` (one row, mlx-lm's
   ``KVCache`` path and, since this commit, an unpadded batch's), ``array1`` (one row, the batch cache's own boolean
   mask: what every batched prefill passed before), ``array2`` (two rows, the second left-padded by 600 keys: a
-  cohort of rows of different lengths). Per case: the first call (a new shape: cuDNN builds a graph, NVRTC may
-  compile) and the median of ``--repeats`` calls after it. The difference is what each step of a new shape pays.
+  cohort of rows of different lengths), ``ops1`` (one row, causal, through ``attention_route.ops_attention``: MLX's
+  own ops, the route few-query calls take on CUDA since this commit). Per case: the first call (a new shape: cuDNN
+  builds a graph, NVRTC may compile) and the median of ``--repeats`` calls after it. The difference is what each
+  step of a new shape pays.
 * ``forward`` (with ``--model``): the target's whole forward through ``TargetRows`` over one row that holds
   ``--prefix`` tokens, for each chunk length twice over (a new shape, then the same shape again), with the mask the
-  runtime picks (``causal``) and with the array mask forced (``array``): the A/B of the change in a real forward.
+  runtime picks (``causal``), with the array mask forced (``array``) and with every multi-query attention through
+  MLX's ops (``ops``, ``SPEC_CACHE_ATTENTION=ops``): the A/B of both changes in a real forward.
 
 Usage on the lent machine (MLX CUDA installed as ``serve_8b_shaped.sh`` does; ``serve_issue35.sh PART=probe``):
 ``python3 tools/device/attention_probe.py --json OUT.json [--model /tmp/serve-8b/model]``. On the CPU (a check of
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-MODES = ("causal", "array1", "array2")
+MODES = ("causal", "array1", "array2", "ops1")
 
 
 def _ints(text: str) -> list[int]:
@@ -56,7 +59,7 @@ def sdpa_case(mode: str, context: int, chunk: int, *, heads: int, kv_heads: int,
     v_buf = mx.random.normal((rows, kv_heads, capacity, head_dim)).astype(dtype)
     mx.eval(q, k_buf, v_buf)
     keys, values = k_buf[..., :keys_n, :], v_buf[..., :keys_n, :]
-    if mode == "causal":
+    if mode in ("causal", "ops1"):
         mask = "causal"
     else:
         left = mx.array([pad, 0][:rows]) if rows == 2 else mx.array([0])
@@ -64,6 +67,10 @@ def sdpa_case(mode: str, context: int, chunk: int, *, heads: int, kv_heads: int,
     scale = head_dim ** -0.5
 
     def run():
+        if mode == "ops1":
+            from spec_cache.rows.attention_route import ops_attention
+
+            return ops_attention(q, keys, values, scale, mask)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
     first = _timed(run)
@@ -74,9 +81,11 @@ def sdpa_case(mode: str, context: int, chunk: int, *, heads: int, kv_heads: int,
 
 def forward_cases(model_dir: str, prefix: int, chunks: list[int], step: int) -> list[dict]:
     import spec_cache.rows.ports as ports
+    from spec_cache.rows import attention_route
     from spec_cache.rows.target import TargetModel, TargetRows
 
     target = TargetModel.load(model_dir)
+    attention_route.uninstall()  # each mode below says its own route
     vocab = 200  # inside any vocabulary (the tiny CPU check model has 256 ids)
     rows = TargetRows.from_row_caches(target, [None])
     rows.prefill([[1 + (i * 7) % vocab for i in range(prefix)]], step=step)
@@ -89,8 +98,10 @@ def forward_cases(model_dir: str, prefix: int, chunks: list[int], step: int) -> 
     for chunk in chunks:
         tokens = [[2 + (i * 11) % vocab for i in range(chunk)]]
         for attempt in ("new", "again"):
-            for mode in ("causal", "array"):
-                ports.DecoderPort._masks = real if mode == "causal" else forced
+            for mode in ("causal", "array", "ops"):
+                ports.DecoderPort._masks = forced if mode == "array" else real
+                if mode == "ops":
+                    attention_route.install(target._layers, environ={"SPEC_CACHE_ATTENTION": "ops"})
                 try:
                     started = time.perf_counter()
                     rows.prefill(tokens, step=step, need_hidden=False)
@@ -98,6 +109,7 @@ def forward_cases(model_dir: str, prefix: int, chunks: list[int], step: int) -> 
                     ms = (time.perf_counter() - started) * 1000
                 finally:
                     ports.DecoderPort._masks = real
+                    attention_route.uninstall()
                 rows.discard_last(chunk)
                 out.append({"mode": mode, "prefix": prefix, "chunk": chunk, "shape": attempt, "ms": round(ms, 2)})
                 print(json.dumps(out[-1]), flush=True)
@@ -107,7 +119,7 @@ def forward_cases(model_dir: str, prefix: int, chunks: list[int], step: int) -> 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="2500,8200,12000,12600,14000,16000")
-    parser.add_argument("--chunks", default="545,593,1524")
+    parser.add_argument("--chunks", default="4,9,545,593,1524")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
