@@ -16,7 +16,9 @@ gives the same bits as ``mx.fast.scaled_dot_product_attention``. :func:`install`
 ``2..max_queries`` queries over full-precision keys take the ops, everything else goes on to mlx-lm's function.
 
 ``SPEC_CACHE_ATTENTION``: ``auto`` (default: routed on MLX's CUDA backend, 2-32 queries), ``mlx`` (never routed),
-``ops`` (routed on any backend, every multi-query call: a test and benchmark switch). Prefill chunks stay on cuDNN
+``ops`` (routed on any backend, every multi-query call: a test and benchmark switch).
+``SPEC_CACHE_ATTENTION_MAX_QUERIES=N`` moves ``auto``'s limit (a GPU session's A/B of prefill chunks through the ops,
+without a code change). Prefill chunks stay on cuDNN
 under ``auto`` (hundreds of queries: its fused kernel beats materialized scores; whether a plan build per chunk
 still costs more is measured by ``tools/device/attention_probe.py``, not assumed).
 """
@@ -30,7 +32,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-__all__ = ["DEFAULT_MAX_QUERIES", "install", "mode", "ops_attention", "routed_modules"]
+__all__ = ["DEFAULT_MAX_QUERIES", "install", "max_queries", "mode", "ops_attention", "routed_modules"]
 
 #: the most queries a routed call may have under ``auto`` (verify windows and the smallest prefill pieces)
 DEFAULT_MAX_QUERIES = 32
@@ -42,6 +44,20 @@ def mode(environ=os.environ) -> str:
     value = environ.get("SPEC_CACHE_ATTENTION", "auto").strip().lower() or "auto"
     if value not in ("auto", "mlx", "ops"):
         raise ValueError(f"SPEC_CACHE_ATTENTION must be auto, mlx or ops, not {value!r}")
+    return value
+
+
+def max_queries(environ=os.environ) -> int:
+    """``auto``'s limit: the most queries a routed call may have."""
+    text = environ.get("SPEC_CACHE_ATTENTION_MAX_QUERIES", "").strip()
+    if not text:
+        return DEFAULT_MAX_QUERIES
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise ValueError(f"SPEC_CACHE_ATTENTION_MAX_QUERIES must be an integer >= 2, not {text!r}")
     return value
 
 
@@ -108,7 +124,7 @@ def install(layers: list, *, environ=os.environ, cuda: bool | None = None) -> li
             cuda = is_cuda()
         if not cuda:
             return []
-    max_queries = None if chosen == "ops" else DEFAULT_MAX_QUERIES
+    limit = None if chosen == "ops" else max_queries(environ)
     names = set()
     for layer in layers:
         attention = getattr(layer, "self_attn", None)
@@ -122,12 +138,12 @@ def install(layers: list, *, environ=os.environ, cuda: bool | None = None) -> li
             if module is None or current is None:
                 continue
             if getattr(current, "spec_cache_routed", False):
-                if _ROUTED[name][1] == max_queries:
+                if _ROUTED[name][1] == limit:
                     routed.append(name)
                     continue
                 current = _ROUTED[name][0]
-            module.scaled_dot_product_attention = _router(current, max_queries)
-            _ROUTED[name] = (current, max_queries)
+            module.scaled_dot_product_attention = _router(current, limit)
+            _ROUTED[name] = (current, limit)
             routed.append(name)
     return routed
 

@@ -99,3 +99,20 @@ def test_decoding_through_the_ops_gives_the_target_greedy_tokens(tiny, monkeypat
     assert calls and max(calls) > 1
     if provider_name is not None:
         assert sum(r.drafted for r in results) > 0
+
+
+def test_the_query_limit_moves_with_its_variable_and_bad_values_are_named(tiny, monkeypatch):
+    layers = tiny.target._layers
+    name = type(layers[0].self_attn).__module__
+    monkeypatch.setenv("SPEC_CACHE_ATTENTION_MAX_QUERIES", "4096")
+    assert attention_route.install(layers, cuda=True) == [name]
+    assert attention_route.routed_modules() == {name: 4096}
+    monkeypatch.setenv("SPEC_CACHE_ATTENTION_MAX_QUERIES", "8")
+    attention_route.install(layers, cuda=True)  # re-routed with the new limit, over mlx-lm's own function
+    assert attention_route.routed_modules() == {name: 8}
+    attention_route.uninstall()
+    assert not getattr(sys.modules[name].scaled_dot_product_attention, "spec_cache_routed", False)
+    for bad in ("1", "many", "-3"):
+        monkeypatch.setenv("SPEC_CACHE_ATTENTION_MAX_QUERIES", bad)
+        with pytest.raises(ValueError, match="SPEC_CACHE_ATTENTION_MAX_QUERIES must be an integer >= 2"):
+            attention_route.install(layers, cuda=True)
