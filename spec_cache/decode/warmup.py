@@ -11,7 +11,8 @@ slower than plain decoding in a benchmark.
 :func:`warm_up` runs the engine itself (so its batched masks, verify windows and drafter forwards are the ones
 compiled) on throwaway requests: prompts whose lengths cover the token-count classes up to the prefill step, each
 draft depth from 1 to the engine's, batches of 1 to 8 rows, and rows leaving a batch one at a time over prompts
-longer than a prefill chunk. It writes nothing to any cache (no checkpoint
+longer than a prefill chunk; on a GPU also the target's attention alone at key lengths up to 32k
+(:func:`warm_attention`), which short prompts never reach. It writes nothing to any cache (no checkpoint
 hook) and uses its own engine objects (the adaptive controller's measurements stay clean). Tokens are a fixed
 repeating pattern, so a prompt-lookup drafter drafts. ``spec-cache serve --warmup auto`` (the default) runs it
 before the server reports ready when MLX's default device is a GPU; on the CPU backend there is nothing to compile
@@ -43,6 +44,59 @@ class WarmupReport:
     seconds: float = 0.0
     slowest: tuple[str, float] = ("", 0.0)
     timings: list[tuple[str, float]] = field(default_factory=list)
+
+
+#: key lengths at which :func:`warm_attention` runs the target's attention once per route (capped by the model's
+#: context): the agent workload's prompts reach ~17k tokens, and its first step with two rows over ~12k keys took
+#: 1.7 s of prefill on the H200 at every run (issue 35), where a plan or kernel met for the first time is suspected
+LONG_KEYS = (4096, 8192, 12288, 16384, 24576, 32768)
+#: the array-masked (two padded rows) cases stop here: MLX's CUDA backend widens the mask to a [2, heads, chunk,
+#: keys] bias, ~1.3 GB at 601 x 16384 for 32 heads
+ARRAY_MAX_KEYS = 16384
+
+
+def warm_attention(target, step: int, *, max_keys: int | None = None, keys: Sequence[int] = LONG_KEYS,
+                   progress: Callable[[str], None] | None = None) -> list[tuple[str, float]]:
+    """Run the target's attention alone, as its prefill chunks call it, at long key lengths: one row with the
+    ``"causal"`` mode (an unpadded batch, ``DecoderPort._masks``) and two left-padded rows with the batch cache's
+    array mask, for a short chunk, an odd one and a full ``step``; keys sliced from a 256-step buffer as a batch
+    cache hands them over. A short engine warm-up never reaches these key lengths, so whatever MLX's CUDA backend
+    builds or compiles for them the first time (a cuDNN plan, a kernel) fell on a request. Returns (label, seconds)
+    per call; nothing is kept."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_causal_mask
+
+    layer = next((i for i in range(target.num_layers) if target.layer_kind(i) == "attention"
+                  and target.layer_window(i) is None), None)
+    if layer is None:
+        return []
+    kv_heads, dim = target.kv_geometry(layer)
+    attention = target._layers[layer].self_attn
+    heads = int(getattr(attention, "n_heads", None) or getattr(attention, "num_attention_heads", 0) or kv_heads)
+    dtype = target.dtype
+    limit = max_keys or int(target.config.get("max_position_embeddings") or max(keys))
+    out = []
+    for total in [k for k in keys if k <= limit]:
+        for chunk in sorted({65, 601, step}):
+            if chunk >= total:
+                continue
+            for rows in (1, 2):
+                if rows == 2 and (total > ARRAY_MAX_KEYS or chunk > 1024):
+                    continue
+                pad = 600 if rows == 2 else 0
+                width = -(-(total + pad) // 256) * 256
+                q = mx.zeros((rows, heads, chunk, dim), dtype=dtype)
+                k = mx.zeros((rows, kv_heads, width, dim), dtype=dtype)[..., : total + pad, :]
+                mask = "causal" if rows == 1 else create_causal_mask(
+                    chunk, offset=total + pad - chunk, left_padding=mx.array([pad, 0]))
+                started = time.perf_counter()
+                mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=dim ** -0.5, mask=mask))
+                took = time.perf_counter() - started
+                label = f"attention {rows}x{chunk} over {total} keys"
+                out.append((label, took))
+                if progress is not None:
+                    progress(f"warm-up {label}: {took * 1000:.0f} ms")
+    return out
 
 
 def wanted(engine) -> bool:
@@ -105,6 +159,13 @@ def warm_up(engine, *, lengths: Sequence[int] | None = None, batches: Sequence[i
     widest, long = max(counts), step + 1
     timed(f"{widest} rows leaving, {long + 1} tokens", plain,
           [RowRequest(_pattern(long + 1 + r, vocab), max_tokens=2 + r, stop_at_eos=False) for r in range(widest)])
+    long = warm_attention(target, step, progress=progress) if wanted(engine) else []  # a GPU's long contexts
+    for label, took in long:
+        report.runs += 1
+        report.seconds += took
+        report.timings.append((label, took))
+        if took > report.slowest[1]:
+            report.slowest = (label, took)
     if engine.provider is not None:
         for depth in range(1, engine.draft_depth + 1):  # verify windows and drafter forwards of each depth
             drafting = fresh(depth)

@@ -61,6 +61,35 @@ def test_warm_up_respects_max_rows_and_plain_engines(models):
                                                       "2 rows leaving, 18 tokens"]
 
 
+def test_the_long_context_attention_runs_each_route_within_the_model_context(models, monkeypatch):
+    """``warm_attention``: one unpadded row ("causal") and two left-padded rows (the array mask) per key length and
+    chunk, keys capped by the model's context, the two-row cases bounded (their mask widens to a bias on CUDA);
+    each call MLX's own ``scaled_dot_product_attention`` with those masks. Part of ``warm_up`` only on a GPU."""
+    import mlx.core as mx
+
+    from spec_cache.rows.target import TargetModel
+
+    target = TargetModel.load(models[0])
+    seen = []
+    real = mx.fast.scaled_dot_product_attention
+
+    def spy(q, k, v, *, scale, mask):
+        seen.append((q.shape[0], q.shape[2], k.shape[2], mask if isinstance(mask, str) else mask.shape))
+        return real(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    timings = warmup.warm_attention(target, 64, keys=(128, 512, 4096), max_keys=600)
+    assert [label for label, _ in timings] == [
+        f"attention {rows}x{chunk} over {keys} keys" for keys in (128, 512) for chunk in (64, 65)
+        for rows in (1, 2) if chunk < keys]
+    assert all(seconds >= 0 for _, seconds in timings)
+    assert seen[0] == (1, 64, 128, "causal") and seen[1] == (2, 64, 728, (2, 1, 64, 728))  # 600 keys of padding
+    monkeypatch.setattr(warmup, "ARRAY_MAX_KEYS", 256)
+    seen.clear()
+    warmup.warm_attention(target, 64, keys=(512,), max_keys=600)
+    assert {rows for rows, *_ in seen} == {1}
+
+
 def test_wanted_only_on_a_gpu(models):
     import mlx.core as mx
 
