@@ -276,6 +276,11 @@ class CachedSession:
         return 0 if self._session is None else self._session.waiting_count
 
     @property
+    def first_tokens_due(self) -> int:
+        """Rows whose first token comes at the next step (``DecodeSession.first_tokens_due``)."""
+        return 0 if self._session is None else self._session.first_tokens_due
+
+    @property
     def pending_checkpoints(self) -> int:
         """Checkpoints taken and not written yet."""
         return len(self._saves)

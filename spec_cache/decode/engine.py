@@ -548,6 +548,17 @@ class DecodeSession:
         """Rows not decoding yet: queued, or prefilling to join."""
         return len(self.waiting) + (0 if self._joining is None else len(self._joining.members))
 
+    @property
+    def first_tokens_due(self) -> int:
+        """Rows whose first token comes at the next step: decoding without a token yet, or in a cohort whose last
+        prefill chunk is next. A caller about to spend long on the scheduler thread (a restore that reads records)
+        can let that step run first (``spec_cache.apps.server.scheduler``)."""
+        due = sum(1 for row in self.active if not row.generated)
+        joining = self._joining
+        if joining is not None and joining.chunks_left <= 1:
+            due += len(joining.members)
+        return due
+
     def step(self) -> bool:
         """Admit what fits, run one round, retire finished rows; True while rows remain."""
         if self._closed:

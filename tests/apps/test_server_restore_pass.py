@@ -68,3 +68,39 @@ def test_memory_tier_hits_are_admitted_in_one_pass(scheduler, monkeypatch):
     events = _run_together(sched, monkeypatch, nexts)
     assert passes == [[(nexts[0], "memory"), (nexts[1], "memory")]]
     _assert_cold_run_tokens(generator, nexts, events)
+
+
+def test_a_restore_that_reads_records_waits_for_a_row_due_its_first_token(scheduler, monkeypatch):
+    """Two sessions after a restart, the first one's prefill in two chunks (a message boundary to checkpoint in
+    its new tokens): the second's LMDB restore used to run at the start of the step that finished the first one's
+    prefill, and the second's prefill in it, both before the first one's first token (issue 35's H200 agent
+    restart: both first tokens at once, 1490 / 1840 ms). Now it waits that one step: the first one's first token
+    comes before the second is admitted, and both answers are the cold run's."""
+    sched, generator = scheduler
+    firsts = _answered_one_by_one(sched, [_prompt(5), _prompt(6)])
+    assert generator.cache.drain()
+    generator.cache.memory.clear()  # as after a restart
+    nexts = [prompt + [3 + (i * 7) % 200 for i in range(40)] for prompt in firsts]
+    log: list[tuple[int, str]] = []
+    events = []
+    monkeypatch.setattr(sched, "coalesce_s", 30.0)
+    arrival = sched.arrival()
+    try:
+        for i, prompt in enumerate(nexts):
+            got = Events()
+            events.append(got)
+            # a breakpoint in its new tokens (pinned, as a cache_control block's end): two chunks, stopping there
+            boundary = (len(firsts[i]) + 20,) if i == 0 else ()
+
+            def deliver(event, i=i, got=got):
+                log.append((i, event[0]))
+                got(event)
+            sched.submit(Job(prompt=prompt, max_tokens=3, sampling=RowSampling(), deliver=deliver,
+                             checkpoint_at=boundary, pinned_at=boundary))
+    finally:
+        arrival.done()
+    assert all(e.done.wait(60) for e in events)
+    assert log.index((0, "tokens")) < log.index((1, "start"))
+    assert sched.first_token_waits == 1
+    assert [e.cached for e in events] == [len(p) - 1 for p in firsts]  # both restored from LMDB (prompt[:-1])
+    _assert_cold_run_tokens(generator, nexts, events)

@@ -276,7 +276,7 @@ def test_tokenizing_runs_off_the_event_loop_and_big_bodies_get_413():
             return ""
 
     class Scheduler:
-        error, queue_depth, active_rows, arriving, arrival_waits = None, 0, 0, 0, 0
+        error, queue_depth, active_rows, arriving, arrival_waits, first_token_waits = None, 0, 0, 0, 0, 0
 
         def start(self):
             pass

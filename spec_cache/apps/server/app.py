@@ -174,6 +174,8 @@ def _register_gauges(metrics: Metrics, scheduler: Scheduler, cache) -> None:
                   lambda: scheduler.arriving)
     metrics.gauge("spec_cache_arrival_waits", "requests that waited for requests arriving with them, to prefill "
                   "in one step", lambda: scheduler.arrival_waits)
+    metrics.gauge("spec_cache_first_token_waits", "requests whose LMDB restore waited one step for rows due a first "
+                  "token", lambda: scheduler.first_token_waits)
     if cache is None:
         return
     metrics.gauge("spec_cache_memory_tier_bytes", "bytes held by the memory tier",

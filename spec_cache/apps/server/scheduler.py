@@ -251,6 +251,7 @@ class Job:
     waited: bool = False  # it waited for such a row's prefill (counted once in ``Scheduler.shared_waits``)
     coalesced: bool = False  # it waited for requests arriving with it (counted once in ``Scheduler.arrival_waits``)
     room: bool | None = None  # rows arriving could join its prefill step (``Scheduler._leaves_room``; once)
+    deferred: bool = False  # it waited for rows' first tokens (counted once in ``Scheduler.first_token_waits``)
     known_at: tuple | None = None  # (memory-tier puts, tokens asked, tokens held) of its last such ask
 
     @property
@@ -369,6 +370,8 @@ class Scheduler:
         if getattr(generator.engine, "join_budget", 0) <= 0:
             self.coalesce_s = 0.0
         self.arrival_waits = 0  # jobs that waited for such requests before their admission (``_holds_for_arrivals``)
+        #: jobs whose record-reading restore waited for rows' first tokens due at the next step (``_first_tokens_wait``)
+        self.first_token_waits = 0
         self._thread = threading.Thread(target=self._loop, name="spec-cache-scheduler", daemon=True)
         self.error: BaseException | None = None
         cache = generator.cache
@@ -731,7 +734,30 @@ class Scheduler:
             return False
         if job.suspect and any(other.suspect for other in self._rows.values()):
             return False
-        return not self._holds_for_arrivals(job) and not self._echo_waits(job) and not self._prefix_waits(job)
+        return (not self._holds_for_arrivals(job) and not self._echo_waits(job) and not self._prefix_waits(job)
+                and not self._first_tokens_wait(job))
+
+    def _first_tokens_wait(self, job: Job) -> bool:
+        """Whether ``job`` (new) waits one step for rows whose first token comes at that step (decoding without a
+        token yet, or in their last prefill chunk: ``CachedSession.first_tokens_due``) because its restore would
+        read LMDB records: ~0.5 s on this thread for a 15k-token 8B prefix, before the step. Issue 35's agent
+        restart on the H200 (d49a463): the first session's first token came after the second session's restore
+        (525 ms) and its whole prefill, which ran in the step that finished the first one's prefill; both first
+        tokens at once, 1490 / 1840 ms. Waiting moves the second's restore and prefill behind the first's token
+        (the same work, one round later for it). Bounded: rows are due for at most one step, and a row that joins
+        then is the only thing that can make one due again. A memory-tier hit (a few ms) never waits; a shared-tier
+        restore is not predicted (its records come from the prefetch, off this thread's clock until then)."""
+        if job.prepared is not None or self.generator.cache is None or self._session is None:
+            return False
+        if not self._session.first_tokens_due:
+            return False
+        head = job.prompt[:-1]
+        if self.stored_prefix(job.tenant, head) <= self.held_prefix(job.tenant, head):
+            return False
+        if not job.deferred:
+            job.deferred = True
+            self.first_token_waits += 1
+        return True
 
     def _holds_for_arrivals(self, job: Job) -> bool:
         """Whether ``job`` (new: never admitted) waits for generation requests still arriving (``Arrival``): while
