@@ -133,6 +133,7 @@ def test_a_warm_turn_renders_no_message_head(smollm2_tokenizer):
     assert warm.seams(messages, prompt, None, None) == [len(prompt)] and warm.renders == 0
     cold = _Prompts(smollm2_tokenizer, _Held(covered=0))
     assert cold.seams(messages, prompt, None, None) == cold.boundaries(messages, prompt) and cold.renders == 8
+    assert cold.tokenized == 0  # every head found in the prompt's own tokenization (``seam.TextLocator``)
     long_tail = _Prompts(smollm2_tokenizer, _Held(covered=100, step=16))  # a tail of a chunk or more: rendered
     assert long_tail.seams(messages, prompt, None, None)[-1] == len(prompt) and long_tail.renders >= 1
 
@@ -184,6 +185,7 @@ def test_seam_renders_only_heads_past_the_held_prefix(smollm2_tokenizer):
     covered = len(history) - 2  # the previous finish checkpoint: its last generated token is not forwarded
     warm = prompts.boundaries(messages, prompt, floor=covered + MIN_CHECKPOINT_GAP - 1)
     assert prompts.renders == 1  # the history up to the new message; the shorter heads are covered
+    assert prompts.tokenized == 0
     useful = covered + MIN_CHECKPOINT_GAP - 1  # the scheduler skips offsets at or below this
     assert [k for k in warm if k > useful] == [k for k in everything if k > useful] == [len(prompt)]
     prompts.renders = 0

@@ -84,6 +84,79 @@ def test_boundaries_on_the_tiny_template(tmp_path):
     assert offsets == [8, 14, 16, 21, 28] and len(prompt) == 28
 
 
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"path": {"type": "string"}}}}}]
+
+
+def _tiny_tokenizer(tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from spec_cache.testing.tiny import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path, 256)
+    return load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny"])
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_heads_found_in_the_prompt_text_end_where_their_tokenization_does(smollm2_tokenizer, tmp_path, which,
+                                                                          tools):
+    """``TextLocator``: one tokenization of the prompt (with offsets) for every head, each head's text rendered
+    only; the same offsets as tokenizing each head, on SmolLM2's template and the tiny one, with tools (the
+    fallback) and without, at every floor."""
+    from spec_cache.apps.server.seam import TextLocator
+    from spec_cache.apps.server.tools import chat_ids as ids_of
+    from spec_cache.apps.server.tools import chat_text
+
+    tokenizer = smollm2_tokenizer if which == "smollm2" else _tiny_tokenizer(tmp_path)
+    messages = CONVERSATION if which == "smollm2" else [
+        {"role": "system", "content": words(50, 5)}, user(words(60, 3)),
+        {"role": "assistant", "content": words(70, 4)}, user(words(80, 2)),
+        {"role": "assistant", "content": words(90, 3)}, user(words(95, 2))]
+    prompt = ids_of(tokenizer, messages, tools)
+    tokenized = []
+
+    def render(head, gp):
+        tokenized.append(len(head))
+        return ids_of(tokenizer, head, tools, generation_prompt=gp)
+
+    def text(head, gp):
+        return chat_text(tokenizer, head, tools, generation_prompt=gp)
+    found = {}
+    for floor in (0, len(prompt) // 2, len(prompt) - 5):
+        tokenized.clear()
+        expected = message_boundaries(render, messages, prompt, floor=floor)
+        assert tokenized or floor
+        tokenized.clear()
+        locate = TextLocator(tokenizer, text, messages, prompt)
+        found[floor] = message_boundaries(render, messages, prompt, floor=floor, locate=locate)
+        assert found[floor] == expected
+        assert tokenized == [] and locate.usable
+    assert len(found[0]) >= 4  # message ends (and generation prompts) to checkpoint, not only the prompt's end
+
+
+def test_a_locator_that_cannot_read_offsets_leaves_the_heads_to_tokenization(smollm2_tokenizer):
+    from spec_cache.apps.server.seam import UNKNOWN, TextLocator
+
+    def text(head, gp):
+        return smollm2_tokenizer.apply_chat_template(head, add_generation_prompt=gp, tokenize=False)
+    prompt = list(smollm2_tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True))
+    other = TextLocator(smollm2_tokenizer, text, CONVERSATION, [7] + prompt)  # not the prompt's tokenization
+    assert other(CONVERSATION[:2], False) is UNKNOWN and other.usable is False
+    expected = message_boundaries(_renderer(smollm2_tokenizer), CONVERSATION, prompt)
+    slow = TextLocator(object(), text, CONVERSATION, prompt)  # no tokenizer with offsets
+    assert message_boundaries(_renderer(smollm2_tokenizer), CONVERSATION, prompt, locate=slow) == expected
+    assert slow.usable is False
+    good = TextLocator(smollm2_tokenizer, text, CONVERSATION, prompt)
+    assert good(CONVERSATION[:2], False) in expected
+    cut = TextLocator(smollm2_tokenizer, lambda head, gp: text(CONVERSATION, True)[:-3] if head else "",
+                      CONVERSATION, prompt, full_text=lambda: text(CONVERSATION, True))
+    assert cut(CONVERSATION[:1], False) is None  # a text that ends inside a token: no offset, never a guess
+    prefilled = TextLocator(smollm2_tokenizer, text, CONVERSATION, prompt + [11, 12])  # an assistant prefill after
+    assert prefilled(CONVERSATION[:2], False) == good(CONVERSATION[:2], False)
+
+
 def test_boundaries_never_name_an_offset_the_prompt_does_not_have():
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     renders = {1: [1, 2], 2: [1, 9, 9], 3: RuntimeError("the template refuses this head")}

@@ -48,7 +48,7 @@ from starlette.routing import Route
 from spec_cache.apps.server.auth import salted_tenant
 from spec_cache.apps.server.protocol import MAX_STOP_CHARS, APIError, GenerationParams, check_text, greedy_floor
 from spec_cache.apps.server.scheduler import MAX_CHECKPOINT_AT
-from spec_cache.apps.server.seam import message_boundaries
+from spec_cache.apps.server.seam import TextLocator, message_boundaries
 from spec_cache.apps.server.tools import TemplateError, ToolCall, ToolCallStream, render_chat, tool_style
 
 __all__ = ["messages_routes", "parse_messages", "to_chat", "error_payload", "anthropic_status",
@@ -529,8 +529,13 @@ def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool,
             points.append(end)
     marked = set(points)
     floor = 0 if seam_floor is None else seam_floor(ids)
+    def render_text(messages: list[dict], generation_prompt: bool) -> str:
+        return render_chat(tokenizer, messages, request.tools, request.tool_choice, tokenize=False,
+                           add_generation_prompt=generation_prompt)
+
+    locate = TextLocator(tokenizer, render_text, chat, ids)  # the heads' ends from one tokenization of the prompt
     found = [len(ids)] if floor is None else message_boundaries(lambda head, gp: render(head, gp), chat, ids,
-                                                                floor=floor)
+                                                                floor=floor, locate=locate)
     seams = sorted(set(found) - marked)
     keep = max(0, MAX_CHECKPOINT_AT - len(marked))  # the scheduler keeps the largest offsets: breakpoints first
     return Prompt(ids, tuple(sorted(marked | set(seams[len(seams) - keep:]))), max(points, default=0),

@@ -28,8 +28,8 @@ from spec_cache.apps.server.jobs import Requests, error_response, log_request
 from spec_cache.apps.server.limits import TenantTurns
 from spec_cache.apps.server.logprobs import take as take_logprobs
 from spec_cache.apps.server.protocol import APIError, PromptBatch, parse_chat, parse_completion
-from spec_cache.apps.server.seam import message_boundaries
-from spec_cache.apps.server.tools import TemplateError, active_tools, chat_ids, render_chat, uses_tools
+from spec_cache.apps.server.seam import TextLocator, message_boundaries
+from spec_cache.apps.server.tools import TemplateError, active_tools, chat_ids, chat_text, render_chat, uses_tools
 
 __all__ = ["openai_routes"]
 
@@ -54,7 +54,8 @@ class _Prompts:
     def __init__(self, tokenizer, scheduler=None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler  # ``held_prefix``: what the memory tier covers already
-        self.renders = 0  # message heads rendered for boundaries (a counter for tests)
+        self.renders = 0  # message heads rendered for boundaries, as text or ids (a counter for tests)
+        self.tokenized = 0  # of them, those tokenized (the rest found in the prompt's text: ``seam.TextLocator``)
 
     def text(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
@@ -87,10 +88,22 @@ class _Prompts:
 
         def render(head: list[dict], generation_prompt: bool):
             self.renders += 1
+            self.tokenized += 1
             if tooled:
                 return render_chat(tokenizer, head, tools, choice, add_generation_prompt=generation_prompt)
             return chat_ids(tokenizer, head, generation_prompt=generation_prompt)
-        return message_boundaries(render, messages, prompt, floor=floor)
+
+        def text_of(head: list[dict], generation_prompt: bool) -> str:
+            if tooled:
+                return render_chat(tokenizer, head, tools, choice, tokenize=False,
+                                   add_generation_prompt=generation_prompt)
+            return chat_text(tokenizer, head, generation_prompt=generation_prompt)
+
+        def render_text(head: list[dict], generation_prompt: bool) -> str:
+            self.renders += 1
+            return text_of(head, generation_prompt)
+        locate = TextLocator(tokenizer, render_text, messages, prompt, full_text=lambda: text_of(messages, True))
+        return message_boundaries(render, messages, prompt, floor=floor, locate=locate)
 
 
 class _Grammars:

@@ -458,6 +458,18 @@ def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, t
         raise TemplateError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
 
 
+def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None = None, tool_choice: Any = None, *,
+              generation_prompt: bool = True) -> str:
+    """``chat_ids``'s prompt as the template's text (what it tokenizes): the same render, ``tokenize=False``."""
+    if uses_tools(tools, tool_choice, messages):
+        return render_chat(tokenizer, messages, tools, tool_choice, tokenize=False,
+                           add_generation_prompt=generation_prompt)
+    try:
+        return _apply(tokenizer, messages, False, generation_prompt)
+    except Exception as exc:
+        raise TemplateError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
+
+
 def uses_tools(tools: list[dict] | None, tool_choice: Any, messages: Iterable[dict]) -> bool:
     """Whether a chat request needs ``render_chat`` (tools to offer, or tool turns in its history)."""
     return bool(active_tools(tools, tool_choice)) or any(
