@@ -252,6 +252,7 @@ class Job:
     coalesced: bool = False  # it waited for requests arriving with it (counted once in ``Scheduler.arrival_waits``)
     room: bool | None = None  # rows arriving could join its prefill step (``Scheduler._leaves_room``; once)
     deferred: bool = False  # it waited for rows' first tokens (counted once in ``Scheduler.first_token_waits``)
+    stored_hint: int | None = None  # what LMDB held of its prompt when first asked (``Scheduler._first_tokens_wait``)
     known_at: tuple | None = None  # (memory-tier puts, tokens asked, tokens held) of its last such ask
 
     @property
@@ -752,7 +753,9 @@ class Scheduler:
         if not self._session.first_tokens_due:
             return False
         head = job.prompt[:-1]
-        if self.stored_prefix(job.tenant, head) <= self.held_prefix(job.tenant, head):
+        if job.stored_hint is None:  # an index read, once a job (every pending job is asked while rows are due)
+            job.stored_hint = self.stored_prefix(job.tenant, head)
+        if job.stored_hint <= self.held_prefix(job.tenant, head):
             return False
         if not job.deferred:
             job.deferred = True
