@@ -555,7 +555,7 @@ class DecodeSession:
         can let that step run first (``spec_cache.apps.server.scheduler``)."""
         due = sum(1 for row in self.active if not row.generated)
         joining = self._joining
-        if joining is not None and joining.chunks_left <= 1:
+        if joining is not None and joining.joins_next:
             due += len(joining.members)
         return due
 

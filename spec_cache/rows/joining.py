@@ -79,6 +79,15 @@ class JoiningCohort:
     def ready(self) -> bool:
         return self._context is not None
 
+    @property
+    def joins_next(self) -> bool:
+        """Whether one more chunk finishes the prefill: every row's tokens left fit one and no stop is left before
+        their end (``chunks_left`` counts chunks, not the stops that end one early)."""
+        if self._context is not None:
+            return True
+        return all(len(t) - d <= self.step and not stops
+                   for t, d, stops in zip(self._tokens, self._done, self._stops))
+
     def advance(self, whole: bool) -> bool:
         """Forward one chunk (``whole``, or a cohort that may not be split: every chunk left, in one ``prefill``
         call); True once the cohort is ready to join (``context()``)."""

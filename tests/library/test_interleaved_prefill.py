@@ -360,3 +360,28 @@ def test_short_rows_join_a_decoding_batch_within_a_steps_token_budget(tiny, budg
     assert sorted(set(joined))[: len(want)] == want and joined[0] == want[0]
     for row, prompt in shorts.items():
         assert streamed[row] == plain_greedy(tiny.target, prompt, 5)
+
+
+def test_first_tokens_due_names_rows_one_step_from_their_first_token(tiny):
+    """``DecodeSession.first_tokens_due``: a cohort whose next chunk finishes its prefill (its stops included: a
+    checkpoint offset ends a chunk early), or a decoding row without a token yet. The server lets such a step run
+    before a restore that reads records (``Scheduler._first_tokens_wait``)."""
+    engine = _engine(tiny.target, pipeline=False)
+    session = engine.session(on_checkpoint=lambda *a: None)
+    session.submit(RowRequest([11, 12, 13], max_tokens=30, stop_at_eos=False))
+    assert session.first_tokens_due == 0  # waiting, not yet admitted
+    session.step()
+    assert session.first_tokens_due == 0  # it joined and has its first token
+    streamed = {}
+    row = session.submit(RowRequest(LONG[:7], max_tokens=3, stop_at_eos=False, checkpoint_at=(3,)),
+                         on_tokens=lambda r, t: streamed.setdefault(r, []).extend(t))
+    dues = []
+    while row not in streamed:
+        session.step()
+        dues.append(session.first_tokens_due)
+    # 6 tokens to forward (the 7th is pending), chunks of 4 ending early at the offset 3: 3, then 3 (due), then joined
+    assert dues == [1, 0]
+    while session.step():
+        pass
+    session.close()
+    assert streamed[row] == plain_greedy(tiny.target, LONG[:7], 3)
