@@ -28,6 +28,9 @@
 # PART=probe (~1-2 min on a machine that has the install and the model, else it installs them first): the attention
 # probe (tools/device/attention_probe.py): sdpa alone at the 8B shape, causal vs array masks, a new shape's first
 # call vs repeats, and whole forwards over a 12k-token row with the runtime's mask vs the array mask forced; probe.json.
+# On the CPU (a check of the script): INSTALL=0 PY=.venv/bin/python LAYERS=2 HIDDEN=64 HEADS=4 KV_HEADS=2 HEAD_DIM=16
+#   INTER=128 OUT=/tmp/p35 WORK=/tmp/p35w PART=probe PROBE_ARGS="--contexts 64 --chunks 4,16 --repeats 1 --heads 4
+#   --kv-heads 2 --head-dim 16 --prefix 100 --step 32" bash tools/device/serve_issue35.sh
 # Env as in serve_8b_shaped.sh (DEADLINE, SERVERS, ...).
 set -u
 PART=${PART:-chat}
@@ -43,7 +46,7 @@ if [ "$PART" = probe ]; then
     SETUP_ONLY=1 OUT=$WORKOUT bash tools/device/serve_8b_shaped.sh || exit 3
   fi
   timeout "${DEADLINE:-300}" $PY tools/device/attention_probe.py --model ${WORK:-/tmp/serve-8b}/model \
-    --json "$FINAL/probe.json" 2>&1 | tee "$FINAL/probe.log"
+    --json "$FINAL/probe.json" ${PROBE_ARGS:-} 2>&1 | tee "$FINAL/probe.log"
   exit 0
 fi
 if [ "$PART" = chat ]; then
