@@ -128,15 +128,18 @@ def warm_up(engine, *, lengths: Sequence[int] | None = None, batches: Sequence[i
         lengths = sorted({n for n in BASE_LENGTHS if n <= step} | {step})
     report = WarmupReport()
 
-    def timed(label: str, runner: SpeculativeEngine, requests: list) -> None:
-        started = time.perf_counter()
-        runner.run(requests)
-        took = time.perf_counter() - started
+    def record(label: str, took: float) -> None:
         report.runs += 1
         report.seconds += took
         report.timings.append((label, took))
         if took > report.slowest[1]:
             report.slowest = (label, took)
+
+    def timed(label: str, runner: SpeculativeEngine, requests: list) -> None:
+        started = time.perf_counter()
+        runner.run(requests)
+        took = time.perf_counter() - started
+        record(label, took)
         if progress is not None:
             progress(f"warm-up {label}: {took * 1000:.0f} ms")
 
@@ -159,13 +162,9 @@ def warm_up(engine, *, lengths: Sequence[int] | None = None, batches: Sequence[i
     widest, long = max(counts), step + 1
     timed(f"{widest} rows leaving, {long + 1} tokens", plain,
           [RowRequest(_pattern(long + 1 + r, vocab), max_tokens=2 + r, stop_at_eos=False) for r in range(widest)])
-    long = warm_attention(target, step, progress=progress) if wanted(engine) else []  # a GPU's long contexts
-    for label, took in long:
-        report.runs += 1
-        report.seconds += took
-        report.timings.append((label, took))
-        if took > report.slowest[1]:
-            report.slowest = (label, took)
+    if wanted(engine):  # a GPU's long contexts: the attention alone (it reports its own progress)
+        for label, took in warm_attention(target, step, progress=progress):
+            record(label, took)
     if engine.provider is not None:
         for depth in range(1, engine.draft_depth + 1):  # verify windows and drafter forwards of each depth
             drafting = fresh(depth)

@@ -18,9 +18,9 @@ gives the same bits as ``mx.fast.scaled_dot_product_attention``. :func:`install`
 ``SPEC_CACHE_ATTENTION``: ``auto`` (default: routed on MLX's CUDA backend, 2-32 queries), ``mlx`` (never routed),
 ``ops`` (routed on any backend, every multi-query call: a test and benchmark switch).
 ``SPEC_CACHE_ATTENTION_MAX_QUERIES=N`` moves ``auto``'s limit (a GPU session's A/B of prefill chunks through the ops,
-without a code change). Prefill chunks stay on cuDNN
-under ``auto`` (hundreds of queries: its fused kernel beats materialized scores; whether a plan build per chunk
-still costs more is measured by ``tools/device/attention_probe.py``, not assumed).
+without a code change). Prefill chunks stay on cuDNN under ``auto`` (hundreds of queries: its fused kernel beats
+materialized scores; whether a plan build per chunk still costs more is measured by
+``tools/device/attention_probe.py``, not assumed).
 """
 
 from __future__ import annotations

@@ -529,6 +529,7 @@ def build_prompt(tokenizer, request: MessagesRequest, boundaries: bool,
             points.append(end)
     marked = set(points)
     floor = 0 if seam_floor is None else seam_floor(ids)
+
     def render_text(messages: list[dict], generation_prompt: bool) -> str:
         return render_chat(tokenizer, messages, request.tools, request.tool_choice, tokenize=False,
                            add_generation_prompt=generation_prompt)
