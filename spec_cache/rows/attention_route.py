@@ -117,6 +117,7 @@ def install(layers: list, *, environ=os.environ, cuda: bool | None = None) -> li
     chosen = mode(environ)
     if chosen == "mlx":
         return []
+    limit = None if chosen == "ops" else max_queries(environ)  # a bad value is refused on every backend
     if chosen == "auto":
         if cuda is None:
             from spec_cache.state.device_copy import is_cuda
@@ -124,7 +125,6 @@ def install(layers: list, *, environ=os.environ, cuda: bool | None = None) -> li
             cuda = is_cuda()
         if not cuda:
             return []
-    limit = None if chosen == "ops" else max_queries(environ)
     names = set()
     for layer in layers:
         attention = getattr(layer, "self_attn", None)

@@ -114,5 +114,6 @@ def test_the_query_limit_moves_with_its_variable_and_bad_values_are_named(tiny, 
     assert not getattr(sys.modules[name].scaled_dot_product_attention, "spec_cache_routed", False)
     for bad in ("1", "many", "-3"):
         monkeypatch.setenv("SPEC_CACHE_ATTENTION_MAX_QUERIES", bad)
-        with pytest.raises(ValueError, match="SPEC_CACHE_ATTENTION_MAX_QUERIES must be an integer >= 2"):
-            attention_route.install(layers, cuda=True)
+        for cuda in (True, False):  # refused where it would not be used too: a typo is not found later on a GPU
+            with pytest.raises(ValueError, match="SPEC_CACHE_ATTENTION_MAX_QUERIES must be an integer >= 2"):
+                attention_route.install(layers, cuda=cuda)
