@@ -244,6 +244,20 @@ def test_pipeline_option_is_checked(tiny):
         SpeculativeEngine(tiny.target, None, pipeline="yes")
 
 
+def _assert_unpadded_forward_matches_masked(target, caches, ids) -> None:
+    """Forward ``ids`` with the batch cache's array mask, trim it back, forward again as unpadded (no mask for one
+    token, ``"causal"`` for more): bit-identical logits on the CPU (on a GPU another attention kernel runs)."""
+    masked = target.forward(ids, caches).logits
+    mx.eval(masked)
+    for cache in caches:
+        cache.trim(ids.shape[1])
+    unpadded = target.forward(ids, caches, unpadded=True).logits
+    if mx.default_device() == mx.cpu:
+        assert mx.array_equal(masked, unpadded).item()
+    else:
+        assert mx.allclose(masked, unpadded, atol=1e-2).item()
+
+
 def test_one_token_step_without_left_padding_needs_no_mask(tiny):
     """Rows with no left padding take a one-token step unmasked (as mlx-lm's own decode step, and faster on the
     GPU): on the CPU the logits are bit-identical to the masked step (on a GPU the masked step runs another
@@ -251,17 +265,7 @@ def test_one_token_step_without_left_padding_needs_no_mask(tiny):
     rows = TargetRows.from_row_caches(tiny.target, [None, None])
     rows.prefill([PROMPTS[0], PROMPTS[0][::-1]])
     assert rows._unpadded()
-    caches = rows._caches
-    ids = mx.array([[3], [4]], dtype=mx.uint32)
-    masked = tiny.target.forward(ids, caches).logits
-    mx.eval(masked)
-    for cache in caches:
-        cache.trim(1)
-    unmasked = tiny.target.forward(ids, caches, unpadded=True).logits
-    if mx.default_device() == mx.cpu:
-        assert mx.array_equal(masked, unmasked).item()
-    else:
-        assert mx.allclose(masked, unmasked, atol=1e-2).item()
+    _assert_unpadded_forward_matches_masked(tiny.target, rows._caches, mx.array([[3], [4]], dtype=mx.uint32))
     uneven = TargetRows.from_row_caches(tiny.target, [None, None])
     uneven.prefill([PROMPTS[0], PROMPTS[1]])
     assert not uneven._unpadded()  # the shorter row is left-padded: it must not see the padding
@@ -286,17 +290,8 @@ def test_a_chunk_over_rows_without_left_padding_is_causal_not_an_array_mask(tiny
     rows = TargetRows.from_row_caches(tiny.target, [None, None])
     rows.prefill([PROMPTS[0], PROMPTS[0][::-1]], step=4)
     assert set(modes) == {"causal"}
-    caches = rows._caches
-    ids = mx.array([[3, 5, 7], [4, 6, 8]], dtype=mx.uint32)
-    masked = tiny.target.forward(ids, caches).logits
-    mx.eval(masked)
-    for cache in caches:
-        cache.trim(3)
-    causal = tiny.target.forward(ids, caches, unpadded=True).logits
-    if mx.default_device() == mx.cpu:
-        assert mx.array_equal(masked, causal).item()
-    else:
-        assert mx.allclose(masked, causal, atol=1e-2).item()
+    _assert_unpadded_forward_matches_masked(tiny.target, rows._caches,
+                                            mx.array([[3, 5, 7], [4, 6, 8]], dtype=mx.uint32))
 
     modes.clear()
     ragged = TargetRows.from_row_caches(tiny.target, [None, None])
