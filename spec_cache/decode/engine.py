@@ -1016,7 +1016,7 @@ class DecodeSession:
         """Whether the next step will not run the same rows as this one (rows leave, join, or are captured)."""
         free = self._free() > 0
         if self._joining is not None:
-            joins = (self._joining.chunks_left <= 1 or not self._joining.split
+            joins = (self._joining.joins_next or not self._joining.split
                      or free and any(self._short(row) for row in self.waiting))
         else:
             joins = bool(self.waiting) and free

@@ -385,3 +385,34 @@ def test_first_tokens_due_names_rows_one_step_from_their_first_token(tiny):
         pass
     session.close()
     assert streamed[row] == plain_greedy(tiny.target, LONG[:7], 3)
+
+
+def test_a_cohorts_checkpoint_stops_keep_the_decoding_rows_pipelined(tiny):
+    """While a cohort's last chunk is cut into pieces by its checkpoint offsets it does not join at the next step:
+    the decoding row's next round stays queued ahead (``_batch_changes`` asks ``joins_next``, which counts the
+    stops; counting chunks alone dropped the pipelining for every stop there). Tokens stay the greedy ones."""
+    engine = _engine(tiny.target, pipeline=True)
+    session = engine.session(on_checkpoint=lambda *a: None)
+    streamed: dict = {}
+
+    def on_tokens(row, tokens):
+        streamed.setdefault(row, []).extend(tokens)
+
+    first = session.submit(RowRequest([11, 12, 13], max_tokens=30, stop_at_eos=False), on_tokens=on_tokens)
+    for _ in range(3):
+        session.step()
+    prompt = LONG[:9]  # 8 tokens to forward: one chunk of 4, then the stops at 5 and 6 end two short ones
+    joiner = session.submit(RowRequest(prompt, max_tokens=3, stop_at_eos=False, checkpoint_at=(5, 6)),
+                            on_tokens=on_tokens)
+    pipelined = []
+    while joiner not in streamed:
+        before = session.pipelined_rounds
+        session.step()
+        pipelined.append(session.pipelined_rounds - before)
+    # the step after each chunk that leaves a stop ahead runs the round queued during the one before
+    assert pipelined[1:3] == [1, 1], pipelined
+    while session.step():
+        pass
+    session.close()
+    assert streamed[first] == plain_greedy(tiny.target, [11, 12, 13], 30)
+    assert streamed[joiner] == plain_greedy(tiny.target, prompt, 3)
