@@ -330,7 +330,9 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
             "prompt_tokens": [[r.prompt_tokens for r in conv] for conv in replies],
             "prompt_tokens_after_restart": [r.prompt_tokens for r in after["replies"]],
             "cached_tokens": [[r.cached for r in conv] for conv in replies],
-            "cached_tokens_after_restart": [r.cached for r in after["replies"]]}
+            "cached_tokens_after_restart": [r.cached for r in after["replies"]],
+            "answered_warm": base.answered([r for conv in replies for r in conv[1:]]),
+            "answered_after_restart": base.answered(after["replies"])}
 
 
 # -- the report ------------------------------------------------------------------------------------------------------

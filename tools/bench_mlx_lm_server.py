@@ -236,7 +236,9 @@ def decode_rates(replies: list[Reply]) -> list[float]:
 
 
 def summary(replies: list[Reply], wall: float | None) -> dict:
-    ttfts = [r.ttft for r in replies]
+    """TTFT percentiles over the replies that brought tokens (a reply that came back empty has no first token:
+    counting the whole request as one put an erroring server's time among the TTFTs), ``failed`` the others."""
+    ttfts = [r.ttft for r in replies if r.tokens]
     tokens = sum(r.tokens for r in replies)
     rates = decode_rates(replies)
     return {"p50": pct(ttfts, 50), "p95": pct(ttfts, 95), "p99": pct(ttfts, 99), "n": len(replies),
@@ -244,7 +246,20 @@ def summary(replies: list[Reply], wall: float | None) -> dict:
             "decode_tok_s_mean": statistics.mean(rates) if rates else float("nan"), "decode_requests": len(rates),
             "cached_mean": statistics.mean(r.cached or 0 for r in replies) if replies else 0,
             "tokens": tokens, "tokens_per_s": tokens / wall if wall else float("nan"),
-            "wall_s": wall if wall else float("nan")}
+            "wall_s": wall if wall else float("nan"), "failed": sum(1 for r in replies if not r.tokens)}
+
+
+def answered(replies) -> list:
+    """Each request's TTFT, None where the reply came back empty: ``figures`` pairs the servers' requests by
+    position (``paired_p50``)."""
+    return [r.ttft if r.tokens else None for r in replies]
+
+
+def paired_p50(base: list, ours: list) -> tuple[float, float, int]:
+    """mlx_lm.server's and our p50 TTFT over the requests both answered (``answered`` lists, same order), and how
+    many requests were left out."""
+    pairs = [(a, b) for a, b in zip(base, ours) if a is not None and b is not None]
+    return pct([a for a, _ in pairs], 50), pct([b for _, b in pairs], 50), len(base) - len(pairs)
 
 
 def server_argv(kind: str, model: str, store: str, extra: dict | None = None) -> list[str]:
@@ -361,7 +376,9 @@ def bench(kind: str, model: str, args, system: str, tmp: Path) -> dict:
             "after_restart": summary(after["replies"], after["wall"]),
             "texts": [[r.text for r in conv] for conv in turns["replies"]],
             "texts_after_restart": [[r.text] for r in after["replies"]], "stages": stages,
-            "stages_after_restart": restart_stages}
+            "stages_after_restart": restart_stages,
+            "answered_warm": answered([r for conv in turns["replies"] for r in conv[1:]]),
+            "answered_after_restart": answered(after["replies"])}
 
 
 def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> dict:
@@ -420,7 +437,9 @@ def bench_paired(kinds: list[str], model: str, args, system: str, tmp: Path) -> 
                 "warm_turns": summary([r for conv in got_turns[k] for r in conv[1:]], None),
                 "after_restart": summary(got_after[k], None),
                 "texts": [[r.text for r in conv] for conv in got_turns[k]],
-                "texts_after_restart": [[r.text] for r in got_after[k]]} for k in kinds}
+                "texts_after_restart": [[r.text] for r in got_after[k]],
+                "answered_warm": answered([r for conv in got_turns[k] for r in conv[1:]]),
+                "answered_after_restart": answered(got_after[k])} for k in kinds}
 
 
 def visible(text: str) -> str:
@@ -498,6 +517,10 @@ def report(results: dict, kinds: list[str], args, title: str | None = None, warm
             if results[k][key].get("n") and not results[k][key].get("tokens"):
                 print(f"WARNING: {LABELS[k]} produced no tokens {phase} ({results[k][key]['n']} requests): its "
                       "ratios there mean nothing")
+            elif results[k][key].get("failed"):
+                print(f"WARNING: {LABELS[k]} produced no tokens on {results[k][key]['failed']} of "
+                      f"{results[k][key]['n']} requests {phase}: they count in no TTFT, and the figures compare "
+                      "the requests every server answered")
     pooled = [] if warm_row else [("warm turns", lambda r: r["warm_turns"])]
     for name, get in phases + pooled:
         print(f"{'p99 ' + name:<19}" + "".join(f"{LABELS[k]} {get(results[k])['p99'] * 1e3:.1f} ms  " for k in kinds))
@@ -546,13 +569,27 @@ def figures(results: dict, args) -> dict:
         if ours is None:
             continue
         c = args.clients
-        if ours.get("warm_turns", {}).get("n") and ours["warm_turns"]["p50"]:
-            out[f"{name}_warm_ttft_c{c}"] = base["warm_turns"]["p50"] / ours["warm_turns"]["p50"]
-        if base["after_restart"].get("tokens", 1):  # (a baseline whose replies all came back empty: no figure)
-            out[f"{name}_restart_ttft_c{c}"] = base["after_restart"]["p50"] / ours["after_restart"]["p50"]
+        for phase, key in (("warm", "warm_turns"), ("restart", "after_restart")):
+            if not base[key].get("tokens", 1):  # a baseline whose replies all came back empty: no figure
+                continue
+            theirs, mine = _p50s(base, ours, key)
+            if mine and mine == mine and theirs == theirs:  # (no request both answered: no figure)
+                out[f"{name}_{phase}_ttft_c{c}"] = theirs / mine
         if not args.paired and base["all_turns"]["tokens_per_s"] > 0:
             out[f"{name}_tok_s_c{c}"] = ours["all_turns"]["tokens_per_s"] / base["all_turns"]["tokens_per_s"]
     return out
+
+
+def _p50s(base: dict, ours: dict, key: str) -> tuple[float, float]:
+    """The two p50 TTFTs of a phase (``warm_turns`` / ``after_restart``): over the requests both servers answered
+    when either has empty replies there (issue 35's H100 agent run: mlx_lm.server's two turn-8 replies came back
+    empty and their request times had counted as TTFTs), else each summary's own."""
+    field = {"warm_turns": "answered_warm", "after_restart": "answered_after_restart"}[key]
+    lists = (base.get(field), ours.get(field))
+    if all(x is not None for x in lists) and (base[key].get("failed") or ours[key].get("failed")):
+        theirs, mine, _ = paired_p50(*lists)
+        return theirs, mine
+    return base[key]["p50"], ours[key]["p50"]
 
 
 def parse(argv=None, servers: str = "mlx-lm,spec-cache"):
