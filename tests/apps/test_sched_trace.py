@@ -34,6 +34,9 @@ def test_trace_records_steps_and_first_tokens(tiny_model, tmp_path, monkeypatch)
     assert any(x["prompt"] > 40 for x in firsts)
     assert sum(x["adm"] for x in steps) >= 2 and all(x["step_ms"] >= 0 and "wq" in x for x in steps)
     assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+    # the first line places the trace on the wall clock (a kernel cache's file times: trace_summary --compiles)
+    assert set(lines[0]) == {"began_unix", "t"} and lines[0]["t"] == 0.0
+    assert abs(lines[0]["began_unix"] - files[0].stat().st_mtime) < 120
     # a step's parts (issue 35: where a 216 ms step went could not be told from its total) and the device memory
     stepped = [x for x in steps if "parts" in x]
     assert stepped and all({"prefill", "round", "retire", "snapshots"} <= set(x["parts"]) for x in stepped)
@@ -60,3 +63,32 @@ def test_no_trace_by_default(tiny_model, tmp_path, monkeypatch):
     finally:
         stopped(srv)
     assert not list(tmp_path.glob("*.jsonl"))
+
+
+def test_trace_summary_places_kernel_compiles_in_the_slow_steps(tmp_path, capsys):
+    """``tools/diag/trace_summary.py --compiles``: a kernel file written while a slow step ran is named beside it;
+    one written outside every slow step is counted for the process and named nowhere."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "diag"))
+    try:
+        import trace_summary
+    finally:
+        sys.path.pop(0)
+    began = 1_000_000.0
+    trace = tmp_path / "trace.42.jsonl"
+    trace.write_text("\n".join(json.dumps(x) for x in (
+        {"began_unix": began, "t": 0.0},
+        {"step_ms": 20.0, "t": 1.0, "parts": {"round": 20.0}},
+        {"step_ms": 900.0, "t": 3.0, "parts": {"round": 898.0}},  # ran from t 2.1 to 3.0
+        {"step_ms": 21.0, "t": 5.0, "parts": {"round": 21.0}})) + "\n")
+    compiles = tmp_path / "ptx-compiles.txt"
+    compiles.write_text(f"{began + 2.5} 4096 /tmp/mlx/0.32.4/ptx/gather_bf16_3d.ptx\n"
+                        f"{began + 4.0} 2048 /tmp/mlx/0.32.4/ptx/other.ptx\nnot a line\n")
+    assert trace_summary.main([str(trace), "--compiles", str(compiles)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels compiled 2" in out
+    assert "slow step t=3.0 900.0 ms" in out and "compiled ['gather_bf16_3d.ptx']" in out
+    assert "other.ptx" not in out
+    assert trace_summary.main([str(trace), "--compiles", str(tmp_path / "missing.txt")]) == 2

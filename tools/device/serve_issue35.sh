@@ -21,7 +21,8 @@
 # tokens as the issue states the workload (its w<N> words are ~3.7 tokens each there): 2200 system words = ~8.1k
 # tokens, tool results of 80-400 words = ~300-1500 tokens, user lines of 3-6 words.
 # Files back: serve-8b.json / agent-c<N>.json, run.log, serve-pyspy.txt, the largest scheduler trace, every serve
-# process's trace (traces.tgz), the tail of serve's log. MLXLM_CACHE_BYTES=N (agent): mlx_lm.server's
+# process's trace (traces.tgz), the tail of serve's log, the kernels compiled during the call (ptx-compiles.txt:
+# `python tools/diag/trace_summary.py traces.tgz --compiles ptx-compiles.txt` names them beside the slow steps). MLXLM_CACHE_BYTES=N (agent): mlx_lm.server's
 # --prompt-cache-bytes (at 4 agent clients on an 80 GB H100 its prompt cache ran it out of device memory).
 # LAYER_TIMES=1 (a diagnostic run, not figures): serve writes per-layer times of its multi-token forwards
 # (spec_cache/rows/layer_times.py) into traces.tgz as layers.<pid>.jsonl: the agent's slow sixth turn.
@@ -37,6 +38,13 @@ PART=${PART:-chat}
 FINAL=${OUT:-/tmp/out}
 WORKOUT=/tmp/issue35-out
 mkdir -p "$FINAL" "$WORKOUT"
+# the kernels MLX's CUDA backend compiles during this call (NVRTC output cached on disk; a later process on this
+# machine loads them): ptx-compiles.txt, read beside the traces by tools/diag/trace_summary.py --compiles
+MARK=$WORKOUT/.call-began.$$; touch "$MARK"
+compiles() {
+  find "${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx}" -type f -newer "$MARK" -printf '%T@ %s %p\n' 2>/dev/null | sort -n \
+    > "$FINAL/ptx-compiles.txt"
+}
 [ "${LAYER_TIMES:-0}" = 1 ] && export SPEC_CACHE_LAYER_TIMES=$WORKOUT/layers
 if [ "$PART" = probe ]; then
   PY=${PY:-python3}
@@ -47,6 +55,7 @@ if [ "$PART" = probe ]; then
   fi
   timeout "${DEADLINE:-300}" $PY tools/device/attention_probe.py --model ${WORK:-/tmp/serve-8b}/model \
     --json "$FINAL/probe.json" ${PROBE_ARGS:-} 2>&1 | tee "$FINAL/probe.log"
+  compiles
   exit 0
 fi
 if [ "$PART" = chat ]; then
@@ -89,4 +98,5 @@ largest=$(ls -S "$WORKOUT"/trace.*.jsonl 2>/dev/null | head -1)
   trace.*.jsonl $(ls layers.*.jsonl 2>/dev/null) 2>/dev/null)
 log=$(ls "$WORKOUT"/logs/*serve* 2>/dev/null | head -1)
 [ -n "$log" ] && tail -c 16000 "$log" > "$FINAL/serve-log-tail.txt"
+compiles
 ls -la "$FINAL"

@@ -9,7 +9,8 @@ and one ``first`` line per job's first token
 (``queue_ms``, ``ttft_ms``, ``cached``, ``prompt``; ``http_ms``: from the HTTP request's start to its submit, where
 a route set ``Job.received``; ``ttft_ms`` counts from the submit). The file is ``<prefix>.<pid>.jsonl``, buffered
 and flushed every ``FLUSH_EVERY`` lines and at shutdown. /metrics keeps the aggregate stage histograms; this keeps
-the order.
+the order. The first line, ``began_unix`` (the wall clock at ``t`` 0), places the trace beside other clocks: the
+files MLX's CUDA backend writes to its kernel cache as it compiles (``tools/diag/trace_summary.py --compiles``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class SchedulerTrace:
         self._file = open(self.path, "a", encoding="utf-8")
         self._lines: list[str] = []
         self.began = time.perf_counter()
+        self._lines.append(json.dumps({"began_unix": round(time.time(), 6), "t": 0.0}, separators=(",", ":")))
 
     def record(self, **fields) -> None:
         fields["t"] = round(time.perf_counter() - self.began, 6)
