@@ -194,7 +194,7 @@ def pipelines_by_default() -> bool:
 GPU_PREFILL_STEP = 2048
 CPU_PREFILL_STEP = 512
 #: new tokens of short rows that join one step on a GPU (``join_budget_by_default``)
-GPU_JOIN_BUDGET = 512
+GPU_JOIN_BUDGET = 1280
 
 
 def prefill_step_by_default() -> int:
@@ -210,12 +210,17 @@ def prefill_step_by_default() -> int:
 def join_budget_by_default(prefill_step_size: int) -> int:
     """New tokens of the short rows (a warm turn's tail: one prefill chunk at most) that join a decoding batch in
     one step, the first always joining: a step's token budget, as vLLM's scheduler has one. On a GPU,
-    ``GPU_JOIN_BUDGET`` (512, at most a chunk): below a few hundred tokens a forward is bound by reading the
+    ``GPU_JOIN_BUDGET`` (1280, at most a chunk): below a few hundred tokens a forward is bound by reading the
     weights (a bf16 model on an H100/H200 reaches its compute roof at ~300 tokens a forward: ~990 TFLOP/s over
     ~3.4 TB/s, 2 FLOPs a weight a token), so several short prefills in one step cost little more than one; above,
-    a forward's time grows with its tokens, and forwarding several warm turns together only makes the first wait
-    for the others (issue 35, H100, 8B-shaped: three ~570-token turns took 385 ms in one step, one alone 130-167
-    ms; at 2048 four chat turns came out together at ~585 ms each, where one a step gives ~150, 300, 450, 600). On
+    a forward's time grows with its tokens, and forwarding several warm turns together makes the first wait for
+    the others (issue 35, H100, 8B-shaped: three ~570-token turns took 385 ms in one step, one alone 130-167 ms;
+    at 2048 four chat turns came out together at ~585 ms each, where one a step gives ~150, 300, 450, 600). But
+    every step that joins rows stalls the decoding ones, merges the batch's caches and discards the round queued
+    ahead: at 512 the tool's ~545-token chat turns joined one a step and the decoding rows paid for it (4 clients:
+    tokens/s 0.97x mlx_lm.server's on an H200 at d49a463, 0.77x on an H100 at df96b45), where 1280 (two such
+    turns a step) read 1.29x at a warm TTFT of 1.25x in the same H100 session (2048 on an H100 before:
+    1.34x / 1.22x); ``docs/bench-gpu.md``. On
     the CPU, none beyond the first: a forward's cost grows with its tokens whatever the batch (four chat turns
     arriving within ~16 ms of each other at 4 clients on the 2-core VM: ~80 ms to the first token each, against
     ~20, 40, 60, 80 ms one a step)."""

@@ -157,8 +157,9 @@ def test_the_room_counts_only_what_the_memory_tier_lacks(scheduler, monkeypatch)
     assert warm.tokens == plain_greedy(generator.engine.target, prompt + [5, 6], 2)
 
 
-def test_a_gpu_joins_at_most_512_new_tokens_a_step(monkeypatch):
-    """The join budget on a GPU is the compute roof's few hundred tokens, at most a prefill chunk; none on the CPU."""
+def test_a_gpu_joins_at_most_1280_new_tokens_a_step(monkeypatch):
+    """The join budget on a GPU is two chat turns' worth (``join_budget_by_default``), at most a prefill chunk;
+    none on the CPU."""
     import mlx.core as mx
 
     from spec_cache.decode import engine as engine_module
@@ -166,7 +167,8 @@ def test_a_gpu_joins_at_most_512_new_tokens_a_step(monkeypatch):
     class _Device:
         type = mx.DeviceType.gpu
     monkeypatch.setattr(engine_module.mx, "default_device", lambda: _Device())
-    assert join_budget_by_default(2048) == GPU_JOIN_BUDGET == 512
+    assert join_budget_by_default(2048) == GPU_JOIN_BUDGET == 1280
+    assert join_budget_by_default(1024) == 1024
     assert join_budget_by_default(256) == 256
     monkeypatch.undo()
     if mx.default_device().type == mx.DeviceType.cpu:

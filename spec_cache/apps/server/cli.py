@@ -119,7 +119,7 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
                              "rows through between them)")
     parser.add_argument("--join-budget", type=non_negative_int, default=None, metavar="N",
                         help="new tokens of warm turns (each at most a prefill chunk) that prefill together in one "
-                             "step, the first always joining (default: 512 on a GPU, at most a chunk; 0 on the "
+                             "step, the first always joining (default: 1280 on a GPU, at most a chunk; 0 on the "
                              "CPU). Larger: fewer steps that stall the decoding rows, each arrival waiting for the "
                              "others; capped at --prefill-step-size")
     parser.add_argument("--arrival-wait-ms", type=non_negative_int, default=None, metavar="MS",
