@@ -10,10 +10,11 @@ slower than plain decoding in a benchmark.
 
 :func:`warm_up` runs the engine itself (so its batched masks, verify windows and drafter forwards are the ones
 compiled) on throwaway requests: prompts whose lengths cover the token-count classes up to the prefill step, each
-draft depth from 1 to the engine's, batches of 1 to 8 rows, and rows leaving a batch one at a time over prompts
-longer than a prefill chunk; on a GPU also the target's attention alone at key lengths up to 32k
-(:func:`warm_attention`), which short prompts never reach. It writes nothing to any cache (no checkpoint
-hook) and uses its own engine objects (the adaptive controller's measurements stay clean). Tokens are a fixed
+draft depth from 1 to the engine's, batches of 1 to 8 rows, rows leaving a batch one at a time over prompts
+longer than a prefill chunk, and rows joining a batch that decodes over such a prompt; on a GPU also the
+target's attention alone at key lengths up to 32k (:func:`warm_attention`), which short prompts never reach. It
+writes nothing to any cache (no checkpoint hook) and uses its own engine objects (the adaptive controller's
+measurements stay clean). Tokens are a fixed
 repeating pattern, so a prompt-lookup drafter drafts. ``spec-cache serve --warmup auto`` (the default) runs it
 before the server reports ready when MLX's default device is a GPU; on the CPU backend there is nothing to compile
 and it is skipped.
@@ -106,6 +107,28 @@ def wanted(engine) -> bool:
     return mx.default_device() == mx.gpu
 
 
+def _joining(engine, long: int, vocab: int, rows: int) -> None:
+    """One row decodes over ``long`` + 1 tokens; a longer row joins it chunk by chunk, then short rows join whole
+    (the batch's caches merged, each new batch size's rounds over a long context, rows leaving one by one): issue
+    35's H100 chat run met kernels here first, in rounds of 226-978 ms right after rows joined or left, where a
+    round takes ~20 ms. Nothing is written (no checkpoint hook)."""
+    from spec_cache.decode.engine import RowRequest
+
+    session = engine.session()
+    try:
+        session.submit(RowRequest(_pattern(long + 1, vocab), max_tokens=8, stop_at_eos=False))
+        session.step()
+        session.submit(RowRequest(_pattern(long + 40, vocab), max_tokens=3, stop_at_eos=False))
+        session.step()
+        for r in range(rows - 2):
+            session.submit(RowRequest(_pattern(24 + r, vocab), max_tokens=2, stop_at_eos=False))
+        for _ in range(64):  # bounded: a few prefill chunks and at most 8 rounds
+            if not session.step():
+                break
+    finally:
+        session.close()
+
+
 def _pattern(length: int, vocab: int) -> list[int]:
     """``length`` tokens repeating a 7-token cycle of ids well inside the vocabulary (ngram drafts on repeats)."""
     span = max(2, min(vocab - 1, 1000))
@@ -162,6 +185,13 @@ def warm_up(engine, *, lengths: Sequence[int] | None = None, batches: Sequence[i
     widest, long = max(counts), step + 1
     timed(f"{widest} rows leaving, {long + 1} tokens", plain,
           [RowRequest(_pattern(long + 1 + r, vocab), max_tokens=2 + r, stop_at_eos=False) for r in range(widest)])
+    if cap > 1:  # rows joining a batch that decodes over a long context, as a server's next turns do
+        plain.join_budget = engine.join_budget
+        started = time.perf_counter()
+        _joining(plain, long, vocab, min(3, cap))
+        record(f"rows joining {long + 1} tokens", time.perf_counter() - started)
+        if progress is not None:
+            progress(f"warm-up rows joining {long + 1} tokens: {report.timings[-1][1] * 1000:.0f} ms")
     if wanted(engine):  # a GPU's long contexts: the attention alone (it reports its own progress)
         for label, took in warm_attention(target, step, progress=progress):
             record(label, took)

@@ -38,8 +38,9 @@ def test_warm_up_covers_every_class_and_writes_nothing(models, tmp_path):
                              prefill_step_size=64)
         report = warmup.warm_up(gen.engine)
         labels = [label for label, _ in report.timings]
-        assert [f"prompt {n + 1}" for n in warmup.BASE_LENGTHS if n <= 64] == labels[:len(labels) - 8 - 1 - 6]
+        assert [f"prompt {n + 1}" for n in warmup.BASE_LENGTHS if n <= 64] == labels[:len(labels) - 8 - 1 - 1 - 6]
         assert {f"{r} rows" for r in range(1, 9)} <= set(labels) and "8 rows leaving, 66 tokens" in labels
+        assert "rows joining 66 tokens" in labels
         assert {f"depth {d}, {r} rows" for d in (1, 2, 3) for r in (1, 2)} <= set(labels)
         assert report.runs == len(labels) and report.seconds > 0 and report.slowest[0] in labels
         assert cache.drain()
@@ -58,7 +59,32 @@ def test_warm_up_respects_max_rows_and_plain_engines(models):
     engine = SpeculativeEngine(TargetModel.load(target), None, 0, max_rows=2, prefill_step_size=16)
     report = warmup.warm_up(engine, lengths=[1, 5])
     assert [label for label, _ in report.timings] == ["prompt 2", "prompt 6", "1 rows", "2 rows",
-                                                      "2 rows leaving, 18 tokens"]
+                                                      "2 rows leaving, 18 tokens", "rows joining 18 tokens"]
+    one = SpeculativeEngine(TargetModel.load(target), None, 0, max_rows=1, prefill_step_size=16)
+    assert "rows joining 18 tokens" not in [label for label, _ in warmup.warm_up(one, lengths=[1]).timings]
+
+
+def test_the_joining_case_joins_rows_to_a_decoding_batch_over_a_long_context(models, monkeypatch):
+    """``_joining``: a long row joins chunk by chunk and short rows join whole while a row decodes over more than a
+    prefill chunk (the merges and batch sizes a server meets at its next turns), within the engine's join budget."""
+    from spec_cache.decode import engine as engine_module
+    from spec_cache.decode.engine import SpeculativeEngine
+    from spec_cache.rows.target import TargetModel
+
+    target, _ = models
+    engine = SpeculativeEngine(TargetModel.load(target), None, 0, max_rows=4, prefill_step_size=32)
+    joined = []
+    admit = engine_module.DecodeSession._admit
+
+    def watched(self, cohort):
+        joined.append((len(self.active), [len(row.request.prompt) for row in cohort]))
+        return admit(self, cohort)
+
+    monkeypatch.setattr(engine_module.DecodeSession, "_admit", watched)
+    warmup._joining(engine, 33, 1000, 3)  # as warm_up calls it: long = the prefill step + 1
+    assert joined[0] == (0, [34])  # the first row, alone
+    assert (1, [73]) in joined  # a longer row, admitted while the first decodes (it joins by chunks)
+    assert any(active >= 1 and lengths == [24] for active, lengths in joined)  # a short row, whole
 
 
 def test_the_long_context_attention_runs_each_route_within_the_model_context(models, monkeypatch):
