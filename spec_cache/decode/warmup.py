@@ -14,10 +14,9 @@ draft depth from 1 to the engine's, batches of 1 to 8 rows, rows leaving a batch
 longer than a prefill chunk, and rows joining a batch that decodes over such a prompt; on a GPU also the
 target's attention alone at key lengths up to 32k (:func:`warm_attention`), which short prompts never reach. It
 writes nothing to any cache (no checkpoint hook) and uses its own engine objects (the adaptive controller's
-measurements stay clean). Tokens are a fixed
-repeating pattern, so a prompt-lookup drafter drafts. ``spec-cache serve --warmup auto`` (the default) runs it
-before the server reports ready when MLX's default device is a GPU; on the CPU backend there is nothing to compile
-and it is skipped.
+measurements stay clean). Tokens are a fixed repeating pattern, so a prompt-lookup drafter drafts. ``spec-cache
+serve --warmup auto`` (the default) runs it before the server reports ready when MLX's default device is a GPU; on
+the CPU backend there is nothing to compile and it is skipped.
 """
 
 from __future__ import annotations
