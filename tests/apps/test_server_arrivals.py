@@ -113,18 +113,22 @@ def test_nothing_arriving_means_no_wait(scheduler, monkeypatch):
     assert sched.arrival_waits == 0
 
 
-def test_a_job_that_fills_the_join_budget_alone_is_not_held(scheduler, monkeypatch):
-    """A prefill of at least ``join_budget`` new tokens is bound by compute: a row joining its step only makes both
-    wait, so it is admitted at once though a request is arriving (issue 35, H100 agent run at 2 clients)."""
+@pytest.mark.parametrize("long_words", [30, 22])  # 70 new tokens (past the budget), 62 (more than half of it)
+def test_a_job_that_leaves_no_room_for_a_partner_like_it_is_not_held(scheduler, monkeypatch, long_words):
+    """A job is held for arriving requests only while a partner of its own size would fit its step's
+    ``join_budget``: past that it prefills alone whatever arrives (past the budget itself a prefill is bound by
+    compute and a partner only makes both wait; issue 35, H100 agent run at 2 clients), so it is admitted at once
+    though a request is arriving; one of at most half the budget is held."""
     sched, generator = scheduler
     monkeypatch.setattr(sched, "coalesce_s", 30.0)
-    monkeypatch.setattr(generator.engine, "join_budget", 64)
+    monkeypatch.setattr(generator.engine, "join_budget", 120)
     arrival = sched.arrival()
     try:
         long, short = Events(), Events()
-        sched.submit(Job(prompt=_prompt(30), max_tokens=2, sampling=RowSampling(), deliver=long))  # 70 new tokens
+        prompt = _prompt(long_words)
+        sched.submit(Job(prompt=prompt, max_tokens=2, sampling=RowSampling(), deliver=long))
         assert long.done.wait(20) and sched.arrival_waits == 0
-        assert long.tokens == plain_greedy(generator.engine.target, _prompt(30), 2)
+        assert long.tokens == plain_greedy(generator.engine.target, prompt, 2)
         sched.submit(Job(prompt=_prompt(6), max_tokens=2, sampling=RowSampling(), deliver=short))  # 46: room left
         time.sleep(0.3)
         assert not _started(short) and sched.arrival_waits == 1

@@ -776,16 +776,18 @@ class Scheduler:
         return True
 
     def _leaves_room(self, job: Job) -> bool:
-        """Whether rows arriving could join ``job``'s prefill step: its new tokens (the prompt less what the memory
-        tier holds of it) under the engine's ``join_budget``. A prefill that fills the budget alone is bound by
-        compute, so a row joining it only makes both wait for the other: holding such a job delays it and gains
-        nothing (issue 35, H100 agent run at 2 clients, b393693: both sessions' ~600-1300-token turns held and
-        prefilled together, warm-turn TTFT p50 787 ms where the sessions one after the other had read 470). Read once
-        a job (a memory-tier probe, no restore)."""
+        """Whether a row arriving could join ``job``'s prefill step: a partner of the job's own size would fit beside
+        it in the engine's ``join_budget`` (twice its new tokens, the prompt less what the memory tier holds of it,
+        within the budget). A job past that prefills alone whatever arrives (the step's budget has no room left
+        for a partner like it; past the budget itself the prefill is bound by compute and a partner only makes both
+        wait): holding it delays it and gains nothing (issue 35, H100 agent run at 2 clients, b393693: both
+        sessions' ~600-1300-token turns held and prefilled together, warm-turn TTFT p50 787 ms where the sessions
+        one after the other had read 470). With the GPU budget of 1280 the tool's ~545-token chat turns are held
+        in pairs and most agent turns are not. Read once a job (a memory-tier probe, no restore)."""
         if job.room is None:
             budget = getattr(self.generator.engine, "join_budget", 0)
             new = len(job.prompt) - self.held_prefix(job.tenant, job.prompt)
-            job.room = new < budget
+            job.room = 2 * new <= budget
         return job.room
 
     def _hold_left(self) -> float:
