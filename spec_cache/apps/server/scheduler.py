@@ -293,8 +293,8 @@ class Arrival:
     requests 167 ms to its first token, the other three 173-179 ms in the queue, then 385 ms together). A new job
     therefore waits while requests are arriving, at most ``Scheduler.coalesce_s``, and the prefills run as one
     step; only where rows prefill together in one step (a GPU: ``engine.join_budget``), so 0 on the CPU, and only a
-    job whose new tokens leave room in that budget (``Scheduler._leaves_room``): a longer prefill is bound by
-    compute, and the rows then go one a step."""
+    job that leaves room in that budget for a partner of its own size (``Scheduler._leaves_room``): a longer one
+    prefills alone whatever arrives, and the rows then go one a step."""
 
     __slots__ = ("_scheduler", "_open")
 
