@@ -157,18 +157,23 @@ def warm_up(engine, *, lengths: Sequence[int] | None = None, batches: Sequence[i
         if took > report.slowest[1]:
             report.slowest = (label, took)
 
-    def timed(label: str, runner: SpeculativeEngine, requests: list) -> None:
+    def measured(label: str, work: Callable[[], object]) -> None:
         started = time.perf_counter()
-        runner.run(requests)
+        work()
         took = time.perf_counter() - started
         record(label, took)
         if progress is not None:
             progress(f"warm-up {label}: {took * 1000:.0f} ms")
 
+    def timed(label: str, runner: SpeculativeEngine, requests: list) -> None:
+        measured(label, lambda: runner.run(requests))
+
     def fresh(depth: int) -> SpeculativeEngine:
-        return SpeculativeEngine(target, engine.provider if depth else None, depth, engine.kv,
+        made = SpeculativeEngine(target, engine.provider if depth else None, depth, engine.kv,
                                  max_rows=engine.max_rows, prefill_step_size=step, adaptive=False,
                                  pipeline=engine.pipeline)
+        made.join_budget = engine.join_budget  # the server's (``--join-budget``), as rows join its batches
+        return made
 
     plain = fresh(0)
     for length in lengths:  # prefill classes (the row forwards length - 1 prompt tokens, then decodes)
@@ -185,12 +190,7 @@ def warm_up(engine, *, lengths: Sequence[int] | None = None, batches: Sequence[i
     timed(f"{widest} rows leaving, {long + 1} tokens", plain,
           [RowRequest(_pattern(long + 1 + r, vocab), max_tokens=2 + r, stop_at_eos=False) for r in range(widest)])
     if cap > 1:  # rows joining a batch that decodes over a long context, as a server's next turns do
-        plain.join_budget = engine.join_budget
-        started = time.perf_counter()
-        _joining(plain, long, vocab, min(3, cap))
-        record(f"rows joining {long + 1} tokens", time.perf_counter() - started)
-        if progress is not None:
-            progress(f"warm-up rows joining {long + 1} tokens: {report.timings[-1][1] * 1000:.0f} ms")
+        measured(f"rows joining {long + 1} tokens", lambda: _joining(plain, long, vocab, min(3, cap)))
     if wanted(engine):  # a GPU's long contexts: the attention alone (it reports its own progress)
         for label, took in warm_attention(target, step, progress=progress):
             record(label, took)
