@@ -464,8 +464,11 @@ def test_overload_answers_429_and_sigterm_drains(model, reference, tmp_path):
     srv = Server(target, tmp_path / "store", tmp_path, "--max-rows", "1", "--max-queue", "1", keys=())
     try:
         statuses = []
+        together = threading.Barrier(6)  # the six requests leave at once (a loaded machine staggered the threads:
+        # each request was answered before the next one came, and none met a full queue)
 
         def post():
+            together.wait(30)
             r = httpx.post(srv.url + "/v1/completions", timeout=60,
                            json={"model": "tiny", "prompt": list(range(3, 30)), "max_tokens": 80, "temperature": 0})
             statuses.append(r.status_code)
